@@ -1,0 +1,16 @@
+"""C{python -m kcoral}: the C{kcoral} command."""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Dispatch C{kcoral <subcommand>}."""
+    from kcoral.server.cli import main as cli_main
+
+    return cli_main(sys.argv[1:] if argv is None else argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,273 @@
+# -*- test-case-name: tests.unit.test_config -*-
+"""
+The server's configuration: one frozen, validated L{ServerConfig} value.
+
+Field names and Python defaults follow the reference server's
+C{ServerConfig} verbatim, because they also appear in the C{server_started}
+log record.  Unlike the reference, values are checked when the object is
+built, so a bad configuration fails before any service starts.
+
+Nothing here imports Twisted; the command line (L{kcoral.server.tap}) turns
+flags and environment variables into a L{ServerConfig}, and the Python API
+(C{create_app(ServerConfig(...))}) builds one directly.  Change a value with
+C{attrs.evolve(config, field=value)}.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+from attrs import field
+from attrs.validators import instance_of
+
+__all__ = [
+    "DEVICES",
+    "SANDBOXES",
+    "TENSOR_APIS",
+    "ServerConfig",
+    "default_disk_cache_dir",
+]
+
+#: Accepted values of L{ServerConfig.device}.
+DEVICES = ("cpu", "gpu")
+
+#: Accepted values of L{ServerConfig.sandbox}.
+SANDBOXES = ("none", "bubblewrap")
+
+#: Accepted values of L{ServerConfig.tensor_api}.
+TENSOR_APIS = ("auto", "torch", "pycuda")
+
+_KIB = 1024
+_MIB = 1024**2
+_GIB = 1024**3
+
+
+def default_disk_cache_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """
+    Compute the default directory of the disk file cache (the XDG rule).
+
+    It is C{$XDG_CACHE_HOME/kcoral/files} when C{XDG_CACHE_HOME} is an
+    absolute path, and C{~/.cache/kcoral/files} otherwise (unset, empty or
+    relative), with C{~} expanded.
+
+    @param environ: the environment to read; L{os.environ} when C{None}.
+    @return: an absolute path.
+    """
+    env = os.environ if environ is None else environ
+    xdg = env.get("XDG_CACHE_HOME", "")
+    if xdg and os.path.isabs(xdg):
+        base = Path(xdg)
+    else:
+        home = env.get("HOME")
+        base = (Path(home) if home else Path.home()) / ".cache"
+    return (base / "kcoral" / "files").expanduser().absolute()
+
+
+def _default_disk_cache_dir() -> Path | None:
+    return default_disk_cache_dir()
+
+
+def _to_gpus(value: Iterable[int]) -> tuple[int, ...]:
+    if isinstance(value, int):
+        return (value,)
+    return tuple(value)
+
+
+def _to_float(value: Any) -> Any:
+    # Keep timeouts floats in the log record; bad types are left for the
+    # validator to report by field name.
+    if isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def _to_optional_path(value: str | os.PathLike[str] | None) -> Path | None:
+    if value is None:
+        return None
+    return Path(value)
+
+
+def _to_paths(value: Iterable[str | os.PathLike[str]]) -> tuple[Path, ...]:
+    if isinstance(value, (str, os.PathLike)):
+        return (Path(value),)
+    return tuple(Path(p) for p in value)
+
+
+def _strict_int(instance: Any, attribute: attrs.Attribute[Any], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{attribute.name} must be an integer, got {value!r}")
+
+
+def _number(instance: Any, attribute: attrs.Attribute[Any], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{attribute.name} must be a number, got {value!r}")
+
+
+def _non_negative(instance: Any, attribute: attrs.Attribute[Any], value: int | float) -> None:
+    if value < 0:
+        raise ValueError(f"{attribute.name} must be non-negative, got {value!r}")
+
+
+def _positive(instance: Any, attribute: attrs.Attribute[Any], value: int | float) -> None:
+    if value <= 0:
+        raise ValueError(f"{attribute.name} must be positive, got {value!r}")
+
+
+def _at_least_one(instance: Any, attribute: attrs.Attribute[Any], value: int) -> None:
+    if value < 1:
+        raise ValueError(f"{attribute.name} must be at least 1, got {value!r}")
+
+
+def _choice(*choices: str) -> Any:
+    quoted = " or ".join(repr(c) for c in choices) if len(choices) == 2 else None
+
+    def validate(instance: Any, attribute: attrs.Attribute[Any], value: object) -> None:
+        if value not in choices:
+            allowed = quoted or "one of " + ", ".join(repr(c) for c in choices)
+            raise ValueError(f"{attribute.name} must be {allowed}, got {value!r}")
+
+    return validate
+
+
+def _gpu_ids(instance: Any, attribute: attrs.Attribute[Any], value: tuple[int, ...]) -> None:
+    for gpu in value:
+        if isinstance(gpu, bool) or not isinstance(gpu, int):
+            raise ValueError(f"gpus must contain integers, got {gpu!r}")
+        if gpu < 0:
+            raise ValueError(f"gpus must not contain negative ids, got {gpu!r}")
+
+
+_INT = [_strict_int, _non_negative]
+_FLOAT_POSITIVE = [_number, _positive]
+_FLOAT_NON_NEGATIVE = [_number, _non_negative]
+
+
+@attrs.frozen(kw_only=True)
+class ServerConfig:
+    """
+    Everything the server needs besides the address it listens on.
+
+    Build it with keywords; every field has the reference server's Python
+    default.  Invalid values raise L{ValueError} naming the field.
+
+    @ivar gpus: physical GPU ids (NVML order) that GPU workers are pinned to;
+        ignored in CPU mode.  Stored as a tuple.
+    @ivar log_dir: directory for run logs and saved programs; C{None}
+        disables file logging.
+    @ivar log_console: mirror log events to the console.
+    @ivar log_programs: save each accepted program under the run directory.
+    @ivar cache_capacity_bytes: memory blob cache capacity.
+    @ivar disk_cache_dir: disk file cache directory; C{None} disables it.
+    @ivar disk_cache_capacity_mbytes: disk file cache capacity in MiB;
+        C{0} disables it.
+    @ivar default_timeout_seconds: execution budget when a request has none.
+    @ivar max_timeout_seconds: upper bound for any execution budget.
+    @ivar worker_wait_timeout_seconds: how long a request waits for an idle
+        worker before a 503; C{0} fails at once when none is idle.
+    @ivar workers_per_gpu: workers per GPU in GPU mode.
+    @ivar max_requests_per_worker: requests a worker serves before it is
+        replaced; C{0} reuses workers without limit.
+    @ivar sandbox: C{"bubblewrap"} or C{"none"}.
+    @ivar sandbox_readonly_paths: extra read-only mounts inside the sandbox.
+    @ivar worker_termination_grace_seconds: SIGTERM to SIGKILL window.
+    @ivar max_request_bytes: largest accepted request body.
+    @ivar max_response_bytes: largest response body.
+    @ivar output_limit_bytes: default per-stream stdout/stderr capture.
+    @ivar max_output_limit_bytes: upper bound for a requested capture.
+    @ivar device: C{"gpu"} or C{"cpu"}.
+    @ivar num_workers: number of workers in CPU mode.
+    @ivar tensor_api: what Python functions in GPU workers receive as
+        tensors: C{"auto"}, C{"torch"} or C{"pycuda"}.
+    """
+
+    gpus: tuple[int, ...] = field(default=(0,), converter=_to_gpus, validator=_gpu_ids)
+    log_dir: Path | None = field(default=None, converter=_to_optional_path)
+    log_console: bool = field(default=True, validator=instance_of(bool))
+    log_programs: bool = field(default=True, validator=instance_of(bool))
+    cache_capacity_bytes: int = field(default=16 * _GIB, validator=_INT)
+    disk_cache_dir: Path | None = field(
+        factory=_default_disk_cache_dir, converter=_to_optional_path
+    )
+    disk_cache_capacity_mbytes: int = field(default=16 * _KIB, validator=_INT)
+    default_timeout_seconds: float = field(
+        default=300.0, converter=_to_float, validator=_FLOAT_POSITIVE
+    )
+    max_timeout_seconds: float = field(
+        default=900.0, converter=_to_float, validator=_FLOAT_POSITIVE
+    )
+    worker_wait_timeout_seconds: float = field(
+        default=1800.0, converter=_to_float, validator=_FLOAT_NON_NEGATIVE
+    )
+    workers_per_gpu: int = field(default=8, validator=[_strict_int, _at_least_one])
+    max_requests_per_worker: int = field(default=1, validator=_INT)
+    sandbox: str = field(default="bubblewrap", validator=_choice(*SANDBOXES))
+    sandbox_readonly_paths: tuple[Path, ...] = field(default=(), converter=_to_paths)
+    worker_termination_grace_seconds: float = field(
+        default=5.0, converter=_to_float, validator=_FLOAT_NON_NEGATIVE
+    )
+    max_request_bytes: int = field(default=256 * _MIB, validator=_INT)
+    max_response_bytes: int = field(default=256 * _MIB, validator=_INT)
+    output_limit_bytes: int = field(default=_MIB, validator=_INT)
+    max_output_limit_bytes: int = field(default=16 * _MIB, validator=_INT)
+    device: str = field(default="gpu", validator=_choice(*DEVICES))
+    num_workers: int = field(default=1, validator=[_strict_int, _at_least_one])
+    tensor_api: str = field(default="auto", validator=_choice(*TENSOR_APIS))
+
+    def __attrs_post_init__(self) -> None:
+        """Check the rules that involve more than one field."""
+        if self.device == "gpu" and not self.gpus:
+            raise ValueError("gpus must name at least one GPU in GPU mode")
+        if self.default_timeout_seconds > self.max_timeout_seconds:
+            raise ValueError(
+                "default_timeout_seconds must not exceed max_timeout_seconds, got "
+                f"{self.default_timeout_seconds!r} > {self.max_timeout_seconds!r}"
+            )
+        if self.sandbox_readonly_paths and self.sandbox != "bubblewrap":
+            raise ValueError("sandbox_readonly_paths requires sandbox='bubblewrap'")
+
+    @property
+    def cpu_mode(self) -> bool:
+        """C{True} when workers compile on the CPU and never touch a GPU."""
+        return self.device == "cpu"
+
+    @property
+    def distinct_gpus(self) -> tuple[int, ...]:
+        """
+        The GPU ids in C{gpus} order without duplicates; empty in CPU mode.
+        """
+        if self.cpu_mode:
+            return ()
+        return tuple(dict.fromkeys(self.gpus))
+
+    def worker_ids(self) -> list[str]:
+        """
+        Name every worker seat, in start order.
+
+        GPU mode: C{gpu<id>/w<index>} for each id in C{gpus} order and each
+        index below C{workers_per_gpu}.  CPU mode: C{cpu/w<index>} for each
+        index below C{num_workers}.  A seat's name survives the replacement
+        of the process occupying it.
+        """
+        if self.cpu_mode:
+            return [f"cpu/w{i}" for i in range(self.num_workers)]
+        return [f"gpu{gpu}/w{i}" for gpu in self.distinct_gpus for i in range(self.workers_per_gpu)]
+
+    def as_log_dict(self) -> dict[str, Any]:
+        """
+        Every field as a JSON-ready value for the C{server_started} event.
+
+        Paths become strings and tuples become lists.
+        """
+
+        def plain(value: Any) -> Any:
+            if isinstance(value, Path):
+                return str(value)
+            if isinstance(value, tuple):
+                return [plain(v) for v in value]
+            return value
+
+        return {a.name: plain(getattr(self, a.name)) for a in attrs.fields(ServerConfig)}

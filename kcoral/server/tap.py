@@ -1,0 +1,427 @@
+# -*- test-case-name: tests.unit.test_tap -*-
+"""
+The C{kcoral} twistd plugin's options and service maker.
+
+C{twistd -n kcoral [options]} and C{kcoral server [options]} both parse their
+options with L{Options}, so the two accept exactly the same flags.  Parsing
+applies the precedence I{command-line flag > environment variable > built-in
+default}, runs the checks of the reference command line with its messages,
+and leaves two results on the options object:
+
+  - C{options.config}: the validated L{ServerConfig};
+  - C{options.endpoint}: a server endpoint description for
+    L{twisted.application.strports.service}, such as
+    C{tcp:port=8000:interface=127.0.0.1}.
+
+L{makeService} hands both to L{kcoral.server.service.makeService}, which
+builds the root service.  Nothing here starts a reactor, binds a port or
+spawns a process.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from twisted.internet.endpoints import quoteStringArgument
+from twisted.python import usage
+
+from kcoral.config import DEVICES, SANDBOXES, TENSOR_APIS, ServerConfig, default_disk_cache_dir
+
+if TYPE_CHECKING:
+    from twisted.application.service import IService
+
+__all__ = ["ENV_VARS", "Options", "endpoint_description", "makeService"]
+
+#: Options whose default comes from an environment variable when it is set.
+ENV_VARS: Mapping[str, str] = {
+    "host": "KCORAL_SERVER_HOST",
+    "port": "KCORAL_SERVER_PORT",
+    "device": "KCORAL_SERVER_DEVICE",
+    "gpus": "KCORAL_SERVER_GPUS",
+    "log-dir": "KCORAL_LOG_DIR",
+}
+
+_DEFAULTS = ServerConfig(disk_cache_dir=None)
+
+
+def _integer(flag: str) -> Callable[[str], int]:
+    def coerce(value: str) -> int:
+        try:
+            return int(value)
+        except ValueError:
+            raise usage.UsageError(f"--{flag} must be an integer, got {value!r}") from None
+
+    return coerce
+
+
+def _number(flag: str) -> Callable[[str], float]:
+    def coerce(value: str) -> float:
+        try:
+            result = float(value)
+        except ValueError:
+            raise usage.UsageError(f"--{flag} must be a number, got {value!r}") from None
+        if not math.isfinite(result):
+            raise usage.UsageError(f"--{flag} must be a finite number, got {value!r}")
+        return result
+
+    return coerce
+
+
+def _int_param(flag: str, default: int, doc: str) -> list[Any]:
+    return [flag, None, default, doc, _integer(flag)]
+
+
+def _float_param(flag: str, default: float, doc: str) -> list[Any]:
+    return [flag, None, default, doc, _number(flag)]
+
+
+def _choices(values: Sequence[str]) -> str:
+    return "|".join(values)
+
+
+#: ServerConfig field name -> the flag that sets it, for error messages.
+_FIELD_FLAGS: Mapping[str, str] = {
+    "gpus": "gpus",
+    "log_dir": "log-dir",
+    "cache_capacity_bytes": "cache-capacity-bytes",
+    "disk_cache_dir": "disk-cache-dir",
+    "disk_cache_capacity_mbytes": "disk-cache-capacity-mbytes",
+    "default_timeout_seconds": "default-timeout-seconds",
+    "max_timeout_seconds": "max-timeout-seconds",
+    "worker_wait_timeout_seconds": "worker-wait-timeout-seconds",
+    "workers_per_gpu": "workers-per-gpu",
+    "max_requests_per_worker": "max-requests-per-worker",
+    "sandbox": "sandbox",
+    "sandbox_readonly_paths": "sandbox-readonly-path",
+    "worker_termination_grace_seconds": "worker-termination-grace-seconds",
+    "max_request_bytes": "max-request-bytes",
+    "max_response_bytes": "max-response-bytes",
+    "output_limit_bytes": "output-limit-bytes",
+    "max_output_limit_bytes": "max-output-limit-bytes",
+    "device": "device",
+    "num_workers": "num-workers",
+    "tensor_api": "tensor-api",
+}
+
+_FIELD_RE = re.compile(r"\b(" + "|".join(_FIELD_FLAGS) + r")\b(?![=_])")
+
+
+def _flag_message(message: str) -> str:
+    """Name flags rather than L{ServerConfig} fields in an error message."""
+    return _FIELD_RE.sub(lambda m: "--" + _FIELD_FLAGS[m.group(1)], message)
+
+
+class Options(usage.Options):
+    """
+    Options of C{twistd kcoral} and C{kcoral server}.
+
+    @ivar config: the L{ServerConfig} built by L{postOptions}.
+    @ivar endpoint: the strports description of the HTTP listening port,
+        built by L{postOptions}.
+    """
+
+    longdesc = (
+        "Run a KCoral-compatible server: HTTP on --host/--port, GPU workers "
+        "(--device gpu) or CUDA C compile workers (--device cpu). A flag given "
+        "on the command line beats its environment variable ("
+        + ", ".join(f"{v} for --{k}" for k, v in ENV_VARS.items())
+        + "), which beats the built-in default."
+    )
+
+    optFlags = [
+        [
+            "no-log-console",
+            None,
+            "Do not mirror log events to the console. [default: mirroring on]",
+        ],
+        [
+            "no-log-programs",
+            None,
+            "Do not save accepted programs under the run directory. [default: programs saved]",
+        ],
+    ]
+
+    optParameters = [
+        ["host", None, "127.0.0.1", "Address the HTTP server binds (env KCORAL_SERVER_HOST)."],
+        _int_param("port", 8000, "TCP port of the HTTP server, 1-65535 (env KCORAL_SERVER_PORT)."),
+        [
+            "device",
+            None,
+            _DEFAULTS.device,
+            f"Worker kind, {_choices(DEVICES)} (env KCORAL_SERVER_DEVICE).",
+        ],
+        [
+            "gpus",
+            None,
+            ",".join(str(g) for g in _DEFAULTS.gpus),
+            "Comma-separated physical GPU ids for GPU workers (env KCORAL_SERVER_GPUS); "
+            "ignored with --device cpu.",
+        ],
+        _int_param("num-workers", _DEFAULTS.num_workers, "Number of workers in CPU mode."),
+        _int_param("workers-per-gpu", _DEFAULTS.workers_per_gpu, "Workers per GPU in GPU mode."),
+        _int_param(
+            "max-requests-per-worker",
+            _DEFAULTS.max_requests_per_worker,
+            "Requests a worker serves before it is replaced; 0 reuses workers.",
+        ),
+        _float_param(
+            "worker-termination-grace-seconds",
+            _DEFAULTS.worker_termination_grace_seconds,
+            "Seconds between SIGTERM and SIGKILL when a worker is stopped.",
+        ),
+        _float_param(
+            "worker-wait-timeout-seconds",
+            _DEFAULTS.worker_wait_timeout_seconds,
+            "Seconds a request waits for an idle worker before a 503.",
+        ),
+        _float_param(
+            "default-timeout-seconds",
+            _DEFAULTS.default_timeout_seconds,
+            "Execution budget of a request that names none.",
+        ),
+        _float_param(
+            "max-timeout-seconds",
+            _DEFAULTS.max_timeout_seconds,
+            "Upper bound for any request's execution budget.",
+        ),
+        _int_param(
+            "max-request-bytes", _DEFAULTS.max_request_bytes, "Largest accepted request body."
+        ),
+        _int_param("max-response-bytes", _DEFAULTS.max_response_bytes, "Largest response body."),
+        _int_param(
+            "output-limit-bytes",
+            _DEFAULTS.output_limit_bytes,
+            "Default stdout/stderr capture per stream.",
+        ),
+        _int_param(
+            "max-output-limit-bytes",
+            _DEFAULTS.max_output_limit_bytes,
+            "Largest stdout/stderr capture a request may ask for.",
+        ),
+        _int_param(
+            "cache-capacity-bytes",
+            _DEFAULTS.cache_capacity_bytes,
+            "Capacity of the memory cache for tensors, bytes and libraries.",
+        ),
+        [
+            "disk-cache-dir",
+            None,
+            None,
+            "Directory of the file upload cache; '' disables it. The default is "
+            "$XDG_CACHE_HOME/kcoral/files when XDG_CACHE_HOME is absolute, "
+            "else ~/.cache/kcoral/files.",
+        ],
+        _int_param(
+            "disk-cache-capacity-mbytes",
+            _DEFAULTS.disk_cache_capacity_mbytes,
+            "Capacity of the file upload cache in MiB; 0 disables it.",
+        ),
+        [
+            "log-dir",
+            None,
+            "logs",
+            "Directory of run logs and saved programs; '' disables file logging "
+            "(env KCORAL_LOG_DIR).",
+        ],
+        ["sandbox", None, _DEFAULTS.sandbox, f"Worker isolation, {_choices(SANDBOXES)}."],
+        [
+            "tensor-api",
+            None,
+            _DEFAULTS.tensor_api,
+            f"Tensor type Python functions receive in GPU workers, {_choices(TENSOR_APIS)}.",
+        ],
+    ]
+
+    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
+        """
+        @param environ: the environment whose C{KCORAL_*} variables supply
+            defaults; L{os.environ} when C{None}.  It is read now, once.
+        """
+        super().__init__()  # type: ignore[no-untyped-call]
+        env = os.environ if environ is None else environ
+        self._environ = env
+        for key, var in ENV_VARS.items():
+            value = env.get(var)
+            if value is None:
+                continue
+            if value == "" and key != "log-dir":
+                # An empty variable means "unset", except KCORAL_LOG_DIR=""
+                # which disables file logging like --log-dir ''.
+                continue
+            self[key] = value
+            self.defaults[key] = value if value else "''"
+        xdg_default = str(default_disk_cache_dir(env))
+        self["disk-cache-dir"] = xdg_default
+        self.defaults["disk-cache-dir"] = xdg_default
+        self["sandbox-readonly-path"] = []
+
+    def opt_sandbox_readonly_path(self, path: str) -> None:
+        """
+        Extra path mounted read-only in every worker's sandbox; directories
+        also join PYTHONPATH. Repeat for several paths. Needs --sandbox
+        bubblewrap. [default: none]
+        """
+        if not path:
+            raise usage.UsageError("--sandbox-readonly-path needs a non-empty path")
+        self["sandbox-readonly-path"].append(path)
+
+    def opt_version(self) -> None:
+        """
+        Display the kcoral version and exit.
+        """
+        from importlib import metadata
+
+        try:
+            version = metadata.version("kcoral-server")
+        except metadata.PackageNotFoundError:
+            version = "unknown"
+        print(f"kcoral {version}")
+        raise SystemExit(0)
+
+    def parseOptions(self, options: Sequence[str] | None = None) -> None:
+        """
+        Parse C{options}, refusing abbreviated long options.
+
+        getopt accepts any unambiguous prefix of a long option; the reference
+        command line does not, so neither do we.
+        """
+        if options is not None:
+            self._reject_abbreviations(options)
+        super().parseOptions(options)  # type: ignore[no-untyped-call]
+
+    def _reject_abbreviations(self, options: Sequence[str]) -> None:
+        known = {name.rstrip("=") for name in self.longOpt}
+        takes_value = {name[:-1] for name in self.longOpt if name.endswith("=")}
+        skip = False
+        for arg in options:
+            if skip:
+                skip = False
+                continue
+            if arg == "--":
+                return
+            if arg.startswith("--"):
+                name, has_value, _ = arg[2:].partition("=")
+                if name not in known:
+                    raise usage.UsageError(f"option --{name} not recognized")
+                skip = name in takes_value and not has_value
+
+    def postOptions(self) -> None:
+        """
+        Check the options and build C{self.config} and C{self.endpoint}.
+
+        @raise usage.UsageError: naming the offending flag.
+        """
+        port = self["port"]
+        if isinstance(port, str):
+            # From KCORAL_SERVER_PORT: flags are coerced while parsing.
+            try:
+                port = int(port)
+            except ValueError:
+                raise usage.UsageError(
+                    f"KCORAL_SERVER_PORT must be an integer, got {port!r}"
+                ) from None
+        device = self["device"]
+        if device not in DEVICES:
+            raise usage.UsageError(f"--device must be 'cpu' or 'gpu', got {device!r}")
+        sandbox = self["sandbox"]
+        if sandbox not in SANDBOXES:
+            raise usage.UsageError(f"--sandbox must be 'none' or 'bubblewrap', got {sandbox!r}")
+        tensor_api = self["tensor-api"]
+        if tensor_api not in TENSOR_APIS:
+            raise usage.UsageError(
+                f"--tensor-api must be one of {', '.join(TENSOR_APIS)}, got {tensor_api!r}"
+            )
+        gpus = self._parse_gpus(self["gpus"])
+        host = self["host"]
+        if not host:
+            raise usage.UsageError("--host must not be empty")
+
+        # The reference command line's checks, in its order and words.
+        if device == "gpu" and not gpus:
+            raise usage.UsageError("--gpus needs at least one GPU id")
+        if self["num-workers"] < 1:
+            raise usage.UsageError("--num-workers must be at least 1")
+        if self["workers-per-gpu"] < 1:
+            raise usage.UsageError("--workers-per-gpu must be at least 1")
+        if not 1 <= port <= 65535:
+            raise usage.UsageError("--port must be between 1 and 65535")
+        if self["max-requests-per-worker"] < 0:
+            raise usage.UsageError("--max-requests-per-worker must be non-negative")
+        if self["disk-cache-capacity-mbytes"] < 0:
+            raise usage.UsageError("--disk-cache-capacity-mbytes must be non-negative")
+        if self["sandbox-readonly-path"] and sandbox != "bubblewrap":
+            raise usage.UsageError("--sandbox-readonly-path requires --sandbox bubblewrap")
+
+        try:
+            self.config = ServerConfig(
+                gpus=gpus,
+                log_dir=self["log-dir"] or None,
+                log_console=not self["no-log-console"],
+                log_programs=not self["no-log-programs"],
+                cache_capacity_bytes=self["cache-capacity-bytes"],
+                disk_cache_dir=self["disk-cache-dir"] or None,
+                disk_cache_capacity_mbytes=self["disk-cache-capacity-mbytes"],
+                default_timeout_seconds=self["default-timeout-seconds"],
+                max_timeout_seconds=self["max-timeout-seconds"],
+                worker_wait_timeout_seconds=self["worker-wait-timeout-seconds"],
+                workers_per_gpu=self["workers-per-gpu"],
+                max_requests_per_worker=self["max-requests-per-worker"],
+                sandbox=sandbox,
+                sandbox_readonly_paths=self["sandbox-readonly-path"],
+                worker_termination_grace_seconds=self["worker-termination-grace-seconds"],
+                max_request_bytes=self["max-request-bytes"],
+                max_response_bytes=self["max-response-bytes"],
+                output_limit_bytes=self["output-limit-bytes"],
+                max_output_limit_bytes=self["max-output-limit-bytes"],
+                device=device,
+                num_workers=self["num-workers"],
+                tensor_api=tensor_api,
+            )
+        except ValueError as e:
+            raise usage.UsageError(_flag_message(str(e))) from None
+        self["port"] = port
+        self.endpoint = endpoint_description(host, port)
+
+    @staticmethod
+    def _parse_gpus(value: str) -> tuple[int, ...]:
+        ids = []
+        for item in value.split(","):
+            if not item.strip():
+                continue
+            try:
+                ids.append(int(item))
+            except ValueError:
+                raise usage.UsageError(
+                    f"--gpus must be a comma-separated list of integers, got {value!r}"
+                ) from None
+        return tuple(ids)
+
+
+def endpoint_description(host: str, port: int) -> str:
+    """
+    Describe a TCP listening port for L{twisted.application.strports}.
+
+    @param host: the interface address; colons (IPv6) are escaped.
+    @param port: the TCP port.
+    @return: e.g. C{tcp:port=8000:interface=127.0.0.1}.
+    """
+    interface: str = quoteStringArgument(host)  # type: ignore[no-untyped-call]
+    return f"tcp:port={port}:interface={interface}"
+
+
+def makeService(options: Options) -> IService:
+    """
+    Build the root service from parsed options (the L{IServiceMaker} hook).
+
+    @param options: an L{Options} whose C{postOptions} has run.
+    @return: the service made by L{kcoral.server.service.makeService}.
+    """
+    # Imported here so that parsing options never loads the service tree.
+    from kcoral.server.service import makeService as make_root_service
+
+    root: IService = make_root_service(options.config, options.endpoint)
+    return root

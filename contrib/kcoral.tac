@@ -1,0 +1,35 @@
+# kcoral.tac: run the kcoral server with twistd from a Python configuration.
+#
+#     twistd -ny contrib/kcoral.tac          (foreground)
+#     twistd -y contrib/kcoral.tac           (daemon; logs to twistd.log)
+#
+# Edit the values below; every ServerConfig field not named keeps its
+# default (docs/configuration.md lists them all).  Environment variables and
+# command-line flags of `kcoral server` do not apply here: this file is the
+# whole configuration.
+
+from pathlib import Path
+
+from twisted.application import service
+
+from kcoral.config import ServerConfig
+from kcoral.server.service import makeService
+from kcoral.server.tap import endpoint_description
+
+HOST = "127.0.0.1"
+PORT = 8000
+
+config = ServerConfig(
+    device="gpu",
+    gpus=(0,),
+    workers_per_gpu=8,
+    max_requests_per_worker=1,
+    sandbox="bubblewrap",
+    log_dir=Path("logs"),
+    disk_cache_capacity_mbytes=16384,
+)
+
+endpoint = endpoint_description(HOST, PORT)
+
+application = service.Application("kcoral")
+makeService(config, endpoint).setServiceParent(application)

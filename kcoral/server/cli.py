@@ -1,0 +1,207 @@
+# -*- test-case-name: tests.unit.test_cli -*-
+"""
+The C{kcoral} command.
+
+C{kcoral server [options]} checks its options with L{kcoral.server.tap.Options}
+(the same parser as C{twistd kcoral}), then runs twistd in the foreground
+with the C{kcoral} plugin, as Tahoe-LAFS's C{tahoe run} does: it builds
+twistd's C{ServerOptions} from C{--nodaemon --pidfile= kcoral [options]} and
+hands them to an injectable C{run_app} (L{twisted.scripts.twistd.runApp}
+by default), so tests can capture the twistd configuration without starting
+a reactor.
+
+A bad option is reported as one line, C{kcoral server: error: <message>},
+with exit status 2.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import IO, Any
+
+from twisted.application.service import IServiceMaker
+from twisted.logger import ILogObserver, textFileLogObserver
+from twisted.python import usage
+from zope.interface import implementer
+
+__all__ = ["TWISTD_ARGS", "main", "stderr_log_observer", "twistd_args"]
+
+#: twistd's own options for C{kcoral server}: stay in the foreground, write
+#: no pidfile, log to standard error.
+TWISTD_ARGS: tuple[str, ...] = (
+    "--nodaemon",
+    "--pidfile=",
+    "--logger=kcoral.server.cli.stderr_log_observer",
+)
+
+_USAGE = """\
+Usage: kcoral <command> [options]
+
+Commands:
+  server     Run the KCoral server in the foreground (kcoral server --help).
+
+Options:
+  --help     Show this message and exit.
+  --version  Show the version and exit.
+"""
+
+_SERVER_SYNOPSIS = "Usage: kcoral server [options]"
+
+
+def stderr_log_observer() -> ILogObserver:
+    """
+    Write twistd's log as text to standard error (twistd's C{--logger} hook).
+
+    Called before twistd redirects C{sys.stderr} into the log, so it holds
+    the real stream.
+    """
+    observer: ILogObserver = textFileLogObserver(sys.stderr)
+    return observer
+
+
+def twistd_args(flags: Sequence[str]) -> list[str]:
+    """
+    The twistd command line that runs C{kcoral server <flags>}.
+    """
+    return [*TWISTD_ARGS, "kcoral", *flags]
+
+
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("kcoral-server")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+@implementer(IServiceMaker)
+class _KcoralServiceMaker:
+    """
+    The C{kcoral} plugin as C{kcoral server} hands it to twistd.
+
+    Equivalent to C{twisted/plugins/kcoral_plugin.py}, but reads the
+    environment C{main} was given and does not depend on the plugin being
+    found on C{sys.path}.
+    """
+
+    tapname = "kcoral"
+    description = "A KCoral-compatible server that compiles, runs and times GPU programs."
+
+    def __init__(self, environ: Mapping[str, str]) -> None:
+        self._environ = environ
+
+    def options(self) -> usage.Options:
+        from kcoral.server import tap
+
+        return tap.Options(environ=self._environ)
+
+    def makeService(self, options: Any) -> Any:
+        from kcoral.server import tap
+
+        return tap.makeService(options)
+
+
+def _default_run_app(config: usage.Options) -> None:
+    from twisted.scripts.twistd import runApp
+
+    runApp(config)
+
+
+def _exit_code(exc: SystemExit, err: IO[str]) -> int:
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code
+    err.write(f"kcoral server: error: {exc.code}\n")
+    return 1
+
+
+def main(
+    argv: Sequence[str],
+    *,
+    stdout: IO[str] | None = None,
+    stderr: IO[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    run_app: Callable[[usage.Options], object] | None = None,
+) -> int:
+    """
+    Run the C{kcoral} command.
+
+    @param argv: the arguments after the program name, e.g.
+        C{["server", "--port", "8001"]}.
+    @param stdout: where help and version text go; C{sys.stdout} if C{None}.
+    @param stderr: where errors go; C{sys.stderr} if C{None}.
+    @param environ: the environment for C{KCORAL_*} defaults; C{os.environ}
+        if C{None}.
+    @param run_app: called with the parsed twistd C{ServerOptions}; runs the
+        server until it stops.  L{twisted.scripts.twistd.runApp} if C{None}.
+    @return: the exit status: 0 on success, 2 for a usage error.
+    """
+    out = sys.stdout if stdout is None else stdout
+    err = sys.stderr if stderr is None else stderr
+    env = os.environ if environ is None else environ
+    args = list(argv)
+
+    if not args:
+        err.write(_USAGE)
+        return 2
+    command, rest = args[0], args[1:]
+    if command in ("--help", "-h"):
+        out.write(_USAGE)
+        return 0
+    if command == "--version":
+        out.write(f"kcoral {_version()}\n")
+        return 0
+    if command != "server":
+        err.write(_USAGE)
+        err.write(f"kcoral: error: unknown command {command!r}\n")
+        return 2
+    return _server(rest, out, err, env, _default_run_app if run_app is None else run_app)
+
+
+def _server(
+    flags: list[str],
+    out: IO[str],
+    err: IO[str],
+    env: Mapping[str, str],
+    run_app: Callable[[usage.Options], object],
+) -> int:
+    from twisted.scripts.twistd import ServerOptions
+
+    from kcoral.server import tap
+
+    options = tap.Options(environ=env)
+    options.synopsis = _SERVER_SYNOPSIS
+    try:
+        with contextlib.redirect_stdout(out):
+            options.parseOptions(flags)
+    except usage.UsageError as e:
+        err.write(f"kcoral server: error: {e}\n")
+        return 2
+    except SystemExit as e:  # --help, --version
+        return _exit_code(e, err)
+
+    config = options.config
+    if config.device == "gpu" and env.get("CUDA_VISIBLE_DEVICES"):
+        err.write(
+            "kcoral server: warning: CUDA_VISIBLE_DEVICES does not restrict the server; "
+            "workers are pinned to the physical GPU ids given by --gpus\n"
+        )
+
+    maker = _KcoralServiceMaker(env)
+    twistd_config = ServerOptions(stdout=out)
+    twistd_config._getPlugins = lambda interface: [maker]
+    try:
+        twistd_config.parseOptions(twistd_args(flags))
+    except usage.UsageError as e:
+        err.write(f"kcoral server: error: {e}\n")
+        return 2
+    try:
+        run_app(twistd_config)
+    except SystemExit as e:
+        return _exit_code(e, err)
+    return 0

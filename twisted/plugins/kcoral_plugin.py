@@ -1,0 +1,16 @@
+# -*- test-case-name: tests.unit.test_tap -*-
+"""
+The C{kcoral} twistd plugin: C{twistd -n kcoral [options]}.
+
+Kept to one lazy L{ServiceMaker}: C{kcoral.server.tap} is imported only when
+twistd runs the C{kcoral} subcommand, so listing plugins stays cheap.
+"""
+
+from twisted.application.service import ServiceMaker
+
+kcoral = ServiceMaker(
+    "kcoral",
+    "kcoral.server.tap",
+    "A KCoral-compatible server that compiles, runs and times GPU programs.",
+    "kcoral",
+)

@@ -132,7 +132,10 @@ class MemoryBlobCache:
       - Quarter rule: an object strictly larger than C{capacity_bytes // 4} is
         not stored (the request that supplied it still uses its own copy).
       - Pinned entries (see L{pin}) are never evicted, so the cache may stay
-        over budget while they are held.  A pinned entry counts as in use: when
+        over budget while they are held (pins only hold entries already
+        present, so this happens when C{capacity_bytes} is lowered under
+        them; a newcomer that cannot fit beside pinned entries is evicted
+        at once).  A pinned entry counts as in use: when
         its last pin is released it becomes the most recently used entry, and
         eviction runs again.
 

@@ -1,0 +1,663 @@
+# -*- test-case-name: tests.unit.test_sandbox,tests.integration.test_sandbox_probe -*-
+"""
+Worker filesystem isolation with bubblewrap (server spec section 6).
+
+An L{ISandbox} turns "run C{python -m kcoral.worker ...} in this seat" into
+the executable, argv and environment handed to C{reactor.spawnProcess}, and
+owns the host side of each seat's private workspace:
+
+  - L{BubblewrapSandbox}: the worker runs under C{bwrap}; its workspace is
+    bound at C{/work}, runtime dependencies are read-only, the network and
+    other namespaces are private (section 6.2).
+  - L{NoSandbox}: the worker runs directly with the server's filesystem,
+    network and environment (section 6.6).
+
+L{probe_sandbox} runs the real bwrap command line once per device
+configuration at startup; L{choose_sandbox} falls back to L{NoSandbox} with a
+warning when the probe fails (section 6.5).
+
+C{prepare_seat} and C{clear_workspace} do file-system work and must run in a
+thread. C{command} and C{worker_path} are cheap: the read-only mount plan is
+resolved once (by the probe, in a thread) and cached.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import signal
+import stat
+import sys
+import tempfile
+import warnings
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import attrs
+from twisted.internet.defer import Deferred
+from twisted.internet.error import ProcessExitedAlready
+from twisted.internet.protocol import ProcessProtocol
+from twisted.internet.threads import deferToThreadPool
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from zope.interface import Attribute, Interface, implementer
+
+#: Where the seat's workspace appears inside the sandbox.
+WORKSPACE = "/work"
+
+#: The reserved top-level directory of a workspace.
+RESERVED = ".kcoral"
+
+#: Subdirectories of the reserved directory, recreated (mode 0700) after every clear.
+RESERVED_SUBDIRS = (
+    "tmp",
+    "home",
+    "cache",
+    "cuda",
+    "triton",
+    "extensions",
+    "libraries",
+    "output",
+    "shm",
+)
+
+#: Runtime directories bound read-only when they exist, in this order.
+RUNTIME_PATHS = (
+    "/usr",
+    "/bin",
+    "/sbin",
+    "/lib",
+    "/lib64",
+    "/sys",
+    "/opt/nvidia/nsight-compute",
+    "/etc/ld.so.cache",
+    "/etc/ld.so.conf",
+    "/etc/ld.so.conf.d",
+    "/etc/alternatives",
+    "/etc/localtime",
+)
+
+#: Device nodes every sandboxed worker gets.
+PSEUDO_DEVICES = ("/dev/null", "/dev/zero", "/dev/random", "/dev/urandom", "/dev/full")
+
+#: NVIDIA control nodes a GPU worker gets besides its own C{/dev/nvidia<minor>}.
+GPU_CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
+GPU_CAPS_GLOB = "/dev/nvidia-caps/nvidia-cap*"
+
+#: Where the directory holding the C{kcoral} package is bound when its own
+#: path would be hidden by the workspace mount (a checkout under C{/work}).
+PACKAGE_MOUNT = "/run/kcoral/package"
+
+#: The line the startup probe prints on success.
+PROBE_MARKER = "kcoral-sandbox-ready"
+
+#: The startup probe's program: run as C{python -I -S -c PROBE_PROGRAM} inside the sandbox.
+PROBE_PROGRAM = (
+    "import os\n"
+    f"assert os.getcwd() == {WORKSPACE!r}, os.getcwd()\n"
+    f"with open(os.path.join({RESERVED!r}, 'probe'), 'w') as f:\n"
+    "    f.write('ok')\n"
+    f"print({PROBE_MARKER!r}, flush=True)\n"
+)
+
+#: Runs the probe's command in a new session (its own process group, so a
+#: timeout can kill everything it started), stdin on /dev/null, stderr merged
+#: into stdout.
+_SESSION_TRAMPOLINE = (
+    "import os, sys\n"
+    "os.setsid()\n"
+    "fd = os.open(os.devnull, os.O_RDONLY)\n"
+    "os.dup2(fd, 0)\n"
+    "os.dup2(1, 2)\n"
+    "os.execv(sys.argv[1], sys.argv[1:])\n"
+)
+
+#: How much probe output is kept for the failure message.
+PROBE_OUTPUT_TAIL = 8192
+
+FALLBACK_PREFIX = (
+    "bubblewrap could not start; filesystem isolation is disabled for this server run: "
+)
+
+
+class SandboxError(Exception):
+    """The sandbox cannot be built for this configuration (the message says why)."""
+
+
+class ISandbox(Interface):
+    """How worker processes are isolated, and the host side of their workspaces."""
+
+    name = Attribute("C{'bubblewrap'} or C{'none'}.")
+    reserved = Attribute(
+        "The reserved top-level directory name of a workspace (C{'.kcoral'}), or C{None} "
+        "when uploads may use any name."
+    )
+
+    def prepare_seat(seat_dir: Path) -> Path:
+        """
+        BLOCKING (run in a thread): create C{<seat_dir>/work} (mode 0700) and the
+        reserved layout beneath it.
+
+        @return: the resolved host path of the work directory.
+        """
+
+    def clear_workspace(work_dir: Path) -> None:
+        """
+        BLOCKING (run in a thread): remove everything inside C{work_dir}
+        without following symbolic links, keep the directory itself, then
+        recreate the reserved layout.
+
+        @raise OSError: the workspace could not be cleared; retire the worker.
+        """
+
+    def command(
+        *, python: str, worker_args: list[str], work_dir: Path, gpu_devices: list[str]
+    ) -> tuple[str, list[str], dict[str, str]]:
+        """
+        The C{(executable, argv, env)} to pass to C{reactor.spawnProcess} for a
+        worker running C{python -m kcoral.worker *worker_args} in C{work_dir}.
+
+        @param gpu_devices: the worker's GPUs: device node paths
+            (C{'/dev/nvidia0'}) or minor numbers (C{'0'}); empty for a CPU worker.
+        @raise SandboxError: the command line would be unsafe or cannot be built.
+        """
+
+    def worker_path(work_dir: Path) -> str:
+        """The path under which the worker sees C{work_dir}."""
+
+
+# -- helpers ---------------------------------------------------------------
+
+
+def package_root() -> str:
+    """The resolved directory that contains the C{kcoral} package."""
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
+
+
+def _is_within(path: str, root: str) -> bool:
+    """Whether C{path} is C{root} or lies beneath it (both absolute and normalized)."""
+    if root == "/":
+        return True
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def _mkdir_private(path: str) -> None:
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            raise
+    os.chmod(path, 0o700)
+
+
+def _make_layout(work_dir: str, subdirs: Iterable[str]) -> None:
+    _mkdir_private(os.path.join(work_dir, RESERVED))
+    for sub in subdirs:
+        _mkdir_private(os.path.join(work_dir, RESERVED, sub))
+
+
+def _clear_dir_fd(dirfd: int) -> None:
+    """Remove every entry of the directory open at C{dirfd}; never follows links."""
+    with os.scandir(dirfd) as it:
+        names = [entry.name for entry in it]
+    for name in names:
+        st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+        if stat.S_ISDIR(st.st_mode):
+            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dirfd)
+            try:
+                os.fchmod(fd, 0o700)
+                _clear_dir_fd(fd)
+            finally:
+                os.close(fd)
+            os.rmdir(name, dir_fd=dirfd)
+        else:
+            os.unlink(name, dir_fd=dirfd)
+
+
+def empty_directory(path: Path | str) -> None:
+    """
+    BLOCKING: remove everything inside C{path} but keep C{path} itself (its
+    inode may be bind-mounted). Read-only files and directories are removed
+    too; symbolic links are unlinked, never followed, and C{path} itself must
+    not be a link.
+    """
+    fd = os.open(os.fspath(path), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        os.fchmod(fd, 0o700)
+        _clear_dir_fd(fd)
+    finally:
+        os.close(fd)
+
+
+def _prepare_seat(seat_dir: Path, subdirs: Sequence[str]) -> Path:
+    os.makedirs(seat_dir, mode=0o700, exist_ok=True)
+    work = os.path.join(os.fspath(seat_dir), "work")
+    _mkdir_private(work)
+    _make_layout(work, subdirs)
+    return Path(os.path.realpath(work))
+
+
+def _gpu_node(device: str) -> str:
+    device = str(device)
+    if device.startswith("/"):
+        return os.path.normpath(device)
+    return f"/dev/nvidia{int(device)}"
+
+
+@attrs.frozen
+class _Mount:
+    """A read-only bind: C{source} is resolved, C{dest} is the path as named."""
+
+    source: str
+    dest: str
+    is_dir: bool
+
+
+# -- bubblewrap ------------------------------------------------------------
+
+
+@implementer(ISandbox)
+@attrs.define
+class BubblewrapSandbox:
+    """
+    Workers run under C{bwrap} with a private C{/work} (server spec 6.2).
+
+    @ivar readonly_paths: extra paths bound read-only at the same location
+        (C{--sandbox-readonly-path}); directories also go on C{PYTHONPATH}.
+    @ivar bwrap: the bwrap executable (a name looked up on C{PATH}, or a path).
+    @ivar disable_userns: whether to pass C{--disable-userns}; the startup
+        probe sets it from C{bwrap --help}.
+    @ivar executable: the resolved bwrap path, set by the probe (else C{bwrap}).
+    """
+
+    name: ClassVar[str] = "bubblewrap"
+    reserved: ClassVar[str] = RESERVED
+
+    readonly_paths: tuple[str, ...] = attrs.field(
+        converter=lambda paths: tuple(os.fspath(p) for p in paths)
+    )
+    bwrap: str = attrs.field(default="bwrap", kw_only=True)
+    disable_userns: bool = attrs.field(default=True, kw_only=True)
+    executable: str | None = attrs.field(default=None, kw_only=True)
+    _mounts: tuple[_Mount, ...] | None = attrs.field(default=None, init=False, repr=False)
+    _device_nodes: dict[tuple[str, ...], tuple[str, ...]] = attrs.field(
+        factory=dict, init=False, repr=False
+    )
+
+    # ISandbox
+
+    def prepare_seat(self, seat_dir: Path) -> Path:
+        return _prepare_seat(seat_dir, RESERVED_SUBDIRS)
+
+    def clear_workspace(self, work_dir: Path) -> None:
+        empty_directory(work_dir)
+        _make_layout(os.fspath(work_dir), RESERVED_SUBDIRS)
+
+    def worker_path(self, work_dir: Path) -> str:
+        return WORKSPACE
+
+    def command(
+        self, *, python: str, worker_args: list[str], work_dir: Path, gpu_devices: list[str]
+    ) -> tuple[str, list[str], dict[str, str]]:
+        return self._command(
+            [python, "-m", "kcoral.worker", *worker_args], work_dir, list(gpu_devices)
+        )
+
+    # building the command line
+
+    def resolve_mounts(self) -> tuple[_Mount, ...]:
+        """
+        BLOCKING (a few C{stat}s): the read-only mount plan, computed once.
+
+        @raise SandboxError: an extra read-only path does not exist, or a
+            runtime path resolves to C{/}.
+        """
+        if self._mounts is None:
+            self._mounts = self._plan_mounts()
+        return self._mounts
+
+    def _plan_mounts(self) -> tuple[_Mount, ...]:
+        mounts: list[_Mount] = []
+        seen: set[str] = set()
+        pkg = package_root()
+        candidates: list[tuple[str, str]] = [(p, "runtime") for p in RUNTIME_PATHS]
+        candidates += [(sys.prefix, "runtime"), (sys.base_prefix, "runtime"), (pkg, "package")]
+        candidates += [(p, "extra") for p in self.readonly_paths]
+        for path, kind in candidates:
+            dest = os.path.abspath(path)
+            if kind == "extra" and not os.path.exists(dest):
+                raise SandboxError(f"sandbox read-only path does not exist: {dest}")
+            if not os.path.exists(dest):
+                continue
+            source = os.path.realpath(dest)
+            if source == "/" or dest == "/":
+                raise SandboxError(f"read-only runtime path contains sandbox workspaces: {dest}")
+            if _is_within(dest, WORKSPACE) or _is_within(WORKSPACE, dest):
+                if kind != "package":
+                    raise SandboxError(
+                        f"read-only runtime path overlaps the sandbox workspace {WORKSPACE}: {dest}"
+                    )
+                dest = PACKAGE_MOUNT
+            if dest in seen:
+                continue
+            seen.add(dest)
+            mounts.append(_Mount(source=source, dest=dest, is_dir=os.path.isdir(source)))
+        return tuple(mounts)
+
+    def _gpu_nodes(self, gpu_devices: Sequence[str]) -> tuple[str, ...]:
+        key = tuple(str(d) for d in gpu_devices)
+        nodes = self._device_nodes.get(key)
+        if nodes is None:
+            found: list[str] = []
+            wanted = [_gpu_node(d) for d in key]
+            wanted += list(GPU_CONTROL_NODES) + sorted(glob.glob(GPU_CAPS_GLOB))
+            for node in wanted:
+                if node not in found and os.path.exists(node):
+                    found.append(node)
+            nodes = self._device_nodes[key] = tuple(found)
+        return nodes
+
+    def _command(
+        self, tail: list[str], work_dir: Path, gpu_devices: list[str]
+    ) -> tuple[str, list[str], dict[str, str]]:
+        mounts = self.resolve_mounts()
+        host_work = os.path.abspath(os.fspath(work_dir))
+        resolved_work = os.path.realpath(host_work)
+        for m in mounts:
+            if _is_within(host_work, m.source) or _is_within(resolved_work, m.source):
+                raise SandboxError(f"read-only runtime path contains sandbox workspaces: {m.dest}")
+
+        executable = self.executable or self.bwrap
+        argv = [executable, "--unshare-all", "--unshare-user", "--die-with-parent"]
+        argv += ["--new-session", "--cap-drop", "ALL"]
+        if self.disable_userns:
+            argv.append("--disable-userns")
+        for m in mounts:
+            argv += ["--ro-bind", m.source, m.dest]
+        argv += ["--bind", resolved_work, WORKSPACE]
+        argv += ["--proc", "/proc", "--dir", "/dev"]
+        for dev in PSEUDO_DEVICES:
+            argv += ["--dev-bind", dev, dev]
+        if gpu_devices:
+            for node in self._gpu_nodes(gpu_devices):
+                argv += ["--dev-bind", node, node]
+        private = f"{WORKSPACE}/{RESERVED}"
+        for link in ("/tmp", "/var/tmp"):
+            if not any(_is_within(m.dest, link) for m in mounts):
+                argv += ["--symlink", f"{private}/tmp", link]
+        argv += ["--symlink", f"{private}/shm", "/dev/shm"]
+        argv += ["--symlink", "/proc/self/fd", "/dev/fd"]
+        for fd, stream in enumerate(("stdin", "stdout", "stderr")):
+            argv += ["--symlink", f"/proc/self/fd/{fd}", f"/dev/{stream}"]
+        overrides = self._environment(mounts)
+        for key, value in overrides.items():
+            argv += ["--setenv", key, value]
+        if not gpu_devices:
+            argv += ["--remount-ro", "/proc"]
+        argv += ["--chdir", WORKSPACE, "--remount-ro", "/", "--", *tail]
+
+        env = {k: v for k, v in os.environ.items() if isinstance(v, str)}
+        env.update(overrides)
+        return executable, argv, env
+
+    def _environment(self, mounts: Sequence[_Mount]) -> dict[str, str]:
+        private = f"{WORKSPACE}/{RESERVED}"
+        pkg_dest = next(
+            (m.dest for m in mounts if m.dest == PACKAGE_MOUNT),
+            os.path.abspath(package_root()),
+        )
+        extras = {os.path.abspath(p) for p in self.readonly_paths}
+        pythonpath = [pkg_dest]
+        for m in mounts:
+            if m.dest in extras and m.is_dir and m.dest not in pythonpath:
+                pythonpath.append(m.dest)
+        return {
+            "HOME": f"{private}/home",
+            "TMPDIR": f"{private}/tmp",
+            "TMP": f"{private}/tmp",
+            "TEMP": f"{private}/tmp",
+            "XDG_CACHE_HOME": f"{private}/cache",
+            "CUDA_CACHE_PATH": f"{private}/cuda",
+            "TRITON_CACHE_DIR": f"{private}/triton",
+            "TORCH_EXTENSIONS_DIR": f"{private}/extensions",
+            "TVM_FFI_CACHE_DIR": f"{private}/cache/tvm-ffi",
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "PYTHONPATH": ":".join(pythonpath),
+            "PYTHONNOUSERSITE": "1",
+        }
+
+    def probe_command(self, work_dir: Path, gpu_devices: list[str]) -> list[str]:
+        """The startup probe's argv for one device configuration."""
+        tail = [sys.executable, "-I", "-S", "-c", PROBE_PROGRAM]
+        return self._command(tail, work_dir, list(gpu_devices))[1]
+
+
+# -- no sandbox ------------------------------------------------------------
+
+
+@implementer(ISandbox)
+@attrs.define
+class NoSandbox:
+    """Workers run directly, with the server's filesystem and network (spec 6.6)."""
+
+    name: ClassVar[str] = "none"
+    reserved: ClassVar[None] = None
+
+    def prepare_seat(self, seat_dir: Path) -> Path:
+        return _prepare_seat(seat_dir, ("output",))
+
+    def clear_workspace(self, work_dir: Path) -> None:
+        empty_directory(work_dir)
+        _make_layout(os.fspath(work_dir), ("output",))
+
+    def worker_path(self, work_dir: Path) -> str:
+        return os.fspath(work_dir)
+
+    def command(
+        self, *, python: str, worker_args: list[str], work_dir: Path, gpu_devices: list[str]
+    ) -> tuple[str, list[str], dict[str, str]]:
+        env = {k: v for k, v in os.environ.items() if isinstance(v, str)}
+        pkg = package_root()
+        existing = [p for p in env.get("PYTHONPATH", "").split(":") if p]
+        env["PYTHONPATH"] = ":".join([pkg, *(p for p in existing if p != pkg)])
+        return python, [python, "-m", "kcoral.worker", *worker_args], env
+
+
+# -- startup probe -----------------------------------------------------------
+
+
+class _CollectingProtocol(ProcessProtocol):
+    """Collect a child's output (bounded) and fire C{ended} with the exit status."""
+
+    def __init__(self, limit: int = 4 * PROBE_OUTPUT_TAIL) -> None:
+        self.output = bytearray()
+        self.limit = limit
+        self.ended: Deferred[int] = Deferred()
+
+    def connectionMade(self) -> None:
+        self.transport.closeStdin()
+
+    def childDataReceived(self, childFD: int, data: bytes) -> None:
+        self.output += data
+        if len(self.output) > self.limit:
+            del self.output[: len(self.output) - self.limit]
+
+    def processEnded(self, reason: Failure) -> None:
+        value: Any = reason.value
+        code = getattr(value, "exitCode", None)
+        sig = getattr(value, "signal", None)
+        status = code if code is not None else -(sig or 0)
+        self.ended.callback(status)
+
+
+async def _run_in_session(reactor: Any, argv: list[str], timeout: float) -> tuple[int, bytes, bool]:
+    """
+    Run C{argv} (C{argv[0]} a path) in a new session with stdin on /dev/null
+    and stderr merged into stdout. On timeout, SIGKILL its process group and
+    wait for it to end.
+
+    @return: C{(status, output, timed_out)}; a signal gives a negative status.
+    """
+    proto = _CollectingProtocol()
+    env = {k: v for k, v in os.environ.items() if isinstance(v, str)}
+    trampoline = [sys.executable, "-I", "-S", "-c", _SESSION_TRAMPOLINE, *argv]
+    transport = reactor.spawnProcess(
+        proto, sys.executable, trampoline, env=env, childFDs={0: "w", 1: "r", 2: "r"}
+    )
+    timed_out = False
+
+    def kill() -> None:
+        nonlocal timed_out
+        timed_out = True
+        pid = transport.pid
+        if pid is None:
+            return
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            # Not (yet) a group leader: kill the process itself.
+            try:
+                transport.signalProcess("KILL")
+            except ProcessExitedAlready:
+                pass
+
+    timer = reactor.callLater(timeout, kill)
+    status = await proto.ended
+    if timer.active():
+        timer.cancel()
+    return status, bytes(proto.output), timed_out
+
+
+def _timeout_message(timeout: float) -> str:
+    return f"bubblewrap startup probe timed out after {float(timeout)!r}s"
+
+
+def _exit_message(status: int, output: bytes) -> str:
+    tail = output[-PROBE_OUTPUT_TAIL:].decode("utf-8", "replace").strip()
+    return f"bubblewrap startup probe exited with status {status}: {tail or 'no readiness confirmation'}"
+
+
+def _prepare_probe(sandbox: BubblewrapSandbox) -> tuple[str, Path, Path]:
+    """BLOCKING: find bwrap, resolve the mount plan, create the probe's seat."""
+    found = shutil.which(sandbox.bwrap)
+    if found is None:
+        raise SandboxError("bubblewrap isolation requires bwrap on PATH; install bubblewrap")
+    sandbox.resolve_mounts()
+    seat = Path(tempfile.mkdtemp(prefix="kcoral-sandbox-"))
+    try:
+        work = sandbox.prepare_seat(seat)
+    except BaseException:
+        shutil.rmtree(seat, ignore_errors=True)
+        raise
+    return os.path.abspath(found), seat, work
+
+
+def _remove_seat(seat: Path) -> None:
+    """BLOCKING: remove a probe seat, read-only leftovers included."""
+    empty_directory(seat)
+    os.rmdir(seat)
+
+
+async def probe_sandbox(
+    reactor: Any,
+    sandbox: BubblewrapSandbox,
+    *,
+    gpu_device_sets: list[list[str]],
+    timeout: float = 10.0,
+) -> str | None:
+    """
+    Run the real bubblewrap command line once per distinct device
+    configuration (an empty list is the CPU configuration) with a tiny
+    program that checks its workspace and prints L{PROBE_MARKER}.
+
+    Sets C{sandbox.executable} and C{sandbox.disable_userns} as a side effect.
+
+    @param reactor: an C{IReactorProcess}, C{IReactorTime} and
+        C{IReactorThreads} provider.
+    @return: C{None} if bubblewrap works, else the failure message (spec 6.5).
+    """
+    if not sys.platform.startswith("linux"):
+        return "bubblewrap isolation requires Linux"
+    pool = reactor.getThreadPool()
+    try:
+        bwrap, seat, work = await deferToThreadPool(reactor, pool, _prepare_probe, sandbox)
+    except SandboxError as e:
+        return str(e)
+    except OSError as e:
+        return f"could not create the bubblewrap probe workspace: {e}"
+
+    error: str | None = None
+    try:
+        sandbox.executable = bwrap
+        status, output, timed_out = await _run_in_session(reactor, [bwrap, "--help"], timeout)
+        if timed_out:
+            error = _timeout_message(timeout)
+        else:
+            sandbox.disable_userns = b"--disable-userns" in output
+            distinct: list[list[str]] = []
+            for devices in gpu_device_sets or [[]]:
+                if list(devices) not in distinct:
+                    distinct.append(list(devices))
+            for index, devices in enumerate(distinct):
+                if index:
+                    await deferToThreadPool(reactor, pool, sandbox.clear_workspace, work)
+                try:
+                    argv = sandbox.probe_command(work, devices)
+                except SandboxError as e:
+                    error = str(e)
+                    break
+                status, output, timed_out = await _run_in_session(reactor, argv, timeout)
+                if timed_out:
+                    error = _timeout_message(timeout)
+                    break
+                if status != 0 or PROBE_MARKER not in output.decode("utf-8", "replace").split():
+                    error = _exit_message(status, output)
+                    break
+    finally:
+        try:
+            await deferToThreadPool(reactor, pool, _remove_seat, seat)
+        except OSError as e:
+            if error is None:
+                error = f"could not remove the bubblewrap probe workspace: {e}"
+    return error
+
+
+def choose_sandbox(reactor: Any, config: Any, log: Logger | None = None) -> Deferred[Any]:
+    """
+    Pick the server run's L{ISandbox}: L{NoSandbox} for C{sandbox="none"}
+    (no probe); else probe bubblewrap and fall back to L{NoSandbox} with a
+    C{sandbox_disabled} WARNING event and a C{RuntimeWarning} on failure.
+
+    @param config: a C{kcoral.config.ServerConfig} (C{sandbox},
+        C{sandbox_readonly_paths}, C{device}, C{gpus}).
+    @return: a Deferred firing with the L{ISandbox} provider.
+    """
+    return Deferred.fromCoroutine(_choose_sandbox(reactor, config, log or _log))
+
+
+async def _choose_sandbox(reactor: Any, config: Any, log: Logger) -> Any:
+    if config.sandbox == "none":
+        return NoSandbox()
+    sandbox = BubblewrapSandbox(tuple(config.sandbox_readonly_paths or ()))
+    if config.device == "gpu":
+        device_sets = [[str(gpu)] for gpu in config.gpus]
+    else:
+        device_sets = [[]]
+    error = await probe_sandbox(reactor, sandbox, gpu_device_sets=device_sets)
+    if error is None:
+        return sandbox
+    full_text = FALLBACK_PREFIX + error
+    log.warn(
+        "bubblewrap could not start; filesystem isolation is disabled for this server run: {error}",
+        kcoral_event="sandbox_disabled",
+        sandbox="none",
+        error=error,
+        message=full_text,
+    )
+    warnings.warn(full_text, RuntimeWarning, stacklevel=2)
+    return NoSandbox()
+
+
+_log = Logger(namespace="kcoral.server.sandbox")

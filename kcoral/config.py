@@ -22,7 +22,6 @@ from typing import Any
 
 import attrs
 from attrs import field
-from attrs.validators import instance_of
 
 __all__ = [
     "DEVICES",
@@ -100,6 +99,11 @@ def _to_paths(value: Iterable[str | os.PathLike[str]]) -> tuple[Path, ...]:
 def _strict_int(instance: Any, attribute: attrs.Attribute[Any], value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{attribute.name} must be an integer, got {value!r}")
+
+
+def _boolean(instance: Any, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{attribute.name} must be True or False, got {value!r}")
 
 
 def _number(instance: Any, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -186,8 +190,8 @@ class ServerConfig:
 
     gpus: tuple[int, ...] = field(default=(0,), converter=_to_gpus, validator=_gpu_ids)
     log_dir: Path | None = field(default=None, converter=_to_optional_path)
-    log_console: bool = field(default=True, validator=instance_of(bool))
-    log_programs: bool = field(default=True, validator=instance_of(bool))
+    log_console: bool = field(default=True, validator=_boolean)
+    log_programs: bool = field(default=True, validator=_boolean)
     cache_capacity_bytes: int = field(default=16 * _GIB, validator=_INT)
     disk_cache_dir: Path | None = field(
         factory=_default_disk_cache_dir, converter=_to_optional_path

@@ -780,7 +780,7 @@ class BlobStore:
         found: dict[str, bytes] = {}
         missing: list[str] = []
         for digest, kinds in program_blobs.items():
-            data = supplied.get(digest)
+            data: bytes | None = supplied.get(digest)
             if data is None:
                 data = from_disk.get(digest)
             if data is None and kinds & MEMORY_KINDS:
@@ -804,7 +804,7 @@ class BlobStore:
             self.disk.evict()
         found = {}
         for digest in wanted:
-            data = self.disk.get(digest)
-            if data is not None:
-                found[digest] = data
+            cached = self.disk.get(digest)
+            if cached is not None:
+                found[digest] = cached
         return found

@@ -753,14 +753,14 @@ class BlobStore:
         """
         # Step 3: offer the supplied blobs to the cache of each category.
         to_disk: list[tuple[str, bytes]] = []
-        for digest, data in supplied.items():
+        for digest, payload in supplied.items():
             kinds = program_blobs.get(digest)
             if not kinds:
                 continue
             if kinds & MEMORY_KINDS:
-                self.memory.put(digest, data)
+                self.memory.put(digest, payload)
             if FILE_KIND in kinds:
-                to_disk.append((digest, data))
+                to_disk.append((digest, payload))
         disk_wanted = [
             digest
             for digest, kinds in program_blobs.items()
@@ -780,7 +780,7 @@ class BlobStore:
         found: dict[str, bytes] = {}
         missing: list[str] = []
         for digest, kinds in program_blobs.items():
-            data: bytes | None = supplied.get(digest)
+            data = supplied.get(digest)
             if data is None:
                 data = from_disk.get(digest)
             if data is None and kinds & MEMORY_KINDS:

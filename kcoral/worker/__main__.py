@@ -1,0 +1,130 @@
+# -*- test-case-name: tests.integration.test_worker_process -*-
+"""
+C{python -m kcoral.worker}: one worker process.
+
+The parent writes messages on fd 3 and reads ours on fd 4 (see
+docs/architecture.md, "The control channel").  Fds 1 and 2 stay free for
+diagnostics and, while a program runs, for its captured output; channel bytes
+never travel on them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import traceback
+from collections.abc import Sequence
+from typing import IO, Any
+
+from kcoral.wire.channel import read_message, write_message
+from kcoral.worker.builtins import registry_for
+from kcoral.worker.devices import make_backend
+from kcoral.worker.engine import Engine, Request
+from kcoral.worker.lease import LeaseClient, NullLease
+
+#: The control channel's file descriptors.
+INBOX_FD = 3
+OUTBOX_FD = 4
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m kcoral.worker")
+    parser.add_argument("--device", choices=("cpu", "gpu"), required=True)
+    parser.add_argument("--gpu-ordinal", type=int, default=0)
+    parser.add_argument("--tensor-api", choices=("auto", "torch", "pycuda"), default="auto")
+    parser.add_argument(
+        "--max-requests",
+        type=int,
+        default=1,
+        help="programs served before the worker retires; 0 means unlimited",
+    )
+    return parser.parse_args(argv)
+
+
+def _detach() -> None:
+    """Lead our own session (so the parent can kill our process group); ignore SIGINT."""
+    if os.getsid(0) != os.getpid():
+        try:
+            os.setsid()
+        except OSError:
+            pass
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def serve(
+    inbox: IO[bytes],
+    outbox: IO[bytes],
+    device: str,
+    max_requests: int = 1,
+    **backend_options: Any,
+) -> int:
+    """Handshake, then run programs until told to exit; return the exit status."""
+    try:
+        backend = make_backend(device, **backend_options)
+        target = backend.target()
+        versions = backend.versions()
+    except Exception as e:
+        traceback.print_exc()
+        write_message(outbox, {"type": "failed", "error": f"{type(e).__name__}: {e}"})
+        return 1
+    lease: Any = LeaseClient(inbox, outbox) if backend.uses_lease else NullLease()
+    engine = Engine(
+        backend,
+        lease,
+        registry_for(backend),
+        send=lambda header: write_message(outbox, header),
+    )
+    write_message(
+        outbox,
+        {
+            "type": "ready",
+            "pid": os.getpid(),
+            "target": target,
+            "versions": versions,
+            "device": backend.name,
+        },
+    )
+    served = 0
+    blobs: dict[str, bytes] = {}
+    while True:
+        message = read_message(inbox)
+        if message is None or message.type == "exit":
+            return 0
+        if message.type == "blob":
+            blobs[str(message.header["digest"])] = message.payload
+        elif message.type == "execute":
+            served += 1
+            retiring = max_requests > 0 and served >= max_requests
+            request = Request.from_message(message.header, blobs)
+            blobs = {}
+            outcome = engine.run(request, retiring=retiring)
+            header, payload = outcome.to_message()
+            write_message(outbox, header, payload)
+            if outcome.retire is not None:
+                return 0
+        else:
+            print(f"kcoral worker: ignoring message {message.type!r}", file=sys.stderr, flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    _detach()
+    for fd in (INBOX_FD, OUTBOX_FD):
+        os.set_inheritable(fd, False)
+    inbox = os.fdopen(INBOX_FD, "rb", buffering=1 << 16)
+    outbox = os.fdopen(OUTBOX_FD, "wb", buffering=1 << 16)
+    options: dict[str, Any] = {}
+    if args.device == "gpu":
+        options = {"gpu_ordinal": args.gpu_ordinal, "tensor_api": args.tensor_api}
+    try:
+        return serve(inbox, outbox, args.device, args.max_requests, **options)
+    except BrokenPipeError:
+        return 1
+    finally:
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

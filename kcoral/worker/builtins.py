@@ -1,0 +1,146 @@
+# -*- test-case-name: tests.unit.test_worker_engine -*-
+"""
+The builtin registry: wire name (C{builtin.zeros}) to C{(callable, cpu_only)}.
+
+A C{run} whose C{fn} is a legacy builtin name (protocol §10.2) calls the
+registered callable with the resolved arguments; L{kcoral.builtins} exposes the
+same functions to uploaded Python.  The CPU table below makes every builtin
+fail with C{unavailable} except C{builtin.compile_cuda_binary}; a backend adds
+or overrides entries through its optional C{builtins()} method.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+
+from kcoral.errors import ExecutionError
+
+Builtin = tuple[Callable[..., Any], bool]
+
+_C_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+#: Default seconds allowed to one compile_cuda_binary call.
+COMPILE_TIMEOUT_SECONDS = 300.0
+
+
+@attrs.frozen
+class CudaSource:
+    """The handle of an C{upload module} with C{language: cuda}: its text."""
+
+    source: str
+
+    def get_function(self, name: str) -> CudaFunction:
+        """
+        The named function of this source.
+
+        @raise ExecutionError: C{parse} when C{name} is not a C identifier or
+            is C{main}.
+        """
+        if not _C_IDENTIFIER.match(name):
+            raise ExecutionError("parse", f"CUDA function name {name!r} is not a C identifier")
+        if name == "main":
+            raise ExecutionError("parse", "CUDA function name 'main' is not allowed")
+        return CudaFunction(self.source, name)
+
+
+@attrs.frozen
+class CudaFunction:
+    """A named function of a CUDA source, consumed by the compile builtins."""
+
+    source: str
+    name: str
+
+
+def _unavailable(name: str) -> Callable[..., Any]:
+    def builtin(*args: Any) -> Any:
+        raise ExecutionError("unavailable", f"{name} is unavailable in CPU mode")
+
+    builtin.__name__ = name.rpartition(".")[2]
+    builtin.__qualname__ = builtin.__name__
+    builtin._kcoral_placeholder = True  # type: ignore[attr-defined]
+    return builtin
+
+
+def _split_cfg(args: tuple[Any, ...]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if args and isinstance(args[-1], dict):
+        return args[:-1], args[-1]
+    return args, {}
+
+
+def compile_cuda_binary(source: Any, *rest: Any) -> bytes:
+    """
+    Compile CUDA source for an explicit C{arch}; return the image's bytes.
+
+    C{source} is a L{CudaFunction} (or the source text); the trailing C{cfg}
+    is C{{arch: str, extra_cuda_cflags?: [str], timeout_seconds?: number}}.
+    The compiler lives in L{kcoral.compilers}; without it this is
+    C{unavailable}.
+    """
+    args, cfg = _split_cfg(rest)
+    if args:
+        raise ExecutionError("parse", "compile_cuda_binary expects (source, cfg)")
+    if isinstance(source, CudaFunction):
+        text = source.source
+    elif isinstance(source, str):
+        text = source
+    else:
+        raise ExecutionError(
+            "parse", "compile_cuda_binary expects the get_function handle of a CUDA module"
+        )
+    arch = cfg.get("arch")
+    if not isinstance(arch, str):
+        raise ExecutionError("parse", "compile_cuda_binary: 'arch' must be a string")
+    flags = cfg.get("extra_cuda_cflags", [])
+    if not isinstance(flags, (list, tuple)) or not all(isinstance(f, str) for f in flags):
+        raise ExecutionError(
+            "parse", "compile_cuda_binary: 'extra_cuda_cflags' must be a list of strings"
+        )
+    timeout = cfg.get("timeout_seconds", COMPILE_TIMEOUT_SECONDS)
+    try:
+        from kcoral.compilers import compile_binary  # type: ignore[attr-defined]
+    except ImportError as e:
+        raise ExecutionError(
+            "unavailable", f"builtin.compile_cuda_binary is unavailable: {e}"
+        ) from None
+    return bytes(compile_binary(text, arch, tuple(flags), float(timeout)))
+
+
+#: Wire names of every builtin and whether it is registered C{cpu_only}.
+CPU_ONLY = {
+    "builtin.randn": False,
+    "builtin.empty": False,
+    "builtin.zeros": False,
+    "builtin.compile_tirx": False,
+    "builtin.compile_cuda": True,
+    "builtin.compile_cuda_binary": True,
+    "builtin.compile_cutedsl": True,
+    "builtin.compile_triton": True,
+    "builtin.benchmark": False,
+    "builtin.check_close": False,
+    "builtin.assert_close": False,
+}
+
+
+def cpu_builtins() -> dict[str, Builtin]:
+    """The builtin table of a CPU worker."""
+    table: dict[str, Builtin] = {
+        name: (_unavailable(name), cpu_only) for name, cpu_only in CPU_ONLY.items()
+    }
+    table["builtin.compile_cuda_binary"] = (compile_cuda_binary, True)
+    return table
+
+
+def registry_for(backend: Any) -> dict[str, Builtin]:
+    """
+    The builtin table for C{backend}: the CPU table updated with the
+    backend's optional C{builtins()} mapping.
+    """
+    table = cpu_builtins()
+    extra: Callable[[], Mapping[str, Builtin]] | None = getattr(backend, "builtins", None)
+    if extra is not None:
+        table.update(extra())
+    return table

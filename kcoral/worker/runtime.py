@@ -1,0 +1,40 @@
+# -*- test-case-name: tests.unit.test_worker_engine -*-
+"""
+Process-wide accessors for what builtins need: the worker's device backend,
+its lease client and its builtin registry.
+
+A worker process installs these once at startup (L{install}); importable
+helpers such as L{kcoral.builtins.benchmark} read them back.  Outside a worker
+nothing is installed and the accessors return C{None}.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_state: dict[str, Any] = {"backend": None, "lease": None, "builtins": None}
+
+
+def install(backend: Any, lease: Any, builtins: Any) -> None:
+    """Make C{backend}, C{lease} and C{builtins} the current ones."""
+    _state.update(backend=backend, lease=lease, builtins=builtins)
+
+
+def uninstall() -> None:
+    """Forget the current backend, lease and builtins."""
+    _state.update(backend=None, lease=None, builtins=None)
+
+
+def current_backend() -> Any:
+    """The worker's L{IDeviceBackend}, or C{None} outside a worker."""
+    return _state["backend"]
+
+
+def current_lease() -> Any:
+    """The worker's L{ILeaseClient}, or C{None} outside a worker."""
+    return _state["lease"]
+
+
+def current_builtins() -> Any:
+    """The worker's builtin registry, or C{None} outside a worker."""
+    return _state["builtins"]

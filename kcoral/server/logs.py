@@ -1,0 +1,620 @@
+# -*- test-case-name: tests.unit.test_logs -*-
+"""
+Operator-visible logs: the run directory, C{events.jsonl}, the console
+mirror and saved programs (server spec section 8).
+
+Every operator-visible event is an ordinary L{twisted.logger} event that
+carries C{kcoral_event} (the catalogue's event name) and that event's fields
+as keys; emitters pick the level (C{log.info}, C{log.warn}, C{log.error})
+and a format string of their own::
+
+    log.info(
+        "request {request_id} routed to {worker_id}",
+        kcoral_event="request_routed",
+        request_id=request_id,
+        worker_id=worker_id,
+        ...
+    )
+
+The observers here select those events:
+
+  - L{JsonEventObserver} writes one compact JSON line per event, normally
+    into a size-rotated L{LogFile} (C{events.jsonl}, C{events.jsonl.1}, ...).
+  - L{ConsoleObserver} mirrors them on stderr in the spec's
+    C{<timestamp> <LEVEL> <event> key=value} format.
+  - L{ProgramRecorder} saves the raw program of each accepted request.
+
+L{install_observers} wires all of them from a L{ServerConfig} and returns a
+L{LogSetup} that removes them again.  Creating the run directory and opening
+files blocks; it happens once, at startup, before the HTTP port is bound.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import sys
+from collections.abc import Iterable, Mapping
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import IO, Any
+
+import attrs
+from twisted.logger import (
+    FilteringLogObserver,
+    ILogObserver,
+    LogBeginner,
+    LogLevel,
+    LogLevelFilterPredicate,
+    LogPublisher,
+    PredicateResult,
+    globalLogPublisher,
+    textFileLogObserver,
+)
+from twisted.python.logfile import BaseLogFile, LogFile
+from zope.interface import implementer
+
+__all__ = [
+    "CONSOLE_SKIPPED_KEYS",
+    "DEFAULT_MAX_ROTATED_FILES",
+    "DEFAULT_ROTATE_LENGTH",
+    "EVENT_KEY",
+    "ConsoleObserver",
+    "JsonEventObserver",
+    "LogSetup",
+    "ProgramRecorder",
+    "RunDirectory",
+    "event_fields",
+    "event_level_for_finish_reason",
+    "event_level_for_retire_reason",
+    "format_timestamp",
+    "install_observers",
+    "twisted_console_observer",
+    "is_kcoral_event",
+    "level_name",
+]
+
+#: The event key that marks an operator-visible event; its value is the
+#: catalogue's event name.
+EVENT_KEY = "kcoral_event"
+
+#: Default size at which C{events.jsonl} is rotated (64 MiB).
+DEFAULT_ROTATE_LENGTH = 64 * 1024 * 1024
+
+#: Default number of rotated files kept (C{events.jsonl.1} ... C{.10}).
+DEFAULT_MAX_ROTATED_FILES = 10
+
+#: Fields never shown on the console (they are long or nested).
+CONSOLE_SKIPPED_KEYS = frozenset({"traceback", "versions", "config", "ops", "uploads"})
+
+#: Longest console value before it is cut and followed by C{...}.
+CONSOLE_VALUE_LIMIT = 120
+
+#: How much of C{repr(fields)} a reduced record keeps.
+UNENCODABLE_LIMIT = 2000
+
+_LEVEL_NAMES = {
+    LogLevel.debug: "DEBUG",
+    LogLevel.info: "INFO",
+    LogLevel.warn: "WARNING",
+    LogLevel.error: "ERROR",
+    LogLevel.critical: "CRITICAL",
+}
+
+_FINISH_LEVELS = {
+    "completed": LogLevel.info,
+    "program_failed": LogLevel.info,
+    "timeout": LogLevel.warn,
+    "crashed": LogLevel.error,
+    "no_worker": LogLevel.warn,
+    "rejected": LogLevel.warn,
+    "cache_miss": LogLevel.info,
+    "server_error": LogLevel.error,
+}
+
+_RETIRE_LEVELS = {
+    "request_limit": LogLevel.info,
+    "poisoned_context": LogLevel.warn,
+    "sandbox_cleanup": LogLevel.warn,
+    "timeout": LogLevel.warn,
+    "crashed": LogLevel.error,
+}
+
+_HEADER_KEYS = ("timestamp", "level", "event")
+
+
+def event_level_for_finish_reason(reason: str) -> LogLevel:
+    """
+    The level of a C{request_finished} event (spec section 8.4).
+
+    @param reason: the event's C{finish_reason}.
+    @return: C{info} for C{completed}, C{program_failed}, C{cache_miss} and
+        anything unknown (such as C{invalid_request}); C{warn} for
+        C{timeout}, C{no_worker} and C{rejected}; C{error} for C{crashed} and
+        C{server_error}.
+    """
+    return _FINISH_LEVELS.get(reason, LogLevel.info)
+
+
+def event_level_for_retire_reason(reason: str) -> LogLevel:
+    """
+    The level of a C{worker_retired} event (spec section 8.4).
+
+    @param reason: the event's C{reason}.
+    @return: C{info} for C{request_limit}; C{warn} for C{poisoned_context},
+        C{sandbox_cleanup}, C{timeout} and any reason the spec does not
+        name; C{error} for C{crashed}.
+    """
+    return _RETIRE_LEVELS.get(reason, LogLevel.warn)
+
+
+def is_kcoral_event(event: Mapping[str, Any]) -> bool:
+    """
+    Whether C{event} is an operator-visible event (it carries C{kcoral_event}).
+    """
+    return event.get(EVENT_KEY) is not None
+
+
+def level_name(level: object) -> str:
+    """
+    The record's C{level} text for a L{LogLevel}: C{DEBUG}, C{INFO},
+    C{WARNING}, C{ERROR} or C{CRITICAL} (C{INFO} when the event has none).
+    """
+    if level is None:
+        return "INFO"
+    name = _LEVEL_NAMES.get(level)  # type: ignore[call-overload]
+    if name is not None:
+        return name
+    return str(getattr(level, "name", level)).upper()
+
+
+def format_timestamp(log_time: float | None) -> str:
+    """
+    Format a POSIX time as UTC ISO-8601 with milliseconds and C{Z}, e.g.
+    C{2026-08-29T18:42:11.019Z}.
+
+    @param log_time: seconds since the epoch (an event's C{log_time});
+        C{None} uses the current time.
+    """
+    if log_time is None:
+        moment = datetime.now(timezone.utc)
+    else:
+        moment = datetime.fromtimestamp(log_time, timezone.utc)
+    return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
+
+
+def _is_legacy_artifact(key: str, value: Any, event: Mapping[str, Any]) -> bool:
+    # LegacyLogObserverWrapper (twistd, log.startLogging) edits the event dict
+    # in place before later observers see it; leave its additions out.
+    if key == "isError":
+        return True
+    if key == "format":
+        return value == "%(log_legacy)s" or "log_format" in event
+    if key == "message":
+        return value == ()
+    if key == "time":
+        return value == event.get("log_time")
+    if key == "system":
+        return value == event.get("log_system", "-")
+    if key in ("failure", "why"):
+        return "log_failure" in event
+    return False
+
+
+def event_fields(event: Mapping[str, Any]) -> dict[str, Any]:
+    """
+    The catalogue fields of a kcoral event, in the order they were passed.
+
+    Twisted's own C{log_*} keys, C{kcoral_event} and the keys a legacy
+    observer may have added are left out.
+    """
+    return {
+        key: value
+        for key, value in event.items()
+        if not key.startswith("log_")
+        and key != EVENT_KEY
+        and not _is_legacy_artifact(key, value, event)
+    }
+
+
+def _below(level: object, minimum: LogLevel) -> bool:
+    try:
+        return level is not None and level < minimum  # type: ignore[operator]
+    except TypeError:
+        return False
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    return repr(value)
+
+
+def _encode(record: Mapping[str, Any]) -> str:
+    return json.dumps(
+        record,
+        ensure_ascii=False,
+        allow_nan=False,
+        separators=(",", ":"),
+        default=_json_default,
+    )
+
+
+def _safe_repr(value: Any) -> str:
+    try:
+        return repr(value)
+    except Exception as e:  # a broken __repr__ must not lose the record
+        return f"<unrepresentable {type(value).__name__}: {type(e).__name__}>"
+
+
+def _is_binary(stream: Any) -> bool:
+    if isinstance(stream, (BaseLogFile, io.RawIOBase, io.BufferedIOBase)):
+        return True
+    mode = getattr(stream, "mode", None)
+    return isinstance(mode, str) and "b" in mode
+
+
+@implementer(ILogObserver)
+class JsonEventObserver:
+    """
+    Write each kcoral event as one compact JSON line (spec section 8.2).
+
+    A record is C{timestamp}, C{level}, C{event}, then the event's fields.
+    Paths become strings and other non-JSON objects their C{repr}.  If the
+    record still cannot be encoded (NaN, a non-string key, a cycle) a reduced
+    record with C{unencodable_fields} is written instead.  Events without
+    C{kcoral_event} are ignored, and so is anything that goes wrong while
+    writing: logging never fails a request.
+
+    @ivar stream: where lines go; a text or binary file-like object, usually
+        a rotating L{LogFile}.  Each line is written with one C{write} call
+        and flushed.
+    @ivar min_level: events below this level are not written (they may
+        still feed C{/metrics}); C{LogLevel.info} unless given.
+    """
+
+    def __init__(self, stream: IO[Any] | BaseLogFile, *, min_level: LogLevel = LogLevel.info):
+        self.stream = stream
+        self.min_level = min_level
+        self._binary = _is_binary(stream)
+
+    def record(self, event: Mapping[str, Any]) -> str:
+        """
+        Render the JSON line (without its newline) for a kcoral event.
+        """
+        header = {
+            "timestamp": format_timestamp(event.get("log_time")),
+            "level": level_name(event.get("log_level")),
+            "event": event[EVENT_KEY],
+        }
+        fields = event_fields(event)
+        record = dict(header)
+        for key, value in fields.items():
+            # A field cannot replace the header; keep it under another name.
+            record["field_" + key if key in _HEADER_KEYS else key] = value
+        try:
+            return _encode(record)
+        except Exception:
+            reduced = dict(header)
+            if not isinstance(reduced["event"], str):
+                reduced["event"] = _safe_repr(reduced["event"])
+            reduced["unencodable_fields"] = _safe_repr(fields)[:UNENCODABLE_LIMIT]
+            return _encode(reduced)
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        if not is_kcoral_event(event):
+            return
+        if _below(event.get("log_level"), self.min_level):
+            return
+        try:
+            line = self.record(event) + "\n"
+            self.stream.write(line.encode("utf-8") if self._binary else line)
+            self.stream.flush()
+        except Exception:
+            # Disk full, closed file, ...: never let logging fail the caller.
+            pass
+
+
+def _console_value(value: Any) -> str:
+    if isinstance(value, float):
+        text = f"{value:.1f}"
+    else:
+        text = str(value)
+    if len(text) > CONSOLE_VALUE_LIMIT:
+        text = text[:CONSOLE_VALUE_LIMIT] + "..."
+    return text
+
+
+@implementer(ILogObserver)
+class ConsoleObserver:
+    """
+    Mirror kcoral events on the console (spec section 8.3)::
+
+        2026-08-29T18:42:11.019Z INFO    pool_ready sandbox=bubblewrap mode=gpu workers=8
+
+    C{traceback}, C{versions}, C{config}, C{ops}, C{uploads} and fields whose
+    value is C{None} are skipped; floats print with one decimal; a value
+    longer than 120 characters is cut and followed by C{...}.  Each line is
+    flushed.  Write errors are ignored.
+
+    @ivar stream: a text stream; the process's original stderr
+        (C{sys.__stderr__}) by default, which stays the terminal even when
+        a log beginner redirects C{sys.stderr} into the log system.
+    """
+
+    def __init__(
+        self, stream: IO[str] | None = None, *, min_level: LogLevel = LogLevel.info
+    ) -> None:
+        if stream is None:
+            stream = sys.__stderr__ if sys.__stderr__ is not None else sys.stderr
+        self.stream = stream
+        self.min_level = min_level
+
+    @staticmethod
+    def format(event: Mapping[str, Any]) -> str:
+        """
+        Render the console line (without its newline) for a kcoral event.
+        """
+        parts = [
+            format_timestamp(event.get("log_time")),
+            f"{level_name(event.get('log_level')):<7}",
+            str(event[EVENT_KEY]),
+        ]
+        for key, value in event_fields(event).items():
+            if key in CONSOLE_SKIPPED_KEYS or value is None:
+                continue
+            parts.append(f"{key}={_console_value(value)}")
+        return " ".join(parts)
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        if not is_kcoral_event(event):
+            return
+        if _below(event.get("log_level"), self.min_level):
+            return
+        try:
+            self.stream.write(self.format(event) + "\n")
+            self.stream.flush()
+        except Exception:
+            pass
+
+
+def _not_kcoral(event: Mapping[str, Any]) -> PredicateResult:
+    return PredicateResult.no if is_kcoral_event(event) else PredicateResult.maybe
+
+
+def twisted_console_observer(stream: IO[str], level: LogLevel = LogLevel.warn) -> ILogObserver:
+    """
+    An observer that shows Twisted's own events (not kcoral events) at
+    C{level} or above as text, so tracebacks from C{log.failure} and
+    unhandled errors in Deferreds still reach the console.
+    """
+    predicate = LogLevelFilterPredicate(defaultLogLevel=level)
+    return FilteringLogObserver(textFileLogObserver(stream), [_not_kcoral, predicate])
+
+
+@attrs.frozen
+class RunDirectory:
+    """
+    The directory of one server run: C{<log_dir>/runs/<UTC start time>/}.
+
+    @ivar path: the run directory (absolute).
+    @ivar events_path: C{events.jsonl} inside it (created by the observer).
+    @ivar programs_dir: C{programs/} inside it.
+    """
+
+    path: Path
+    events_path: Path
+    programs_dir: Path
+
+    @staticmethod
+    def name_for(now: datetime) -> str:
+        """
+        The run directory name for a start time: C{YYYYMMDDTHHMMSS.ffffffZ}
+        in UTC.  A naive C{now} is taken to be UTC already.
+        """
+        if now.tzinfo is not None:
+            now = now.astimezone(timezone.utc)
+        return now.strftime("%Y%m%dT%H%M%S.%fZ")
+
+    @classmethod
+    def create(
+        cls, log_dir: str | os.PathLike[str], now: datetime, *, programs: bool = True
+    ) -> RunDirectory:
+        """
+        Create the run directory.  BLOCKING: call it once, at startup.
+
+        C{log_dir} is C{~}-expanded and made absolute and C{runs/} is created
+        as needed.  If the name is taken, C{-1}, C{-2}, ... is appended.
+
+        @param log_dir: the configured log directory.
+        @param now: the server's start time.
+        @param programs: create C{programs/} as well.
+        @raise OSError: when the directory cannot be created.
+        """
+        base = Path(log_dir).expanduser().absolute()
+        runs = base / "runs"
+        runs.mkdir(parents=True, exist_ok=True)
+        name = cls.name_for(now)
+        suffix = 0
+        while True:
+            path = runs / (name if suffix == 0 else f"{name}-{suffix}")
+            try:
+                path.mkdir()
+            except FileExistsError:
+                suffix += 1
+                continue
+            break
+        programs_dir = path / "programs"
+        if programs:
+            programs_dir.mkdir()
+        return cls(path=path, events_path=path / "events.jsonl", programs_dir=programs_dir)
+
+
+@attrs.define
+class ProgramRecorder:
+    """
+    Save the raw C{program} part of each accepted request as
+    C{programs/<request_id>.json}.
+
+    @ivar programs_dir: the run's C{programs/} directory.
+    """
+
+    programs_dir: Path = attrs.field(converter=Path)
+
+    @staticmethod
+    def file_name(request_id: str) -> str | None:
+        """
+        The file name for C{request_id}, or C{None} when the id could escape
+        the directory (a separator, NUL, C{.} or C{..}, empty).
+        """
+        if not isinstance(request_id, str) or not request_id:
+            return None
+        if any(c in request_id for c in ("/", "\\", "\0")) or request_id in (".", ".."):
+            return None
+        return f"{request_id}.json"
+
+    def save(self, request_id: str, program_bytes: bytes) -> str | None:
+        """
+        Write the program.  BLOCKING: the server calls it in a thread.
+
+        The bytes go to a temporary file that is then renamed, so a reader
+        never sees half a program.
+
+        @return: the file name (C{<request_id>.json}) for the
+            C{request_accepted} event's C{program} field, or C{None} when the
+            id is refused or the write failed.
+        """
+        name = self.file_name(request_id)
+        if name is None:
+            return None
+        target = self.programs_dir / name
+        temporary = self.programs_dir / f".{name}.tmp"
+        try:
+            self.programs_dir.mkdir(parents=True, exist_ok=True)
+            with open(temporary, "wb") as f:
+                f.write(program_bytes)
+            os.replace(temporary, target)
+        except Exception:
+            try:
+                temporary.unlink()
+            except OSError:
+                pass
+            return None
+        return name
+
+
+@attrs.define
+class LogSetup:
+    """
+    What L{install_observers} installed.
+
+    @ivar run_dir: the run directory, or C{None} without file logging.
+    @ivar recorder: saves programs, or C{None} when programs are not saved.
+    @ivar observers: every observer added to C{publisher}, in order.
+    @ivar publisher: the publisher they were added to.
+    @ivar events_file: the rotating C{events.jsonl}, or C{None}.
+    """
+
+    run_dir: RunDirectory | None
+    recorder: ProgramRecorder | None
+    observers: list[ILogObserver]
+    publisher: LogPublisher
+    events_file: LogFile | None = None
+    _closed: bool = False
+
+    def close(self) -> None:
+        """
+        Remove the observers and close the events file.  Idempotent.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        for observer in self.observers:
+            self.publisher.removeObserver(observer)
+        if self.events_file is not None:
+            try:
+                self.events_file.close()
+            except Exception:
+                pass
+
+
+def install_observers(
+    config: Any,
+    *,
+    publisher: LogPublisher | None = None,
+    log_beginner: LogBeginner | None = None,
+    now: datetime | None = None,
+    console_stream: IO[str] | None = None,
+    rotate_length: int = DEFAULT_ROTATE_LENGTH,
+    max_rotated_files: int = DEFAULT_MAX_ROTATED_FILES,
+    extra_observers: Iterable[ILogObserver] = (),
+) -> LogSetup:
+    """
+    Create the run directory and add the observers the configuration asks
+    for.  BLOCKING (directory creation, opening C{events.jsonl}): call it
+    once at startup, before the HTTP port is bound.
+
+      - C{config.log_dir} set: a L{RunDirectory} and a L{JsonEventObserver}
+        writing a L{LogFile} rotated at C{rotate_length} bytes, keeping
+        C{max_rotated_files} old files; and, when C{config.log_programs}, a
+        L{ProgramRecorder}.  C{log_dir=None}: nothing touches the disk.
+      - C{config.log_console}: a L{ConsoleObserver} and a text observer for
+        Twisted's own events at warning level or above.
+      - C{extra_observers} (for instance L{kcoral.server.metrics.Metrics} and
+        L{kcoral.server.status.RecentRequests}) are added after those, so
+        L{LogSetup.close} removes them too.
+
+    @param config: a L{kcoral.config.ServerConfig} (only C{log_dir},
+        C{log_console} and C{log_programs} are read).
+    @param publisher: where observers are added and later removed;
+        L{globalLogPublisher} by default.
+    @param log_beginner: when given (a plain process outside twistd), its
+        C{beginLoggingTo} is called with the observers, which ends its
+        startup buffering and replays buffered events; C{publisher} must then
+        be that beginner's publisher.  Under twistd leave it out.
+    @param now: the start time naming the run directory; the current UTC
+        time by default.
+    @param console_stream: the console; the original stderr by default.
+    @param rotate_length: size in bytes at which C{events.jsonl} rotates.
+    @param max_rotated_files: rotated files kept.
+    @param extra_observers: more observers to add and remove with these.
+    """
+    if publisher is None:
+        publisher = globalLogPublisher
+    observers: list[ILogObserver] = []
+    run_dir = None
+    recorder = None
+    events_file = None
+    if config.log_dir is not None:
+        run_dir = RunDirectory.create(
+            config.log_dir,
+            now if now is not None else datetime.now(timezone.utc),
+            programs=bool(config.log_programs),
+        )
+        events_file = LogFile(
+            run_dir.events_path.name,
+            str(run_dir.path),
+            rotateLength=rotate_length,
+            maxRotatedFiles=max_rotated_files,
+        )
+        observers.append(JsonEventObserver(events_file))
+        if config.log_programs:
+            recorder = ProgramRecorder(run_dir.programs_dir)
+    if config.log_console:
+        console = ConsoleObserver(console_stream)
+        observers.append(console)
+        observers.append(twisted_console_observer(console.stream))
+    observers.extend(extra_observers)
+    if log_beginner is not None:
+        log_beginner.beginLoggingTo(observers, redirectStandardIO=False)
+    else:
+        for observer in observers:
+            publisher.addObserver(observer)
+    return LogSetup(
+        run_dir=run_dir,
+        recorder=recorder,
+        observers=observers,
+        publisher=publisher,
+        events_file=events_file,
+    )

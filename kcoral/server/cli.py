@@ -58,7 +58,7 @@ def stderr_log_observer() -> ILogObserver:
     Called before twistd redirects C{sys.stderr} into the log, so it holds
     the real stream.
     """
-    observer: ILogObserver = textFileLogObserver(sys.stderr)
+    observer: ILogObserver = textFileLogObserver(sys.stderr)  # type: ignore[assignment]
     return observer
 
 
@@ -108,7 +108,7 @@ class _KcoralServiceMaker:
 def _default_run_app(config: usage.Options) -> None:
     from twisted.scripts.twistd import runApp
 
-    runApp(config)
+    runApp(config)  # type: ignore[no-untyped-call]
 
 
 def _exit_code(exc: SystemExit, err: IO[str]) -> int:
@@ -170,12 +170,12 @@ def _server(
     env: Mapping[str, str],
     run_app: Callable[[usage.Options], object],
 ) -> int:
-    from twisted.scripts.twistd import ServerOptions
+    from twisted.scripts.twistd import ServerOptions  # type: ignore[attr-defined]
 
     from kcoral.server import tap
 
     options = tap.Options(environ=env)
-    options.synopsis = _SERVER_SYNOPSIS
+    options.synopsis = _SERVER_SYNOPSIS  # type: ignore[attr-defined]
     try:
         with contextlib.redirect_stdout(out):
             options.parseOptions(flags)
@@ -193,10 +193,15 @@ def _server(
         )
 
     maker = _KcoralServiceMaker(env)
-    twistd_config = ServerOptions(stdout=out)
-    twistd_config._getPlugins = lambda interface: [maker]
+
+    def get_plugins(interface: Any, package: Any = None) -> list[Any]:
+        # Only the kcoral plugin, whether or not twisted/plugins is on sys.path.
+        return [maker]
+
+    twistd_config = ServerOptions(stdout=out)  # type: ignore[no-untyped-call]
+    twistd_config._getPlugins = get_plugins
     try:
-        twistd_config.parseOptions(twistd_args(flags))
+        twistd_config.parseOptions(twistd_args(flags))  # type: ignore[no-untyped-call]
     except usage.UsageError as e:
         err.write(f"kcoral server: error: {e}\n")
         return 2

@@ -4,33 +4,84 @@ L{ICompilerBackend}: how CUDA C becomes a module image or a launchable kernel.
 
 Providers are found with C{twisted.plugin.getPlugins(ICompilerBackend,
 kcoral.plugins)}, so a third party adds one by dropping a module into
-C{kcoral/plugins/}.
+C{kcoral/plugins/} (or into a C{kcoral/plugins} directory, without
+C{__init__.py}, anywhere else on C{sys.path}).
+
+This module must stay cheap to import: only C{zope.interface}.
 """
 
 from __future__ import annotations
 
 from zope.interface import Attribute, Interface
 
+#: L{ICompilerBackend.kind} of a backend whose C{compile} produces a module
+#: image (cubin/fatbin) meant to be shipped and loaded elsewhere, later.
+KIND_BINARY = "binary"
+
+#: L{ICompilerBackend.kind} of a backend that runs where the GPU is and whose
+#: image is meant to be loaded right away into the current context.
+KIND_LOADABLE = "loadable"
+
+KINDS = (KIND_BINARY, KIND_LOADABLE)
+
 
 class MissingBackend(LookupError):
     """No compiler backend has the requested name."""
 
 
-class ICompilerBackend(Interface):
-    """A compiler of CUDA C source."""
+class DuplicateBackend(ValueError):
+    """Two discovered compiler backends have the same C{name}."""
 
-    name = Attribute("Unique name, e.g. C{'nvcc'} or C{'sourcemodule'}.")
+
+class ICompilerBackend(Interface):
+    """
+    A compiler of CUDA C source into a CUDA module image.
+
+    Implementations must be usable from several threads at once: C{compile}
+    keeps its scratch files private to the call.
+    """
+
+    name = Attribute(
+        "Unique C{str} name, e.g. C{'nvcc'} or C{'sourcemodule'}; the key used by "
+        "L{kcoral.compilers.get_backend} and part of the compile-cache key."
+    )
+
+    kind = Attribute(
+        "C{'binary'} (source -> module image bytes for a named arch, no GPU needed, "
+        "e.g. nvcc) or C{'loadable'} (compiles where the GPU is, for loading into "
+        "the current context, e.g. PyCUDA SourceModule)."
+    )
 
     def available() -> tuple[bool, str]:
-        """C{(True, '')} when usable here, else C{(False, reason)}."""
+        """
+        Whether the backend can compile here.
+
+        @return: C{(True, '')} when usable, else C{(False, reason)} where
+            C{reason} is a human-readable sentence naming what is missing.
+            Never raises.
+        """
 
     def versions() -> dict[str, str]:
-        """Toolchain versions, shown in /health."""
+        """
+        Toolchain versions, shown in /health and part of the compile-cache key.
+
+        @return: a mapping such as C{{'nvcc': '13.0.88'}}; empty when the
+            toolchain is unavailable. Never raises.
+        """
 
     def compile(source: str, arch: str, options: tuple[str, ...], timeout: float) -> bytes:
         """
         Compile C{source} for C{arch} into a module image.
 
-        @raise kcoral.errors.ExecutionError: C{compile} with diagnostics,
-            C{parse} for a bad arch or flag, C{unavailable} without a toolchain.
+        @param source: CUDA C++ source text.
+        @param arch: target architecture, C{sm_NN[a|f]} or C{compute_NN[a|f]}.
+        @param options: extra compiler flags, one argument per element.
+        @param timeout: wall-clock limit in seconds for the whole compilation.
+
+        @return: the module image bytes (for nvcc a cubin for exactly C{arch}),
+            loadable with C{cuModuleLoadData}.
+
+        @raise kcoral.errors.ExecutionError: kind C{compile} with the
+            compiler's diagnostics (or on timeout), C{parse} for a bad arch or
+            a disallowed flag, C{unavailable} without a toolchain.
         """

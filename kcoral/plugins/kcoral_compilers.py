@@ -1,0 +1,9 @@
+"""
+The built-in compiler backends, found by C{getPlugins(ICompilerBackend, kcoral.plugins)}.
+"""
+
+from kcoral.compilers.nvcc import NvccBackend
+from kcoral.compilers.sourcemodule import SourceModuleBackend
+
+nvcc = NvccBackend()
+sourcemodule = SourceModuleBackend()

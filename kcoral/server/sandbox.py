@@ -624,7 +624,9 @@ async def probe_sandbox(
     return error
 
 
-def choose_sandbox(reactor: Any, config: Any, log: Logger | None = None) -> Deferred[Any]:
+def choose_sandbox(
+    reactor: Any, config: Any, log: Logger | None = None, *, bwrap: str = "bwrap"
+) -> Deferred[Any]:
     """
     Pick the server run's L{ISandbox}: L{NoSandbox} for C{sandbox="none"}
     (no probe); else probe bubblewrap and fall back to L{NoSandbox} with a
@@ -632,17 +634,19 @@ def choose_sandbox(reactor: Any, config: Any, log: Logger | None = None) -> Defe
 
     @param config: a C{kcoral.config.ServerConfig} (C{sandbox},
         C{sandbox_readonly_paths}, C{device}, C{gpus}).
+    @param bwrap: the bwrap executable to probe and use.
     @return: a Deferred firing with the L{ISandbox} provider.
     """
-    return Deferred.fromCoroutine(_choose_sandbox(reactor, config, log or _log))
+    return Deferred.fromCoroutine(_choose_sandbox(reactor, config, log or _log, bwrap))
 
 
-async def _choose_sandbox(reactor: Any, config: Any, log: Logger) -> Any:
+async def _choose_sandbox(reactor: Any, config: Any, log: Logger, bwrap: str) -> Any:
     if config.sandbox == "none":
         return NoSandbox()
-    sandbox = BubblewrapSandbox(tuple(config.sandbox_readonly_paths or ()))
+    sandbox = BubblewrapSandbox(tuple(config.sandbox_readonly_paths or ()), bwrap=bwrap)
     if config.device == "gpu":
-        device_sets = [[str(gpu)] for gpu in config.gpus]
+        # The device node minor is taken to be the GPU id (spec 6.2's fallback).
+        device_sets = [[str(gpu)] for gpu in dict.fromkeys(config.gpus)]
     else:
         device_sets = [[]]
     error = await probe_sandbox(reactor, sandbox, gpu_device_sets=device_sets)

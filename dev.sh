@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# kcoral developer entry point.
+#   ./dev.sh serve   install everything, then start a CPU server on 127.0.0.1:8000
+#   ./dev.sh test    install everything, then run lint, type checks and the tests
+#   ./dev.sh install only install (system packages when root, then .venv)
+set -euo pipefail
+cd "$(dirname "$0")"
+
+VENV=${KCORAL_VENV:-.venv}
+PY=${PYTHON:-python3}
+
+system_packages() {
+    # bubblewrap isolates workers; chromium renders /status in a test.
+    local wanted=(bubblewrap)
+    [ "${1:-}" = test ] && wanted+=(chromium)
+    local missing=()
+    for pkg in "${wanted[@]}"; do
+        dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+    done
+    $PY -c 'import venv, ensurepip' 2>/dev/null || missing+=(python3-venv)
+    [ ${#missing[@]} -eq 0 ] && return 0
+    local sudo=""
+    [ "$(id -u)" -eq 0 ] || sudo="sudo"
+    echo "installing system packages: ${missing[*]}"
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
+}
+
+python_packages() {
+    [ -x "$VENV/bin/python" ] || $PY -m venv "$VENV"
+    "$VENV/bin/python" -m pip install -q --upgrade pip
+    "$VENV/bin/python" -m pip install -q -e '.[server,test]'
+}
+
+case "${1:-}" in
+    install)
+        system_packages test
+        python_packages
+        ;;
+    serve)
+        shift
+        system_packages
+        python_packages
+        exec "$VENV/bin/kcoral" server --device cpu "$@"
+        ;;
+    test)
+        shift
+        system_packages test
+        python_packages
+        "$VENV/bin/ruff" check kcoral tests bench
+        "$VENV/bin/ruff" format --check kcoral tests bench
+        "$VENV/bin/mypy" kcoral
+        exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"
+        ;;
+    *)
+        echo "usage: ./dev.sh {serve|test|install} [args...]" >&2
+        exit 2
+        ;;
+esac

@@ -1,0 +1,29 @@
+"""
+kcoral: a Twisted server that compiles, runs and times GPU programs.
+
+Public names are imported lazily, so a worker that imports C{kcoral.errors}
+or C{kcoral.builtins} never loads Twisted, Klein or the client.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "ServerConfig": "kcoral.config",
+    "create_app": "kcoral.server.service",
+    "KCoralService": "kcoral.server.service",
+    "ExecutionError": "kcoral.errors",
+}
+
+__all__ = sorted(_LAZY) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kcoral' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

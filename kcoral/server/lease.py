@@ -1,0 +1,190 @@
+# -*- test-case-name: tests.unit.test_lease -*-
+"""
+Exclusive, FIFO, per-GPU leases arbitrated in the reactor process.
+
+Workers share a GPU; only the holder of its lease may run device work.  The
+arbiter lives on the reactor thread, so a worker that dies can never leave a
+lock behind: L{LeaseArbiter.abandon} drops everything its holder held or
+waited for.  Requests for a set of GPUs are all-or-nothing, granted in arrival
+order, and a waiting request reserves its GPUs against younger requests, so no
+one holds part of a set while waiting for the rest (no deadlock, no
+starvation).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Hashable
+
+import attrs
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.interfaces import IReactorTime
+
+
+class LeaseUnavailable(Exception):
+    """The requested GPUs are quarantined or the arbiter is closed."""
+
+
+@attrs.frozen
+class Grant:
+    """A granted lease: who holds which GPUs since when."""
+
+    holder: Hashable
+    gpus: tuple[int, ...]
+    requested_at: float
+    granted_at: float
+
+    @property
+    def wait_seconds(self) -> float:
+        return self.granted_at - self.requested_at
+
+
+@attrs.frozen
+class HoldInterval:
+    """One closed hold, kept for overlap checks and interference reports."""
+
+    gpu: int
+    holder: Hashable
+    label: Any
+    start: float
+    end: float
+
+
+@attrs.define(eq=False)
+class _Waiter:
+    holder: Hashable
+    gpus: tuple[int, ...]
+    requested_at: float
+    deferred: Deferred[Grant]
+
+
+@attrs.define
+class LeaseArbiter:
+    """
+    One lease per configured GPU.
+
+    @ivar history: the last C{history_size} closed hold intervals per GPU.
+    """
+
+    gpus: tuple[int, ...]
+    _clock: IReactorTime
+    history_size: int = 256
+    _holders: dict[int, Hashable] = attrs.field(factory=dict)
+    _labels: dict[Hashable, Any] = attrs.field(factory=dict)
+    _grants: dict[Hashable, Grant] = attrs.field(factory=dict)
+    _waiters: deque[_Waiter] = attrs.field(factory=deque)
+    _quarantined: set[int] = attrs.field(factory=set)
+    history: dict[int, deque[HoldInterval]] = attrs.field(factory=dict)
+    closed: bool = False
+
+    def acquire(
+        self, holder: Hashable, gpus: tuple[int, ...], label: Any = None
+    ) -> Deferred[Grant]:
+        """
+        Ask for every GPU in C{gpus} at once.
+
+        Re-entrant: a holder that already holds them gets its grant back at
+        once.  Cancelling the returned Deferred withdraws the request.
+
+        @param label: recorded with the hold (the request id), so a report
+            can name the request that held a GPU at some moment.
+        """
+        gpus = tuple(sorted(set(gpus)))
+        unknown = set(gpus) - set(self.gpus)
+        if unknown:
+            raise ValueError(f"unknown GPU id(s): {sorted(unknown)}")
+        existing = self._grants.get(holder)
+        if existing is not None and set(gpus) <= set(existing.gpus):
+            return Deferred.fromCoroutine(_immediate(existing))
+        if existing is not None:
+            raise RuntimeError(f"{holder!r} already holds GPUs {existing.gpus}")
+        if self.closed or self._quarantined & set(gpus):
+            d: Deferred[Grant] = Deferred()
+            d.errback(LeaseUnavailable("worker cleanup failed; device unavailable"))
+            return d
+        self._labels[holder] = label
+
+        def cancel(d: Deferred[Grant]) -> None:
+            self._waiters.remove(waiter)
+            self._dispatch()
+
+        waiter = _Waiter(holder, gpus, self._clock.seconds(), Deferred(cancel))
+        self._waiters.append(waiter)
+        self._dispatch()
+        return waiter.deferred
+
+    def release(self, holder: Hashable) -> Grant | None:
+        """
+        Give back everything C{holder} holds; wake the next waiters.
+
+        @return: the grant that ended, or C{None} if nothing was held.
+        """
+        grant = self._grants.pop(holder, None)
+        if grant is None:
+            return None
+        now = self._clock.seconds()
+        label = self._labels.pop(holder, None)
+        for gpu in grant.gpus:
+            del self._holders[gpu]
+            intervals = self.history.setdefault(gpu, deque(maxlen=self.history_size))
+            intervals.append(HoldInterval(gpu, holder, label, grant.granted_at, now))
+        self._dispatch()
+        return grant
+
+    def abandon(self, holder: Hashable) -> Grant | None:
+        """Withdraw C{holder}'s pending requests and release what it holds."""
+        for waiter in [w for w in self._waiters if w.holder == holder]:
+            self._waiters.remove(waiter)
+            waiter.deferred.errback(CancelledError(f"{holder!r} abandoned its lease"))
+        grant = self.release(holder)
+        self._labels.pop(holder, None)
+        self._dispatch()
+        return grant
+
+    def quarantine(self, gpus: tuple[int, ...]) -> None:
+        """Never grant C{gpus} again; fail the waiters that need them."""
+        self._quarantined.update(gpus)
+        for waiter in [w for w in self._waiters if self._quarantined & set(w.gpus)]:
+            self._waiters.remove(waiter)
+            waiter.deferred.errback(LeaseUnavailable("worker cleanup failed; device unavailable"))
+        self._dispatch()
+
+    def close(self) -> None:
+        """Refuse new requests (shutdown); grants and waiters already queued stand."""
+        self.closed = True
+
+    def holder_of(self, gpu: int) -> Hashable | None:
+        """Who holds C{gpu} now."""
+        return self._holders.get(gpu)
+
+    def label_of(self, holder: Hashable) -> Any:
+        """The label C{holder} acquired with."""
+        return self._labels.get(holder)
+
+    def depth(self, gpu: int) -> int:
+        """Waiters that want C{gpu}, plus one if it is held (the /health C{lease_depth})."""
+        waiting = sum(1 for w in self._waiters if gpu in w.gpus)
+        return waiting + (1 if gpu in self._holders else 0)
+
+    def _dispatch(self) -> None:
+        """Grant, oldest first, every request whose GPUs are all free and unreserved."""
+        reserved: set[int] = set()
+        granted = []
+        for waiter in self._waiters:
+            wanted = set(waiter.gpus)
+            if wanted & reserved or any(g in self._holders for g in wanted):
+                reserved |= wanted
+                continue
+            grant = Grant(waiter.holder, waiter.gpus, waiter.requested_at, self._clock.seconds())
+            for gpu in waiter.gpus:
+                self._holders[gpu] = waiter.holder
+            self._grants[waiter.holder] = grant
+            granted.append((waiter, grant))
+        for waiter, grant in granted:
+            self._waiters.remove(waiter)
+        for waiter, grant in granted:
+            waiter.deferred.callback(grant)
+
+
+async def _immediate(grant: Grant) -> Grant:
+    return grant

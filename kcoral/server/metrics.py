@@ -1,0 +1,262 @@
+# -*- test-case-name: tests.unit.test_metrics -*-
+"""
+Prometheus metrics for C{GET /metrics}.
+
+L{Metrics} is an L{ILogObserver}: it sees the same kcoral events as the log
+files and counts them, so the emitters never call metric objects directly.
+Gauges that describe current state (queue length, cache sizes, lease depth)
+are read at scrape time from a C{state()} callable.
+
+Counters and histograms (from events):
+
+  - C{kcoral_requests_total{outcome}}: C{request_finished} by
+    C{finish_reason}.
+  - C{kcoral_worker_replacements_total{reason}}: C{worker_retired} by
+    C{reason}.
+  - C{kcoral_lease_wait_seconds{gpu}}, C{kcoral_lease_held_seconds{gpu}}:
+    C{request_finished}'s C{lease_wait_ms} / C{lease_held_ms} when it has a
+    C{gpu_id}.
+  - C{kcoral_cache_hits_total{cache}}, C{kcoral_cache_misses_total{cache}},
+    C{kcoral_cache_evictions_total{cache}}: C{cache_hit}, C{cache_miss},
+    C{cache_evicted} with C{cache} = C{memory} or C{disk} and an optional
+    C{count} (default 1).
+
+Gauges (from C{state()}): C{kcoral_queue_length}, C{kcoral_active_requests},
+C{kcoral_request_capacity}, C{kcoral_cache_bytes{cache}},
+C{kcoral_lease_depth{gpu}}.
+
+The registry is private to the instance, so several servers (or tests) in
+one process do not share counters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import Collector
+from twisted.logger import ILogObserver, Logger
+from zope.interface import implementer
+
+__all__ = ["FINISH_REASONS", "LEASE_BUCKETS", "Metrics", "StateCallable"]
+
+#: Signature of the scrape-time state callable.
+StateCallable = Callable[[], Mapping[str, Any]]
+
+#: C{finish_reason} values exported with a zero count from the start.
+FINISH_REASONS = (
+    "completed",
+    "program_failed",
+    "timeout",
+    "crashed",
+    "no_worker",
+    "rejected",
+    "cache_miss",
+    "server_error",
+    "invalid_request",
+)
+
+#: Histogram buckets (seconds) for lease waits and holds: 1 ms to 15 min.
+LEASE_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    900.0,
+    float("inf"),
+)
+
+_CACHES = ("memory", "disk")
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if value != value or value in (float("inf"), float("-inf")):
+        return None
+    return float(value)
+
+
+class _StateCollector(Collector):
+    """
+    Gauges read from C{state()} at scrape time.
+    """
+
+    log = Logger()
+
+    def __init__(self, state: StateCallable | None) -> None:
+        self._state = state
+
+    def _families(self) -> dict[str, GaugeMetricFamily]:
+        return {
+            "queue_length": GaugeMetricFamily(
+                "kcoral_queue_length", "Requests waiting for an idle worker."
+            ),
+            "active_requests": GaugeMetricFamily(
+                "kcoral_active_requests", "Requests assigned to a worker and not finished."
+            ),
+            "request_capacity": GaugeMetricFamily(
+                "kcoral_request_capacity", "Requests the server can run at once."
+            ),
+            "cache_bytes": GaugeMetricFamily(
+                "kcoral_cache_bytes", "Bytes held by each cache.", labels=["cache"]
+            ),
+            "lease_depth": GaugeMetricFamily(
+                "kcoral_lease_depth",
+                "GPU lease holder plus waiters, per GPU.",
+                labels=["gpu"],
+            ),
+        }
+
+    def describe(self) -> Iterator[Metric]:
+        # Without this the registry would call collect() (and state()) when
+        # the collector is registered, possibly before the pool exists.
+        yield from self._families().values()
+
+    def collect(self) -> Iterator[Metric]:
+        if self._state is None:
+            return
+        try:
+            state = self._state()
+        except Exception:
+            self.log.failure("metrics state() failed")
+            return
+        families = self._families()
+        for key in ("queue_length", "active_requests", "request_capacity"):
+            value = _number(state.get(key))
+            if value is not None:
+                families[key].add_metric([], value)
+        for cache, size in sorted((state.get("cache_bytes") or {}).items()):
+            value = _number(size)
+            if value is not None:
+                families["cache_bytes"].add_metric([str(cache)], value)
+        for gpu, depth in sorted((state.get("lease_depth") or {}).items(), key=lambda i: str(i[0])):
+            value = _number(depth)
+            if value is not None:
+                families["lease_depth"].add_metric([str(gpu)], value)
+        yield from families.values()
+
+
+@implementer(ILogObserver)
+class Metrics:
+    """
+    The server's Prometheus metrics; add it as a log observer.
+
+    @ivar registry: the private L{CollectorRegistry}.
+    """
+
+    def __init__(self, state: StateCallable | None = None) -> None:
+        """
+        @param state: called at each scrape; returns C{{"queue_length": n,
+            "active_requests": n, "request_capacity": n, "cache_bytes":
+            {"memory": n, "disk": n}, "lease_depth": {gpu_id: n}}}.  Missing
+            keys are left out of the output; C{None} exports no gauges.
+        """
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "kcoral_requests",
+            "Finished requests by outcome (finish_reason).",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.worker_replacements = Counter(
+            "kcoral_worker_replacements",
+            "Workers retired and replaced, by reason.",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.lease_wait = Histogram(
+            "kcoral_lease_wait_seconds",
+            "Time a request waited for its GPU lease.",
+            ["gpu"],
+            buckets=LEASE_BUCKETS,
+            registry=self.registry,
+        )
+        self.lease_held = Histogram(
+            "kcoral_lease_held_seconds",
+            "Time a request held its GPU lease.",
+            ["gpu"],
+            buckets=LEASE_BUCKETS,
+            registry=self.registry,
+        )
+        self.cache_hits = Counter(
+            "kcoral_cache_hits",
+            "Cache lookups that found the entry.",
+            ["cache"],
+            registry=self.registry,
+        )
+        self.cache_misses = Counter(
+            "kcoral_cache_misses",
+            "Cache lookups that did not find the entry.",
+            ["cache"],
+            registry=self.registry,
+        )
+        self.cache_evictions = Counter(
+            "kcoral_cache_evictions",
+            "Entries evicted from a cache.",
+            ["cache"],
+            registry=self.registry,
+        )
+        for reason in FINISH_REASONS:
+            self.requests.labels(outcome=reason)
+        for cache in _CACHES:
+            for counter in (self.cache_hits, self.cache_misses, self.cache_evictions):
+                counter.labels(cache=cache)
+        self.registry.register(_StateCollector(state))
+        self._cache_counters = {
+            "cache_hit": self.cache_hits,
+            "cache_miss": self.cache_misses,
+            "cache_evicted": self.cache_evictions,
+        }
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        name = event.get("kcoral_event")
+        if name is None:
+            return
+        try:
+            self._observe(name, event)
+        except Exception:
+            # A malformed event must not break the log publisher.
+            pass
+
+    def _observe(self, name: str, event: Mapping[str, Any]) -> None:
+        if name == "request_finished":
+            self.requests.labels(outcome=str(event.get("finish_reason") or "unknown")).inc()
+            gpu = event.get("gpu_id")
+            if gpu is not None:
+                wait = _number(event.get("lease_wait_ms"))
+                if wait is not None:
+                    self.lease_wait.labels(gpu=str(gpu)).observe(wait / 1000.0)
+                held = _number(event.get("lease_held_ms"))
+                if held is not None:
+                    self.lease_held.labels(gpu=str(gpu)).observe(held / 1000.0)
+        elif name == "worker_retired":
+            self.worker_replacements.labels(reason=str(event.get("reason") or "unknown")).inc()
+        elif name in self._cache_counters:
+            count = _number(event.get("count", 1))
+            if count is not None and count > 0:
+                cache = str(event.get("cache") or "unknown")
+                self._cache_counters[name].labels(cache=cache).inc(count)
+
+    def render(self) -> tuple[bytes, str]:
+        """
+        The text exposition for C{GET /metrics}.
+
+        @return: C{(body, content_type)}.
+        """
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

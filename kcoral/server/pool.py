@@ -1,0 +1,426 @@
+# -*- test-case-name: tests.unit.test_pool -*-
+"""
+The worker pool: seats, the FIFO wait queue, and replacement.
+
+A seat (C{cpu/w0}, C{gpu0/w3}) keeps its name while the processes occupying
+it come and go; each process has a generation.  A request takes an idle seat
+(least-loaded GPU first, most recently returned seat within it) or waits in
+line; when it is done the seat is either offered again at once (reuse) or
+its worker is retired and the seat comes back only once a replacement is
+ready, so no request ever waits for a process start it did not cause.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from collections import deque
+from pathlib import Path
+from typing import Any, Callable
+
+import attrs
+from twisted.internet.defer import CancelledError, Deferred, DeferredList, succeed
+from twisted.internet.interfaces import IDelayedCall
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from kcoral.server.workerproc import WorkerProcess, worker_command_args
+
+
+class PoolBusy(Exception):
+    """No worker could be had: the wait timed out or the pool is closing."""
+
+
+@attrs.define(eq=False)
+class Seat:
+    """A named place for one worker process."""
+
+    worker_id: str
+    gpu_id: int | None
+    generation: int = 0
+    worker: WorkerProcess | None = None
+    work_dir: Path | None = None
+    seat_dir: Path | None = None
+    status: str = "starting"
+    served: int = 0
+
+    @property
+    def gpus(self) -> tuple[int, ...]:
+        return () if self.gpu_id is None else (self.gpu_id,)
+
+
+@attrs.define(eq=False)
+class _Waiter:
+    deferred: Deferred[Seat]
+    timer: IDelayedCall | None = None
+
+
+def _safe_name(worker_id: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "-", worker_id)
+
+
+@attrs.define(eq=False)
+class WorkerPool:
+    """
+    Seats and their worker processes.
+
+    @ivar spawn_worker: how a process is started (replaced in tests).
+    """
+
+    config: Any
+    _reactor: Any
+    leases: Any
+    sandbox: Any
+    _run_blocking: Callable[..., Deferred[Any]]
+    root_dir: Path
+    seats: list[Seat] = attrs.field(factory=list)
+    _idle: list[Seat] = attrs.field(factory=list)
+    _waiters: deque[_Waiter] = attrs.field(factory=deque)
+    _assigned: dict[int | None, int] = attrs.field(factory=dict)
+    _replacing: set[Seat] = attrs.field(factory=set)
+    _pending: set[Deferred[Any]] = attrs.field(factory=set)
+    closing: bool = False
+    active: int = 0
+    target: dict[str, str] = attrs.field(factory=dict)
+    versions: dict[str, str] = attrs.field(factory=dict)
+
+    log = Logger()
+
+    def __attrs_post_init__(self) -> None:
+        config = self.config
+        if config.device == "cpu":
+            self.seats = [Seat(f"cpu/w{i}", None) for i in range(config.num_workers)]
+        else:
+            self.seats = [
+                Seat(f"gpu{gpu}/w{i}", gpu)
+                for gpu in config.gpus
+                for i in range(config.workers_per_gpu)
+            ]
+        for seat in self.seats:
+            self._assigned.setdefault(seat.gpu_id, 0)
+
+    # -- start and stop -----------------------------------------------------
+
+    async def start(self) -> None:
+        """Start every seat's worker; fail if any cannot start or targets differ."""
+        results = await DeferredList(
+            [Deferred.fromCoroutine(self._start_seat(seat, "startup")) for seat in self.seats],
+            consumeErrors=True,
+        )
+        failures = [result for ok, result in results if not ok]
+        if failures:
+            failures[0].raiseException()
+        by_target: dict[str, list[int | None]] = {}
+        for seat in self.seats:
+            assert seat.worker is not None
+            arch = seat.worker.info.get("target", {}).get("arch", "")
+            by_target.setdefault(arch, []).append(seat.gpu_id)
+        if len(by_target) > 1:
+            described = "; ".join(
+                f"GPU(s) {sorted(set(g for g in gpus if g is not None))} are {arch}"
+                for arch, gpus in by_target.items()
+            )
+            raise RuntimeError(f"a pool serves one target, but {described}")
+        first = self.seats[0].worker
+        assert first is not None
+        self.target = dict(first.info.get("target", {}))
+        self.versions = dict(first.info.get("versions", {}))
+        for seat in self.seats:
+            seat.status = "idle"
+        self._idle = list(reversed(self.seats))
+
+    async def _start_seat(self, seat: Seat, phase: str) -> None:
+        seat.generation += 1
+        seat.status = "starting"
+        seat.seat_dir = self.root_dir / f"{_safe_name(seat.worker_id)}-g{seat.generation}"
+        seat.work_dir = await self._run_blocking(self.sandbox.prepare_seat, seat.seat_dir)
+        executable, args, env = self.sandbox.command(
+            python=_python(),
+            worker_args=worker_command_args(
+                "cpu" if seat.gpu_id is None else "gpu",
+                max_requests=self.config.max_requests_per_worker,
+                tensor_api=getattr(self.config, "tensor_api", "auto"),
+            ),
+            work_dir=seat.work_dir,
+            gpu_devices=[] if seat.gpu_id is None else [str(seat.gpu_id)],
+        )
+        env = dict(env)
+        if seat.gpu_id is not None:
+            env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+            env["CUDA_VISIBLE_DEVICES"] = str(seat.gpu_id)
+        worker = WorkerProcess.spawn(
+            self._reactor,
+            seat=seat.worker_id,
+            generation=seat.generation,
+            gpus=seat.gpus,
+            leases=self.leases,
+            executable=executable,
+            args=args,
+            env=env,
+            grace_seconds=self.config.worker_termination_grace_seconds,
+        )
+        seat.worker = worker
+        seat.served = 0
+        worker.ended.addCallback(self._worker_ended, seat, worker)
+        try:
+            info = await worker.ready
+        except Exception as e:
+            self.log.error(
+                "worker {worker_id} failed to start: {error}",
+                kcoral_event="worker_failed",
+                worker_id=seat.worker_id,
+                gpu_id=seat.gpu_id,
+                generation=seat.generation,
+                phase=phase,
+                error=str(e),
+            )
+            raise
+        self.log.info(
+            "worker {worker_id} ready (generation {generation}, pid {pid})",
+            kcoral_event="worker_ready",
+            worker_id=seat.worker_id,
+            gpu_id=seat.gpu_id,
+            generation=seat.generation,
+            pid=worker.pid,
+            device=None if seat.gpu_id is None else str(seat.gpu_id),
+            arch=info.get("target", {}).get("arch"),
+        )
+
+    def _worker_ended(self, code: int | None, seat: Seat, worker: WorkerProcess) -> int | None:
+        if seat.worker is worker and seat.status == "idle":
+            # An idle worker died on its own: take it out of the idle set
+            # and bring the seat back with a fresh process.
+            if seat in self._idle:
+                self._idle.remove(seat)
+            if not self.closing:
+                self._replace(seat, "crashed")
+        return code
+
+    async def stop_waiters(self) -> None:
+        """Refuse new work and answer every queued request with L{PoolBusy}."""
+        self.closing = True
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if waiter.timer is not None and waiter.timer.active():
+                waiter.timer.cancel()
+            waiter.deferred.errback(PoolBusy("server shutting down"))
+
+    async def stop(self) -> None:
+        """Refuse new work, fail waiters, and stop every worker."""
+        self.closing = True
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if waiter.timer is not None and waiter.timer.active():
+                waiter.timer.cancel()
+            waiter.deferred.errback(PoolBusy("server shutting down"))
+        pending = list(self._pending)
+        if pending:
+            await DeferredList(pending, consumeErrors=True)
+        stops = [seat.worker.stop() for seat in self.seats if seat.worker is not None]
+        await DeferredList(stops, consumeErrors=True)
+        dirs = [seat.seat_dir for seat in self.seats if seat.seat_dir is not None]
+        await self._run_blocking(_remove_trees, dirs)
+
+    # -- acquire and release -------------------------------------------------
+
+    def acquire(self, timeout: float) -> Deferred[Seat]:
+        """
+        Take an idle seat, or wait in line for one.
+
+        Fails with L{PoolBusy} after C{timeout} seconds or when the pool
+        closes.  Cancelling the Deferred leaves the line.
+        """
+        if self.closing:
+            return _failed(PoolBusy("server shutting down"))
+        seat = self._take_idle()
+        if seat is not None:
+            return succeed(seat)
+        if timeout <= 0:
+            return _failed(PoolBusy("server saturated"))
+
+        def cancel(d: Deferred[Seat]) -> None:
+            self._drop_waiter(waiter)
+
+        waiter = _Waiter(Deferred(cancel))
+        waiter.timer = self._reactor.callLater(timeout, self._wait_expired, waiter)
+        self._waiters.append(waiter)
+        return waiter.deferred
+
+    def _drop_waiter(self, waiter: _Waiter) -> None:
+        if waiter in self._waiters:
+            self._waiters.remove(waiter)
+        if waiter.timer is not None and waiter.timer.active():
+            waiter.timer.cancel()
+
+    def _wait_expired(self, waiter: _Waiter) -> None:
+        waiter.timer = None
+        if waiter in self._waiters:
+            self._waiters.remove(waiter)
+            waiter.deferred.errback(PoolBusy("server saturated"))
+
+    def _take_idle(self) -> Seat | None:
+        if not self._idle:
+            return None
+        least = min(
+            {seat.gpu_id for seat in self._idle},
+            key=lambda gpu: (self._assigned[gpu], self._gpu_order(gpu)),
+        )
+        for i in range(len(self._idle) - 1, -1, -1):
+            seat = self._idle[i]
+            if seat.gpu_id == least:
+                del self._idle[i]
+                self._assigned[seat.gpu_id] += 1
+                seat.status = "busy"
+                self.active += 1
+                return seat
+        return None
+
+    def _gpu_order(self, gpu: int | None) -> int:
+        gpus = list(getattr(self.config, "gpus", ()))
+        return gpus.index(gpu) if gpu in gpus else 0
+
+    def release(self, seat: Seat, *, retire: str | None = None) -> None:
+        """
+        The request is done with C{seat}.
+
+        With C{retire} (a reason), the worker is retired and replaced in the
+        background; the seat is offered again only once the replacement is
+        ready.
+        """
+        self.active -= 1
+        self._assigned[seat.gpu_id] -= 1
+        seat.served += 1
+        worker = seat.worker
+        if retire is None and worker is not None and worker.alive:
+            d = self._run_blocking(self.sandbox.clear_workspace, seat.work_dir)
+            d.addCallbacks(
+                lambda _: self._offer(seat),
+                lambda f: self._replace(seat, "sandbox_cleanup", f),
+            )
+            return
+        self._replace(seat, retire or "crashed")
+
+    def _replace(self, seat: Seat, reason: str, failure: Failure | None = None) -> None:
+        worker = seat.worker
+        seat.status = "replacing"
+        self._replacing.add(seat)
+        level = self.log.info if reason == "request_limit" else self.log.warn
+        if reason == "crashed":
+            level = self.log.error
+        level(
+            "worker {worker_id} retired: {reason}",
+            kcoral_event="worker_retired",
+            worker_id=seat.worker_id,
+            gpu_id=seat.gpu_id,
+            generation=seat.generation,
+            pid=None if worker is None else worker.pid,
+            reason=reason,
+        )
+        d = Deferred.fromCoroutine(self._replace_worker(seat, worker, reason))
+        self._pending.add(d)
+
+        def done(result: object) -> None:
+            self._pending.discard(d)
+            self._replacing.discard(seat)
+            if isinstance(result, Failure):
+                self.log.error(
+                    "could not replace worker {worker_id}: {error}",
+                    kcoral_event="worker_replace_failed",
+                    worker_id=seat.worker_id,
+                    gpu_id=seat.gpu_id,
+                    reason=reason,
+                    error=result.getErrorMessage(),
+                )
+                seat.status = "dead"
+            self._offer(seat)
+
+        d.addBoth(done)
+
+    async def _replace_worker(self, seat: Seat, old: WorkerProcess | None, reason: str) -> None:
+        old_dir = seat.seat_dir
+        if old is not None and old.alive:
+            if reason == "request_limit":
+                # The worker exits by itself after answering; give it the grace.
+                timer = self._reactor.callLater(
+                    self.config.worker_termination_grace_seconds, old.kill
+                )
+                await old.ended
+                if timer.active():
+                    timer.cancel()
+            else:
+                await old.kill()
+        if old_dir is not None:
+            await self._run_blocking(_remove_trees, [old_dir])
+        if self.closing:
+            return
+        await self._start_seat(seat, "respawn")
+
+    def _offer(self, seat: Seat) -> None:
+        if self.closing:
+            seat.status = "idle" if seat.worker is not None and seat.worker.alive else "dead"
+            return
+        if seat.worker is None or not seat.worker.alive:
+            # A dead seat is revived before anyone gets it.
+            self._replace(seat, "crashed")
+            return
+        seat.status = "idle"
+        self._idle.append(seat)
+        while self._waiters and self._idle:
+            waiter = self._waiters.popleft()
+            if waiter.timer is not None and waiter.timer.active():
+                waiter.timer.cancel()
+            taken = self._take_idle()
+            assert taken is not None
+            waiter.deferred.callback(taken)
+
+    # -- load accounting -------------------------------------------------------
+
+    @property
+    def queue_length(self) -> int:
+        return len(self._waiters)
+
+    @property
+    def capacity(self) -> int:
+        if self.closing:
+            return 0
+        return len(self.seats) - len(self._replacing)
+
+    def worker_status(self, now: float) -> list[dict[str, Any]]:
+        """Per-seat status for /health and /status."""
+        rows = []
+        for seat in self.seats:
+            worker = seat.worker
+            rows.append(
+                {
+                    "worker_id": seat.worker_id,
+                    "gpu_id": seat.gpu_id,
+                    "status": seat.status,
+                    "generation": seat.generation,
+                    "pid": None if worker is None else worker.pid,
+                    "uptime_seconds": 0.0
+                    if worker is None or not worker.alive
+                    else round(now - worker.started_at, 3),
+                }
+            )
+        return rows
+
+
+def _python() -> str:
+    import sys
+
+    return sys.executable
+
+
+def _failed(error: Exception) -> Deferred[Any]:
+    d: Deferred[Any] = Deferred()
+    d.errback(error)
+    return d
+
+
+def _remove_trees(paths: list[Path]) -> None:
+    """Blocking: delete seat directories (run in a thread)."""
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+__all__ = ["PoolBusy", "Seat", "WorkerPool", "CancelledError"]

@@ -1,0 +1,244 @@
+# -*- test-case-name: tests.integration.test_server -*-
+"""
+L{KCoralService}: the root service that owns a server's workers, caches,
+leases, logs and HTTP port.
+
+Construction does no I/O, so C{create_app(ServerConfig(...))} is cheap and
+starts nothing.  C{startService} brings things up in the order of the server
+spec (logs, caches, sandbox probe, workers, then the port) and exposes the
+result as C{ready}; C{stopService} stops accepting, lets in-flight requests
+finish, then stops every worker.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import traceback
+import uuid
+from pathlib import Path
+from typing import Any
+
+from twisted.application import service
+from twisted.internet.defer import Deferred
+from twisted.internet.endpoints import serverFromString
+from twisted.internet.threads import deferToThreadPool
+from twisted.logger import Logger
+from twisted.python.threadpool import ThreadPool
+
+from kcoral.config import ServerConfig
+from kcoral.server.app import KcoralAPI
+from kcoral.server.cache import BlobStore, DiskFileCache, MemoryBlobCache
+from kcoral.server.http import KcoralSite
+from kcoral.server.lease import LeaseArbiter
+from kcoral.server.pool import WorkerPool
+
+#: Set when a server started by twistd failed to start, so `kcoral server`
+#: can exit non-zero after the reactor stops.
+start_failures: list[str] = []
+
+
+def _reactor(reactor: Any) -> Any:
+    if reactor is None:
+        from twisted.internet import reactor as global_reactor
+
+        return global_reactor
+    return reactor
+
+
+class KCoralService(service.MultiService):
+    """The whole server, as a Twisted service."""
+
+    log = Logger()
+
+    def __init__(self, config: ServerConfig, endpoint: str | None = None, *, reactor: Any = None) -> None:
+        super().__init__()
+        self.setName("kcoral")
+        self.config = config
+        self.endpoint = endpoint
+        self._reactor = _reactor(reactor)
+        self.threadpool = ThreadPool(minthreads=0, maxthreads=4, name="kcoral-io")
+        gpus = () if config.device == "cpu" else tuple(dict.fromkeys(config.gpus))
+        self.leases = LeaseArbiter(gpus, self._reactor)
+        self.memory_cache = MemoryBlobCache(config.cache_capacity_bytes, self._cache_event)
+        self.disk_cache = DiskFileCache(
+            config.disk_cache_dir, config.disk_cache_capacity_mbytes, self._cache_event
+        )
+        self.blobs = BlobStore(self.memory_cache, self.disk_cache, self.threadpool, self._reactor)
+        self.pool = WorkerPool(
+            config, self._reactor, self.leases, None, self.run_blocking, Path(".")
+        )
+        self.metrics, self.recent = _observability(self)
+        self.api = KcoralAPI(
+            config,
+            self.pool,
+            self.leases,
+            self.blobs,
+            self.threadpool,
+            self._reactor,
+            metrics=self.metrics,
+        )
+        if self.recent is not None:
+            from kcoral.server.status import STATUS_PAGE, status_snapshot
+
+            recent = self.recent
+            self.api.status_snapshot = lambda health: status_snapshot(health, recent)
+            self.api.status_page = STATUS_PAGE
+        self.ready: Deferred[None] = Deferred()
+        self.port: Any = None
+        self.log_setup: Any = None
+        self._root_dir: Path | None = None
+
+    def run_blocking(self, f: Any, *args: Any, **kwargs: Any) -> Deferred[Any]:
+        """Run blocking C{f} in the server's I/O thread pool."""
+        return deferToThreadPool(self._reactor, self.threadpool, f, *args, **kwargs)
+
+    def _cache_event(self, name: str, **fields: Any) -> None:
+        if name in ("cache_hit", "cache_miss", "cache_stored"):
+            self.log.debug("{kcoral_event} {cache}", kcoral_event=name, **fields)
+        else:
+            self.log.info("{kcoral_event} {cache}", kcoral_event=name, **fields)
+
+    # -- start ------------------------------------------------------------------
+
+    def startService(self) -> None:
+        super().startService()
+        self.threadpool.start()
+        d = Deferred.fromCoroutine(self._start())
+        d.addCallbacks(self.ready.callback, self._start_failed)
+
+    def _start_failed(self, failure: Any) -> None:
+        message = f"{failure.type.__name__}: {failure.getErrorMessage()}"
+        self.log.error(
+            "server failed to start: {error}",
+            kcoral_event="server_start_failed",
+            error=message,
+            traceback="".join(traceback.format_exception(failure.value))[-8192:],
+        )
+        start_failures.append(message)
+        self.ready.errback(failure)
+        if self.running and self.parent is not None and self._reactor.running:
+            self._reactor.stop()
+
+    async def _start(self) -> None:
+        config = self.config
+        from kcoral.server.logs import install_observers
+
+        observers = [o for o in (self.metrics, self.recent) if o is not None]
+        self.log_setup = await self.run_blocking(install_observers, config, extra_observers=observers)
+        started = self._reactor.seconds()
+        self.api.started_at = started
+        self.api.instance_id = str(uuid.uuid4())
+        run_dir = getattr(self.log_setup, "run_dir", None)
+        self.log.info(
+            "kcoral server starting",
+            kcoral_event="server_started",
+            run_dir=None if run_dir is None else str(getattr(run_dir, "path", run_dir)),
+            config=config.as_log_dict(),
+        )
+        recorder = getattr(self.log_setup, "recorder", None)
+        if recorder is not None:
+            self.api.save_program = lambda rid, data: self.run_blocking(recorder.save, rid, data)
+        await self.run_blocking(self.disk_cache.evict)
+
+        from kcoral.server.sandbox import choose_sandbox
+
+        sandbox = await choose_sandbox(self._reactor, config, self.log)
+        self.api.sandbox_name = sandbox.name
+        self._root_dir = Path(await self.run_blocking(tempfile.mkdtemp, prefix="kcoral-"))
+        self.pool.sandbox = sandbox
+        self.pool.root_dir = self._root_dir
+        await self.pool.start()
+        self.log.info(
+            "pool ready: {workers} workers, sandbox {sandbox}",
+            kcoral_event="pool_ready",
+            sandbox=sandbox.name,
+            mode=config.device,
+            target=self.pool.target,
+            versions=self.pool.versions,
+            workers=len(self.pool.seats),
+        )
+        if self.endpoint is not None:
+            site = KcoralSite(self.api.resource(), max_request_bytes=config.max_request_bytes)
+            self.port = await serverFromString(self._reactor, self.endpoint).listen(site)
+            address = self.port.getHost()
+            self.log.info(
+                "listening on {host}:{port}",
+                kcoral_event="server_listening",
+                host=getattr(address, "host", None),
+                port=getattr(address, "port", None),
+            )
+
+    # -- stop -------------------------------------------------------------------
+
+    def stopService(self) -> Deferred[None]:
+        super().stopService()
+        return Deferred.fromCoroutine(self._stop())
+
+    async def _stop(self) -> None:
+        remaining = self.api.in_flight
+        self.log.info(
+            "shutdown requested; finishing {remaining} request(s)",
+            kcoral_event="shutdown_started",
+            remaining=remaining,
+        )
+        if self.port is not None:
+            await self.port.stopListening()
+            self.port = None
+        self.leases.close()
+        # Queued requests get 503 now; running ones finish with their budgets.
+        self.pool.closing = True
+        stop = Deferred.fromCoroutine(self.pool.stop_waiters())
+        await stop
+        await self.api.wait_idle()
+        await self.pool.stop()
+        if self._root_dir is not None:
+            await self.run_blocking(shutil.rmtree, self._root_dir, True)
+        self.log.info("shutdown complete", kcoral_event="shutdown_complete")
+        self.log.info("server stopped", kcoral_event="server_stopped")
+        if self.log_setup is not None:
+            self.log_setup.close()
+        self.threadpool.stop()
+
+
+def _observability(server: KCoralService) -> tuple[Any, Any]:
+    """The metrics and recent-requests observers, when their modules exist."""
+    try:
+        from kcoral.server.metrics import Metrics
+        from kcoral.server.status import RecentRequests
+    except ImportError:
+        return None, None
+
+    def state() -> dict[str, Any]:
+        pool = server.pool
+        return {
+            "queue_length": pool.queue_length,
+            "active_requests": pool.active,
+            "request_capacity": pool.capacity,
+            "cache_bytes": {
+                "memory": server.memory_cache.size_bytes,
+                "disk": server.disk_cache.tally_bytes or 0,
+            },
+            "lease_depth": {gpu: server.leases.depth(gpu) for gpu in server.leases.gpus},
+        }
+
+    return Metrics(state), RecentRequests()
+
+
+def makeService(config: ServerConfig, endpoint: str, *, reactor: Any = None) -> KCoralService:
+    """Build the root service for C{config}, serving HTTP on C{endpoint}."""
+    return KCoralService(config, endpoint, reactor=reactor)
+
+
+def create_app(config: ServerConfig | None = None, *, reactor: Any = None) -> Any:
+    """
+    The Klein app for C{config}; nothing starts until its service does.
+
+    The service that owns the workers is C{app.kcoral_service}: attach it to
+    an application (C{setServiceParent}) or call C{startService()} and wait
+    for C{service.ready} before serving C{app.resource()}.
+    """
+    server = KCoralService(config or ServerConfig(), None, reactor=reactor)
+    app = server.api.app
+    app.kcoral_service = server
+    return app

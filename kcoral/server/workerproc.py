@@ -1,0 +1,513 @@
+# -*- test-case-name: tests.unit.test_workerproc -*-
+"""
+One worker process, seen from the reactor.
+
+L{WorkerProcess} spawns C{python -m kcoral.worker} (inside the sandbox's
+command line), waits for its C{ready} message, runs jobs over the control
+channel (fds 3 and 4), answers its lease requests through the
+L{LeaseArbiter}, enforces the execution budget (paused while the worker waits
+for its lease), and kills the whole process tree when asked: SIGTERM, then
+SIGKILL after the grace period.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from typing import Any, Callable
+
+import attrs
+import psutil
+from twisted.internet.defer import CancelledError, Deferred, succeed
+from twisted.internet.error import ProcessExitedAlready
+from twisted.internet.interfaces import IDelayedCall, IReactorProcess, IReactorTime
+from twisted.internet.protocol import ProcessProtocol
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from kcoral.wire.channel import ChannelError, Message, MessageDecoder, encode_message
+from kcoral.wire.program import Program
+
+#: Child fds of the control channel (see docs/architecture.md).
+TO_WORKER_FD = 3
+FROM_WORKER_FD = 4
+
+#: Bytes of each of the worker's own stdout/stderr kept for diagnostics.
+TAIL_BYTES = 8192
+
+#: How long a worker may take to report ready.
+SPAWN_TIMEOUT_SECONDS = 60.0
+
+
+class WorkerStartError(Exception):
+    """The worker failed or timed out before reporting ready."""
+
+
+@attrs.frozen
+class Job:
+    """One program for a worker to run."""
+
+    request_id: str
+    program_text: str
+    program: Program
+    blobs: dict[str, bytes]
+    timeout_seconds: float
+    output_limit: int
+    max_response_bytes: int
+    workspace: str = ""
+    reserved: str | None = None
+
+
+@attrs.frozen
+class JobResult:
+    """
+    How a job ended, as seen by the parent.
+
+    C{ending} is C{"outcome"} (the worker answered: C{header}/C{payload}),
+    C{"crashed"} (the process died; C{instruction_index} says where, if known),
+    C{"timeout"} (the budget ran out and the worker is being killed) or
+    C{"invalid"} (the worker sent something that is not an outcome).
+    """
+
+    ending: str
+    header: dict[str, Any] | None = None
+    payload: bytes = b""
+    instruction_index: int | None = None
+    exit_code: int | None = None
+    output_tail: str = ""
+    lease_wait_seconds: float = 0.0
+    lease_held_seconds: float = 0.0
+
+
+class _Tail:
+    """The last few KiB of a byte stream."""
+
+    def __init__(self, size: int = TAIL_BYTES) -> None:
+        self._size = size
+        self._data = bytearray()
+
+    def add(self, data: bytes) -> None:
+        self._data += data
+        if len(self._data) > self._size:
+            del self._data[: len(self._data) - self._size]
+
+    def text(self) -> str:
+        return self._data.decode("utf-8", "replace")
+
+
+class WorkerProtocol(ProcessProtocol):
+    """Routes a worker's fds: channel messages, output tails, the end."""
+
+    def __init__(self, on_message: Callable[[Message], None]) -> None:
+        self._on_message = on_message
+        self._decoder = MessageDecoder()
+        self.stdout_tail = _Tail()
+        self.stderr_tail = _Tail()
+        self.ended: Deferred[Failure] = Deferred()
+        self.channel_error: str | None = None
+
+    def childDataReceived(self, childFD: int, data: bytes) -> None:
+        if childFD == FROM_WORKER_FD:
+            try:
+                messages = self._decoder.feed(data)
+            except ChannelError as e:
+                self.channel_error = str(e)
+                self._kill_now()
+                return
+            for message in messages:
+                self._on_message(message)
+        elif childFD == 1:
+            self.stdout_tail.add(data)
+        elif childFD == 2:
+            self.stderr_tail.add(data)
+
+    def _kill_now(self) -> None:
+        try:
+            self.transport.signalProcess("KILL")
+        except ProcessExitedAlready:
+            pass
+
+    def processEnded(self, reason: Failure) -> None:
+        self.ended.callback(reason)
+
+    def output_tail(self) -> str:
+        """The C{[out] …} / C{[err] …} tail for logs."""
+        parts = []
+        out, err = self.stdout_tail.text(), self.stderr_tail.text()
+        if out:
+            parts.append("[out] " + out[-4096:])
+        if err:
+            parts.append("[err] " + err[-4096:])
+        return "\n".join(parts)
+
+
+def _exit_code(reason: Failure) -> int | None:
+    value = reason.value
+    code = getattr(value, "exitCode", None)
+    sig = getattr(value, "signal", None)
+    if sig is not None:
+        return -int(sig)
+    return code if code is None else int(code)
+
+
+@attrs.define(eq=False)
+class WorkerProcess:
+    """
+    A worker process occupying a seat.
+
+    Create with L{WorkerProcess.spawn}; C{ready} fires once it reported
+    ready (or fails), C{ended} fires with the exit code when it is gone.
+    """
+
+    seat: str
+    generation: int
+    gpus: tuple[int, ...]
+    _reactor: Any
+    _leases: Any
+    _grace_seconds: float
+    protocol: WorkerProtocol = attrs.field(init=False)
+    pid: int | None = None
+    ready: Deferred[dict[str, Any]] = attrs.field(factory=Deferred)
+    ended: Deferred[int | None] = attrs.field(factory=Deferred)
+    info: dict[str, Any] = attrs.field(factory=dict)
+    exit_code: int | None = None
+    alive: bool = True
+    started_at: float = 0.0
+    _job: _RunningJob | None = None
+    _ready_timer: IDelayedCall | None = None
+    _kill_timer: IDelayedCall | None = None
+    _killing: Deferred[None] | None = None
+
+    log = Logger()
+
+    @classmethod
+    def spawn(
+        cls,
+        reactor: Any,
+        *,
+        seat: str,
+        generation: int,
+        gpus: tuple[int, ...],
+        leases: Any,
+        executable: str,
+        args: list[str],
+        env: dict[str, str],
+        grace_seconds: float,
+        spawn_timeout: float = SPAWN_TIMEOUT_SECONDS,
+    ) -> WorkerProcess:
+        """Start the process; see C{ready} for when it can take a job."""
+        worker = cls(seat, generation, gpus, reactor, leases, grace_seconds)
+        worker.protocol = WorkerProtocol(worker._message_received)
+        worker.protocol.ended.addCallback(worker._process_ended)
+        worker.started_at = reactor.seconds()
+        transport = IReactorProcess(reactor).spawnProcess(
+            worker.protocol,
+            executable,
+            args,
+            env=env,
+            childFDs={0: "w", 1: "r", 2: "r", TO_WORKER_FD: "w", FROM_WORKER_FD: "r"},
+        )
+        worker.pid = transport.pid
+        try:
+            transport.closeStdin()
+        except Exception:  # a fake transport may not support it
+            pass
+        worker._ready_timer = IReactorTime(reactor).callLater(
+            spawn_timeout, worker._ready_timed_out, spawn_timeout
+        )
+        return worker
+
+    # -- lifecycle ---------------------------------------------------------
+
+    def _ready_timed_out(self, timeout: float) -> None:
+        self._ready_timer = None
+        if not self.ready.called:
+            self.ready.errback(
+                WorkerStartError(f"worker {self.seat} timed out during start ({timeout:.0f}s)")
+            )
+            self.kill()
+
+    def _process_ended(self, reason: Failure) -> None:
+        self.alive = False
+        self.exit_code = _exit_code(reason)
+        if self._ready_timer is not None and self._ready_timer.active():
+            self._ready_timer.cancel()
+        if self._kill_timer is not None and self._kill_timer.active():
+            self._kill_timer.cancel()
+        if not self.ready.called:
+            tail = self.protocol.output_tail()
+            self.ready.errback(
+                WorkerStartError(
+                    f"worker {self.seat} exited with code {self.exit_code} during start"
+                    + (f": {tail}" if tail else "")
+                )
+            )
+        job = self._job
+        if job is not None:
+            job.process_ended(self.exit_code, self.protocol.output_tail())
+        self._leases.abandon(self)
+        self.ended.callback(self.exit_code)
+
+    def _message_received(self, message: Message) -> None:
+        kind = message.type
+        if kind == "ready" and not self.ready.called:
+            if self._ready_timer is not None and self._ready_timer.active():
+                self._ready_timer.cancel()
+            self.info = dict(message.header)
+            self.ready.callback(self.info)
+        elif kind == "failed" and not self.ready.called:
+            self.ready.errback(WorkerStartError(str(message.header.get("error", "worker failed"))))
+        elif self._job is not None:
+            self._job.message_received(message)
+        else:
+            self.log.warn(
+                "worker {worker_id} sent an unexpected {type!r} message",
+                worker_id=self.seat,
+                type=kind,
+            )
+
+    def send(self, header: dict[str, Any], payload: bytes = b"") -> None:
+        """Write one message to the worker (buffered by the transport)."""
+        if self.alive:
+            self.protocol.transport.writeToChild(TO_WORKER_FD, encode_message(header, payload))
+
+    def run(
+        self, job: Job, on_instruction: Callable[[int], None] | None = None
+    ) -> Deferred[JobResult]:
+        """Run C{job}; the Deferred fires with a L{JobResult}, never fails."""
+        if self._job is not None:
+            raise RuntimeError(f"worker {self.seat} is already running a job")
+        running = _RunningJob(self, job, on_instruction)
+        self._job = running
+        running.done.addBoth(self._job_done)
+        running.start()
+        return running.done
+
+    def _job_done(self, result: JobResult) -> JobResult:
+        self._job = None
+        return result
+
+    def stop(self) -> Deferred[int | None]:
+        """Ask for an orderly exit, then kill after the grace period."""
+        if not self.alive:
+            return succeed(self.exit_code)
+        self.send({"type": "exit"})
+        self._kill_timer = self._reactor.callLater(self._grace_seconds, self.kill)
+        return self._ended_copy()
+
+    def kill(self) -> Deferred[int | None]:
+        """SIGTERM the worker's whole tree, SIGKILL whatever is left after the grace."""
+        if not self.alive:
+            return succeed(self.exit_code)
+        if self._killing is None:
+            victims = self._tree()
+            _signal_all(victims, signal.SIGTERM)
+            if self._kill_timer is not None and self._kill_timer.active():
+                self._kill_timer.cancel()
+            self._kill_timer = self._reactor.callLater(
+                self._grace_seconds, self._kill_hard, victims
+            )
+            self._killing = Deferred()
+        return self._ended_copy()
+
+    def _kill_hard(self, victims: list[psutil.Process]) -> None:
+        self._kill_timer = None
+        _signal_all(victims + self._tree(), signal.SIGKILL)
+
+    def _tree(self) -> list[psutil.Process]:
+        if self.pid is None:
+            return []
+        try:
+            root = psutil.Process(self.pid)
+            return [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return []
+
+    def _ended_copy(self) -> Deferred[int | None]:
+        d: Deferred[int | None] = Deferred()
+
+        def fire(code: int | None) -> int | None:
+            d.callback(code)
+            return code
+
+        self.ended.addCallback(fire)
+        return d
+
+    def descendants_alive(self) -> list[int]:
+        """Pids of processes still descending from this worker (orphan check)."""
+        return [p.pid for p in self._tree()[1:]]
+
+
+def _signal_all(processes: list[psutil.Process], signum: int) -> None:
+    for process in processes:
+        try:
+            process.send_signal(signum)
+        except psutil.Error:
+            pass
+    # Workers run in their own session; signal the group too, in case a
+    # child escaped the tree walk between listing and signalling.
+    if processes:
+        try:
+            os.killpg(processes[0].pid, signum)
+        except (OSError, ProcessLookupError):
+            pass
+
+
+@attrs.define(eq=False)
+class _RunningJob:
+    """The parent's side of one job: messages, lease, budget."""
+
+    worker: WorkerProcess
+    job: Job
+    on_instruction: Callable[[int], None] | None
+    done: Deferred[JobResult] = attrs.field(factory=Deferred)
+    instruction_index: int | None = None
+    remaining: float = 0.0
+    _budget_started: float | None = None
+    _timer: IDelayedCall | None = None
+    _lease_request: Deferred[Any] | None = None
+    _lease_wait: float = 0.0
+    _lease_held: float = 0.0
+    _held_since: float | None = None
+
+    def start(self) -> None:
+        self.remaining = self.job.timeout_seconds
+        for digest, data in self.job.blobs.items():
+            self.worker.send({"type": "blob", "digest": digest}, data)
+        self.worker.send(
+            {
+                "type": "execute",
+                "request_id": self.job.request_id,
+                "program": self.job.program_text,
+                "output_limit": self.job.output_limit,
+                "max_response_bytes": self.job.max_response_bytes,
+                "workspace": self.job.workspace,
+                "reserved": self.job.reserved,
+            }
+        )
+        self._resume_budget()
+
+    # -- the execution budget, paused during lease waits -------------------
+
+    def _clock(self) -> float:
+        return float(self.worker._reactor.seconds())
+
+    def _resume_budget(self) -> None:
+        self._budget_started = self._clock()
+        self._timer = self.worker._reactor.callLater(max(self.remaining, 0.0), self._timed_out)
+
+    def _pause_budget(self) -> None:
+        if self._timer is not None and self._timer.active():
+            self._timer.cancel()
+        self._timer = None
+        if self._budget_started is not None:
+            self.remaining -= self._clock() - self._budget_started
+            self._budget_started = None
+
+    def _timed_out(self) -> None:
+        self._timer = None
+        self._finish(JobResult("timeout", instruction_index=self.instruction_index))
+        self.worker.kill()
+
+    # -- messages -------------------------------------------------------------
+
+    def message_received(self, message: Message) -> None:
+        if self.done.called:
+            return
+        kind = message.type
+        if kind == "instruction":
+            index = message.header.get("index")
+            if isinstance(index, int):
+                self.instruction_index = index
+                if self.on_instruction is not None:
+                    self.on_instruction(index)
+        elif kind == "lease_acquire":
+            self._acquire_lease()
+        elif kind == "lease_release":
+            self._release_lease()
+        elif kind == "outcome":
+            self._finish(JobResult("outcome", header=message.header, payload=message.payload))
+        else:
+            self._finish(JobResult("invalid", instruction_index=self.instruction_index))
+            self.worker.kill()
+
+    def _acquire_lease(self) -> None:
+        if not self.worker.gpus:
+            self.worker.send({"type": "lease_granted"})
+            return
+        self._pause_budget()
+        requested = self._clock()
+        d = self.worker._leases.acquire(self.worker, self.worker.gpus, label=self.job.request_id)
+        self._lease_request = d
+
+        def granted(grant: Any) -> None:
+            self._lease_request = None
+            now = self._clock()
+            self._lease_wait += now - requested
+            self._held_since = now
+            if self.done.called:
+                return
+            self.worker.send({"type": "lease_granted"})
+            self._resume_budget()
+
+        def failed(failure: Failure) -> None:
+            self._lease_request = None
+            if not failure.check(CancelledError) and not self.done.called:
+                self._finish(JobResult("crashed", instruction_index=self.instruction_index))
+                self.worker.kill()
+
+        d.addCallbacks(granted, failed)
+
+    def _release_lease(self) -> None:
+        if self._held_since is not None:
+            self._lease_held += self._clock() - self._held_since
+            self._held_since = None
+        self.worker._leases.release(self.worker)
+
+    def process_ended(self, exit_code: int | None, tail: str) -> None:
+        if self._held_since is not None:
+            self._lease_held += self._clock() - self._held_since
+            self._held_since = None
+        if not self.done.called:
+            self._finish(
+                JobResult(
+                    "crashed",
+                    instruction_index=self.instruction_index,
+                    exit_code=exit_code,
+                    output_tail=tail,
+                )
+            )
+
+    def _finish(self, result: JobResult) -> None:
+        if self.done.called:
+            return
+        self._pause_budget()
+        held = self._lease_held
+        if self._held_since is not None:
+            held += self._clock() - self._held_since
+        result = attrs.evolve(
+            result,
+            lease_wait_seconds=self._lease_wait,
+            lease_held_seconds=held,
+            exit_code=result.exit_code if result.exit_code is not None else self.worker.exit_code,
+            output_tail=result.output_tail or self.worker.protocol.output_tail(),
+        )
+        self.done.callback(result)
+
+
+def worker_command_args(device: str, *, max_requests: int, tensor_api: str) -> list[str]:
+    """The arguments after C{python} that start a worker."""
+    return [
+        "-m",
+        "kcoral.worker",
+        "--device",
+        device,
+        "--max-requests",
+        str(max_requests),
+        "--tensor-api",
+        tensor_api,
+    ]
+
+
+PYTHON = sys.executable

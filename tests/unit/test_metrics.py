@@ -1,0 +1,236 @@
+"""
+Tests for L{kcoral.server.metrics}.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.parser import text_string_to_metric_families
+from twisted.logger import Logger, LogPublisher
+from twisted.trial.unittest import SynchronousTestCase
+
+from kcoral.server.metrics import Metrics
+
+
+def samples(metrics: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """
+    Parse C{metrics.render()} into C{{(sample name, sorted labels): value}}.
+    """
+    body, content_type = metrics.render()
+    result = {}
+    for family in text_string_to_metric_families(body.decode("utf-8")):
+        for sample in family.samples:
+            result[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return result
+
+
+class MetricsTests(SynchronousTestCase):
+    """
+    Tests for L{Metrics} fed through a real L{Logger}.
+    """
+
+    def setUp(self) -> None:
+        self.state: dict[str, Any] = {
+            "queue_length": 3,
+            "active_requests": 2,
+            "request_capacity": 8,
+            "cache_bytes": {"memory": 1024, "disk": 4096},
+            "lease_depth": {0: 2, 1: 0},
+        }
+        self.metrics = Metrics(lambda: self.state)
+        self.log = Logger(namespace="kcoral.test", observer=LogPublisher(self.metrics))
+
+    def test_content_type(self) -> None:
+        """
+        C{render} returns bytes and the Prometheus text content type.
+        """
+        body, content_type = self.metrics.render()
+        self.assertIsInstance(body, bytes)
+        self.assertEqual(content_type, CONTENT_TYPE_LATEST)
+
+    def test_requests_by_outcome(self) -> None:
+        """
+        C{request_finished} counts by C{finish_reason}; known outcomes start
+        at zero.
+        """
+        for reason in ["completed", "completed", "timeout", "something_new"]:
+            self.log.info(
+                "done",
+                kcoral_event="request_finished",
+                request_id="r",
+                http_status=200,
+                finish_reason=reason,
+            )
+        found = samples(self.metrics)
+        self.assertEqual(found[("kcoral_requests_total", (("outcome", "completed"),))], 2)
+        self.assertEqual(found[("kcoral_requests_total", (("outcome", "timeout"),))], 1)
+        self.assertEqual(found[("kcoral_requests_total", (("outcome", "something_new"),))], 1)
+        self.assertEqual(found[("kcoral_requests_total", (("outcome", "crashed"),))], 0)
+
+    def test_only_kcoral_events(self) -> None:
+        """
+        Plain events (even with matching field names) count nothing.
+        """
+        self.log.info("done", finish_reason="completed")
+        found = samples(self.metrics)
+        self.assertEqual(found[("kcoral_requests_total", (("outcome", "completed"),))], 0)
+
+    def test_worker_replacements(self) -> None:
+        """
+        C{worker_retired} counts by C{reason}.
+        """
+        self.log.warn(
+            "retired", kcoral_event="worker_retired", worker_id="gpu0/w1", reason="crashed"
+        )
+        self.log.info(
+            "retired", kcoral_event="worker_retired", worker_id="gpu0/w1", reason="request_limit"
+        )
+        self.log.info(
+            "retired", kcoral_event="worker_retired", worker_id="gpu0/w2", reason="request_limit"
+        )
+        found = samples(self.metrics)
+        self.assertEqual(
+            found[("kcoral_worker_replacements_total", (("reason", "request_limit"),))], 2
+        )
+        self.assertEqual(found[("kcoral_worker_replacements_total", (("reason", "crashed"),))], 1)
+
+    def test_lease_histograms(self) -> None:
+        """
+        C{lease_wait_ms} and C{lease_held_ms} of C{request_finished} feed the
+        histograms in seconds, labelled by GPU; events without a GPU or with
+        missing values observe nothing.
+        """
+        self.log.info(
+            "done",
+            kcoral_event="request_finished",
+            finish_reason="completed",
+            gpu_id=0,
+            lease_wait_ms=20.0,
+            lease_held_ms=1500,
+        )
+        self.log.info(
+            "done",
+            kcoral_event="request_finished",
+            finish_reason="completed",
+            gpu_id=1,
+            lease_wait_ms=None,
+            lease_held_ms=None,
+        )
+        self.log.info(
+            "done",
+            kcoral_event="request_finished",
+            finish_reason="completed",
+            gpu_id=None,
+            lease_wait_ms=5.0,
+            lease_held_ms=5.0,
+        )
+        found = samples(self.metrics)
+        gpu0 = (("gpu", "0"),)
+        self.assertEqual(found[("kcoral_lease_wait_seconds_count", gpu0)], 1)
+        self.assertAlmostEqual(found[("kcoral_lease_wait_seconds_sum", gpu0)], 0.02)
+        self.assertEqual(found[("kcoral_lease_held_seconds_count", gpu0)], 1)
+        self.assertAlmostEqual(found[("kcoral_lease_held_seconds_sum", gpu0)], 1.5)
+        self.assertEqual(
+            found[("kcoral_lease_wait_seconds_bucket", (("gpu", "0"), ("le", "0.025")))], 1
+        )
+        self.assertEqual(
+            found[("kcoral_lease_wait_seconds_bucket", (("gpu", "0"), ("le", "0.01")))], 0
+        )
+        self.assertNotIn(("kcoral_lease_wait_seconds_count", (("gpu", "1"),)), found)
+        self.assertNotIn(("kcoral_lease_wait_seconds_count", (("gpu", "None"),)), found)
+
+    def test_cache_counters(self) -> None:
+        """
+        C{cache_hit}, C{cache_miss} and C{cache_evicted} count per cache,
+        by C{count} when given.
+        """
+        self.log.debug("hit", kcoral_event="cache_hit", cache="memory")
+        self.log.debug("hit", kcoral_event="cache_hit", cache="memory")
+        self.log.debug("miss", kcoral_event="cache_miss", cache="disk")
+        self.log.debug("evicted", kcoral_event="cache_evicted", cache="disk", count=3)
+        found = samples(self.metrics)
+        self.assertEqual(found[("kcoral_cache_hits_total", (("cache", "memory"),))], 2)
+        self.assertEqual(found[("kcoral_cache_hits_total", (("cache", "disk"),))], 0)
+        self.assertEqual(found[("kcoral_cache_misses_total", (("cache", "disk"),))], 1)
+        self.assertEqual(found[("kcoral_cache_evictions_total", (("cache", "disk"),))], 3)
+        self.assertEqual(found[("kcoral_cache_evictions_total", (("cache", "memory"),))], 0)
+
+    def test_state_gauges(self) -> None:
+        """
+        Gauges come from C{state()} at each scrape.
+        """
+        found = samples(self.metrics)
+        self.assertEqual(found[("kcoral_queue_length", ())], 3)
+        self.assertEqual(found[("kcoral_active_requests", ())], 2)
+        self.assertEqual(found[("kcoral_request_capacity", ())], 8)
+        self.assertEqual(found[("kcoral_cache_bytes", (("cache", "memory"),))], 1024)
+        self.assertEqual(found[("kcoral_cache_bytes", (("cache", "disk"),))], 4096)
+        self.assertEqual(found[("kcoral_lease_depth", (("gpu", "0"),))], 2)
+        self.assertEqual(found[("kcoral_lease_depth", (("gpu", "1"),))], 0)
+        self.state["queue_length"] = 0
+        self.state["lease_depth"] = {0: 1}
+        found = samples(self.metrics)
+        self.assertEqual(found[("kcoral_queue_length", ())], 0)
+        self.assertEqual(found[("kcoral_lease_depth", (("gpu", "0"),))], 1)
+        self.assertNotIn(("kcoral_lease_depth", (("gpu", "1"),)), found)
+
+    def test_state_not_called_at_construction(self) -> None:
+        """
+        C{state()} is only called when scraping, not when the collector is
+        registered.
+        """
+        calls: list[None] = []
+        metrics = Metrics(lambda: calls.append(None) or {})
+        self.assertEqual(calls, [])
+        metrics.render()
+        self.assertEqual(calls, [None])
+
+    def test_state_failure(self) -> None:
+        """
+        A failing C{state()} leaves the gauges out (and is logged) but the
+        counters are still served.
+        """
+
+        def broken() -> dict[str, Any]:
+            raise RuntimeError("pool gone")
+
+        found = samples(Metrics(broken))
+        self.assertNotIn(("kcoral_queue_length", ()), found)
+        self.assertIn(("kcoral_requests_total", (("outcome", "completed"),)), found)
+        self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 1)
+
+    def test_no_state(self) -> None:
+        """
+        Without C{state}, only the event counters are exported.
+        """
+        found = samples(Metrics())
+        self.assertNotIn(("kcoral_queue_length", ()), found)
+        self.assertIn(("kcoral_requests_total", (("outcome", "completed"),)), found)
+
+    def test_private_registries(self) -> None:
+        """
+        Two instances do not share counters.
+        """
+        other = Metrics()
+        self.log.info("done", kcoral_event="request_finished", finish_reason="completed")
+        self.assertEqual(samples(other)[("kcoral_requests_total", (("outcome", "completed"),))], 0)
+
+    def test_malformed_event(self) -> None:
+        """
+        Odd field values never raise out of the observer.
+        """
+        self.metrics(
+            {
+                "kcoral_event": "request_finished",
+                "finish_reason": None,
+                "gpu_id": 0,
+                "lease_wait_ms": "soon",
+                "lease_held_ms": float("nan"),
+            }
+        )
+        self.metrics({"kcoral_event": "cache_hit", "cache": "memory", "count": -1})
+        found = samples(self.metrics)
+        self.assertEqual(found[("kcoral_requests_total", (("outcome", "unknown"),))], 1)
+        self.assertEqual(found[("kcoral_cache_hits_total", (("cache", "memory"),))], 0)

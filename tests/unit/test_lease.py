@@ -1,0 +1,105 @@
+"""
+Tests for L{kcoral.server.lease}: exclusive, FIFO, all-or-nothing GPU leases.
+"""
+
+from __future__ import annotations
+
+from twisted.internet.defer import CancelledError
+from twisted.internet.task import Clock
+from twisted.trial.unittest import SynchronousTestCase
+
+from kcoral.server.lease import LeaseArbiter, LeaseUnavailable
+
+
+class LeaseArbiterTests(SynchronousTestCase):
+    """One holder per GPU, granted in arrival order, with exact accounting."""
+
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.leases = LeaseArbiter((0, 1), self.clock)
+
+    def test_exclusive_and_fifo(self) -> None:
+        """The second and third requesters wait and are granted in arrival order."""
+        first = self.successResultOf(self.leases.acquire("a", (0,)))
+        self.assertEqual(first.holder, "a")
+        second = self.leases.acquire("b", (0,))
+        third = self.leases.acquire("c", (0,))
+        self.assertNoResult(second)
+        self.assertNoResult(third)
+        self.clock.advance(2.5)
+        self.leases.release("a")
+        grant = self.successResultOf(second)
+        self.assertEqual(grant.wait_seconds, 2.5)
+        self.assertNoResult(third)
+        self.leases.release("b")
+        self.assertEqual(self.successResultOf(third).holder, "c")
+
+    def test_reentrant(self) -> None:
+        """A holder asking again gets its grant at once."""
+        grant = self.successResultOf(self.leases.acquire("a", (0,)))
+        self.assertIs(self.successResultOf(self.leases.acquire("a", (0,))), grant)
+
+    def test_disjoint_gpus_pass(self) -> None:
+        """Requests on different GPUs do not wait for each other."""
+        self.successResultOf(self.leases.acquire("a", (0,)))
+        self.successResultOf(self.leases.acquire("b", (1,)))
+
+    def test_set_is_all_or_nothing_and_reserves(self) -> None:
+        """A waiting two-GPU request holds nothing, and younger requests cannot overtake it."""
+        self.successResultOf(self.leases.acquire("a", (0,)))
+        both = self.leases.acquire("big", (0, 1))
+        later = self.leases.acquire("small", (1,))
+        self.assertNoResult(both)
+        self.assertNoResult(later)
+        self.assertIsNone(self.leases.holder_of(1))
+        self.leases.release("a")
+        self.assertEqual(self.successResultOf(both).gpus, (0, 1))
+        self.assertNoResult(later)
+        self.leases.release("big")
+        self.successResultOf(later)
+
+    def test_cancel_withdraws(self) -> None:
+        """Cancelling a waiting request removes it from the line."""
+        self.successResultOf(self.leases.acquire("a", (0,)))
+        waiting = self.leases.acquire("b", (0,))
+        waiting.cancel()
+        self.failureResultOf(waiting, CancelledError)
+        self.assertEqual(self.leases.depth(0), 1)
+        self.leases.release("a")
+        self.assertIsNone(self.leases.holder_of(0))
+
+    def test_abandon_releases_and_withdraws(self) -> None:
+        """A dead worker's hold and waits are dropped, waking the next waiter."""
+        self.successResultOf(self.leases.acquire("a", (0,)))
+        waiting = self.leases.acquire("b", (0,))
+        self.leases.abandon("a")
+        self.assertEqual(self.successResultOf(waiting).holder, "b")
+
+    def test_depth(self) -> None:
+        """lease_depth counts the holder plus the waiters for that GPU."""
+        self.assertEqual(self.leases.depth(0), 0)
+        self.successResultOf(self.leases.acquire("a", (0,)))
+        self.leases.acquire("b", (0,))
+        self.leases.acquire("c", (0, 1))
+        self.assertEqual(self.leases.depth(0), 3)
+        self.assertEqual(self.leases.depth(1), 1)
+
+    def test_history_records_hold_intervals(self) -> None:
+        """Closed holds are kept with their label so overlaps can be checked."""
+        self.successResultOf(self.leases.acquire("a", (0,), label="req-1"))
+        self.clock.advance(1.0)
+        self.leases.release("a")
+        (interval,) = self.leases.history[0]
+        self.assertEqual((interval.label, interval.start, interval.end), ("req-1", 0.0, 1.0))
+
+    def test_quarantine_fails_waiters(self) -> None:
+        """Quarantined GPUs are never granted again."""
+        self.successResultOf(self.leases.acquire("a", (0,)))
+        waiting = self.leases.acquire("b", (0,))
+        self.leases.quarantine((0,))
+        self.failureResultOf(waiting, LeaseUnavailable)
+        self.failureResultOf(self.leases.acquire("c", (0,)), LeaseUnavailable)
+
+    def test_unknown_gpu(self) -> None:
+        """Asking for a GPU the server does not have is a programming error."""
+        self.assertRaises(ValueError, self.leases.acquire, "a", (7,))

@@ -1,0 +1,266 @@
+# -*- test-case-name: tests.unit.test_status_page -*-
+"""
+The operator status page: C{GET /status} and C{GET /status.json}.
+
+  - L{RecentRequests} is an L{ILogObserver} that remembers the requests in
+    flight (from C{request_routed}) and the last finished ones (from
+    C{request_finished}).
+  - L{status_snapshot} merges the C{/health} dictionary and those requests
+    into the JSON the page reads.
+  - L{STATUS_PAGE} is one self-contained HTML page (no framework, no
+    external resources) that fetches C{status.json} (a relative URL, so the
+    page works behind a path prefix) every second and renders tables of
+    workers, GPU leases, load and recent requests.  Serve it at C{/status}
+    next to C{/status.json}.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Mapping
+from typing import Any
+
+from twisted.logger import ILogObserver
+from zope.interface import implementer
+
+from kcoral.server.logs import format_timestamp
+
+__all__ = ["STATUS_PAGE", "RecentRequests", "status_snapshot"]
+
+
+@implementer(ILogObserver)
+class RecentRequests:
+    """
+    The requests in flight and the last C{maxlen} finished ones, collected
+    from kcoral events.
+
+    Finished entries: C{request_id}, C{finish_reason}, C{http_status},
+    C{worker_id}, C{elapsed_ms}, C{queue_ms}, C{time} (the C{request_finished}
+    event's time, ISO-8601).  In-flight entries: C{request_id},
+    C{worker_id}, C{gpu_id}, C{queue_ms}, C{time} (when it was routed).
+    """
+
+    def __init__(self, maxlen: int = 50, max_in_flight: int = 1000) -> None:
+        """
+        @param maxlen: finished requests kept.
+        @param max_in_flight: in-flight entries kept; the oldest are dropped
+            beyond this (a request whose server died never finishes).
+        """
+        self._finished: deque[dict[str, Any]] = deque(maxlen=maxlen)
+        self._in_flight: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._max_in_flight = max_in_flight
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        name = event.get("kcoral_event")
+        if name == "request_routed":
+            self._routed(event)
+        elif name == "request_finished":
+            self._finished_event(event)
+
+    def _routed(self, event: Mapping[str, Any]) -> None:
+        request_id = event.get("request_id")
+        if request_id is None:
+            return
+        self._in_flight.pop(str(request_id), None)
+        self._in_flight[str(request_id)] = {
+            "request_id": request_id,
+            "worker_id": event.get("worker_id"),
+            "gpu_id": event.get("gpu_id"),
+            "queue_ms": event.get("queue_ms"),
+            "time": format_timestamp(event.get("log_time")),
+        }
+        while len(self._in_flight) > self._max_in_flight:
+            self._in_flight.popitem(last=False)
+
+    def _finished_event(self, event: Mapping[str, Any]) -> None:
+        request_id = event.get("request_id")
+        routed = self._in_flight.pop(str(request_id), None) or {}
+        self._finished.append(
+            {
+                "request_id": request_id,
+                "finish_reason": event.get("finish_reason"),
+                "http_status": event.get("http_status"),
+                "worker_id": event.get("worker_id", routed.get("worker_id")),
+                "elapsed_ms": event.get("elapsed_ms"),
+                "queue_ms": event.get("queue_ms", routed.get("queue_ms")),
+                "time": format_timestamp(event.get("log_time")),
+            }
+        )
+
+    def recent(self) -> list[dict[str, Any]]:
+        """
+        The finished requests, newest first (copies).
+        """
+        return [dict(entry) for entry in reversed(self._finished)]
+
+    def in_flight(self) -> list[dict[str, Any]]:
+        """
+        The routed, unfinished requests, oldest first (copies).
+        """
+        return [dict(entry) for entry in self._in_flight.values()]
+
+
+def _load_value(health: Mapping[str, Any], key: str, load_key: str) -> Any:
+    if key in health:
+        return health[key]
+    load = health.get("load")
+    if isinstance(load, Mapping):
+        return load.get(load_key)
+    return None
+
+
+def status_snapshot(health: Mapping[str, Any], recent: RecentRequests) -> dict[str, Any]:
+    """
+    Build the C{status.json} document read by L{STATUS_PAGE}.
+
+    @param health: the server's C{/health} dictionary, with the extra keys
+        C{workers} (C{[{worker_id, gpu_id, status, uptime_seconds,
+        generation, pid}]}), C{gpus} (C{[{gpu_id, lease_depth, holder}]}),
+        C{queue_length} and C{active_requests}; missing ones are empty.
+    @param recent: the request observer.
+    @return: a JSON-ready dictionary: C{status}, C{instance_id},
+        C{started_at}, C{target}, C{load}, C{queue_length},
+        C{active_requests}, C{request_capacity}, C{workers}, C{gpus},
+        C{in_flight} and C{recent} (newest first).
+    """
+    workers = [
+        {
+            "worker_id": w.get("worker_id"),
+            "gpu_id": w.get("gpu_id"),
+            "status": w.get("status"),
+            "generation": w.get("generation"),
+            "pid": w.get("pid"),
+            "uptime_seconds": w.get("uptime_seconds"),
+        }
+        for w in health.get("workers") or ()
+    ]
+    gpus = [
+        {
+            "gpu_id": g.get("gpu_id"),
+            "lease_depth": g.get("lease_depth"),
+            "holder": g.get("holder"),
+        }
+        for g in health.get("gpus") or ()
+    ]
+    return {
+        "status": health.get("status"),
+        "instance_id": health.get("instance_id"),
+        "started_at": health.get("started_at"),
+        "target": health.get("target"),
+        "load": health.get("load"),
+        "queue_length": _load_value(health, "queue_length", "requests_waiting"),
+        "active_requests": _load_value(health, "active_requests", "requests_in_progress"),
+        "request_capacity": _load_value(health, "request_capacity", "request_capacity"),
+        "workers": workers,
+        "gpus": gpus,
+        "in_flight": recent.in_flight(),
+        "recent": recent.recent(),
+    }
+
+
+STATUS_PAGE = b"""<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<title>kcoral status</title>
+<style>
+body { font: 13px/1.4 system-ui, sans-serif; margin: 1.5em; color: #222; }
+h1 { font-size: 1.3em; margin: 0 0 .3em; }
+h2 { font-size: 1.05em; margin: 1.2em 0 .3em; }
+table { border-collapse: collapse; }
+th, td { border: 1px solid #ccc; padding: 2px 8px; text-align: left; }
+th { background: #f2f2f2; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; }
+#state.error { color: #b00; }
+.bad { color: #b00; } .warn { color: #a60; }
+</style>
+</head>
+<body>
+<h1>kcoral status</h1>
+<div id="state">loading&hellip;</div>
+<h2>Load</h2>
+<table id="load"><tr><th>queue length</th><th>active requests</th><th>capacity</th></tr>
+<tr><td class="num" id="queue_length"></td><td class="num" id="active_requests"></td>
+<td class="num" id="request_capacity"></td></tr></table>
+<h2>Workers</h2>
+<table id="workers"><thead><tr><th>worker_id</th><th>gpu_id</th><th>status</th>
+<th>generation</th><th>pid</th><th>uptime</th></tr></thead><tbody></tbody></table>
+<h2>GPU leases</h2>
+<table id="leases"><thead><tr><th>gpu</th><th>lease_depth</th><th>holder</th></tr></thead>
+<tbody></tbody></table>
+<h2>In flight</h2>
+<table id="in_flight"><thead><tr><th>request_id</th><th>worker_id</th><th>gpu_id</th>
+<th>queue_ms</th><th>routed at</th></tr></thead><tbody></tbody></table>
+<h2>Recent requests</h2>
+<table id="recent"><thead><tr><th>time</th><th>request_id</th><th>finish_reason</th>
+<th>http_status</th><th>worker_id</th><th>queue_ms</th><th>elapsed_ms</th></tr></thead>
+<tbody></tbody></table>
+<script>
+"use strict";
+function text(v) { return v === null || v === undefined ? "" : String(v); }
+function ms(v) { return typeof v === "number" ? v.toFixed(1) : text(v); }
+function uptime(s) {
+  if (typeof s !== "number") return text(s);
+  s = Math.floor(s);
+  var h = Math.floor(s / 3600), m = Math.floor(s % 3600 / 60);
+  return (h ? h + "h " : "") + (h || m ? m + "m " : "") + (s % 60) + "s";
+}
+function fill(id, rows, cells) {
+  var body = document.querySelector("#" + id + " tbody"), out = document.createDocumentFragment();
+  (rows || []).forEach(function (row) {
+    var tr = document.createElement("tr");
+    cells(row).forEach(function (c) {
+      var td = document.createElement("td");
+      if (Array.isArray(c)) { td.textContent = c[0]; td.className = c[1]; }
+      else td.textContent = c;
+      tr.appendChild(td);
+    });
+    out.appendChild(tr);
+  });
+  body.replaceChildren(out);
+}
+function reasonClass(r) {
+  return r === "crashed" || r === "server_error" ? "bad" :
+    (r === "timeout" || r === "no_worker" || r === "rejected" ? "warn" : "");
+}
+function render(s) {
+  ["queue_length", "active_requests", "request_capacity"].forEach(function (k) {
+    document.getElementById(k).textContent = text(s[k]);
+  });
+  fill("workers", s.workers, function (w) {
+    return [text(w.worker_id), text(w.gpu_id), text(w.status), text(w.generation),
+            text(w.pid), [uptime(w.uptime_seconds), "num"]];
+  });
+  fill("leases", s.gpus, function (g) {
+    return [text(g.gpu_id), [text(g.lease_depth), "num"], text(g.holder)];
+  });
+  fill("in_flight", s.in_flight, function (r) {
+    return [text(r.request_id), text(r.worker_id), text(r.gpu_id), [ms(r.queue_ms), "num"],
+            text(r.time)];
+  });
+  fill("recent", s.recent, function (r) {
+    return [text(r.time), text(r.request_id), [text(r.finish_reason), reasonClass(r.finish_reason)],
+            text(r.http_status), text(r.worker_id), [ms(r.queue_ms), "num"],
+            [ms(r.elapsed_ms), "num"]];
+  });
+  var state = document.getElementById("state");
+  state.className = "";
+  state.textContent = text(s.status) + " \\u00b7 instance " + text(s.instance_id) +
+    " \\u00b7 started " + text(s.started_at) + " \\u00b7 updated " + new Date().toISOString();
+}
+function poll() {
+  fetch("status.json", {cache: "no-store"})
+    .then(function (r) { if (!r.ok) throw new Error("HTTP " + r.status); return r.json(); })
+    .then(render)
+    .catch(function (e) {
+      var state = document.getElementById("state");
+      state.className = "error";
+      state.textContent = "status.json unavailable: " + e.message;
+    });
+}
+poll();
+setInterval(poll, 1000);
+</script>
+</body>
+</html>
+"""

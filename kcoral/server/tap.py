@@ -32,7 +32,7 @@ from twisted.python import usage
 from kcoral.config import DEVICES, SANDBOXES, TENSOR_APIS, ServerConfig, default_disk_cache_dir
 
 if TYPE_CHECKING:
-    from twisted.application.service import IService
+    from twisted.application.service import MultiService
 
 __all__ = ["ENV_VARS", "Options", "endpoint_description", "makeService"]
 
@@ -413,7 +413,7 @@ def endpoint_description(host: str, port: int) -> str:
     return f"tcp:port={port}:interface={interface}"
 
 
-def makeService(options: Options) -> IService:
+def makeService(options: Options) -> MultiService:
     """
     Build the root service from parsed options (the L{IServiceMaker} hook).
 
@@ -423,5 +423,5 @@ def makeService(options: Options) -> IService:
     # Imported here so that parsing options never loads the service tree.
     from kcoral.server.service import makeService as make_root_service
 
-    root: IService = make_root_service(options.config, options.endpoint)
+    root: MultiService = make_root_service(options.config, options.endpoint)
     return root

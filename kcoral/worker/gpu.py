@@ -1,0 +1,554 @@
+# -*- test-case-name: tests.gpu.test_gpu_backend,tests.unit.test_gpu_builtins_cpu -*-
+"""
+L{GpuBackend}: the PyCUDA device backend of a GPU worker.
+
+PyCUDA owns contexts, device memory and transfers.  The backend retains the
+device's I{primary} context and makes it current, so torch or cupy imported
+by uploaded code use the same context and can share allocations with it.
+
+What uploaded Python receives for a tensor depends on C{tensor_api}:
+
+ - C{"pycuda"}: a C{pycuda.gpuarray.GPUArray};
+ - C{"torch"}: a C{torch.Tensor} that aliases a PyCUDA allocation (the
+   allocation lives as long as the tensor);
+ - C{"auto"}: C{"torch"} when torch can be imported, else C{"pycuda"}.
+
+This module imports neither PyCUDA nor torch at import time, so it can be
+imported (and its host-side helpers tested) on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import platform
+import re
+import shutil
+import subprocess
+import sys
+from typing import Any
+
+import numpy as np
+from zope.interface import implementer
+
+from kcoral.errors import ExecutionError
+from kcoral.wire.program import DTYPES
+from kcoral.worker.interfaces import IDeviceBackend
+
+#: Values of C{--tensor-api}.
+TENSOR_APIS = ("auto", "torch", "pycuda")
+
+#: Integer dtype of the same item size, used to move raw bits through APIs
+#: (torch's CUDA array interface, DLPack) that lack bfloat16 or float8.
+_STORAGE = {
+    1: np.dtype(np.uint8),
+    2: np.dtype(np.int16),
+    4: np.dtype(np.int32),
+    8: np.dtype(np.int64),
+}
+_TORCH_STORAGE = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
+
+#: The floating-point names among the twelve.
+FLOATING_DTYPES = frozenset(
+    {"float16", "bfloat16", "float32", "float64", "float8_e4m3fn", "float8_e5m2"}
+)
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """
+    The numpy dtype of a protocol dtype name (protocol §4.11); bfloat16 and
+    float8 come from C{ml_dtypes}.
+
+    @raise KeyError: C{name} is not one of the twelve.
+    """
+    if name not in DTYPES:
+        raise KeyError(name)
+    if name in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
+        import ml_dtypes
+
+        return np.dtype(getattr(ml_dtypes, name))
+    return np.dtype(name)
+
+
+def element_type_name(dtype: Any) -> str:
+    """The element type name of a numpy or torch dtype (C{torch.} dropped)."""
+    if isinstance(dtype, np.dtype):
+        return dtype.name
+    name = str(dtype)
+    return name[len("torch.") :] if name.startswith("torch.") else name
+
+
+def dtype_name(dtype: Any) -> str:
+    """
+    The protocol name of a numpy or torch dtype.
+
+    @raise ExecutionError: C{serialization} when it is none of the twelve.
+    """
+    name = element_type_name(dtype)
+    if name not in DTYPES:
+        raise ExecutionError("serialization", f"cannot return tensor dtype {name}")
+    return name
+
+
+def check_shape(shape: Any) -> tuple[int, ...]:
+    """
+    A shape as a tuple of non-negative ints.
+
+    @raise ExecutionError: C{parse} for anything else.
+    """
+    if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
+        shape = (shape,)
+    if not isinstance(shape, (list, tuple)):
+        raise ExecutionError(
+            "parse", f"shape must be a list of non-negative integers, got {shape!r}"
+        )
+    out = []
+    for dim in shape:
+        if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)) or dim < 0:
+            raise ExecutionError(
+                "parse", f"shape must be a list of non-negative integers, got {list(shape)!r}"
+            )
+        out.append(int(dim))
+    return tuple(out)
+
+
+def numpy_parts(array: np.ndarray) -> tuple[str, tuple[int, ...], bytes]:
+    """C{(dtype, shape, little-endian C-contiguous bytes)} of a host array."""
+    name = dtype_name(array.dtype)
+    dtype = array.dtype
+    if dtype.byteorder == ">":
+        array = array.astype(dtype.newbyteorder("<"))
+    return name, tuple(int(d) for d in array.shape), np.ascontiguousarray(array).tobytes()
+
+
+def _is_torch_tensor(value: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def _is_cupy_array(value: Any) -> bool:
+    cupy = sys.modules.get("cupy")
+    return cupy is not None and isinstance(value, cupy.ndarray)
+
+
+def _is_gpuarray(value: Any) -> bool:
+    gpuarray = sys.modules.get("pycuda.gpuarray")
+    return gpuarray is not None and isinstance(value, gpuarray.GPUArray)
+
+
+def _torch_parts(tensor: Any) -> tuple[str, tuple[int, ...], bytes]:
+    import torch
+
+    name = dtype_name(tensor.dtype)
+    shape = tuple(int(d) for d in tensor.shape)
+    host = tensor.detach().to("cpu").contiguous().reshape(-1)
+    if host.numel() == 0:
+        return name, shape, b""
+    return name, shape, host.view(torch.uint8).numpy().tobytes()
+
+
+def to_host(value: Any) -> np.ndarray | None:
+    """
+    A host numpy copy of a tensor-like C{value} (GPUArray, torch, cupy,
+    C{__cuda_array_interface__} exporter, numpy array), or C{None}.
+
+    bfloat16 and float8 come back as C{ml_dtypes} arrays.
+    """
+    if isinstance(value, np.ndarray):
+        return value
+    if _is_torch_tensor(value):
+        name, shape, data = _torch_parts(value)
+        return np.frombuffer(data, dtype=numpy_dtype(name)).reshape(shape)
+    if _is_gpuarray(value):
+        return _gpuarray_to_host(value)
+    if _is_cupy_array(value):
+        import cupy
+
+        return cupy.asnumpy(value)
+    cai = getattr(value, "__cuda_array_interface__", None)
+    if isinstance(cai, dict):
+        return _cai_to_host(cai)
+    return None
+
+
+def _gpuarray_to_host(array: Any) -> np.ndarray:
+    if array.size == 0:
+        return np.empty(array.shape, dtype=array.dtype)
+    if array.flags.c_contiguous:
+        import pycuda.driver as drv
+
+        host = np.empty(array.shape, dtype=array.dtype)
+        drv.memcpy_dtoh(host, array.gpudata)
+        return host
+    return array.get()
+
+
+def _cai_to_host(cai: dict[str, Any]) -> np.ndarray:
+    import pycuda.driver as drv
+
+    dtype = np.dtype(cai["typestr"])
+    shape = tuple(int(d) for d in cai["shape"])
+    ptr = int(cai["data"][0])
+    strides = cai.get("strides")
+    count = math.prod(shape)
+    drv.Context.synchronize()
+    if count == 0:
+        return np.empty(shape, dtype=dtype)
+    contiguous = strides is None or tuple(strides) == _c_strides(dtype.itemsize, shape)
+    if contiguous:
+        host = np.empty(shape, dtype=dtype)
+        drv.memcpy_dtoh(host, ptr)
+        return host
+    from pycuda import gpuarray
+
+    view = gpuarray.GPUArray(shape, dtype, gpudata=ptr, strides=tuple(strides))
+    return view.get()
+
+
+def _c_strides(itemsize: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides = []
+    step = itemsize
+    for dim in reversed(shape):
+        strides.append(step)
+        step *= max(dim, 1)
+    return tuple(reversed(strides))
+
+
+def _pycuda_error_types() -> tuple[type[BaseException], ...]:
+    drv = sys.modules.get("pycuda.driver")
+    return (drv.Error,) if drv is not None else ()
+
+
+@implementer(IDeviceBackend)
+class GpuBackend:
+    """
+    One GPU, through PyCUDA and the device's primary context.
+
+    @ivar ordinal: the CUDA device ordinal (logical, after
+        C{CUDA_VISIBLE_DEVICES}).
+    @ivar tensor_api: C{"torch"} or C{"pycuda"} after resolving C{"auto"}.
+    """
+
+    name = "gpu"
+    uses_lease = True
+
+    def __init__(self, ordinal: int = 0, tensor_api: str = "auto") -> None:
+        if tensor_api not in TENSOR_APIS:
+            raise ValueError(f"tensor_api must be one of {TENSOR_APIS}, got {tensor_api!r}")
+        import pycuda.driver as drv
+
+        drv.init()
+        self.ordinal = ordinal
+        self._drv = drv
+        self.device = drv.Device(ordinal)
+        self.context = self.device.retain_primary_context()
+        self.context.push()
+        self._closed = False
+        major, minor = self.device.compute_capability()
+        self._arch = f"sm_{major}{minor}" + ("a" if major >= 9 else "")
+        self._torch: Any = None
+        if tensor_api in ("auto", "torch"):
+            try:
+                import torch
+            except ImportError:
+                if tensor_api == "torch":
+                    raise
+            else:
+                self._torch = torch
+                # Create torch's CUDA state now (it adopts the primary
+                # context we made current) so no request pays for it.
+                torch.cuda.init()
+        self.tensor_api = "torch" if self._torch is not None else "pycuda"
+        self._l2_flush: Any = None
+
+    # -- facts -------------------------------------------------------------
+
+    def target(self) -> dict[str, str]:
+        return {"arch": self._arch}
+
+    @property
+    def arch(self) -> str:
+        """The compilation target, e.g. C{"sm_90a"}."""
+        return self._arch
+
+    def device_name(self) -> str:
+        """The device's marketing name, e.g. C{"NVIDIA H200"}."""
+        return str(self.device.name())
+
+    def l2_cache_size(self) -> int:
+        """The device's L2 cache size in bytes."""
+        return int(self.device.get_attribute(self._drv.device_attribute.L2_CACHE_SIZE))
+
+    def versions(self) -> dict[str, str]:
+        import pycuda
+
+        drv = self._drv
+        out = {
+            "cuda_driver": _cuda_version(drv.get_driver_version()),
+            "cuda_runtime": ".".join(str(p) for p in drv.get_version()[:2]),
+            "pycuda": str(pycuda.VERSION_TEXT),
+            "numpy": np.__version__,
+            "python": platform.python_version(),
+        }
+        nvidia = _nvidia_driver_version()
+        if nvidia:
+            out["driver"] = nvidia
+        torch = self._torch or sys.modules.get("torch")
+        if torch is not None:
+            out["torch"] = str(torch.__version__)
+        nvcc = nvcc_version()
+        if nvcc:
+            out["nvcc"] = nvcc
+        return out
+
+    # -- tensors -----------------------------------------------------------
+
+    def allocate(self, dtype: str, shape: tuple[int, ...]) -> Any:
+        """A new uninitialized C{GPUArray} of C{dtype}/C{shape}."""
+        from pycuda import gpuarray
+
+        return gpuarray.GPUArray(shape, numpy_dtype(dtype))
+
+    def upload_tensor(self, data: bytes, dtype: str, shape: tuple[int, ...]) -> Any:
+        try:
+            np_dtype = numpy_dtype(dtype)
+        except KeyError:
+            raise ExecutionError("runtime", f"unsupported tensor dtype {dtype!r}") from None
+        shape = tuple(int(d) for d in shape)
+        expected = math.prod(shape) * np_dtype.itemsize
+        view = memoryview(data).cast("B")
+        if view.nbytes != expected:
+            raise ExecutionError(
+                "runtime",
+                f"tensor data is {view.nbytes} bytes, {dtype} {list(shape)} needs {expected}",
+            )
+        array = self.allocate(dtype, shape)
+        if expected:
+            self._drv.memcpy_htod(array.gpudata, view)
+        return self.wrap(array)
+
+    def wrap(self, array: Any) -> Any:
+        """What uploaded code receives for the C{GPUArray} C{array}."""
+        if self.tensor_api == "torch":
+            return self.as_torch(array)
+        return array
+
+    def as_torch(self, array: Any) -> Any:
+        """
+        A torch tensor aliasing C{array}'s memory.  torch keeps the exporting
+        object (which references C{array}) alive as long as the tensor.
+        """
+        torch = self._torch
+        if torch is None:
+            import torch
+
+            self._torch = torch
+        name = dtype_name(array.dtype)
+        device = f"cuda:{self.ordinal}"
+        torch_dtype = getattr(torch, name)
+        if array.size == 0:
+            return torch.empty(array.shape, dtype=torch_dtype, device=device)
+        from pycuda import gpuarray
+
+        itemsize = array.dtype.itemsize
+        # The interface's typestr of bfloat16/float8 is an opaque '<V2'/'|V1',
+        # so export the bits as a same-size integer and reinterpret in torch.
+        raw = gpuarray.GPUArray(
+            array.shape,
+            _STORAGE[itemsize],
+            gpudata=array.gpudata,
+            strides=array.strides,
+            base=array,
+        )
+        tensor = torch.as_tensor(raw, device=device)
+        if _TORCH_STORAGE[itemsize] != name:
+            tensor = tensor.view(torch_dtype)
+        return tensor
+
+    def tensor_parts(self, value: Any) -> tuple[str, tuple[int, ...], bytes] | None:
+        """
+        C{(dtype, shape, bytes)} of a GPUArray, torch tensor (CUDA or CPU),
+        cupy array, other C{__cuda_array_interface__} exporter or numpy
+        array; C{None} for anything else.
+
+        For an element type outside the twelve, the data is not copied and
+        C{(name, shape, b"")} is returned: the engine's encoder then fails
+        the return with C{serialization} "cannot return tensor dtype X".
+        """
+        if _is_torch_tensor(value):
+            dtype, shape = value.dtype, tuple(value.shape)
+        elif isinstance(value, np.ndarray) or _is_gpuarray(value) or _is_cupy_array(value):
+            dtype, shape = value.dtype, tuple(value.shape)
+        else:
+            cai = getattr(value, "__cuda_array_interface__", None)
+            if not isinstance(cai, dict):
+                return None
+            dtype, shape = np.dtype(cai["typestr"]), tuple(cai["shape"])
+        name = element_type_name(dtype)
+        if name not in DTYPES:
+            return name, tuple(int(d) for d in shape), b""
+        if _is_torch_tensor(value):
+            return _torch_parts(value)
+        host = to_host(value)
+        assert host is not None
+        return numpy_parts(host)
+
+    def builtins(self) -> dict[str, tuple[Any, bool]]:
+        """The GPU builtin table, C{name -> (callable, cpu_only)}."""
+        from kcoral.worker.gpu_builtins import GPU_BUILTINS
+
+        return dict(GPU_BUILTINS)
+
+    # -- libraries ---------------------------------------------------------
+
+    def load_library(self, data: bytes) -> LibraryHandle:
+        try:
+            module = self._drv.module_from_buffer(bytes(data))
+        except _pycuda_error_types() as e:
+            raise ExecutionError(
+                "compile", f"cannot load the uploaded library: {type(e).__name__}: {e}"
+            ) from e
+        return LibraryHandle(module)
+
+    # -- lifecycle ---------------------------------------------------------
+
+    def drain(self) -> None:
+        self._drv.Context.synchronize()
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+
+    def cleanup(self) -> str | None:
+        # The driver API reports launch-configuration errors when the launch
+        # is made; what is left to find here are asynchronous faults, which
+        # are sticky in CUDA: the context cannot be used again.
+        try:
+            self._drv.Context.synchronize()
+        except _pycuda_error_types() as e:
+            raise RuntimeError(f"CUDA context is poisoned: {type(e).__name__}: {e}") from e
+        return None
+
+    def reset(self) -> None:
+        gc.collect()
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        self._drv.Context.synchronize()
+
+    def l2_flush_buffer(self) -> Any:
+        """
+        A device allocation twice the L2 size, made once and kept, that
+        L{kcoral.worker.gpu_builtins.benchmark} zeroes before each call.
+        """
+        if self._l2_flush is None:
+            size = max(2 * self.l2_cache_size(), 4)
+            size -= size % 4
+            self._l2_flush = (self._drv.mem_alloc(size), size)
+        return self._l2_flush
+
+    def close(self) -> None:
+        """Synchronize and pop the primary context (at worker exit)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._l2_flush = None
+        gc.collect()
+        try:
+            self._drv.Context.synchronize()
+        finally:
+            self._drv.Context.pop()
+
+
+def make_gpu_backend(gpu_ordinal: int = 0, tensor_api: str = "auto", **_: Any) -> GpuBackend:
+    """The factory for C{kcoral.worker.devices.register_backend("gpu", ...)}."""
+    return GpuBackend(ordinal=gpu_ordinal, tensor_api=tensor_api)
+
+
+class LibraryHandle:
+    """
+    An uploaded module image loaded with C{module_from_buffer}.
+
+    @ivar module: the C{pycuda.driver.Module}.
+    """
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+        self._functions: dict[str, LibraryFunction] = {}
+
+    def get_function(self, name: str) -> LibraryFunction:
+        """
+        The kernel C{name}.
+
+        @raise ExecutionError: C{compile} when the image exports no such kernel.
+        """
+        if name not in self._functions:
+            try:
+                function = self.module.get_function(name)
+            except _pycuda_error_types():
+                raise ExecutionError(
+                    "compile", f"the uploaded library exports no function {name!r}"
+                ) from None
+            self._functions[name] = LibraryFunction(self, name, function)
+        return self._functions[name]
+
+    def __repr__(self) -> str:
+        return f"<LibraryHandle with {len(self._functions)} function(s) looked up>"
+
+
+class LibraryFunction:
+    """
+    A kernel of an uploaded library.  Calling it is PyCUDA's C{Function}
+    call (C{f(*args, block=(x, y, z), grid=(x, y), shared=0)}); for a handle
+    with fixed geometry and argument types see
+    L{kcoral.worker.gpu_builtins.launcher}.
+    """
+
+    def __init__(self, library: LibraryHandle, name: str, function: Any) -> None:
+        self.library = library
+        self.name = name
+        self.function = function
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.function(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<LibraryFunction {self.name}>"
+
+
+def _cuda_version(number: int) -> str:
+    return f"{number // 1000}.{(number % 1000) // 10}"
+
+
+def _nvidia_driver_version() -> str | None:
+    try:
+        with open("/proc/driver/nvidia/version") as f:
+            text = f.read()
+    except OSError:
+        return None
+    match = re.search(r"Kernel Module\s+(?:for \S+\s+)?([0-9][0-9.]+)", text)
+    return match.group(1) if match else None
+
+
+def find_nvcc() -> str | None:
+    """The nvcc on C{PATH}, else C{/usr/local/cuda/bin/nvcc} if present."""
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    fallback = "/usr/local/cuda/bin/nvcc"
+    return fallback if shutil.which(fallback) else None
+
+
+def nvcc_version() -> str | None:
+    """C{"13.0.48"} from C{nvcc --version}, or C{None}."""
+    nvcc = find_nvcc()
+    if nvcc is None:
+        return None
+    try:
+        out = subprocess.run(
+            [nvcc, "--version"], capture_output=True, text=True, timeout=30, check=False
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    match = re.search(r"V(\d+\.\d+\.\d+)", out) or re.search(r"release (\d+\.\d+)", out)
+    return match.group(1) if match else None

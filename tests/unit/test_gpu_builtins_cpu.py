@@ -1,0 +1,386 @@
+# -*- test-case-name: tests.unit.test_gpu_builtins_cpu -*-
+"""
+The host-side parts of L{kcoral.worker.gpu_builtins} and L{kcoral.worker.gpu}:
+everything that needs no GPU, PyCUDA or torch.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import ml_dtypes
+import numpy as np
+from twisted.trial.unittest import SynchronousTestCase
+
+from kcoral.errors import ExecutionError
+from kcoral.worker import gpu, gpu_builtins
+from kcoral.worker.gpu_builtins import (
+    BenchmarkConfig,
+    KernelHandle,
+    add_extern_c,
+    compare_arrays,
+    iteration_count,
+    kernel_signature,
+    latency_stats,
+    normalize_arg_types,
+    parse_benchmark_cfg,
+    parse_tensor_spec,
+    parse_tolerances,
+    plan_counts,
+    split_cfg,
+)
+
+
+class BenchmarkConfigTests(SynchronousTestCase):
+    """C{benchmark} cfg parsing and count planning (protocol §10.1)."""
+
+    def test_defaults(self) -> None:
+        """No cfg means 25 ms warm-up, 100 ms timed, flush on, estimate needed."""
+        config = parse_benchmark_cfg(None)
+        self.assertEqual(config, BenchmarkConfig(25.0, 100.0, None, None, True))
+        self.assertTrue(config.needs_estimate)
+
+    def test_explicit_counts_skip_estimate(self) -> None:
+        """With both counts the estimate is skipped and the counts are used."""
+        config = parse_benchmark_cfg({"warmup": 3, "repeat": 7, "flush_l2": False})
+        self.assertFalse(config.needs_estimate)
+        self.assertEqual(plan_counts(config, None), (3, 7))
+        self.assertFalse(config.flush_l2)
+
+    def test_one_count_still_needs_estimate(self) -> None:
+        """Only C{repeat} given: the warm-up count comes from the estimate."""
+        config = parse_benchmark_cfg({"repeat": 10, "warmup_ms": 10})
+        self.assertTrue(config.needs_estimate)
+        self.assertEqual(plan_counts(config, 2.0), (5, 10))
+
+    def test_budgets(self) -> None:
+        """Budgets become C{max(1, int(budget / estimate))}."""
+        config = parse_benchmark_cfg({"warmup_ms": 25, "repeat_ms": 100})
+        self.assertEqual(plan_counts(config, 0.3), (83, 333))
+        self.assertEqual(plan_counts(config, 500.0), (1, 1))
+
+    def test_zero_estimate(self) -> None:
+        """An estimate of 0 gives 1000 calls."""
+        self.assertEqual(iteration_count(100, 0.0), 1000)
+        self.assertEqual(iteration_count(0, 1.0), 1)
+
+    def test_invalid(self) -> None:
+        """Bad types and values are C{parse} errors."""
+        for cfg in (
+            {"warmup": 0},
+            {"repeat": 1.5},
+            {"repeat": True},
+            {"warmup_ms": -1},
+            {"repeat_ms": "10"},
+            {"repeat_ms": float("nan")},
+            {"flush_l2": 1},
+            [1],
+        ):
+            with self.assertRaises(ExecutionError) as e:
+                parse_benchmark_cfg(cfg)
+            self.assertEqual(e.exception.kind, "parse", cfg)
+
+    def test_split_cfg(self) -> None:
+        """A trailing dict is the cfg; other arguments stay."""
+        self.assertEqual(split_cfg((1, 2, {"repeat": 1})), ((1, 2), {"repeat": 1}))
+        self.assertEqual(split_cfg((1, 2)), ((1, 2), None))
+        self.assertEqual(split_cfg(()), ((), None))
+
+    def test_not_callable(self) -> None:
+        """A non-callable C{fn} is C{runtime} with the reference's message."""
+        with self.assertRaises(ExecutionError) as e:
+            gpu_builtins.benchmark(42, {"repeat": 1})
+        self.assertEqual(e.exception.kind, "runtime")
+        self.assertEqual(e.exception.message, "benchmark expects a compiled module handle")
+
+
+class LatencyStatsTests(SynchronousTestCase):
+    """Statistics of the per-call spans."""
+
+    def test_values(self) -> None:
+        """Median, mean, min, max and the stability flag."""
+        stats = latency_stats([1.0, 2.0, 3.0, 4.0])
+        self.assertEqual(stats["latency_ms_median"], 2.5)
+        self.assertEqual(stats["latency_ms_mean"], 2.5)
+        self.assertEqual(stats["latency_ms_min"], 1.0)
+        self.assertEqual(stats["latency_ms_max"], 4.0)
+        self.assertFalse(stats["stable"])
+
+    def test_stable(self) -> None:
+        """A CV under 5% is stable; a single sample has CV 0."""
+        self.assertTrue(latency_stats([1.0, 1.01, 0.99, 1.0])["stable"])
+        self.assertEqual(latency_stats([2.0])["cv"], 0.0)
+
+
+class CloseTests(SynchronousTestCase):
+    """The closeness test of C{check_close}."""
+
+    def test_pass_and_errors(self) -> None:
+        """Within tolerance passes; the errors are the maxima."""
+        actual = np.array([1.0, 2.0, 0.0])
+        expected = np.array([1.005, 2.0, 0.0005])
+        result = compare_arrays(actual, expected, 1e-2, 1e-3)
+        self.assertTrue(result["passed"])
+        self.assertAlmostEqual(result["max_abs_err"], 0.005)
+        self.assertAlmostEqual(result["max_rel_err"], 1.0)
+        self.assertEqual((result["rtol"], result["atol"]), (1e-2, 1e-3))
+
+    def test_fail(self) -> None:
+        """Outside tolerance fails and counts mismatches."""
+        result = compare_arrays(np.array([1.0, 2.0]), np.array([1.0, 2.5]), 1e-2, 1e-3)
+        self.assertFalse(result["passed"])
+        self.assertEqual(result["mismatched"], 1)
+        self.assertAlmostEqual(result["max_abs_err"], 0.5)
+
+    def test_non_finite(self) -> None:
+        """Equal infinities match, NaN never does; errors stay finite."""
+        inf, nan = float("inf"), float("nan")
+        ok = compare_arrays(np.array([inf, 1.0]), np.array([inf, 1.0]), 0, 0)
+        self.assertTrue(ok["passed"])
+        bad = compare_arrays(np.array([nan, 1.0]), np.array([nan, 1.0]), 0, 0)
+        self.assertFalse(bad["passed"])
+        self.assertEqual(bad["max_abs_err"], 0.0)
+
+    def test_shape_mismatch(self) -> None:
+        """Different shapes are a C{correctness} failure."""
+        with self.assertRaises(ExecutionError) as e:
+            compare_arrays(np.zeros(3), np.zeros(4), 0, 0)
+        self.assertEqual(e.exception.kind, "correctness")
+
+    def test_host_inputs(self) -> None:
+        """C{check_close} accepts host arrays and lists; bfloat16 is widened."""
+        a = np.array([1.0, 2.0], dtype=ml_dtypes.bfloat16)
+        self.assertTrue(gpu_builtins.check_close(a, [1.0, 2.0])["passed"])
+
+    def test_assert_close_message(self) -> None:
+        """A mismatch raises C{correctness} with the documented message."""
+        with self.assertRaises(ExecutionError) as e:
+            gpu_builtins.assert_close(np.array([1.0]), np.array([2.0]), {"atol": 0.5, "rtol": 0})
+        self.assertEqual(e.exception.kind, "correctness")
+        self.assertTrue(
+            e.exception.message.startswith("outputs differ: max_abs_err=1 exceeds atol=0.5, rtol=0")
+        )
+
+    def test_tolerances(self) -> None:
+        """Defaults are 1e-2 / 1e-3; negative values are C{parse}."""
+        self.assertEqual(parse_tolerances(None), (1e-2, 1e-3))
+        self.assertEqual(parse_tolerances({"rtol": 0, "atol": 1}), (0.0, 1.0))
+        with self.assertRaises(ExecutionError) as e:
+            parse_tolerances({"atol": -1})
+        self.assertEqual(e.exception.kind, "parse")
+
+
+class TensorSpecTests(SynchronousTestCase):
+    """C{{shape, dtype?}} of the factories and the host random numbers."""
+
+    def test_defaults(self) -> None:
+        """dtype defaults to float16; a bare int shape is one dimension."""
+        self.assertEqual(parse_tensor_spec({"shape": [2, 3]}, {}, "zeros"), ((2, 3), "float16"))
+        self.assertEqual(parse_tensor_spec({"shape": 4}, {}, "zeros"), ((4,), "float16"))
+        self.assertEqual(
+            parse_tensor_spec({"shape": [], "dtype": "torch.int32"}, {}, "zeros"), ((), "int32")
+        )
+
+    def test_invalid(self) -> None:
+        """Missing shape, negative dims, unknown dtypes are C{parse}."""
+        for spec in ({}, {"shape": [-1]}, {"shape": [1.5]}, {"shape": [2], "dtype": "uint16"}):
+            with self.assertRaises(ExecutionError) as e:
+                parse_tensor_spec(spec, {}, "zeros")
+            self.assertEqual(e.exception.kind, "parse", spec)
+
+    def test_randn_floating_only(self) -> None:
+        """randn refuses integer dtypes."""
+        with self.assertRaises(ExecutionError) as e:
+            parse_tensor_spec({"shape": [2], "dtype": "int32"}, {}, "randn", floating=True)
+        self.assertEqual(e.exception.kind, "parse")
+
+    def test_host_randn_reproducible(self) -> None:
+        """The same seed gives the same bits, for every floating dtype."""
+        for dtype in sorted(gpu.FLOATING_DTYPES):
+            a = gpu_builtins.host_randn((4, 5), dtype, 7)
+            b = gpu_builtins.host_randn((4, 5), dtype, 7)
+            self.assertEqual(a.tobytes(), b.tobytes())
+            self.assertEqual(a.dtype, gpu.numpy_dtype(dtype))
+        c = gpu_builtins.host_randn((4, 5), "float32", 8)
+        self.assertNotEqual(c.tobytes(), gpu_builtins.host_randn((4, 5), "float32", 7).tobytes())
+
+
+class DtypeTests(SynchronousTestCase):
+    """The twelve dtypes on the host."""
+
+    def test_numpy_dtypes(self) -> None:
+        """Every protocol name maps to a numpy dtype of its item size and back."""
+        from kcoral.wire.program import DTYPES
+
+        for name, size in DTYPES.items():
+            dtype = gpu.numpy_dtype(name)
+            self.assertEqual(dtype.itemsize, size)
+            self.assertEqual(gpu.dtype_name(dtype), name)
+
+    def test_unknown(self) -> None:
+        """Other dtypes are C{serialization} errors."""
+        with self.assertRaises(ExecutionError) as e:
+            gpu.dtype_name(np.dtype(np.complex64))
+        self.assertEqual(e.exception.kind, "serialization")
+        self.assertEqual(e.exception.message, "cannot return tensor dtype complex64")
+
+    def test_numpy_parts_big_endian(self) -> None:
+        """Big-endian arrays are returned little-endian and C-contiguous."""
+        a = np.arange(6, dtype=">i4").reshape(2, 3).T
+        name, shape, data = gpu.numpy_parts(a)
+        self.assertEqual((name, shape), ("int32", (3, 2)))
+        self.assertEqual(data, np.ascontiguousarray(a.astype("<i4")).tobytes())
+
+
+class _FakeFunction:
+    """Stands in for a PyCUDA C{Function}: records launches."""
+
+    def __init__(self) -> None:
+        self.launches: list[tuple] = []
+
+    def _launch_kernel(self, grid, block, buffer, shared, stream) -> None:
+        self.launches.append((grid, block, buffer, shared, stream))
+
+
+class _FakeDeviceArray:
+    """An object exporting the CUDA array interface."""
+
+    __cuda_array_interface__ = {
+        "shape": (4,),
+        "typestr": "<f4",
+        "data": (0x7000, False),
+        "version": 3,
+        "strides": None,
+    }
+
+
+class KernelHandleTests(SynchronousTestCase):
+    """Argument checking and packing of L{KernelHandle}, with a fake function."""
+
+    def _handle(self, **kwargs) -> tuple[KernelHandle, _FakeFunction]:
+        function = _FakeFunction()
+        handle = KernelHandle(
+            function,
+            grid=kwargs.pop("grid", [4]),
+            block=kwargs.pop("block", (128, 1)),
+            arg_types=kwargs.pop("arg_types", ["x:ptr", "y:ptr", "n:i32", "a:f32"]),
+            name="saxpy",
+            **kwargs,
+        )
+        return handle, function
+
+    def test_launch(self) -> None:
+        """Tensors become pointers, scalars are packed with C alignment."""
+        handle, function = self._handle()
+        handle(_FakeDeviceArray(), _FakeDeviceArray(), 10, 2)
+        [(grid, block, buffer, shared, stream)] = function.launches
+        self.assertEqual((grid, block, shared, stream), ((4, 1, 1), (128, 1, 1), 0, None))
+        self.assertEqual(buffer, struct.pack("@PPif", 0x7000, 0x7000, 10, 2.0))
+
+    def test_alignment(self) -> None:
+        """An i32 before a pointer is padded to the pointer's alignment."""
+        handle, function = self._handle(arg_types=["i32", "ptr"])
+        handle(1, _FakeDeviceArray())
+        self.assertEqual(len(function.launches[0][2]), 16)
+
+    def test_wrong_type(self) -> None:
+        """A float for an i32 names the parameter."""
+        handle, function = self._handle()
+        with self.assertRaises(ExecutionError) as e:
+            handle(_FakeDeviceArray(), _FakeDeviceArray(), 1.5, 2.0)
+        self.assertEqual(e.exception.kind, "runtime")
+        self.assertIn("parameter 2 (n) expects i32", e.exception.message)
+        self.assertEqual(function.launches, [])
+
+    def test_host_array_for_pointer(self) -> None:
+        """A host array is not a device tensor."""
+        handle, _ = self._handle()
+        with self.assertRaises(ExecutionError) as e:
+            handle(np.zeros(4), _FakeDeviceArray(), 1, 2.0)
+        self.assertIn(
+            "parameter 0 (x) expects a device tensor (ptr), got a host numpy array",
+            e.exception.message,
+        )
+
+    def test_out_of_range_and_bool(self) -> None:
+        """Values outside the type's range, and booleans, are refused."""
+        handle, _ = self._handle(arg_types=["u32"])
+        for value in (-1, 2**32, True):
+            with self.assertRaises(ExecutionError):
+                handle(value)
+
+    def test_count(self) -> None:
+        """A wrong number of arguments is C{runtime} showing the signature."""
+        handle, _ = self._handle()
+        with self.assertRaises(ExecutionError) as e:
+            handle(1)
+        self.assertEqual(e.exception.kind, "runtime")
+        self.assertIn(
+            "saxpy(x: ptr, y: ptr, n: i32, a: f32) takes 4 argument(s), got 1", e.exception.message
+        )
+
+    def test_geometry_at_call(self) -> None:
+        """Without fixed geometry the call must give it."""
+        function = _FakeFunction()
+        handle = KernelHandle(function, arg_types=["i32"])
+        with self.assertRaises(ExecutionError):
+            handle(1)
+        handle(1, grid=2, block=[32])
+        self.assertEqual(function.launches[0][:2], ((2, 1, 1), (32, 1, 1)))
+
+    def test_bad_cfg(self) -> None:
+        """Bad geometry and unknown types are C{parse}."""
+        for kwargs in ({"grid": [0]}, {"block": [1, 2, 3, 4]}, {"arg_types": ["f16"]}):
+            with self.assertRaises(ExecutionError) as e:
+                self._handle(**kwargs)
+            self.assertEqual(e.exception.kind, "parse")
+
+    def test_arg_types(self) -> None:
+        """Aliases, C{name:type} entries and C{arg_names}."""
+        self.assertEqual(
+            normalize_arg_types(["float*:ptr", "int", "n:uint64"]),
+            (("float*", "ptr"), ("arg1", "i32"), ("n", "u64")),
+        )
+        self.assertEqual(normalize_arg_types(["ptr"], ["out"]), (("out", "ptr"),))
+
+
+class SourceTests(SynchronousTestCase):
+    """Reading kernel signatures and adding C linkage."""
+
+    SOURCE = """
+    #include <cuda_fp16.h>
+    template <typename T> __global__ void generic(T* x) {}
+    __global__ void __launch_bounds__(256) scale(const float* __restrict__ x,
+            float *y, int n, /* count */ float alpha, unsigned int flags, size_t m) {}
+    """
+
+    def test_signature(self) -> None:
+        """Pointers, qualifiers, comments and C scalar types."""
+        self.assertEqual(
+            kernel_signature(self.SOURCE, "scale"),
+            (
+                ("x", "ptr"),
+                ("y", "ptr"),
+                ("n", "i32"),
+                ("alpha", "f32"),
+                ("flags", "u32"),
+                ("m", "u64"),
+            ),
+        )
+        self.assertIsNone(kernel_signature(self.SOURCE, "missing"))
+        self.assertIsNone(kernel_signature("__global__ void k(half h) {}", "k"))
+        self.assertEqual(kernel_signature("__global__ void k() {}", "k"), ())
+
+    def test_extern_c(self) -> None:
+        """Non-template kernels get C{extern "C"}; templates do not."""
+        out = add_extern_c(self.SOURCE)
+        self.assertIn('extern "C" __global__ void __launch_bounds__', out)
+        self.assertIn("template <typename T> __global__", out)
+        already = 'extern "C" __global__ void k() {}'
+        self.assertEqual(add_extern_c(already), already)
+
+    def test_compile_cuda_bad_handle(self) -> None:
+        """Something that is not a CUDA function handle is C{runtime}."""
+        with self.assertRaises(ExecutionError) as e:
+            gpu_builtins.compile_cuda(object(), {})
+        self.assertEqual(e.exception.kind, "runtime")

@@ -380,12 +380,14 @@ class BubblewrapSandbox:
         argv += ["--proc", "/proc", "--dir", "/dev"]
         for dev in PSEUDO_DEVICES:
             argv += ["--dev-bind", dev, dev]
-        if gpu_devices:
-            for node in self._gpu_nodes(gpu_devices):
-                argv += ["--dev-bind", node, node]
+        nodes = self._gpu_nodes(gpu_devices) if gpu_devices else ()
+        for node in nodes:
+            argv += ["--dev-bind", node, node]
         private = f"{WORKSPACE}/{RESERVED}"
+        mounted = [m.dest for m in mounts] + list(nodes)
         for link in ("/tmp", "/var/tmp"):
-            if not any(_is_within(m.dest, link) for m in mounts):
+            # bwrap cannot make the link where a mount already made a directory.
+            if not any(_is_within(dest, link) for dest in mounted):
                 argv += ["--symlink", f"{private}/tmp", link]
         argv += ["--symlink", f"{private}/shm", "/dev/shm"]
         argv += ["--symlink", "/proc/self/fd", "/dev/fd"]

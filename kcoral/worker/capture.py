@@ -66,6 +66,7 @@ class OutputCapture:
     _paths: tuple[str, str] | None = None
     _saved_fds: tuple[int, int] | None = None
     _saved_streams: tuple[object, object] | None = None
+    _streams: tuple[object, ...] = ()
 
     def start(self) -> None:
         """Flush Python's streams and point fds 1 and 2 at fresh capture files."""
@@ -84,15 +85,27 @@ class OutputCapture:
                 os.dup2(fd, target)
             finally:
                 os.close(fd)
+        # Python-level writes must reach the redirected fds even when
+        # sys.stdout/sys.stderr had been replaced by something else.
+        self._streams = tuple(
+            open(fd, "w", 1, "utf-8", "backslashreplace", closefd=False) for fd in (1, 2)
+        )
+        sys.stdout, sys.stderr = self._streams
 
     def stop(self) -> Captured:
         """Restore fds 1 and 2, read the captured output and delete the files."""
         if self._saved_fds is None or self._paths is None:
             return Captured()
         _flush_python_streams()
+        for stream in self._streams:
+            try:
+                stream.close()  # type: ignore[attr-defined]
+            except (OSError, ValueError):
+                pass
+        self._streams = ()
         if self._saved_streams is not None:
             sys.stdout, sys.stderr = self._saved_streams  # type: ignore[assignment]
-            _flush_python_streams()
+            self._saved_streams = None
         for target, saved in zip((1, 2), self._saved_fds, strict=True):
             os.dup2(saved, target)
             os.close(saved)

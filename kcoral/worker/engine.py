@@ -38,6 +38,7 @@ from kcoral.wire import program as _program
 from kcoral.wire.errors import instruction_error, truncate_traceback
 from kcoral.wire.program import BuiltinName, GetFunction, Program, Ref, Return, Run, Upload
 from kcoral.worker import runtime
+from kcoral.worker.builtins import CPU_ONLY as KNOWN_BUILTINS
 from kcoral.worker.builtins import CudaSource
 from kcoral.worker.capture import OutputCapture
 from kcoral.worker.devices import WIRE_DTYPES, numpy_tensor_parts
@@ -630,7 +631,7 @@ class Engine:
             limit is reached), so it keeps the lease and skips the reuse checks.
         """
         state = ProcessState.snapshot()
-        program = _parse(request.program, frozenset(self.builtins))
+        program = _parse(request.program, frozenset(self.builtins) | frozenset(KNOWN_BUILTINS))
         run = _ProgramRun(self, request, program)
         cwd = os.getcwd()
         capture = OutputCapture(request.workspace, request.output_limit)

@@ -1,0 +1,898 @@
+# -*- test-case-name: tests.unit.test_worker_engine -*-
+"""
+Tests for L{kcoral.worker.engine}: protocol §6 semantics on the CPU backend.
+
+Each test runs the engine in this process against a temporary workspace, a
+recording lease and an in-memory sink for the messages it emits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import textwrap
+from typing import Any
+
+import attrs
+import numpy
+import psutil
+import pytest
+
+from kcoral.errors import ExecutionError
+from kcoral.worker.builtins import cpu_builtins
+from kcoral.worker.devices import CpuBackend, make_backend
+from kcoral.worker.engine import Engine, Outcome, Request
+from kcoral.worker.lease import NullLease
+
+
+@attrs.define
+class RecordingLease:
+    """A no-op lease that records C{acquire}/C{release} calls that changed state."""
+
+    held: bool = False
+    events: list[str] = attrs.field(factory=list)
+
+    def acquire(self) -> None:
+        if not self.held:
+            self.events.append("acquire")
+        self.held = True
+
+    def release(self) -> None:
+        if self.held:
+            self.events.append("release")
+        self.held = False
+
+
+@attrs.define(slots=False)
+class Harness:
+    """Runs programs on one engine with a fresh workspace each time."""
+
+    root: Any
+    lease: RecordingLease = attrs.field(factory=RecordingLease)
+    sent: list[dict[str, Any]] = attrs.field(factory=list)
+    blobs: dict[str, bytes] = attrs.field(factory=dict)
+    count: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        self.engine = Engine(CpuBackend(), self.lease, cpu_builtins(), send=self.sent.append)
+
+    def blob(self, data: bytes) -> str:
+        digest = hashlib.sha256(data).hexdigest()
+        self.blobs[digest] = data
+        return digest
+
+    def run(self, instructions: list[dict[str, Any]], **kwargs: Any) -> Outcome:
+        self.count += 1
+        workspace = self.root / f"ws{self.count}"
+        workspace.mkdir()
+        self.workspace = str(workspace)
+        program = json.dumps({"instructions": instructions})
+        request = Request(program, str(workspace), blobs=dict(self.blobs), **kwargs)
+        return self.engine.run(request)
+
+
+@pytest.fixture
+def harness(tmp_path: Any) -> Harness:
+    return Harness(tmp_path)
+
+
+def module(id: str, source: str) -> dict[str, Any]:
+    return {"op": "upload", "kind": "module", "id": id, "source": textwrap.dedent(source)}
+
+
+def get(id: str, mod: str, name: str, **kw: Any) -> dict[str, Any]:
+    return {"op": "get_function", "id": id, "module": {"$ref": mod}, "name": name, **kw}
+
+
+def run(id: str, fn: str, *args: Any) -> dict[str, Any]:
+    return {"op": "run", "id": id, "fn": {"$ref": fn}, "args": list(args)}
+
+
+def ret(key: str, ref: str) -> dict[str, Any]:
+    return {"op": "return", "key": key, "value": {"$ref": ref}}
+
+
+def ref(id: str) -> dict[str, str]:
+    return {"$ref": id}
+
+
+def decode(outcome: Outcome, node: dict[str, Any]) -> Any:
+    """Decode a value tree node against the outcome's parts (a small client)."""
+    kind = node["type"]
+    if kind == "null":
+        return None
+    if kind in ("boolean", "integer", "number", "string"):
+        return node["value"]
+    if kind == "array":
+        return [decode(outcome, n) for n in node["value"]]
+    if kind == "object":
+        return {k: decode(outcome, n) for k, n in node["value"].items()}
+    if kind in ("bytes", "file", "tensor"):
+        data = outcome.parts[int(node["part"].split(":")[1])]
+        assert hashlib.sha256(data).hexdigest() == node["sha256"]
+        if kind == "tensor":
+            return numpy.frombuffer(data, dtype=node["dtype"]).reshape(node["shape"])
+        return data
+    if kind == "folder":
+        return {
+            "files": {k: decode(outcome, n) for k, n in node["files"].items()},
+            "directories": node["directories"],
+        }
+    raise AssertionError(kind)
+
+
+def values(outcome: Outcome) -> dict[str, Any]:
+    return {key: decode(outcome, node) for key, node in outcome.results.items()}
+
+
+def error(outcome: Outcome) -> tuple[str, str, int]:
+    assert outcome.status == "FAILED", outcome
+    assert outcome.error is not None
+    return outcome.error["kind"], outcome.error["message"], outcome.error["instruction_index"]
+
+
+ADD = module("m", "def add(a, b):\n    return a + b\n")
+
+
+# -- modules and functions ------------------------------------------------
+
+
+def test_completed_program(harness: Harness) -> None:
+    """A module, a function, a run and a return complete with the value."""
+    outcome = harness.run([ADD, get("f", "m", "add"), run("r", "f", 2, 3), ret("out", "r")])
+    assert outcome.status == "COMPLETED"
+    assert outcome.error is None
+    assert outcome.results == {"out": {"type": "integer", "value": 5}}
+    assert harness.sent == [{"type": "instruction", "index": i} for i in range(4)]
+    assert outcome.retire is None
+
+
+def test_syntax_error_is_parse(harness: Harness) -> None:
+    """A module that does not compile fails with C{parse} "syntax error: ..."."""
+    kind, message, index = error(harness.run([module("m", "def f(:\n")]))
+    assert (kind, index) == ("parse", 0)
+    assert message.startswith("syntax error: ")
+
+
+def test_import_time_exception_is_parse(harness: Harness) -> None:
+    """An exception at import time fails the upload with C{parse} "{Type}: {msg}"."""
+    outcome = harness.run([module("m", "raise KeyError('nope')\n")])
+    assert error(outcome) == ("parse", "KeyError: 'nope'", 0)
+    assert "<uploaded:" in outcome.error["traceback"]
+
+
+def test_missing_name_is_parse(harness: Harness) -> None:
+    """get_function of a name the module lacks fails with C{parse}."""
+    outcome = harness.run([ADD, get("f", "m", "sub")])
+    assert error(outcome) == ("parse", "the uploaded Python module defines no name 'sub'", 1)
+    assert outcome.error["instruction_op"] == "get_function"
+    assert outcome.error["instruction_id"] == "f"
+
+
+def test_get_function_on_non_module(harness: Harness) -> None:
+    """get_function on a bytes handle is C{unavailable} on CPU."""
+    digest = harness.blob(b"x")
+    outcome = harness.run(
+        [{"op": "upload", "kind": "bytes", "id": "b", "blob": digest}, get("f", "b", "x")]
+    )
+    assert error(outcome) == ("unavailable", "get_function expects an uploaded Python module", 1)
+
+
+def test_not_callable_is_runtime(harness: Harness) -> None:
+    """Running a non-callable handle fails with C{runtime}."""
+    outcome = harness.run([module("m", "x = 3\n"), get("x", "m", "x"), run("r", "x")])
+    assert error(outcome) == ("runtime", "handle 'x' is not callable", 2)
+
+
+def test_value_error_is_engine(harness: Harness) -> None:
+    """An ordinary exception from user code is C{engine} "{Type}: {msg}" with a traceback."""
+    outcome = harness.run(
+        [module("m", "def f():\n    raise ValueError('boom')\n"), get("f", "m", "f"), run("r", "f")]
+    )
+    assert error(outcome) == ("engine", "ValueError: boom", 2)
+    tb = outcome.error["traceback"]
+    assert tb.startswith("Traceback (most recent call last):")
+    assert "ValueError: boom" in tb
+    assert "engine.py" not in tb
+
+
+def test_execution_error_keeps_kind(harness: Harness) -> None:
+    """An C{ExecutionError} raised by user code keeps its kind and message."""
+    source = """
+    from kcoral.errors import ExecutionError
+    def f():
+        raise ExecutionError("correctness", "outputs differ")
+    def g():
+        raise ExecutionError("strange", "odd kind")
+    """
+    outcome = harness.run([module("m", source), get("f", "m", "f"), run("r", "f")])
+    assert error(outcome) == ("correctness", "outputs differ", 2)
+    outcome = harness.run([module("m", source), get("g", "m", "g"), run("r", "g")])
+    assert error(outcome)[0] == "engine"
+
+
+def test_builtins_importable_and_unavailable_on_cpu(harness: Harness) -> None:
+    """Uploaded code imports kcoral.builtins; on CPU its helpers are C{unavailable}."""
+    source = """
+    import kcoral.builtin
+    from kcoral.builtins import zeros, compile_tirx
+    def f():
+        return zeros({"shape": [4]})
+    def g():
+        return compile_tirx(None)
+    """
+    outcome = harness.run([module("m", source), get("f", "m", "f"), run("r", "f")])
+    assert error(outcome) == ("unavailable", "builtin.zeros is unavailable in CPU mode", 2)
+    outcome = harness.run([module("m", source), get("g", "m", "g"), run("r", "g")])
+    assert error(outcome)[0] == "unavailable"
+
+
+def test_legacy_builtin_names(harness: Harness) -> None:
+    """
+    A string C{fn} names a builtin; a legacy name missing from the worker's
+    table fails with C{runtime}.
+    """
+    outcome = harness.run([{"op": "run", "id": "z", "fn": "builtin.zeros", "args": [{}]}])
+    assert error(outcome) == ("unavailable", "builtin.zeros is unavailable in CPU mode", 0)
+    harness.engine.builtins.pop("builtin.zeros")
+    outcome = harness.run([{"op": "run", "id": "z", "fn": "builtin.zeros", "args": []}])
+    assert error(outcome) == ("runtime", "unknown function: 'builtin.zeros'", 0)
+
+
+def test_cuda_module_and_compile_cuda_binary_without_compiler(harness: Harness) -> None:
+    """A CUDA module binds its source; get_function checks the name."""
+    cuda = {
+        "op": "upload",
+        "kind": "module",
+        "id": "cu",
+        "language": "cuda",
+        "source": "__global__ void k() {}",
+    }
+    outcome = harness.run([cuda, get("main", "cu", "main")])
+    assert error(outcome)[0::2] == ("parse", 1)
+    outcome = harness.run([cuda, get("k", "cu", "1k")])
+    assert error(outcome)[0::2] == ("parse", 1)
+    outcome = harness.run(
+        [
+            cuda,
+            get("k", "cu", "k"),
+            {"op": "run", "id": "b", "fn": "builtin.compile_cuda_binary", "args": [ref("k"), {}]},
+        ]
+    )
+    assert error(outcome) == ("parse", "compile_cuda_binary: 'arch' must be a string", 2)
+
+
+# -- uploads --------------------------------------------------------------
+
+
+def test_bytes_uploads(harness: Harness) -> None:
+    """Bytes uploads bind bytes, including the empty blob."""
+    full, empty = harness.blob(b"abc"), harness.blob(b"")
+    outcome = harness.run(
+        [
+            {"op": "upload", "kind": "bytes", "id": "a", "blob": full},
+            {"op": "upload", "kind": "bytes", "id": "e", "blob": empty},
+            module("m", "def f(a, e):\n    return [type(a).__name__, len(a), e]\n"),
+            get("f", "m", "f"),
+            run("r", "f", ref("a"), ref("e")),
+            ret("r", "r"),
+        ]
+    )
+    assert values(outcome) == {"r": ["bytes", 3, b""]}
+
+
+def test_tensor_and_library_uploads_unavailable(harness: Harness) -> None:
+    """Tensor and library uploads fail with C{unavailable} on CPU."""
+    digest = harness.blob(b"\0" * 8)
+    outcome = harness.run(
+        [
+            {
+                "op": "upload",
+                "kind": "tensor",
+                "id": "t",
+                "blob": digest,
+                "dtype": "float32",
+                "shape": [2],
+            }
+        ]
+    )
+    assert error(outcome) == ("unavailable", "tensor uploads require a GPU worker", 0)
+    outcome = harness.run([{"op": "upload", "kind": "library", "id": "l", "blob": digest}])
+    assert error(outcome) == ("unavailable", "library uploads require a GPU worker", 0)
+
+
+def test_file_upload(harness: Harness) -> None:
+    """A file upload creates the file (0600) and parents (0700) and binds the path."""
+    digest = harness.blob(b"data")
+    outcome = harness.run(
+        [
+            {"op": "upload", "kind": "file", "id": "p", "blob": digest, "path": "./a//b/c.txt"},
+            module("m", "def f(p):\n    return [p, open(p).read()]\n"),
+            get("f", "m", "f"),
+            run("r", "f", ref("p")),
+            ret("r", "r"),
+        ]
+    )
+    assert values(outcome) == {"r": ["a/b/c.txt", "data"]}
+    ws = harness.workspace
+    assert os.stat(os.path.join(ws, "a/b/c.txt")).st_mode & 0o777 == 0o600
+    assert os.stat(os.path.join(ws, "a")).st_mode & 0o777 == 0o700
+
+
+def test_file_upload_over_existing_path(harness: Harness) -> None:
+    """Uploading to a path that user code already created fails with C{runtime}."""
+    digest = harness.blob(b"data")
+    outcome = harness.run(
+        [
+            module("m", "open('x.txt', 'w').close()\n"),
+            {"op": "upload", "kind": "file", "id": "p", "blob": digest, "path": "x.txt"},
+        ]
+    )
+    kind, message, index = error(outcome)
+    assert (kind, index) == ("runtime", 1)
+    assert message.startswith("cannot materialize file 'x.txt': FileExistsError: ")
+
+
+def test_file_upload_through_symlink(harness: Harness, tmp_path: Any) -> None:
+    """A symlinked parent directory is never followed."""
+    digest = harness.blob(b"data")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    source = f"import os\nos.symlink({str(outside)!r}, 'd')\n"
+    outcome = harness.run(
+        [
+            module("m", source),
+            {"op": "upload", "kind": "file", "id": "p", "blob": digest, "path": "d/x"},
+        ]
+    )
+    assert error(outcome)[0::2] == ("runtime", 1)
+    assert list(outside.iterdir()) == []
+
+
+def test_reserved_directory(harness: Harness) -> None:
+    """A file upload into the reserved top-level directory fails with C{runtime}."""
+    digest = harness.blob(b"data")
+    outcome = harness.run(
+        [{"op": "upload", "kind": "file", "id": "p", "blob": digest, "path": ".kcoral/x"}],
+        reserved=".kcoral",
+    )
+    assert error(outcome) == ("runtime", "'.kcoral' is reserved for sandbox runtime files", 0)
+
+
+# -- runs -----------------------------------------------------------------
+
+
+def test_arguments(harness: Harness) -> None:
+    """Top-level refs resolve; nested refs stay dicts; function handles are arguments."""
+    source = """
+    def double(x):
+        return 2 * x
+    def apply(fn, value, nested):
+        return [fn(value), nested]
+    def make(n):
+        return lambda x: x + n
+    """
+    outcome = harness.run(
+        [
+            module("m", source),
+            get("double", "m", "double"),
+            get("apply", "m", "apply"),
+            get("make", "m", "make"),
+            run("r", "apply", ref("double"), 21, [ref("double"), {"k": ref("x")}]),
+            run("adder", "make", 10),
+            run("s", "adder", 5),
+            ret("r", "r"),
+            ret("s", "s"),
+        ]
+    )
+    assert values(outcome) == {
+        "r": [42, [{"$ref": "double"}, {"k": {"$ref": "x"}}]],
+        "s": 15,
+    }
+
+
+# -- value returns --------------------------------------------------------
+
+
+def test_value_snapshot_and_order(harness: Harness) -> None:
+    """Returns encode the value when they run, keep key order and number parts."""
+    source = """
+    state = {"b": b"one"}
+    def get():
+        return state
+    def change():
+        state["b"] = b"two"
+        state["n"] = 1.5
+    """
+    outcome = harness.run(
+        [
+            module("m", source),
+            get("g", "m", "get"),
+            get("c", "m", "change"),
+            run("s", "g"),
+            ret("z_first", "s"),
+            run("x", "c"),
+            ret("a_second", "s"),
+        ]
+    )
+    assert list(outcome.results) == ["z_first", "a_second"]
+    assert values(outcome) == {
+        "z_first": {"b": b"one"},
+        "a_second": {"b": b"two", "n": 1.5},
+    }
+    assert outcome.results["a_second"]["value"]["b"]["part"] == "return:1"
+
+
+def test_encodings(harness: Harness) -> None:
+    """Every supported Python type has its protocol §7.1 encoding; numpy arrays are tensors."""
+    source = """
+    import numpy
+    def f():
+        return [None, True, 7, 2.5, "s", bytearray(b"b"), (1,), {"k": None},
+                numpy.arange(6, dtype=numpy.int16).reshape(2, 3)]
+    """
+    outcome = harness.run([module("m", source), get("f", "m", "f"), run("r", "f"), ret("r", "r")])
+    nodes = outcome.results["r"]["value"]
+    assert [n["type"] for n in nodes] == [
+        "null",
+        "boolean",
+        "integer",
+        "number",
+        "string",
+        "bytes",
+        "array",
+        "object",
+        "tensor",
+    ]
+    assert nodes[8]["dtype"] == "int16"
+    assert nodes[8]["shape"] == [2, 3]
+    decoded = values(outcome)["r"]
+    assert decoded[8].tolist() == [[0, 1, 2], [3, 4, 5]]
+
+
+@pytest.mark.parametrize(
+    ("expression", "message"),
+    [
+        ("float('nan')", "cannot return a non-finite number"),
+        ("[b'x', float('inf')]", "cannot return a non-finite number"),
+        ("{1: 2}", "returned objects must have string keys"),
+        ("object()", "cannot return value of type object"),
+        ("numpy.zeros(2, dtype=numpy.complex64)", "cannot return tensor dtype complex64"),
+    ],
+)
+def test_serialization_failures(harness: Harness, expression: str, message: str) -> None:
+    """Values that cannot be encoded fail with C{serialization} and register no parts."""
+    source = f"import numpy\ndef f():\n    return {expression}\n"
+    outcome = harness.run([module("m", source), get("f", "m", "f"), run("r", "f"), ret("r", "r")])
+    assert error(outcome) == ("serialization", message, 3)
+    assert outcome.parts == []
+    assert outcome.error["instruction_id"] is None
+    assert outcome.error["instruction_op"] == "return"
+
+
+def test_partial_results(harness: Harness) -> None:
+    """Returns completed before a failure survive; later instructions do not run."""
+    source = "def ok():\n    return b'kept'\ndef bad():\n    raise RuntimeError('x')\n"
+    outcome = harness.run(
+        [
+            module("m", source),
+            get("ok", "m", "ok"),
+            get("bad", "m", "bad"),
+            run("a", "ok"),
+            ret("a", "a"),
+            run("b", "bad"),
+            ret("b", "a"),
+        ]
+    )
+    assert error(outcome) == ("engine", "RuntimeError: x", 5)
+    assert values(outcome) == {"a": b"kept"}
+    assert len(outcome.parts) == 1
+    assert [m["index"] for m in harness.sent] == [0, 1, 2, 3, 4, 5]
+
+
+# -- file and folder returns ----------------------------------------------
+
+
+FILES = """
+import os
+os.makedirs("out/e", exist_ok=True)
+os.makedirs("out/empty/inner")
+with open("out/x.txt", "w") as f:
+    f.write("x")
+with open("out/e/.hidden", "w") as f:
+    f.write("hidden")
+os.chdir("out")
+"""
+
+
+def test_file_and_folder_returns(harness: Harness) -> None:
+    """Folder returns list files (hidden too) and every directory, even after chdir."""
+    outcome = harness.run(
+        [
+            module("m", FILES),
+            {"op": "return", "key": "f", "kind": "file", "path": "out/x.txt"},
+            {"op": "return", "key": "d", "kind": "folder", "path": "out"},
+        ]
+    )
+    assert outcome.status == "COMPLETED", outcome.error
+    assert outcome.results["f"]["size"] == 1
+    folder = outcome.results["d"]
+    assert folder["type"] == "folder"
+    assert list(folder["files"]) == ["e/.hidden", "x.txt"]
+    assert folder["directories"] == ["e", "empty", "empty/inner"]
+    assert [n["part"] for n in folder["files"].values()] == ["return:1", "return:2"]
+    assert values(outcome)["d"]["files"] == {"e/.hidden": b"hidden", "x.txt": b"x"}
+
+
+def test_return_path_from_handle(harness: Harness) -> None:
+    """A file return may take its path from a string handle; other types fail."""
+    digest = harness.blob(b"abc")
+    outcome = harness.run(
+        [
+            {"op": "upload", "kind": "file", "id": "p", "blob": digest, "path": "dir/a"},
+            {"op": "return", "key": "f", "kind": "file", "path": {"$ref": "p"}},
+            {"op": "return", "key": "g", "kind": "folder", "path": {"$ref": "p"}},
+        ]
+    )
+    assert values(outcome)["f"] == b"abc"
+    kind, message, index = error(outcome)
+    assert (kind, index) == ("serialization", 2)
+    assert message.startswith("cannot return folder: ")
+
+
+@pytest.mark.parametrize(
+    ("setup", "kind", "path"),
+    [
+        ("os.makedirs('out'); os.symlink('/etc', 'out/link')", "folder", "out"),
+        ("os.symlink('/etc/hostname', 'link')", "file", "link"),
+        ("os.makedirs('out'); os.mkfifo('out/fifo')", "folder", "out"),
+        ("", "file", "missing"),
+        ("os.makedirs('d')", "file", "d"),
+    ],
+)
+def test_file_return_failures(harness: Harness, setup: str, kind: str, path: str) -> None:
+    """Symlinks, special files, missing paths and wrong kinds fail with C{serialization}."""
+    outcome = harness.run(
+        [
+            module("m", f"import os\n{setup}\n"),
+            {"op": "return", "key": "r", "kind": kind, "path": path},
+        ]
+    )
+    kind_, message, index = error(outcome)
+    assert (kind_, index) == ("serialization", 1)
+    assert message.startswith(f"cannot return {kind}: ")
+    assert outcome.parts == []
+
+
+def test_file_return_budget(harness: Harness) -> None:
+    """File contents may not exceed max_response_bytes minus registered parts."""
+    source = "open('f', 'wb').write(b'x' * 10)\ndef f():\n    return b'12345'\n"
+    outcome = harness.run(
+        [
+            module("m", source),
+            get("f", "m", "f"),
+            run("b", "f"),
+            ret("b", "b"),
+            {"op": "return", "key": "r", "kind": "file", "path": "f"},
+        ],
+        max_response_bytes=14,
+    )
+    assert error(outcome) == (
+        "serialization",
+        "cannot return file: SerializationError: file return exceeds max_response_bytes binary budget",
+        4,
+    )
+    assert values(outcome) == {"b": b"12345"}
+
+
+# -- lease placement --------------------------------------------------------
+
+
+def test_lease_placement(harness: Harness) -> None:
+    """Leases follow spec/server.md §4.3, with a final acquire and a release on reuse."""
+    digest = harness.blob(b"x")
+    harness.run(
+        [
+            {"op": "upload", "kind": "bytes", "id": "b", "blob": digest},  # unchanged
+            ADD,  # acquire
+            {"op": "upload", "kind": "file", "id": "p", "blob": digest, "path": "p"},  # release
+            get("f", "m", "add", cpu_only=True),  # acquire
+            run("r", "f", 1, 2),  # cpu_only: release
+            ret("r", "r"),  # acquire
+            {"op": "return", "key": "p", "kind": "file", "path": "p"},  # release
+        ]
+    )
+    assert harness.lease.events == [
+        "acquire",
+        "release",
+        "acquire",
+        "release",
+        "acquire",
+        "release",
+        "acquire",  # cleanup
+        "release",  # reused worker
+    ]
+
+
+def test_retiring_keeps_lease(harness: Harness) -> None:
+    """A retiring worker keeps the lease and reports C{request_limit}."""
+    workspace = harness.root / "solo"
+    workspace.mkdir()
+    program = json.dumps({"instructions": [ADD]})
+    outcome = harness.engine.run(Request(program, str(workspace)), retiring=True)
+    assert outcome.retire == "request_limit"
+    assert harness.lease.held
+
+
+# -- reuse ------------------------------------------------------------------
+
+
+def test_reuse_restores_process_state(harness: Harness) -> None:
+    """The environment and sys.path are restored; workspace modules are unloaded."""
+    source = """
+    import os, sys
+    os.environ["KCORAL_TEST_ADDED"] = "1"
+    sys.path.insert(0, os.getcwd())
+    open("kcoral_ws_mod.py", "w").write("X = 1\\n")
+    import kcoral_ws_mod
+    """
+    before = dict(os.environ)
+    path = list(sys.path)
+    outcome = harness.run([module("m", source)])
+    assert outcome.status == "COMPLETED", outcome.error
+    assert outcome.retire is None
+    assert dict(os.environ) == before
+    assert sys.path == path
+    assert "kcoral_ws_mod" not in sys.modules
+
+
+def test_reuse_leftover_thread_retires(harness: Harness) -> None:
+    """A thread left running makes the worker retire with C{request_limit}."""
+    source = """
+    import threading
+    stop = threading.Event()
+    threading.Thread(target=stop.wait, daemon=True).start()
+    def finish():
+        stop.set()
+    """
+    outcome = harness.run([module("m", source)])
+    assert outcome.retire == "request_limit"
+    assert harness.lease.held
+
+
+def test_reuse_leftover_child_retires(harness: Harness) -> None:
+    """A child process left running makes the worker retire."""
+    source = """
+    import subprocess, sys
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    """
+    outcome = harness.run([module("m", source)])
+    assert outcome.retire == "request_limit"
+    for child in psutil.Process().children():
+        child.kill()
+        child.wait()
+
+
+def test_reuse_leftover_open_file_retires(harness: Harness) -> None:
+    """A file under the workspace left open makes the worker retire."""
+    source = "import builtins\nbuiltins._kcoral_test_file = open('held', 'w')\n"
+    try:
+        outcome = harness.run([module("m", source)])
+        assert outcome.retire == "request_limit"
+    finally:
+        import builtins
+
+        builtins._kcoral_test_file.close()  # type: ignore[attr-defined]
+        del builtins._kcoral_test_file  # type: ignore[attr-defined]
+
+
+# -- capture ------------------------------------------------------------------
+
+
+def test_capture_includes_subprocess_output(harness: Harness) -> None:
+    """Output of Python code and of subprocesses is captured per stream."""
+    source = """
+    import subprocess, sys
+    print("from python")
+    print("to stderr", file=sys.stderr)
+    subprocess.run([sys.executable, "-c", "print('from child')"], check=True)
+    """
+    outcome = harness.run([module("m", source)])
+    assert outcome.stdout == "from python\nfrom child\n"
+    assert outcome.stderr == "to stderr\n"
+    assert not outcome.stdout_truncated
+    assert os.listdir(os.path.join(harness.workspace, ".kcoral", "output")) == []
+
+
+def test_capture_limit(harness: Harness) -> None:
+    """With limit 10 the first ten bytes come back, flagged as truncated."""
+    source = "import os\nos.write(1, b'0123456789abc')\n"
+    outcome = harness.run([module("m", source)], output_limit=10)
+    assert (outcome.stdout, outcome.stdout_truncated) == ("0123456789", True)
+    assert (outcome.stderr, outcome.stderr_truncated) == ("", False)
+
+
+def test_capture_disabled(harness: Harness) -> None:
+    """With limit 0 both streams are empty and not truncated."""
+    outcome = harness.run([module("m", "print('hello')\n")], output_limit=0)
+    assert (outcome.stdout, outcome.stdout_truncated) == ("", False)
+
+
+# -- protocol §11 and §12 programs --------------------------------------------
+
+
+REMOTE_MODULE = """from __future__ import annotations
+
+def scale(x, factor, *, data):
+    return {"x": x * factor, "data": data, "len": len(data)}
+
+def _kcoral_invoke_scale(nargs, names, literals, *values):
+    import builtins
+    values = [value["value"] if literal else value for literal, value in zip(literals, values)]
+    function = builtins.globals()["scale"]
+    return function(*values[:nargs], **dict(zip(names, values[nargs:])))
+"""
+
+
+def test_remote_function_program(harness: Harness) -> None:
+    """The program of protocol §11 (scale.remote(5, data=b"ab")) completes."""
+    data = harness.blob(b"ab")
+    outcome = harness.run(
+        [
+            {"op": "upload", "kind": "module", "source": REMOTE_MODULE, "id": "module"},
+            get("function", "module", "_kcoral_invoke_scale"),
+            {"op": "upload", "kind": "bytes", "blob": data, "id": "arg_2"},
+            run(
+                "output",
+                "function",
+                2,
+                ["data"],
+                [True, True, False],
+                {"value": 5},
+                {"value": 2},
+                ref("arg_2"),
+            ),
+            ret("output", "output"),
+        ]
+    )
+    assert outcome.status == "COMPLETED", outcome.error
+    assert values(outcome) == {"output": {"x": 10, "data": b"ab", "len": 2}}
+
+
+def test_remote_function_literal_ref_and_empty_bytes(harness: Harness) -> None:
+    """A wrapped literal shaped like a reference stays data; empty bytes work."""
+    empty = harness.blob(b"")
+    outcome = harness.run(
+        [
+            {"op": "upload", "kind": "module", "source": REMOTE_MODULE, "id": "module"},
+            get("function", "module", "_kcoral_invoke_scale"),
+            {"op": "upload", "kind": "bytes", "blob": empty, "id": "arg_2"},
+            run(
+                "output",
+                "function",
+                2,
+                ["data"],
+                [True, True, False],
+                {"value": [ref("module")]},
+                {"value": 1},
+                ref("arg_2"),
+            ),
+            ret("output", "output"),
+        ]
+    )
+    assert values(outcome) == {"output": {"x": [{"$ref": "module"}], "data": b"", "len": 0}}
+
+
+RUNNER = """
+import io, os, shutil, sys, tarfile
+
+def run(inputs, tool_run, argv, env, fetch):
+    os.mkdir("inputs")
+    with tarfile.open(fileobj=io.BytesIO(inputs)) as archive:
+        archive.extractall("inputs")
+    directory = os.path.abspath("inputs")
+    os.environ["KCORAL_DIR"] = directory
+    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    returncode = tool_run(argv, env, directory)
+    os.mkdir("outputs")
+    missing = []
+    for path in fetch:
+        source = os.path.join(directory, path)
+        if not os.path.isfile(source):
+            missing.append(path)
+            continue
+        target = os.path.join("outputs", path)
+        os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
+        shutil.copyfile(source, target)
+    return {"returncode": returncode, "missing": missing}
+"""
+
+PYTHON_TOOL = """
+import os, subprocess, sys
+
+def run(args, env, cwd):
+    completed = subprocess.run(
+        [sys.executable, *args], cwd=cwd, env={**os.environ, **env}, stdin=subprocess.DEVNULL
+    )
+    return completed.returncode
+"""
+
+
+def test_kcoral_run_python_program(harness: Harness) -> None:
+    """The `kcoral run python` program of protocol §12 completes with its output."""
+    script = b"import os\nprint('hello', os.environ['GREETING'])\nos.makedirs('res', exist_ok=True)\nopen('res/out.txt', 'w').write('result')\n"
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as archive:
+        info = tarfile.TarInfo("exp/check.py")
+        info.size = len(script)
+        info.mode = 0o600
+        archive.addfile(info, io.BytesIO(script))
+    inputs = harness.blob(buffer.getvalue())
+    outcome = harness.run(
+        [
+            {"op": "upload", "kind": "module", "source": RUNNER, "id": "tool_runner"},
+            get("runner", "tool_runner", "run"),
+            {"op": "upload", "kind": "module", "source": PYTHON_TOOL, "id": "definition"},
+            get("tool_run", "definition", "run"),
+            {"op": "upload", "kind": "bytes", "blob": inputs, "id": "inputs"},
+            run(
+                "run",
+                "runner",
+                ref("inputs"),
+                ref("tool_run"),
+                ["exp/check.py"],
+                {"GREETING": "world"},
+                ["res/out.txt", "absent.txt"],
+            ),
+            ret("outcome", "run"),
+            {"op": "return", "key": "artifacts", "kind": "folder", "path": "outputs"},
+        ],
+        output_limit=268435456,
+    )
+    assert outcome.status == "COMPLETED", outcome.error
+    assert outcome.stdout == "hello world\n"
+    decoded = values(outcome)
+    assert decoded["outcome"] == {"returncode": 0, "missing": ["absent.txt"]}
+    assert decoded["artifacts"] == {"files": {"res/out.txt": b"result"}, "directories": ["res"]}
+    assert "KCORAL_DIR" not in os.environ
+
+
+# -- modules without Twisted ------------------------------------------------
+
+
+def test_no_twisted_import() -> None:
+    """kcoral.errors, kcoral.builtins and the engine import no Twisted, Klein or treq."""
+    code = (
+        "import sys, kcoral.errors, kcoral.builtins, kcoral.builtin, kcoral.worker.engine\n"
+        "bad = [m for m in ('twisted', 'klein', 'treq') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_backend_registry() -> None:
+    """make_backend builds the CPU backend and rejects unknown names."""
+    backend = make_backend("cpu", gpu_ordinal=3)
+    assert backend.name == "cpu" and backend.target() == {}
+    with pytest.raises(LookupError):
+        make_backend("tpu")
+
+
+def test_execution_error_attributes() -> None:
+    """ExecutionError carries kind and message."""
+    e = ExecutionError("runtime", "m")
+    assert (e.kind, e.message, str(e)) == ("runtime", "m", "m")
+
+
+def test_null_lease() -> None:
+    """NullLease tracks state without I/O."""
+    lease = NullLease()
+    lease.acquire()
+    assert lease.held
+    lease.release()
+    assert not lease.held

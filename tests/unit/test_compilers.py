@@ -1,0 +1,635 @@
+"""
+Tests for L{kcoral.compilers}: the backend contract, plugin discovery,
+argument policy, the compile cache and L{kcoral.compilers.compile_binary}.
+
+Nothing here runs a compiler; see C{tests/integration/test_nvcc.py}.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import shutil
+import stat
+import sys
+import tempfile
+import textwrap
+
+from twisted.logger import capturedLogs
+from twisted.plugin import IPlugin
+from twisted.trial.unittest import SynchronousTestCase
+from zope.interface.verify import verifyObject
+
+import kcoral.plugins
+from kcoral import compilers
+from kcoral.compilers import (
+    DuplicateBackend,
+    MissingBackend,
+    backends,
+    compile_binary,
+    compile_stats,
+    configure_cache,
+    get_backend,
+)
+from kcoral.compilers.cache import CompileCache, cache_key
+from kcoral.compilers.interfaces import KINDS, ICompilerBackend
+from kcoral.compilers.nvcc import (
+    NvccBackend,
+    find_nvcc,
+    parse_nvcc_version,
+    shorten,
+    validate_arch,
+    validate_options,
+)
+from kcoral.compilers.sourcemodule import SourceModuleBackend, load_module_image
+from kcoral.errors import ExecutionError
+from kcoral.testing_compilers import FAKE_MAGIC, FakeCompilerBackend
+
+SOURCE = 'extern "C" __global__ void k(float* x) { x[threadIdx.x] = 1.0f; }\n'
+
+
+def _mktemp(case: SynchronousTestCase) -> str:
+    """A fresh path (not created) in a private temporary directory, like C{mktemp}."""
+    base = tempfile.mkdtemp(prefix="kcoral-test-compilers-")
+    case.addCleanup(shutil.rmtree, base, True)
+    return os.path.join(base, "temp")
+
+
+def _executable(path: str, text: str = "#!/bin/sh\nexit 0\n") -> str:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text)
+    os.chmod(path, 0o755)
+    return path
+
+
+class BackendContractTests:
+    """
+    What every L{ICompilerBackend} provider must do. Mix into a
+    C{SynchronousTestCase} and define C{make_backend()}.
+    """
+
+    def make_backend(self):
+        raise NotImplementedError
+
+    def test_verifyObject(self):
+        """The backend provides L{ICompilerBackend} (and C{IPlugin}) completely."""
+        backend = self.make_backend()
+        self.assertTrue(verifyObject(ICompilerBackend, backend))
+        self.assertTrue(IPlugin.providedBy(backend))
+
+    def test_name_and_kind(self):
+        """C{name} is a non-empty string and C{kind} one of L{KINDS}."""
+        backend = self.make_backend()
+        self.assertIsInstance(backend.name, str)
+        self.assertTrue(backend.name)
+        self.assertIn(backend.kind, KINDS)
+
+    def test_available(self):
+        """C{available()} is C{(bool, str)}, with a reason when false."""
+        ok, reason = self.make_backend().available()
+        self.assertIsInstance(ok, bool)
+        self.assertIsInstance(reason, str)
+        if not ok:
+            self.assertTrue(reason)
+
+    def test_versions(self):
+        """C{versions()} maps strings to strings."""
+        versions = self.make_backend().versions()
+        self.assertIsInstance(versions, dict)
+        for key, value in versions.items():
+            self.assertIsInstance(key, str)
+            self.assertIsInstance(value, str)
+
+    def test_badArch(self):
+        """A malformed arch is a C{parse} error, toolchain or not."""
+        for arch in ("sm90", "sm_9", "sm_90x", "gfx90a", "sm_90a; rm -rf /", 90):
+            with self.assertRaises(ExecutionError) as ctx:
+                self.make_backend().compile(SOURCE, arch, (), 30.0)
+            self.assertEqual(ctx.exception.kind, "parse", arch)
+
+    def test_disallowedFlag(self):
+        """A flag that writes files or changes the output is a C{parse} error."""
+        for flags in (("-o", "x"), ("--run",), ("-E",), ("-odir", "/tmp"), ("-arch=sm_80",)):
+            with self.assertRaises(ExecutionError) as ctx:
+                self.make_backend().compile(SOURCE, "sm_90a", flags, 30.0)
+            self.assertEqual(ctx.exception.kind, "parse", flags)
+
+    def test_compileOrUnavailable(self):
+        """C{compile} returns non-empty bytes, or fails C{unavailable} when not available."""
+        backend = self.make_backend()
+        ok, _ = backend.available()
+        if ok:
+            image = backend.compile(SOURCE, "sm_90a", (), 120.0)
+            self.assertIsInstance(image, bytes)
+            self.assertTrue(image)
+        else:
+            with self.assertRaises(ExecutionError) as ctx:
+                backend.compile(SOURCE, "sm_90a", (), 120.0)
+            self.assertEqual(ctx.exception.kind, "unavailable")
+
+
+class FakeBackendContractTests(BackendContractTests, SynchronousTestCase):
+    """L{FakeCompilerBackend} meets the contract."""
+
+    def make_backend(self):
+        return FakeCompilerBackend()
+
+
+class UnavailableFakeBackendContractTests(BackendContractTests, SynchronousTestCase):
+    """An unusable L{FakeCompilerBackend} meets the contract."""
+
+    def make_backend(self):
+        return FakeCompilerBackend(usable=(False, "no toolchain"))
+
+
+class NvccBackendContractTests(BackendContractTests, SynchronousTestCase):
+    """L{NvccBackend} meets the contract (compiling only where nvcc exists)."""
+
+    def make_backend(self):
+        return NvccBackend()
+
+
+class MissingNvccBackendContractTests(BackendContractTests, SynchronousTestCase):
+    """L{NvccBackend} without a toolchain meets the contract."""
+
+    def make_backend(self):
+        return NvccBackend(nvcc_path=os.path.join(_mktemp(self), "nvcc"))
+
+
+class SourceModuleBackendContractTests(BackendContractTests, SynchronousTestCase):
+    """L{SourceModuleBackend} meets the contract (unavailable without PyCUDA)."""
+
+    def make_backend(self):
+        return SourceModuleBackend()
+
+
+class NvccLocationTests(SynchronousTestCase):
+    """L{find_nvcc} and L{NvccBackend.available} without running anything."""
+
+    def test_missingExplicitPath(self):
+        """A configured nvcc that does not exist is unavailable, with the reason."""
+        backend = NvccBackend(nvcc_path="/nonexistent/nvcc")
+        ok, reason = backend.available()
+        self.assertFalse(ok)
+        self.assertIn("/nonexistent/nvcc", reason)
+        self.assertEqual(backend.versions(), {})
+        with self.assertRaises(ExecutionError) as ctx:
+            backend.compile(SOURCE, "sm_90a", (), 10.0)
+        self.assertEqual(ctx.exception.kind, "unavailable")
+
+    def test_nothingFound(self):
+        """The reason lists each place searched."""
+        self.patch(compilers.nvcc, "_wheel_candidates", lambda: [])
+        path, reason = find_nvcc({"PATH": _mktemp(self)})
+        self.assertIsNone(path)
+        self.assertIn("not on PATH", reason)
+        self.assertIn("$CUDA_HOME is not set", reason)
+        self.assertIn("nvidia-cuda-nvcc", reason)
+
+    def test_path(self):
+        """nvcc on C{PATH} wins."""
+        d = _mktemp(self)
+        nvcc = _executable(os.path.join(d, "nvcc"))
+        home = _executable(os.path.join(_mktemp(self), "bin", "nvcc"))
+        env = {"PATH": d, "CUDA_HOME": os.path.dirname(os.path.dirname(home))}
+        self.assertEqual(find_nvcc(env), (nvcc, ""))
+
+    def test_cudaHome(self):
+        """Without nvcc on C{PATH}, C{$CUDA_HOME/bin/nvcc} is used."""
+        home = _mktemp(self)
+        nvcc = _executable(os.path.join(home, "bin", "nvcc"))
+        self.assertEqual(find_nvcc({"PATH": _mktemp(self), "CUDA_HOME": home}), (nvcc, ""))
+
+    def test_wheel(self):
+        """
+        Last, the C{nvidia-cuda-nvcc} wheel: C{nvidia/cu13/bin/nvcc} (13.x) or
+        C{nvidia/cuda_nvcc/bin/nvcc} (12.x) inside the C{nvidia} namespace package.
+        """
+        if "nvidia" in sys.modules:
+            raise self.skipTest("an nvidia package is already imported")
+        for layout in (("cu13",), ("cuda_nvcc",)):
+            site = _mktemp(self)
+            nvcc = _executable(os.path.join(site, "nvidia", *layout, "bin", "nvcc"))
+            sys.path.insert(0, site)
+            importlib.invalidate_caches()
+            try:
+                path, _ = find_nvcc({"PATH": _mktemp(self)})
+            finally:
+                sys.path.remove(site)
+            self.assertEqual(path, nvcc)
+
+
+class ValidationTests(SynchronousTestCase):
+    """The arch and flag policy shared by the nvcc-based backends."""
+
+    def test_archs(self):
+        """C{sm_NN}/C{compute_NN} with optional C{a}/C{f} are accepted."""
+        for arch in ("sm_80", "sm_90a", "sm_100f", "sm_120a", "compute_90a", "compute_75"):
+            self.assertEqual(validate_arch(arch), arch)
+
+    def test_allowedFlags(self):
+        """The documented flags pass, with two-argument forms kept together."""
+        workspace = _mktemp(self)
+        os.makedirs(os.path.join(workspace, "include"))
+        flags = (
+            "-O3",
+            "-lineinfo",
+            "-std=c++17",
+            "-DBLOCK=128",
+            "-D",
+            "TILE=32",
+            "-DMSG=$(rm -rf /);",
+            "--use_fast_math",
+            "-maxrregcount=64",
+            "-Xptxas",
+            "-v,-O3",
+            "-Xptxas=--warn-on-spills",
+            "-Iinclude",
+            "-I",
+            "include",
+            "-fatbin",
+        )
+        args, fatbin = validate_options(flags, workspace)
+        inc = "-I" + os.path.realpath(os.path.join(workspace, "include"))
+        self.assertTrue(fatbin)
+        self.assertEqual(
+            args,
+            [
+                "-O3",
+                "-lineinfo",
+                "-std=c++17",
+                "-DBLOCK=128",
+                "-D",
+                "TILE=32",
+                "-DMSG=$(rm -rf /);",
+                "--use_fast_math",
+                "-maxrregcount=64",
+                "-Xptxas",
+                "-v,-O3",
+                "-Xptxas",
+                "--warn-on-spills",
+                inc,
+                inc,
+            ],
+        )
+        self.assertEqual(validate_options([], workspace), ([], False))
+
+    def test_rejectedFlags(self):
+        """Output-changing, file-writing and unknown flags are C{parse} errors."""
+        workspace = _mktemp(self)
+        os.makedirs(workspace)
+        for flags in (
+            ("-o", "out"),
+            ("--output-file=x",),
+            ("-odir", "."),
+            ("--run",),
+            ("-E",),
+            ("-ptx",),
+            ("-rdc=true",),
+            ("-gencode", "arch=compute_90,code=sm_90"),
+            ("-ccbin", "/bin/sh"),
+            ("-I/etc",),
+            ("-I", "../.."),
+            ("-Xptxas", "-v,--output-file=/tmp/x"),
+            ("-Xcompiler", "-fPIC"),
+            ("-D",),
+            ("-std", "gnu99"),
+            ("-maxrregcount=9999",),
+            "-O3",
+            (3,),
+        ):
+            with self.assertRaises(ExecutionError) as ctx:
+                validate_options(flags, workspace)
+            self.assertEqual(ctx.exception.kind, "parse", flags)
+
+    def test_shorten(self):
+        """Long diagnostics keep both ends and stay near 600 characters."""
+        text = "kernel.cu(3): error: first\n" + "x" * 5000 + "\n1 error detected"
+        short = shorten(text)
+        self.assertLessEqual(len(short), 620)
+        self.assertTrue(short.startswith("kernel.cu(3): error: first"))
+        self.assertTrue(short.endswith("1 error detected"))
+        self.assertIn("characters omitted", short)
+        self.assertEqual(shorten("  short\n"), "short")
+
+    def test_parseVersion(self):
+        """C{nvcc --version} yields the full and the CUDA release version."""
+        out = (
+            "nvcc: NVIDIA (R) Cuda compiler driver\n"
+            "Cuda compilation tools, release 13.0, V13.0.88\n"
+        )
+        self.assertEqual(parse_nvcc_version(out), {"nvcc": "13.0.88", "cuda": "13.0"})
+        self.assertEqual(parse_nvcc_version("garbage"), {})
+
+
+class SourceModuleTests(SynchronousTestCase):
+    """L{SourceModuleBackend} and L{load_module_image} without PyCUDA."""
+
+    def setUp(self):
+        try:
+            import pycuda.driver  # noqa: F401
+        except Exception:
+            return
+        raise self.skipTest("pycuda is importable here")
+
+    def test_unavailable(self):
+        """Without PyCUDA the backend says so and compile is C{unavailable}."""
+        ok, reason = SourceModuleBackend().available()
+        self.assertFalse(ok)
+        self.assertIn("pycuda", reason)
+        with self.assertRaises(ExecutionError) as ctx:
+            SourceModuleBackend().compile(SOURCE, "sm_90a", (), 10.0)
+        self.assertEqual(ctx.exception.kind, "unavailable")
+
+    def test_loadUnavailable(self):
+        """Loading an image without PyCUDA is C{unavailable}."""
+        with self.assertRaises(ExecutionError) as ctx:
+            load_module_image(b"\x7fELF")
+        self.assertEqual(ctx.exception.kind, "unavailable")
+
+
+class CompileCacheTests(SynchronousTestCase):
+    """L{CompileCache}."""
+
+    def test_key(self):
+        """Every input changes the key."""
+        base = (SOURCE, "sm_90a", ("-O3",), "nvcc", {"nvcc": "13.0.88"})
+        key = cache_key(*base)
+        self.assertEqual(len(key), 64)
+        self.assertEqual(key, cache_key(*base))
+        for i, other in enumerate(
+            [SOURCE + " ", "sm_90", ("-O2",), "sourcemodule", {"nvcc": "13.0.89"}]
+        ):
+            changed = list(base)
+            changed[i] = other
+            self.assertNotEqual(cache_key(*changed), key, i)
+
+    def test_roundTrip(self):
+        """C{put} then C{get} returns the image; the file is private; counters move."""
+        cache = CompileCache(_mktemp(self), 1 << 20)
+        key = cache_key(SOURCE, "sm_90a", (), "fake", "1")
+        self.assertIsNone(cache.get(key))
+        cache.put(key, b"IMAGE", compile_seconds=1.5)
+        self.assertEqual(cache.get(key), b"IMAGE")
+        self.assertEqual(cache.stats(), {"hits": 1, "misses": 1, "saved_seconds": 1.5})
+        path = os.path.join(cache.directory, key + ".bin")
+        self.assertEqual(stat.S_IMODE(os.stat(path).st_mode), 0o600)
+        self.assertEqual(stat.S_IMODE(os.stat(cache.directory).st_mode) & 0o077, 0)
+        self.assertEqual([n for n in os.listdir(cache.directory) if n.startswith(".")], [])
+
+    def test_corrupt(self):
+        """A file without the header is a miss."""
+        cache = CompileCache(_mktemp(self), 1 << 20)
+        key = "a" * 64
+        with open(os.path.join(cache.directory, key + ".bin"), "wb") as f:
+            f.write(b"junk")
+        self.assertIsNone(cache.get(key))
+        self.assertEqual(cache.misses, 1)
+
+    def test_badKey(self):
+        """Keys are hex digests; anything else (a path, say) is refused."""
+        cache = CompileCache(_mktemp(self), 1 << 20)
+        self.assertRaises(ValueError, cache.get, "../../etc/passwd")
+
+    def test_lru(self):
+        """Over capacity, the least recently used (oldest mtime) entries go first."""
+        cache = CompileCache(_mktemp(self), 3 * 1100)
+        keys = [cache_key(str(i), "sm_90a", (), "fake", "1") for i in range(3)]
+        for i, key in enumerate(keys):
+            cache.put(key, b"x" * 1000)
+            path = os.path.join(cache.directory, key + ".bin")
+            os.utime(path, (1000 + i, 1000 + i))
+        cache.get(keys[0])  # now the most recent
+        new = cache_key("new", "sm_90a", (), "fake", "1")
+        cache.put(new, b"y" * 1000)
+        self.assertIsNone(cache.get(keys[1]))
+        self.assertIsNotNone(cache.get(keys[0]))
+        self.assertIsNotNone(cache.get(keys[2]))
+        self.assertIsNotNone(cache.get(new))
+        self.assertLessEqual(cache.size_bytes(), 3 * 1100)
+
+    def test_tooBig(self):
+        """An image larger than the whole cache is not stored."""
+        cache = CompileCache(_mktemp(self), 100)
+        key = "b" * 64
+        cache.put(key, b"z" * 1000)
+        self.assertIsNone(cache.get(key))
+
+
+class CompileBinaryTests(SynchronousTestCase):
+    """L{compile_binary} and L{compile_stats} with L{FakeCompilerBackend}."""
+
+    def setUp(self):
+        compilers._reset_for_tests()
+        self.addCleanup(compilers._reset_for_tests)
+
+    def test_compile(self):
+        """The backend's image is returned; no cache unless configured."""
+        fake = FakeCompilerBackend()
+        image = compile_binary(SOURCE, "sm_90a", ("-O3",), 5.0, backend=fake)
+        self.assertTrue(image.startswith(FAKE_MAGIC))
+        self.assertEqual(fake.calls, [(SOURCE, "sm_90a", ("-O3",), 5.0)])
+        stats = compile_stats()
+        self.assertEqual((stats["compiles"], stats["uncached"], stats["cache_hits"]), (1, 1, 0))
+
+    def test_cacheHit(self):
+        """A resubmitted compile is served from the cache without calling the backend."""
+        fake = FakeCompilerBackend()
+        d = _mktemp(self)
+        first = compile_binary(SOURCE, "sm_90a", (), backend=fake, cache_dir=d)
+        second = compile_binary(SOURCE, "sm_90a", (), backend=fake, cache_dir=d)
+        self.assertEqual(first, second)
+        self.assertEqual(len(fake.calls), 1)
+        compile_binary(SOURCE, "sm_80", (), backend=fake, cache_dir=d)
+        self.assertEqual(len(fake.calls), 2)
+        stats = compile_stats()
+        self.assertEqual(stats["cache_hits"], 1)
+        self.assertEqual(stats["cache_misses"], 2)
+        self.assertEqual(stats["compiles"], 2)
+        self.assertGreaterEqual(stats["saved_seconds"], 0.0)
+        self.assertIn(os.path.abspath(d), stats["caches"])
+
+    def test_toolchainVersionInKey(self):
+        """A new toolchain version misses the cache."""
+        d = _mktemp(self)
+        compile_binary(SOURCE, "sm_90a", backend=FakeCompilerBackend(version="1"), cache_dir=d)
+        newer = FakeCompilerBackend(version="2")
+        compile_binary(SOURCE, "sm_90a", backend=newer, cache_dir=d)
+        self.assertEqual(len(newer.calls), 1)
+
+    def test_configuredCache(self):
+        """L{configure_cache} sets the cache used without C{cache_dir}."""
+        fake = FakeCompilerBackend()
+        configure_cache(_mktemp(self))
+        compile_binary(SOURCE, "sm_90a", backend=fake)
+        compile_binary(SOURCE, "sm_90a", backend=fake)
+        self.assertEqual(len(fake.calls), 1)
+        configure_cache(None)
+
+    def test_includeNotCached(self):
+        """Compiles with C{-I} bypass the cache: headers are not in the key."""
+        fake = FakeCompilerBackend()
+        d = _mktemp(self)
+        for _ in range(2):
+            compile_binary(SOURCE, "sm_90a", ("-I.",), backend=fake, cache_dir=d)
+        self.assertEqual(len(fake.calls), 2)
+
+    def test_failureNotCached(self):
+        """A failed compile raises the backend's error and stores nothing."""
+        fake = FakeCompilerBackend(fail=ExecutionError("compile", "kernel.cu(1): error"))
+        d = _mktemp(self)
+        for _ in range(2):
+            with self.assertRaises(ExecutionError) as ctx:
+                compile_binary(SOURCE, "sm_90a", backend=fake, cache_dir=d)
+            self.assertEqual(ctx.exception.kind, "compile")
+        self.assertEqual(len(fake.calls), 2)
+        self.assertEqual(compile_stats()["failures"], 2)
+
+    def test_unavailable(self):
+        """A backend that is not available fails C{unavailable} with its reason."""
+        fake = FakeCompilerBackend(usable=(False, "nvcc not found"))
+        with self.assertRaises(ExecutionError) as ctx:
+            compile_binary(SOURCE, "sm_90a", backend=fake)
+        self.assertEqual(ctx.exception.kind, "unavailable")
+        self.assertIn("nvcc not found", ctx.exception.message)
+        self.assertEqual(fake.calls, [])
+
+    def test_unknownBackend(self):
+        """An unknown backend name is C{unavailable}."""
+        with self.assertRaises(ExecutionError) as ctx:
+            compile_binary(SOURCE, "sm_90a", backend="no-such-backend")
+        self.assertEqual(ctx.exception.kind, "unavailable")
+        self.assertIn("no-such-backend", ctx.exception.message)
+
+    def test_badArguments(self):
+        """A non-string arch or flag is a C{parse} error before any compile."""
+        fake = FakeCompilerBackend()
+        for arch, flags in ((90, ()), ("sm_90a", "-O3"), ("sm_90a", (1,))):
+            with self.assertRaises(ExecutionError) as ctx:
+                compile_binary(SOURCE, arch, flags, backend=fake)
+            self.assertEqual(ctx.exception.kind, "parse")
+        self.assertEqual(fake.calls, [])
+
+
+class DiscoveryTests(SynchronousTestCase):
+    """L{backends} and L{get_backend} over C{kcoral.plugins}."""
+
+    def setUp(self):
+        compilers._reset_for_tests()
+        self.addCleanup(compilers._reset_for_tests)
+
+    def plugin_dir(self, modules: dict[str, str]) -> None:
+        """
+        Write C{modules} into C{<tmp>/kcoral/plugins/} (no C{__init__.py}, as a
+        third party would ship them), put C{<tmp>} on C{sys.path}, and extend
+        C{kcoral.plugins.__path__} as C{pluginPackagePaths} does at import.
+        """
+        from twisted.plugin import pluginPackagePaths
+
+        root = os.path.abspath(_mktemp(self))
+        plugins = os.path.join(root, "kcoral", "plugins")
+        os.makedirs(plugins)
+        for name, text in modules.items():
+            with open(os.path.join(plugins, name + ".py"), "w") as f:
+                f.write(textwrap.dedent(text))
+            self.addCleanup(sys.modules.pop, "kcoral.plugins." + name, None)
+        sys.path.insert(0, root)
+        self.addCleanup(sys.path.remove, root)
+        extra = [p for p in pluginPackagePaths("kcoral.plugins") if p.startswith(root)]
+        self.assertEqual(extra, [plugins])
+        self.patch(kcoral.plugins, "__path__", list(kcoral.plugins.__path__) + extra)
+
+    def test_builtins(self):
+        """Both built-in backends are discovered, each providing the interface."""
+        found = backends()
+        self.assertIsInstance(found["nvcc"], NvccBackend)
+        self.assertIsInstance(found["sourcemodule"], SourceModuleBackend)
+        for name, backend in found.items():
+            self.assertEqual(backend.name, name)
+            self.assertTrue(verifyObject(ICompilerBackend, backend))
+        self.assertIs(get_backend("nvcc"), found["nvcc"])
+
+    def test_missing(self):
+        """An unknown name raises L{MissingBackend} naming the known ones."""
+        with self.assertRaises(MissingBackend) as ctx:
+            get_backend("triton")
+        self.assertIn("triton", str(ctx.exception))
+        self.assertIn("nvcc", str(ctx.exception))
+
+    def test_thirdParty(self):
+        """
+        A module in another C{kcoral/plugins} directory on C{sys.path} adds a
+        backend that L{compile_binary} can use by name.
+        """
+        self.plugin_dir(
+            {
+                "thirdparty_backend": """
+                from kcoral.testing_compilers import FakeCompilerBackend
+
+                thirdparty = FakeCompilerBackend(name="thirdparty", version="7")
+                """
+            }
+        )
+        found = backends()
+        self.assertIn("nvcc", found)
+        self.assertIn("thirdparty", found)
+        image = compile_binary(SOURCE, "sm_90a", backend="thirdparty")
+        self.assertTrue(image.startswith(FAKE_MAGIC))
+        self.assertEqual(len(found["thirdparty"].calls), 1)
+
+    def test_thirdPartyFoundLazily(self):
+        """L{get_backend} rescans when a name is not known yet."""
+        backends()
+        self.plugin_dir(
+            {
+                "late_backend": """
+                from kcoral.testing_compilers import FakeCompilerBackend
+
+                late = FakeCompilerBackend(name="late")
+                """
+            }
+        )
+        self.assertEqual(get_backend("late").name, "late")
+
+    def test_duplicate(self):
+        """Two backends with one name are an error."""
+        self.plugin_dir(
+            {
+                "dup_backend": """
+                from kcoral.testing_compilers import FakeCompilerBackend
+
+                one = FakeCompilerBackend(name="nvcc")
+                """
+            }
+        )
+        with self.assertRaises(DuplicateBackend) as ctx:
+            backends()
+        self.assertIn("'nvcc'", str(ctx.exception))
+
+    def test_invalidSkipped(self):
+        """A plugin claiming the interface without implementing it is skipped with a warning."""
+        self.plugin_dir(
+            {
+                "broken_backend": """
+                from twisted.plugin import IPlugin
+                from zope.interface import directlyProvides
+
+                from kcoral.compilers.interfaces import ICompilerBackend
+
+
+                class Broken:
+                    name = "broken"
+
+
+                broken = Broken()
+                directlyProvides(broken, IPlugin, ICompilerBackend)
+                """
+            }
+        )
+        with capturedLogs() as events:
+            found = backends()
+        self.assertNotIn("broken", found)
+        self.assertIn("nvcc", found)
+        warnings = [e for e in events if "skipping invalid compiler backend" in e["log_format"]]
+        self.assertEqual(len(warnings), 1)

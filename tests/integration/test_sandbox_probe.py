@@ -217,6 +217,8 @@ with open("/tmp/t.txt", "w") as f:
     f.write("t")
 res["secret_visible"] = os.path.exists(secret) or os.path.exists(os.path.dirname(secret))
 res["etc"] = sorted(os.listdir("/etc"))
+import kcoral.wire.channel
+res["kcoral"] = kcoral.wire.channel.__file__
 s = socket.socket()
 s.settimeout(3)
 try:
@@ -260,7 +262,7 @@ class InsideTests(TestCase):
         """
         cwd is a writable C{/work}; C{/} is read-only; C{/tmp} lies in
         C{/work/.kcoral/tmp}; host files outside the read-only binds are
-        invisible; loopback TCP to the host fails; fds 3 and 4 work.
+        invisible; the kcoral package imports from its read-only bind; loopback TCP to the host fails; fds 3 and 4 work.
         """
         sandbox = BubblewrapSandbox([])
         self.assertIsNone(
@@ -310,5 +312,6 @@ class InsideTests(TestCase):
         self.assertEqual((work / ".kcoral" / "tmp" / "t.txt").read_text(), "t")
         self.assertFalse(res["secret_visible"])
         self.assertNotIn("passwd", res["etc"])
+        self.assertFalse(res["kcoral"].startswith("/work/"), res["kcoral"])
         self.assertNotEqual(res["connect"], "ok")
         self.assertEqual(proto.data[4], b"PING OVER FD THREE\n")

@@ -246,6 +246,10 @@ def _gpu_node(device: str) -> str:
     return f"/dev/nvidia{int(device)}"
 
 
+def _to_path_strings(paths: Iterable[str | os.PathLike[str]]) -> tuple[str, ...]:
+    return tuple(os.fspath(p) for p in paths)
+
+
 @attrs.frozen
 class _Mount:
     """A read-only bind: C{source} is resolved, C{dest} is the path as named."""
@@ -275,9 +279,7 @@ class BubblewrapSandbox:
     name: ClassVar[str] = "bubblewrap"
     reserved: ClassVar[str] = RESERVED
 
-    readonly_paths: tuple[str, ...] = attrs.field(
-        converter=lambda paths: tuple(os.fspath(p) for p in paths)
-    )
+    readonly_paths: tuple[str, ...] = attrs.field(converter=_to_path_strings)
     bwrap: str = attrs.field(default="bwrap", kw_only=True)
     disable_userns: bool = attrs.field(default=True, kw_only=True)
     executable: str | None = attrs.field(default=None, kw_only=True)
@@ -479,7 +481,8 @@ class _CollectingProtocol(ProcessProtocol):
         self.ended: Deferred[int] = Deferred()
 
     def connectionMade(self) -> None:
-        self.transport.closeStdin()
+        transport: Any = self.transport
+        transport.closeStdin()
 
     def childDataReceived(self, childFD: int, data: bytes) -> None:
         self.output += data

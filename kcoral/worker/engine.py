@@ -34,9 +34,18 @@ from typing import Any
 import attrs
 
 from kcoral.errors import KINDS, ExecutionError, GPUAccessViolation
-from kcoral.wire import program as _program
 from kcoral.wire.errors import instruction_error, truncate_traceback
-from kcoral.wire.program import BuiltinName, GetFunction, Program, Ref, Return, Run, Upload
+from kcoral.wire.program import (
+    BuiltinName,
+    GetFunction,
+    Program,
+    Ref,
+    Return,
+    Run,
+    Upload,
+    normalize_path,
+    parse_program,
+)
 from kcoral.worker import runtime
 from kcoral.worker.builtins import CPU_ONLY as KNOWN_BUILTINS
 from kcoral.worker.builtins import CudaSource
@@ -248,35 +257,6 @@ _ITEMSIZE = {
 
 # ---------------------------------------------------------------------------
 # Paths, file uploads and file/folder returns
-
-
-def normalize_path(path: str) -> str:
-    """
-    Normalize a relative path as protocol §4.10 does.
-
-    @raise ValueError: with the reference's message.
-    """
-    prefix = "filesystem 'path'"
-    if not isinstance(path, str) or not path:
-        raise ValueError(f"{prefix} must be a non-empty string")
-    if "\0" in path:
-        raise ValueError(f"{prefix} must not contain NUL")
-    if "\\" in path:
-        raise ValueError(f"{prefix} must use POSIX '/' separators")
-    if path.startswith("/"):
-        raise ValueError(f"{prefix} must be relative")
-    raw = path.split("/")
-    if ".." in raw:
-        raise ValueError(f"{prefix} must not contain a '..' component")
-    components = [c for c in raw if c not in ("", ".")]
-    if not components:
-        raise ValueError(f"{prefix} must name a file or folder")
-    if any(len(c.encode("utf-8")) > 255 for c in components):
-        raise ValueError(f"{prefix} contains a component longer than 255 bytes")
-    joined = "/".join(components)
-    if len(joined.encode("utf-8")) > 4096:
-        raise ValueError(f"{prefix} is longer than 4096 bytes")
-    return joined
 
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -524,65 +504,7 @@ class ProcessState:
 
 
 def _parse(text: str, builtin_names: frozenset[str]) -> Program:
-    parse_program = getattr(_program, "parse_program", None)
-    if parse_program is not None:
-        return parse_program(text.encode("utf-8"), builtin_names=builtin_names)
-    return _parse_trusted(text)
-
-
-def _ref(value: Any) -> Ref | None:
-    if isinstance(value, dict) and len(value) == 1 and isinstance(value.get("$ref"), str):
-        if value["$ref"]:
-            return Ref(value["$ref"])
-    return None
-
-
-def _parse_trusted(text: str) -> Program:  # pragma: no cover - until parse_program lands
-    """Read an already validated program (no validation)."""
-    import json
-
-    data = json.loads(text)
-    out: list[Any] = []
-    for index, ins in enumerate(data["instructions"]):
-        op = ins["op"]
-        if op == "upload":
-            path = ins.get("path")
-            out.append(
-                Upload(
-                    index=index,
-                    id=ins.get("id"),
-                    kind=ins["kind"],
-                    source=ins.get("source"),
-                    language=ins.get("language", "python"),
-                    blob=ins.get("blob"),
-                    dtype=ins.get("dtype"),
-                    shape=tuple(ins["shape"]) if "shape" in ins else None,
-                    path=normalize_path(path) if path is not None else None,
-                )
-            )
-        elif op == "get_function":
-            out.append(
-                GetFunction(
-                    index,
-                    ins["id"],
-                    Ref(ins["module"]["$ref"]),
-                    ins["name"],
-                    ins.get("cpu_only", False),
-                )
-            )
-        elif op == "run":
-            fn = ins["fn"]
-            fn = BuiltinName(fn) if isinstance(fn, str) else Ref(fn["$ref"])
-            args = tuple(_ref(a) or a for a in ins.get("args", []))
-            out.append(Run(index, ins["id"], fn, args))
-        else:
-            if "kind" in ins:
-                path = ins["path"]
-                target = _ref(path) or normalize_path(path)
-                out.append(Return(index, ins["key"], kind=ins["kind"], path=target))
-            else:
-                out.append(Return(index, ins["key"], value=Ref(ins["value"]["$ref"])))
-    return Program(tuple(out))
+    return parse_program(text.encode("utf-8"), builtin_names=builtin_names)
 
 
 # ---------------------------------------------------------------------------

@@ -94,7 +94,7 @@ CONSOLE_VALUE_LIMIT = 120
 #: How much of C{repr(fields)} a reduced record keeps.
 UNENCODABLE_LIMIT = 2000
 
-_LEVEL_NAMES = {
+_LEVEL_NAMES: dict[Any, str] = {
     LogLevel.debug: "DEBUG",
     LogLevel.info: "INFO",
     LogLevel.warn: "WARNING",
@@ -102,7 +102,7 @@ _LEVEL_NAMES = {
     LogLevel.critical: "CRITICAL",
 }
 
-_FINISH_LEVELS = {
+_FINISH_LEVELS: dict[str, LogLevel] = {
     "completed": LogLevel.info,
     "program_failed": LogLevel.info,
     "timeout": LogLevel.warn,
@@ -113,7 +113,7 @@ _FINISH_LEVELS = {
     "server_error": LogLevel.error,
 }
 
-_RETIRE_LEVELS = {
+_RETIRE_LEVELS: dict[str, LogLevel] = {
     "request_limit": LogLevel.info,
     "poisoned_context": LogLevel.warn,
     "sandbox_cleanup": LogLevel.warn,
@@ -122,6 +122,12 @@ _RETIRE_LEVELS = {
 }
 
 _HEADER_KEYS = ("timestamp", "level", "event")
+
+_INFO: LogLevel = LogLevel.info
+_WARN: LogLevel = LogLevel.warn
+
+# twisted.python.logfile is untyped.
+_LogFile: Any = LogFile
 
 
 def event_level_for_finish_reason(reason: str) -> LogLevel:
@@ -134,7 +140,7 @@ def event_level_for_finish_reason(reason: str) -> LogLevel:
         C{timeout}, C{no_worker} and C{rejected}; C{error} for C{crashed} and
         C{server_error}.
     """
-    return _FINISH_LEVELS.get(reason, LogLevel.info)
+    return _FINISH_LEVELS.get(reason, _INFO)
 
 
 def event_level_for_retire_reason(reason: str) -> LogLevel:
@@ -146,7 +152,7 @@ def event_level_for_retire_reason(reason: str) -> LogLevel:
         C{sandbox_cleanup}, C{timeout} and any reason the spec does not
         name; C{error} for C{crashed}.
     """
-    return _RETIRE_LEVELS.get(reason, LogLevel.warn)
+    return _RETIRE_LEVELS.get(reason, _WARN)
 
 
 def is_kcoral_event(event: Mapping[str, Any]) -> bool:
@@ -163,7 +169,7 @@ def level_name(level: object) -> str:
     """
     if level is None:
         return "INFO"
-    name = _LEVEL_NAMES.get(level)  # type: ignore[call-overload]
+    name = _LEVEL_NAMES.get(level)
     if name is not None:
         return name
     return str(getattr(level, "name", level)).upper()
@@ -190,13 +196,13 @@ def _is_legacy_artifact(key: str, value: Any, event: Mapping[str, Any]) -> bool:
     if key == "isError":
         return True
     if key == "format":
-        return value == "%(log_legacy)s" or "log_format" in event
+        return bool(value == "%(log_legacy)s" or "log_format" in event)
     if key == "message":
-        return value == ()
+        return bool(value == ())
     if key == "time":
-        return value == event.get("log_time")
+        return bool(value == event.get("log_time"))
     if key == "system":
-        return value == event.get("log_system", "-")
+        return bool(value == event.get("log_system", "-"))
     if key in ("failure", "why"):
         return "log_failure" in event
     return False
@@ -220,7 +226,7 @@ def event_fields(event: Mapping[str, Any]) -> dict[str, Any]:
 
 def _below(level: object, minimum: LogLevel) -> bool:
     try:
-        return level is not None and level < minimum  # type: ignore[operator]
+        return level is not None and bool(level < minimum)
     except TypeError:
         return False
 
@@ -379,18 +385,20 @@ class ConsoleObserver:
             pass
 
 
-def _not_kcoral(event: Mapping[str, Any]) -> PredicateResult:
+def _not_kcoral(event: Mapping[str, Any]) -> Any:
     return PredicateResult.no if is_kcoral_event(event) else PredicateResult.maybe
 
 
-def twisted_console_observer(stream: IO[str], level: LogLevel = LogLevel.warn) -> ILogObserver:
+def twisted_console_observer(stream: IO[str], level: LogLevel = LogLevel.warn) -> Any:
     """
     An observer that shows Twisted's own events (not kcoral events) at
     C{level} or above as text, so tracebacks from C{log.failure} and
     unhandled errors in Deferreds still reach the console.
     """
-    predicate = LogLevelFilterPredicate(defaultLogLevel=level)
-    return FilteringLogObserver(textFileLogObserver(stream), [_not_kcoral, predicate])
+    predicate: Any = LogLevelFilterPredicate(defaultLogLevel=level)
+    text: Any = textFileLogObserver(stream)
+    predicates: list[Any] = [_not_kcoral, predicate]
+    return FilteringLogObserver(text, predicates)
 
 
 @attrs.frozen
@@ -518,9 +526,9 @@ class LogSetup:
 
     run_dir: RunDirectory | None
     recorder: ProgramRecorder | None
-    observers: list[ILogObserver]
+    observers: list[Any]
     publisher: LogPublisher
-    events_file: LogFile | None = None
+    events_file: Any = None
     _closed: bool = False
 
     def close(self) -> None:
@@ -548,7 +556,7 @@ def install_observers(
     console_stream: IO[str] | None = None,
     rotate_length: int = DEFAULT_ROTATE_LENGTH,
     max_rotated_files: int = DEFAULT_MAX_ROTATED_FILES,
-    extra_observers: Iterable[ILogObserver] = (),
+    extra_observers: Iterable[Any] = (),
 ) -> LogSetup:
     """
     Create the run directory and add the observers the configuration asks
@@ -582,7 +590,7 @@ def install_observers(
     """
     if publisher is None:
         publisher = globalLogPublisher
-    observers: list[ILogObserver] = []
+    observers: list[Any] = []
     run_dir = None
     recorder = None
     events_file = None
@@ -592,7 +600,7 @@ def install_observers(
             now if now is not None else datetime.now(timezone.utc),
             programs=bool(config.log_programs),
         )
-        events_file = LogFile(
+        events_file = _LogFile(
             run_dir.events_path.name,
             str(run_dir.path),
             rotateLength=rotate_length,

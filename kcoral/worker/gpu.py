@@ -175,12 +175,18 @@ def _gpuarray_to_host(array: Any) -> np.ndarray:
     if array.size == 0:
         return np.empty(array.shape, dtype=array.dtype)
     if array.flags.c_contiguous:
-        import pycuda.driver as drv
-
-        host = np.empty(array.shape, dtype=array.dtype)
-        drv.memcpy_dtoh(host, array.gpudata)
-        return host
+        return _copy_to_host(int(array.gpudata), array.dtype, tuple(array.shape))
     return array.get()
+
+
+def _copy_to_host(ptr: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    # Copy into a uint8 buffer: numpy cannot export a buffer of an ml_dtypes
+    # dtype to PyCUDA's copy functions.
+    import pycuda.driver as drv
+
+    raw = np.empty(math.prod(shape) * dtype.itemsize, dtype=np.uint8)
+    drv.memcpy_dtoh(raw, ptr)
+    return raw.view(dtype).reshape(shape)
 
 
 def _cai_to_host(cai: dict[str, Any]) -> np.ndarray:
@@ -196,9 +202,7 @@ def _cai_to_host(cai: dict[str, Any]) -> np.ndarray:
         return np.empty(shape, dtype=dtype)
     contiguous = strides is None or tuple(strides) == _c_strides(dtype.itemsize, shape)
     if contiguous:
-        host = np.empty(shape, dtype=dtype)
-        drv.memcpy_dtoh(host, ptr)
-        return host
+        return _copy_to_host(ptr, dtype, shape)
     from pycuda import gpuarray
 
     view = gpuarray.GPUArray(shape, dtype, gpudata=ptr, strides=tuple(strides))
@@ -276,8 +280,10 @@ class GpuBackend:
         return str(self.device.name())
 
     def l2_cache_size(self) -> int:
-        """The device's L2 cache size in bytes."""
-        return int(self.device.get_attribute(self._drv.device_attribute.L2_CACHE_SIZE))
+        """The device's L2 cache size in bytes (64 MiB when the driver won't say)."""
+        attribute = getattr(self._drv.device_attribute, "L2_CACHE_SIZE", None)
+        size = int(self.device.get_attribute(attribute)) if attribute is not None else 0
+        return size if size > 0 else 64 << 20
 
     def versions(self) -> dict[str, str]:
         import pycuda

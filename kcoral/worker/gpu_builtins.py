@@ -52,32 +52,16 @@ def use_backend(backend: Any) -> None:
     _explicit_backend = backend
 
 
-def _runtime_attr(*names: str) -> Any:
-    try:
-        from kcoral.worker import runtime
-    except ImportError:
-        return None
-    for name in names:
-        value = getattr(runtime, name, None)
-        if value is None:
-            continue
-        if callable(value) and not hasattr(value, "acquire"):
-            try:
-                value = value()
-            except Exception:
-                continue
-        if value is not None:
-            return value
-    return None
-
-
 def current_backend() -> Any:
     """
-    The GPU backend of this worker.
+    The GPU backend of this worker (L{kcoral.worker.runtime}), else the one
+    given to L{use_backend}.
 
     @raise ExecutionError: C{unavailable} when there is none.
     """
-    backend = _runtime_attr("current_backend", "get_backend", "backend")
+    from kcoral.worker import runtime
+
+    backend = runtime.current_backend()
     if backend is None or getattr(backend, "name", None) != "gpu":
         backend = _explicit_backend
     if backend is None:
@@ -86,8 +70,10 @@ def current_backend() -> Any:
 
 
 def current_lease() -> Any:
-    """The worker's lease client, or C{None} (no runtime, or no lease)."""
-    return _runtime_attr("current_lease", "get_lease", "lease")
+    """The worker's lease client, or C{None} outside a worker."""
+    from kcoral.worker import runtime
+
+    return runtime.current_lease()
 
 
 def _check_cfg(cfg: Any, what: str) -> dict[str, Any]:

@@ -229,7 +229,7 @@ def test_failed_startup() -> None:
     os.dup2(p2w_read, 103)
     os.dup2(w2p_write, 104)
     process = subprocess.Popen(
-        [sys.executable, "-m", "kcoral.worker", "--device", "gpu"],
+        [sys.executable, "-m", "kcoral.worker", "--device", "gpu", "--gpu-ordinal", "9999"],
         pass_fds=(3, 4),
         preexec_fn=_move_fds,
         stdout=subprocess.DEVNULL,

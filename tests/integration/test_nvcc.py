@@ -123,7 +123,7 @@ class RealNvccTests(SynchronousTestCase):
 
     def test_disallowedFlag(self):
         """A flag choosing output files is C{parse}."""
-        for flags in (("-o", "/tmp/x.cubin"), ("--run",), ("-E",)):
+        for flags in (("-o", "out/x.cubin"), ("--run",), ("-E",)):
             with self.assertRaises(ExecutionError) as ctx:
                 self.backend.compile(GOOD, "sm_90a", flags, 120.0)
             self.assertEqual(ctx.exception.kind, "parse")
@@ -233,7 +233,7 @@ class ScriptedNvccTests(SynchronousTestCase):
     def test_environment(self):
         """nvcc gets a scrubbed environment: no NVCC_APPEND_FLAGS smuggling."""
         backend, envfile = self.backend("env")
-        self.patch(os, "environ", dict(os.environ, NVCC_APPEND_FLAGS="-o /tmp/evil"))
+        self.patch(os, "environ", dict(os.environ, NVCC_APPEND_FLAGS="-o evil.cubin"))
         backend.compile("x", "sm_90a", (), 30.0)
         with open(envfile) as f:
             env = f.read()

@@ -1,0 +1,727 @@
+# -*- test-case-name: tests.unit.test_wire_multipart -*-
+"""
+Request and response framing: C{multipart/form-data} (protocol §3, §8.2).
+
+L{RequestBodyParser} takes the request body in chunks as it arrives, so a
+256 MiB body is never held twice: blob payloads are hashed while streaming and
+spooled to a temporary file above a threshold.  It accepts and rejects what
+the 0.1.1 reference parser does, with its messages, including bare-LF framing,
+transport padding after delimiters, preambles and epilogues.
+
+The delimiter scanner is our own: the C{multipart} library's push parser
+insists on CRLF framing and a CRLF before the first delimiter, and rejects
+padding after a delimiter, all of which §3.3 requires us to accept.  Part
+headers are parsed with the standard library's C{email} parser, exactly like
+the reference, so header defects are judged identically.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+import secrets
+import tempfile
+from collections.abc import Iterable, Iterator, Mapping
+from email.message import Message
+from email.parser import BytesHeaderParser
+from email.policy import default as _default_policy
+from typing import IO, Any, Protocol
+
+import attrs
+
+from kcoral.wire.program import (
+    Program,
+    Upload,
+    ValidationError,
+    is_digest,
+    strict_json_loads,
+    tensor_nbytes,
+)
+
+#: Largest header section of one part we buffer (the reference has no limit;
+#: legitimate headers are a few hundred bytes).
+MAX_PART_HEADER_BYTES = 64 * 1024
+
+_SPACES = re.compile(rb"[ \t]*")
+_NEED = "need"
+_INVALID = "invalid"
+
+
+class RequestTooLarge(Exception):
+    """The request body exceeded C{max_bytes} (HTTP 413, protocol §3.2)."""
+
+
+def boundary_from_content_type(value: str | None) -> str:
+    """
+    The boundary of a request's C{Content-Type} header (protocol §3.3).
+
+    @raise ValidationError: "expected a multipart/form-data request" or
+        "malformed multipart/form-data boundary".
+    """
+    if not value or not value.lower().startswith("multipart/form-data"):
+        raise ValidationError("expected a multipart/form-data request")
+    malformed = ValidationError("malformed multipart/form-data boundary")
+    try:
+        header = BytesHeaderParser(policy=_default_policy).parsebytes(
+            f"Content-Type: {value}\r\n\r\n".encode("ascii")
+        )
+        boundary = header.get_boundary()
+        if header.get_content_type() != "multipart/form-data" or not boundary:
+            raise malformed
+        boundary.encode("ascii")
+        defects = header["content-type"].defects
+    except (UnicodeError, ValueError, TypeError):
+        raise malformed from None
+    if "\r" in boundary or "\n" in boundary or defects:
+        raise malformed
+    return boundary
+
+
+def _parse_part_headers(raw: bytes) -> tuple[str, str, Message]:
+    """
+    Judge one part's header section as the reference does; return its name,
+    its lowercased media type and the parsed headers.
+    """
+    item = BytesHeaderParser(policy=_default_policy).parsebytes(raw)
+    if item.defects:
+        raise ValidationError("malformed multipart part headers")
+    if len(item.get_all("content-disposition", [])) != 1:
+        raise ValidationError("each multipart part must have one Content-Disposition")
+    if len(item.get_all("content-type", [])) != 1:
+        raise ValidationError("each multipart part must have one Content-Type")
+    if item["content-disposition"].defects:
+        raise ValidationError("multipart part has a malformed Content-Disposition")
+    if item["content-type"].defects:
+        raise ValidationError("multipart part has a malformed Content-Type")
+    if item.get_content_maintype() == "multipart":
+        raise ValidationError("nested multipart parts are not supported")
+    if item.get_content_disposition() != "form-data":
+        raise ValidationError("multipart parts must use form-data disposition")
+    params = item.get_params(header="content-disposition", unquote=True) or []
+    names = [v for k, v in params[1:] if k.lower() == "name"]
+    if len(names) != 1 or not isinstance(names[0], str) or not names[0]:
+        raise ValidationError("multipart part is missing its name")
+    encoding = item.get("content-transfer-encoding")
+    if encoding and str(encoding).lower() not in ("binary", "8bit"):
+        raise ValidationError("encoded multipart parts are not supported")
+    return names[0], item.get_content_type(), item
+
+
+class _PartHandler(Protocol):
+    def start_part(self) -> None: ...
+
+    def part_data(self, data: bytes) -> None: ...
+
+    def end_part(self) -> None: ...
+
+
+class _Scanner:
+    """
+    Find delimiters in a byte stream and hand each part's content (headers
+    and payload, framing removed) to a handler.
+
+    A delimiter is C{--boundary} at offset 0 or right after an LF, then an
+    optional C{--} (closing), any spaces/tabs, then CRLF or LF; a closing
+    delimiter may also end the body.  The payload ends before the LF that
+    precedes a delimiter, minus one CR.  Anything else is payload.
+    """
+
+    def __init__(self, boundary: bytes, handler: _PartHandler) -> None:
+        self._marker = b"--" + boundary
+        self._lf_marker = b"\n" + self._marker
+        self._handler = handler
+        self._buf = bytearray()
+        self._state = "start"  # start, preamble, part, done
+        self._pos = 0  # where the next search starts in _buf
+        self._cand: int | None = None  # index of a candidate marker in _buf
+        self._ws = 0  # padding already scanned after the candidate marker
+        self.parts = 0
+
+    @property
+    def done(self) -> bool:
+        return self._state == "done"
+
+    def feed(self, data: bytes) -> None:
+        if self._state == "done":
+            return
+        self._buf += data
+        self._run(final=False)
+
+    def finish(self) -> None:
+        """Signal the end of the body; raise if it had no closing delimiter."""
+        if self._state != "done":
+            self._run(final=True)
+        if self._state != "done":
+            raise ValidationError("malformed multipart/form-data body")
+        if not self.parts:
+            raise ValidationError("multipart body has no parts")
+
+    def _release(self, cut: int) -> None:
+        # Drop (or emit as payload) the first cut bytes of the buffer.
+        if cut <= 0:
+            return
+        if self._state == "part":
+            self._handler.part_data(bytes(self._buf[:cut]))
+        del self._buf[:cut]
+        self._pos = max(0, self._pos - cut)
+        if self._cand is not None:
+            self._cand -= cut
+
+    def _run(self, final: bool) -> None:
+        marker = self._marker
+        while self._state != "done":
+            buf = self._buf
+            if self._cand is None:
+                if self._state == "start":
+                    if len(buf) < len(marker) and not final and marker.startswith(buf):
+                        return
+                    self._state = "preamble"
+                    if buf.startswith(marker):
+                        self._cand = 0
+                        self._ws = 0
+                    continue
+                index = buf.find(self._lf_marker, self._pos)
+                if index < 0:
+                    if not final:
+                        # Keep what could be CR + LF + a partial marker.
+                        self._release(len(buf) - len(self._lf_marker))
+                    return
+                self._cand = index + 1
+                self._ws = 0
+            verdict = self._tail(final)
+            if verdict == _NEED:
+                # Keep the candidate's LF and the byte before it (a CR?).
+                self._release(self._cand - 2)
+                return
+            if verdict == _INVALID:
+                self._pos = self._cand + len(marker)
+                self._cand = None
+                continue
+            assert isinstance(verdict, tuple)
+            after, closing = verdict
+            if self._state == "part":
+                end = self._cand - 1
+                if end > 0 and buf[end - 1] == 13:
+                    end -= 1
+                if end > 0:
+                    self._handler.part_data(bytes(buf[:end]))
+                self._handler.end_part()
+            del buf[:after]
+            self._pos = 0
+            self._cand = None
+            if closing:
+                self._state = "done"
+                buf.clear()
+            else:
+                self._state = "part"
+                self.parts += 1
+                self._handler.start_part()
+
+    def _tail(self, final: bool) -> str | tuple[int, bool]:
+        buf = self._buf
+        assert self._cand is not None
+        start = self._cand + len(self._marker)
+        n = len(buf)
+        if n < start + 2 and not final:
+            return _NEED
+        closing = buf[start : start + 2] == b"--"
+        t = max(start + 2 if closing else start, start + self._ws)
+        match = _SPACES.match(buf, t)
+        assert match is not None
+        t = match.end()
+        if t == n:
+            if final:
+                return (t, True) if closing else _INVALID
+            self._ws = t - start
+            return _NEED
+        if buf[t] == 10:
+            return t + 1, closing
+        if buf[t] == 13:
+            if t + 1 == n:
+                if final:
+                    return _INVALID
+                self._ws = t - start
+                return _NEED
+            if buf[t + 1] == 10:
+                return t + 2, closing
+        return _INVALID
+
+
+class Blob:
+    """
+    The payload of one C{blob:<sha256>} part, in memory or spooled to a
+    temporary file that L{close} deletes.
+    """
+
+    def __init__(self, digest: str, size: int, data: bytes | None, path: str | None) -> None:
+        self.digest = digest
+        self.size = size
+        self._data = data
+        self._path = path
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Blob:
+        """A blob held in memory (for tests and the client)."""
+        return cls(hashlib.sha256(data).hexdigest(), len(data), bytes(data), None)
+
+    @property
+    def path(self) -> str | None:
+        """The spool file's path, or C{None} for an in-memory blob."""
+        return self._path
+
+    def read(self) -> bytes:
+        """All payload bytes."""
+        if self._data is not None:
+            return self._data
+        if self._path is None:
+            raise ValueError("blob is closed")
+        with open(self._path, "rb") as f:
+            return f.read()
+
+    def open(self) -> IO[bytes]:
+        """A binary file object reading the payload from its start."""
+        if self._path is not None:
+            return open(self._path, "rb")
+        return io.BytesIO(self.read())
+
+    def close(self) -> None:
+        """Delete the spool file, if any; idempotent."""
+        path, self._path = self._path, None
+        if path is not None:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+    def __repr__(self) -> str:
+        where = "memory" if self._data is not None else self._path
+        return f"<Blob {self.digest} size={self.size} in {where}>"
+
+
+class _BlobWriter:
+    """Hash a streamed payload and keep it in memory or a spool file."""
+
+    def __init__(self, threshold: int, spool_dir: str | None) -> None:
+        self._hash = hashlib.sha256()
+        self._memory: bytearray | None = bytearray()
+        self._file: IO[bytes] | None = None
+        self._path: str | None = None
+        self._threshold = threshold
+        self._dir = spool_dir
+        self.size = 0
+
+    def write(self, data: bytes) -> None:
+        self._hash.update(data)
+        self.size += len(data)
+        if self._memory is not None:
+            self._memory += data
+            if len(self._memory) <= self._threshold:
+                return
+            fd, self._path = tempfile.mkstemp(prefix="kcoral-blob-", dir=self._dir)
+            self._file = os.fdopen(fd, "wb")
+            data, self._memory = bytes(self._memory), None
+        assert self._file is not None
+        self._file.write(data)
+
+    def finish(self) -> Blob:
+        digest = self._hash.hexdigest()
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+            return Blob(digest, self.size, None, self._path)
+        assert self._memory is not None
+        return Blob(digest, self.size, bytes(self._memory), None)
+
+    def discard(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._path is not None:
+            try:
+                os.unlink(self._path)
+            except FileNotFoundError:
+                pass
+            self._path = None
+        self._memory = None
+
+
+@attrs.frozen
+class ParsedRequest:
+    """
+    A request body that passed every framing and part rule (protocol
+    §3.3): the program bytes (not yet validated) and the supplied blobs.
+    """
+
+    program: bytes
+    blobs: dict[str, Blob]
+
+    def close(self) -> None:
+        """Delete every spooled blob."""
+        for blob in self.blobs.values():
+            blob.close()
+
+
+class _HeaderReader:
+    """Collect a part's header section until its blank line."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._scan = 0
+
+    def add(self, data: bytes) -> tuple[bytes, bytes] | None:
+        """Return (header bytes, payload start) once the blank line is seen."""
+        self._buf += data
+        buf = self._buf
+        while True:
+            nl = buf.find(b"\n", self._scan)
+            if nl < 0:
+                return None
+            if nl == self._scan or (nl == self._scan + 1 and buf[self._scan] == 13):
+                return bytes(buf[: nl + 1]), bytes(buf[nl + 1 :])
+            self._scan = nl + 1
+
+    @property
+    def size(self) -> int:
+        return len(self._buf)
+
+
+class RequestBodyParser:
+    """
+    Parse a C{/execute} request body pushed in chunks (protocol §3).
+
+    Framing and header errors raise from L{feed} once the offending part is
+    delimited.  Name, type, duplicate and digest errors are remembered and
+    raised by L{close}, because the reference judges framing of every part
+    before any part's name, so a later framing error must win.  Any error
+    deletes the spool files.
+    """
+
+    def __init__(
+        self,
+        boundary: str,
+        *,
+        max_bytes: int,
+        spool_threshold: int = 1 << 20,
+        spool_dir: str | None = None,
+    ) -> None:
+        self._scanner = _Scanner(boundary.encode("ascii"), self)
+        self._max_bytes = max_bytes
+        self._threshold = spool_threshold
+        self._spool_dir = spool_dir
+        self.received = 0
+        self._failed: BaseException | None = None
+        self._deferred: ValidationError | None = None
+        self._program: bytes | None = None
+        self._blobs: dict[str, Blob] = {}
+        # Per-part state.
+        self._headers: _HeaderReader | None = None
+        self._part_error: ValidationError | None = None
+        self._sink: _BlobWriter | bytearray | None = None
+        self._blob_name = ""
+
+    # Public API.
+
+    def feed(self, chunk: bytes) -> None:
+        """
+        Consume the next chunk of the body.
+
+        @raise RequestTooLarge: once more than C{max_bytes} were fed.
+        @raise ValidationError: on a framing or part-header violation.
+        """
+        if self._failed is not None:
+            raise self._failed
+        self.received += len(chunk)
+        try:
+            if self.received > self._max_bytes:
+                raise RequestTooLarge("request exceeds the configured size limit")
+            self._scanner.feed(chunk)
+        except BaseException as e:
+            self._fail(e)
+            raise
+
+    def close(self) -> ParsedRequest:
+        """
+        The body is complete: check the closing delimiter and part rules.
+
+        @raise ValidationError: with the first applicable §3.3 message.
+        """
+        if self._failed is not None:
+            raise self._failed
+        try:
+            self._scanner.finish()
+            if self._deferred is not None:
+                raise self._deferred
+            if self._program is None:
+                raise ValidationError("missing multipart part: 'program'")
+        except BaseException as e:
+            self._fail(e)
+            raise
+        self._failed = ValidationError("parser already closed")
+        return ParsedRequest(program=self._program, blobs=dict(self._blobs))
+
+    def abort(self) -> None:
+        """Give up (for example on disconnect) and delete spool files."""
+        if self._failed is None:
+            self._fail(ValidationError("parser aborted"))
+
+    # Internals.
+
+    def _fail(self, error: BaseException) -> None:
+        self._failed = error
+        if isinstance(self._sink, _BlobWriter):
+            self._sink.discard()
+        self._sink = None
+        for blob in self._blobs.values():
+            blob.close()
+        self._blobs.clear()
+
+    def start_part(self) -> None:
+        self._headers = _HeaderReader()
+        self._part_error = None
+        self._sink = None
+
+    def part_data(self, data: bytes) -> None:
+        if self._headers is None:
+            self._write(data)
+            return
+        found = self._headers.add(data)
+        if found is None:
+            if self._headers.size > MAX_PART_HEADER_BYTES and self._part_error is None:
+                self._part_error = ValidationError("malformed multipart part headers")
+                self._headers = None
+            return
+        self._headers = None
+        raw, rest = found
+        self._begin(raw)
+        if rest:
+            self._write(rest)
+
+    def end_part(self) -> None:
+        if self._headers is not None:
+            raise ValidationError("malformed multipart part headers")
+        if self._part_error is not None:
+            raise self._part_error
+        sink, self._sink = self._sink, None
+        if isinstance(sink, bytearray):
+            self._program = bytes(sink)
+        elif isinstance(sink, _BlobWriter):
+            blob = sink.finish()
+            if blob.digest != self._blob_name:
+                blob.close()
+                self._deferred = ValidationError(
+                    f"blob hash mismatch: declared {self._blob_name}, computed {blob.digest}"
+                )
+            else:
+                self._blobs[blob.digest] = blob
+
+    def _write(self, data: bytes) -> None:
+        if self._sink is not None:
+            if isinstance(self._sink, bytearray):
+                self._sink += data
+            else:
+                self._sink.write(data)
+
+    def _begin(self, raw: bytes) -> None:
+        try:
+            name, content_type, _ = _parse_part_headers(raw)
+        except ValidationError as e:
+            self._part_error = e
+            return
+        if self._deferred is not None:
+            return
+        try:
+            self._sink = self._check_part(name, content_type)
+        except ValidationError as e:
+            self._deferred = e
+
+    def _check_part(self, name: str, content_type: str) -> _BlobWriter | bytearray:
+        if name == "program":
+            if self._program is not None:
+                raise ValidationError("duplicate multipart part: 'program'")
+            if content_type != "application/json":
+                raise ValidationError("the 'program' part must use application/json")
+            self._program = b""
+            return bytearray()
+        if not name.startswith("blob:"):
+            raise ValidationError(f"unsupported multipart part: {name!r}")
+        digest = name[5:]
+        if not is_digest(digest):
+            raise ValidationError(f"malformed blob part name: {name!r}")
+        if digest in self._blobs:
+            raise ValidationError(f"duplicate blob part: {digest}")
+        if content_type != "application/octet-stream":
+            raise ValidationError(f"blob part {digest} must use application/octet-stream")
+        self._blob_name = digest
+        return _BlobWriter(self._threshold, self._spool_dir)
+
+
+def parse_request_body(
+    content_type: str | None, body: bytes, *, max_bytes: int = 1 << 62
+) -> ParsedRequest:
+    """Parse a whole body at once (tests, small requests): §3.3 in one call."""
+    parser = RequestBodyParser(
+        boundary_from_content_type(content_type), max_bytes=max_bytes, spool_threshold=1 << 62
+    )
+    parser.feed(body)
+    return parser.close()
+
+
+def check_blob_references(program: Program, blobs: Iterable[str]) -> None:
+    """
+    Every supplied blob part must be referenced by some upload (protocol
+    §3.3, decided after program validation).
+    """
+    referenced = set(program.referenced_blobs())
+    unreferenced = sorted(set(blobs) - referenced)
+    if unreferenced:
+        raise ValidationError(f"unreferenced blob part(s): {', '.join(unreferenced)}")
+
+
+def check_tensor_lengths(program: Program, sizes: Mapping[str, int]) -> None:
+    """
+    Every tensor upload whose blob is known (C{sizes}: digest to byte
+    length) must have exactly C{product(shape) * itemsize} bytes (§5.1).
+    """
+    for instruction in program.instructions:
+        if not isinstance(instruction, Upload) or instruction.kind != "tensor":
+            continue
+        blob = instruction.blob
+        if blob is None or blob not in sizes:
+            continue
+        expected = tensor_nbytes(instruction.dtype or "", instruction.shape or ())
+        if sizes[blob] != expected:
+            raise ValidationError(
+                f"tensor upload {instruction.id!r} expects {expected} bytes, got {sizes[blob]}"
+            )
+
+
+def _json_dumps(obj: Any) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode(
+        "utf-8"
+    )
+
+
+def _choose_boundary(payloads: Iterable[bytes]) -> str:
+    items = list(payloads)
+    while True:
+        boundary = f"kcoral-{secrets.token_hex(16)}"
+        delimiter = f"\r\n--{boundary}".encode("ascii")
+        if all(delimiter not in item for item in items):
+            return boundary
+
+
+def encode_response(body: Mapping[str, Any], parts: list[bytes]) -> tuple[str, list[bytes]]:
+    """
+    Frame a COMPLETED/FAILED body (protocol §8.2): plain JSON without binary
+    parts, else multipart with C{result} then C{return:0..n-1}.
+
+    @return: the C{Content-Type} value and the body as chunks (the parts
+        themselves are not copied).
+    """
+    result = _json_dumps(body)
+    if not parts:
+        return "application/json", [result]
+    boundary = _choose_boundary([result, *parts])
+    chunks: list[bytes] = []
+    named: Iterator[tuple[str, str, bytes]] = iter(
+        [("result", "application/json", result)]
+        + [(f"return:{n}", "application/octet-stream", p) for n, p in enumerate(parts)]
+    )
+    for name, media, payload in named:
+        chunks.append(
+            (
+                f"--{boundary}\r\n"
+                f'Content-Disposition: form-data; name="{name}"\r\n'
+                f"Content-Type: {media}\r\n\r\n"
+            ).encode("ascii")
+        )
+        chunks.append(payload)
+        chunks.append(b"\r\n")
+    chunks.append(f"--{boundary}--\r\n".encode("ascii"))
+    return f"multipart/form-data; boundary={boundary}", chunks
+
+
+class _CollectParts:
+    """Keep every part in memory (responses are decoded whole)."""
+
+    def __init__(self) -> None:
+        self.parts: list[tuple[str, str, bytes]] = []
+        self._headers: _HeaderReader | None = None
+        self._head: tuple[str, str] | None = None
+        self._data = bytearray()
+        self._error: ValidationError | None = None
+
+    def start_part(self) -> None:
+        self._headers = _HeaderReader()
+        self._head = None
+        self._data = bytearray()
+        self._error = None
+
+    def part_data(self, data: bytes) -> None:
+        if self._headers is None:
+            self._data += data
+            return
+        found = self._headers.add(data)
+        if found is None:
+            return
+        self._headers = None
+        raw, rest = found
+        try:
+            name, media, _ = _parse_part_headers(raw)
+            self._head = (name, media)
+        except ValidationError as e:
+            self._error = e
+        self._data += rest
+
+    def end_part(self) -> None:
+        if self._headers is not None:
+            raise ValidationError("malformed multipart part headers")
+        if self._error is not None:
+            raise self._error
+        assert self._head is not None
+        self.parts.append((*self._head, bytes(self._data)))
+
+
+def _media_type(content_type: str | None) -> str:
+    return (content_type or "").split(";", 1)[0].strip().lower()
+
+
+def decode_response(
+    content_type: str | None, body: bytes
+) -> tuple[dict[str, Any], dict[str, bytes]]:
+    """
+    Decode a response as the 0.1.1 client does (protocol §2.4, §8.2): the
+    JSON object and the binary parts by name.
+
+    @raise ValidationError: on any framing or shape problem.
+    """
+    media = _media_type(content_type)
+    if media == "application/json":
+        result = strict_json_loads(body)
+        parts: dict[str, bytes] = {}
+    elif media == "multipart/form-data":
+        collector = _CollectParts()
+        scanner = _Scanner(boundary_from_content_type(content_type).encode("ascii"), collector)
+        scanner.feed(body)
+        scanner.finish()
+        results = [p for p in collector.parts if p[0] == "result"]
+        if len(results) != 1 or results[0][1] != "application/json":
+            raise ValidationError("multipart response needs exactly one application/json 'result'")
+        result = strict_json_loads(results[0][2])
+        parts = {}
+        for name, part_media, data in collector.parts:
+            if name == "result":
+                continue
+            if part_media != "application/octet-stream":
+                raise ValidationError(f"response part {name!r} must use application/octet-stream")
+            if name in parts:
+                raise ValidationError(f"duplicate response part: {name!r}")
+            parts[name] = data
+    else:
+        raise ValidationError(f"unsupported response content type {content_type!r}")
+    if not isinstance(result, dict):
+        raise ValidationError("response body must be a JSON object")
+    return result, parts

@@ -50,6 +50,7 @@ def summarize(spans_ms: list[float], nbytes: int) -> dict[str, float | int]:
         "gbps_min": min(rates),
         "gbps_max": max(rates),
         "cv": statistics.pstdev(rates) / mean if len(rates) > 1 else 0.0,
+        "gbps_p1": sorted(rates)[len(rates) // 100],
         "ms_median": statistics.median(spans_ms),
     }
 
@@ -125,7 +126,10 @@ def main(argv: list[str] | None = None) -> int:
                     procs[i] = None
             procs = [p for p in procs if p is not None]
         elapsed = time.monotonic() - begin
+        quiet = statistics.median(2 * nbytes / (ms * 1e-3) / 1e9 for ms in direct)
+        slow = sum(2 * nbytes / (ms * 1e-3) / 1e9 < 0.95 * quiet for ms in spans)
         warming = {
+            "slow_fraction": slow / len(spans),
             "workers": args.warm_workers,
             "warm_cycles": cycles,
             "warm_failures": failures,
@@ -161,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     if warming:
         print(
             f"  while warming {warming['workers']} worker(s) ({warming['warm_cycles']} warm-ups): "
-            f"{warming['gbps_median']:.1f} GB/s median, CV {warming['cv'] * 100:.2f}%"
+            f"{warming['gbps_median']:.1f} GB/s median, CV {warming['cv'] * 100:.2f}%, "
+            f"{warming['slow_fraction'] * 100:.2f}% of copies >5% slower than quiet"
         )
     print(f"  wrote {out}")
     backend.close()

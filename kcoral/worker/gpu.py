@@ -264,6 +264,7 @@ class GpuBackend:
                 torch.cuda.init()
         self.tensor_api = "torch" if self._torch is not None else "pycuda"
         self._l2_flush: Any = None
+        self._spin: Any = _UNSET
 
     # -- facts -------------------------------------------------------------
 
@@ -453,6 +454,22 @@ class GpuBackend:
             self._l2_flush = (self._drv.mem_alloc(size), size)
         return self._l2_flush
 
+    def spin_function(self) -> Any:
+        """
+        A one-thread kernel C{spin(u64 ns)} that busy-waits on the GPU's
+        global timer, JIT-loaded from PTX once; C{None} if it cannot load.
+        L{kcoral.worker.gpu_builtins.benchmark} runs it before each call when
+        the L2 flush is off, so the host is ahead of the GPU when a call's
+        start event executes.
+        """
+        if self._spin is _UNSET:
+            try:
+                module = self._drv.module_from_buffer(_SPIN_PTX)
+                self._spin = (module, module.get_function("kcoral_spin"))
+            except _pycuda_error_types():
+                self._spin = None
+        return None if self._spin is None else self._spin[1]
+
     def close(self) -> None:
         """Synchronize and pop the primary context (at worker exit)."""
         if self._closed:
@@ -520,6 +537,31 @@ class LibraryFunction:
 
     def __repr__(self) -> str:
         return f"<LibraryFunction {self.name}>"
+
+
+_UNSET = object()
+
+#: PTX of L{GpuBackend.spin_function}: wait until C{%globaltimer} has
+#: advanced by the C{ns} parameter.
+_SPIN_PTX = b"""
+.version 7.0
+.target sm_70
+.address_size 64
+
+.visible .entry kcoral_spin(.param .u64 ns)
+{
+    .reg .pred %p;
+    .reg .b64 %rd<4>;
+    ld.param.u64 %rd1, [ns];
+    mov.u64 %rd2, %globaltimer;
+    add.u64 %rd1, %rd1, %rd2;
+WAIT:
+    mov.u64 %rd3, %globaltimer;
+    setp.lt.u64 %p, %rd3, %rd1;
+    @%p bra WAIT;
+    ret;
+}
+"""
 
 
 def _cuda_version(number: int) -> str:

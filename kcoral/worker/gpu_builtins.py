@@ -194,13 +194,21 @@ def latency_stats(samples_ms: Sequence[float]) -> dict[str, Any]:
     }
 
 
+#: With C{flush_l2} off, how long the GPU is kept busy before each call.
+SPIN_NS = 50_000
+
+
 class EventTimer:
     """
     Times calls with pairs of CUDA events on the legacy default stream.
 
-    Each call is preceded, outside its timed span, by zeroing the L2 flush
-    buffer when C{flush} is on.  Events are recorded without waiting; the host
-    synchronizes once per batch of C{batch} calls to read the spans.
+    Before each call, outside its timed span, the GPU is given work that
+    lets the host enqueue the start event and the call's launches before
+    the GPU reaches them: zeroing the L2 flush buffer when C{flush} is on,
+    else a short spin kernel.  Without that, an idle GPU would run the start
+    event at once and the span would include the host's launch overhead.
+    Events are recorded without waiting; the host synchronizes once per
+    batch of C{batch} calls to read the spans.
     """
 
     def __init__(self, backend: Any, flush: bool, batch: int = 512) -> None:
@@ -208,6 +216,8 @@ class EventTimer:
 
         self._drv = drv
         self._flush = backend.l2_flush_buffer() if flush else None
+        self._spin = None if flush else backend.spin_function()
+        self._spin_args = struct.pack("@Q", SPIN_NS)
         self._batch = batch
         self._events: list[tuple[Any, Any]] = []
 
@@ -216,18 +226,22 @@ class EventTimer:
             self._events.append((self._drv.Event(), self._drv.Event()))
         return self._events[:count]
 
+    def _before(self) -> None:
+        if self._flush is not None:
+            buffer, size = self._flush
+            self._drv.memset_d32_async(buffer, 0, size // 4)
+        elif self._spin is not None:
+            self._spin._launch_kernel((1, 1, 1), (1, 1, 1), self._spin_args, 0, None)
+
     def run(self, fn: Callable[..., Any], args: tuple[Any, ...], count: int) -> list[float]:
         """Call C{fn(*args)} C{count} times; each call's span in ms."""
-        drv = self._drv
         spans: list[float] = []
         done = 0
         while done < count:
             n = min(self._batch, count - done)
             pairs = self._pairs(n)
             for start, end in pairs:
-                if self._flush is not None:
-                    buffer, size = self._flush
-                    drv.memset_d32_async(buffer, 0, size // 4)
+                self._before()
                 start.record()
                 fn(*args)
                 end.record()

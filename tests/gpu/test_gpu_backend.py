@@ -338,6 +338,7 @@ class KernelTests(SynchronousTestCase):
         self.assertGreater(estimated["repeat"], 1)
         noflush = gpu_builtins.benchmark(handle, y, x, 1.0, n, {"repeat": 200, "flush_l2": False})
         print("benchmark saxpy 1M:", result, estimated, noflush)
+        self.assertIsNotNone(backend("pycuda").spin_function())
         self.assertFalse(noflush["flush_l2"])
         self.assertEqual(noflush["repeat"], 200)
 

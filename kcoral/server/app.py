@@ -131,9 +131,10 @@ def _close_parser(parser: Any) -> None:
 
 
 def _builtin_names() -> frozenset[str]:
-    from kcoral.worker.builtins import builtin_names
+    """Wire names a legacy string C{run.fn} may use (protocol §10.2)."""
+    from kcoral.worker.builtins import CPU_ONLY
 
-    return frozenset(builtin_names())
+    return frozenset(CPU_ONLY) | {"builtin.kernel"}
 
 
 def _shield(d: Deferred[Any]) -> Deferred[Any]:

@@ -104,7 +104,7 @@ class WorkerProtocol(ProcessProtocol):
         self._decoder = MessageDecoder()
         self.stdout_tail = _Tail()
         self.stderr_tail = _Tail()
-        self.ended: Deferred[Failure] = Deferred()
+        self.ended: Deferred[BaseException] = Deferred()
         self.channel_error: str | None = None
 
     def childDataReceived(self, childFD: int, data: bytes) -> None:
@@ -129,7 +129,9 @@ class WorkerProtocol(ProcessProtocol):
             pass
 
     def processEnded(self, reason: Failure) -> None:
-        self.ended.callback(reason)
+        # Fire with the exception, not the Failure: a Failure passed to
+        # callback() would run the errback chain instead.
+        self.ended.callback(reason.value)
 
     def output_tail(self) -> str:
         """The C{[out] …} / C{[err] …} tail for logs."""
@@ -142,8 +144,7 @@ class WorkerProtocol(ProcessProtocol):
         return "\n".join(parts)
 
 
-def _exit_code(reason: Failure) -> int | None:
-    value = reason.value
+def _exit_code(value: BaseException) -> int | None:
     code = getattr(value, "exitCode", None)
     sig = getattr(value, "signal", None)
     if sig is not None:
@@ -228,7 +229,7 @@ class WorkerProcess:
             )
             self.kill()
 
-    def _process_ended(self, reason: Failure) -> None:
+    def _process_ended(self, reason: BaseException) -> None:
         self.alive = False
         self.exit_code = _exit_code(reason)
         if self._ready_timer is not None and self._ready_timer.active():
@@ -497,10 +498,8 @@ class _RunningJob:
 
 
 def worker_command_args(device: str, *, max_requests: int, tensor_api: str) -> list[str]:
-    """The arguments after C{python} that start a worker."""
+    """The worker's own arguments (after C{python -m kcoral.worker})."""
     return [
-        "-m",
-        "kcoral.worker",
         "--device",
         device,
         "--max-requests",

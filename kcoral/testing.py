@@ -1,0 +1,182 @@
+"""
+Helpers for tests and benchmarks that drive a real kcoral server.
+
+L{ServerProcess} starts C{python -m kcoral server} on a free loopback port and
+waits for C{/health}; L{multipart_body} and L{post_program} speak the wire
+protocol with nothing but the standard library, the way an HTTP client would.
+These are blocking helpers: use them from tests and scripts, never from the
+reactor thread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def multipart_body(
+    program: dict[str, Any] | bytes, blobs: list[bytes] = (), boundary: str | None = None
+) -> tuple[str, bytes]:
+    """The C{(content type, body)} the reference client would send."""
+    boundary = boundary or uuid.uuid4().hex
+    program_bytes = (
+        program
+        if isinstance(program, bytes)
+        else json.dumps(program, separators=(",", ":"), ensure_ascii=False).encode()
+    )
+    chunks = [
+        f'--{boundary}\r\nContent-Disposition: form-data; name="program"\r\n'
+        "Content-Type: application/json\r\n\r\n".encode(),
+        program_bytes,
+        b"\r\n",
+    ]
+    for blob in blobs:
+        digest = hashlib.sha256(blob).hexdigest()
+        chunks += [
+            f'--{boundary}\r\nContent-Disposition: form-data; name="blob:{digest}"\r\n'
+            "Content-Type: application/octet-stream\r\n\r\n".encode(),
+            blob,
+            b"\r\n",
+        ]
+    chunks.append(f"--{boundary}--\r\n".encode())
+    return f"multipart/form-data; boundary={boundary}", b"".join(chunks)
+
+
+@attrs.frozen
+class Response:
+    """A raw HTTP response."""
+
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+def request(
+    port: int,
+    method: str,
+    path: str,
+    body: bytes | None = None,
+    headers: dict[str, str] | None = None,
+    timeout: float = 120.0,
+    host: str = "127.0.0.1",
+) -> Response:
+    """One HTTP request on a fresh connection."""
+    connection = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        connection.request(method, path, body=body, headers=headers or {})
+        response = connection.getresponse()
+        data = response.read()
+        return Response(
+            response.status, {k.lower(): v for k, v in response.getheaders()}, data
+        )
+    finally:
+        connection.close()
+
+
+def post_program(
+    port: int,
+    program: dict[str, Any] | bytes,
+    blobs: list[bytes] = (),
+    headers: dict[str, str] | None = None,
+    timeout: float = 120.0,
+) -> Response:
+    """POST C{program} (and C{blobs}) to C{/execute}."""
+    content_type, body = multipart_body(program, list(blobs))
+    all_headers = {"Content-Type": content_type, **(headers or {})}
+    return request(port, "POST", "/execute", body, all_headers, timeout)
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@attrs.define
+class ServerProcess:
+    """
+    A C{kcoral server} subprocess on a free loopback port.
+
+    Use as a context manager; C{stop()} sends SIGTERM and returns the exit code.
+    """
+
+    args: list[str]
+    env: dict[str, str] | None = None
+    port: int = attrs.field(factory=free_port)
+    process: subprocess.Popen[bytes] | None = None
+    log_path: Path | None = None
+
+    def start(self, timeout: float = 60.0) -> ServerProcess:
+        env = dict(os.environ if self.env is None else self.env)
+        root = str(Path(__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        argv = [
+            sys.executable,
+            "-m",
+            "kcoral",
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *self.args,
+        ]
+        output = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
+        self.process = subprocess.Popen(argv, env=env, stdout=output, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode} during start")
+            try:
+                if request(self.port, "GET", "/health", timeout=2).status == 200:
+                    return self
+            except OSError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError("server did not answer /health in time")
+
+    def health(self) -> dict[str, Any]:
+        result: dict[str, Any] = request(self.port, "GET", "/health").json()
+        return result
+
+    def execute(self, program: dict[str, Any] | bytes, blobs: list[bytes] = (), **kw: Any) -> Response:
+        return post_program(self.port, program, blobs, **kw)
+
+    def stop(self, timeout: float = 60.0) -> int | None:
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -261,12 +261,28 @@ class WorkerProcess:
             self.ready.errback(WorkerStartError(str(message.header.get("error", "worker failed"))))
         elif self._job is not None:
             self._job.message_received(message)
+        elif kind == "lease_acquire":
+            # Outside a job: the worker warms up (creates its CUDA context)
+            # under the lease.
+            self._startup_lease()
+        elif kind == "lease_release":
+            self._leases.release(self)
         else:
             self.log.warn(
                 "worker {worker_id} sent an unexpected {type!r} message",
                 worker_id=self.seat,
                 type=kind,
             )
+
+    def _startup_lease(self) -> None:
+        if not self.gpus:
+            self.send({"type": "lease_granted"})
+            return
+        d = self._leases.acquire(self, self.gpus, label=f"warmup:{self.seat}")
+        d.addCallbacks(
+            lambda _: self.send({"type": "lease_granted"}),
+            lambda f: None if f.check(CancelledError) else self.kill(),
+        )
 
     def send(self, header: dict[str, Any], payload: bytes = b"") -> None:
         """Write one message to the worker (buffered by the transport)."""

@@ -61,6 +61,10 @@ def serve(
     **backend_options: Any,
 ) -> int:
     """Handshake, then run programs until told to exit; return the exit status."""
+    # A GPU worker creates its CUDA context while holding its GPU's lease,
+    # so warming a new worker never overlaps another worker's measurement.
+    lease: Any = LeaseClient(inbox, outbox) if device != "cpu" else NullLease()
+    lease.acquire()
     try:
         backend = make_backend(device, **backend_options)
         target = backend.target()
@@ -69,7 +73,9 @@ def serve(
         traceback.print_exc()
         write_message(outbox, {"type": "failed", "error": f"{type(e).__name__}: {e}"})
         return 1
-    lease: Any = LeaseClient(inbox, outbox) if backend.uses_lease else NullLease()
+    if not backend.uses_lease:
+        lease.release()
+        lease = NullLease()
     engine = Engine(
         backend,
         lease,
@@ -86,6 +92,7 @@ def serve(
             "device": backend.name,
         },
     )
+    lease.release()
     served = 0
     blobs: dict[str, bytes] = {}
     while True:

@@ -117,7 +117,14 @@ def _make_cpu(**kwargs: Any) -> CpuBackend:
 
 #: Backend factories by device name; each takes the worker's keyword options
 #: (C{gpu_ordinal}, C{tensor_api}) and ignores those it does not use.
-BACKENDS: dict[str, Callable[..., Any]] = {"cpu": _make_cpu}
+def _make_gpu(**kwargs: Any) -> Any:
+    # Imported here so CPU workers never import PyCUDA.
+    from kcoral.worker.gpu import make_gpu_backend
+
+    return make_gpu_backend(**kwargs)
+
+
+BACKENDS: dict[str, Callable[..., Any]] = {"cpu": _make_cpu, "gpu": _make_gpu}
 
 
 def register_backend(name: str, factory: Callable[..., Any]) -> None:

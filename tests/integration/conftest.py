@@ -1,0 +1,36 @@
+"""
+Shared fixtures for integration tests that start real kcoral servers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from kcoral.testing import ServerProcess
+
+
+@pytest.fixture(scope="module")
+def cpu_server() -> Iterator[Callable[..., ServerProcess]]:
+    """
+    A factory for CPU-mode servers that live as long as the test module.
+
+    C{cpu_server("--sandbox", "none")} starts (once per distinct argument
+    list) C{kcoral server --device cpu --num-workers 2 --log-dir ''} plus the
+    given arguments, and returns the running L{ServerProcess}.
+    """
+    servers: dict[tuple[str, ...], ServerProcess] = {}
+
+    def start(*args: str) -> ServerProcess:
+        key = tuple(args)
+        if key not in servers:
+            base = ["--device", "cpu", "--num-workers", "2", "--log-dir", ""]
+            servers[key] = ServerProcess(base + list(args)).start()
+        return servers[key]
+
+    try:
+        yield start
+    finally:
+        for server in servers.values():
+            server.stop()

@@ -1,0 +1,139 @@
+# -*- test-case-name: tests.integration.test_interop -*-
+"""
+The reference KCoral client (PyPI C{kcoral==0.1.1}) in its own virtualenv.
+
+Its import name C{kcoral} collides with ours, so it never runs in the test
+interpreter: L{ensure_venv} builds (once, outside the repository) a virtualenv
+holding it, and L{run_client} / L{kcoral_cli} run code in that virtualenv
+with an isolated interpreter (C{-I}), no C{PYTHONPATH} and a temporary
+working directory, so our package cannot leak in.
+
+The virtualenv lives in C{~/.cache/kcoral-tests/refclient-0.1.1} unless
+C{KCORAL_REFCLIENT_VENV} names another directory. A marker file records the
+installed version; a virtualenv without it is rebuilt.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import venv
+from pathlib import Path
+from typing import Mapping, Sequence
+
+REFCLIENT_VERSION = "0.1.1"
+REQUIREMENTS = (f"kcoral=={REFCLIENT_VERSION}", "numpy", "ml_dtypes")
+_MARKER = ".kcoral-refclient"
+
+
+class RefClientUnavailable(Exception):
+    """The reference client's virtualenv could not be built."""
+
+
+def venv_dir() -> Path:
+    override = os.environ.get("KCORAL_REFCLIENT_VENV")
+    if override:
+        return Path(override).expanduser()
+    return Path.home() / ".cache" / "kcoral-tests" / f"refclient-{REFCLIENT_VERSION}"
+
+
+def _python(root: Path) -> Path:
+    return root / "bin" / "python"
+
+
+def _clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PYTHON", "KCORAL_", "VIRTUAL_ENV", "PIP_REQUIRE"))
+    }
+    env["PYTHONNOUSERSITE"] = "1"
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def ensure_venv() -> Path:
+    """
+    Build the virtualenv if needed and return its root.
+
+    @raise RefClientUnavailable: when it cannot be built (no PyPI, say).
+    """
+    root = venv_dir()
+    marker = root / _MARKER
+    wanted = " ".join(REQUIREMENTS)
+    if marker.is_file() and marker.read_text() == wanted and _python(root).exists():
+        return root
+    if root.exists():
+        shutil.rmtree(root)
+    root.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        venv.EnvBuilder(with_pip=True, clear=True).create(root)
+        subprocess.run(
+            [str(_python(root)), "-m", "pip", "install", "--disable-pip-version-check", "-q", *REQUIREMENTS],
+            env=_clean_env(),
+            check=True,
+            capture_output=True,
+            timeout=600,
+        )
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", b"") or b""
+        shutil.rmtree(root, ignore_errors=True)
+        raise RefClientUnavailable(
+            f"cannot build the kcoral {REFCLIENT_VERSION} virtualenv: {e} "
+            f"{detail.decode(errors='replace')[-2000:]}"
+        ) from e
+    marker.write_text(wanted)
+    return root
+
+
+def _run(
+    argv: Sequence[str],
+    env: Mapping[str, str] | None,
+    timeout: float,
+    cwd: str | os.PathLike[str] | None,
+) -> subprocess.CompletedProcess[str]:
+    with tempfile.TemporaryDirectory(prefix="kcoral-refclient-") as tmp:
+        return subprocess.run(
+            list(argv),
+            env=_clean_env(env),
+            cwd=cwd if cwd is not None else tmp,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            stdin=subprocess.DEVNULL,
+        )
+
+
+def run_client(
+    script: str,
+    *args: str,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 120,
+    cwd: str | os.PathLike[str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run the Python source C{script} in the reference virtualenv (C{sys.argv[1:]} = C{args})."""
+    python = _python(ensure_venv())
+    return _run([str(python), "-I", "-c", script, *args], env, timeout, cwd)
+
+
+def kcoral_cli(
+    args: Sequence[str],
+    env: Mapping[str, str] | None = None,
+    timeout: float = 120,
+    cwd: str | os.PathLike[str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run the reference virtualenv's C{kcoral} console script."""
+    root = ensure_venv()
+    # The console script's shebang would run Python without -I; call it the
+    # same way it does, but isolated.
+    script = root / "bin" / "kcoral"
+    return _run([str(_python(root)), "-I", str(script), *args], env, timeout, cwd)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    print(ensure_venv())
+    sys.exit(0)

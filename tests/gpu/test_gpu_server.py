@@ -1,0 +1,304 @@
+"""
+End-to-end tests of a GPU server: real workers on a real GPU, real HTTP.
+
+Run on the GPU machine (they skip elsewhere): one GPU server in bubblewrap,
+and a CPU server that compiles CUDA C for the GPU server's target.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from kcoral.testing import ServerProcess, sha256
+from kcoral.wire.multipart import decode_response
+from kcoral.wire.values import decode_results
+
+pytestmark = [pytest.mark.gpu, pytest.mark.integration]
+
+SAXPY = r"""
+__global__ void saxpy(float a, const float *x, float *y, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = a * x[i] + y[i];
+}
+"""
+
+
+def _readonly_flags() -> list[str]:
+    # PyCUDA may live outside the Python installation (a --target dir on
+    # PYTHONPATH); workers in the sandbox must see it read-only.
+    flags = []
+    for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+        if entry and os.path.isdir(entry) and not os.path.exists(os.path.join(entry, "kcoral")):
+            flags += ["--sandbox-readonly-path", entry]
+    return flags
+
+
+@pytest.fixture(scope="module")
+def gpu_server(tmp_path_factory: pytest.TempPathFactory) -> ServerProcess:
+    logs = tmp_path_factory.mktemp("gpu-logs")
+    server = ServerProcess(
+        [
+            "--device",
+            "gpu",
+            "--gpus",
+            "0",
+            "--workers-per-gpu",
+            "2",
+            "--log-dir",
+            str(logs),
+            "--tensor-api",
+            "pycuda",
+            *_readonly_flags(),
+        ],
+        log_path=logs / "server.out",
+    )
+    server.start(timeout=180)
+    yield server
+    assert server.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def cpu_server(tmp_path_factory: pytest.TempPathFactory) -> ServerProcess:
+    logs = tmp_path_factory.mktemp("cpu-logs")
+    server = ServerProcess(
+        ["--device", "cpu", "--num-workers", "2", "--log-dir", str(logs), *_readonly_flags()],
+        log_path=logs / "server.out",
+    )
+    server.start(timeout=120)
+    yield server
+    assert server.stop() == 0
+
+
+def _ok(response) -> tuple[dict, dict]:
+    body, parts = decode_response(response.headers["content-type"], response.body)
+    assert response.status == 200, response.body[:2000]
+    assert body["status"] == "COMPLETED", body
+    return body, decode_results(body["results"], parts)
+
+
+def test_health_reports_h200_target(gpu_server: ServerProcess) -> None:
+    """/health names the GPU's target (sm_90a on an H200) and the versions workers run."""
+    health = gpu_server.health()
+    assert health["gpu_count"] == 1
+    assert health["target"] == {"arch": "sm_90a"}
+    assert "pycuda" in health["versions"]
+    assert [g["gpu_id"] for g in health["gpus"]] == [0]
+    assert {w["gpu_id"] for w in health["workers"]} == {0}
+    assert health["sandbox"] == "bubblewrap"
+
+
+@pytest.mark.parametrize(
+    "dtype", ["float32", "float16", "bfloat16", "int8", "int64", "bool", "float8_e4m3fn"]
+)
+def test_tensor_round_trip(gpu_server: ServerProcess, dtype: str) -> None:
+    """A tensor goes to the GPU and comes back byte-exact, under the lease."""
+    data = np.random.default_rng(1).integers(0, 255, size=4096, dtype=np.uint8).tobytes()
+    if dtype == "bool":
+        data = bytes(b & 1 for b in data)
+    itemsize = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "int64": 8}.get(dtype, 1)
+    shape = [len(data) // itemsize]
+    program = {
+        "instructions": [
+            {
+                "op": "upload",
+                "kind": "tensor",
+                "id": "t",
+                "blob": sha256(data),
+                "dtype": dtype,
+                "shape": shape,
+            },
+            {"op": "return", "key": "t", "value": {"$ref": "t"}},
+        ]
+    }
+    body, results = _ok(gpu_server.execute(program, [data]))
+    assert results["t"].tobytes() == data
+    assert body["lease_held_ms"] > 0
+    assert body["lease_wait_ms"] + body["lease_held_ms"] <= body["elapsed_ms"] + 1e-6
+
+
+def test_builtins_randn_benchmark_check_close(gpu_server: ServerProcess) -> None:
+    """Legacy builtin names allocate, compile, launch, benchmark and check on the GPU."""
+    n = 1 << 20
+    program = {
+        "instructions": [
+            {"op": "upload", "kind": "module", "id": "src", "language": "cuda", "source": SAXPY},
+            {"op": "get_function", "id": "saxpy_src", "module": {"$ref": "src"}, "name": "saxpy"},
+            {
+                "op": "run",
+                "id": "saxpy",
+                "fn": "builtin.compile_cuda",
+                "args": [
+                    {"$ref": "saxpy_src"},
+                    {"grid": [n // 256], "block": [256], "arg_types": ["f32", "ptr", "ptr", "i32"]},
+                ],
+            },
+            {
+                "op": "run",
+                "id": "x",
+                "fn": "builtin.randn",
+                "args": [{"shape": [n], "dtype": "float32", "seed": 7}],
+            },
+            {
+                "op": "run",
+                "id": "y",
+                "fn": "builtin.zeros",
+                "args": [{"shape": [n], "dtype": "float32"}],
+            },
+            {
+                "op": "run",
+                "id": "launch",
+                "fn": {"$ref": "saxpy"},
+                "args": [2.0, {"$ref": "x"}, {"$ref": "y"}, n],
+            },
+            {
+                "op": "run",
+                "id": "timing",
+                "fn": "builtin.benchmark",
+                "args": [
+                    {"$ref": "saxpy"},
+                    0.0,
+                    {"$ref": "x"},
+                    {"$ref": "y"},
+                    n,
+                    {"warmup": 3, "repeat": 20},
+                ],
+            },
+            {"op": "return", "key": "x", "value": {"$ref": "x"}},
+            {"op": "return", "key": "y", "value": {"$ref": "y"}},
+            {"op": "return", "key": "timing", "value": {"$ref": "timing"}},
+        ]
+    }
+    _, results = _ok(gpu_server.execute(program))
+    x, y = results["x"], results["y"]
+    np.testing.assert_allclose(y, 2.0 * x, rtol=1e-6)
+    timing = results["timing"]
+    assert timing["repeat"] == 20
+    assert 0 < timing["latency_ms_min"] <= timing["latency_ms_median"] <= timing["latency_ms_max"]
+
+
+def test_compile_on_cpu_server_run_on_gpu_server(
+    gpu_server: ServerProcess, cpu_server: ServerProcess
+) -> None:
+    """The split deployment: nvcc on a CPU server, the module image loaded and run on the GPU."""
+    arch = gpu_server.health()["target"]["arch"]
+    compile_program = {
+        "instructions": [
+            {"op": "upload", "kind": "module", "id": "src", "language": "cuda", "source": SAXPY},
+            {"op": "get_function", "id": "fn", "module": {"$ref": "src"}, "name": "saxpy"},
+            {
+                "op": "run",
+                "id": "image",
+                "fn": "builtin.compile_cuda_binary",
+                "args": [{"$ref": "fn"}, {"arch": arch, "extra_cuda_cflags": ["-O3"]}],
+            },
+            {"op": "return", "key": "image", "value": {"$ref": "image"}},
+        ]
+    }
+    _, compiled = _ok(cpu_server.execute(compile_program))
+    image = compiled["image"]
+    assert image[:4] == b"\x7fELF"
+    n = 4096
+    x = np.arange(n, dtype=np.float32)
+    run_program = {
+        "instructions": [
+            {"op": "upload", "kind": "library", "id": "lib", "blob": sha256(image)},
+            {
+                "op": "run",
+                "id": "k",
+                "fn": "builtin.kernel",
+                "args": [
+                    {"$ref": "lib"},
+                    "saxpy",
+                    {"grid": [n // 256], "block": [256], "arg_types": ["f32", "ptr", "ptr", "i32"]},
+                ],
+            },
+            {
+                "op": "upload",
+                "kind": "tensor",
+                "id": "x",
+                "blob": sha256(x.tobytes()),
+                "dtype": "float32",
+                "shape": [n],
+            },
+            {
+                "op": "run",
+                "id": "y",
+                "fn": "builtin.zeros",
+                "args": [{"shape": [n], "dtype": "float32"}],
+            },
+            {
+                "op": "run",
+                "id": "go",
+                "fn": {"$ref": "k"},
+                "args": [3.0, {"$ref": "x"}, {"$ref": "y"}, n],
+            },
+            {
+                "op": "run",
+                "id": "check",
+                "fn": "builtin.assert_close",
+                "args": [{"$ref": "y"}, {"$ref": "x"}, {"rtol": 10.0, "atol": 1e9}],
+            },
+            {"op": "return", "key": "y", "value": {"$ref": "y"}},
+        ]
+    }
+    _, results = _ok(gpu_server.execute(run_program, [image, x.tobytes()]))
+    np.testing.assert_allclose(results["y"], 3.0 * x)
+
+
+def test_cpu_only_run_releases_the_lease(gpu_server: ServerProcess) -> None:
+    """A cpu_only function runs off the lease; the rest of the program holds it."""
+    source = "import time\ndef busy():\n    time.sleep(0.3)\n    return 1\n"
+    program = {
+        "instructions": [
+            {"op": "upload", "kind": "module", "id": "m", "source": source},
+            {
+                "op": "get_function",
+                "id": "f",
+                "module": {"$ref": "m"},
+                "name": "busy",
+                "cpu_only": True,
+            },
+            {"op": "run", "id": "r", "fn": {"$ref": "f"}, "args": []},
+            {"op": "return", "key": "r", "value": {"$ref": "r"}},
+        ]
+    }
+    body, results = _ok(gpu_server.execute(program))
+    assert results["r"] == 1
+    assert body["elapsed_ms"] >= 300
+    assert body["lease_held_ms"] < body["elapsed_ms"] - 250
+
+
+def test_worker_crash_on_gpu_is_contained(gpu_server: ServerProcess) -> None:
+    """An out-of-bounds kernel or a dying worker fails its request only."""
+    bad = r"""
+__global__ void oob(float *p) { p[1ull << 40] = 1.0f; }
+"""
+    program = {
+        "instructions": [
+            {"op": "upload", "kind": "module", "id": "src", "language": "cuda", "source": bad},
+            {"op": "get_function", "id": "fn", "module": {"$ref": "src"}, "name": "oob"},
+            {
+                "op": "run",
+                "id": "k",
+                "fn": "builtin.compile_cuda",
+                "args": [{"$ref": "fn"}, {"grid": [1], "block": [1], "arg_types": ["ptr"]}],
+            },
+            {
+                "op": "run",
+                "id": "buf",
+                "fn": "builtin.zeros",
+                "args": [{"shape": [4], "dtype": "float32"}],
+            },
+            {"op": "run", "id": "go", "fn": {"$ref": "k"}, "args": [{"$ref": "buf"}]},
+        ]
+    }
+    response = gpu_server.execute(program)
+    assert response.status == 200
+    body, _ = decode_response(response.headers["content-type"], response.body)
+    assert body["status"] == "FAILED"
+    assert body["error"]["kind"] == "runtime"
+    # The next request gets a healthy worker.
+    test_tensor_round_trip(gpu_server, "float32")

@@ -165,6 +165,9 @@ class WorkerPool:
         try:
             info = await worker.ready
         except Exception as e:
+            if self.closing:
+                # Shutdown stopped a worker that was still starting.
+                raise
             self.log.error(
                 "worker {worker_id} failed to start: {error}",
                 kcoral_event="worker_failed",
@@ -322,7 +325,7 @@ class WorkerPool:
         def done(result: object) -> None:
             self._pending.discard(d)
             self._replacing.discard(seat)
-            if isinstance(result, Failure):
+            if isinstance(result, Failure) and not self.closing:
                 self.log.error(
                     "could not replace worker {worker_id}: {error}",
                     kcoral_event="worker_replace_failed",

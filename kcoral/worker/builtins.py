@@ -106,7 +106,9 @@ def compile_cuda_binary(source: Any, *rest: Any) -> bytes:
         raise ExecutionError(
             "unavailable", f"builtin.compile_cuda_binary is unavailable: {e}"
         ) from None
-    return bytes(compile_binary(text, arch, tuple(flags), float(timeout)))
+    from kcoral.compilers.source import add_extern_c
+
+    return bytes(compile_binary(add_extern_c(text), arch, tuple(flags), float(timeout)))
 
 
 #: Wire names of every builtin and whether it is registered C{cpu_only}.

@@ -27,6 +27,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from kcoral.compilers.source import add_extern_c
 from kcoral.errors import ExecutionError
 from kcoral.worker.gpu import (
     FLOATING_DTYPES,
@@ -821,28 +822,6 @@ def kernel_signature(source: str, name: str) -> tuple[tuple[str, str], ...] | No
         else:
             return None
     return tuple(params)
-
-
-def add_extern_c(source: str) -> str:
-    """
-    Give each non-template C{__global__} function C{extern "C"} linkage so
-    it can be looked up by its plain name (sources that say C{extern "C"}
-    themselves are left alone).
-    """
-    if 'extern "C"' in source:
-        return source
-    out = []
-    last = 0
-    for match in re.finditer(r"__global__", source):
-        before = source[last : match.start()]
-        tail = source[: match.start()].rstrip()
-        out.append(before)
-        if not tail.endswith(">"):  # template<...> __global__
-            out.append('extern "C" ')
-        out.append("__global__")
-        last = match.end()
-    out.append(source[last:])
-    return "".join(out)
 
 
 def parse_compile_cfg(cfg: Any) -> list[str]:

@@ -633,3 +633,14 @@ class DiscoveryTests(SynchronousTestCase):
         self.assertIn("nvcc", found)
         warnings = [e for e in events if "skipping invalid compiler backend" in e["log_format"]]
         self.assertEqual(len(warnings), 1)
+
+
+def test_add_extern_c_gives_kernels_plain_names() -> None:
+    """Non-template kernels get C linkage; templates and explicit extern "C" are left alone."""
+    from kcoral.compilers.source import add_extern_c
+
+    assert add_extern_c("__global__ void k(int *p) {}") == 'extern "C" __global__ void k(int *p) {}'
+    template = "template <int N>\n__global__ void t(float *p) {}"
+    assert add_extern_c(template) == template
+    explicit = 'extern "C" __global__ void k() {}'
+    assert add_extern_c(explicit) == explicit

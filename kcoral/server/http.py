@@ -35,6 +35,14 @@ class LimitedRequest(Request):
         if length is not None and limit is not None and length > limit:
             self.too_large = True
             length = 0
+            channel = self.channel
+            if channel is not None:
+                # Answer now instead of waiting for a body that is never read:
+                # the channel treats the request as complete once its headers
+                # end, and closes the connection after the response so the
+                # unread body cannot be taken for the next request.
+                channel.length = 0
+                channel.persistent = False
         super().gotLength(length)
 
     def handleContentChunk(self, data: bytes) -> None:

@@ -35,14 +35,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
 
-COPY_SOURCE = '''
+COPY_SOURCE = """
 import pycuda.driver as drv
 from kcoral.worker.gpu_builtins import device_pointer
 
 
 def copy(dst, src):
     drv.memcpy_dtod_async(device_pointer(dst), device_pointer(src), NBYTES)
-'''
+"""
 
 REL_TARGET = 0.005
 CV_TARGET = 0.02
@@ -54,7 +54,12 @@ def kcoral_program(nbytes: int, warmup: int, repeat: int, flush_l2: bool) -> dic
         "instructions": [
             {"op": "run", "id": "src", "fn": "builtin.empty", "args": [shape]},
             {"op": "run", "id": "dst", "fn": "builtin.empty", "args": [shape]},
-            {"op": "upload", "id": "m", "kind": "module", "source": COPY_SOURCE + f"\nNBYTES = {nbytes}\n"},
+            {
+                "op": "upload",
+                "id": "m",
+                "kind": "module",
+                "source": COPY_SOURCE + f"\nNBYTES = {nbytes}\n",
+            },
             {"op": "get_function", "id": "copy", "module": {"$ref": "m"}, "name": "copy"},
             {
                 "op": "run",
@@ -142,14 +147,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--repeat", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=3, help="kcoral requests")
-    parser.add_argument("--flush-l2", action="store_true", help="benchmark with flush_l2 (default off)")
+    parser.add_argument(
+        "--flush-l2", action="store_true", help="benchmark with flush_l2 (default off)"
+    )
     parser.add_argument("--gpu", type=int, default=0, help="CUDA ordinal for the direct half")
     args = parser.parse_args(argv)
     nbytes = args.size_mib << 20
 
     with common.server_from_args(args) as (host, port, where):
         info = common.server_info(host, port)
-        print(f"{args.size_mib} MiB device-to-device copy, {args.repeat} timed copies, against {where}")
+        print(
+            f"{args.size_mib} MiB device-to-device copy, {args.repeat} timed copies, against {where}"
+        )
 
         direct = None
         direct_skip = None
@@ -158,7 +167,9 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError as e:
             direct_skip = f"PyCUDA is not importable here ({e}); direct CUDA-event half skipped"
         except Exception as e:  # noqa: BLE001 - no GPU, driver errors: reported
-            direct_skip = f"no usable GPU here for the direct half ({type(e).__name__}: {e}); skipped"
+            direct_skip = (
+                f"no usable GPU here for the direct half ({type(e).__name__}: {e}); skipped"
+            )
         if direct_skip:
             print(direct_skip)
 
@@ -169,7 +180,9 @@ def main(argv: list[str] | None = None) -> int:
             if direct:
                 direct_spans += direct.time(args.warmup, args.repeat)
             if not info["gpu_count"]:
-                kcoral_skip = "server has no GPU (gpu_count 0): kcoral builtin.benchmark half skipped"
+                kcoral_skip = (
+                    "server has no GPU (gpu_count 0): kcoral builtin.benchmark half skipped"
+                )
                 print(kcoral_skip)
             else:
                 conn = common.Connection(host, port)
@@ -178,7 +191,9 @@ def main(argv: list[str] | None = None) -> int:
                     for i in range(args.rounds):
                         reply = conn.execute(prog)
                         if reply.outcome != "COMPLETED":
-                            raise RuntimeError(f"benchmark program answered {reply.outcome}: {reply.describe_error()}")
+                            raise RuntimeError(
+                                f"benchmark program answered {reply.outcome}: {reply.describe_error()}"
+                            )
                         result = decode(reply.result["results"]["out"])
                         result["request_wall_ms"] = reply.wall_ms
                         rounds.append(result)
@@ -219,12 +234,19 @@ def main(argv: list[str] | None = None) -> int:
         if rounds:
             k_median = statistics.median(r["latency_ms_median"] for r in rounds)
             k_cv = statistics.median(r["cv"] for r in rounds)
-            out["kcoral"] = {"latency_ms_median": k_median, "cv_median_of_rounds": k_cv,
-                             "cv_max_of_rounds": max(r["cv"] for r in rounds)}
+            out["kcoral"] = {
+                "latency_ms_median": k_median,
+                "cv_median_of_rounds": k_cv,
+                "cv_max_of_rounds": max(r["cv"] for r in rounds),
+            }
             verdict = "meets" if k_cv < CV_TARGET else "MISSES"
-            print(f"  kcoral CV (median of rounds) {k_cv * 100:.3f}% ({verdict} the < {CV_TARGET * 100:g}% target)")
+            print(
+                f"  kcoral CV (median of rounds) {k_cv * 100:.3f}% ({verdict} the < {CV_TARGET * 100:g}% target)"
+            )
             if direct_spans:
-                rel = (k_median - out["direct"]["latency_ms_median"]) / out["direct"]["latency_ms_median"]
+                rel = (k_median - out["direct"]["latency_ms_median"]) / out["direct"][
+                    "latency_ms_median"
+                ]
                 out["relative_difference"] = rel
                 verdict = "within" if abs(rel) <= REL_TARGET else "OUTSIDE"
                 print(

@@ -49,7 +49,9 @@ def add_server_args(parser: argparse.ArgumentParser, name: str) -> None:
         help='start our own server with these flags (e.g. "--device cpu --num-workers 2 '
         "--log-dir '' --sandbox none\"); overrides --url",
     )
-    parser.add_argument("--spawn-timeout", type=float, default=180.0, help="seconds to wait for /health")
+    parser.add_argument(
+        "--spawn-timeout", type=float, default=180.0, help="seconds to wait for /health"
+    )
     parser.add_argument("--label", default="", help="free text recorded in the JSON")
     parser.add_argument(
         "--output", default=str(RESULTS / f"{name}.json"), help="where to write the JSON result"
@@ -74,7 +76,9 @@ def server_from_args(args: argparse.Namespace) -> Iterator[tuple[str, int, str]]
             with contextlib.suppress(OSError):
                 sys.stderr.write(log.read_text(errors="replace")[-4000:])
             raise
-        print(f"spawned server on port {server.port} in {time.monotonic() - started:.1f} s: {args.spawn}")
+        print(
+            f"spawned server on port {server.port} in {time.monotonic() - started:.1f} s: {args.spawn}"
+        )
         try:
             yield "127.0.0.1", server.port, f"spawned: {args.spawn}"
         finally:
@@ -109,7 +113,10 @@ class Reply:
             try:
                 self.result = json.loads(body)
             except ValueError:
-                self.result = {"status": f"HTTP {status}", "raw": body[:500].decode(errors="replace")}
+                self.result = {
+                    "status": f"HTTP {status}",
+                    "raw": body[:500].decode(errors="replace"),
+                }
 
     @property
     def outcome(self) -> str:
@@ -139,7 +146,13 @@ class Connection:
             self._conn.close()
             self._conn = None
 
-    def request(self, method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None) -> Reply:
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> Reply:
         for attempt in (0, 1):
             conn = self._connection()
             started = time.perf_counter()
@@ -156,7 +169,9 @@ class Connection:
             wall_ms = (time.perf_counter() - started) * 1e3
             if response.getheader("connection", "").lower() == "close":
                 self.close()
-            return Reply(response.status, {k.lower(): v for k, v in response.getheaders()}, data, wall_ms)
+            return Reply(
+                response.status, {k.lower(): v for k, v in response.getheaders()}, data, wall_ms
+            )
         raise AssertionError("unreachable")
 
     def health(self) -> dict[str, Any]:
@@ -166,7 +181,9 @@ class Connection:
         content_type, body = multipart_body(program, list(blobs))
         return self.request("POST", "/execute", body, {"Content-Type": content_type})
 
-    def execute_like_client(self, program: dict[str, Any], blobs: list[bytes]) -> tuple[Reply, int, float]:
+    def execute_like_client(
+        self, program: dict[str, Any], blobs: list[bytes]
+    ) -> tuple[Reply, int, float]:
         """
         The 0.1.1 client's flow (protocol §5.5): first attempt without blobs,
         then the missing ones, then all.  Returns the last reply, the number of
@@ -177,7 +194,9 @@ class Connection:
         reply = self.execute(program)
         attempts = 1
         if reply.outcome == "CACHE_MISS":
-            missing = [by_digest[d] for d in reply.result.get("missing_blobs", []) if d in by_digest]
+            missing = [
+                by_digest[d] for d in reply.result.get("missing_blobs", []) if d in by_digest
+            ]
             reply = self.execute(program, missing)
             attempts += 1
             if reply.outcome == "CACHE_MISS":
@@ -195,9 +214,7 @@ def multipart_body(program: dict[str, Any], blobs: list[bytes] = ()) -> tuple[st
 
 def parse_multipart(body: bytes, content_type: str) -> dict[str, bytes]:
     """Parts of a KCoral multipart response by name (protocol §8.2)."""
-    params = dict(
-        p.strip().split("=", 1) for p in content_type.split(";")[1:] if "=" in p
-    )
+    params = dict(p.strip().split("=", 1) for p in content_type.split(";")[1:] if "=" in p)
     boundary = params["boundary"].strip('"').encode()
     delimiter = b"\r\n--" + boundary
     data = b"\r\n" + body
@@ -226,12 +243,16 @@ def health(host: str, port: int) -> dict[str, Any]:
 # programs
 
 
-def module_program(source: str, calls: list[tuple[str, list[Any], bool]], return_last: bool = True) -> dict[str, Any]:
+def module_program(
+    source: str, calls: list[tuple[str, list[Any], bool]], return_last: bool = True
+) -> dict[str, Any]:
     """
     Upload C{source} as a module and run each C{(function name, args,
     cpu_only)} of C{calls} in order; return the last run's value.
     """
-    instructions: list[dict[str, Any]] = [{"op": "upload", "id": "m", "kind": "module", "source": source}]
+    instructions: list[dict[str, Any]] = [
+        {"op": "upload", "id": "m", "kind": "module", "source": source}
+    ]
     for i, (name, args, cpu_only) in enumerate(calls):
         get = {"op": "get_function", "id": f"f{i}", "module": {"$ref": "m"}, "name": name}
         if cpu_only:

@@ -57,7 +57,10 @@ def one(conn: common.Connection, _i: int) -> dict[str, float | str]:
 
 
 def split(samples: list[dict[str, float]]) -> dict[str, dict[str, float]]:
-    return {key: common.describe([s[key] for s in samples]) for key in ("wall_ms", "queue_ms", "elapsed_ms", "other_ms")}
+    return {
+        key: common.describe([s[key] for s in samples])
+        for key in ("wall_ms", "queue_ms", "elapsed_ms", "other_ms")
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,30 +68,53 @@ def main(argv: list[str] | None = None) -> int:
     common.add_server_args(parser, "null_program")
     parser.add_argument("--warmup", type=int, default=8, help="unrecorded requests first")
     parser.add_argument("--sequential", type=int, default=100, help="requests one at a time")
-    parser.add_argument("--requests", "-n", type=int, default=400, help="requests of the concurrent phase")
+    parser.add_argument(
+        "--requests", "-n", type=int, default=400, help="requests of the concurrent phase"
+    )
     parser.add_argument("--concurrency", "-c", type=int, default=8)
-    parser.add_argument("--max-seconds", type=float, default=45.0, help="cap on each phase's duration")
+    parser.add_argument(
+        "--max-seconds", type=float, default=45.0, help="cap on each phase's duration"
+    )
     args = parser.parse_args(argv)
 
     with common.server_from_args(args) as (host, port, where):
         info = common.server_info(host, port)
-        print(f"null program against {where} (gpu_count={info['gpu_count']}, capacity={info['request_capacity']})")
-        common.run_concurrent(host, port, min(args.concurrency, max(args.warmup, 1)), args.warmup, one, args.max_seconds)
+        print(
+            f"null program against {where} (gpu_count={info['gpu_count']}, capacity={info['request_capacity']})"
+        )
+        common.run_concurrent(
+            host,
+            port,
+            min(args.concurrency, max(args.warmup, 1)),
+            args.warmup,
+            one,
+            args.max_seconds,
+        )
 
-        sequential, seq_seconds = common.run_concurrent(host, port, 1, args.sequential, one, args.max_seconds)
+        sequential, seq_seconds = common.run_concurrent(
+            host, port, 1, args.sequential, one, args.max_seconds
+        )
         seq = split(sequential)
-        print(f"sequential ({len(sequential)} requests, {len(sequential) / seq_seconds:.1f} req/s):")
+        print(
+            f"sequential ({len(sequential)} requests, {len(sequential) / seq_seconds:.1f} req/s):"
+        )
         for key in ("wall_ms", "queue_ms", "elapsed_ms", "other_ms"):
             print(f"  {key:<10} {common.fmt(seq[key])}")
 
-        concurrent, seconds = common.run_concurrent(host, port, args.concurrency, args.requests, one, args.max_seconds)
+        concurrent, seconds = common.run_concurrent(
+            host, port, args.concurrency, args.requests, one, args.max_seconds
+        )
         rate = len(concurrent) / seconds
         conc = split(concurrent)
-        print(f"concurrency {args.concurrency}: {len(concurrent)} requests in {seconds:.2f} s = {rate:.1f} req/s")
+        print(
+            f"concurrency {args.concurrency}: {len(concurrent)} requests in {seconds:.2f} s = {rate:.1f} req/s"
+        )
         for key in ("wall_ms", "queue_ms", "elapsed_ms", "other_ms"):
             print(f"  {key:<10} {common.fmt(conc[key])}")
         if len(concurrent) < args.requests:
-            print(f"  (stopped after {args.max_seconds:.0f} s: {len(concurrent)} of {args.requests} requests ran)")
+            print(
+                f"  (stopped after {args.max_seconds:.0f} s: {len(concurrent)} of {args.requests} requests ran)"
+            )
 
         common.write_result(
             args.output,

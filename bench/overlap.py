@@ -93,9 +93,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu-ms", type=float, default=50.0)
     parser.add_argument("--gpu-ms", type=float, default=10.0)
     parser.add_argument("--concurrency", default="8,16", help="comma-separated concurrency levels")
-    parser.add_argument("--requests", "-n", type=int, default=300, help="requests per concurrency level")
+    parser.add_argument(
+        "--requests", "-n", type=int, default=300, help="requests per concurrency level"
+    )
     parser.add_argument("--warmup", type=int, default=8)
-    parser.add_argument("--max-seconds", type=float, default=30.0, help="cap on each level's duration")
+    parser.add_argument(
+        "--max-seconds", type=float, default=30.0, help="cap on each level's duration"
+    )
     args = parser.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
 
@@ -113,13 +117,17 @@ def main(argv: list[str] | None = None) -> int:
                 "server has no GPU (gpu_count 0): skipping the GPU part, running the "
                 f"{args.cpu_ms:g} ms CPU part only"
             )
-        print(f"overlap against {where}: {args.cpu_ms:g} ms cpu_only + {args.gpu_ms:g} ms GPU per request")
+        print(
+            f"overlap against {where}: {args.cpu_ms:g} ms cpu_only + {args.gpu_ms:g} ms GPU per request"
+        )
         prog = program(args.cpu_ms, args.gpu_ms, bool(gpus))
 
         def one(conn: common.Connection, _i: int) -> dict:
             reply = conn.execute(prog)
             if reply.outcome != "COMPLETED":
-                raise RuntimeError(f"overlap program answered {reply.outcome}: {reply.describe_error()}")
+                raise RuntimeError(
+                    f"overlap program answered {reply.outcome}: {reply.describe_error()}"
+                )
             r = reply.result
             return {
                 "wall_ms": reply.wall_ms,
@@ -130,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
                 "gpu_method": r["results"]["out"].get("value"),
             }
 
-        common.run_concurrent(host, port, min(8, max(args.warmup, 1)), args.warmup, one, args.max_seconds)
+        common.run_concurrent(
+            host, port, min(8, max(args.warmup, 1)), args.warmup, one, args.max_seconds
+        )
         single, _ = common.run_concurrent(host, port, 1, 5, one, args.max_seconds)
         method = single[0]["gpu_method"] if single else None
         print(
@@ -140,7 +150,9 @@ def main(argv: list[str] | None = None) -> int:
 
         runs = []
         for c in levels:
-            samples, seconds = common.run_concurrent(host, port, c, args.requests, one, args.max_seconds)
+            samples, seconds = common.run_concurrent(
+                host, port, c, args.requests, one, args.max_seconds
+            )
             rate = len(samples) / seconds
             entry = {
                 "concurrency": c,
@@ -148,8 +160,10 @@ def main(argv: list[str] | None = None) -> int:
                 "seconds": seconds,
                 "requests_per_second": rate,
                 "ratio_to_limit": rate / limit,
-                **{k: common.describe([s[k] for s in samples]) for k in
-                   ("wall_ms", "queue_ms", "elapsed_ms", "lease_wait_ms", "lease_held_ms")},
+                **{
+                    k: common.describe([s[k] for s in samples])
+                    for k in ("wall_ms", "queue_ms", "elapsed_ms", "lease_wait_ms", "lease_held_ms")
+                },
             }
             runs.append(entry)
             print(
@@ -172,7 +186,9 @@ def main(argv: list[str] | None = None) -> int:
                 "gpu_part": method if gpus else "skipped (no GPU)",
                 "limit_requests_per_second": limit,
                 "limit": limit_name,
-                "single": {k: common.describe([s[k] for s in single]) for k in ("wall_ms", "lease_held_ms")},
+                "single": {
+                    k: common.describe([s[k] for s in single]) for k in ("wall_ms", "lease_held_ms")
+                },
                 "runs": runs,
             },
         )

@@ -57,7 +57,9 @@ def check(reply: common.Reply, data: bytes, tensor: bool, shape: list[int]) -> N
     if node.get("type") != expected_type:
         raise RuntimeError(f"returned {node.get('type')}, expected {expected_type}")
     if tensor and (node.get("dtype") != "float32" or node.get("shape") != shape):
-        raise RuntimeError(f"returned {node.get('dtype')} {node.get('shape')}, expected float32 {shape}")
+        raise RuntimeError(
+            f"returned {node.get('dtype')} {node.get('shape')}, expected float32 {shape}"
+        )
     part = reply.parts.get(node["part"])
     if part is None or hashlib.sha256(part).hexdigest() != node["sha256"]:
         raise RuntimeError("returned part missing or its SHA-256 does not match the result")
@@ -90,22 +92,34 @@ def main(argv: list[str] | None = None) -> int:
         tensor = bool(info["gpu_count"])
         kind = "tensor" if tensor else "bytes"
         if not tensor:
-            print("server has no GPU (gpu_count 0): tensors need a GPU worker, so the same "
-                  f"{args.size_mib} MiB travel as a 'bytes' upload instead")
+            print(
+                "server has no GPU (gpu_count 0): tensors need a GPU worker, so the same "
+                f"{args.size_mib} MiB travel as a 'bytes' upload instead"
+            )
         print(f"{args.size_mib} MiB float32 round trip against {where} ({kind} upload)")
         conn = common.Connection(host, port)
         flows: dict[str, dict] = {}
         try:
             # Unrecorded warm-up: the first request may pay for imports.
             data = fresh()
-            check(conn.execute(program(hashlib.sha256(data).hexdigest(), shape, tensor), [data]), data, tensor, shape)
+            check(
+                conn.execute(program(hashlib.sha256(data).hexdigest(), shape, tensor), [data]),
+                data,
+                tensor,
+                shape,
+            )
 
             for flow in ("direct", "client_flow", "cached"):
                 samples = []
                 cached = fresh()
                 if flow == "cached":
                     digest = hashlib.sha256(cached).hexdigest()
-                    check(conn.execute(program(digest, shape, tensor), [cached]), cached, tensor, shape)
+                    check(
+                        conn.execute(program(digest, shape, tensor), [cached]),
+                        cached,
+                        tensor,
+                        shape,
+                    )
                 for _ in range(args.iterations):
                     data = cached if flow == "cached" else fresh()
                     started = time.perf_counter()
@@ -117,7 +131,9 @@ def main(argv: list[str] | None = None) -> int:
                     elif flow == "client_flow":
                         first = conn.execute(prog)
                         if first.outcome != "CACHE_MISS":
-                            raise RuntimeError(f"fresh tensor: first attempt answered {first.outcome}, not CACHE_MISS")
+                            raise RuntimeError(
+                                f"fresh tensor: first attempt answered {first.outcome}, not CACHE_MISS"
+                            )
                         reply = conn.execute(prog, [data])
                         attempts, http_ms = 2, first.wall_ms + reply.wall_ms
                     else:
@@ -125,13 +141,15 @@ def main(argv: list[str] | None = None) -> int:
                         attempts, http_ms = 1, reply.wall_ms
                     end_to_end = (time.perf_counter() - started) * 1e3
                     check(reply, data, tensor, shape)
-                    samples.append({
-                        "end_to_end_ms": end_to_end,
-                        "http_ms": http_ms,
-                        "attempts": attempts,
-                        "elapsed_ms": float(reply.result["elapsed_ms"]),
-                        "queue_ms": float(reply.result["queue_ms"]),
-                    })
+                    samples.append(
+                        {
+                            "end_to_end_ms": end_to_end,
+                            "http_ms": http_ms,
+                            "attempts": attempts,
+                            "elapsed_ms": float(reply.result["elapsed_ms"]),
+                            "queue_ms": float(reply.result["queue_ms"]),
+                        }
+                    )
                 e2e = common.describe([s["end_to_end_ms"] for s in samples])
                 flows[flow] = {
                     "iterations": len(samples),

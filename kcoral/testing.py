@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ def free_port() -> int:
 
 
 def multipart_body(
-    program: dict[str, Any] | bytes, blobs: list[bytes] = (), boundary: str | None = None
+    program: dict[str, Any] | bytes, blobs: Sequence[bytes] = (), boundary: str | None = None
 ) -> tuple[str, bytes]:
     """The C{(content type, body)} the reference client would send."""
     boundary = boundary or uuid.uuid4().hex
@@ -88,9 +89,7 @@ def request(
         connection.request(method, path, body=body, headers=headers or {})
         response = connection.getresponse()
         data = response.read()
-        return Response(
-            response.status, {k.lower(): v for k, v in response.getheaders()}, data
-        )
+        return Response(response.status, {k.lower(): v for k, v in response.getheaders()}, data)
     finally:
         connection.close()
 
@@ -98,7 +97,7 @@ def request(
 def post_program(
     port: int,
     program: dict[str, Any] | bytes,
-    blobs: list[bytes] = (),
+    blobs: Sequence[bytes] = (),
     headers: dict[str, str] | None = None,
     timeout: float = 120.0,
 ) -> Response:
@@ -160,7 +159,9 @@ class ServerProcess:
         result: dict[str, Any] = request(self.port, "GET", "/health").json()
         return result
 
-    def execute(self, program: dict[str, Any] | bytes, blobs: list[bytes] = (), **kw: Any) -> Response:
+    def execute(
+        self, program: dict[str, Any] | bytes, blobs: Sequence[bytes] = (), **kw: Any
+    ) -> Response:
         return post_program(self.port, program, blobs, **kw)
 
     def stop(self, timeout: float = 60.0) -> int | None:

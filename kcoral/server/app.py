@@ -13,7 +13,8 @@ from __future__ import annotations
 import datetime
 import uuid
 from collections import Counter
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import attrs
 from klein import Klein
@@ -542,7 +543,7 @@ class KcoralAPI:
                     **place,
                 )
             instruction = job.program.instructions[index]
-            error = instruction_error(
+            crash_error = instruction_error(
                 "runtime",
                 "worker exited while executing the instruction",
                 index,
@@ -553,7 +554,7 @@ class KcoralAPI:
             header: dict[str, Any] = {
                 "status": "FAILED",
                 "results": {},
-                "error": error,
+                "error": crash_error,
                 "stdout": "",
                 "stderr": "",
                 "stdout_truncated": False,

@@ -28,7 +28,8 @@ class LimitedRequest(Request):
     body_bytes = 0
 
     def _limit(self) -> int | None:
-        return getattr(self.channel.site, "max_request_bytes", None) if self.channel else None
+        site = getattr(self.channel, "site", None)
+        return getattr(site, "max_request_bytes", None)
 
     def gotLength(self, length: int | None) -> None:
         limit = self._limit()

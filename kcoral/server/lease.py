@@ -14,7 +14,8 @@ starvation).
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Hashable
+from collections.abc import Hashable
+from typing import Any
 
 import attrs
 from twisted.internet.defer import CancelledError, Deferred
@@ -180,7 +181,7 @@ class LeaseArbiter:
                 self._holders[gpu] = waiter.holder
             self._grants[waiter.holder] = grant
             granted.append((waiter, grant))
-        for waiter, grant in granted:
+        for waiter, _grant in granted:
             self._waiters.remove(waiter)
         for waiter, grant in granted:
             waiter.deferred.callback(grant)

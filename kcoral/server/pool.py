@@ -15,8 +15,9 @@ from __future__ import annotations
 import re
 import shutil
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import attrs
 from twisted.internet.defer import CancelledError, Deferred, DeferredList, succeed
@@ -109,7 +110,7 @@ class WorkerPool:
         )
         failures = [result for ok, result in results if not ok]
         if failures:
-            failures[0].raiseException()
+            failures[0].raiseException()  # type: ignore[attr-defined]
         by_target: dict[str, list[int | None]] = {}
         for seat in self.seats:
             assert seat.worker is not None

@@ -51,7 +51,9 @@ class KCoralService(service.MultiService):
 
     log = Logger()
 
-    def __init__(self, config: ServerConfig, endpoint: str | None = None, *, reactor: Any = None) -> None:
+    def __init__(
+        self, config: ServerConfig, endpoint: str | None = None, *, reactor: Any = None
+    ) -> None:
         super().__init__()
         self.setName("kcoral")
         self.config = config
@@ -125,7 +127,9 @@ class KCoralService(service.MultiService):
         from kcoral.server.logs import install_observers
 
         observers = [o for o in (self.metrics, self.recent) if o is not None]
-        self.log_setup = await self.run_blocking(install_observers, config, extra_observers=observers)
+        self.log_setup = await self.run_blocking(
+            install_observers, config, extra_observers=observers
+        )
         started = self._reactor.seconds()
         self.api.started_at = started
         self.api.instance_id = str(uuid.uuid4())
@@ -240,5 +244,5 @@ def create_app(config: ServerConfig | None = None, *, reactor: Any = None) -> An
     """
     server = KCoralService(config or ServerConfig(), None, reactor=reactor)
     app = server.api.app
-    app.kcoral_service = server
+    app.kcoral_service = server  # type: ignore[attr-defined]
     return app

@@ -15,7 +15,8 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import attrs
 import psutil
@@ -124,14 +125,15 @@ class WorkerProtocol(ProcessProtocol):
 
     def _kill_now(self) -> None:
         try:
-            self.transport.signalProcess("KILL")
+            if self.transport is not None:
+                self.transport.signalProcess("KILL")
         except ProcessExitedAlready:
             pass
 
     def processEnded(self, reason: Failure) -> None:
         # Fire with the exception, not the Failure: a Failure passed to
         # callback() would run the errback chain instead.
-        self.ended.callback(reason.value)
+        self.ended.callback(reason.value or Exception("process ended"))
 
     def output_tail(self) -> str:
         """The C{[out] …} / C{[err] …} tail for logs."""
@@ -286,8 +288,9 @@ class WorkerProcess:
 
     def send(self, header: dict[str, Any], payload: bytes = b"") -> None:
         """Write one message to the worker (buffered by the transport)."""
-        if self.alive:
-            self.protocol.transport.writeToChild(TO_WORKER_FD, encode_message(header, payload))
+        transport = self.protocol.transport
+        if self.alive and transport is not None:
+            transport.writeToChild(TO_WORKER_FD, encode_message(header, payload))
 
     def run(
         self, job: Job, on_instruction: Callable[[int], None] | None = None

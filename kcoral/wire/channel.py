@@ -46,9 +46,9 @@ class Message:
 
 def encode_message(header: dict[str, Any], payload: bytes = b"") -> bytes:
     """Frame C{header} and C{payload} into one byte string."""
-    encoded = json.dumps(
-        header, ensure_ascii=False, separators=(",", ":"), allow_nan=False
-    ).encode("utf-8")
+    encoded = json.dumps(header, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode(
+        "utf-8"
+    )
     return _PREFIX.pack(len(encoded), len(payload)) + encoded + bytes(payload)
 
 
@@ -132,9 +132,7 @@ def read_message(stream: IO[bytes]) -> Message | None:
     return Message(_decode_header(raw_header), payload)
 
 
-def write_message(
-    stream: IO[bytes], header: dict[str, Any], payload: bytes = b""
-) -> None:
+def write_message(stream: IO[bytes], header: dict[str, Any], payload: bytes = b"") -> None:
     """Blocking write of one message, flushed."""
     stream.write(encode_message(header, payload))
     stream.flush()

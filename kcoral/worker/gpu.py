@@ -205,7 +205,7 @@ def _cai_to_host(cai: dict[str, Any]) -> np.ndarray:
         return _copy_to_host(ptr, dtype, shape)
     from pycuda import gpuarray
 
-    view = gpuarray.GPUArray(shape, dtype, gpudata=ptr, strides=tuple(strides))
+    view = gpuarray.GPUArray(shape, dtype, gpudata=ptr, strides=tuple(strides or ()))
     return view.get()
 
 
@@ -347,9 +347,9 @@ class GpuBackend:
         """
         torch = self._torch
         if torch is None:
-            import torch
+            import torch as torch_module
 
-            self._torch = torch
+            torch = self._torch = torch_module
         name = dtype_name(array.dtype)
         device = f"cuda:{self.ordinal}"
         torch_dtype = getattr(torch, name)

@@ -280,7 +280,7 @@ def benchmark(fn: Any, *args: Any) -> dict[str, Any]:
         spans = timer.run(fn, args, repeat)
     except ExecutionError:
         raise
-    except (RuntimeError, *_cuda_errors()) as e:
+    except (RuntimeError, *_cuda_errors()) as e:  # type: ignore[misc]
         raise ExecutionError("runtime", f"{type(e).__name__}: {e}") from e
     result = latency_stats(spans)
     result.update(
@@ -574,7 +574,7 @@ def device_pointer(value: Any) -> int | None:
         return int(value.data_ptr()) if value.is_cuda else None
     gpudata = getattr(value, "gpudata", _MISSING)
     if gpudata is not _MISSING:
-        return int(gpudata) if gpudata is not None else 0
+        return int(gpudata) if gpudata is not None else 0  # type: ignore[call-overload]
     cai = getattr(value, "__cuda_array_interface__", None)
     if isinstance(cai, dict):
         return int(cai["data"][0])

@@ -21,8 +21,8 @@ import subprocess
 import sys
 import tempfile
 import venv
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 REFCLIENT_VERSION = "0.1.1"
 REQUIREMENTS = (f"kcoral=={REFCLIENT_VERSION}", "numpy", "ml_dtypes")
@@ -73,7 +73,15 @@ def ensure_venv() -> Path:
     try:
         venv.EnvBuilder(with_pip=True, clear=True).create(root)
         subprocess.run(
-            [str(_python(root)), "-m", "pip", "install", "--disable-pip-version-check", "-q", *REQUIREMENTS],
+            [
+                str(_python(root)),
+                "-m",
+                "pip",
+                "install",
+                "--disable-pip-version-check",
+                "-q",
+                *REQUIREMENTS,
+            ],
             env=_clean_env(),
             check=True,
             capture_output=True,

@@ -34,7 +34,7 @@ _MARK = "@@KCORAL-INTEROP@@"
 
 # Runs in the reference virtualenv before each test's body. The body fills
 # C{out}; the epilogue prints it as one JSON line.
-_PRELUDE = '''
+_PRELUDE = """
 import hashlib, json, os, sys, tempfile, pathlib, textwrap
 import kcoral
 from kcoral import (Client, Program, KCoralError, ProtocolError, ReturnedFile,
@@ -93,12 +93,12 @@ def module_program(source, name="f", args=(), key="r", cpu_only=False):
     return p
 
 out = {}
-'''
+"""
 
-_EPILOGUE = f'''
+_EPILOGUE = f"""
 out.setdefault("attempts", ATTEMPTS)
 print({_MARK!r} + json.dumps(out))
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +115,9 @@ def disk_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(refclient: Path, cpu_server: Callable[..., ServerProcess], disk_cache: Path) -> ServerProcess:
+def server(
+    refclient: Path, cpu_server: Callable[..., ServerProcess], disk_cache: Path
+) -> ServerProcess:
     """The default server: bubblewrap sandbox, 2 CPU workers."""
     return cpu_server("--disk-cache-dir", str(disk_cache))
 
@@ -157,7 +159,9 @@ def client(
 ) -> dict[str, Any]:
     """Run C{body} with the reference client bound to C{server}; return its C{out}."""
     script = _PRELUDE + textwrap.dedent(body) + _EPILOGUE
-    proc = run_client(script, f"http://127.0.0.1:{server.port}", json.dumps(headers or {}), timeout=timeout)
+    proc = run_client(
+        script, f"http://127.0.0.1:{server.port}", json.dumps(headers or {}), timeout=timeout
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith(_MARK)]
     assert proc.returncode == 0 and lines, f"client script failed:\n{proc.stdout}\n{proc.stderr}"
     result: dict[str, Any] = json.loads(lines[-1][len(_MARK) :])
@@ -206,7 +210,7 @@ def test_value_types(any_server: ServerProcess) -> None:
     out = client(
         any_server,
         r'''
-        p = module_program("""
+        p = module_program(r"""
             def f():
                 return {
                     "null": None, "true": True, "false": False, "int": 42, "neg": -7,
@@ -285,7 +289,11 @@ def test_value_types_raw_framing(server: ServerProcess) -> None:
     assert "gpu_ids" not in body and "gpu_count" not in body
     payloads = {name: data for name, _, data in parts}
     z = body["results"]["z"]["value"]
-    assert [z[0]["part"], z[1]["value"]["x"]["part"], z[2]["part"]] == ["return:0", "return:1", "return:2"]
+    assert [z[0]["part"], z[1]["value"]["x"]["part"], z[2]["part"]] == [
+        "return:0",
+        "return:1",
+        "return:2",
+    ]
     for node, data in [(z[0], b"a"), (z[1]["value"]["x"], b"\r\n"), (z[2], b"")]:
         assert payloads[node["part"]] == data
         assert node["sha256"] == sha256(data)
@@ -368,7 +376,12 @@ def test_handles_and_ordering(server: ServerProcess) -> None:
     assert results["apply"] == 8
     assert results["closure"] == "from closure"
     assert results["snapshot"] == [1]
-    assert results["echo"] == [[{"$ref": "upload_0"}], {"$ref": "nope", "k": 1}, {"$ref": ""}, b(b"late")]
+    assert results["echo"] == [
+        [{"$ref": "upload_0"}],
+        {"$ref": "nope", "k": 1},
+        {"$ref": ""},
+        b(b"late"),
+    ]
     assert results["globals"] == 42
 
 
@@ -378,7 +391,7 @@ def test_handles_and_ordering(server: ServerProcess) -> None:
 def test_bytes_uploads_cache_miss_and_retry(any_server: ServerProcess) -> None:
     out = client(
         any_server,
-        r'''
+        r"""
         nonce = os.urandom(16)
         blobs = [b"", b"\r\n\x00\xff" + nonce, os.urandom(70000)]
         p = Program()
@@ -394,7 +407,7 @@ def test_bytes_uploads_cache_miss_and_retry(any_server: ServerProcess) -> None:
         out["first"] = R(first)
         out["second"] = R(second)
         out["expected"] = [[len(x), hashlib.sha256(x).hexdigest(), "bytes"] for x in blobs]
-        ''',
+        """,
     )
     assert out["first"]["status"] == "COMPLETED", out["first"]["error"]
     assert out["first"]["results"]["r"] == out["expected"]
@@ -452,7 +465,7 @@ def test_gpu_count_after_cache_miss(server: ServerProcess) -> None:
 def test_file_cache_second_execute(server: ServerProcess) -> None:
     out = client(
         server,
-        r'''
+        r"""
         p = Program()
         p.upload_file(blob=os.urandom(100), path="./data//in.bin")
         p.return_file(key="f", path="data/in.bin")
@@ -462,7 +475,7 @@ def test_file_cache_second_execute(server: ServerProcess) -> None:
         b = client.execute(p)
         out["b"] = [x["status"] for x in ATTEMPTS]
         out["same"] = a["f"].read_bytes() == b["f"].read_bytes()
-        ''',
+        """,
     )
     assert out["a"] == ["CACHE_MISS", "multipart"]
     assert out["b"] == ["multipart"]
@@ -540,7 +553,7 @@ def test_file_and_folder_uploads_and_returns(any_server: ServerProcess) -> None:
 def test_file_return_failures(server: ServerProcess) -> None:
     out = client(
         server,
-        r'''
+        r"""
         def attempt(setup, kind, path):
             p = Program()
             m = p.upload(kind="module", source=textwrap.dedent(setup))
@@ -552,7 +565,7 @@ def test_file_return_failures(server: ServerProcess) -> None:
         out["folder_symlink"] = attempt("import os\ndef f():\n    os.mkdir('d')\n    os.symlink('/etc', 'd/l')", "folder", "d")
         out["fifo"] = attempt("import os\ndef f():\n    os.mkfifo('p')", "file", "p")
         out["dir_as_file"] = attempt("import os\ndef f():\n    os.mkdir('d')", "file", "d")
-        ''',
+        """,
     )
     for name in ["missing", "symlink", "folder_symlink", "fifo", "dir_as_file"]:
         r = out[name]
@@ -570,7 +583,7 @@ def test_file_return_failures(server: ServerProcess) -> None:
 def test_remote_functions(any_server: ServerProcess) -> None:
     out = client(
         any_server,
-        r'''
+        r"""
         @client.function(timeout=60, output_limit_bytes=4096)
         def scale(x, factor=2, *, data=b"", note="d\u00e9faut", extra=None):
             print("remote print")
@@ -594,7 +607,7 @@ def test_remote_functions(any_server: ServerProcess) -> None:
             boom.remote(7)
         except RemoteExecutionError as e:
             out["boom"] = R(e.result)
-        ''',
+        """,
     )
     assert out["a"] == {"x": 10, "data": b(b"ab"), "len": 2, "note": "d\u00e9faut", "extra": None}
     assert out["b"] == {
@@ -619,7 +632,14 @@ def test_remote_functions(any_server: ServerProcess) -> None:
 # --- failures ---------------------------------------------------------------------
 
 
-_ERROR_KEYS = {"kind", "message", "instruction_index", "instruction_op", "instruction_id", "traceback"}
+_ERROR_KEYS = {
+    "kind",
+    "message",
+    "instruction_index",
+    "instruction_op",
+    "instruction_id",
+    "traceback",
+}
 
 
 def test_failed_kinds(any_server: ServerProcess) -> None:
@@ -707,7 +727,11 @@ def test_failed_kinds(any_server: ServerProcess) -> None:
         assert r["status"] == "FAILED", (name, r)
         error = r["error"]
         assert set(error) == _ERROR_KEYS, name
-        assert (error["kind"], error["instruction_op"], error["instruction_index"]) == (kind, op, index), (
+        assert (error["kind"], error["instruction_op"], error["instruction_index"]) == (
+            kind,
+            op,
+            index,
+        ), (
             name,
             error,
         )
@@ -787,7 +811,12 @@ def test_output_capture_and_truncation(any_server: ServerProcess) -> None:
     assert limited["stderr"] == "py-err\nsub"
     assert (limited["stdout_truncated"], limited["stderr_truncated"]) == (True, True)
     off = out["off"]
-    assert (off["stdout"], off["stderr"], off["stdout_truncated"], off["stderr_truncated"]) == ("", "", False, False)
+    assert (off["stdout"], off["stderr"], off["stdout_truncated"], off["stderr_truncated"]) == (
+        "",
+        "",
+        False,
+        False,
+    )
     assert (out["exact"]["stdout"], out["exact"]["stdout_truncated"]) == ("0123456789", False)
     assert out["huge"]["status"] == "COMPLETED"
     assert out["huge"]["stdout"] == default["stdout"]
@@ -862,7 +891,7 @@ def test_request_id_echo(server: ServerProcess) -> None:
     request_id = str(uuid.uuid4())
     out = client(
         server,
-        r'''
+        r"""
         out["ok"] = R(client.execute(module_program("def f():\n    return 1\n")))
         try:
             client.execute(module_program("def f():\n    pass\n"), timeout_seconds=-1)
@@ -874,7 +903,7 @@ def test_request_id_echo(server: ServerProcess) -> None:
             client.execute(p, gpu_count=1)
         except KCoralError as e:
             out["error"] = E(e)
-        ''',
+        """,
         headers={"X-Request-ID": request_id},
     )
     assert out["ok"]["request_id"] == request_id
@@ -929,14 +958,14 @@ def test_nil_uuid_request_id_accepted(server: ServerProcess) -> None:
 def test_request_too_large(limits_server: ServerProcess) -> None:
     out = client(
         limits_server,
-        r'''
+        r"""
         p = Program()
         p.upload(kind="bytes", value=os.urandom(300000))
         try:
             client.execute(p)
         except KCoralError as e:
             out["e"] = E(e)
-        ''',
+        """,
     )
     assert (out["e"]["status_code"], out["e"]["kind"]) == (413, "request_too_large")
     assert [a["http"] for a in out["attempts"]] == [200, 413]
@@ -950,7 +979,9 @@ def test_request_too_large(limits_server: ServerProcess) -> None:
         connection.putheader("Content-Length", "999999999")
         connection.endheaders()
         response = connection.getresponse()
-        _assert_error_parts(response.status, dict(response.getheaders()), response.read(), 413, "request_too_large")
+        _assert_error_parts(
+            response.status, dict(response.getheaders()), response.read(), 413, "request_too_large"
+        )
     finally:
         connection.close()
 
@@ -958,12 +989,12 @@ def test_request_too_large(limits_server: ServerProcess) -> None:
 def test_response_too_large(limits_server: ServerProcess) -> None:
     out = client(
         limits_server,
-        r'''
+        r"""
         try:
             client.execute(module_program("def f():\n    return b'x' * 150000\n"))
         except KCoralError as e:
             out["e"] = E(e)
-        ''',
+        """,
     )
     assert (out["e"]["status_code"], out["e"]["kind"]) == (500, "response_too_large")
 
@@ -977,12 +1008,12 @@ def test_busy(limits_server: ServerProcess) -> None:
         time.sleep(0.8)
         out = client(
             limits_server,
-            r'''
+            r"""
             try:
                 client.execute(module_program("def f():\n    return 1\n"))
             except KCoralError as e:
                 out["e"] = E(e)
-            ''',
+            """,
         )
         response = limits_server.execute(_simple_program())
     finally:
@@ -1016,7 +1047,19 @@ def test_kcoral_run_python(server: ServerProcess, tmp_path: Path, refclient: Pat
     )
     url = f"http://127.0.0.1:{server.port}"
     proc = kcoral_cli(
-        ["run", "python", "--url", url, "--send", "exp", "-e", "GREETING=hello", "--", "exp/script.py", "3"],
+        [
+            "run",
+            "python",
+            "--url",
+            url,
+            "--send",
+            "exp",
+            "-e",
+            "GREETING=hello",
+            "--",
+            "exp/script.py",
+            "3",
+        ],
         cwd=tmp_path,
     )
     assert proc.returncode == 3, proc.stderr
@@ -1057,10 +1100,14 @@ def test_kcoral_run_shell(server: ServerProcess, tmp_path: Path, refclient: Path
     url = f"http://127.0.0.1:{server.port}"
     proc = kcoral_cli(["run", "shell", "--url", url, "--", "echo", "hi"], cwd=tmp_path)
     assert (proc.returncode, proc.stdout) == (0, "hi\n"), proc.stderr
-    proc = kcoral_cli(["run", "shell", "--url", url, "--", "sh", "-c", "echo err >&2; exit 7"], cwd=tmp_path)
+    proc = kcoral_cli(
+        ["run", "shell", "--url", url, "--", "sh", "-c", "echo err >&2; exit 7"], cwd=tmp_path
+    )
     assert proc.returncode == 7
     assert "err" in proc.stderr
-    proc = kcoral_cli(["run", "shell", "--url", url, "--", "sh", "-c", "kill -TERM $$"], cwd=tmp_path)
+    proc = kcoral_cli(
+        ["run", "shell", "--url", url, "--", "sh", "-c", "kill -TERM $$"], cwd=tmp_path
+    )
     assert proc.returncode == 128 + 15
 
 
@@ -1078,7 +1125,9 @@ def _simple_program(source: str = "def f():\n    return 1\n") -> dict[str, Any]:
     }
 
 
-def _assert_error_parts(status: int, headers: dict[str, str], body: bytes, code: int, kind: str) -> None:
+def _assert_error_parts(
+    status: int, headers: dict[str, str], body: bytes, code: int, kind: str
+) -> None:
     headers = {k.lower(): v for k, v in headers.items()}
     assert status == code, body
     assert headers["content-type"].split(";")[0] == "application/json"
@@ -1138,7 +1187,9 @@ _BAD_PROGRAMS: dict[str, Any] = {
     "unknown-field": _with(2, extra=1),
     "missing-field": {"instructions": [{"op": "upload", "kind": "module", "id": "m"}]},
     "unknown-op": _with(2, op="call"),
-    "unknown-kind": {"instructions": [{"op": "upload", "kind": "image", "blob": sha256(b""), "id": "x"}]},
+    "unknown-kind": {
+        "instructions": [{"op": "upload", "kind": "image", "blob": sha256(b""), "id": "x"}]
+    },
     "unknown-ref": _with(2, fn={"$ref": "nope"}),
     "forward-ref": _with(1, module={"$ref": "r"}),
     "self-ref": _with(2, fn={"$ref": "r"}),
@@ -1146,7 +1197,8 @@ _BAD_PROGRAMS: dict[str, Any] = {
     "duplicate-id": _with(2, id="f"),
     "empty-id": _with(2, id=""),
     "duplicate-return-key": {
-        "instructions": _simple_program()["instructions"] + [{"op": "return", "key": "k", "value": {"$ref": "m"}}]
+        "instructions": _simple_program()["instructions"]
+        + [{"op": "return", "key": "k", "value": {"$ref": "m"}}]
     },
     "return-value-and-kind": _with(3, kind="file", path="a"),
     "upper-blob-digest": {
@@ -1154,12 +1206,26 @@ _BAD_PROGRAMS: dict[str, Any] = {
     },
     "bad-dtype": {
         "instructions": [
-            {"op": "upload", "kind": "tensor", "blob": sha256(b""), "dtype": "uint16", "shape": [0], "id": "x"}
+            {
+                "op": "upload",
+                "kind": "tensor",
+                "blob": sha256(b""),
+                "dtype": "uint16",
+                "shape": [0],
+                "id": "x",
+            }
         ]
     },
     "bool-shape": {
         "instructions": [
-            {"op": "upload", "kind": "tensor", "blob": sha256(b""), "dtype": "uint8", "shape": [True], "id": "x"}
+            {
+                "op": "upload",
+                "kind": "tensor",
+                "blob": sha256(b""),
+                "dtype": "uint8",
+                "shape": [True],
+                "id": "x",
+            }
         ]
     },
     "cpu-only-not-bool": _with(1, cpu_only=1),
@@ -1175,7 +1241,8 @@ _BAD_PROGRAMS: dict[str, Any] = {
     "path-conflict": _upload_files("a", "a-b", "a/b"),
 }
 _BAD_PROGRAMS["return-dot"] = {
-    "instructions": _simple_program()["instructions"][:3] + [{"op": "return", "key": "k", "kind": "folder", "path": "."}]
+    "instructions": _simple_program()["instructions"][:3]
+    + [{"op": "return", "key": "k", "kind": "folder", "path": "."}]
 }
 
 
@@ -1195,15 +1262,27 @@ def test_valid_edge_programs_accepted(server: ServerProcess) -> None:
     program = {
         "instructions": instructions
         + [
-            {"op": "upload", "kind": "file", "blob": sha256(b"z"), "path": "./d//e/./f", "id": "file"},
+            {
+                "op": "upload",
+                "kind": "file",
+                "blob": sha256(b"z"),
+                "path": "./d//e/./f",
+                "id": "file",
+            },
             {"op": "return", "key": "m", "value": {"$ref": "file"}},
             {"op": "return", "key": "folder", "kind": "folder", "path": "d/"},
         ],
         "options": {"timeout_seconds": 1e9, "output_limit_bytes": 268435456},
     }
     content_type, body = multipart_body(program, [b"z"])
-    body = body.replace(b"Content-Type: application/json\r\n", b"Content-Type: application/json; charset=utf-8\r\n", 1)
-    response = request(server.port, "POST", "/execute", body, {"Content-Type": content_type, "X-KCoral-Node": "n1"})
+    body = body.replace(
+        b"Content-Type: application/json\r\n",
+        b"Content-Type: application/json; charset=utf-8\r\n",
+        1,
+    )
+    response = request(
+        server.port, "POST", "/execute", body, {"Content-Type": content_type, "X-KCoral-Node": "n1"}
+    )
     assert response.status == 200, response.body
     assert response.headers["content-type"].startswith("multipart/form-data")
     boundary = response.headers["content-type"].split("boundary=", 1)[1].strip('"').encode()
@@ -1252,12 +1331,18 @@ def test_multipart_rejections(server: ServerProcess) -> None:
         "program-wrong-type": (ct, part("program", program, "text/plain") + close),
         "blob-upper": (ct, program_part + part("blob:" + sha256(blob).upper(), blob) + close),
         "blob-mismatch": (ct, program_part + part("blob:" + sha256(b"other"), blob) + close),
-        "blob-wrong-type": (ct, program_part + part("blob:" + sha256(blob), blob, "text/plain") + close),
+        "blob-wrong-type": (
+            ct,
+            program_part + part("blob:" + sha256(blob), blob, "text/plain") + close,
+        ),
         "blob-unreferenced": (ct, program_part + part("blob:" + sha256(blob), blob) + close),
         "unknown-part": (ct, program_part + part("other", blob) + close),
         "encoded-part": (
             ct,
-            program_part.replace(b"Content-Type: application/json", b"Content-Type: application/json\r\nContent-Transfer-Encoding: base64")
+            program_part.replace(
+                b"Content-Type: application/json",
+                b"Content-Type: application/json\r\nContent-Transfer-Encoding: base64",
+            )
             + close,
         ),
         "bad-json": (ct, part("program", b"{", "application/json") + close),
@@ -1278,7 +1363,7 @@ def test_multipart_accepted_variants(server: ServerProcess) -> None:
     program = json.dumps(_simple_program()).encode()
     boundary = "XyZ"
     body = (
-        b"preamble\r\n--XyZ\nContent-Disposition: form-data; name=\"program\"; filename=\"p.json\"\n"
+        b'preamble\r\n--XyZ\nContent-Disposition: form-data; name="program"; filename="p.json"\n'
         b"Content-Type: application/json\n\n" + program + b"\n--XyZ--\nepilogue"
     )
     response = _raw(server, f'multipart/form-data; boundary="{boundary}"', body)
@@ -1290,7 +1375,14 @@ def test_tensor_length_mismatch(server: ServerProcess) -> None:
     data = b"\0" * 6
     program = {
         "instructions": [
-            {"op": "upload", "kind": "tensor", "blob": sha256(data), "dtype": "float32", "shape": [2], "id": "t"}
+            {
+                "op": "upload",
+                "kind": "tensor",
+                "blob": sha256(data),
+                "dtype": "float32",
+                "shape": [2],
+                "id": "t",
+            }
         ]
     }
     _assert_error(server.execute(program, [data]), 400, "parse")

@@ -32,7 +32,7 @@ UUID_RE = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]
 #: test_sigterm_exit_status_zero), which shows up as -SIGTERM.
 CLEAN_EXIT = (0, -signal.SIGTERM)
 
-BASE_ARGS = ["--device", "cpu", "--sandbox", "none", "--log-dir", ""]
+BASE_ARGS = ["--device", "cpu", "--sandbox", "none", "--log-dir", "", "--disk-cache-dir", ""]
 
 
 def program(

@@ -47,8 +47,8 @@ case "${1:-}" in
         shift
         system_packages test
         python_packages
-        "$VENV/bin/ruff" check kcoral tests bench
-        "$VENV/bin/ruff" format --check kcoral tests bench
+        "$VENV/bin/ruff" check kcoral tests bench examples
+        "$VENV/bin/ruff" format --check kcoral tests bench examples
         "$VENV/bin/mypy" kcoral
         exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"
         ;;

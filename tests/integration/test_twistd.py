@@ -1,0 +1,181 @@
+# -*- test-case-name: tests.integration.test_twistd -*-
+"""
+The server under plain twistd: the C{kcoral} plugin and C{contrib/kcoral.tac}.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kcoral.testing import free_port, request
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+
+#: twistd's entry point.  C{python -m twisted.scripts.twistd} does nothing:
+#: the module has no C{__main__} guard, so call its C{run()} the way the
+#: C{twistd} console script does.
+TWISTD = "import sys; sys.argv[0] = 'twistd'; from twisted.scripts.twistd import run; run()"
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + (
+        os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else ""
+    )
+    return env
+
+
+def _twistd(args: list[str], cwd: Path) -> subprocess.Popen[bytes]:
+    log = open(cwd / "twistd-output.txt", "wb")
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-c", TWISTD, *args],
+            cwd=cwd,
+            env=_env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    finally:
+        log.close()
+
+
+def _wait_health(process: subprocess.Popen[bytes], port: int, cwd: Path) -> dict[str, object]:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            output = (cwd / "twistd-output.txt").read_text(errors="replace")
+            raise AssertionError(f"twistd exited with {process.returncode}:\n{output[-4000:]}")
+        try:
+            response = request(port, "GET", "/health", timeout=2)
+            if response.status == 200:
+                body: dict[str, object] = response.json()
+                return body
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError("twistd did not serve /health in time")
+
+
+def _terminate(process: subprocess.Popen[bytes]) -> int:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            return process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            raise
+    return process.returncode
+
+
+def test_plugin(tmp_path: Path) -> None:
+    port = free_port()
+    process = _twistd(
+        [
+            "-n",
+            "--pidfile=",
+            "kcoral",
+            "--device",
+            "cpu",
+            "--num-workers",
+            "1",
+            "--sandbox",
+            "none",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--log-dir",
+            "",
+            "--disk-cache-dir",
+            "",
+        ],
+        tmp_path,
+    )
+    try:
+        health = _wait_health(process, port, tmp_path)
+        assert health["status"] == "ok"
+        assert health["gpu_count"] == 0
+        workers = health["workers"]
+        assert isinstance(workers, list) and len(workers) == 1
+    finally:
+        code = _terminate(process)
+    # A clean shutdown: twistd may re-raise the signal after stopping.
+    assert code in (0, -signal.SIGTERM)
+    output = (tmp_path / "twistd-output.txt").read_text(errors="replace")
+    assert "shutdown_complete" in output or "shutdown complete" in output
+    assert not (tmp_path / "logs").exists()
+
+
+def test_plugin_default_pidfile_in_cwd(tmp_path: Path) -> None:
+    """Without C{--pidfile=} twistd writes C{twistd.pid} in the cwd and removes it."""
+    port = free_port()
+    process = _twistd(
+        [
+            "-n",
+            "kcoral",
+            "--device",
+            "cpu",
+            "--num-workers",
+            "1",
+            "--sandbox",
+            "none",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--log-dir",
+            "",
+            "--disk-cache-dir",
+            "",
+        ],
+        tmp_path,
+    )
+    try:
+        _wait_health(process, port, tmp_path)
+        assert (tmp_path / "twistd.pid").read_text().strip() == str(process.pid)
+    finally:
+        _terminate(process)
+    assert not (tmp_path / "twistd.pid").exists()
+
+
+def _edit_tac(source: str, port: int) -> str:
+    replacements = [
+        (r"PORT = \d+", f"PORT = {port}"),
+        (r'device="gpu"', 'device="cpu"'),
+        (r"gpus=\(0,\),", "num_workers=1,"),
+        (r"workers_per_gpu=\d+,", ""),
+        (r'sandbox="bubblewrap"', 'sandbox="none"'),
+        (r'log_dir=Path\("logs"\)', "log_dir=None"),
+        (r"disk_cache_capacity_mbytes=\d+", "disk_cache_capacity_mbytes=0"),
+    ]
+    for pattern, replacement in replacements:
+        source, count = re.subn(pattern, replacement, source)
+        assert count == 1, f"contrib/kcoral.tac no longer contains {pattern!r}"
+    return source
+
+
+def test_tac(tmp_path: Path) -> None:
+    port = free_port()
+    tac = tmp_path / "kcoral.tac"
+    tac.write_text(_edit_tac((ROOT / "contrib" / "kcoral.tac").read_text(), port))
+    process = _twistd(["-n", "--pidfile=", "-y", str(tac)], tmp_path)
+    try:
+        health = _wait_health(process, port, tmp_path)
+        assert health["status"] == "ok"
+        assert health["target"] == {}
+        assert [w["worker_id"] for w in health["workers"]] == ["cpu/w0"]  # type: ignore[index,union-attr]
+    finally:
+        code = _terminate(process)
+    assert code in (0, -signal.SIGTERM)
+    assert not (tmp_path / "logs").exists()

@@ -84,6 +84,7 @@ class WorkerPool:
     active: int = 0
     target: dict[str, str] = attrs.field(factory=dict)
     versions: dict[str, str] = attrs.field(factory=dict)
+    spawn_worker: Callable[..., WorkerProcess] = WorkerProcess.spawn
 
     log = Logger()
 
@@ -149,7 +150,7 @@ class WorkerPool:
         if seat.gpu_id is not None:
             env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
             env["CUDA_VISIBLE_DEVICES"] = str(seat.gpu_id)
-        worker = WorkerProcess.spawn(
+        worker = self.spawn_worker(
             self._reactor,
             seat=seat.worker_id,
             generation=seat.generation,

@@ -841,7 +841,9 @@ class _ProgramRun:
             self.handles.values[a.target] if isinstance(a, Ref) else a for a in instruction.args
         ]
         watch = None
-        if self._is_cpu_only_run(instruction):
+        # cpu_only builtins (the compilers) manage the lease themselves; the
+        # CUDA watch guards uploaded cpu_only functions.
+        if self._is_cpu_only_run(instruction) and not isinstance(fn_ref, BuiltinName):
             make_watch = getattr(self.backend, "cpu_only_watch", None)
             if make_watch is not None:
                 try:

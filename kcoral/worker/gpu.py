@@ -400,6 +400,12 @@ class GpuBackend:
         assert host is not None
         return numpy_parts(host)
 
+    def cpu_only_watch(self) -> Any:
+        """Trap CUDA entry points during a C{cpu_only} run (see L{kcoral.worker.gpuwatch})."""
+        from kcoral.worker.gpuwatch import cpu_only_watch
+
+        return cpu_only_watch()
+
     def builtins(self) -> dict[str, tuple[Any, bool]]:
         """The GPU builtin table, C{name -> (callable, cpu_only)}."""
         from kcoral.worker.gpu_builtins import GPU_BUILTINS

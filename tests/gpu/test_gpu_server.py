@@ -302,3 +302,40 @@ __global__ void oob(float *p) { p[1ull << 40] = 1.0f; }
     assert body["error"]["kind"] == "runtime"
     # The next request gets a healthy worker.
     test_tensor_round_trip(gpu_server, "float32")
+
+
+def test_cpu_only_run_touching_cuda_fails_gpu_access(gpu_server: ServerProcess) -> None:
+    """A cpu_only function that calls PyCUDA is stopped with kind gpu_access."""
+    source = "import pycuda.driver as drv\ndef sneaky():\n    return drv.mem_alloc(1024)\n"
+    program = {
+        "instructions": [
+            {"op": "upload", "kind": "module", "id": "m", "source": source},
+            {
+                "op": "get_function",
+                "id": "f",
+                "module": {"$ref": "m"},
+                "name": "sneaky",
+                "cpu_only": True,
+            },
+            {"op": "run", "id": "r", "fn": {"$ref": "f"}, "args": []},
+        ]
+    }
+    response = gpu_server.execute(program)
+    assert response.status == 200
+    body, _ = decode_response(response.headers["content-type"], response.body)
+    assert body["status"] == "FAILED"
+    error = body["error"]
+    assert error["kind"] == "gpu_access"
+    assert error["cuda_call"] == "pycuda.driver.mem_alloc"
+    assert error["location"].startswith("<uploaded:")
+    assert set(error) == {
+        "kind",
+        "message",
+        "instruction_index",
+        "instruction_op",
+        "instruction_id",
+        "traceback",
+        "cuda_call",
+        "location",
+        "interfered_request_id",
+    }

@@ -103,10 +103,17 @@ def _run(
     env: Mapping[str, str] | None,
     timeout: float,
     cwd: str | os.PathLike[str] | None,
+    script: str | None = None,
 ) -> subprocess.CompletedProcess[str]:
     with tempfile.TemporaryDirectory(prefix="kcoral-refclient-") as tmp:
+        argv = list(argv)
+        if script is not None:
+            # A file, not -c: remote functions need inspect.getsource().
+            path = Path(tmp, "refclient_script.py")
+            path.write_text(script)
+            argv.insert(2, str(path))
         return subprocess.run(
-            list(argv),
+            argv,
             env=_clean_env(env),
             cwd=cwd if cwd is not None else tmp,
             capture_output=True,
@@ -125,7 +132,7 @@ def run_client(
 ) -> subprocess.CompletedProcess[str]:
     """Run the Python source C{script} in the reference virtualenv (C{sys.argv[1:]} = C{args})."""
     python = _python(ensure_venv())
-    return _run([str(python), "-I", "-c", script, *args], env, timeout, cwd)
+    return _run([str(python), "-I", *args], env, timeout, cwd, script=script)
 
 
 def kcoral_cli(

@@ -716,10 +716,10 @@ def test_failed_kinds(any_server: ServerProcess) -> None:
         "correctness": ("correctness", "run", 2),
         "compile_kind": ("compile", "run", 2),
         "crash": ("runtime", "run", 2),
-        "exists": ("runtime", "upload", 3),
+        "exists": ("runtime", "upload", 4),
         "tensor": ("unavailable", "upload", 0),
         "library": ("unavailable", "upload", 0),
-        "partial_return": ("serialization", "return", 5),
+        "partial_return": ("serialization", "return", 6),
         "partial": ("engine", "run", 6),
     }
     for name, (kind, op, index) in expectations.items():
@@ -1193,7 +1193,6 @@ _BAD_PROGRAMS: dict[str, Any] = {
     "unknown-ref": _with(2, fn={"$ref": "nope"}),
     "forward-ref": _with(1, module={"$ref": "r"}),
     "self-ref": _with(2, fn={"$ref": "r"}),
-    "fn-string": _with(2, fn="builtin.zeros"),
     "duplicate-id": _with(2, id="f"),
     "empty-id": _with(2, id=""),
     "duplicate-return-key": {

@@ -402,7 +402,30 @@ def _under(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
 
 
+def _sandbox_processes() -> list[int] | None:
+    """
+    Inside a private PID namespace (bubblewrap), every process except the
+    namespace's init and this worker: orphans re-parented to init included.
+    C{None} when this worker does not run in its own PID namespace.
+    """
+    try:
+        if os.readlink("/proc/self/ns/pid") == os.readlink("/proc/1/ns/pid"):
+            with open("/proc/1/cmdline", "rb") as f:
+                init = f.read().split(b"\0", 1)[0]
+            if not init.endswith(b"bwrap"):
+                return None
+        else:
+            return None
+    except OSError:
+        return None
+    me = os.getpid()
+    return [int(e) for e in os.listdir("/proc") if e.isdigit() and int(e) not in (1, me)]
+
+
 def _child_processes() -> list[int]:
+    sandboxed = _sandbox_processes()
+    if sandboxed is not None:
+        return sandboxed
     try:
         import psutil
     except ImportError:

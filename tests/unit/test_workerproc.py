@@ -1,0 +1,347 @@
+"""
+Tests for L{kcoral.server.workerproc.WorkerProcess} over a fake
+L{IReactorProcess}: no processes, no sleeps.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from twisted.internet.error import ProcessDone, ProcessTerminated
+from twisted.internet.interfaces import IReactorProcess
+from twisted.internet.testing import MemoryReactorClock
+from twisted.python.failure import Failure
+from twisted.trial.unittest import SynchronousTestCase
+from zope.interface import implementer
+from zope.interface.verify import verifyObject
+
+from kcoral.server.lease import LeaseArbiter
+from kcoral.server.workerproc import (
+    FROM_WORKER_FD,
+    TO_WORKER_FD,
+    Job,
+    JobResult,
+    WorkerProcess,
+    WorkerStartError,
+)
+from kcoral.wire.channel import Message, MessageDecoder, encode_message
+
+
+class FakeTransport:
+    """The process transport a worker writes to and signals."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.written: dict[int, bytes] = {}
+        self.signals: list[str] = []
+        self.stdin_closed = False
+
+    def writeToChild(self, fd: int, data: bytes) -> None:
+        self.written[fd] = self.written.get(fd, b"") + data
+
+    def closeStdin(self) -> None:
+        self.stdin_closed = True
+
+    def signalProcess(self, signal: str) -> None:
+        self.signals.append(signal)
+
+    def messages(self) -> list[Message]:
+        return MessageDecoder().feed(self.written.get(TO_WORKER_FD, b""))
+
+
+@implementer(IReactorProcess)
+class ProcessReactor(MemoryReactorClock):
+    """A memory reactor that records spawnProcess calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.spawned: list[dict[str, Any]] = []
+
+    def spawnProcess(
+        self,
+        processProtocol: Any,
+        executable: Any,
+        args: Any = (),
+        env: Any = None,
+        path: Any = None,
+        uid: Any = None,
+        gid: Any = None,
+        usePTY: Any = False,
+        childFDs: Any = None,
+    ) -> FakeTransport:
+        transport = FakeTransport(pid=4_000_000 + len(self.spawned))
+        self.spawned.append(
+            {
+                "protocol": processProtocol,
+                "executable": executable,
+                "args": list(args),
+                "env": env,
+                "childFDs": childFDs,
+                "transport": transport,
+            }
+        )
+        processProtocol.makeConnection(transport)
+        return transport
+
+
+class WorkerTestCase(SynchronousTestCase):
+    gpus: tuple[int, ...] = ()
+
+    def setUp(self) -> None:
+        self.reactor = ProcessReactor()
+        self.leases = LeaseArbiter((0,), self.reactor)
+        self.tree_killed: list[Any] = []
+        # Never touch real processes: the fake pids must not be signalled.
+        self.patch(WorkerProcess, "_tree", lambda worker: [])
+
+    def spawn(self, gpus: tuple[int, ...] | None = None) -> WorkerProcess:
+        worker = WorkerProcess.spawn(
+            self.reactor,
+            seat="cpu/w0",
+            generation=1,
+            gpus=self.gpus if gpus is None else gpus,
+            leases=self.leases,
+            executable="/usr/bin/python3",
+            args=["python3", "-m", "kcoral.worker"],
+            env={},
+            grace_seconds=5.0,
+        )
+        self.transport: FakeTransport = self.reactor.spawned[-1]["transport"]
+        return worker
+
+    def deliver(self, worker: WorkerProcess, header: dict[str, Any], payload: bytes = b"") -> None:
+        worker.protocol.childDataReceived(FROM_WORKER_FD, encode_message(header, payload))
+
+    def end(self, worker: WorkerProcess, code: int | None = 0) -> None:
+        reason = ProcessDone(0) if code == 0 else ProcessTerminated(exitCode=code)
+        worker.protocol.processEnded(Failure(reason))
+
+    def ready_worker(self, gpus: tuple[int, ...] | None = None) -> WorkerProcess:
+        worker = self.spawn(gpus)
+        self.deliver(worker, {"type": "ready", "pid": 77, "target": {}, "versions": {}})
+        self.successResultOf(worker.ready)
+        return worker
+
+    def job(self, timeout: float = 10.0, **kw: Any) -> Job:
+        return Job(
+            request_id="rid",
+            program_text='{"instructions":[]}',
+            program=None,  # type: ignore[arg-type]
+            blobs=kw.pop("blobs", {}),
+            timeout_seconds=timeout,
+            output_limit=1024,
+            max_response_bytes=1 << 20,
+            workspace="/w",
+            **kw,
+        )
+
+
+class SpawnTests(WorkerTestCase):
+    def test_fake_reactor_provides_process(self) -> None:
+        self.assertTrue(verifyObject(IReactorProcess, self.reactor))
+
+    def test_spawn_arguments(self) -> None:
+        worker = self.spawn()
+        spawned = self.reactor.spawned[0]
+        self.assertEqual(spawned["executable"], "/usr/bin/python3")
+        self.assertEqual(spawned["args"], ["python3", "-m", "kcoral.worker"])
+        self.assertEqual(spawned["childFDs"][TO_WORKER_FD], "w")
+        self.assertEqual(spawned["childFDs"][FROM_WORKER_FD], "r")
+        self.assertEqual(worker.pid, self.transport.pid)
+        self.assertTrue(self.transport.stdin_closed)
+
+    def test_ready_handshake(self) -> None:
+        worker = self.spawn()
+        self.assertNoResult(worker.ready)
+        self.deliver(
+            worker,
+            {"type": "ready", "pid": 77, "target": {"arch": "x"}, "versions": {"v": "1"}},
+        )
+        info = self.successResultOf(worker.ready)
+        self.assertEqual(info["target"], {"arch": "x"})
+        self.assertEqual(worker.info, info)
+        # The start timer is gone.
+        self.assertEqual(self.reactor.getDelayedCalls(), [])
+
+    def test_spawn_timeout(self) -> None:
+        worker = self.spawn()
+        self.reactor.advance(59.9)
+        self.assertNoResult(worker.ready)
+        self.reactor.advance(0.2)
+        failure = self.failureResultOf(worker.ready, WorkerStartError)
+        self.assertIn("timed out during start", str(failure.value))
+        # The worker is being killed: SIGKILL follows after the grace period.
+        self.assertTrue(any(c.active() for c in self.reactor.getDelayedCalls()))
+        self.end(worker, -9)
+        self.assertEqual(self.successResultOf(worker.ended), -9)
+
+    def test_failed_message(self) -> None:
+        worker = self.spawn()
+        self.deliver(worker, {"type": "failed", "error": "no device"})
+        failure = self.failureResultOf(worker.ready, WorkerStartError)
+        self.assertEqual(str(failure.value), "no device")
+
+    def test_exit_during_start(self) -> None:
+        worker = self.spawn()
+        worker.protocol.childDataReceived(2, b"Traceback: boom\n")
+        self.end(worker, 1)
+        failure = self.failureResultOf(worker.ready, WorkerStartError)
+        self.assertIn("exited with code 1 during start", str(failure.value))
+        self.assertIn("boom", str(failure.value))
+        self.assertFalse(worker.alive)
+        self.assertEqual(self.successResultOf(worker.ended), 1)
+
+    def test_stop_sends_exit_then_kills(self) -> None:
+        worker = self.ready_worker()
+        ended = worker.stop()
+        self.assertEqual([m.type for m in self.transport.messages()], ["exit"])
+        self.assertNoResult(ended)
+        self.end(worker, 0)
+        self.assertEqual(self.successResultOf(ended), 0)
+        self.assertEqual(self.reactor.getDelayedCalls(), [])
+
+
+class JobTests(WorkerTestCase):
+    def test_execute_message_and_outcome(self) -> None:
+        worker = self.ready_worker()
+        d = worker.run(self.job(blobs={"ab" * 32: b"data"}))
+        sent = self.transport.messages()
+        self.assertEqual([m.type for m in sent], ["blob", "execute"])
+        self.assertEqual(sent[0].payload, b"data")
+        self.assertEqual(sent[1].header["request_id"], "rid")
+        self.assertEqual(sent[1].header["workspace"], "/w")
+        self.assertNoResult(d)
+        self.deliver(worker, {"type": "instruction", "index": 0})
+        self.deliver(worker, {"type": "outcome", "status": "COMPLETED", "part_sizes": [3]}, b"abc")
+        result = self.successResultOf(d)
+        self.assertEqual(result.ending, "outcome")
+        self.assertEqual(result.header["status"], "COMPLETED")  # type: ignore[index]
+        self.assertEqual(result.payload, b"abc")
+        self.assertEqual(result.lease_wait_seconds, 0.0)
+        self.assertEqual(result.lease_held_seconds, 0.0)
+        self.assertEqual(self.reactor.getDelayedCalls(), [])
+
+    def test_one_job_at_a_time(self) -> None:
+        worker = self.ready_worker()
+        worker.run(self.job())
+        self.assertRaises(RuntimeError, worker.run, self.job())
+
+    def test_timeout(self) -> None:
+        worker = self.ready_worker()
+        d = worker.run(self.job(timeout=2.0))
+        self.deliver(worker, {"type": "instruction", "index": 1})
+        self.reactor.advance(1.9)
+        self.assertNoResult(d)
+        self.reactor.advance(0.2)
+        result = self.successResultOf(d)
+        self.assertIsInstance(result, JobResult)
+        self.assertEqual(result.ending, "timeout")
+        self.assertEqual(result.instruction_index, 1)
+        # The worker is being killed; the end of the process finishes it.
+        self.assertTrue(worker.alive)
+        self.end(worker, -15)
+        self.assertFalse(worker.alive)
+
+    def test_crash_attributed_to_last_instruction(self) -> None:
+        worker = self.ready_worker()
+        indexes: list[int] = []
+        d = worker.run(self.job(), on_instruction=indexes.append)
+        self.deliver(worker, {"type": "instruction", "index": 0})
+        self.deliver(worker, {"type": "instruction", "index": 2})
+        worker.protocol.childDataReceived(2, b"dying\n")
+        self.end(worker, 3)
+        result = self.successResultOf(d)
+        self.assertEqual(result.ending, "crashed")
+        self.assertEqual(result.instruction_index, 2)
+        self.assertEqual(result.exit_code, 3)
+        self.assertIn("[err] dying", result.output_tail)
+        self.assertEqual(indexes, [0, 2])
+
+    def test_crash_before_any_instruction(self) -> None:
+        worker = self.ready_worker()
+        d = worker.run(self.job())
+        self.end(worker, 3)
+        result = self.successResultOf(d)
+        self.assertEqual(result.ending, "crashed")
+        self.assertIsNone(result.instruction_index)
+
+    def test_invalid_message(self) -> None:
+        worker = self.ready_worker()
+        d = worker.run(self.job())
+        self.deliver(worker, {"type": "instruction", "index": 1})
+        self.deliver(worker, {"type": "nonsense"})
+        result = self.successResultOf(d)
+        self.assertEqual(result.ending, "invalid")
+        self.assertEqual(result.instruction_index, 1)
+
+    def test_garbage_on_channel_kills(self) -> None:
+        worker = self.ready_worker()
+        worker.run(self.job())
+        worker.protocol.childDataReceived(FROM_WORKER_FD, b"\xff" * 64)
+        self.assertEqual(self.transport.signals, ["KILL"])
+        self.assertIsNotNone(worker.protocol.channel_error)
+
+    def test_cpu_lease_granted_at_once(self) -> None:
+        worker = self.ready_worker()
+        worker.run(self.job())
+        self.deliver(worker, {"type": "lease_acquire"})
+        self.assertEqual(self.transport.messages()[-1].type, "lease_granted")
+
+
+class LeaseBudgetTests(WorkerTestCase):
+    gpus = (0,)
+
+    def test_budget_paused_during_lease_wait(self) -> None:
+        other = object()
+        self.successResultOf(self.leases.acquire(other, (0,)))
+        worker = self.ready_worker()
+        d = worker.run(self.job(timeout=2.0))
+        self.reactor.advance(0.5)
+        self.deliver(worker, {"type": "lease_acquire"})
+        # Waiting far longer than the whole budget does not time out.
+        self.reactor.advance(10.0)
+        self.assertNoResult(d)
+        self.assertNotIn("lease_granted", [m.type for m in self.transport.messages()])
+        self.leases.release(other)
+        self.assertEqual(self.transport.messages()[-1].type, "lease_granted")
+        self.assertIs(self.leases.holder_of(0), worker)
+        # 1.5 s of budget is left.
+        self.reactor.advance(1.0)
+        self.deliver(worker, {"type": "lease_release"})
+        self.assertIsNone(self.leases.holder_of(0))
+        self.reactor.advance(0.4)
+        self.assertNoResult(d)
+        self.deliver(worker, {"type": "outcome", "status": "COMPLETED"})
+        result = self.successResultOf(d)
+        self.assertEqual(result.ending, "outcome")
+        self.assertAlmostEqual(result.lease_wait_seconds, 10.0)
+        self.assertAlmostEqual(result.lease_held_seconds, 1.0)
+
+    def test_budget_expires_after_grant(self) -> None:
+        other = object()
+        self.successResultOf(self.leases.acquire(other, (0,)))
+        worker = self.ready_worker()
+        d = worker.run(self.job(timeout=2.0))
+        self.reactor.advance(1.5)
+        self.deliver(worker, {"type": "lease_acquire"})
+        self.reactor.advance(30.0)
+        self.leases.release(other)
+        self.reactor.advance(0.4)
+        self.assertNoResult(d)
+        self.reactor.advance(0.2)
+        result = self.successResultOf(d)
+        self.assertEqual(result.ending, "timeout")
+        self.assertAlmostEqual(result.lease_wait_seconds, 30.0)
+        self.assertAlmostEqual(result.lease_held_seconds, 0.6)
+
+    def test_crash_abandons_lease(self) -> None:
+        worker = self.ready_worker()
+        d = worker.run(self.job())
+        self.deliver(worker, {"type": "lease_acquire"})
+        self.assertIs(self.leases.holder_of(0), worker)
+        self.reactor.advance(0.25)
+        self.end(worker, -11)
+        result = self.successResultOf(d)
+        self.assertEqual(result.ending, "crashed")
+        self.assertAlmostEqual(result.lease_held_seconds, 0.25)
+        self.assertIsNone(self.leases.holder_of(0))

@@ -1,0 +1,415 @@
+"""
+Tests for L{kcoral.server.app.KcoralAPI} through treq's L{StubTreq}, with a
+fake pool, blob store and thread pool: no processes, no network.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from pathlib import Path
+from typing import Any
+
+import attrs
+from treq.testing import StubTreq
+from twisted.internet.defer import Deferred, fail, succeed
+from twisted.internet.task import Clock
+from twisted.trial.unittest import SynchronousTestCase
+from twisted.web.server import Request
+
+from kcoral.config import ServerConfig
+from kcoral.server.app import KcoralAPI
+from kcoral.server.lease import LeaseArbiter
+from kcoral.server.pool import PoolBusy
+from kcoral.server.workerproc import Job, JobResult
+from kcoral.testing import multipart_body, sha256
+
+UUID_RE = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+URL = "http://127.0.0.1/execute"
+
+PROGRAM = {
+    "instructions": [
+        {"op": "upload", "kind": "module", "id": "m", "source": "def f():\n    return 1\n"},
+        {"op": "get_function", "id": "f", "module": {"$ref": "m"}, "name": "f"},
+        {"op": "run", "id": "r", "fn": {"$ref": "f"}, "args": []},
+        {"op": "return", "key": "r", "value": {"$ref": "r"}},
+    ]
+}
+
+
+class SyncReactor(Clock):
+    """A clock whose callFromThread runs at once (for the fake thread pool)."""
+
+    def callFromThread(self, f: Any, *args: Any, **kwargs: Any) -> None:
+        f(*args, **kwargs)
+
+
+class SyncThreadPool:
+    """Runs every job in the calling thread."""
+
+    def callInThreadWithCallback(self, onResult: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            result = f(*args, **kwargs)
+        except BaseException as e:
+            from twisted.python.failure import Failure
+
+            onResult(False, Failure(e))
+        else:
+            onResult(True, result)
+
+
+class Pin:
+    def release(self) -> None:
+        pass
+
+
+@attrs.define
+class Resolution:
+    found: dict[str, bytes]
+    missing: list[str]
+    pin: Pin = attrs.field(factory=Pin)
+
+
+@attrs.define
+class FakeBlobs:
+    """Knows the blobs in C{cached}; everything else must be supplied."""
+
+    cached: dict[str, bytes] = attrs.field(factory=dict)
+
+    def resolve(self, kinds: dict[str, Any], supplied: dict[str, bytes]) -> Deferred[Resolution]:
+        found, missing = {}, []
+        for digest in kinds:
+            if digest in supplied:
+                found[digest] = supplied[digest]
+            elif digest in self.cached:
+                found[digest] = self.cached[digest]
+            else:
+                missing.append(digest)
+        return succeed(Resolution(found, missing))
+
+
+class FakeSandbox:
+    reserved = None
+
+    def worker_path(self, work_dir: Any) -> str:
+        return str(work_dir)
+
+
+@attrs.define(eq=False)
+class FakeWorker:
+    result: JobResult
+    pid: int = 4242
+    alive: bool = True
+    _job: Any = None
+    jobs: list[Job] = attrs.field(factory=list)
+
+    def run(self, job: Job) -> Deferred[JobResult]:
+        self.jobs.append(job)
+        return succeed(self.result)
+
+
+@attrs.define(eq=False)
+class FakeSeat:
+    worker: FakeWorker
+    worker_id: str = "cpu/w0"
+    gpu_id: int | None = None
+    generation: int = 1
+    served: int = 0
+    work_dir: Path = Path("/w")
+
+
+@attrs.define(eq=False)
+class FakePool:
+    seat: FakeSeat | None = None
+    busy: bool = False
+    capacity: int = 2
+    active: int = 0
+    queue_length: int = 0
+    target: dict[str, str] = attrs.field(factory=dict)
+    versions: dict[str, str] = attrs.field(factory=dict)
+    sandbox: FakeSandbox = attrs.field(factory=FakeSandbox)
+    released: list[tuple[Any, str | None]] = attrs.field(factory=list)
+
+    def acquire(self, timeout: float) -> Deferred[Any]:
+        if self.busy or self.seat is None:
+            return fail(PoolBusy("server saturated"))
+        return succeed(self.seat)
+
+    def release(self, seat: Any, *, retire: str | None = None) -> None:
+        self.released.append((seat, retire))
+
+    def worker_status(self, now: float) -> list[dict[str, Any]]:
+        return [
+            {
+                "worker_id": "cpu/w0",
+                "gpu_id": None,
+                "status": "idle",
+                "generation": 1,
+                "pid": 4242,
+                "uptime_seconds": now,
+            }
+        ]
+
+
+class APITestCase(SynchronousTestCase):
+    def make(self, pool: FakePool | None = None, blobs: FakeBlobs | None = None) -> None:
+        self.reactor = SyncReactor()
+        self.reactor.advance(100.0)
+        self.pool = pool or FakePool()
+        self.api = KcoralAPI(
+            ServerConfig(device="cpu", num_workers=2, max_request_bytes=4096),
+            self.pool,
+            LeaseArbiter((), self.reactor),
+            blobs or FakeBlobs(),
+            SyncThreadPool(),
+            self.reactor,
+            started_at=90.0,
+        )
+        self.treq = StubTreq(self.api.resource())
+
+    def post(
+        self, body: bytes, content_type: str, headers: dict[str, list[str]] | None = None
+    ) -> tuple[Any, bytes]:
+        all_headers = {"Content-Type": [content_type], **(headers or {})}
+        response = self.successResultOf(self.treq.post(URL, data=body, headers=all_headers))
+        content = self.successResultOf(self.treq.content(response))
+        return response, content
+
+    def execute(
+        self, program: Any = PROGRAM, blobs: list[bytes] = (), **headers: str
+    ) -> tuple[Any, Any]:
+        content_type, body = multipart_body(program, list(blobs))
+        response, content = self.post(
+            body, content_type, {k.replace("_", "-"): [v] for k, v in headers.items()}
+        )
+        return response, json.loads(content)
+
+    def request_id(self, response: Any) -> str:
+        values = response.headers.getRawHeaders("X-Request-ID")
+        self.assertEqual(len(values), 1)
+        return str(values[0])
+
+
+class HealthTests(APITestCase):
+    def test_health_body(self) -> None:
+        self.make()
+        response = self.successResultOf(self.treq.get("http://127.0.0.1/health"))
+        self.assertEqual(response.code, 200)
+        self.assertEqual(
+            response.headers.getRawHeaders("Content-Type"), ["application/json"]
+        )
+        body = json.loads(self.successResultOf(self.treq.content(response)))
+        self.assertEqual(body["status"], "ok")
+        self.assertTrue(UUID_RE.match(body["instance_id"]))
+        self.assertTrue(body["started_at"].endswith("Z"))
+        self.assertEqual(body["gpu_count"], 0)
+        self.assertEqual(body["target"], {})
+        self.assertEqual(body["gpus"], [])
+        self.assertEqual(
+            body["load"],
+            {"request_capacity": 2, "requests_in_progress": 0, "requests_waiting": 0},
+        )
+        self.assertEqual(body["uptime_seconds"], 10.0)
+        self.assertEqual(body["active_requests"], 0)
+        self.assertEqual(body["queue_length"], 0)
+        self.assertEqual(body["workers"][0]["gpu_id"], None)
+        self.assertEqual(body["sandbox"], "none")
+
+    def test_status_json_without_snapshot(self) -> None:
+        self.make()
+        response = self.successResultOf(self.treq.get("http://127.0.0.1/status.json"))
+        body = json.loads(self.successResultOf(self.treq.content(response)))
+        self.assertEqual(body["workers"][0]["worker_id"], "cpu/w0")
+
+    def test_metrics_absent(self) -> None:
+        self.make()
+        response = self.successResultOf(self.treq.get("http://127.0.0.1/metrics"))
+        self.assertEqual(response.code, 404)
+
+
+class ExecuteErrorTests(APITestCase):
+    def test_too_large_flag(self) -> None:
+        self.make()
+        # LimitedRequest sets this flag while the body arrives; StubTreq
+        # serves plain Requests, so set it on the class for this test.
+        Request.too_large = True  # type: ignore[attr-defined]
+        self.addCleanup(delattr, Request, "too_large")
+        response, body = self.execute()
+        self.assertEqual(response.code, 413)
+        self.assertEqual(body["status"], "ERROR")
+        self.assertEqual(body["error"]["kind"], "request_too_large")
+        self.assertEqual(body["request_id"], self.request_id(response))
+
+    def test_body_over_limit(self) -> None:
+        self.make()
+        blob = b"x" * 8192
+        program = {
+            "instructions": [
+                {"op": "upload", "kind": "bytes", "id": "b", "blob": sha256(blob)},
+                *PROGRAM["instructions"],
+            ]
+        }
+        response, body = self.execute(program, [blob])
+        self.assertEqual(response.code, 413)
+        self.assertEqual(body["error"]["kind"], "request_too_large")
+
+    def test_malformed_program(self) -> None:
+        self.make()
+        response, body = self.execute(b"{nope")
+        self.assertEqual(response.code, 400)
+        self.assertEqual(response.headers.getRawHeaders("Content-Type"), ["application/json"])
+        self.assertEqual(body["status"], "ERROR")
+        self.assertEqual(body["error"]["kind"], "parse")
+        self.assertEqual(body["request_id"], self.request_id(response))
+
+    def test_invalid_program(self) -> None:
+        self.make()
+        response, body = self.execute({"instructions": []})
+        self.assertEqual(response.code, 400)
+        self.assertEqual(body["error"]["message"], "'instructions' must be a non-empty array")
+
+    def test_not_multipart(self) -> None:
+        self.make()
+        response, content = self.post(b"{}", "application/json")
+        self.assertEqual(response.code, 400)
+        self.assertEqual(json.loads(content)["error"]["kind"], "parse")
+
+    def test_cache_miss(self) -> None:
+        self.make()
+        digest = sha256(b"missing")
+        program = {
+            "instructions": [
+                {"op": "upload", "kind": "bytes", "id": "b", "blob": digest},
+                *PROGRAM["instructions"],
+            ]
+        }
+        response, body = self.execute(program)
+        self.assertEqual(response.code, 200)
+        self.assertEqual(
+            body,
+            {
+                "status": "CACHE_MISS",
+                "request_id": self.request_id(response),
+                "missing_blobs": [digest],
+            },
+        )
+
+    def test_busy(self) -> None:
+        self.make(FakePool(busy=True))
+        response, body = self.execute()
+        self.assertEqual(response.code, 503)
+        self.assertEqual(response.headers.getRawHeaders("Retry-After"), ["1"])
+        self.assertEqual(
+            body,
+            {
+                "status": "ERROR",
+                "request_id": self.request_id(response),
+                "error": {"kind": "busy", "message": "server saturated"},
+            },
+        )
+
+    def test_gpu_count_on_cpu(self) -> None:
+        self.make()
+        response, body = self.execute({**PROGRAM, "options": {"gpu_count": 1}})
+        self.assertEqual(response.code, 400)
+        self.assertEqual(
+            body["error"]["message"], "gpu_count exceeds this GPU server's configured capacity"
+        )
+
+
+class RequestIdTests(APITestCase):
+    def test_valid_id_echoed(self) -> None:
+        self.make()
+        rid = str(uuid.uuid4())
+        response, body = self.execute(b"{bad", X_Request_ID=rid)
+        self.assertEqual(self.request_id(response), rid)
+        self.assertEqual(body["request_id"], rid)
+
+    def test_uppercase_replaced(self) -> None:
+        self.make()
+        rid = str(uuid.uuid4()).upper()
+        response, body = self.execute(b"{bad", X_Request_ID=rid)
+        chosen = self.request_id(response)
+        self.assertNotEqual(chosen.lower(), rid.lower())
+        self.assertTrue(UUID_RE.match(chosen))
+        self.assertEqual(body["request_id"], chosen)
+
+    def test_duplicated_replaced(self) -> None:
+        self.make()
+        rid = str(uuid.uuid4())
+        content_type, data = multipart_body(PROGRAM)
+        response, content = self.post(data, content_type, {"X-Request-ID": [rid, rid]})
+        chosen = self.request_id(response)
+        self.assertNotEqual(chosen, rid)
+        self.assertEqual(json.loads(content)["request_id"], chosen)
+
+    def test_missing_generated(self) -> None:
+        self.make()
+        response, body = self.execute(b"{bad")
+        self.assertTrue(UUID_RE.match(self.request_id(response)))
+        self.assertEqual(body["request_id"], self.request_id(response))
+
+
+class RunTests(APITestCase):
+    def run_with(self, result: JobResult, **options: Any) -> tuple[Any, Any]:
+        self.worker = FakeWorker(result)
+        self.make(FakePool(seat=FakeSeat(self.worker)))
+        program = {**PROGRAM, "options": options} if options else PROGRAM
+        return self.execute(program)
+
+    def test_completed(self) -> None:
+        header = {
+            "status": "COMPLETED",
+            "results": {"r": {"type": "integer", "value": 1}},
+            "stdout": "hi\n",
+            "part_sizes": [],
+        }
+        response, body = self.run_with(JobResult("outcome", header=header), timeout_seconds=5000)
+        self.assertEqual(response.code, 200)
+        self.assertEqual(body["status"], "COMPLETED")
+        self.assertEqual(body["results"], {"r": {"type": "integer", "value": 1}})
+        self.assertEqual(body["stdout"], "hi\n")
+        self.assertEqual(body["request_id"], self.request_id(response))
+        self.assertEqual(body["lease_wait_ms"], 0)
+        self.assertEqual(body["lease_held_ms"], 0)
+        # The timeout is clamped to the server's maximum.
+        self.assertEqual(self.worker.jobs[0].timeout_seconds, 900)
+        # Default mode: the seat retires after one request.
+        self.assertEqual(self.pool.released[0][1], "request_limit")
+
+    def test_timeout(self) -> None:
+        response, body = self.run_with(JobResult("timeout", instruction_index=2))
+        self.assertEqual(response.code, 504)
+        self.assertEqual(
+            body,
+            {
+                "status": "ERROR",
+                "request_id": self.request_id(response),
+                "error": {"kind": "timeout", "message": "execution timed out"},
+            },
+        )
+        self.assertEqual(self.pool.released[0][1], "timeout")
+
+    def test_crash_in_instruction(self) -> None:
+        response, body = self.run_with(JobResult("crashed", instruction_index=2, exit_code=3))
+        self.assertEqual(response.code, 200)
+        self.assertEqual(body["status"], "FAILED")
+        self.assertEqual(body["error"]["kind"], "runtime")
+        self.assertEqual(body["error"]["instruction_index"], 2)
+        self.assertEqual(body["error"]["instruction_op"], "run")
+        self.assertEqual(
+            body["error"]["message"], "worker exited while executing the instruction"
+        )
+        self.assertEqual(self.pool.released[0][1], "crashed")
+
+    def test_crash_outside_instruction(self) -> None:
+        response, body = self.run_with(JobResult("crashed", exit_code=3))
+        self.assertEqual(response.code, 500)
+        self.assertEqual(body["error"], {"kind": "engine", "message": "worker crashed"})
+
+    def test_invalid_worker_reply(self) -> None:
+        response, body = self.run_with(JobResult("invalid"))
+        self.assertEqual(response.code, 500)
+        self.assertEqual(body["error"]["kind"], "engine")
+        self.assertEqual(self.pool.released[0][1], "crashed")

@@ -25,8 +25,8 @@ from __future__ import annotations
 import contextlib
 import sys
 import traceback
-from collections.abc import Iterator
-from typing import Any, Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from kcoral.errors import GPUAccessViolation
 

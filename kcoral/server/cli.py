@@ -105,10 +105,19 @@ class _KcoralServiceMaker:
         return tap.makeService(options)
 
 
-def _default_run_app(config: usage.Options) -> None:
-    from twisted.scripts.twistd import runApp
+def _default_run_app(config: usage.Options) -> int:
+    """
+    Run twistd's application runner in the foreground.
 
-    runApp(config)  # type: ignore[no-untyped-call]
+    Unlike C{twistd}, a graceful stop on SIGTERM or SIGINT exits with status
+    0 rather than re-raising the signal; a server that failed to start exits 1.
+    """
+    from twisted.scripts.twistd import _SomeApplicationRunner
+
+    from kcoral.server import service
+
+    _SomeApplicationRunner(config).run()  # type: ignore[no-untyped-call]
+    return 1 if service.start_failures else 0
 
 
 def _exit_code(exc: SystemExit, err: IO[str]) -> int:
@@ -206,7 +215,7 @@ def _server(
         err.write(f"kcoral server: error: {e}\n")
         return 2
     try:
-        run_app(twistd_config)
+        status = run_app(twistd_config)
     except SystemExit as e:
         return _exit_code(e, err)
-    return 0
+    return status if isinstance(status, int) else 0

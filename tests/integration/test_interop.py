@@ -1448,7 +1448,9 @@ def test_background_processes_terminated(
     server = cpu_server("--disk-cache-dir", str(disk_cache), "--sandbox", sandbox)
     marker = f"{time.time() % 1000:.6f}"
     response = server.execute(
-        _simple_program(f"import subprocess\ndef f():\n    subprocess.Popen(['sleep', '{marker}'])\n    return 1\n")
+        _simple_program(
+            f"import subprocess\ndef f():\n    subprocess.Popen(['sleep', '{marker}'])\n    return 1\n"
+        )
     )
     assert response.status == 200
     deadline = time.monotonic() + 10
@@ -1469,7 +1471,9 @@ def test_background_processes_reported(
     marker = f"{time.time() % 1000:.6f}"
     try:
         body = server.execute(
-            _simple_program(f"import subprocess\ndef f():\n    subprocess.Popen(['sleep', '{marker}'])\n    return 1\n")
+            _simple_program(
+                f"import subprocess\ndef f():\n    subprocess.Popen(['sleep', '{marker}'])\n    return 1\n"
+            )
         ).json()
     finally:
         time.sleep(1)
@@ -1477,14 +1481,19 @@ def test_background_processes_reported(
             os.kill(pid, 9)
     assert body["status"] == "FAILED"
     assert body["error"]["kind"] == "runtime"
-    assert body["error"]["message"] == "program left background processes running; they were terminated"
+    assert (
+        body["error"]["message"]
+        == "program left background processes running; they were terminated"
+    )
     assert body["error"]["traceback"] == ""
     assert body["results"] == {"k": {"type": "integer", "value": 1}}
 
 
 def test_unknown_execution_error_kind_is_engine(server: ServerProcess) -> None:
     response = server.execute(
-        _simple_program("from kcoral.errors import ExecutionError\ndef f():\n    raise ExecutionError('weird', 'x')\n")
+        _simple_program(
+            "from kcoral.errors import ExecutionError\ndef f():\n    raise ExecutionError('weird', 'x')\n"
+        )
     )
     assert response.json()["error"]["kind"] == "engine"
 
@@ -1499,7 +1508,9 @@ def test_traceback_tail_limit(server: ServerProcess) -> None:
 
 
 def test_file_return_relative_to_workspace_after_chdir(server: ServerProcess) -> None:
-    program = _simple_program("import os\ndef f():\n    open('a.txt', 'w').write('hi')\n    os.mkdir('sub')\n    os.chdir('sub')\n")
+    program = _simple_program(
+        "import os\ndef f():\n    open('a.txt', 'w').write('hi')\n    os.mkdir('sub')\n    os.chdir('sub')\n"
+    )
     program["instructions"].append({"op": "return", "key": "file", "kind": "file", "path": "a.txt"})
     response = server.execute(program)
     boundary = response.headers["content-type"].split("boundary=", 1)[1].encode()

@@ -80,9 +80,7 @@ def log_dir(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def server(tmp_path: Path, log_dir: Path) -> Iterator[ServerProcess]:
-    with ServerProcess(
-        [*ARGS, "--log-dir", str(log_dir)], log_path=tmp_path / "server.log"
-    ) as s:
+    with ServerProcess([*ARGS, "--log-dir", str(log_dir)], log_path=tmp_path / "server.log") as s:
         yield s
 
 
@@ -150,8 +148,10 @@ def test_crash_events(server: ServerProcess, log_dir: Path) -> None:
     assert response.json()["status"] == "FAILED"
     found = wait_for_events(
         log_dir,
-        lambda f: any(e["event"] == "request_finished" for e in of_request(f, rid))
-        and any(e["event"] == "worker_retired" for e in f),
+        lambda f: (
+            any(e["event"] == "request_finished" for e in of_request(f, rid))
+            and any(e["event"] == "worker_retired" for e in f)
+        ),
     )
     retired = [e for e in found if e["event"] == "worker_retired"]
     assert retired[0]["reason"] == "crashed"
@@ -178,8 +178,10 @@ def test_timeout_events(server: ServerProcess, log_dir: Path) -> None:
     rid = response.headers["x-request-id"]
     found = wait_for_events(
         log_dir,
-        lambda f: any(e["event"] == "request_finished" for e in of_request(f, rid))
-        and any(e["event"] == "worker_retired" for e in f),
+        lambda f: (
+            any(e["event"] == "request_finished" for e in of_request(f, rid))
+            and any(e["event"] == "worker_retired" for e in f)
+        ),
     )
     retired = [e for e in found if e["event"] == "worker_retired"]
     assert retired[0]["reason"] == "timeout"

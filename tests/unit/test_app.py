@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -166,7 +167,7 @@ class APITestCase(SynchronousTestCase):
             self.reactor,
             started_at=90.0,
         )
-        self.treq = StubTreq(self.api.resource())
+        self.treq: Any = StubTreq(self.api.resource())
 
     def post(
         self, body: bytes, content_type: str, headers: dict[str, list[str]] | None = None
@@ -177,7 +178,7 @@ class APITestCase(SynchronousTestCase):
         return response, content
 
     def execute(
-        self, program: Any = PROGRAM, blobs: list[bytes] = (), **headers: str
+        self, program: Any = PROGRAM, blobs: Sequence[bytes] = (), **headers: str
     ) -> tuple[Any, Any]:
         content_type, body = multipart_body(program, list(blobs))
         response, content = self.post(
@@ -196,9 +197,7 @@ class HealthTests(APITestCase):
         self.make()
         response = self.successResultOf(self.treq.get("http://127.0.0.1/health"))
         self.assertEqual(response.code, 200)
-        self.assertEqual(
-            response.headers.getRawHeaders("Content-Type"), ["application/json"]
-        )
+        self.assertEqual(response.headers.getRawHeaders("Content-Type"), ["application/json"])
         body = json.loads(self.successResultOf(self.treq.content(response)))
         self.assertEqual(body["status"], "ok")
         self.assertTrue(UUID_RE.match(body["instance_id"]))
@@ -398,9 +397,7 @@ class RunTests(APITestCase):
         self.assertEqual(body["error"]["kind"], "runtime")
         self.assertEqual(body["error"]["instruction_index"], 2)
         self.assertEqual(body["error"]["instruction_op"], "run")
-        self.assertEqual(
-            body["error"]["message"], "worker exited while executing the instruction"
-        )
+        self.assertEqual(body["error"]["message"], "worker exited while executing the instruction")
         self.assertEqual(self.pool.released[0][1], "crashed")
 
     def test_crash_outside_instruction(self) -> None:

@@ -37,7 +37,9 @@ class FakeSandbox:
     def prepare_seat(self, seat_dir: Path) -> Path:
         return seat_dir / "work"
 
-    def command(self, *, python: str, worker_args: list[str], work_dir: Path, gpu_devices: list[str]) -> Any:
+    def command(
+        self, *, python: str, worker_args: list[str], work_dir: Path, gpu_devices: list[str]
+    ) -> Any:
         return python, [python, "-m", "kcoral.worker", *worker_args], {}
 
     def clear_workspace(self, work_dir: Path) -> None:
@@ -92,7 +94,9 @@ class PoolTestCase(SynchronousTestCase):
         self.spawned: list[FakeWorker] = []
         self.auto_ready = auto_ready
 
-        def spawn(reactor: Any, *, seat: str, generation: int, gpus: tuple[int, ...], **kw: Any) -> FakeWorker:
+        def spawn(
+            reactor: Any, *, seat: str, generation: int, gpus: tuple[int, ...], **kw: Any
+        ) -> FakeWorker:
             worker = FakeWorker(seat, generation, gpus)
             self.spawned.append(worker)
             if self.auto_ready:
@@ -319,7 +323,9 @@ class StopTests(PoolTestCase):
         self.reactor = MemoryReactorClock()
         arches = iter(["sm_90a", "sm_80"])
 
-        def spawn(reactor: Any, *, seat: str, generation: int, gpus: tuple[int, ...], **kw: Any) -> FakeWorker:
+        def spawn(
+            reactor: Any, *, seat: str, generation: int, gpus: tuple[int, ...], **kw: Any
+        ) -> FakeWorker:
             worker = FakeWorker(seat, generation, gpus)
             worker.come_up(next(arches))
             return worker

@@ -57,7 +57,7 @@ class ProcessReactor(MemoryReactorClock):
         super().__init__()
         self.spawned: list[dict[str, Any]] = []
 
-    def spawnProcess(
+    def spawnProcess(  # type: ignore[override]
         self,
         processProtocol: Any,
         executable: Any,

@@ -69,7 +69,9 @@ class ProcessReactor(MemoryReactorClock):
         usePTY: Any = False,
         childFDs: Any = None,
     ) -> FakeTransport:
-        transport = FakeTransport(pid=4_000_000 + len(self.spawned))
+        # Above Linux's largest pid_max (2**22): signalling it can never hit
+        # a real process or process group.
+        transport = FakeTransport(pid=2**22 + 1000 + len(self.spawned))
         self.spawned.append(
             {
                 "protocol": processProtocol,

@@ -233,6 +233,13 @@ class WorkerProcess:
 
     def _process_ended(self, reason: BaseException) -> None:
         self.alive = False
+        if self.pid is not None:
+            # The worker led its own process group; whatever the program left
+            # in it (a double-forked helper, say) goes with the worker.
+            try:
+                os.killpg(self.pid, signal.SIGKILL)
+            except OSError:
+                pass
         self.exit_code = _exit_code(reason)
         if self._ready_timer is not None and self._ready_timer.active():
             self._ready_timer.cancel()

@@ -24,6 +24,7 @@ import importlib
 import linecache
 import math
 import os
+import signal
 import stat
 import sys
 import threading
@@ -422,6 +423,20 @@ def _sandbox_processes() -> list[int] | None:
     return [int(e) for e in os.listdir("/proc") if e.isdigit() and int(e) not in (1, me)]
 
 
+def _terminate(pids: list[int]) -> None:
+    """SIGKILL C{pids} and reap those that are our children."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    for pid in pids:
+        try:
+            os.waitpid(pid, 0)
+        except OSError:
+            pass  # not our child (re-parented to the sandbox's init)
+
+
 def _child_processes() -> list[int]:
     sandboxed = _sandbox_processes()
     if sandboxed is not None:
@@ -590,6 +605,19 @@ class Engine:
         finally:
             captured = capture.stop()
         retire = run.cleanup()
+        leftover_pids = _child_processes()
+        if leftover_pids:
+            # Background work must finish before a program returns: stop it,
+            # and fail a program that otherwise completed (spec §6.3).
+            _terminate(leftover_pids)
+            retire = retire or RETIRE_REQUEST_LIMIT
+            if run.error is None and run.last is not None:
+                run.error = run._error(
+                    run.last,
+                    _Failure(
+                        "runtime", "program left background processes running; they were terminated"
+                    ),
+                )
         outcome = run.outcome()
         outcome.stdout = captured.stdout
         outcome.stderr = captured.stderr

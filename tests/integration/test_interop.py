@@ -1430,17 +1430,9 @@ def _no_leaked_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     yield
 
 
-_ORPHAN_BUG = (
-    "server bug: after a request, processes the program left running are not "
-    "killed when the worker exits normally (no killpg on orderly stop; "
-    "WorkerProcess.descendants_alive is never called) and the result stays "
-    "COMPLETED instead of FAILED runtime (protocol.md 6.3)"
-)
-
-
 @pytest.mark.parametrize(
     "sandbox",
-    ["bubblewrap", pytest.param("none", marks=pytest.mark.xfail(reason=_ORPHAN_BUG, strict=True))],
+    ["bubblewrap", "none"],
 )
 def test_background_processes_terminated(
     sandbox: str, refclient: Path, cpu_server: Callable[..., ServerProcess], disk_cache: Path
@@ -1462,7 +1454,6 @@ def test_background_processes_terminated(
     assert not leftover
 
 
-@pytest.mark.xfail(reason=_ORPHAN_BUG, strict=True)
 @pytest.mark.parametrize("sandbox", ["bubblewrap", "none"])
 def test_background_processes_reported(
     sandbox: str, refclient: Path, cpu_server: Callable[..., ServerProcess], disk_cache: Path

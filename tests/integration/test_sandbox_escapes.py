@@ -303,6 +303,22 @@ def call(server: ServerProcess, fn: str, *args: Any) -> Any:
     return json.loads(out["value"])
 
 
+def call_leaving_processes(server: ServerProcess, fn: str, *args: Any) -> Any:
+    """
+    Run C{fn(*args)}, which leaves background processes behind: the program is
+    FAILED with kind runtime, its results kept, and the processes terminated.
+    """
+    response = server.execute(program(fn, *args))
+    assert response.status == 200, response.body[:2000]
+    body: dict[str, Any] = response.json()
+    assert body["status"] == "FAILED", body
+    assert body["error"]["kind"] == "runtime", body
+    assert body["error"]["message"] == (
+        "program left background processes running; they were terminated"
+    )
+    return json.loads(body["results"]["out"]["value"])
+
+
 def completed(response: Response) -> dict[str, Any]:
     assert response.status == 200, response.body[:2000]
     body: dict[str, Any] = response.json()
@@ -738,7 +754,7 @@ def test_upload_through_planted_symlink(reuse_env: Env) -> None:
 def test_background_process_dies_with_worker(default_env: Env) -> None:
     server = default_env.server
     seconds = random.randrange(900_000, 999_999)
-    call(server, "leave_background", seconds)
+    call_leaving_processes(server, "leave_background", seconds)
     wait_for(lambda: not sleepers(seconds), what=f"'sleep {seconds}' to end")
     assert_healthy(server)
 
@@ -747,8 +763,7 @@ def test_background_process_in_reuse_mode_replaces_the_worker(reuse_env: Env) ->
     server = reuse_env.server
     old_pid = wait_all_idle(server, 1)[0]["pid"]
     seconds = random.randrange(900_000, 999_999)
-    response = server.execute(program("leave_background", seconds))
-    completed(response)
+    call_leaving_processes(server, "leave_background", seconds)
     wait_for(lambda: not sleepers(seconds), what=f"'sleep {seconds}' to end")
     new_pid = wait_for(
         lambda: (w := idle_workers(server)) and w[0]["pid"] != old_pid and w[0]["pid"],
@@ -770,7 +785,7 @@ def test_orphaned_background_process_in_reuse_mode(reuse_env: Env) -> None:
     server = reuse_env.server
     old_pid = wait_all_idle(server, 1)[0]["pid"]
     seconds = random.randrange(900_000, 999_999)
-    assert call(server, "leave_orphan", seconds), "the orphan did not start"
+    assert call_leaving_processes(server, "leave_orphan", seconds), "the orphan did not start"
     try:
         # The next program on this seat must not share its sandbox with the orphan.
         assert call(server, "sandbox_sleepers_json", seconds) == []

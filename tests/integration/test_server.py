@@ -482,7 +482,15 @@ def test_reuse_background_child_replaces_seat(reuse_server: ServerProcess) -> No
         "    subprocess.Popen(['sleep', '1000'])\n"
         "    return os.getpid()\n"
     )
-    first = result_value(reuse_server.execute(program(source)))
+    body = reuse_server.execute(program(source)).json()
+    # Background work must end with the program: it is terminated, reported,
+    # and the results that ran are kept.
+    assert body["status"] == "FAILED"
+    assert body["error"]["kind"] == "runtime"
+    assert body["error"]["message"] == (
+        "program left background processes running; they were terminated"
+    )
+    first = body["results"]["r"]["value"]
     second = result_value(reuse_server.execute(program(PID)))
     assert first != second
     assert reuse_server.health()["workers"][0]["generation"] == 2

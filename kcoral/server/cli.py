@@ -112,7 +112,7 @@ def _default_run_app(config: usage.Options) -> int:
     Unlike C{twistd}, a graceful stop on SIGTERM or SIGINT exits with status
     0 rather than re-raising the signal; a server that failed to start exits 1.
     """
-    from twisted.scripts.twistd import _SomeApplicationRunner
+    from twisted.scripts.twistd import _SomeApplicationRunner  # type: ignore[attr-defined]
 
     from kcoral.server import service
 

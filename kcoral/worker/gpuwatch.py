@@ -38,8 +38,10 @@ def _uploaded_location(stack: list[traceback.FrameSummary]) -> str:
     for frame in reversed(stack):
         if frame.filename.startswith("<uploaded:"):
             return f"{frame.filename}:{frame.lineno} in {frame.name}"
-    frame = stack[-1] if stack else None
-    return "" if frame is None else f"{frame.filename}:{frame.lineno} in {frame.name}"
+    if not stack:
+        return ""
+    last = stack[-1]
+    return f"{last.filename}:{last.lineno} in {last.name}"
 
 
 def _trap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:

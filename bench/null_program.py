@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
 
+KEYS = ("wall_ms", "queue_ms", "elapsed_ms", "other_ms", "lease_wait_ms", "lease_held_ms")
 SOURCE = "def noop():\n    return None\n"
 PROGRAM = common.module_program(SOURCE, [("noop", [], False)])
 
@@ -53,13 +54,15 @@ def one(conn: common.Connection, _i: int) -> dict[str, float | str]:
         "queue_ms": float(r["queue_ms"]),
         "elapsed_ms": float(r["elapsed_ms"]),
         "other_ms": reply.wall_ms - float(r["queue_ms"]) - float(r["elapsed_ms"]),
+        "lease_wait_ms": float(r["lease_wait_ms"]),
+        "lease_held_ms": float(r["lease_held_ms"]),
     }
 
 
 def split(samples: list[dict[str, float]]) -> dict[str, dict[str, float]]:
     return {
         key: common.describe([s[key] for s in samples])
-        for key in ("wall_ms", "queue_ms", "elapsed_ms", "other_ms")
+        for key in KEYS
     }
 
 
@@ -98,8 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"sequential ({len(sequential)} requests, {len(sequential) / seq_seconds:.1f} req/s):"
         )
-        for key in ("wall_ms", "queue_ms", "elapsed_ms", "other_ms"):
-            print(f"  {key:<10} {common.fmt(seq[key])}")
+        for key in KEYS:
+            print(f"  {key:<13} {common.fmt(seq[key])}")
 
         concurrent, seconds = common.run_concurrent(
             host, port, args.concurrency, args.requests, one, args.max_seconds
@@ -109,8 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"concurrency {args.concurrency}: {len(concurrent)} requests in {seconds:.2f} s = {rate:.1f} req/s"
         )
-        for key in ("wall_ms", "queue_ms", "elapsed_ms", "other_ms"):
-            print(f"  {key:<10} {common.fmt(conc[key])}")
+        for key in KEYS:
+            print(f"  {key:<13} {common.fmt(conc[key])}")
         if len(concurrent) < args.requests:
             print(
                 f"  (stopped after {args.max_seconds:.0f} s: {len(concurrent)} of {args.requests} requests ran)"

@@ -14,7 +14,7 @@ import datetime
 import uuid
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Union
 
 import attrs
 from klein import Klein
@@ -41,6 +41,9 @@ from kcoral.wire.program import (
     clamp_options,
     parse_program,
 )
+
+#: A response body: bytes, or the chunks of a multipart body.
+Body = Union[bytes, list[bytes]]
 
 #: HTTP status of each request-level error kind (protocol §9.2).
 STATUS_OF_KIND = {
@@ -263,6 +266,13 @@ class KcoralAPI:
         request.setHeader(b"Content-Type", content_type.encode())
         if status == 503:
             request.setHeader(b"Retry-After", b"1")
+        if isinstance(body, list):
+            # A multipart body: write its chunks as they are (binary parts
+            # can be hundreds of MiB; joining them would copy them again).
+            request.setHeader(b"Content-Length", str(sum(len(c) for c in body)).encode())
+            for chunk in body:
+                request.write(chunk)
+            return b""
         return body
 
     def wait_idle(self) -> Deferred[None]:
@@ -294,7 +304,7 @@ class KcoralAPI:
             json_dumps(error_body(request_id, error.kind, error.message)),
         )
 
-    async def _handle(self, request: IRequest, request_id: str) -> tuple[int, str, bytes]:
+    async def _handle(self, request: IRequest, request_id: str) -> tuple[int, str, Body]:
         client = request.getClientAddress()
         self.log.info(
             "request {request_id} received",
@@ -322,7 +332,7 @@ class KcoralAPI:
                 ),
             )
 
-    async def _admit_and_run(self, request: IRequest, request_id: str) -> tuple[int, str, bytes]:
+    async def _admit_and_run(self, request: IRequest, request_id: str) -> tuple[int, str, Body]:
         config = self.config
         if getattr(request, "too_large", False):
             raise RequestError(
@@ -439,7 +449,7 @@ class KcoralAPI:
         finally:
             resolution.pin.release()
 
-    async def _run(self, request_id: str, job: Job) -> tuple[int, str, bytes]:
+    async def _run(self, request_id: str, job: Job) -> tuple[int, str, Body]:
         queued = self._reactor.seconds()
         try:
             seat = await self.pool.acquire(self.config.worker_wait_timeout_seconds)
@@ -502,7 +512,7 @@ class KcoralAPI:
         result: JobResult,
         queue_ms: float,
         elapsed_ms: float,
-    ) -> tuple[int, str, bytes]:
+    ) -> tuple[int, str, Body]:
         place = {"worker_id": seat.worker_id, "gpu_id": seat.gpu_id}
         if result.ending == "timeout":
             raise RequestError(
@@ -616,7 +626,9 @@ class KcoralAPI:
                 instruction_id=error.get("instruction_id"),
             )
         self._finished(request_id, 200, reason, **fields)
-        return 200, content_type, b"".join(chunks)
+        if len(chunks) == 1:
+            return 200, content_type, chunks[0]
+        return 200, content_type, chunks
 
 
 def _header(request: IRequest, name: bytes) -> str | None:

@@ -46,10 +46,7 @@ class Message:
 
 def encode_message(header: dict[str, Any], payload: bytes = b"") -> bytes:
     """Frame C{header} and C{payload} into one byte string."""
-    encoded = json.dumps(header, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode(
-        "utf-8"
-    )
-    return _PREFIX.pack(len(encoded), len(payload)) + encoded + bytes(payload)
+    return _prefix_and_header(header, len(payload)) + bytes(payload)
 
 
 def _decode_header(raw: bytes) -> dict[str, Any]:
@@ -133,6 +130,17 @@ def read_message(stream: IO[bytes]) -> Message | None:
 
 
 def write_message(stream: IO[bytes], header: dict[str, Any], payload: bytes = b"") -> None:
-    """Blocking write of one message, flushed."""
-    stream.write(encode_message(header, payload))
+    """Blocking write of one message, flushed; a large payload is not copied."""
+    if len(payload) < 1 << 16:
+        stream.write(encode_message(header, payload))
+    else:
+        stream.write(_prefix_and_header(header, len(payload)))
+        stream.write(payload)
     stream.flush()
+
+
+def _prefix_and_header(header: dict[str, Any], payload_length: int) -> bytes:
+    encoded = json.dumps(header, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode(
+        "utf-8"
+    )
+    return _PREFIX.pack(len(encoded), payload_length) + encoded

@@ -127,6 +127,23 @@ def _make_gpu(**kwargs: Any) -> Any:
 BACKENDS: dict[str, Callable[..., Any]] = {"cpu": _make_cpu, "gpu": _make_gpu}
 
 
+def _prepare_gpu(**kwargs: Any) -> None:
+    from kcoral.worker.gpu import prepare_gpu_backend
+
+    prepare_gpu_backend(**kwargs)
+
+
+#: Optional device-free preparation per backend (imports), run off the lease.
+PREPARERS: dict[str, Callable[..., None]] = {"gpu": _prepare_gpu}
+
+
+def prepare_backend(name: str, **kwargs: Any) -> None:
+    """Do backend C{name}'s slow, device-free start-up work (imports)."""
+    prepare = PREPARERS.get(name)
+    if prepare is not None:
+        prepare(**kwargs)
+
+
 def register_backend(name: str, factory: Callable[..., Any]) -> None:
     """Add (or replace) the factory for device C{name}."""
     BACKENDS[name] = factory

@@ -489,6 +489,25 @@ class GpuBackend:
             self._drv.Context.pop()
 
 
+def prepare_gpu_backend(tensor_api: str = "auto", **_: Any) -> None:
+    """
+    Import what a GPU backend needs without touching the device, so a new
+    worker does this slow part before it asks for the GPU lease and holds
+    the lease only to create its context.
+    """
+    import pycuda.compiler  # noqa: F401
+    import pycuda.driver
+    import pycuda.gpuarray  # noqa: F401
+
+    pycuda.driver.init()  # loads the driver; creates no context
+    if tensor_api in ("auto", "torch"):
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            if tensor_api == "torch":
+                raise
+
+
 def make_gpu_backend(gpu_ordinal: int = 0, tensor_api: str = "auto", **_: Any) -> GpuBackend:
     """The factory for C{kcoral.worker.devices.register_backend("gpu", ...)}."""
     return GpuBackend(ordinal=gpu_ordinal, tensor_api=tensor_api)

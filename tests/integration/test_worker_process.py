@@ -238,11 +238,12 @@ def test_failed_startup() -> None:
     for fd in (p2w_read, w2p_write, 103, 104):
         os.close(fd)
     with os.fdopen(w2p_read, "rb") as inbox, os.fdopen(p2w_write, "wb") as outbox:
-        # A GPU worker warms up under its lease: grant it, then see it fail.
+        # A GPU worker creates its context under its lease: grant the lease
+        # if it gets that far (a machine without PyCUDA fails before).
         message = read_message(inbox)
-        assert message is not None and message.type == "lease_acquire"
-        write_message(outbox, {"type": "lease_granted"})
-        message = read_message(inbox)
+        if message is not None and message.type == "lease_acquire":
+            write_message(outbox, {"type": "lease_granted"})
+            message = read_message(inbox)
     assert message is not None and message.type == "failed"
     assert message.header["error"]
     assert process.wait(timeout=30) == 1

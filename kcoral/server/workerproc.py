@@ -12,6 +12,7 @@ SIGKILL after the grace period.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
@@ -20,12 +21,15 @@ from typing import Any
 
 import attrs
 import psutil
+from twisted.internet import main, process
 from twisted.internet.defer import CancelledError, Deferred, succeed
 from twisted.internet.error import ProcessExitedAlready
 from twisted.internet.interfaces import IDelayedCall, IReactorProcess, IReactorTime
+from twisted.internet.posixbase import PosixReactorBase
 from twisted.internet.protocol import ProcessProtocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
+from twisted.python.runtime import platform
 
 from kcoral.wire.channel import ChannelError, Message, MessageDecoder, encode_message
 from kcoral.wire.program import Program
@@ -204,12 +208,13 @@ class WorkerProcess:
         worker.protocol = WorkerProtocol(worker._message_received)
         worker.protocol.ended.addCallback(worker._process_ended)
         worker.started_at = reactor.seconds()
-        transport = IReactorProcess(reactor).spawnProcess(
+        transport = _spawn(
+            reactor,
             worker.protocol,
             executable,
             args,
-            env=env,
-            childFDs={0: "w", 1: "r", 2: "r", TO_WORKER_FD: "w", FROM_WORKER_FD: "r"},
+            env,
+            {0: "w", 1: "r", 2: "r", TO_WORKER_FD: "w", FROM_WORKER_FD: "r"},
         )
         worker.pid = transport.pid
         try:
@@ -366,10 +371,59 @@ class WorkerProcess:
         return [p.pid for p in self._tree()[1:]]
 
 
-def _signal_all(processes: list[psutil.Process], signum: int) -> None:
-    for process in processes:
+#: Bytes read from a worker pipe per reactor wakeup.  Twisted's process
+#: reader reads 8 KiB at a time, which makes a 64 MiB tensor cost thousands
+#: of reactor iterations; the channel pipes are 1 MiB (the worker widens them).
+READ_SIZE = 1 << 20
+
+
+class _WideReader(process.ProcessReader):
+    """A process pipe reader that takes up to L{READ_SIZE} bytes per read."""
+
+    def doRead(self) -> Any:
         try:
-            process.send_signal(signum)
+            data = os.read(self.fd, READ_SIZE)
+        except OSError as e:
+            if e.errno in (errno.EAGAIN, errno.EINTR):
+                return None
+            return main.CONNECTION_LOST
+        if not data:
+            return main.CONNECTION_DONE
+        self.dataReceived(data)
+        return None
+
+
+class _WorkerTransport(process.Process):
+    """Twisted's POSIX process transport with L{_WideReader} pipes."""
+
+    processReaderFactory = _WideReader
+
+
+def _spawn(
+    reactor: Any,
+    protocol: ProcessProtocol,
+    executable: str,
+    args: list[str],
+    env: dict[str, str],
+    child_fds: dict[int, Any],
+) -> Any:
+    """
+    C{spawnProcess} with wide pipe reads on a real POSIX reactor; any other
+    reactor (a test's fake included) gets a plain C{spawnProcess}.
+    """
+    if isinstance(reactor, PosixReactorBase) and platform.isLinux():
+        return _WorkerTransport(
+            reactor, executable, args, env, None, protocol, None, None, child_fds
+        )
+    return IReactorProcess(reactor).spawnProcess(
+        protocol, executable, args, env=env, childFDs=child_fds
+    )
+
+
+def _signal_all(processes: list[psutil.Process], signum: int) -> None:
+    for victim in processes:
+        try:
+            victim.send_signal(signum)
         except psutil.Error:
             pass
     # Workers run in their own session; signal the group too, in case a

@@ -437,10 +437,40 @@ def _terminate(pids: list[int]) -> None:
             pass  # not our child (re-parented to the sandbox's init)
 
 
+def _proc_children(pid: int) -> list[int] | None:
+    """Direct children of C{pid} from procfs, or C{None} where the kernel lacks the file."""
+    found: list[int] = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                found.extend(int(child) for child in f.read().split())
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return []
+    return found
+
+
+def _descendants() -> list[int] | None:
+    """All descendants of this process, read from procfs without a full scan."""
+    result: list[int] = []
+    pending = [os.getpid()]
+    while pending:
+        children = _proc_children(pending.pop())
+        if children is None:
+            return None
+        result.extend(children)
+        pending.extend(children)
+    return result
+
+
 def _child_processes() -> list[int]:
     sandboxed = _sandbox_processes()
     if sandboxed is not None:
         return sandboxed
+    descendants = _descendants()
+    if descendants is not None:
+        return descendants
     try:
         import psutil
     except ImportError:
@@ -498,14 +528,19 @@ class ProcessState:
             threads=frozenset(t.ident or 0 for t in threading.enumerate()),
         )
 
-    def leftovers(self, workspace: str) -> list[str]:
-        """Describe threads, child processes and open files the program left behind."""
+    def leftovers(self, workspace: str, children: list[int] | None = None) -> list[str]:
+        """
+        Describe threads, child processes and open files the program left behind.
+
+        @param children: the child processes already found, if the caller looked.
+        """
         root = os.path.realpath(workspace)
         found = []
         threads = [t.name for t in threading.enumerate() if (t.ident or 0) not in self.threads]
         if threads:
             found.append(f"threads: {', '.join(threads)}")
-        children = _child_processes()
+        if children is None:
+            children = _child_processes()
         if children:
             found.append(f"child processes: {children}")
         fds = _open_fds_under(root)
@@ -624,11 +659,13 @@ class Engine:
         outcome.stdout_truncated = captured.stdout_truncated
         outcome.stderr_truncated = captured.stderr_truncated
         del run
-        gc.collect()
         if retire is None and retiring:
             retire = RETIRE_REQUEST_LIMIT
         if retire is None:
-            leftovers = state.leftovers(request.workspace)
+            # The device is clean (cleanup ran under the lease): give the GPU
+            # to the next worker now and restore host state off the lease.
+            self.lease.release()
+            leftovers = state.leftovers(request.workspace, children=leftover_pids)
             state.restore(request.workspace)
             gc.collect()
             if leftovers:
@@ -638,8 +675,8 @@ class Engine:
                     flush=True,
                 )
                 retire = RETIRE_REQUEST_LIMIT
-            else:
-                self.lease.release()
+                # A retiring worker exits (destroys its context) under the lease.
+                self.lease.acquire()
         outcome.retire = retire
         return outcome
 

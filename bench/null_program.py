@@ -60,10 +60,7 @@ def one(conn: common.Connection, _i: int) -> dict[str, float | str]:
 
 
 def split(samples: list[dict[str, float]]) -> dict[str, dict[str, float]]:
-    return {
-        key: common.describe([s[key] for s in samples])
-        for key in KEYS
-    }
+    return {key: common.describe([s[key] for s in samples]) for key in KEYS}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -97,7 +97,9 @@ def main(argv: list[str] | None = None) -> int:
         "--requests", "-n", type=int, default=300, help="requests per concurrency level"
     )
     parser.add_argument("--warmup", type=int, default=8)
-    parser.add_argument("--single", type=int, default=5, help="sequential requests before the levels")
+    parser.add_argument(
+        "--single", type=int, default=5, help="sequential requests before the levels"
+    )
     parser.add_argument(
         "--max-seconds", type=float, default=30.0, help="cap on each level's duration"
     )

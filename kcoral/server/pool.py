@@ -82,6 +82,8 @@ class WorkerPool:
     _pending: set[Deferred[Any]] = attrs.field(factory=set)
     closing: bool = False
     active: int = 0
+    #: Extra environment variables for every worker (e.g. the compile cache).
+    worker_env: dict[str, str] = attrs.field(factory=dict)
     target: dict[str, str] = attrs.field(factory=dict)
     versions: dict[str, str] = attrs.field(factory=dict)
     spawn_worker: Callable[..., WorkerProcess] = WorkerProcess.spawn
@@ -146,7 +148,7 @@ class WorkerPool:
             work_dir=seat.work_dir,
             gpu_devices=[] if seat.gpu_id is None else [str(seat.gpu_id)],
         )
-        env = dict(env)
+        env = {**env, **self.worker_env}
         if seat.gpu_id is not None:
             env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
             env["CUDA_VISIBLE_DEVICES"] = str(seat.gpu_id)

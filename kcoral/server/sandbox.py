@@ -47,6 +47,9 @@ from zope.interface import Attribute, Interface, implementer
 #: Where the seat's workspace appears inside the sandbox.
 WORKSPACE = "/work"
 
+#: Where workers see the shared compile cache under bubblewrap.
+COMPILE_CACHE = "/var/cache/kcoral/compile"
+
 #: The reserved top-level directory of a workspace.
 RESERVED = ".kcoral"
 
@@ -283,6 +286,9 @@ class BubblewrapSandbox:
     bwrap: str = attrs.field(default="bwrap", kw_only=True)
     disable_userns: bool = attrs.field(default=True, kw_only=True)
     executable: str | None = attrs.field(default=None, kw_only=True)
+    #: A host directory shared read-write by every worker at L{COMPILE_CACHE}
+    #: (the compile cache), or C{None}.
+    compile_cache: str | None = attrs.field(default=None, kw_only=True)
     _mounts: tuple[_Mount, ...] | None = attrs.field(default=None, init=False, repr=False)
     _device_nodes: dict[tuple[str, ...], tuple[str, ...]] = attrs.field(
         factory=dict, init=False, repr=False
@@ -400,6 +406,8 @@ class BubblewrapSandbox:
             argv += ["--setenv", key, value]
         if not gpu_devices:
             argv += ["--remount-ro", "/proc"]
+        if self.compile_cache is not None:
+            argv += ["--bind", self.compile_cache, COMPILE_CACHE]
         argv += ["--chdir", WORKSPACE, "--remount-ro", "/", "--", *tail]
 
         env = {k: v for k, v in os.environ.items() if isinstance(v, str)}

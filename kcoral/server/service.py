@@ -152,6 +152,17 @@ class KCoralService(service.MultiService):
         self._root_dir = Path(await self.run_blocking(tempfile.mkdtemp, prefix="kcoral-"))
         self.pool.sandbox = sandbox
         self.pool.root_dir = self._root_dir
+        compile_cache = await self.run_blocking(_compile_cache_dir, config)
+        if compile_cache is not None:
+            # Workers share one compile cache, so resubmitting a kernel skips
+            # nvcc whichever worker gets it (docs/compilers.md).
+            from kcoral.server.sandbox import COMPILE_CACHE, BubblewrapSandbox
+
+            if isinstance(sandbox, BubblewrapSandbox):
+                sandbox.compile_cache = str(compile_cache)
+                self.pool.worker_env["KCORAL_COMPILE_CACHE_DIR"] = COMPILE_CACHE
+            else:
+                self.pool.worker_env["KCORAL_COMPILE_CACHE_DIR"] = str(compile_cache)
         await self.pool.start()
         self.log.info(
             "pool ready: {workers} workers, sandbox {sandbox}",
@@ -203,6 +214,22 @@ class KCoralService(service.MultiService):
         if self.log_setup is not None:
             self.log_setup.close()
         self.threadpool.stop()
+
+
+def _compile_cache_dir(config: ServerConfig) -> Path | None:
+    """
+    Blocking: the compile cache directory beside the disk file cache
+    (C{~/.cache/kcoral/compile} by default), created 0700; C{None} when the
+    disk cache is disabled or the directory cannot be made.
+    """
+    if config.disk_cache_dir is None or config.disk_cache_capacity_mbytes == 0:
+        return None
+    path = Path(config.disk_cache_dir).parent / "compile"
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError:
+        return None
+    return path
 
 
 def _observability(server: KCoralService) -> tuple[Any, Any]:

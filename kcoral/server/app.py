@@ -590,8 +590,12 @@ class KcoralAPI:
             "stderr": header.get("stderr", ""),
             "stdout_truncated": bool(header.get("stdout_truncated", False)),
             "stderr_truncated": bool(header.get("stderr_truncated", False)),
-            "results": header.get("results", {}),
         }
+        if job.program.options.gpu_count is not None:
+            # Only for programs that asked for a GPU count (protocol §6.5).
+            body["gpu_ids"] = list(seat.gpus)
+            body["gpu_count"] = len(seat.gpus)
+        body["results"] = header.get("results", {})
         error = header.get("error")
         if body["status"] != "COMPLETED":
             body["error"] = error

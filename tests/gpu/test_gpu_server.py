@@ -339,3 +339,19 @@ def test_cpu_only_run_touching_cuda_fails_gpu_access(gpu_server: ServerProcess) 
         "location",
         "interfered_request_id",
     }
+
+
+def test_gpu_count_one_reports_gpu_ids(gpu_server: ServerProcess) -> None:
+    """A program that asks for one GPU is told which physical GPU ran it."""
+    program = {
+        "instructions": [
+            {"op": "upload", "kind": "module", "id": "m", "source": "def f():\n    return 1\n"},
+            {"op": "get_function", "id": "f", "module": {"$ref": "m"}, "name": "f"},
+            {"op": "run", "id": "r", "fn": {"$ref": "f"}, "args": []},
+            {"op": "return", "key": "r", "value": {"$ref": "r"}},
+        ],
+        "options": {"gpu_count": 1},
+    }
+    body, _ = _ok(gpu_server.execute(program))
+    assert body["gpu_ids"] == [0]
+    assert body["gpu_count"] == 1

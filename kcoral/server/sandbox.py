@@ -201,35 +201,53 @@ def _make_layout(work_dir: str, subdirs: Iterable[str]) -> None:
         _mkdir_private(os.path.join(work_dir, RESERVED, sub))
 
 
-def _clear_dir_fd(dirfd: int) -> None:
-    """Remove every entry of the directory open at C{dirfd}; never follows links."""
+#: A tree of names to keep while clearing: C{{}} marks a kept leaf.
+KeepTree = dict[str, "KeepTree"]
+
+
+def _clear_dir_fd(dirfd: int, keep: KeepTree | None = None) -> None:
+    """
+    Remove every entry of the directory open at C{dirfd}; never follows links.
+
+    Entries named in C{keep} stay: a leaf is left alone entirely, an inner
+    node is kept as a directory and cleared with its subtree.
+    """
+    keep = keep or {}
     with os.scandir(dirfd) as it:
         names = [entry.name for entry in it]
     for name in names:
+        kept = keep.get(name)
+        if kept is not None and not kept:
+            continue
         st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
         if stat.S_ISDIR(st.st_mode):
             fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dirfd)
             try:
                 os.fchmod(fd, 0o700)
-                _clear_dir_fd(fd)
+                _clear_dir_fd(fd, kept)
             finally:
                 os.close(fd)
-            os.rmdir(name, dir_fd=dirfd)
+            if kept is None:
+                os.rmdir(name, dir_fd=dirfd)
         else:
             os.unlink(name, dir_fd=dirfd)
 
 
-def empty_directory(path: Path | str) -> None:
+def empty_directory(path: Path | str, keep: KeepTree | None = None) -> None:
     """
     BLOCKING: remove everything inside C{path} but keep C{path} itself (its
     inode may be bind-mounted). Read-only files and directories are removed
     too; symbolic links are unlinked, never followed, and C{path} itself must
     not be a link.
+
+    @param keep: relative paths to keep (see L{_clear_dir_fd}): the mount
+        points that a running sandbox has inside this directory.  Removing
+        one would unmount it in that sandbox.
     """
     fd = os.open(os.fspath(path), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
         os.fchmod(fd, 0o700)
-        _clear_dir_fd(fd)
+        _clear_dir_fd(fd, keep)
     finally:
         os.close(fd)
 
@@ -300,8 +318,25 @@ class BubblewrapSandbox:
         return _prepare_seat(seat_dir, RESERVED_SUBDIRS)
 
     def clear_workspace(self, work_dir: Path) -> None:
-        empty_directory(work_dir)
+        empty_directory(work_dir, self._mount_points_in_workspace())
         _make_layout(os.fspath(work_dir), RESERVED_SUBDIRS)
+
+    def _mount_points_in_workspace(self) -> KeepTree:
+        """
+        Where the sandbox mounts read-only paths inside the workspace: under
+        the private tmp directory, when /tmp is bound there because a runtime
+        path lives under /tmp.
+        """
+        tree: KeepTree = {}
+        for m in self.resolve_mounts():
+            for link in ("/tmp", "/var/tmp"):
+                if _is_within(m.dest, link) and m.dest != link:
+                    node = tree.setdefault(RESERVED, {}).setdefault("tmp", {})
+                    parts = os.path.relpath(m.dest, link).split(os.sep)
+                    for part in parts[:-1]:
+                        node = node.setdefault(part, {})
+                    node[parts[-1]] = {}
+        return tree
 
     def worker_path(self, work_dir: Path) -> str:
         return WORKSPACE
@@ -382,6 +417,15 @@ class BubblewrapSandbox:
         argv += ["--new-session", "--cap-drop", "ALL"]
         if self.disable_userns:
             argv.append("--disable-userns")
+        private_tmp = os.path.join(resolved_work, RESERVED, "tmp")
+        covered = [
+            link for link in ("/tmp", "/var/tmp") if any(_is_within(m.dest, link) for m in mounts)
+        ]
+        for link in covered:
+            # A runtime path lives under /tmp (a checkout or virtualenv there):
+            # a symlink cannot replace a directory that holds mounts, so bind
+            # the private tmp directory at /tmp first and mount on top of it.
+            argv += ["--bind", private_tmp, link]
         for m in mounts:
             argv += ["--ro-bind", m.source, m.dest]
         argv += ["--bind", resolved_work, WORKSPACE]
@@ -395,7 +439,7 @@ class BubblewrapSandbox:
         mounted = [m.dest for m in mounts] + list(nodes)
         for link in ("/tmp", "/var/tmp"):
             # bwrap cannot make the link where a mount already made a directory.
-            if not any(_is_within(dest, link) for dest in mounted):
+            if link not in covered and not any(_is_within(dest, link) for dest in mounted):
                 argv += ["--symlink", f"{private}/tmp", link]
         argv += ["--symlink", f"{private}/shm", "/dev/shm"]
         argv += ["--symlink", "/proc/self/fd", "/dev/fd"]

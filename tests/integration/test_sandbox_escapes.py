@@ -240,16 +240,24 @@ def write_reserved():
     return json.dumps(written)
 
 
+def _holds_mount(path):
+    with open("/proc/self/mountinfo") as f:
+        points = [line.split()[4] for line in f]
+    return any(p == path or p.startswith(path + "/") for p in points)
+
+
 def tmp_info(name):
     with open(os.path.join("/tmp", name), "w") as f:
         f.write("t")
     return json.dumps({
-        "realpath": os.path.realpath("/tmp"),
-        "var_tmp": os.path.realpath("/var/tmp"),
+        "realpath": "/work/.kcoral/tmp" if os.path.samefile("/tmp", "/work/.kcoral/tmp") else os.path.realpath("/tmp"),
+        "var_tmp": "/work/.kcoral/tmp" if os.path.samefile("/var/tmp", "/work/.kcoral/tmp") else os.path.realpath("/var/tmp"),
         "dev_shm": os.path.realpath("/dev/shm"),
         "gettempdir": tempfile.gettempdir(),
         "in_workspace": os.path.exists(os.path.join("/work/.kcoral/tmp", name)),
-        "listing": sorted(os.listdir("/tmp")),
+        # Mount points of runtime paths that live under /tmp (a checkout or a
+        # virtualenv there) are empty directories, not files of other workers.
+        "listing": sorted(e for e in os.listdir("/tmp") if not _holds_mount("/tmp/" + e)),
     })
 
 

@@ -92,9 +92,43 @@ class BubblewrapCommandTests(_TempMixin, SynchronousTestCase):
             gpu_devices=gpu_devices or [],
         )
 
+    def test_tmp_bound_when_runtime_under_tmp(self) -> None:
+        """
+        A read-only path under /tmp cannot sit below a /tmp symlink: the
+        private tmp directory is bound at /tmp first, the path mounted on it,
+        and clearing the workspace keeps that mount point.
+        """
+        with tempfile.TemporaryDirectory(dir="/tmp") as extra:
+            sandbox = BubblewrapSandbox([extra])
+            _executable, argv, _env = self.command(sandbox)
+            tmp_bind = argv.index("/tmp") - 2
+            self.assertEqual(argv[tmp_bind], "--bind")
+            self.assertTrue(argv[tmp_bind + 1].endswith("/.kcoral/tmp"))
+            self.assertLess(tmp_bind, argv.index(extra) - 2)
+            self.assertNotIn(
+                "/work/.kcoral/tmp",
+                [
+                    argv[i + 1]
+                    for i, a in enumerate(argv)
+                    if a == "--symlink" and argv[i + 2] == "/tmp"
+                ],
+            )
+            keep = sandbox._mount_points_in_workspace()
+            parts = os.path.relpath(extra, "/tmp").split(os.sep)
+            node = keep[".kcoral"]["tmp"]
+            for part in parts[:-1]:
+                node = node[part]
+            self.assertEqual(node[parts[-1]], {})
+
     def test_order(self) -> None:
         """Flags, mounts, devices, links, env, chdir and the root remount come in spec order."""
         executable, argv, _env = self.command(BubblewrapSandbox([]))
+        # Where this checkout or its virtualenv lives under /tmp, /tmp is bound
+        # first (test_tmp_bound_when_runtime_under_tmp); the rest is the same.
+        tmp_linked = True
+        while argv[8] == "--bind" and argv[10] in ("/tmp", "/var/tmp"):
+            tmp_linked = False
+            del argv[8:11]
         self.assertEqual(executable, "bwrap")
         self.assertEqual(argv[0], "bwrap")
         self.assertEqual(
@@ -142,10 +176,11 @@ class BubblewrapCommandTests(_TempMixin, SynchronousTestCase):
             [d for d, _ in _pairs(argv, "--dev-bind")],
             ["/dev/null", "/dev/zero", "/dev/random", "/dev/urandom", "/dev/full"],
         )
+        tmp_links = [("/work/.kcoral/tmp", "/tmp")] if tmp_linked else []
         self.assertEqual(
             [(s, d) for s, d in _pairs(argv, "--symlink")],
             [
-                ("/work/.kcoral/tmp", "/tmp"),
+                *tmp_links,
                 ("/work/.kcoral/tmp", "/var/tmp"),
                 ("/work/.kcoral/shm", "/dev/shm"),
                 ("/proc/self/fd", "/dev/fd"),

@@ -8,6 +8,7 @@ and a CPU server that compiles CUDA C for the GPU server's target.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -355,3 +356,26 @@ def test_gpu_count_one_reports_gpu_ids(gpu_server: ServerProcess) -> None:
     body, _ = _ok(gpu_server.execute(program))
     assert body["gpu_ids"] == [0]
     assert body["gpu_count"] == 1
+
+
+def test_gpus_are_physical_whatever_the_front_end_sees(tmp_path: Path) -> None:
+    """--gpus 0 serves on physical GPU 0 even when the front end's CUDA_VISIBLE_DEVICES hides it."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    server = ServerProcess(
+        [
+            "--device",
+            "gpu",
+            "--gpus",
+            "0",
+            "--workers-per-gpu",
+            "1",
+            "--log-dir",
+            "",
+            *_readonly_flags(),
+        ],
+        env=env,
+        log_path=tmp_path / "server.out",
+    )
+    with server:
+        assert server.health()["target"] == {"arch": "sm_90a"}
+        test_tensor_round_trip(server, "float32")

@@ -25,7 +25,7 @@ from typing import IO, Any
 from twisted.application.service import IServiceMaker
 from twisted.logger import ILogObserver, textFileLogObserver
 from twisted.python import usage
-from zope.interface import implementer
+from zope.interface import implementer, provider
 
 __all__ = ["TWISTD_ARGS", "main", "stderr_log_observer", "twistd_args"]
 
@@ -58,7 +58,15 @@ def stderr_log_observer() -> ILogObserver:
     Called before twistd redirects C{sys.stderr} into the log, so it holds
     the real stream.
     """
-    observer: ILogObserver = textFileLogObserver(sys.stderr)  # type: ignore[assignment]
+    text: ILogObserver = textFileLogObserver(sys.stderr)  # type: ignore[assignment]
+
+    @provider(ILogObserver)
+    def observer(event: dict[str, Any]) -> None:
+        # kcoral's own events reach the console through its console mirror
+        # (--no-log-console turns that off); print only Twisted's here.
+        if "kcoral_event" not in event:
+            text(event)
+
     return observer
 
 

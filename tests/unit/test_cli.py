@@ -276,6 +276,17 @@ class LogObserverTests(SynchronousTestCase):
         observer({"log_format": "hello {who}", "who": "op", "log_time": 0.0})
         self.assertIn("hello op", stream.getvalue())
 
+    def test_leaves_kcoral_events_to_the_console_mirror(self) -> None:
+        """
+        Events with C{kcoral_event} are not printed twice: the console
+        mirror shows them (or, with C{--no-log-console}, nothing does).
+        """
+        stream = io.StringIO()
+        self.patch(sys, "stderr", stream)
+        observer = cli.stderr_log_observer()
+        observer({"log_format": "x {n}", "n": 1, "log_time": 0.0, "kcoral_event": "pool_ready"})
+        self.assertEqual(stream.getvalue(), "")
+
 
 class ModuleEntryTests(SynchronousTestCase):
     """

@@ -129,7 +129,7 @@ class PartCollector:
 def _encode_tensor(exported: tuple[str, Sequence[int], bytes], collector: PartCollector) -> Node:
     dtype, shape, data = exported
     if not isinstance(dtype, str) or dtype not in DTYPES:
-        raise SerializationError(f"cannot return tensor dtype {dtype!r}")
+        raise SerializationError(f"cannot return tensor dtype {dtype}")
     if not isinstance(shape, list | tuple) or any(
         isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape
     ):
@@ -208,7 +208,7 @@ def numpy_tensor_parts(value: object) -> tuple[str, Sequence[int], bytes] | None
         return None
     name = value.dtype.name
     if name not in DTYPES:
-        raise SerializationError(f"cannot return tensor dtype {name!r}")
+        raise SerializationError(f"cannot return tensor dtype {name}")
     data = np.ascontiguousarray(value, dtype=value.dtype.newbyteorder("<")).tobytes()
     return name, list(value.shape), data
 

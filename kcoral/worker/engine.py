@@ -22,7 +22,6 @@ import gc
 import hashlib
 import importlib
 import linecache
-import math
 import os
 import signal
 import stat
@@ -47,11 +46,12 @@ from kcoral.wire.program import (
     normalize_path,
     parse_program,
 )
+from kcoral.wire.values import PartCollector, SerializationError, encode_plain, file_node
 from kcoral.worker import runtime
 from kcoral.worker.builtins import CPU_ONLY as KNOWN_BUILTINS
 from kcoral.worker.builtins import CudaSource
 from kcoral.worker.capture import OutputCapture
-from kcoral.worker.devices import WIRE_DTYPES, numpy_tensor_parts
+from kcoral.worker.devices import numpy_tensor_parts
 
 #: Values of C{outcome.retire}.
 RETIRE_REQUEST_LIMIT = "request_limit"
@@ -160,100 +160,23 @@ def _user_failure(exc: Exception) -> _Failure:
 # Value encoding (protocol §7)
 
 
-try:  # pragma: no cover - depends on what has landed in kcoral.wire
-    from kcoral.wire.values import SerializationError  # type: ignore[import-not-found]
-except ImportError:
-
-    class SerializationError(ValueError):  # type: ignore[no-redef]
-        """A value cannot be encoded."""
-
-
-@attrs.define
-class _Parts:
-    """Binary parts of one response, numbered C{return:<n>}, with rewind."""
-
-    parts: list[bytes] = attrs.field(factory=list)
-
-    @property
-    def total(self) -> int:
-        return sum(len(part) for part in self.parts)
-
-    def add(self, data: bytes) -> dict[str, Any]:
-        name = f"return:{len(self.parts)}"
-        self.parts.append(data)
-        return {"part": name, "sha256": hashlib.sha256(data).hexdigest()}
-
-    def mark(self) -> int:
-        return len(self.parts)
-
-    def rewind(self, mark: int) -> None:
-        del self.parts[mark:]
-
-
 def encode_value(
     value: Any,
-    parts: _Parts,
+    parts: PartCollector,
     tensor_parts: Callable[[Any], tuple[str, tuple[int, ...], bytes] | None],
 ) -> dict[str, Any]:
     """
-    Encode C{value} as a value tree node (protocol §7.1).
+    Encode C{value} as a value tree node (protocol §7.1): the wire encoder,
+    with the backend's tensors first and NumPy arrays as tensors too.
 
     @raise SerializationError: the value cannot be returned.
     """
-    if value is None:
-        return {"type": "null"}
-    if isinstance(value, bool):
-        return {"type": "boolean", "value": bool(value)}
-    if isinstance(value, int):
-        return {"type": "integer", "value": int(value)}
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise SerializationError("cannot return a non-finite number")
-        return {"type": "number", "value": float(value)}
-    if isinstance(value, str):
-        return {"type": "string", "value": str(value)}
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return {"type": "bytes", **parts.add(bytes(value))}
-    if isinstance(value, (list, tuple)):
-        return {"type": "array", "value": [encode_value(v, parts, tensor_parts) for v in value]}
-    if isinstance(value, dict):
-        members = {}
-        for key, member in value.items():
-            if not isinstance(key, str):
-                raise SerializationError("returned objects must have string keys")
-            members[key] = encode_value(member, parts, tensor_parts)
-        return {"type": "object", "value": members}
-    tensor = tensor_parts(value)
-    if tensor is None:
-        tensor = numpy_tensor_parts(value)
-    if tensor is not None:
-        dtype, shape, data = tensor
-        if dtype not in WIRE_DTYPES:
-            raise SerializationError(f"cannot return tensor dtype {dtype}")
-        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
-            raise SerializationError("cannot return a tensor with an invalid shape")
-        if len(data) != math.prod(shape) * _ITEMSIZE[dtype]:
-            raise SerializationError("cannot return a tensor whose data does not match its shape")
-        node = {"type": "tensor", **parts.add(bytes(data))}
-        node.update(dtype=dtype, shape=list(shape))
-        return node
-    raise SerializationError(f"cannot return value of type {type(value).__name__}")
 
+    def any_tensor(candidate: Any) -> Any:
+        found = tensor_parts(candidate)
+        return found if found is not None else numpy_tensor_parts(candidate)
 
-_ITEMSIZE = {
-    "bool": 1,
-    "uint8": 1,
-    "int8": 1,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-    "int16": 2,
-    "float16": 2,
-    "bfloat16": 2,
-    "int32": 4,
-    "float32": 4,
-    "int64": 8,
-    "float64": 8,
-}
+    return encode_plain(value, parts, any_tensor)
 
 
 # ---------------------------------------------------------------------------
@@ -346,18 +269,23 @@ def _read_regular(dir_fd: int, name: str, budget: _Budget) -> bytes:
     return data
 
 
-def _file_node(data: bytes, parts: _Parts) -> dict[str, Any]:
-    return {"type": "file", **parts.add(data), "size": len(data)}
+def _file_node(data: bytes, parts: PartCollector) -> dict[str, Any]:
+    name, sha = parts.add(data)
+    return file_node(name, sha, len(data))
 
 
-def collect_file(workspace: str, path: str, parts: _Parts, budget: _Budget) -> dict[str, Any]:
+def collect_file(
+    workspace: str, path: str, parts: PartCollector, budget: _Budget
+) -> dict[str, Any]:
     """Capture the regular file at C{path} (protocol §7.3)."""
     *parents, name = path.split("/")
     with _open_parent(workspace, parents, create=False) as parent:
         return _file_node(_read_regular(parent, name, budget), parts)
 
 
-def collect_folder(workspace: str, path: str, parts: _Parts, budget: _Budget) -> dict[str, Any]:
+def collect_folder(
+    workspace: str, path: str, parts: PartCollector, budget: _Budget
+) -> dict[str, Any]:
     """Capture the folder at C{path}: every file and directory, no symlinks."""
     components = path.split("/")
     files: dict[str, bytes] = {}
@@ -691,7 +619,7 @@ class _ProgramRun:
         self.request = request
         self.program = program
         self.handles = _Handles()
-        self.parts = _Parts()
+        self.parts = PartCollector()
         self.results: dict[str, Any] = {}
         self.error: dict[str, Any] | None = None
         self.last: Any = None
@@ -964,7 +892,7 @@ class _ProgramRun:
                         f"the path handle holds {type(path).__name__}, not a string"
                     )
             path = normalize_path(path)  # type: ignore[arg-type]
-            budget = _Budget(self.request.max_response_bytes - self.parts.total)
+            budget = _Budget(self.request.max_response_bytes - self.parts.total_bytes)
             collect = collect_file if kind == "file" else collect_folder
             return collect(self.request.workspace, path, self.parts, budget)
         except (SerializationError, OSError, ValueError) as e:

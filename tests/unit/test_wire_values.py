@@ -199,7 +199,7 @@ def test_tensor_callback_rules() -> None:
         raise RuntimeError("device lost")
 
     for callback, message in [
-        (bad_dtype, "cannot return tensor dtype 'uint16'"),
+        (bad_dtype, "cannot return tensor dtype uint16"),
         (bad_len, "returned tensor metadata expects 8 bytes, got 4"),
         (boom, "failed to export tensor: RuntimeError: device lost"),
     ]:

@@ -203,7 +203,7 @@ class WorkerPool:
                 self._replace(seat, "crashed")
         return code
 
-    async def stop_waiters(self) -> None:
+    def stop_waiters(self) -> None:
         """Refuse new work and answer every queued request with L{PoolBusy}."""
         self.closing = True
         while self._waiters:
@@ -214,12 +214,7 @@ class WorkerPool:
 
     async def stop(self) -> None:
         """Refuse new work, fail waiters, and stop every worker."""
-        self.closing = True
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if waiter.timer is not None and waiter.timer.active():
-                waiter.timer.cancel()
-            waiter.deferred.errback(PoolBusy("server shutting down"))
+        self.stop_waiters()
         pending = list(self._pending)
         if pending:
             await DeferredList(pending, consumeErrors=True)

@@ -202,9 +202,7 @@ class KCoralService(service.MultiService):
             self.port = None
         self.leases.close()
         # Queued requests get 503 now; running ones finish with their budgets.
-        self.pool.closing = True
-        stop = Deferred.fromCoroutine(self.pool.stop_waiters())
-        await stop
+        self.pool.stop_waiters()
         await self.api.wait_idle()
         await self.pool.stop()
         if self._root_dir is not None:

@@ -29,7 +29,8 @@ system_packages() {
 python_packages() {
     [ -x "$VENV/bin/python" ] || $PY -m venv "$VENV"
     "$VENV/bin/python" -m pip install -q --upgrade pip
-    "$VENV/bin/python" -m pip install -q -e '.[server,test]'
+    # compat mode puts the checkout on sys.path, so twistd finds twisted/plugins/kcoral_plugin.py
+    "$VENV/bin/python" -m pip install -q -e '.[server,test]' --config-settings editable_mode=compat
 }
 
 case "${1:-}" in

@@ -35,6 +35,7 @@ from kcoral.wire.multipart import (
     encode_response,
 )
 from kcoral.wire.program import (
+    BUILTIN_NAMES,
     Program,
     Upload,
     ValidationError,
@@ -114,7 +115,7 @@ def _parse_body(content: Any, content_type: str | None, max_bytes: int) -> Parse
         raise
     blobs = {}
     try:
-        program = parse_program(parsed.program, builtin_names=_builtin_names())
+        program = parse_program(parsed.program, builtin_names=BUILTIN_NAMES)
         check_blob_references(program, parsed.blobs)
         for digest, blob in parsed.blobs.items():
             blobs[digest] = blob.read()
@@ -132,13 +133,6 @@ def _close_parser(parser: Any) -> None:
             close()
         except Exception:
             pass
-
-
-def _builtin_names() -> frozenset[str]:
-    """Wire names a legacy string C{run.fn} may use (protocol §10.2)."""
-    from kcoral.worker.builtins import CPU_ONLY
-
-    return frozenset(CPU_ONLY) | {"builtin.kernel"}
 
 
 def _shield(d: Deferred[Any]) -> Deferred[Any]:

@@ -46,6 +46,25 @@ DTYPES: dict[str, int] = {
     "float64": 8,
 }
 
+#: Server functions a legacy string C{run.fn} may name (protocol §10.2),
+#: plus C{builtin.kernel}, kcoral's launch-handle maker for library kernels.
+BUILTIN_NAMES = frozenset(
+    {
+        "builtin.randn",
+        "builtin.empty",
+        "builtin.zeros",
+        "builtin.compile_tirx",
+        "builtin.compile_cuda",
+        "builtin.compile_cuda_binary",
+        "builtin.compile_cutedsl",
+        "builtin.compile_triton",
+        "builtin.benchmark",
+        "builtin.check_close",
+        "builtin.assert_close",
+        "builtin.kernel",
+    }
+)
+
 #: Module languages of the legacy dialect (protocol §13.2 item 3).
 LANGUAGES = frozenset({"python", "cuda"})
 

@@ -36,6 +36,7 @@ import attrs
 from kcoral.errors import KINDS, ExecutionError, GPUAccessViolation
 from kcoral.wire.errors import instruction_error, truncate_traceback
 from kcoral.wire.program import (
+    BUILTIN_NAMES,
     BuiltinName,
     GetFunction,
     Program,
@@ -48,7 +49,6 @@ from kcoral.wire.program import (
 )
 from kcoral.wire.values import PartCollector, SerializationError, encode_plain, file_node
 from kcoral.worker import runtime
-from kcoral.worker.builtins import CPU_ONLY as KNOWN_BUILTINS
 from kcoral.worker.builtins import CudaSource
 from kcoral.worker.capture import OutputCapture
 from kcoral.worker.devices import numpy_tensor_parts
@@ -554,7 +554,7 @@ class Engine:
             limit is reached), so it keeps the lease and skips the reuse checks.
         """
         state = ProcessState.snapshot()
-        program = _parse(request.program, frozenset(self.builtins) | frozenset(KNOWN_BUILTINS))
+        program = _parse(request.program, frozenset(self.builtins) | BUILTIN_NAMES)
         run = _ProgramRun(self, request, program)
         cwd = os.getcwd()
         capture = OutputCapture(request.workspace, request.output_limit)

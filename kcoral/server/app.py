@@ -498,6 +498,19 @@ class KcoralAPI:
             return "request_limit"
         return None
 
+    def _interferer(
+        self, request_id: str, gpu: int, error: dict[str, Any], result: JobResult
+    ) -> str | None:
+        """
+        The request that held the GPU while the offending cpu_only run ran,
+        when exactly one other request did (protocol §9.1).
+        """
+        start = result.instruction_started.get(error.get("instruction_index", -1))
+        if start is None:
+            return None
+        labels = self.leases.labels_during(gpu, start, result.ended_at)
+        return _single_other_request(labels, request_id)
+
     def _respond(
         self,
         request_id: str,
@@ -591,6 +604,14 @@ class KcoralAPI:
             body["gpu_count"] = len(seat.gpus)
         body["results"] = header.get("results", {})
         error = header.get("error")
+        if (
+            isinstance(error, dict)
+            and error.get("kind") == "gpu_access"
+            and seat.gpu_id is not None
+        ):
+            error["interfered_request_id"] = self._interferer(
+                request_id, seat.gpu_id, error, result
+            )
         if body["status"] != "COMPLETED":
             body["error"] = error
         content_type, chunks = encode_response(body, parts)
@@ -627,6 +648,16 @@ class KcoralAPI:
         if len(chunks) == 1:
             return 200, content_type, chunks[0]
         return 200, content_type, chunks
+
+
+def _single_other_request(labels: set[Any], request_id: str) -> str | None:
+    """The one other request among lease labels, if exactly one held the GPU."""
+    others = {
+        label
+        for label in labels
+        if isinstance(label, str) and label != request_id and not label.startswith("warmup:")
+    }
+    return others.pop() if len(others) == 1 else None
 
 
 def _header(request: IRequest, name: bytes) -> str | None:

@@ -162,6 +162,21 @@ class LeaseArbiter:
         """The label C{holder} acquired with."""
         return self._labels.get(holder)
 
+    def labels_during(self, gpu: int, start: float, end: float) -> set[Any]:
+        """
+        The labels of every hold of C{gpu} that overlapped C{[start, end]},
+        the current hold included (which request held a GPU at some moment).
+        """
+        labels = {
+            interval.label
+            for interval in self.history.get(gpu, ())
+            if interval.start <= end and interval.end >= start
+        }
+        holder = self._holders.get(gpu)
+        if holder is not None and self._grants[holder].granted_at <= end:
+            labels.add(self._labels.get(holder))
+        return labels
+
     def depth(self, gpu: int) -> int:
         """Waiters that want C{gpu}, plus one if it is held (the /health C{lease_depth})."""
         waiting = sum(1 for w in self._waiters if gpu in w.gpus)

@@ -83,6 +83,10 @@ class JobResult:
     output_tail: str = ""
     lease_wait_seconds: float = 0.0
     lease_held_seconds: float = 0.0
+    #: When each announced instruction started, and when the job ended
+    #: (reactor time), to tell which request held the GPU meanwhile.
+    instruction_started: dict[int, float] = attrs.field(factory=dict)
+    ended_at: float = 0.0
 
 
 class _Tail:
@@ -444,6 +448,7 @@ class _RunningJob:
     on_instruction: Callable[[int], None] | None
     done: Deferred[JobResult] = attrs.field(factory=Deferred)
     instruction_index: int | None = None
+    instruction_started: dict[int, float] = attrs.field(factory=dict)
     remaining: float = 0.0
     _budget_started: float | None = None
     _timer: IDelayedCall | None = None
@@ -501,6 +506,7 @@ class _RunningJob:
             index = message.header.get("index")
             if isinstance(index, int):
                 self.instruction_index = index
+                self.instruction_started[index] = self._clock()
                 if self.on_instruction is not None:
                     self.on_instruction(index)
         elif kind == "lease_acquire":
@@ -571,6 +577,8 @@ class _RunningJob:
             result,
             lease_wait_seconds=self._lease_wait,
             lease_held_seconds=held,
+            instruction_started=dict(self.instruction_started),
+            ended_at=self._clock(),
             exit_code=result.exit_code if result.exit_code is not None else self.worker.exit_code,
             output_tail=result.output_tail or self.worker.protocol.output_tail(),
         )

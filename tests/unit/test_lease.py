@@ -103,3 +103,32 @@ class LeaseArbiterTests(SynchronousTestCase):
     def test_unknown_gpu(self) -> None:
         """Asking for a GPU the server does not have is a programming error."""
         self.assertRaises(ValueError, self.leases.acquire, "a", (7,))
+
+
+class LabelsDuringTests(SynchronousTestCase):
+    """Which requests held a GPU during a span: for gpu_access reports."""
+
+    def test_closed_and_open_holds(self) -> None:
+        """Closed holds that overlap the span count, and so does the current hold."""
+        clock = Clock()
+        leases = LeaseArbiter((0,), clock)
+        self.successResultOf(leases.acquire("a", (0,), label="req-a"))
+        clock.advance(1.0)
+        leases.release("a")
+        clock.advance(1.0)
+        self.successResultOf(leases.acquire("b", (0,), label="req-b"))
+        clock.advance(1.0)
+        self.assertEqual(leases.labels_during(0, 0.5, 0.9), {"req-a"})
+        self.assertEqual(leases.labels_during(0, 0.5, 2.5), {"req-a", "req-b"})
+        self.assertEqual(leases.labels_during(0, 1.2, 1.8), set())
+        self.assertEqual(leases.labels_during(0, 2.5, 3.0), {"req-b"})
+
+
+def test_single_other_request() -> None:
+    """Only one other request (not a warm-up, not ourselves) is named."""
+    from kcoral.server.app import _single_other_request
+
+    assert _single_other_request({"me", "other"}, "me") == "other"
+    assert _single_other_request({"me", "warmup:gpu0/w1"}, "me") is None
+    assert _single_other_request({"x", "y"}, "me") is None
+    assert _single_other_request(set(), "me") is None

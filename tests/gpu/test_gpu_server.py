@@ -379,3 +379,52 @@ def test_gpus_are_physical_whatever_the_front_end_sees(tmp_path: Path) -> None:
     with server:
         assert server.health()["target"] == {"arch": "sm_90a"}
         test_tensor_round_trip(server, "float32")
+
+
+def test_gpu_access_names_the_request_holding_the_gpu(gpu_server: ServerProcess) -> None:
+    """While request A holds the GPU, B's cpu_only CUDA call is reported as interfering with A."""
+    import threading
+    import time
+    import uuid
+
+    holder_id = str(uuid.uuid4())
+    hold = {
+        "instructions": [
+            {
+                "op": "upload",
+                "kind": "module",
+                "id": "m",
+                "source": "import time\ndef f():\n    time.sleep(3)\n",
+            },
+            {"op": "get_function", "id": "f", "module": {"$ref": "m"}, "name": "f"},
+            {"op": "run", "id": "r", "fn": {"$ref": "f"}, "args": []},
+        ]
+    }
+    sneaky = (
+        "import time\nimport pycuda.driver as drv\n"
+        "def f():\n    time.sleep(1)\n    return drv.mem_alloc(16)\n"
+    )
+    probe = {
+        "instructions": [
+            {"op": "upload", "kind": "bytes", "id": "b", "blob": sha256(b"")},
+            {"op": "upload", "kind": "module", "id": "m", "source": sneaky},
+            {
+                "op": "get_function",
+                "id": "f",
+                "module": {"$ref": "m"},
+                "name": "f",
+                "cpu_only": True,
+            },
+            {"op": "run", "id": "r", "fn": {"$ref": "f"}, "args": []},
+        ]
+    }
+    holder = threading.Thread(
+        target=gpu_server.execute, args=(hold,), kwargs={"headers": {"X-Request-ID": holder_id}}
+    )
+    holder.start()
+    time.sleep(0.5)
+    response = gpu_server.execute(probe, [b""])
+    holder.join()
+    error = response.json()["error"]
+    assert error["kind"] == "gpu_access"
+    assert error["interfered_request_id"] == holder_id

@@ -8,6 +8,7 @@ and a CPU server that compiles CUDA C for the GPU server's target.
 from __future__ import annotations
 
 import os
+from typing import Any
 from pathlib import Path
 
 import numpy as np
@@ -382,7 +383,7 @@ def test_gpus_are_physical_whatever_the_front_end_sees(tmp_path: Path) -> None:
 
 
 def test_gpu_access_names_the_request_holding_the_gpu(gpu_server: ServerProcess) -> None:
-    """While request A holds the GPU, B's cpu_only CUDA call is reported as interfering with A."""
+    """B's cpu_only run leaves the GPU to A; B's CUDA call during A's hold names A."""
     import threading
     import time
     import uuid
@@ -402,11 +403,10 @@ def test_gpu_access_names_the_request_holding_the_gpu(gpu_server: ServerProcess)
     }
     sneaky = (
         "import time\nimport pycuda.driver as drv\n"
-        "def f():\n    time.sleep(1)\n    return drv.mem_alloc(16)\n"
+        "def f():\n    time.sleep(1.5)\n    return drv.mem_alloc(16)\n"
     )
     probe = {
         "instructions": [
-            {"op": "upload", "kind": "bytes", "id": "b", "blob": sha256(b"")},
             {"op": "upload", "kind": "module", "id": "m", "source": sneaky},
             {
                 "op": "get_function",
@@ -418,13 +418,16 @@ def test_gpu_access_names_the_request_holding_the_gpu(gpu_server: ServerProcess)
             {"op": "run", "id": "r", "fn": {"$ref": "f"}, "args": []},
         ]
     }
+    answers: dict[str, Any] = {}
+    prober = threading.Thread(target=lambda: answers.update(probe=gpu_server.execute(probe)))
+    prober.start()
+    time.sleep(0.5)  # B is inside its cpu_only run, off the lease
     holder = threading.Thread(
         target=gpu_server.execute, args=(hold,), kwargs={"headers": {"X-Request-ID": holder_id}}
     )
     holder.start()
-    time.sleep(0.5)
-    response = gpu_server.execute(probe, [b""])
+    prober.join()
     holder.join()
-    error = response.json()["error"]
+    error = answers["probe"].json()["error"]
     assert error["kind"] == "gpu_access"
     assert error["interfered_request_id"] == holder_id

@@ -8,8 +8,8 @@ and a CPU server that compiles CUDA C for the GPU server's target.
 from __future__ import annotations
 
 import os
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest

@@ -132,3 +132,49 @@ def test_single_other_request() -> None:
     assert _single_other_request({"me", "warmup:gpu0/w1"}, "me") is None
     assert _single_other_request({"x", "y"}, "me") is None
     assert _single_other_request(set(), "me") is None
+
+
+class AnyGpusTests(SynchronousTestCase):
+    """Multi-GPU requests: any N GPUs, all or nothing, never starved."""
+
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.leases = LeaseArbiter((0, 1), self.clock)
+
+    def test_takes_first_free_in_order(self) -> None:
+        """With both GPUs free, N=2 gets (0, 1); N=1 gets the first free one."""
+        self.assertEqual(self.successResultOf(self.leases.acquire_any("big", 2)).gpus, (0, 1))
+        self.leases.release("big")
+        self.successResultOf(self.leases.acquire("a", (0,)))
+        self.assertEqual(self.successResultOf(self.leases.acquire_any("one", 1)).gpus, (1,))
+
+    def test_waits_without_holding_a_subset_and_blocks_newcomers(self) -> None:
+        """A waiting N=2 request holds nothing, and later single-GPU requests queue behind it."""
+        self.successResultOf(self.leases.acquire("a", (0,)))
+        big = self.leases.acquire_any("big", 2)
+        small = self.leases.acquire("small", (1,))
+        self.assertNoResult(big)
+        self.assertNoResult(small)
+        self.assertIsNone(self.leases.holder_of(1))
+        self.assertEqual(self.leases.depth(1), 2)
+        self.leases.release("a")
+        self.assertEqual(self.successResultOf(big).gpus, (0, 1))
+        self.assertNoResult(small)
+        self.leases.release("big")
+        self.successResultOf(small)
+
+    def test_transfer_keeps_the_hold(self) -> None:
+        """A grant handed to the worker it was taken for stays exclusive and re-entrant."""
+        grant = self.successResultOf(self.leases.acquire_any("token", 2, label="req"))
+        moved = self.leases.transfer("token", "worker")
+        self.assertEqual(moved.gpus, grant.gpus)
+        self.assertEqual(self.leases.holder_of(0), "worker")
+        self.assertIs(self.successResultOf(self.leases.acquire("worker", (0, 1))), moved)
+        waiting = self.leases.acquire("other", (1,))
+        self.assertNoResult(waiting)
+        self.leases.release("worker")
+        self.successResultOf(waiting)
+
+    def test_more_than_configured_is_refused(self) -> None:
+        """Asking for more GPUs than the server has is a programming error."""
+        self.assertRaises(ValueError, self.leases.acquire_any, "x", 3)

@@ -23,6 +23,7 @@ from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 from twisted.web.iweb import IRequest
 
+from kcoral.server.lease import LeaseUnavailable
 from kcoral.server.pool import PoolBusy
 from kcoral.server.workerproc import Job, JobResult
 from kcoral.wire.errors import choose_request_id, error_body, instruction_error, json_dumps
@@ -409,13 +410,6 @@ class KcoralAPI:
                         "invalid_request",
                         error_kind="parse",
                     )
-                if gpu_count > 1:
-                    raise RequestError(
-                        "parse",
-                        "multi-GPU programs are not supported by this server yet",
-                        "invalid_request",
-                        error_kind="parse",
-                    )
             timeout, output_limit = clamp_options(
                 program.options,
                 default_timeout=config.default_timeout_seconds,
@@ -448,6 +442,8 @@ class KcoralAPI:
                 output_limit=output_limit,
                 max_response_bytes=config.max_response_bytes,
             )
+            if program.options.gpu_count is not None:
+                return await self._run_multi_gpu(request_id, job, program.options.gpu_count)
             return await self._run(request_id, job)
         finally:
             resolution.pin.release()
@@ -489,6 +485,76 @@ class KcoralAPI:
                 seat, retire=retire if retire is not None else self._fallback_retire(seat)
             )
 
+    async def _run_multi_gpu(self, request_id: str, job: Job, count: int) -> tuple[int, str, Body]:
+        """
+        Run a program that asked for C{count} GPUs (protocol §6.5): take a
+        seat, lease any C{count} GPUs all or nothing, start a one-request
+        worker that sees them all while holding them, then run the program.
+        """
+        queued = self._reactor.seconds()
+        try:
+            seat = await self.pool.acquire(self.config.worker_wait_timeout_seconds)
+        except PoolBusy:
+            queue_ms = (self._reactor.seconds() - queued) * 1000.0
+            raise RequestError("busy", "server saturated", "no_worker", queue_ms=queue_ms) from None
+        assigned = self._reactor.seconds()
+        queue_ms = (assigned - queued) * 1000.0
+        token = _LeaseToken(request_id)
+        try:
+            try:
+                grant = await self.leases.acquire_any(token, count, label=request_id)
+            except LeaseUnavailable:
+                raise RequestError(
+                    "busy", "server saturated", "no_worker", queue_ms=queue_ms
+                ) from None
+            starting = self._reactor.seconds()
+            try:
+                worker, work_dir = await self.pool.start_transient(seat, grant.gpus, token)
+            except Exception as e:
+                raise RequestError(
+                    "engine", "worker crashed", "crashed", error_message=str(e)[:2048]
+                ) from None
+            startup = self._reactor.seconds() - starting
+            self.log.info(
+                "request {request_id} routed to a worker on GPUs {gpu_ids}",
+                kcoral_event="request_routed",
+                request_id=request_id,
+                worker_id=seat.worker_id,
+                gpu_id=grant.gpus[0],
+                gpu_ids=list(grant.gpus),
+                generation=0,
+                pid=worker.pid,
+                queue_ms=queue_ms,
+            )
+            try:
+                # Starting the worker counts against the budget (§6.5).
+                remaining = job.timeout_seconds - startup
+                if remaining <= 0:
+                    raise RequestError("timeout", "execution timed out", "timeout")
+                job = attrs.evolve(
+                    job,
+                    workspace=self.pool.sandbox.worker_path(work_dir),
+                    reserved=self.pool.sandbox.reserved,
+                    timeout_seconds=remaining,
+                )
+                result: JobResult = await worker.run(job)
+                result = attrs.evolve(
+                    result,
+                    lease_wait_seconds=result.lease_wait_seconds + grant.wait_seconds,
+                    lease_held_seconds=result.lease_held_seconds + startup,
+                )
+                elapsed_ms = (self._reactor.seconds() - assigned) * 1000.0
+                return self._respond(
+                    request_id, seat, job, result, queue_ms, elapsed_ms, gpus=grant.gpus
+                )
+            finally:
+                self.pool.remove_transient(worker, work_dir).addErrback(
+                    lambda f: self.log.failure("removing a multi-GPU worker failed", f)
+                )
+        finally:
+            self.leases.abandon(token)
+            self.pool.release(seat)
+
     def _fallback_retire(self, seat: Any) -> str | None:
         worker = seat.worker
         return None if worker is not None and worker.alive and worker._job is None else "crashed"
@@ -528,6 +594,7 @@ class KcoralAPI:
         result: JobResult,
         queue_ms: float,
         elapsed_ms: float,
+        gpus: tuple[int, ...] | None = None,
     ) -> tuple[int, str, Body]:
         place = {"worker_id": seat.worker_id, "gpu_id": seat.gpu_id}
         if result.ending == "timeout":
@@ -609,8 +676,9 @@ class KcoralAPI:
         }
         if job.program.options.gpu_count is not None:
             # Only for programs that asked for a GPU count (protocol §6.5).
-            body["gpu_ids"] = list(seat.gpus)
-            body["gpu_count"] = len(seat.gpus)
+            gpu_ids = list(seat.gpus if gpus is None else gpus)
+            body["gpu_ids"] = gpu_ids
+            body["gpu_count"] = len(gpu_ids)
         body["results"] = header.get("results", {})
         error = header.get("error")
         if (
@@ -657,6 +725,13 @@ class KcoralAPI:
         if len(chunks) == 1:
             return 200, content_type, chunks[0]
         return 200, content_type, chunks
+
+
+@attrs.define(eq=False)
+class _LeaseToken:
+    """Holds a multi-GPU program's GPUs until its worker takes them over."""
+
+    request_id: str
 
 
 def _single_other_request(labels: set[Any], request_id: str) -> str | None:

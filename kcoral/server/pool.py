@@ -84,6 +84,7 @@ class WorkerPool:
     active: int = 0
     #: Extra environment variables for every worker (e.g. the compile cache).
     worker_env: dict[str, str] = attrs.field(factory=dict)
+    _transients: int = 0
     target: dict[str, str] = attrs.field(factory=dict)
     versions: dict[str, str] = attrs.field(factory=dict)
     spawn_worker: Callable[..., WorkerProcess] = WorkerProcess.spawn
@@ -138,30 +139,12 @@ class WorkerPool:
         seat.status = "starting"
         seat.seat_dir = self.root_dir / f"{_safe_name(seat.worker_id)}-g{seat.generation}"
         seat.work_dir = await self._run_blocking(self.sandbox.prepare_seat, seat.seat_dir)
-        executable, args, env = self.sandbox.command(
-            python=_python(),
-            worker_args=worker_command_args(
-                "cpu" if seat.gpu_id is None else "gpu",
-                max_requests=self.config.max_requests_per_worker,
-                tensor_api=getattr(self.config, "tensor_api", "auto"),
-            ),
-            work_dir=seat.work_dir,
-            gpu_devices=[] if seat.gpu_id is None else [str(seat.gpu_id)],
-        )
-        env = {**env, **self.worker_env}
-        if seat.gpu_id is not None:
-            env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-            env["CUDA_VISIBLE_DEVICES"] = str(seat.gpu_id)
-        worker = self.spawn_worker(
-            self._reactor,
-            seat=seat.worker_id,
-            generation=seat.generation,
-            gpus=seat.gpus,
-            leases=self.leases,
-            executable=executable,
-            args=args,
-            env=env,
-            grace_seconds=self.config.worker_termination_grace_seconds,
+        worker = self._spawn(
+            seat.worker_id,
+            seat.generation,
+            seat.gpus,
+            seat.work_dir,
+            self.config.max_requests_per_worker,
         )
         seat.worker = worker
         seat.served = 0
@@ -192,6 +175,77 @@ class WorkerPool:
             device=None if seat.gpu_id is None else str(seat.gpu_id),
             arch=info.get("target", {}).get("arch"),
         )
+
+    def _spawn(
+        self,
+        worker_id: str,
+        generation: int,
+        gpus: tuple[int, ...],
+        work_dir: Path,
+        max_requests: int,
+    ) -> WorkerProcess:
+        """Start a worker process that sees exactly C{gpus} (none: a CPU worker)."""
+        executable, args, env = self.sandbox.command(
+            python=_python(),
+            worker_args=worker_command_args(
+                "gpu" if gpus else "cpu",
+                max_requests=max_requests,
+                tensor_api=getattr(self.config, "tensor_api", "auto"),
+            ),
+            work_dir=work_dir,
+            gpu_devices=[str(gpu) for gpu in gpus],
+        )
+        env = {**env, **self.worker_env}
+        if gpus:
+            # Physical ids in nvidia-smi order, whatever the front end was given.
+            env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(gpu) for gpu in gpus)
+        return self.spawn_worker(
+            self._reactor,
+            seat=worker_id,
+            generation=generation,
+            gpus=gpus,
+            leases=self.leases,
+            executable=executable,
+            args=args,
+            env=env,
+            grace_seconds=self.config.worker_termination_grace_seconds,
+        )
+
+    async def start_transient(
+        self, seat: Seat, gpus: tuple[int, ...], lease_holder: object
+    ) -> tuple[WorkerProcess, Path]:
+        """
+        Start a one-request worker that sees all of C{gpus} (a multi-GPU
+        program), for the request that holds C{seat}.
+
+        The caller holds the GPUs' lease as C{lease_holder}; it is handed to
+        the new worker, which creates its context under it and then releases
+        it.  Returns the worker (ready) and its directory, which the caller
+        removes with L{remove_transient}.
+        """
+        self._transients += 1
+        directory = self.root_dir / f"{_safe_name(seat.worker_id)}-multi{self._transients}"
+        work_dir = await self._run_blocking(self.sandbox.prepare_seat, directory)
+        worker = self._spawn(seat.worker_id, 0, gpus, work_dir, 1)
+        self.leases.transfer(lease_holder, worker)
+        try:
+            await worker.ready
+        except BaseException:
+            await worker.kill()
+            await self._run_blocking(_remove_trees, [directory])
+            raise
+        return worker, work_dir
+
+    def remove_transient(self, worker: WorkerProcess, work_dir: Path) -> Deferred[Any]:
+        """Stop a transient worker and delete its directory."""
+
+        async def remove() -> None:
+            if worker.alive:
+                await worker.kill()
+            await self._run_blocking(_remove_trees, [work_dir.parent])
+
+        return Deferred.fromCoroutine(remove())
 
     def _worker_ended(self, code: int | None, seat: Seat, worker: WorkerProcess) -> int | None:
         if seat.worker is worker and seat.status == "idle":

@@ -431,3 +431,75 @@ def test_gpu_access_names_the_request_holding_the_gpu(gpu_server: ServerProcess)
     error = answers["probe"].json()["error"]
     assert error["kind"] == "gpu_access"
     assert error["interfered_request_id"] == holder_id
+
+
+def test_gpu_count_program_runs_in_a_worker_that_sees_its_gpus(gpu_server: ServerProcess) -> None:
+    """gpu_count programs run in a one-request worker that sees exactly the leased GPUs."""
+    source = (
+        "import os\nimport pycuda.driver as drv\n"
+        "def f():\n    return [os.environ['CUDA_VISIBLE_DEVICES'], drv.Device.count()]\n"
+    )
+    program = {
+        "instructions": [
+            {"op": "upload", "kind": "module", "id": "m", "source": source},
+            {"op": "get_function", "id": "f", "module": {"$ref": "m"}, "name": "f"},
+            {"op": "run", "id": "r", "fn": {"$ref": "f"}, "args": []},
+            {"op": "return", "key": "r", "value": {"$ref": "r"}},
+        ],
+        "options": {"gpu_count": 1},
+    }
+    body, results = _ok(gpu_server.execute(program))
+    assert results["r"] == ["0", 1]
+    assert body["gpu_ids"] == [0] and body["gpu_count"] == 1
+    assert body["lease_held_ms"] > 0
+
+
+def test_two_gpu_program_copies_between_devices(tmp_path: Path) -> None:
+    """On a machine with two GPUs: a gpu_count 2 program sees both and copies GPU 0 -> GPU 1."""
+    import pycuda.driver as drv
+
+    drv.init()
+    if drv.Device.count() < 2:
+        pytest.skip("needs two GPUs (the nvidia-h200-x2 machine)")
+    source = (
+        "import torch\n"
+        "def f(t):\n"
+        "    assert torch.cuda.device_count() == 2\n"
+        "    return t.to('cuda:0').to('cuda:1').cpu()\n"
+    )
+    data = np.arange(1 << 20, dtype=np.float32)
+    program = {
+        "instructions": [
+            {
+                "op": "upload",
+                "kind": "tensor",
+                "id": "t",
+                "blob": sha256(data.tobytes()),
+                "dtype": "float32",
+                "shape": [1 << 20],
+            },
+            {"op": "upload", "kind": "module", "id": "m", "source": source},
+            {"op": "get_function", "id": "f", "module": {"$ref": "m"}, "name": "f"},
+            {"op": "run", "id": "r", "fn": {"$ref": "f"}, "args": [{"$ref": "t"}]},
+            {"op": "return", "key": "r", "value": {"$ref": "r"}},
+        ],
+        "options": {"gpu_count": 2},
+    }
+    server = ServerProcess(
+        [
+            "--device",
+            "gpu",
+            "--gpus",
+            "0,1",
+            "--workers-per-gpu",
+            "2",
+            "--log-dir",
+            "",
+            *_readonly_flags(),
+        ],
+        log_path=tmp_path / "server.out",
+    )
+    with server:
+        body, results = _ok(server.execute(program, [data.tobytes()]))
+    assert sorted(body["gpu_ids"]) == [0, 1] and body["gpu_count"] == 2
+    assert results["r"].tobytes() == data.tobytes()

@@ -20,6 +20,7 @@ from typing import Any
 import attrs
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
 
 
 class LeaseUnavailable(Exception):
@@ -80,6 +81,21 @@ class LeaseArbiter:
     history: dict[int, deque[HoldInterval]] = attrs.field(factory=dict)
     closed: bool = False
 
+    log = Logger()
+
+    def _event(self, name: str, holder: Hashable, gpus: tuple[int, ...], **fields: Any) -> None:
+        label = self._labels.get(holder)
+        warmup = isinstance(label, str) and label.startswith("warmup:")
+        self.log.info(
+            "{kcoral_event} GPU(s) {gpu_ids} for {holder}",
+            kcoral_event=name,
+            gpu_ids=list(gpus),
+            holder=getattr(holder, "seat", None) or getattr(holder, "request_id", None),
+            request_id=None if warmup or not isinstance(label, str) else label,
+            purpose="warmup" if warmup else "request",
+            **fields,
+        )
+
     def acquire(
         self, holder: Hashable, gpus: tuple[int, ...], label: Any = None
     ) -> Deferred[Grant]:
@@ -126,6 +142,7 @@ class LeaseArbiter:
         if grant is None:
             return None
         now = self._clock.seconds()
+        self._event("lease_released", holder, grant.gpus, held_ms=(now - grant.granted_at) * 1000.0)
         label = self._labels.pop(holder, None)
         for gpu in grant.gpus:
             del self._holders[gpu]
@@ -254,6 +271,9 @@ class LeaseArbiter:
         for waiter, _grant in granted:
             self._waiters.remove(waiter)
         for waiter, grant in granted:
+            self._event(
+                "lease_granted", waiter.holder, grant.gpus, wait_ms=grant.wait_seconds * 1000.0
+            )
             waiter.deferred.callback(grant)
 
 

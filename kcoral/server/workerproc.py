@@ -505,8 +505,17 @@ class _RunningJob:
         if kind == "instruction":
             index = message.header.get("index")
             if isinstance(index, int):
+                self._instruction_finished()
                 self.instruction_index = index
                 self.instruction_started[index] = self._clock()
+                self.worker.log.info(
+                    "request {request_id}: instruction {index} started on {worker_id}",
+                    kcoral_event="instruction_started",
+                    request_id=self.job.request_id,
+                    worker_id=self.worker.seat,
+                    index=index,
+                    op=_op_of(self.job, index),
+                )
                 if self.on_instruction is not None:
                     self.on_instruction(index)
         elif kind == "lease_acquire":
@@ -518,6 +527,21 @@ class _RunningJob:
         else:
             self._finish(JobResult("invalid", instruction_index=self.instruction_index))
             self.worker.kill()
+
+    def _instruction_finished(self) -> None:
+        """Log the end of the instruction that ran until now, if any."""
+        index = self.instruction_index
+        if index is None:
+            return
+        self.worker.log.info(
+            "request {request_id}: instruction {index} finished on {worker_id}",
+            kcoral_event="instruction_finished",
+            request_id=self.job.request_id,
+            worker_id=self.worker.seat,
+            index=index,
+            op=_op_of(self.job, index),
+            elapsed_ms=(self._clock() - self.instruction_started[index]) * 1000.0,
+        )
 
     def _acquire_lease(self) -> None:
         if not self.worker.gpus:
@@ -570,6 +594,7 @@ class _RunningJob:
         if self.done.called:
             return
         self._pause_budget()
+        self._instruction_finished()
         held = self._lease_held
         if self._held_since is not None:
             held += self._clock() - self._held_since
@@ -583,6 +608,11 @@ class _RunningJob:
             output_tail=result.output_tail or self.worker.protocol.output_tail(),
         )
         self.done.callback(result)
+
+
+def _op_of(job: Job, index: int) -> str | None:
+    instructions = getattr(job.program, "instructions", ())
+    return instructions[index].op if 0 <= index < len(instructions) else None
 
 
 def worker_command_args(device: str, *, max_requests: int, tensor_api: str) -> list[str]:

@@ -105,12 +105,27 @@ def test_request_events_in_order(server: ServerProcess, log_dir: Path) -> None:
         log_dir, lambda f: any(e["event"] == "request_finished" for e in of_request(f, rid))
     )
     mine = of_request(found, rid)
+    steps = [
+        [
+            {"event": "instruction_started", "index": i, "op": op},
+            {"event": "instruction_finished", "index": i, "op": op},
+        ]
+        for i, op in enumerate(["upload", "get_function", "run", "return"])
+    ]
     assert [e["event"] for e in mine] == [
         "request_received",
         "request_accepted",
         "request_routed",
+        *[step["event"] for pair in steps for step in pair],
         "request_finished",
     ]
+    instructions = [e for e in mine if e["event"].startswith("instruction_")]
+    assert [{k: e[k] for k in ("event", "index", "op")} for e in instructions] == [
+        step for pair in steps for step in pair
+    ]
+    assert all(e["worker_id"] == "cpu/w0" for e in instructions)
+    assert all(e["elapsed_ms"] >= 0 for e in instructions if e["event"] == "instruction_finished")
+    mine = [e for e in mine if not e["event"].startswith("instruction_")]
     finished = mine[-1]
     assert finished["finish_reason"] == "completed"
     assert finished["http_status"] == 200

@@ -178,3 +178,32 @@ class AnyGpusTests(SynchronousTestCase):
     def test_more_than_configured_is_refused(self) -> None:
         """Asking for more GPUs than the server has is a programming error."""
         self.assertRaises(ValueError, self.leases.acquire_any, "x", 3)
+
+
+class LeaseEventTests(SynchronousTestCase):
+    """Grants and releases are logged, so lease holds can be audited from the log."""
+
+    def test_grant_and_release_events(self) -> None:
+        """lease_granted carries the wait, lease_released the hold, both the request id."""
+        from twisted.internet.testing import EventLoggingObserver
+        from twisted.logger import globalLogPublisher
+
+        events = EventLoggingObserver.createWithCleanup(self, globalLogPublisher)
+        clock = Clock()
+        leases = LeaseArbiter((0,), clock)
+        self.successResultOf(leases.acquire("a", (0,), label="req-a"))
+        waiting = leases.acquire("b", (0,), label="warmup:gpu0/w1")
+        clock.advance(2.0)
+        leases.release("a")
+        self.successResultOf(waiting)
+        mine = [e for e in events if "kcoral_event" in e]
+        self.assertEqual(
+            [(e["kcoral_event"], e["request_id"], e["purpose"], e["gpu_ids"]) for e in mine],
+            [
+                ("lease_granted", "req-a", "request", [0]),
+                ("lease_released", "req-a", "request", [0]),
+                ("lease_granted", None, "warmup", [0]),
+            ],
+        )
+        self.assertEqual(mine[1]["held_ms"], 2000.0)
+        self.assertEqual(mine[2]["wait_ms"], 2000.0)

@@ -334,12 +334,7 @@ class KcoralAPI:
     async def _admit_and_run(self, request: IRequest, request_id: str) -> tuple[int, str, Body]:
         config = self.config
         if getattr(request, "too_large", False):
-            raise RequestError(
-                "request_too_large",
-                "request exceeds the configured size limit",
-                "rejected",
-                error_kind="request_too_large",
-            )
+            raise _too_large()
         try:
             arguments = (
                 request.content,
@@ -355,20 +350,9 @@ class KcoralAPI:
                     self._reactor, self._threadpool, _parse_body, *arguments
                 )
         except RequestTooLarge:
-            raise RequestError(
-                "request_too_large",
-                "request exceeds the configured size limit",
-                "rejected",
-                error_kind="request_too_large",
-            ) from None
+            raise _too_large() from None
         except ValidationError as e:
-            raise RequestError(
-                "parse",
-                e.message,
-                "rejected",
-                error_kind="invalid_request",
-                error_message=e.message[:2048],
-            ) from None
+            raise _invalid(e) from None
         program = parsed.program
 
         kinds: dict[str, frozenset[str]] = {}
@@ -393,13 +377,7 @@ class KcoralAPI:
             try:
                 check_tensor_lengths(program, {d: len(b) for d, b in resolution.found.items()})
             except ValidationError as e:
-                raise RequestError(
-                    "parse",
-                    e.message,
-                    "rejected",
-                    error_kind="invalid_request",
-                    error_message=e.message[:2048],
-                ) from None
+                raise _invalid(e) from None
             gpu_count = program.options.gpu_count
             if gpu_count is not None:
                 capacity = 0 if config.device == "cpu" else len(set(config.gpus))
@@ -725,6 +703,27 @@ class KcoralAPI:
         if len(chunks) == 1:
             return 200, content_type, chunks[0]
         return 200, content_type, chunks
+
+
+def _invalid(error: ValidationError) -> RequestError:
+    """The 400 for a request that breaks a protocol rule."""
+    return RequestError(
+        "parse",
+        error.message,
+        "rejected",
+        error_kind="invalid_request",
+        error_message=error.message[:2048],
+    )
+
+
+def _too_large() -> RequestError:
+    """The 413 for a body over C{max_request_bytes}."""
+    return RequestError(
+        "request_too_large",
+        "request exceeds the configured size limit",
+        "rejected",
+        error_kind="request_too_large",
+    )
 
 
 @attrs.define(eq=False)

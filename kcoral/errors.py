@@ -4,24 +4,12 @@ Exceptions that uploaded code may raise to choose a failure kind.
 
 When an L{ExecutionError} escapes an instruction, the FAILED response uses its
 C{kind} and C{message} (protocol §10.1).  This module is imported by uploaded
-code inside workers, so it imports nothing beyond the standard library.
+code inside workers, so it imports nothing beyond the standard library and the Twisted-free wire package.
 """
 
 from __future__ import annotations
 
-#: The instruction error kinds of protocol §9.1.
-KINDS = frozenset(
-    {
-        "parse",
-        "compile",
-        "runtime",
-        "gpu_access",
-        "correctness",
-        "serialization",
-        "unavailable",
-        "engine",
-    }
-)
+from kcoral.wire.errors import INSTRUCTION_KINDS as KINDS  # protocol §9.1
 
 
 class ExecutionError(Exception):

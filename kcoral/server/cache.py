@@ -40,8 +40,7 @@ import attrs
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 
-#: Upload kinds whose blobs live in the memory cache.
-MEMORY_KINDS = frozenset({"tensor", "bytes", "library"})
+from kcoral.wire.program import MEMORY_KINDS, is_digest
 
 #: Upload kind whose blobs live in the disk cache.
 FILE_KIND = "file"
@@ -62,21 +61,6 @@ EventCallback = Callable[..., None]
 
 def _no_event(name: str, **fields: Any) -> None:
     """Default event callback: ignore everything."""
-
-
-def is_digest(value: object) -> bool:
-    """
-    Is C{value} a lowercase SHA-256 hex digest (64 characters of C{[0-9a-f]})?
-    """
-    return isinstance(value, str) and len(value) == 64 and _HEX.issuperset(value)
-
-
-def unreferenced(program_blobs: Mapping[str, Any], supplied: Iterable[str]) -> list[str]:
-    """
-    The supplied digests that no upload references (protocol §5.1 step 2),
-    in the order given; the caller answers 400 when this is not empty.
-    """
-    return [digest for digest in supplied if digest not in program_blobs]
 
 
 # ---------------------------------------------------------------------------

@@ -19,54 +19,15 @@ and the builtin registry look up with C{getattr}:
 from __future__ import annotations
 
 import importlib.metadata
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
 from zope.interface import implementer
 
 from kcoral.errors import ExecutionError
+from kcoral.wire.values import numpy_tensor_parts
 from kcoral.worker.interfaces import IDeviceBackend
-
-#: Tensor dtypes that can cross the wire (protocol §4.11).
-WIRE_DTYPES = frozenset(
-    {
-        "bool",
-        "uint8",
-        "int8",
-        "float8_e4m3fn",
-        "float8_e5m2",
-        "int16",
-        "float16",
-        "bfloat16",
-        "int32",
-        "float32",
-        "int64",
-        "float64",
-    }
-)
-
-
-def numpy_tensor_parts(value: Any) -> tuple[str, tuple[int, ...], bytes] | None:
-    """
-    C{(dtype, shape, little-endian C-contiguous bytes)} of a NumPy array, or
-    C{None} when C{value} is not one (or NumPy is not installed).
-
-    The dtype name is returned even when it is not a wire dtype; the encoder
-    rejects it.
-    """
-    try:
-        import numpy
-    except ImportError:  # pragma: no cover - numpy is a dependency
-        return None
-    if not isinstance(value, numpy.ndarray):
-        return None
-    dtype = value.dtype
-    name = dtype.name
-    if dtype.byteorder == ">":
-        value = value.astype(dtype.newbyteorder("<"))
-    data = numpy.ascontiguousarray(value).tobytes()
-    return name, tuple(int(n) for n in value.shape), data
 
 
 def _version(distribution: str) -> str | None:
@@ -98,7 +59,7 @@ class CpuBackend:
     def load_library(self, data: bytes) -> Any:
         raise ExecutionError("unavailable", "library uploads require a GPU worker")
 
-    def tensor_parts(self, value: Any) -> tuple[str, tuple[int, ...], bytes] | None:
+    def tensor_parts(self, value: Any) -> tuple[str, Sequence[int], bytes] | None:
         return numpy_tensor_parts(value)
 
     def drain(self) -> None:

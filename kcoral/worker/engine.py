@@ -28,7 +28,7 @@ import stat
 import sys
 import threading
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -47,11 +47,16 @@ from kcoral.wire.program import (
     normalize_path,
     parse_program,
 )
-from kcoral.wire.values import PartCollector, SerializationError, encode_plain, file_node
+from kcoral.wire.values import (
+    PartCollector,
+    SerializationError,
+    encode_plain,
+    file_node,
+    numpy_tensor_parts,
+)
 from kcoral.worker import runtime
 from kcoral.worker.builtins import CudaSource
 from kcoral.worker.capture import OutputCapture
-from kcoral.worker.devices import numpy_tensor_parts
 
 #: Values of C{outcome.retire}.
 RETIRE_REQUEST_LIMIT = "request_limit"
@@ -163,7 +168,7 @@ def _user_failure(exc: Exception) -> _Failure:
 def encode_value(
     value: Any,
     parts: PartCollector,
-    tensor_parts: Callable[[Any], tuple[str, tuple[int, ...], bytes] | None],
+    tensor_parts: Callable[[Any], tuple[str, Sequence[int], bytes] | None],
 ) -> dict[str, Any]:
     """
     Encode C{value} as a value tree node (protocol §7.1): the wire encoder,

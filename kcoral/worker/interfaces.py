@@ -9,6 +9,7 @@ parent's per-GPU lease).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from zope.interface import Attribute, Interface
@@ -41,7 +42,7 @@ class IDeviceBackend(Interface):
         @raise kcoral.errors.ExecutionError: C{unavailable} on CPU, C{compile} on a bad image.
         """
 
-    def tensor_parts(value: Any) -> tuple[str, tuple[int, ...], bytes] | None:
+    def tensor_parts(value: Any) -> tuple[str, Sequence[int], bytes] | None:
         """
         If C{value} is a tensor this backend knows, its C{(dtype, shape,
         little-endian C-contiguous bytes)}; else C{None}.

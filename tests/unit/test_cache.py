@@ -22,9 +22,8 @@ from kcoral.server.cache import (
     MemoryBlobCache,
     Pin,
     Resolution,
-    is_digest,
-    unreferenced,
 )
+from kcoral.wire.program import is_digest
 
 MiB = 1024 * 1024
 
@@ -113,13 +112,6 @@ class HelperTests(SynchronousTestCase):
         self.assertFalse(is_digest("a" * 63))
         self.assertFalse(is_digest("g" * 64))
         self.assertFalse(is_digest(None))
-
-    def test_unreferenced(self) -> None:
-        """Supplied digests that no upload names are reported in order."""
-        self.assertEqual(
-            unreferenced({"a": frozenset({"bytes"})}, ["c", "a", "b"]),
-            ["c", "b"],
-        )
 
 
 class MemoryBlobCacheTests(SynchronousTestCase):

@@ -18,7 +18,7 @@ from collections.abc import Hashable
 from typing import Any
 
 import attrs
-from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.defer import CancelledError, Deferred, succeed
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
@@ -114,7 +114,7 @@ class LeaseArbiter:
             raise ValueError(f"unknown GPU id(s): {sorted(unknown)}")
         existing = self._grants.get(holder)
         if existing is not None and set(gpus) <= set(existing.gpus):
-            return Deferred.fromCoroutine(_immediate(existing))
+            return succeed(existing)
         if existing is not None:
             raise RuntimeError(f"{holder!r} already holds GPUs {existing.gpus}")
         if self.closed or self._quarantined & set(gpus):
@@ -275,7 +275,3 @@ class LeaseArbiter:
                 "lease_granted", waiter.holder, grant.gpus, wait_ms=grant.wait_seconds * 1000.0
             )
             waiter.deferred.callback(grant)
-
-
-async def _immediate(grant: Grant) -> Grant:
-    return grant

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import sys
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -186,7 +187,7 @@ class WorkerPool:
     ) -> WorkerProcess:
         """Start a worker process that sees exactly C{gpus} (none: a CPU worker)."""
         executable, args, env = self.sandbox.command(
-            python=_python(),
+            python=sys.executable,
             worker_args=worker_command_args(
                 "gpu" if gpus else "cpu",
                 max_requests=max_requests,
@@ -459,12 +460,6 @@ class WorkerPool:
                 }
             )
         return rows
-
-
-def _python() -> str:
-    import sys
-
-    return sys.executable
 
 
 def _failed(error: Exception) -> Deferred[Any]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import errno
 import os
 import signal
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -188,7 +187,7 @@ class WorkerProcess:
     _job: _RunningJob | None = None
     _ready_timer: IDelayedCall | None = None
     _kill_timer: IDelayedCall | None = None
-    _killing: Deferred[None] | None = None
+    _killing: bool = False
 
     log = Logger()
 
@@ -336,7 +335,7 @@ class WorkerProcess:
         """SIGTERM the worker's whole tree, SIGKILL whatever is left after the grace."""
         if not self.alive:
             return succeed(self.exit_code)
-        if self._killing is None:
+        if not self._killing:
             victims = self._tree()
             _signal_all(victims, signal.SIGTERM)
             if self._kill_timer is not None and self._kill_timer.active():
@@ -344,7 +343,7 @@ class WorkerProcess:
             self._kill_timer = self._reactor.callLater(
                 self._grace_seconds, self._kill_hard, victims
             )
-            self._killing = Deferred()
+            self._killing = True
         return self._ended_copy()
 
     def _kill_hard(self, victims: list[psutil.Process]) -> None:
@@ -625,6 +624,3 @@ def worker_command_args(device: str, *, max_requests: int, tensor_api: str) -> l
         "--tensor-api",
         tensor_api,
     ]
-
-
-PYTHON = sys.executable

@@ -10,9 +10,10 @@ VENV=${KCORAL_VENV:-.venv}
 PY=${PYTHON:-python3}
 
 system_packages() {
-    # bubblewrap isolates workers; chromium renders /status in a test.
+    # bubblewrap isolates workers; chromium renders /status in a test;
+    # haproxy balances two nodes in tests/integration/test_haproxy.py.
     local wanted=(bubblewrap)
-    [ "${1:-}" = test ] && wanted+=(chromium)
+    [ "${1:-}" = test ] && wanted+=(chromium haproxy)
     local missing=()
     for pkg in "${wanted[@]}"; do
         dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
@@ -29,8 +30,13 @@ system_packages() {
 python_packages() {
     [ -x "$VENV/bin/python" ] || $PY -m venv "$VENV"
     "$VENV/bin/python" -m pip install -q --upgrade pip
-    # compat mode puts the checkout on sys.path, so twistd finds twisted/plugins/kcoral_plugin.py
-    "$VENV/bin/python" -m pip install -q -e '.[server,test]' --config-settings editable_mode=compat
+    # nvcc from the nvidia-cuda-nvcc wheel only when the machine has none.
+    local extras=server,test
+    command -v nvcc >/dev/null 2>&1 || extras+=,nvcc
+    # compat mode puts the checkout on sys.path, so twistd finds
+    # twisted/plugins/kcoral_plugin.py; a plain `pip install -e .` hides the
+    # plugin from twistd (docs/getting-started.md).
+    "$VENV/bin/python" -m pip install -q -e ".[$extras]" --config-settings editable_mode=compat
 }
 
 case "${1:-}" in

@@ -29,6 +29,7 @@ from twisted.python.threadpool import ThreadPool
 from kcoral.config import ServerConfig
 from kcoral.server.app import KcoralAPI
 from kcoral.server.cache import BlobStore, DiskFileCache, MemoryBlobCache
+from kcoral.server.gpus import GpuDevice, discover_gpus, select_gpus
 from kcoral.server.http import KcoralSite
 from kcoral.server.lease import LeaseArbiter
 from kcoral.server.pool import WorkerPool
@@ -147,7 +148,11 @@ class KCoralService(service.MultiService):
 
         from kcoral.server.sandbox import choose_sandbox
 
-        sandbox = await choose_sandbox(self._reactor, config, self.log)
+        minors = None
+        if config.device == "gpu":
+            self.pool.gpu_devices = await self._discover_gpus()
+            minors = [device.minor for device in self.pool.gpu_devices.values()]
+        sandbox = await choose_sandbox(self._reactor, config, self.log, gpu_minors=minors)
         self.api.sandbox_name = sandbox.name
         self._root_dir = Path(await self.run_blocking(tempfile.mkdtemp, prefix="kcoral-"))
         self.pool.sandbox = sandbox
@@ -183,6 +188,18 @@ class KCoralService(service.MultiService):
                 host=getattr(address, "host", None),
                 port=getattr(address, "port", None),
             )
+
+    async def _discover_gpus(self) -> dict[int, GpuDevice]:
+        """The configured GPUs' device nodes and UUIDs, found without CUDA (in a thread)."""
+        found = await self.run_blocking(discover_gpus)
+        selected = select_gpus(found, self.config.distinct_gpus)
+        self.log.info(
+            "GPUs: {gpus}",
+            kcoral_event="gpus_discovered",
+            gpus=[device.as_log_dict() for device in selected.values()],
+            discovered=len(found),
+        )
+        return selected
 
     # -- stop -------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ from twisted.web.iweb import IRequest
 from kcoral.server.lease import LeaseUnavailable
 from kcoral.server.pool import PoolBusy
 from kcoral.server.workerproc import Job, JobResult
+from kcoral.wire.channel import Outcome
 from kcoral.wire.errors import choose_request_id, error_body, instruction_error, json_dumps
 from kcoral.wire.multipart import (
     RequestBodyParser,
@@ -540,10 +541,10 @@ class KcoralAPI:
             return "timeout"
         if result.ending != "outcome":
             return "crashed"
-        assert result.header is not None
-        reason = result.header.get("retire")
+        assert result.outcome is not None
+        reason = result.outcome.retire
         if reason:
-            return str(reason)
+            return reason
         limit = self.config.max_requests_per_worker
         if limit and seat.served + 1 >= limit:
             return "request_limit"
@@ -620,43 +621,29 @@ class KcoralAPI:
                 instruction.id,
                 "",
             )
-            header: dict[str, Any] = {
-                "status": "FAILED",
-                "results": {},
-                "error": crash_error,
-                "stdout": "",
-                "stderr": "",
-                "stdout_truncated": False,
-                "stderr_truncated": False,
-            }
-            parts: list[bytes] = []
+            outcome = Outcome(status="FAILED", error=crash_error)
             reason = "crashed"
         else:
-            assert result.header is not None
-            header = result.header
-            sizes = header.get("part_sizes") or []
-            parts, offset = [], 0
-            payload = memoryview(result.payload)
-            for size in sizes:
-                parts.append(bytes(payload[offset : offset + size]))
-                offset += size
-            reason = "completed" if header.get("status") == "COMPLETED" else "program_failed"
+            assert result.outcome is not None
+            outcome = result.outcome
+            reason = "completed" if outcome.status == "COMPLETED" else "program_failed"
+        parts = list(outcome.parts)
         body: dict[str, Any] = {
-            "status": header.get("status"),
+            "status": outcome.status,
             "request_id": request_id,
             **timings,
-            "stdout": header.get("stdout", ""),
-            "stderr": header.get("stderr", ""),
-            "stdout_truncated": bool(header.get("stdout_truncated", False)),
-            "stderr_truncated": bool(header.get("stderr_truncated", False)),
+            "stdout": outcome.stdout,
+            "stderr": outcome.stderr,
+            "stdout_truncated": outcome.stdout_truncated,
+            "stderr_truncated": outcome.stderr_truncated,
         }
         if job.program.options.gpu_count is not None:
             # Only for programs that asked for a GPU count (protocol §6.5).
             gpu_ids = list(seat.gpus if gpus is None else gpus)
             body["gpu_ids"] = gpu_ids
             body["gpu_count"] = len(gpu_ids)
-        body["results"] = header.get("results", {})
-        error = header.get("error")
+        body["results"] = outcome.results
+        error = outcome.error
         if (
             isinstance(error, dict)
             and error.get("kind") == "gpu_access"

@@ -24,10 +24,13 @@ from twisted.logger import Logger
 from twisted.web.iweb import IRequest
 
 from kcoral.server.lease import LeaseUnavailable
+from kcoral.server.logs import event_level_for_finish_reason
 from kcoral.server.pool import PoolBusy
 from kcoral.server.workerproc import Job, JobResult
 from kcoral.wire.channel import Outcome
-from kcoral.wire.errors import choose_request_id, error_body, instruction_error, json_dumps
+from kcoral.wire.errors import choose_request_id, error_body, instruction_error
+from kcoral.wire.errors import http_status as status_of_kind
+from kcoral.wire.jsontext import json_dumps
 from kcoral.wire.multipart import (
     RequestBodyParser,
     RequestTooLarge,
@@ -48,34 +51,12 @@ from kcoral.wire.program import (
 #: A response body: bytes, or the chunks of a multipart body.
 Body = Union[bytes, list[bytes]]
 
-#: HTTP status of each request-level error kind (protocol §9.2).
-STATUS_OF_KIND = {
-    "parse": 400,
-    "request_too_large": 413,
-    "busy": 503,
-    "timeout": 504,
-    "engine": 500,
-    "response_too_large": 500,
-}
-
 #: Bodies up to this size are parsed on the reactor thread; larger ones in
 #: the I/O thread pool.
 INLINE_PARSE_BYTES = 64 * 1024
 
 #: Bytes read from the spooled body per parser feed.
 READ_CHUNK = 256 * 1024
-
-FINISH_LEVELS = {
-    "completed": "info",
-    "program_failed": "info",
-    "cache_miss": "info",
-    "invalid_request": "info",
-    "timeout": "warn",
-    "no_worker": "warn",
-    "rejected": "warn",
-    "crashed": "error",
-    "server_error": "error",
-}
 
 
 class RequestError(Exception):
@@ -285,8 +266,8 @@ class KcoralAPI:
         return d
 
     def _finished(self, request_id: str, http_status: int, reason: str, **fields: Any) -> None:
-        level = FINISH_LEVELS.get(reason, "info")
-        getattr(self.log, level)(
+        self.log.emit(
+            event_level_for_finish_reason(reason),
             "request {request_id} finished: {finish_reason} ({http_status})",
             kcoral_event="request_finished",
             request_id=request_id,
@@ -296,7 +277,7 @@ class KcoralAPI:
         )
 
     def _error(self, request_id: str, error: RequestError) -> tuple[int, str, bytes]:
-        status = STATUS_OF_KIND.get(error.kind, 500)
+        status = status_of_kind(error.kind)
         self._finished(request_id, status, error.finish_reason, **error.fields)
         return (
             status,

@@ -27,6 +27,8 @@ from typing import IO, Any, ClassVar, TypeVar
 
 import attrs
 
+from kcoral.wire.jsontext import json_dumps
+
 #: The worker reads the parent's messages on this fd ...
 TO_WORKER_FD = 3
 #: ... and writes its own on this one.  Fds 1 and 2 never carry channel bytes.
@@ -75,9 +77,7 @@ def encode_frame(header: dict[str, Any], payload: bytes = b"") -> bytes:
 
 
 def _prefix_and_header(header: dict[str, Any], payload_length: int) -> bytes:
-    encoded = json.dumps(header, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode(
-        "utf-8"
-    )
+    encoded = json_dumps(header)
     return _PREFIX.pack(len(encoded), payload_length) + encoded
 
 

@@ -448,8 +448,14 @@ class KcoralAPI:
     async def _run_multi_gpu(self, request_id: str, job: Job, count: int) -> tuple[int, str, Body]:
         """
         Run a program that asked for C{count} GPUs (protocol §6.5): take a
-        seat, lease any C{count} GPUs all or nothing, start a one-request
-        worker that sees them all while holding them, then run the program.
+        seat, pick the C{count} least busy GPUs, start a one-request worker
+        that sees exactly those, then run the program.
+
+        No lease is held while the worker starts: like any new worker it
+        takes its GPUs' lease only to create its context, and the program
+        takes all of them (all or nothing, ascending) only while its
+        instructions use the GPUs, so single-GPU requests are not held up
+        by a process start and imports.
         """
         queued = self._reactor.seconds()
         try:
@@ -459,17 +465,16 @@ class KcoralAPI:
             raise RequestError("busy", "server saturated", "no_worker", queue_ms=queue_ms) from None
         assigned = self._reactor.seconds()
         queue_ms = (assigned - queued) * 1000.0
-        token = _LeaseToken(request_id)
         try:
             try:
-                grant = await self.leases.acquire_any(token, count, label=request_id)
+                gpus = self.leases.least_busy(count)
             except LeaseUnavailable:
                 raise RequestError(
                     "busy", "server saturated", "no_worker", queue_ms=queue_ms
                 ) from None
             starting = self._reactor.seconds()
             try:
-                worker, work_dir = await self.pool.start_transient(seat, grant.gpus, token)
+                worker, work_dir = await self.pool.start_transient(seat, gpus)
             except Exception as e:
                 raise RequestError(
                     "engine", "worker crashed", "crashed", error_message=str(e)[:2048]
@@ -480,11 +485,12 @@ class KcoralAPI:
                 kcoral_event="request_routed",
                 request_id=request_id,
                 worker_id=seat.worker_id,
-                gpu_id=grant.gpus[0],
-                gpu_ids=list(grant.gpus),
+                gpu_id=gpus[0],
+                gpu_ids=list(gpus),
                 generation=0,
                 pid=worker.pid,
                 queue_ms=queue_ms,
+                startup_ms=startup * 1000.0,
             )
             try:
                 # Starting the worker counts against the budget (§6.5).
@@ -498,21 +504,13 @@ class KcoralAPI:
                     timeout_seconds=remaining,
                 )
                 result: JobResult = await worker.run(job)
-                result = attrs.evolve(
-                    result,
-                    lease_wait_seconds=result.lease_wait_seconds + grant.wait_seconds,
-                    lease_held_seconds=result.lease_held_seconds + startup,
-                )
                 elapsed_ms = (self._reactor.seconds() - assigned) * 1000.0
-                return self._respond(
-                    request_id, seat, job, result, queue_ms, elapsed_ms, gpus=grant.gpus
-                )
+                return self._respond(request_id, seat, job, result, queue_ms, elapsed_ms, gpus=gpus)
             finally:
                 self.pool.remove_transient(worker, work_dir).addErrback(
                     lambda f: self.log.failure("removing a multi-GPU worker failed", f)
                 )
         finally:
-            self.leases.abandon(token)
             self.pool.release(seat)
 
     def _fallback_retire(self, seat: Any) -> str | None:
@@ -692,13 +690,6 @@ def _too_large() -> RequestError:
         "rejected",
         error_kind="request_too_large",
     )
-
-
-@attrs.define(eq=False)
-class _LeaseToken:
-    """Holds a multi-GPU program's GPUs until its worker takes them over."""
-
-    request_id: str
 
 
 def _single_other_request(labels: set[Any], request_id: str) -> str | None:

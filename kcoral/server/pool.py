@@ -219,22 +219,21 @@ class WorkerPool:
         )
 
     async def start_transient(
-        self, seat: Seat, gpus: tuple[int, ...], lease_holder: object
+        self, seat: Seat, gpus: tuple[int, ...]
     ) -> tuple[WorkerProcess, Path]:
         """
         Start a one-request worker that sees all of C{gpus} (a multi-GPU
         program), for the request that holds C{seat}.
 
-        The caller holds the GPUs' lease as C{lease_holder}; it is handed to
-        the new worker, which creates its context under it and then releases
-        it.  Returns the worker (ready) and its directory, which the caller
-        removes with L{remove_transient}.
+        It starts like any worker: imports first, then its context under
+        its GPUs' lease, which it gives back once ready.  Returns the worker
+        (ready) and its directory, which the caller removes with
+        L{remove_transient}.
         """
         self._transients += 1
         directory = self.root_dir / f"{_safe_name(seat.worker_id)}-multi{self._transients}"
         work_dir = await self._run_blocking(self.sandbox.prepare_seat, directory)
         worker = self._spawn(seat.worker_id, 0, gpus, work_dir, 1)
-        self.leases.transfer(lease_holder, worker)
         try:
             await worker.ready
         except BaseException:

@@ -103,6 +103,17 @@ async def _transport(action: Callable[[], Deferred[_T]]) -> _T:
         raise TransportError(f"{type(e).__name__}: {e}") from e
 
 
+def _status(media: str, data: bytes) -> str | None:
+    """The C{status} of a JSON body, for observers (C{None} when there is none)."""
+    if media != "application/json":
+        return None
+    try:
+        status = json_object(data).get("status")
+    except ProtocolError:
+        return None
+    return status if isinstance(status, str) else None
+
+
 def _header(response: Any, name: bytes) -> str | None:
     values = response.headers.getRawHeaders(name)
     return values[0].decode("latin-1") if values else None
@@ -285,30 +296,35 @@ class AsyncClient:
         finally:
             self.progress.done()
         content_type = _header(response, b"content-type")
-        request_id = _header(response, b"x-request-id")
-        status: str | None = None
-        try:
-            if response.code != 200:
-                raise server_error(response.code, data)
-            body, binary = response_body(content_type, data)
-            status = body.get("status") if isinstance(body.get("status"), str) else None
-        finally:
-            media = (content_type or "").split(";", 1)[0].strip().lower()
-            attempt = Attempt(number, len(parts) - 1, response.code, status, media, request_id)
-            self.log.debug(
-                "execute attempt {number}: {blobs} blobs, HTTP {code}, {status}",
-                number=number,
-                blobs=attempt.blobs,
-                code=attempt.code,
-                status=status,
-                request_id=request_id,
-            )
-            for observer in list(self.attempt_observers):
-                observer(attempt)
+        media = (content_type or "").split(";", 1)[0].strip().lower()
+        attempt = Attempt(
+            number,
+            len(parts) - 1,
+            response.code,
+            _status(media, data),
+            media,
+            _header(response, b"x-request-id"),
+        )
+        self._observe(attempt)
+        if response.code != 200:
+            raise server_error(response.code, data)
+        body, binary = response_body(content_type, data)
         next_route = _header(response, b"x-kcoral-node")
         if next_route is not None and not 0 < len(next_route) <= MAX_ROUTE_LENGTH:
             next_route = None
         return body, binary, next_route
+
+    def _observe(self, attempt: Attempt) -> None:
+        self.log.debug(
+            "execute attempt {number}: {blobs} blobs, HTTP {code}, {status}",
+            number=attempt.number,
+            blobs=attempt.blobs,
+            code=attempt.code,
+            status=attempt.status,
+            request_id=attempt.request_id,
+        )
+        for observer in list(self.attempt_observers):
+            observer(attempt)
 
     def function(
         self,

@@ -105,6 +105,19 @@ def _user_failure(exc: Exception) -> _Failure:
     return _Failure("engine", _describe(exc), exc)
 
 
+def _library_call(call: Callable[[], Any], message: Callable[[Exception], str]) -> Any:
+    """
+    Run an operation on an uploaded library: an L{ExecutionError} keeps its
+    kind, any other exception is a C{compile} failure with C{message(e)}.
+    """
+    try:
+        return call()
+    except ExecutionError as e:
+        raise _user_failure(e) from None
+    except Exception as e:
+        raise _Failure("compile", message(e), e) from None
+
+
 # ---------------------------------------------------------------------------
 # Value encoding (protocol §7)
 
@@ -424,14 +437,10 @@ class _ProgramRun:
 
     def _upload_library(self, instruction: Upload) -> Any:
         data = self._blob(instruction.blob)
-        try:
-            library = self.backend.load_library(data)
-        except ExecutionError as e:
-            raise _user_failure(e) from None
-        except Exception as e:
-            raise _Failure(
-                "compile", f"cannot load the uploaded library: {_describe(e)}", e
-            ) from None
+        library = _library_call(
+            lambda: self.backend.load_library(data),
+            lambda e: f"cannot load the uploaded library: {_describe(e)}",
+        )
         if instruction.id is not None:
             self.handles.libraries.add(instruction.id)
         return library
@@ -467,14 +476,10 @@ class _ProgramRun:
             except ExecutionError as e:
                 raise _user_failure(e) from None
         if target in self.handles.libraries:
-            try:
-                return module.get_function(name)
-            except ExecutionError as e:
-                raise _user_failure(e) from None
-            except Exception as e:
-                raise _Failure(
-                    "compile", f"the uploaded library exports no function {name!r}", e
-                ) from None
+            return _library_call(
+                lambda: module.get_function(name),
+                lambda e: f"the uploaded library exports no function {name!r}",
+            )
         if self.backend.name == "cpu":
             raise _Failure("unavailable", "get_function expects an uploaded Python module")
         raise _Failure("runtime", "get_function expects an uploaded module or library handle")

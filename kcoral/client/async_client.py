@@ -132,7 +132,9 @@ class AsyncClient:
     @param connect_timeout_seconds: the connection timeout; responses
         themselves have no client-side timeout.
     @param progress: an L{IProgress} that follows each attempt.
-    @ivar attempt_observers: callables given each L{Attempt} as it ends.
+    @ivar attempt_observers: callables given each L{Attempt} as it ends; one
+        that returns a L{Deferred} holds the execution (the next attempt, or
+        the result) until it fires.
     """
 
     log = Logger()
@@ -168,7 +170,7 @@ class AsyncClient:
             cooperator = Cooperator(scheduler=lambda work: reactor.callLater(0, work))
         self._cooperator = cooperator
         self.progress: IProgress = progress if progress is not None else NoProgress()
-        self.attempt_observers: list[Callable[[Attempt], None]] = []
+        self.attempt_observers: list[Callable[[Attempt], object]] = []
 
     @property
     def base_url(self) -> str:
@@ -305,7 +307,7 @@ class AsyncClient:
             media,
             _header(response, b"x-request-id"),
         )
-        self._observe(attempt)
+        await self._observe(attempt)
         if response.code != 200:
             raise server_error(response.code, data)
         body, binary = response_body(content_type, data)
@@ -314,7 +316,7 @@ class AsyncClient:
             next_route = None
         return body, binary, next_route
 
-    def _observe(self, attempt: Attempt) -> None:
+    async def _observe(self, attempt: Attempt) -> None:
         self.log.debug(
             "execute attempt {number}: {blobs} blobs, HTTP {code}, {status}",
             number=attempt.number,
@@ -324,7 +326,9 @@ class AsyncClient:
             request_id=attempt.request_id,
         )
         for observer in list(self.attempt_observers):
-            observer(attempt)
+            held = observer(attempt)
+            if isinstance(held, Deferred):
+                await held
 
     def function(
         self,

@@ -78,7 +78,8 @@ class Attempt:
     """
     What one HTTP attempt of an execution sent and got: the number of blob
     parts, the HTTP code, the body's C{status} (C{None} when unreadable),
-    the response's media type and its C{X-Request-ID} header.
+    the response's media type, its C{X-Request-ID} header and, for a
+    CACHE_MISS, the digests the server reported missing.
     """
 
     number: int
@@ -87,6 +88,7 @@ class Attempt:
     status: str | None
     media_type: str
     request_id: str | None
+    missing_blobs: tuple[str, ...] = ()
 
 
 def _deferred(coroutine: Coroutine[Any, Any, _T]) -> Deferred[_T]:
@@ -103,15 +105,18 @@ async def _transport(action: Callable[[], Deferred[_T]]) -> _T:
         raise TransportError(f"{type(e).__name__}: {e}") from e
 
 
-def _status(media: str, data: bytes) -> str | None:
-    """The C{status} of a JSON body, for observers (C{None} when there is none)."""
+def _summary(media: str, data: bytes) -> tuple[str | None, tuple[str, ...]]:
+    """A JSON body's C{status} and C{missing_blobs}, for observers."""
     if media != "application/json":
-        return None
+        return None, ()
     try:
-        status = json_object(data).get("status")
+        body = json_object(data)
     except ProtocolError:
-        return None
-    return status if isinstance(status, str) else None
+        return None, ()
+    status, missing = body.get("status"), body.get("missing_blobs")
+    if not isinstance(missing, list) or not all(isinstance(d, str) for d in missing):
+        missing = []
+    return (status if isinstance(status, str) else None), tuple(missing)
 
 
 def _header(response: Any, name: bytes) -> str | None:
@@ -299,13 +304,15 @@ class AsyncClient:
             self.progress.done()
         content_type = _header(response, b"content-type")
         media = (content_type or "").split(";", 1)[0].strip().lower()
+        status, missing = _summary(media, data)
         attempt = Attempt(
             number,
             len(parts) - 1,
             response.code,
-            _status(media, data),
+            status,
             media,
             _header(response, b"x-request-id"),
+            missing,
         )
         await self._observe(attempt)
         if response.code != 200:

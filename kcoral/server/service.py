@@ -144,6 +144,7 @@ class KCoralService(service.MultiService):
         recorder = getattr(self.log_setup, "recorder", None)
         if recorder is not None:
             self.api.save_program = lambda rid, data: self.run_blocking(recorder.save, rid, data)
+        self._start_retention(getattr(run_dir, "path", None))
         await self.run_blocking(self.disk_cache.evict)
 
         from kcoral.server.sandbox import choose_sandbox
@@ -200,6 +201,17 @@ class KCoralService(service.MultiService):
             discovered=len(found),
         )
         return selected
+
+    def _start_retention(self, run_path: Path | None) -> None:
+        """Prune old runs and saved programs hourly (docs/logs.md)."""
+        from kcoral.server.retention import RetentionPolicy, RetentionService
+
+        policy = RetentionPolicy.from_config(self.config)
+        if run_path is None or not policy.enabled:
+            return
+        RetentionService(
+            run_path.parent, run_path, policy, self.run_blocking, self._reactor
+        ).setServiceParent(self)
 
     # -- stop -------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ from typing import Any
 from twisted.internet.error import ProcessDone, ProcessTerminated
 from twisted.internet.interfaces import IReactorProcess
 from twisted.internet.testing import MemoryReactorClock
+from twisted.logger import capturedLogs
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 from zope.interface import implementer
@@ -291,6 +292,30 @@ class JobTests(WorkerTestCase):
         result = self.successResultOf(d)
         self.assertEqual(result.ending, "invalid")
         self.assertEqual(result.instruction_index, 1)
+
+    def test_malformed_outcome_is_invalid(self) -> None:
+        """An outcome whose part sizes do not describe its payload is not accepted."""
+        worker = self.ready_worker()
+        d = worker.run(self.job())
+        header = Outcome(status="COMPLETED").header()
+        header["part_sizes"] = [5]
+        worker.protocol.childDataReceived(FROM_WORKER_FD, encode_frame(header, b"abc"))
+        result = self.successResultOf(d)
+        self.assertEqual(result.ending, "invalid")
+        self.assertIsNone(result.outcome)
+        # The worker is being killed: SIGKILL follows after the grace period.
+        self.assertTrue(any(c.active() for c in self.reactor.getDelayedCalls()))
+
+    def test_invalid_message_between_jobs_is_logged(self) -> None:
+        """Outside a job an invalid message is only logged; the worker stays."""
+        worker = self.ready_worker()
+        with capturedLogs() as events:
+            self.deliver_frame(worker, {"type": "instruction", "index": "one"})
+        self.assertTrue(worker.alive)
+        self.assertEqual(self.transport.signals, [])
+        self.assertEqual(len(events), 1)
+        self.assertIn("invalid message", events[0]["log_format"])
+        self.assertIn("'instruction'", events[0]["error"])
 
     def test_garbage_on_channel_kills(self) -> None:
         worker = self.ready_worker()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # kcoral developer entry point.
 #   ./dev.sh serve   install everything, then start a CPU server on 127.0.0.1:8000
-#   ./dev.sh test    install everything, then run lint, type checks and the tests
+#   ./dev.sh test    install everything, then run lint, type checks, the docs build and the tests
 #   ./dev.sh install only install (system packages when root, then .venv)
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -10,9 +10,10 @@ VENV=${KCORAL_VENV:-.venv}
 PY=${PYTHON:-python3}
 
 system_packages() {
-    # bubblewrap isolates workers; chromium renders /status in a test.
+    # bubblewrap isolates workers; chromium renders /status in a test;
+    # haproxy balances two nodes in tests/integration/test_haproxy.py.
     local wanted=(bubblewrap)
-    [ "${1:-}" = test ] && wanted+=(chromium)
+    [ "${1:-}" = test ] && wanted+=(chromium haproxy)
     local missing=()
     for pkg in "${wanted[@]}"; do
         dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
@@ -29,8 +30,13 @@ system_packages() {
 python_packages() {
     [ -x "$VENV/bin/python" ] || $PY -m venv "$VENV"
     "$VENV/bin/python" -m pip install -q --upgrade pip
-    # compat mode puts the checkout on sys.path, so twistd finds twisted/plugins/kcoral_plugin.py
-    "$VENV/bin/python" -m pip install -q -e '.[server,test]' --config-settings editable_mode=compat
+    # nvcc from the nvidia-cuda-nvcc wheel only when the machine has none.
+    local extras=server,test
+    command -v nvcc >/dev/null 2>&1 || extras+=,nvcc
+    # compat mode puts the checkout on sys.path, so twistd finds
+    # twisted/plugins/kcoral_plugin.py; a plain `pip install -e .` hides the
+    # plugin from twistd (docs/getting-started.md).
+    "$VENV/bin/python" -m pip install -q -e ".[$extras]" --config-settings editable_mode=compat
 }
 
 case "${1:-}" in
@@ -51,6 +57,8 @@ case "${1:-}" in
         "$VENV/bin/ruff" check kcoral tests bench examples
         "$VENV/bin/ruff" format --check kcoral tests bench examples
         "$VENV/bin/mypy" kcoral
+        # The docs site: warnings (a broken link, a page outside the toctree) fail.
+        "$VENV/bin/sphinx-build" -W --keep-going -q -b html docs "${TMPDIR:-/tmp}/kcoral-docs-html"
         exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"
         ;;
     *)

@@ -24,9 +24,13 @@ from twisted.logger import Logger
 from twisted.web.iweb import IRequest
 
 from kcoral.server.lease import LeaseUnavailable
+from kcoral.server.logs import event_level_for_finish_reason
 from kcoral.server.pool import PoolBusy
 from kcoral.server.workerproc import Job, JobResult
-from kcoral.wire.errors import choose_request_id, error_body, instruction_error, json_dumps
+from kcoral.wire.channel import Outcome
+from kcoral.wire.errors import choose_request_id, error_body, instruction_error
+from kcoral.wire.errors import http_status as status_of_kind
+from kcoral.wire.jsontext import json_dumps
 from kcoral.wire.multipart import (
     RequestBodyParser,
     RequestTooLarge,
@@ -47,34 +51,12 @@ from kcoral.wire.program import (
 #: A response body: bytes, or the chunks of a multipart body.
 Body = Union[bytes, list[bytes]]
 
-#: HTTP status of each request-level error kind (protocol §9.2).
-STATUS_OF_KIND = {
-    "parse": 400,
-    "request_too_large": 413,
-    "busy": 503,
-    "timeout": 504,
-    "engine": 500,
-    "response_too_large": 500,
-}
-
 #: Bodies up to this size are parsed on the reactor thread; larger ones in
 #: the I/O thread pool.
 INLINE_PARSE_BYTES = 64 * 1024
 
 #: Bytes read from the spooled body per parser feed.
 READ_CHUNK = 256 * 1024
-
-FINISH_LEVELS = {
-    "completed": "info",
-    "program_failed": "info",
-    "cache_miss": "info",
-    "invalid_request": "info",
-    "timeout": "warn",
-    "no_worker": "warn",
-    "rejected": "warn",
-    "crashed": "error",
-    "server_error": "error",
-}
 
 
 class RequestError(Exception):
@@ -284,8 +266,8 @@ class KcoralAPI:
         return d
 
     def _finished(self, request_id: str, http_status: int, reason: str, **fields: Any) -> None:
-        level = FINISH_LEVELS.get(reason, "info")
-        getattr(self.log, level)(
+        self.log.emit(
+            event_level_for_finish_reason(reason),
             "request {request_id} finished: {finish_reason} ({http_status})",
             kcoral_event="request_finished",
             request_id=request_id,
@@ -295,7 +277,7 @@ class KcoralAPI:
         )
 
     def _error(self, request_id: str, error: RequestError) -> tuple[int, str, bytes]:
-        status = STATUS_OF_KIND.get(error.kind, 500)
+        status = status_of_kind(error.kind)
         self._finished(request_id, status, error.finish_reason, **error.fields)
         return (
             status,
@@ -466,8 +448,14 @@ class KcoralAPI:
     async def _run_multi_gpu(self, request_id: str, job: Job, count: int) -> tuple[int, str, Body]:
         """
         Run a program that asked for C{count} GPUs (protocol §6.5): take a
-        seat, lease any C{count} GPUs all or nothing, start a one-request
-        worker that sees them all while holding them, then run the program.
+        seat, pick the C{count} least busy GPUs, start a one-request worker
+        that sees exactly those, then run the program.
+
+        No lease is held while the worker starts: like any new worker it
+        takes its GPUs' lease only to create its context, and the program
+        takes all of them (all or nothing, ascending) only while its
+        instructions use the GPUs, so single-GPU requests are not held up
+        by a process start and imports.
         """
         queued = self._reactor.seconds()
         try:
@@ -477,17 +465,16 @@ class KcoralAPI:
             raise RequestError("busy", "server saturated", "no_worker", queue_ms=queue_ms) from None
         assigned = self._reactor.seconds()
         queue_ms = (assigned - queued) * 1000.0
-        token = _LeaseToken(request_id)
         try:
             try:
-                grant = await self.leases.acquire_any(token, count, label=request_id)
+                gpus = self.leases.least_busy(count)
             except LeaseUnavailable:
                 raise RequestError(
                     "busy", "server saturated", "no_worker", queue_ms=queue_ms
                 ) from None
             starting = self._reactor.seconds()
             try:
-                worker, work_dir = await self.pool.start_transient(seat, grant.gpus, token)
+                worker, work_dir = await self.pool.start_transient(seat, gpus)
             except Exception as e:
                 raise RequestError(
                     "engine", "worker crashed", "crashed", error_message=str(e)[:2048]
@@ -498,11 +485,12 @@ class KcoralAPI:
                 kcoral_event="request_routed",
                 request_id=request_id,
                 worker_id=seat.worker_id,
-                gpu_id=grant.gpus[0],
-                gpu_ids=list(grant.gpus),
+                gpu_id=gpus[0],
+                gpu_ids=list(gpus),
                 generation=0,
                 pid=worker.pid,
                 queue_ms=queue_ms,
+                startup_ms=startup * 1000.0,
             )
             try:
                 # Starting the worker counts against the budget (§6.5).
@@ -516,21 +504,13 @@ class KcoralAPI:
                     timeout_seconds=remaining,
                 )
                 result: JobResult = await worker.run(job)
-                result = attrs.evolve(
-                    result,
-                    lease_wait_seconds=result.lease_wait_seconds + grant.wait_seconds,
-                    lease_held_seconds=result.lease_held_seconds + startup,
-                )
                 elapsed_ms = (self._reactor.seconds() - assigned) * 1000.0
-                return self._respond(
-                    request_id, seat, job, result, queue_ms, elapsed_ms, gpus=grant.gpus
-                )
+                return self._respond(request_id, seat, job, result, queue_ms, elapsed_ms, gpus=gpus)
             finally:
                 self.pool.remove_transient(worker, work_dir).addErrback(
                     lambda f: self.log.failure("removing a multi-GPU worker failed", f)
                 )
         finally:
-            self.leases.abandon(token)
             self.pool.release(seat)
 
     def _fallback_retire(self, seat: Any) -> str | None:
@@ -542,10 +522,10 @@ class KcoralAPI:
             return "timeout"
         if result.ending != "outcome":
             return "crashed"
-        assert result.header is not None
-        reason = result.header.get("retire")
+        assert result.outcome is not None
+        reason = result.outcome.retire
         if reason:
-            return str(reason)
+            return reason
         limit = self.config.max_requests_per_worker
         if limit and seat.served + 1 >= limit:
             return "request_limit"
@@ -622,43 +602,29 @@ class KcoralAPI:
                 instruction.id,
                 "",
             )
-            header: dict[str, Any] = {
-                "status": "FAILED",
-                "results": {},
-                "error": crash_error,
-                "stdout": "",
-                "stderr": "",
-                "stdout_truncated": False,
-                "stderr_truncated": False,
-            }
-            parts: list[bytes] = []
+            outcome = Outcome(status="FAILED", error=crash_error)
             reason = "crashed"
         else:
-            assert result.header is not None
-            header = result.header
-            sizes = header.get("part_sizes") or []
-            parts, offset = [], 0
-            payload = memoryview(result.payload)
-            for size in sizes:
-                parts.append(bytes(payload[offset : offset + size]))
-                offset += size
-            reason = "completed" if header.get("status") == "COMPLETED" else "program_failed"
+            assert result.outcome is not None
+            outcome = result.outcome
+            reason = "completed" if outcome.status == "COMPLETED" else "program_failed"
+        parts = list(outcome.parts)
         body: dict[str, Any] = {
-            "status": header.get("status"),
+            "status": outcome.status,
             "request_id": request_id,
             **timings,
-            "stdout": header.get("stdout", ""),
-            "stderr": header.get("stderr", ""),
-            "stdout_truncated": bool(header.get("stdout_truncated", False)),
-            "stderr_truncated": bool(header.get("stderr_truncated", False)),
+            "stdout": outcome.stdout,
+            "stderr": outcome.stderr,
+            "stdout_truncated": outcome.stdout_truncated,
+            "stderr_truncated": outcome.stderr_truncated,
         }
         if job.program.options.gpu_count is not None:
             # Only for programs that asked for a GPU count (protocol §6.5).
             gpu_ids = list(seat.gpus if gpus is None else gpus)
             body["gpu_ids"] = gpu_ids
             body["gpu_count"] = len(gpu_ids)
-        body["results"] = header.get("results", {})
-        error = header.get("error")
+        body["results"] = outcome.results
+        error = outcome.error
         if (
             isinstance(error, dict)
             and error.get("kind") == "gpu_access"
@@ -724,13 +690,6 @@ def _too_large() -> RequestError:
         "rejected",
         error_kind="request_too_large",
     )
-
-
-@attrs.define(eq=False)
-class _LeaseToken:
-    """Holds a multi-GPU program's GPUs until its worker takes them over."""
-
-    request_id: str
 
 
 def _single_other_request(labels: set[Any], request_id: str) -> str | None:

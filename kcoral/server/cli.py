@@ -27,7 +27,7 @@ from twisted.logger import ILogObserver, textFileLogObserver
 from twisted.python import usage
 from zope.interface import implementer, provider
 
-__all__ = ["TWISTD_ARGS", "main", "stderr_log_observer", "twistd_args"]
+__all__ = ["TWISTD_ARGS", "main", "quiet_log_observer", "stderr_log_observer", "twistd_args"]
 
 #: twistd's own options for C{kcoral server}: stay in the foreground, write
 #: no pidfile, log to standard error.
@@ -42,6 +42,8 @@ Usage: kcoral <command> [options]
 
 Commands:
   server     Run the KCoral server in the foreground (kcoral server --help).
+  run        Run a tool on a KCoral server (kcoral run python|shell|... --help).
+  health     Print a KCoral server's /health (kcoral health --help).
 
 Options:
   --help     Show this message and exit.
@@ -70,11 +72,30 @@ def stderr_log_observer() -> ILogObserver:
     return observer
 
 
-def twistd_args(flags: Sequence[str]) -> list[str]:
+def quiet_log_observer() -> ILogObserver:
+    """
+    Like L{stderr_log_observer}, but only Twisted's warnings and errors:
+    no start-up chatter, no access log.  Used for C{--no-log-console} and
+    C{--log-level} above C{info}.
+    """
+    from twisted.logger import LogLevel
+
+    from kcoral.server.logs import twisted_console_observer
+
+    observer: ILogObserver = twisted_console_observer(sys.stderr, LogLevel.warn)
+    return observer
+
+
+def twistd_args(flags: Sequence[str], *, quiet: bool = False) -> list[str]:
     """
     The twistd command line that runs C{kcoral server <flags>}.
+
+    @param quiet: log only Twisted's warnings and errors (L{quiet_log_observer}).
     """
-    return [*TWISTD_ARGS, "kcoral", *flags]
+    if not quiet:
+        return [*TWISTD_ARGS, "kcoral", *flags]
+    args = [a for a in TWISTD_ARGS if not a.startswith("--logger=")]
+    return [*args, "--logger=kcoral.server.cli.quiet_log_observer", "kcoral", *flags]
 
 
 def _version() -> str:
@@ -110,7 +131,7 @@ class _KcoralServiceMaker:
     def makeService(self, options: Any) -> Any:
         from kcoral.server import tap
 
-        return tap.makeService(options)
+        return tap.makeService(options, console_mirror=True)
 
 
 def _default_run_app(config: usage.Options) -> int:
@@ -218,7 +239,8 @@ def _server(
     twistd_config = ServerOptions(stdout=out)  # type: ignore[no-untyped-call]
     twistd_config._getPlugins = get_plugins
     try:
-        twistd_config.parseOptions(twistd_args(flags))  # type: ignore[no-untyped-call]
+        quiet = not config.log_console or config.log_level not in ("debug", "info")
+        twistd_config.parseOptions(twistd_args(flags, quiet=quiet))  # type: ignore[no-untyped-call]
     except usage.UsageError as e:
         err.write(f"kcoral server: error: {e}\n")
         return 2

@@ -26,6 +26,7 @@ from twisted.internet.interfaces import IDelayedCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from kcoral.server.gpus import GpuDevice, cuda_environment
 from kcoral.server.workerproc import WorkerProcess, worker_command_args
 
 
@@ -89,6 +90,9 @@ class WorkerPool:
     target: dict[str, str] = attrs.field(factory=dict)
     versions: dict[str, str] = attrs.field(factory=dict)
     spawn_worker: Callable[..., WorkerProcess] = WorkerProcess.spawn
+    #: The configured GPUs by id (discovered at start; an id missing here
+    #: stands for itself: node C{/dev/nvidia<id>}, no UUID).
+    gpu_devices: dict[int, GpuDevice] = attrs.field(factory=dict)
 
     log = Logger()
 
@@ -186,6 +190,7 @@ class WorkerPool:
         max_requests: int,
     ) -> WorkerProcess:
         """Start a worker process that sees exactly C{gpus} (none: a CPU worker)."""
+        devices = [self.gpu_devices.get(gpu) or GpuDevice(gpu, gpu) for gpu in gpus]
         executable, args, env = self.sandbox.command(
             python=sys.executable,
             worker_args=worker_command_args(
@@ -194,13 +199,13 @@ class WorkerPool:
                 tensor_api=getattr(self.config, "tensor_api", "auto"),
             ),
             work_dir=work_dir,
-            gpu_devices=[str(gpu) for gpu in gpus],
+            gpu_devices=[str(device.minor) for device in devices],
         )
         env = {**env, **self.worker_env}
-        if gpus:
-            # Physical ids in nvidia-smi order, whatever the front end was given.
-            env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(gpu) for gpu in gpus)
+        if devices:
+            # CUDA device i is gpus[i], whatever the front end was given.
+            isolated = bool(getattr(self.sandbox, "isolates_devices", False))
+            env.update(cuda_environment(devices, isolated=isolated))
         return self.spawn_worker(
             self._reactor,
             seat=worker_id,
@@ -214,22 +219,21 @@ class WorkerPool:
         )
 
     async def start_transient(
-        self, seat: Seat, gpus: tuple[int, ...], lease_holder: object
+        self, seat: Seat, gpus: tuple[int, ...]
     ) -> tuple[WorkerProcess, Path]:
         """
         Start a one-request worker that sees all of C{gpus} (a multi-GPU
         program), for the request that holds C{seat}.
 
-        The caller holds the GPUs' lease as C{lease_holder}; it is handed to
-        the new worker, which creates its context under it and then releases
-        it.  Returns the worker (ready) and its directory, which the caller
-        removes with L{remove_transient}.
+        It starts like any worker: imports first, then its context under
+        its GPUs' lease, which it gives back once ready.  Returns the worker
+        (ready) and its directory, which the caller removes with
+        L{remove_transient}.
         """
         self._transients += 1
         directory = self.root_dir / f"{_safe_name(seat.worker_id)}-multi{self._transients}"
         work_dir = await self._run_blocking(self.sandbox.prepare_seat, directory)
         worker = self._spawn(seat.worker_id, 0, gpus, work_dir, 1)
-        self.leases.transfer(lease_holder, worker)
         try:
             await worker.ready
         except BaseException:

@@ -32,6 +32,7 @@ from twisted.python.threadpool import ThreadPool
 from kcoral.config import ServerConfig
 from kcoral.server.app import KcoralAPI
 from kcoral.server.cache import BlobStore, DiskFileCache, MemoryBlobCache
+from kcoral.server.gpus import GpuDevice, discover_gpus, select_gpus
 from kcoral.server.http import KcoralSite
 from kcoral.server.lease import LeaseArbiter
 from kcoral.server.pool import WorkerPool
@@ -169,11 +170,16 @@ class KCoralService(service.MultiService):
         recorder = getattr(self.log_setup, "recorder", None)
         if recorder is not None:
             self.api.save_program = lambda rid, data: self.run_blocking(recorder.save, rid, data)
+        self._start_retention(getattr(run_dir, "path", None))
         await self.run_blocking(self.disk_cache.evict)
 
         from kcoral.server.sandbox import choose_sandbox
 
-        sandbox = await choose_sandbox(self._reactor, config, self.log)
+        minors = None
+        if config.device == "gpu":
+            self.pool.gpu_devices = await self._discover_gpus()
+            minors = [device.minor for device in self.pool.gpu_devices.values()]
+        sandbox = await choose_sandbox(self._reactor, config, self.log, gpu_minors=minors)
         self.api.sandbox_name = sandbox.name
         self._root_dir = Path(await self.run_blocking(tempfile.mkdtemp, prefix="kcoral-"))
         self.pool.sandbox = sandbox
@@ -209,6 +215,29 @@ class KCoralService(service.MultiService):
                 host=getattr(address, "host", None),
                 port=getattr(address, "port", None),
             )
+
+    async def _discover_gpus(self) -> dict[int, GpuDevice]:
+        """The configured GPUs' device nodes and UUIDs, found without CUDA (in a thread)."""
+        found = await self.run_blocking(discover_gpus)
+        selected = select_gpus(found, self.config.distinct_gpus)
+        self.log.info(
+            "GPUs: {gpus}",
+            kcoral_event="gpus_discovered",
+            gpus=[device.as_log_dict() for device in selected.values()],
+            discovered=len(found),
+        )
+        return selected
+
+    def _start_retention(self, run_path: Path | None) -> None:
+        """Prune old runs and saved programs hourly (docs/logs.md)."""
+        from kcoral.server.retention import RetentionPolicy, RetentionService
+
+        policy = RetentionPolicy.from_config(self.config)
+        if run_path is None or not policy.enabled:
+            return
+        RetentionService(
+            run_path.parent, run_path, policy, self.run_blocking, self._reactor
+        ).setServiceParent(self)
 
     # -- stop -------------------------------------------------------------------
 

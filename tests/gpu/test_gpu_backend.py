@@ -185,6 +185,15 @@ class BackendTests(SynchronousTestCase):
                 b.tensor_parts(c), ("float32", (5,), np.arange(5, dtype=np.float32).tobytes())
             )
 
+    def test_every_visible_device_has_its_context(self) -> None:
+        """A backend retains the primary context of every other device it sees (multi-GPU)."""
+        import pycuda.driver as drv
+
+        b = backend("pycuda")
+        self.assertEqual(len(b.other_contexts), drv.Device.count() - 1)
+        for context in b.other_contexts:
+            self.assertNotEqual(context.get_device().pci_bus_id(), b.device.pci_bus_id())
+
     def test_lifecycle(self) -> None:
         """drain, cleanup and reset succeed on a healthy context."""
         b = backend("pycuda")
@@ -358,10 +367,10 @@ class KernelTests(SynchronousTestCase):
         """A cubin from pycuda.compiler loads, exports its kernels and launches."""
         from pycuda.compiler import compile as pycuda_compile
 
-        from kcoral.worker.gpu import find_nvcc
+        from kcoral.compilers.nvcc import find_nvcc
 
         b = backend("pycuda")
-        cubin = pycuda_compile(SAXPY, nvcc=find_nvcc(), arch=b.arch, cache_dir=False)
+        cubin = pycuda_compile(SAXPY, nvcc=find_nvcc()[0], arch=b.arch, cache_dir=False)
         library = b.load_library(cubin)
         function = library.get_function("saxpy")
         n = 4096

@@ -1,6 +1,6 @@
 # -*- test-case-name: tests.integration.test_twistd -*-
 """
-The server under plain twistd: the C{kcoral} plugin and C{contrib/kcoral.tac}.
+The server under plain twistd: the C{kcoral} plugin and C{contrib/kcoral-cpu.tac}.
 """
 
 from __future__ import annotations
@@ -152,23 +152,21 @@ def test_plugin_default_pidfile_in_cwd(tmp_path: Path) -> None:
 def _edit_tac(source: str, port: int) -> str:
     replacements = [
         (r"PORT = \d+", f"PORT = {port}"),
-        (r'device="gpu"', 'device="cpu"'),
-        (r"gpus=\(0,\),", "num_workers=1,"),
-        (r"workers_per_gpu=\d+,", ""),
+        (r"num_workers=\d+,", "num_workers=1,"),
         (r'sandbox="bubblewrap"', 'sandbox="none"'),
         (r'log_dir=Path\("logs"\)', "log_dir=None"),
         (r"disk_cache_capacity_mbytes=\d+", "disk_cache_capacity_mbytes=0"),
     ]
     for pattern, replacement in replacements:
         source, count = re.subn(pattern, replacement, source)
-        assert count == 1, f"contrib/kcoral.tac no longer contains {pattern!r}"
+        assert count == 1, f"contrib/kcoral-cpu.tac no longer contains {pattern!r}"
     return source
 
 
 def test_tac(tmp_path: Path) -> None:
     port = free_port()
     tac = tmp_path / "kcoral.tac"
-    tac.write_text(_edit_tac((ROOT / "contrib" / "kcoral.tac").read_text(), port))
+    tac.write_text(_edit_tac((ROOT / "contrib" / "kcoral-cpu.tac").read_text(), port))
     process = _twistd(["-n", "--pidfile=", "-y", str(tac)], tmp_path)
     try:
         health = _wait_health(process, port, tmp_path)
@@ -275,3 +273,24 @@ def test_log_dir_cannot_be_created(tmp_path: Path) -> None:
     line = next(line for line in output.splitlines() if "server_start_failed" in line)
     assert "cannot create the log directory afile/logs" in line
     assert "Not a directory" in line
+
+
+def test_plugin_prints_each_event_once(tmp_path: Path) -> None:
+    """
+    Under plain twistd, twistd's log shows each event once: kcoral's console
+    mirror does not repeat them.
+    """
+    port = free_port()
+    process = _twistd(
+        ["-n", "--pidfile=", "kcoral", "--device", "cpu", "--num-workers", "1"]
+        + ["--sandbox", "none", "--port", str(port), "--log-dir", "", "--disk-cache-dir", ""],
+        tmp_path,
+    )
+    try:
+        _wait_health(process, port, tmp_path)
+    finally:
+        _terminate(process)
+    output = (tmp_path / "twistd-output.txt").read_text()
+    assert output.count("pool ready:") == 1, output
+    assert output.count("shutdown complete") == 1, output
+    assert not re.search(r"INFO\s+pool_ready", output), output

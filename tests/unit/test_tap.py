@@ -12,6 +12,7 @@ import types
 from pathlib import Path
 from typing import Any
 
+import attrs
 from twisted.application.service import IService, IServiceCollection, IServiceMaker
 from twisted.internet.endpoints import serverFromString
 from twisted.internet.protocol import Factory
@@ -25,7 +26,7 @@ from kcoral.config import ServerConfig, default_disk_cache_dir
 from kcoral.server import tap
 
 ROOT = Path(__file__).resolve().parents[2]
-TAC = ROOT / "contrib" / "kcoral.tac"
+TACS = (ROOT / "contrib" / "kcoral-gpu.tac", ROOT / "contrib" / "kcoral-cpu.tac")
 
 #: A fixed environment with no KCORAL_* variables.
 BARE_ENV = {"HOME": "/home/op"}
@@ -509,7 +510,18 @@ class MakeServiceTests(SynchronousTestCase):
 
         options = parse(["--port", "8123", "--device", "cpu"])
         self.assertIs(tap.makeService(options), sentinel)
-        self.assertEqual(calls, [(options.config, "tcp:port=8123:interface=127.0.0.1", None)])
+        self.assertIs(tap.makeService(options, console_mirror=True), sentinel)
+        endpoint = "tcp:port=8123:interface=127.0.0.1"
+        # Under plain twistd, twistd's own observer prints every event: no
+        # mirror, so nothing prints twice.  `kcoral server` asks for it.
+        self.assertEqual(
+            calls,
+            [
+                (attrs.evolve(options.config, log_console=False), endpoint, None),
+                (options.config, endpoint, None),
+            ],
+        )
+        self.assertTrue(options.config.log_console)
 
 
 class PluginTests(SynchronousTestCase):
@@ -585,7 +597,7 @@ class PluginTests(SynchronousTestCase):
 
 class TacTests(SynchronousTestCase):
     """
-    C{contrib/kcoral.tac} builds an application.
+    C{contrib/kcoral-gpu.tac} and C{contrib/kcoral-cpu.tac} build applications.
     """
 
     def setUp(self) -> None:
@@ -599,12 +611,15 @@ class TacTests(SynchronousTestCase):
 
     def test_load(self) -> None:
         """
-        twistd's loader finds an application holding the root service.
+        twistd's loader finds an application holding the root service, of
+        the device kind the file is named after.
         """
         from twisted.application.service import loadApplication
 
-        application = loadApplication(str(TAC), "python")
-        services = list(IServiceCollection(application))
-        self.assertEqual(len(services), 1)
-        self.assertTrue(IService.providedBy(services[0]))
-        self.assertFalse(services[0].running)
+        for tac, device in zip(TACS, ("gpu", "cpu"), strict=True):
+            application = loadApplication(str(tac), "python")
+            services = list(IServiceCollection(application))
+            self.assertEqual(len(services), 1)
+            self.assertTrue(IService.providedBy(services[0]))
+            self.assertFalse(services[0].running)
+            self.assertEqual(services[0].config.device, device)

@@ -119,9 +119,10 @@ class KCoralService(service.MultiService):
     def _start_failed(self, failure: Any) -> None:
         message = f"{failure.type.__name__}: {failure.getErrorMessage()}"
         console = None
-        if self.log_setup is None:
+        if self.log_setup is None and self.config.log_console:
             # The console mirror is not installed yet (the log directory
             # itself may be the cause): show the cause on the console anyway.
+            # (Under plain twistd log_console is off: twistd's log shows it.)
             from kcoral.server.logs import ConsoleObserver
 
             console = ConsoleObserver()

@@ -230,15 +230,15 @@ def test_plugin_gpu_start_failure_exits(tmp_path: Path) -> None:
     process = _twistd([*args, "--port", str(free_port())], tmp_path)
     code, output = _wait_exit(process, tmp_path)
     assert code == 1, output[-4000:]
-    assert "server_start_failed" in output
+    assert "server failed to start" in output
 
 
 def test_tac_gpu_start_failure_exits(tmp_path: Path) -> None:
     """
-    C{twistd -ny contrib/kcoral.tac} whose GPU server cannot start exits 1
-    and removes its pidfile (issue 17, item 12).
+    C{twistd -ny contrib/kcoral-gpu.tac} whose GPU server cannot start
+    exits 1 and removes its pidfile (issue 17, item 12).
     """
-    source = (ROOT / "contrib" / "kcoral.tac").read_text()
+    source = (ROOT / "contrib" / "kcoral-gpu.tac").read_text()
     for pattern, replacement in [
         (r"PORT = \d+", f"PORT = {free_port()}"),
         (r"gpus=\(0,\),", "gpus=(97,),"),
@@ -248,13 +248,13 @@ def test_tac_gpu_start_failure_exits(tmp_path: Path) -> None:
         (r"disk_cache_capacity_mbytes=\d+", "disk_cache_capacity_mbytes=0"),
     ]:
         source, count = re.subn(pattern, replacement, source)
-        assert count == 1, f"contrib/kcoral.tac no longer contains {pattern!r}"
+        assert count == 1, f"contrib/kcoral-gpu.tac no longer contains {pattern!r}"
     tac = tmp_path / "kcoral.tac"
     tac.write_text(source)
     process = _twistd(["-ny", str(tac)], tmp_path)
     code, output = _wait_exit(process, tmp_path)
     assert code == 1, output[-4000:]
-    assert "server_start_failed" in output
+    assert "server failed to start" in output
     assert not (tmp_path / "twistd.pid").exists()
 
 
@@ -294,3 +294,19 @@ def test_plugin_prints_each_event_once(tmp_path: Path) -> None:
     assert output.count("pool ready:") == 1, output
     assert output.count("shutdown complete") == 1, output
     assert not re.search(r"INFO\s+pool_ready", output), output
+
+
+def test_plugin_log_dir_cannot_be_created(tmp_path: Path) -> None:
+    """
+    Under plain twistd the log directory failure shows once, through
+    twistd's log, and twistd exits 1 (issue 17, item 13).
+    """
+    (tmp_path / "afile").write_text("")
+    args = ["-n", "--pidfile=", "kcoral", "--device", "cpu", "--sandbox", "none"]
+    process = _twistd(
+        [*args, "--disk-cache-dir", "", "--log-dir", "afile/logs", "--port", str(free_port())],
+        tmp_path,
+    )
+    code, output = _wait_exit(process, tmp_path)
+    assert code == 1, output[-4000:]
+    assert output.count("cannot create the log directory afile/logs") == 1, output

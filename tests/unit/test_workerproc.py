@@ -405,7 +405,7 @@ class StopTests(WorkerTestCase):
     def test_stop_one_grace(self) -> None:
         worker = self.ready_worker()
         d = worker.stop()
-        self.assertEqual(self.transport.messages()[-1].type, "exit")
+        self.assertEqual(self.transport.messages()[-1].TYPE, "exit")
         self.reactor.advance(4.9)
         self.assertEqual(self.hard_kills, [])
         self.reactor.advance(0.2)

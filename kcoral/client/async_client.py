@@ -285,9 +285,14 @@ class AsyncClient:
             for digest, data in blobs.items()
             if digest in wanted
         ]
-        producer = MultipartProducer(
-            parts, cooperator=self._cooperator, on_progress=self.progress.sending
-        )
+        progress = self.progress
+
+        def sent(count: int, total: int) -> None:
+            progress.sending(count, total)
+            if count == total:
+                progress.waiting()
+
+        producer = MultipartProducer(parts, cooperator=self._cooperator, on_progress=sent)
         extra = {"Content-Type": producer.content_type}
         if route:
             extra["X-KCoral-Node"] = route
@@ -298,7 +303,6 @@ class AsyncClient:
                     "POST", url, headers=self._request_headers(extra), data=producer
                 )
             )
-            self.progress.waiting()
             data = await self._read(response)
         finally:
             self.progress.done()

@@ -12,7 +12,10 @@ finish, then stops every worker.
 
 from __future__ import annotations
 
+import atexit
+import os
 import shutil
+import sys
 import tempfile
 import traceback
 import uuid
@@ -23,7 +26,7 @@ from twisted.application import service
 from twisted.internet.defer import Deferred
 from twisted.internet.endpoints import serverFromString
 from twisted.internet.threads import deferToThreadPool
-from twisted.logger import Logger
+from twisted.logger import Logger, globalLogPublisher
 from twisted.python.threadpool import ThreadPool
 
 from kcoral.config import ServerConfig
@@ -71,6 +74,8 @@ class KCoralService(service.MultiService):
         self.pool = WorkerPool(
             config, self._reactor, self.leases, None, self.run_blocking, Path(".")
         )
+        #: Endpoints that cannot work in this installation -> why.
+        self.unavailable: dict[str, str] = {}
         self.metrics, self.recent = _observability(self)
         self.api = KcoralAPI(
             config,
@@ -91,6 +96,9 @@ class KCoralService(service.MultiService):
         self.port: Any = None
         self.log_setup: Any = None
         self._root_dir: Path | None = None
+        #: The process's exit status when the server fails to start under
+        #: twistd; C{None} leaves the exit status to the caller.
+        self.exit_status_on_failure: int | None = None
 
     def run_blocking(self, f: Any, *args: Any, **kwargs: Any) -> Deferred[Any]:
         """Run blocking C{f} in the server's I/O thread pool."""
@@ -112,16 +120,47 @@ class KCoralService(service.MultiService):
 
     def _start_failed(self, failure: Any) -> None:
         message = f"{failure.type.__name__}: {failure.getErrorMessage()}"
-        self.log.error(
-            "server failed to start: {error}",
-            kcoral_event="server_start_failed",
-            error=message,
-            traceback="".join(traceback.format_exception(failure.value))[-8192:],
-        )
+        console = None
+        if self.log_setup is None and self.config.log_console:
+            # The console mirror is not installed yet (the log directory
+            # itself may be the cause): show the cause on the console anyway.
+            # (Under plain twistd log_console is off: twistd's log shows it.)
+            from kcoral.server.logs import ConsoleObserver
+
+            console = ConsoleObserver()
+            globalLogPublisher.addObserver(console)
+        try:
+            self.log.error(
+                "server failed to start: {error}",
+                kcoral_event="server_start_failed",
+                error=message,
+                traceback="".join(traceback.format_exception(failure.value))[-8192:],
+            )
+        finally:
+            if console is not None:
+                globalLogPublisher.removeObserver(console)
         start_failures.append(message)
         self.ready.errback(failure)
-        if self.running and self.parent is not None and self._reactor.running:
-            self._reactor.stop()
+        if self.running and self.parent is not None:
+            # Under twistd (kcoral server, twistd -n kcoral, a .tac): stop
+            # the process, and make it exit non-zero so a supervisor sees
+            # the failure (systemd Restart=on-failure).
+            if self._reactor.running:
+                self._reactor.stop()
+            else:
+                self._reactor.callWhenRunning(self._reactor.stop)
+            if self.exit_status_on_failure is not None:
+                atexit.register(_exit_with, self.exit_status_on_failure)
+
+    def _announce_unavailable(self) -> None:
+        """Say at start-up which endpoints cannot work here, and why."""
+        for endpoint, reason in self.unavailable.items():
+            self.log.warn(
+                "{endpoint} is unavailable: {error}",
+                kcoral_event="endpoint_unavailable",
+                endpoint=endpoint,
+                error=reason,
+            )
 
     async def _start(self) -> None:
         config = self.config
@@ -141,6 +180,7 @@ class KCoralService(service.MultiService):
             run_dir=None if run_dir is None else str(getattr(run_dir, "path", run_dir)),
             config=config.as_log_dict(),
         )
+        self._announce_unavailable()
         recorder = getattr(self.log_setup, "recorder", None)
         if recorder is not None:
             self.api.save_program = lambda rid, data: self.run_blocking(recorder.save, rid, data)
@@ -220,6 +260,19 @@ class KCoralService(service.MultiService):
         return Deferred.fromCoroutine(self._stop())
 
     async def _stop(self) -> None:
+        try:
+            await self._stop_all()
+        except Exception:
+            self.log.failure("error while stopping the server")
+        finally:
+            # Whatever failed above, the I/O threads must end: they are not
+            # daemon threads and would keep the process alive after the
+            # reactor has stopped.
+            if self.log_setup is not None:
+                self.log_setup.close()
+            self.threadpool.stop()
+
+    async def _stop_all(self) -> None:
         remaining = self.api.in_flight
         self.log.info(
             "shutdown requested; finishing {remaining} request(s)",
@@ -238,9 +291,6 @@ class KCoralService(service.MultiService):
             await self.run_blocking(shutil.rmtree, self._root_dir, True)
         self.log.info("shutdown complete", kcoral_event="shutdown_complete")
         self.log.info("server stopped", kcoral_event="server_stopped")
-        if self.log_setup is not None:
-            self.log_setup.close()
-        self.threadpool.stop()
 
 
 def _compile_cache_dir(config: ServerConfig) -> Path | None:
@@ -260,12 +310,25 @@ def _compile_cache_dir(config: ServerConfig) -> Path | None:
 
 
 def _observability(server: KCoralService) -> tuple[Any, Any]:
-    """The metrics and recent-requests observers, when their modules exist."""
+    """
+    The metrics and recent-requests observers, when their modules import.
+
+    An endpoint that cannot work is recorded in C{server.unavailable}
+    (endpoint -> reason) and announced at start-up, never dropped silently.
+    """
     try:
         from kcoral.server.metrics import Metrics
+    except ImportError as e:
+        server.unavailable["/metrics"] = (
+            f"{e} (install the server extra: pip install 'kcoral-server[server]')"
+        )
+        Metrics = None  # type: ignore[assignment,misc]
+    try:
         from kcoral.server.status import RecentRequests
-    except ImportError:
-        return None, None
+    except ImportError as e:
+        for endpoint in ("/status", "/status.json"):
+            server.unavailable[endpoint] = str(e)
+        RecentRequests = None  # type: ignore[assignment,misc]
 
     def state() -> dict[str, Any]:
         pool = server.pool
@@ -280,12 +343,37 @@ def _observability(server: KCoralService) -> tuple[Any, Any]:
             "lease_depth": {gpu: server.leases.depth(gpu) for gpu in server.leases.gpus},
         }
 
-    return Metrics(state), RecentRequests()
+    return (
+        None if Metrics is None else Metrics(state),
+        None if RecentRequests is None else RecentRequests(),
+    )
 
 
 def makeService(config: ServerConfig, endpoint: str, *, reactor: Any = None) -> KCoralService:
-    """Build the root service for C{config}, serving HTTP on C{endpoint}."""
-    return KCoralService(config, endpoint, reactor=reactor)
+    """
+    Build the root service for C{config}, serving HTTP on C{endpoint}.
+
+    This is the twistd entry point (the C{kcoral} plugin and
+    C{contrib/kcoral.tac}): a server that fails to start makes the process
+    exit with status 1 once twistd has shut down.
+    """
+    root = KCoralService(config, endpoint, reactor=reactor)
+    root.exit_status_on_failure = 1
+    return root
+
+
+def _exit_with(status: int) -> None:
+    """
+    End the process with C{status} (an C{atexit} hook: twistd itself always
+    exits 0 after its reactor stops).
+    """
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        try:
+            if stream is not None:
+                stream.flush()
+        except Exception:
+            pass
+    os._exit(status)
 
 
 def create_app(config: ServerConfig | None = None, *, reactor: Any = None) -> Any:

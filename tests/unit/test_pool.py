@@ -63,6 +63,7 @@ class FakeWorker:
         self.info: dict[str, Any] = {}
         self.started_at = 0.0
         self.killed = False
+        self.killed_now = False
         self.stopped = False
         self._job = None
 
@@ -79,6 +80,11 @@ class FakeWorker:
         if self.alive:
             self.exit(-15)
         return succeed(-15)
+
+    def kill_now(self) -> None:
+        self.killed_now = True
+        if self.alive:
+            self.exit(-9)
 
     def stop(self) -> Deferred[int | None]:
         self.stopped = True
@@ -248,9 +254,12 @@ class ReplacementTests(PoolTestCase):
         seat = self.successResultOf(pool.acquire(10))
         old = seat.worker
         pool.release(seat, retire="request_limit")
-        self.assertFalse(old.killed)  # type: ignore[union-attr]
+        self.assertFalse(old.killed_now)  # type: ignore[union-attr]
         self.reactor.advance(5.0)
-        self.assertTrue(old.killed)  # type: ignore[union-attr]
+        # One grace in all (issue 17, item 10): SIGKILL, not a SIGTERM and
+        # a second grace.
+        self.assertTrue(old.killed_now)  # type: ignore[union-attr]
+        self.assertFalse(old.killed)  # type: ignore[union-attr]
         self.assertEqual(seat.generation, 2)
         self.assertEqual(seat.status, "idle")
 

@@ -388,3 +388,48 @@ class LeaseBudgetTests(WorkerTestCase):
         self.assertEqual(result.ending, "crashed")
         self.assertAlmostEqual(result.lease_held_seconds, 0.25)
         self.assertIsNone(self.leases.holder_of(0))
+
+
+class StopTests(WorkerTestCase):
+    """
+    Stopping a worker spends one termination grace in all (issue 17, item
+    10), and a worker whose pipe is already closed does not break the stop
+    (issue 17, item 12).
+    """
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.hard_kills: list[int] = []
+        self.patch(WorkerProcess, "_kill_hard", lambda worker, victims: self.hard_kills.append(1))
+
+    def test_stop_one_grace(self) -> None:
+        worker = self.ready_worker()
+        d = worker.stop()
+        self.assertEqual(self.transport.messages()[-1].TYPE, "exit")
+        self.reactor.advance(4.9)
+        self.assertEqual(self.hard_kills, [])
+        self.reactor.advance(0.2)
+        # SIGKILL when the grace is spent; no SIGTERM and second grace.
+        self.assertEqual(self.hard_kills, [1])
+        self.assertEqual(self.reactor.getDelayedCalls(), [])
+        self.end(worker, -9)
+        self.assertEqual(self.successResultOf(d), -9)
+
+    def test_stop_exits_in_time(self) -> None:
+        worker = self.ready_worker()
+        d = worker.stop()
+        self.end(worker, 0)
+        self.assertEqual(self.successResultOf(d), 0)
+        self.assertEqual(self.reactor.getDelayedCalls(), [])
+        self.assertEqual(self.hard_kills, [])
+
+    def test_stop_closed_pipe(self) -> None:
+        worker = self.ready_worker()
+        sent = len(self.transport.messages())
+        self.transport.pipes = {}  # type: ignore[attr-defined]
+        d = worker.stop()
+        self.assertEqual(len(self.transport.messages()), sent)
+        self.reactor.advance(5.0)
+        self.assertEqual(self.hard_kills, [1])
+        self.end(worker, -9)
+        self.assertEqual(self.successResultOf(d), -9)

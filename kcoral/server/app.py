@@ -439,7 +439,10 @@ class KcoralAPI:
             result: JobResult = await worker.run(job)
             elapsed_ms = (self._reactor.seconds() - assigned) * 1000.0
             retire = self._retire_reason(seat, result)
-            return self._respond(request_id, seat, job, result, queue_ms, elapsed_ms)
+            answer = self._respond(request_id, seat, job, result, queue_ms, elapsed_ms)
+            if not await self._workspace_out_of_reach(seat, worker, retire):
+                retire = "sandbox_cleanup"
+            return answer
         finally:
             self.pool.release(
                 seat, retire=retire if retire is not None else self._fallback_retire(seat)
@@ -512,6 +515,31 @@ class KcoralAPI:
                 )
         finally:
             self.pool.release(seat)
+
+    async def _workspace_out_of_reach(self, seat: Any, worker: Any, retire: str | None) -> bool:
+        """
+        Without a sandbox nothing hides one request's workspace from the
+        next, so empty it before the answer goes out rather than after
+        (issue 17, item 5).  A retiring worker is stopped first, so nothing
+        writes into the workspace once it is empty.  Returns C{False} when
+        the workspace could not be emptied (the worker must then retire).
+        """
+        if getattr(self.pool.sandbox, "name", None) != "none" or seat.work_dir is None:
+            return True
+        if retire is not None and retire != "request_limit" and worker.alive:
+            await worker.kill()
+        try:
+            await deferToThreadPool(
+                self._reactor, self._threadpool, self.pool.sandbox.clear_workspace, seat.work_dir
+            )
+        except Exception as e:
+            self.log.warn(
+                "could not empty the workspace of {worker_id}: {error}",
+                worker_id=seat.worker_id,
+                error=str(e),
+            )
+            return False
+        return True
 
     def _fallback_retire(self, seat: Any) -> str | None:
         worker = seat.worker

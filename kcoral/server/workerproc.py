@@ -46,6 +46,7 @@ from kcoral.wire.channel import (
     LeaseRelease,
     Outcome,
     Ready,
+    Returned,
     decode,
     encode,
 )
@@ -118,6 +119,10 @@ class JobResult:
     #: (reactor time), to tell which request held the GPU meanwhile.
     instruction_started: dict[int, float] = attrs.field(factory=dict)
     ended_at: float = 0.0
+    #: Returns the worker finished before it crashed (C{returned} messages):
+    #: their results and binary parts, kept for the answer.
+    results: dict[str, Any] = attrs.field(factory=dict)
+    parts: tuple[bytes, ...] = ()
 
 
 class _Tail:
@@ -529,6 +534,9 @@ class _RunningJob:
     _lease_wait: float = 0.0
     _lease_held: float = 0.0
     _held_since: float | None = None
+    #: What C{returned} messages brought so far.
+    returned: dict[str, Any] = attrs.field(factory=dict)
+    returned_parts: list[bytes] = attrs.field(factory=list)
 
     def start(self) -> None:
         self.remaining = self.job.timeout_seconds
@@ -579,8 +587,19 @@ class _RunningJob:
             self._acquire_lease()
         elif isinstance(message, LeaseRelease):
             self._release_lease()
+        elif isinstance(message, Returned):
+            self.returned[message.key] = message.value
+            self.returned_parts.extend(message.parts)
         elif isinstance(message, Outcome):
-            self._finish(JobResult("outcome", outcome=message))
+            if message.streamed_parts != len(self.returned_parts):
+                self.invalid_received()
+                return
+            outcome = attrs.evolve(
+                message,
+                parts=(*self.returned_parts, *message.parts),
+                streamed_parts=0,
+            )
+            self._finish(JobResult("outcome", outcome=outcome))
         else:
             self.invalid_received()
 
@@ -672,6 +691,8 @@ class _RunningJob:
             held += self._clock() - self._held_since
         result = attrs.evolve(
             result,
+            results=dict(self.returned),
+            parts=tuple(self.returned_parts),
             lease_wait_seconds=self._lease_wait,
             lease_held_seconds=held,
             instruction_started=dict(self.instruction_started),

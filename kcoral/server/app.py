@@ -548,6 +548,8 @@ class KcoralAPI:
     def _retire_reason(self, seat: Any, result: JobResult) -> str | None:
         if result.ending == "timeout":
             return "timeout"
+        if result.ending == "invalid":
+            return "channel_violation"
         if result.ending != "outcome":
             return "crashed"
         assert result.outcome is not None
@@ -597,7 +599,7 @@ class KcoralAPI:
         if result.ending == "invalid":
             raise RequestError(
                 "engine",
-                "invalid worker response",
+                "invalid worker response" + (f": {result.detail[:512]}" if result.detail else ""),
                 "server_error",
                 error_kind="invalid_worker_response",
                 **place,
@@ -639,6 +641,18 @@ class KcoralAPI:
             assert result.outcome is not None
             outcome = result.outcome
             reason = "completed" if outcome.status == "COMPLETED" else "program_failed"
+        if outcome.oversize is not None:
+            raise RequestError(
+                "response_too_large",
+                "results exceed the configured response-size limit",
+                "server_error",
+                error_kind="response_too_large",
+                response_bytes=outcome.oversize,
+                queue_ms=queue_ms,
+                elapsed_ms=elapsed_ms,
+                lease_held_ms=timings["lease_held_ms"],
+                **place,
+            )
         parts = list(outcome.parts)
         body: dict[str, Any] = {
             "status": outcome.status,

@@ -32,6 +32,7 @@ import attrs
 
 from kcoral.errors import KINDS, ExecutionError, GPUAccessViolation
 from kcoral.wire.channel import (
+    CONTROL_FRAME_BYTES,
     RETIRE_POISONED,
     RETIRE_REQUEST_LIMIT,
     ChannelMessage,
@@ -41,6 +42,7 @@ from kcoral.wire.channel import (
     Returned,
 )
 from kcoral.wire.errors import instruction_error, truncate_traceback
+from kcoral.wire.jsontext import json_dumps
 from kcoral.wire.program import (
     BUILTIN_NAMES,
     BuiltinName,
@@ -235,7 +237,7 @@ class Engine:
                         "runtime", "program left background processes running; they were terminated"
                     ),
                 )
-        outcome = run.outcome(captured)
+        outcome = _fit_response(run.outcome(captured), request.max_response_bytes)
         del run
         if retire is None and retiring:
             retire = RETIRE_REQUEST_LIMIT
@@ -258,6 +260,24 @@ class Engine:
         return attrs.evolve(outcome, retire=retire)
 
 
+def _fit_response(outcome: Outcome, limit: int) -> Outcome:
+    """
+    C{outcome}, or the same without its results and parts when either is
+    over C{limit} (the parent reads no larger outcome, see
+    L{kcoral.wire.channel.job_limits}, and answers C{response_too_large}).
+    """
+    size = sum(len(part) for part in outcome.parts)
+    if size <= limit:
+        try:
+            results = len(json_dumps(outcome.results))
+        except (TypeError, ValueError):
+            return outcome
+        if results <= limit + CONTROL_FRAME_BYTES:
+            return outcome
+        size += results
+    return attrs.evolve(outcome, results={}, parts=(), oversize=size)
+
+
 class _ProgramRun:
     """The state of one program while it runs."""
 
@@ -274,6 +294,7 @@ class _ProgramRun:
         self.parts = PartCollector()
         #: Parts already sent with L{Returned} messages.
         self.streamed = 0
+        self.streaming = True
         self.results: dict[str, Any] = {}
         self.error: dict[str, Any] | None = None
         self.last: Any = None
@@ -399,7 +420,12 @@ class _ProgramRun:
             except BaseException:
                 self.parts.rewind(mark)
                 raise
-            if self.engine.stream_returns:
+            if self.engine.stream_returns and self.streaming:
+                if self.parts.total_bytes > self.request.max_response_bytes:
+                    # Over the response limit: the outcome reports it
+                    # (oversize); nothing more is sent ahead.
+                    self.streaming = False
+                    return
                 new_parts = tuple(bytes(p) for p in self.parts.parts[self.streamed :])
                 self.engine.send(
                     Returned(instruction.key, self.results[instruction.key], new_parts)

@@ -634,7 +634,10 @@ class KcoralAPI:
                 instruction.id,
                 "",
             )
-            outcome = Outcome(status="FAILED", error=crash_error)
+            # Returns that finished before the crash stay in the results.
+            outcome = Outcome(
+                status="FAILED", error=crash_error, results=result.results, parts=result.parts
+            )
             reason = "crashed"
         else:
             assert result.outcome is not None

@@ -48,6 +48,7 @@ from kcoral.wire.channel import (
     LeaseRelease,
     Outcome,
     Ready,
+    Returned,
     decode,
     encode,
     job_limits,
@@ -124,6 +125,10 @@ class JobResult:
     instruction_started: dict[int, float] = attrs.field(factory=dict)
     ended_at: float = 0.0
     detail: str = ""
+    #: Returns the worker finished before it crashed (C{returned} messages):
+    #: their results and binary parts, kept for the answer.
+    results: dict[str, Any] = attrs.field(factory=dict)
+    parts: tuple[bytes, ...] = ()
 
 
 class _Tail:
@@ -601,6 +606,9 @@ class _RunningJob:
     _held_since: float | None = None
     #: C{"none"}, C{"pending"} (asked, not granted yet) or C{"held"}.
     _lease_state: str = "none"
+    #: What C{returned} messages brought so far.
+    returned: dict[str, Any] = attrs.field(factory=dict)
+    returned_parts: list[bytes] = attrs.field(factory=list)
 
     def start(self) -> None:
         self.remaining = self.job.timeout_seconds
@@ -655,8 +663,22 @@ class _RunningJob:
                 self._violation("gave back a lease it does not hold")
             else:
                 self._release_lease()
+        elif isinstance(message, Returned):
+            self.returned[message.key] = message.value
+            self.returned_parts.extend(message.parts)
         elif isinstance(message, Outcome):
-            self._finish(JobResult("outcome", outcome=message))
+            if message.streamed_parts != len(self.returned_parts):
+                self._violation(
+                    f"outcome counts {message.streamed_parts} parts sent ahead, "
+                    f"{len(self.returned_parts)} arrived"
+                )
+                return
+            outcome = attrs.evolve(
+                message,
+                parts=(*self.returned_parts, *message.parts),
+                streamed_parts=0,
+            )
+            self._finish(JobResult("outcome", outcome=outcome))
         else:
             self._violation(f"unexpected {message.TYPE!r} message during a program")
 
@@ -775,6 +797,8 @@ class _RunningJob:
             held += self._clock() - self._held_since
         result = attrs.evolve(
             result,
+            results=dict(self.returned),
+            parts=tuple(self.returned_parts),
             lease_wait_seconds=self._lease_wait,
             lease_held_seconds=held,
             instruction_started=dict(self.instruction_started),

@@ -39,6 +39,7 @@ from kcoral.wire.channel import (
     Execute,
     Instruction,
     Outcome,
+    Returned,
 )
 from kcoral.wire.errors import instruction_error, truncate_traceback
 from kcoral.wire.jsontext import json_dumps
@@ -185,6 +186,10 @@ class Engine:
     lease: Any
     builtins: dict[str, tuple[Callable[..., Any], bool]]
     send: Callable[[ChannelMessage], None] = _noop_send
+    #: Send each finished return at once (a L{Returned} message), so the
+    #: parent keeps it if the worker crashes later; the outcome then carries
+    #: only the parts not sent yet.
+    stream_returns: bool = False
 
     def __attrs_post_init__(self) -> None:
         runtime.install(self.backend, self.lease, self.builtins)
@@ -287,6 +292,9 @@ class _ProgramRun:
         self.program = program
         self.handles = _Handles()
         self.parts = PartCollector()
+        #: Parts already sent with L{Returned} messages.
+        self.streamed = 0
+        self.streaming = True
         self.results: dict[str, Any] = {}
         self.error: dict[str, Any] | None = None
         self.last: Any = None
@@ -359,7 +367,8 @@ class _ProgramRun:
             stderr=captured.stderr,
             stdout_truncated=captured.stdout_truncated,
             stderr_truncated=captured.stderr_truncated,
-            parts=tuple(self.parts.parts),
+            parts=tuple(self.parts.parts[self.streamed :]),
+            streamed_parts=self.streamed,
         )
 
     # -- lease placement (spec/server.md §4.3) --------------------------
@@ -411,6 +420,17 @@ class _ProgramRun:
             except BaseException:
                 self.parts.rewind(mark)
                 raise
+            if self.engine.stream_returns and self.streaming:
+                if self.parts.total_bytes > self.request.max_response_bytes:
+                    # Over the response limit: the outcome reports it
+                    # (oversize); nothing more is sent ahead.
+                    self.streaming = False
+                    return
+                new_parts = tuple(bytes(p) for p in self.parts.parts[self.streamed :])
+                self.engine.send(
+                    Returned(instruction.key, self.results[instruction.key], new_parts)
+                )
+                self.streamed = len(self.parts.parts)
         else:  # pragma: no cover - the parser admits nothing else
             raise _Failure("engine", f"unknown instruction {instruction!r}")
 

@@ -439,7 +439,10 @@ class KcoralAPI:
             result: JobResult = await worker.run(job)
             elapsed_ms = (self._reactor.seconds() - assigned) * 1000.0
             retire = self._retire_reason(seat, result)
-            return self._respond(request_id, seat, job, result, queue_ms, elapsed_ms)
+            answer = self._respond(request_id, seat, job, result, queue_ms, elapsed_ms)
+            if not await self._workspace_out_of_reach(seat, worker, retire):
+                retire = "sandbox_cleanup"
+            return answer
         finally:
             self.pool.release(
                 seat, retire=retire if retire is not None else self._fallback_retire(seat)
@@ -513,6 +516,31 @@ class KcoralAPI:
         finally:
             self.pool.release(seat)
 
+    async def _workspace_out_of_reach(self, seat: Any, worker: Any, retire: str | None) -> bool:
+        """
+        Without a sandbox nothing hides one request's workspace from the
+        next, so empty it before the answer goes out rather than after
+        (issue 17, item 5).  A retiring worker is stopped first, so nothing
+        writes into the workspace once it is empty.  Returns C{False} when
+        the workspace could not be emptied (the worker must then retire).
+        """
+        if getattr(self.pool.sandbox, "name", None) != "none" or seat.work_dir is None:
+            return True
+        if retire is not None and retire != "request_limit" and worker.alive:
+            await worker.kill()
+        try:
+            await deferToThreadPool(
+                self._reactor, self._threadpool, self.pool.sandbox.clear_workspace, seat.work_dir
+            )
+        except Exception as e:
+            self.log.warn(
+                "could not empty the workspace of {worker_id}: {error}",
+                worker_id=seat.worker_id,
+                error=str(e),
+            )
+            return False
+        return True
+
     def _fallback_retire(self, seat: Any) -> str | None:
         worker = seat.worker
         return None if worker is not None and worker.alive and worker._job is None else "crashed"
@@ -520,6 +548,8 @@ class KcoralAPI:
     def _retire_reason(self, seat: Any, result: JobResult) -> str | None:
         if result.ending == "timeout":
             return "timeout"
+        if result.ending == "invalid":
+            return "channel_violation"
         if result.ending != "outcome":
             return "crashed"
         assert result.outcome is not None
@@ -569,7 +599,7 @@ class KcoralAPI:
         if result.ending == "invalid":
             raise RequestError(
                 "engine",
-                "invalid worker response",
+                "invalid worker response" + (f": {result.detail[:512]}" if result.detail else ""),
                 "server_error",
                 error_kind="invalid_worker_response",
                 **place,
@@ -602,12 +632,27 @@ class KcoralAPI:
                 instruction.id,
                 "",
             )
-            outcome = Outcome(status="FAILED", error=crash_error)
+            # Returns that finished before the crash stay in the results.
+            outcome = Outcome(
+                status="FAILED", error=crash_error, results=result.results, parts=result.parts
+            )
             reason = "crashed"
         else:
             assert result.outcome is not None
             outcome = result.outcome
             reason = "completed" if outcome.status == "COMPLETED" else "program_failed"
+        if outcome.oversize is not None:
+            raise RequestError(
+                "response_too_large",
+                "results exceed the configured response-size limit",
+                "server_error",
+                error_kind="response_too_large",
+                response_bytes=outcome.oversize,
+                queue_ms=queue_ms,
+                elapsed_ms=elapsed_ms,
+                lease_held_ms=timings["lease_held_ms"],
+                **place,
+            )
         parts = list(outcome.parts)
         body: dict[str, Any] = {
             "status": outcome.status,

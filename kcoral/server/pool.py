@@ -449,7 +449,14 @@ class WorkerPool:
         return len(self.seats) - len(self._replacing)
 
     def worker_status(self, now: float) -> list[dict[str, Any]]:
-        """Per-seat status for /health and /status."""
+        """
+        Per-seat status for /health and /status.
+
+        C{status} is one of the protocol's worker states, C{idle} or
+        C{busy}, which is all 0.1.1-era consumers accept: a seat that is
+        starting, being replaced or dead cannot take a request, so it is
+        C{busy}.  C{state} says which of those it is.
+        """
         rows = []
         for seat in self.seats:
             worker = seat.worker
@@ -457,7 +464,8 @@ class WorkerPool:
                 {
                     "worker_id": seat.worker_id,
                     "gpu_id": seat.gpu_id,
-                    "status": seat.status,
+                    "status": "idle" if seat.status == "idle" else "busy",
+                    "state": seat.status,
                     "generation": seat.generation,
                     "pid": None if worker is None else worker.pid,
                     "uptime_seconds": 0.0

@@ -93,6 +93,7 @@ def serve(
         lease,
         registry_for(backend),
         send=lambda message: write_message(outbox, message),
+        stream_returns=True,
     )
     write_message(
         outbox, Ready(pid=os.getpid(), target=target, versions=versions, device=backend.name)

@@ -32,14 +32,17 @@ import attrs
 
 from kcoral.errors import KINDS, ExecutionError, GPUAccessViolation
 from kcoral.wire.channel import (
+    CONTROL_FRAME_BYTES,
     RETIRE_POISONED,
     RETIRE_REQUEST_LIMIT,
     ChannelMessage,
     Execute,
     Instruction,
     Outcome,
+    Returned,
 )
 from kcoral.wire.errors import instruction_error, truncate_traceback
+from kcoral.wire.jsontext import json_dumps
 from kcoral.wire.program import (
     BUILTIN_NAMES,
     BuiltinName,
@@ -183,6 +186,10 @@ class Engine:
     lease: Any
     builtins: dict[str, tuple[Callable[..., Any], bool]]
     send: Callable[[ChannelMessage], None] = _noop_send
+    #: Send each finished return at once (a L{Returned} message), so the
+    #: parent keeps it if the worker crashes later; the outcome then carries
+    #: only the parts not sent yet.
+    stream_returns: bool = False
 
     def __attrs_post_init__(self) -> None:
         runtime.install(self.backend, self.lease, self.builtins)
@@ -230,7 +237,7 @@ class Engine:
                         "runtime", "program left background processes running; they were terminated"
                     ),
                 )
-        outcome = run.outcome(captured)
+        outcome = _fit_response(run.outcome(captured), request.max_response_bytes)
         del run
         if retire is None and retiring:
             retire = RETIRE_REQUEST_LIMIT
@@ -253,6 +260,24 @@ class Engine:
         return attrs.evolve(outcome, retire=retire)
 
 
+def _fit_response(outcome: Outcome, limit: int) -> Outcome:
+    """
+    C{outcome}, or the same without its results and parts when either is
+    over C{limit} (the parent reads no larger outcome, see
+    L{kcoral.wire.channel.job_limits}, and answers C{response_too_large}).
+    """
+    size = sum(len(part) for part in outcome.parts)
+    if size <= limit:
+        try:
+            results = len(json_dumps(outcome.results))
+        except (TypeError, ValueError):
+            return outcome
+        if results <= limit + CONTROL_FRAME_BYTES:
+            return outcome
+        size += results
+    return attrs.evolve(outcome, results={}, parts=(), oversize=size)
+
+
 class _ProgramRun:
     """The state of one program while it runs."""
 
@@ -267,6 +292,9 @@ class _ProgramRun:
         self.program = program
         self.handles = _Handles()
         self.parts = PartCollector()
+        #: Parts already sent with L{Returned} messages.
+        self.streamed = 0
+        self.streaming = True
         self.results: dict[str, Any] = {}
         self.error: dict[str, Any] | None = None
         self.last: Any = None
@@ -339,7 +367,8 @@ class _ProgramRun:
             stderr=captured.stderr,
             stdout_truncated=captured.stdout_truncated,
             stderr_truncated=captured.stderr_truncated,
-            parts=tuple(self.parts.parts),
+            parts=tuple(self.parts.parts[self.streamed :]),
+            streamed_parts=self.streamed,
         )
 
     # -- lease placement (spec/server.md §4.3) --------------------------
@@ -391,6 +420,17 @@ class _ProgramRun:
             except BaseException:
                 self.parts.rewind(mark)
                 raise
+            if self.engine.stream_returns and self.streaming:
+                if self.parts.total_bytes > self.request.max_response_bytes:
+                    # Over the response limit: the outcome reports it
+                    # (oversize); nothing more is sent ahead.
+                    self.streaming = False
+                    return
+                new_parts = tuple(bytes(p) for p in self.parts.parts[self.streamed :])
+                self.engine.send(
+                    Returned(instruction.key, self.results[instruction.key], new_parts)
+                )
+                self.streamed = len(self.parts.parts)
         else:  # pragma: no cover - the parser admits nothing else
             raise _Failure("engine", f"unknown instruction {instruction!r}")
 

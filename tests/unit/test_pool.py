@@ -232,6 +232,25 @@ class ReplacementTests(PoolTestCase):
         self.assertIs(self.successResultOf(waiter), seat)
         self.assertEqual(pool.capacity, 1)
 
+    def test_health_status_only_idle_or_busy(self) -> None:
+        """
+        /health's C{status} is only C{idle} or C{busy} (issue 17, item 6):
+        a seat being replaced reads C{busy}, and C{state} tells why.
+        """
+        pool = self.make_pool(Config(num_workers=2))
+        seat = self.successResultOf(pool.acquire(10))
+        self.auto_ready = False
+        rows = pool.worker_status(0.0)
+        self.assertEqual([r["status"] for r in rows], ["busy", "idle"])
+        self.assertEqual([r["state"] for r in rows], ["busy", "idle"])
+        pool.release(seat, retire="crashed")
+        self.assertEqual(seat.status, "starting")
+        rows = pool.worker_status(0.0)
+        self.assertEqual([r["status"] for r in rows], ["busy", "idle"])
+        self.assertEqual([r["state"] for r in rows], ["starting", "idle"])
+        self.spawned[-1].come_up()
+        self.assertEqual([r["status"] for r in pool.worker_status(0.0)], ["idle", "idle"])
+
     def test_capacity_excludes_replacing(self) -> None:
         pool = self.make_pool(Config(num_workers=3))
         seat = self.successResultOf(pool.acquire(10))

@@ -24,7 +24,7 @@ import psutil
 import pytest
 
 from kcoral.errors import ExecutionError
-from kcoral.wire.channel import ChannelMessage, Execute, Instruction, Outcome
+from kcoral.wire.channel import ChannelMessage, Execute, Instruction, Outcome, Returned
 from kcoral.worker.builtins import cpu_builtins
 from kcoral.worker.devices import CpuBackend, make_backend
 from kcoral.worker.engine import Engine
@@ -896,3 +896,43 @@ def test_null_lease() -> None:
     assert lease.held
     lease.release()
     assert not lease.held
+
+
+def test_stream_returns(harness: Harness) -> None:
+    """
+    With C{stream_returns} each finished return is sent at once with its
+    parts, and the outcome carries only the parts after them (issue 17,
+    item 4: the parent keeps returns that ran before a crash).
+    """
+    harness.engine.stream_returns = True
+    digest = harness.blob(b"abc")
+    outcome = harness.run(
+        [
+            {"op": "upload", "kind": "bytes", "id": "b", "blob": digest},
+            {"op": "return", "key": "k", "value": ref("b")},
+            module("m", "def f():\n    raise ValueError('late')\n"),
+            get("f", "m", "f"),
+            run("r", "f"),
+        ]
+    )
+    returned = [m for m in harness.sent if isinstance(m, Returned)]
+    assert [m.key for m in returned] == ["k"]
+    assert returned[0].parts == (b"abc",)
+    assert returned[0].value == outcome.results["k"]
+    assert outcome.status == "FAILED"
+    assert outcome.parts == ()
+    assert outcome.streamed_parts == 1
+
+
+def test_no_stream_by_default(harness: Harness) -> None:
+    """Without C{stream_returns} the outcome carries every part itself."""
+    digest = harness.blob(b"abc")
+    outcome = harness.run(
+        [
+            {"op": "upload", "kind": "bytes", "id": "b", "blob": digest},
+            {"op": "return", "key": "k", "value": ref("b")},
+        ]
+    )
+    assert not [m for m in harness.sent if isinstance(m, Returned)]
+    assert outcome.parts == (b"abc",)
+    assert outcome.streamed_parts == 0

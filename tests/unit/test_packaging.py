@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DISTRIBUTION_OF = {
     "zope": "zope.interface",
     "pycuda": "pycuda",
+    "cupti": "cupti-python",
     "prometheus_client": "prometheus-client",
 }
 

@@ -404,14 +404,16 @@ class KcoralAPI:
             )
             if program.options.gpu_count is not None:
                 return await self._run_multi_gpu(request_id, job, program.options.gpu_count)
-            return await self._run(request_id, job)
+            return await self._run(request_id, job, _client_identity(request))
         finally:
             resolution.pin.release()
 
-    async def _run(self, request_id: str, job: Job) -> tuple[int, str, Body]:
+    async def _run(
+        self, request_id: str, job: Job, client: str | None = None
+    ) -> tuple[int, str, Body]:
         queued = self._reactor.seconds()
         try:
-            seat = await self.pool.acquire(self.config.worker_wait_timeout_seconds)
+            seat = await self.pool.acquire(self.config.worker_wait_timeout_seconds, client)
         except PoolBusy:
             queue_ms = (self._reactor.seconds() - queued) * 1000.0
             raise RequestError("busy", "server saturated", "no_worker", queue_ms=queue_ms) from None
@@ -714,6 +716,15 @@ class KcoralAPI:
         if len(chunks) == 1:
             return 200, content_type, chunks[0]
         return 200, content_type, chunks
+
+
+def _client_identity(request: IRequest) -> str | None:
+    """
+    Who sent C{request}, for the reuse scope: the TCP peer's address
+    (C{None} when the transport has none).
+    """
+    host = getattr(request.getClientAddress(), "host", None)
+    return host if isinstance(host, str) else None
 
 
 def _invalid(error: ValidationError) -> RequestError:

@@ -33,6 +33,7 @@ from twisted.python.runtime import platform
 from kcoral.wire.channel import (
     CONTROL_LIMITS,
     FROM_WORKER_FD,
+    OUTCOME_SLACK_BYTES,
     TO_WORKER_FD,
     Blob,
     ChannelError,
@@ -171,6 +172,8 @@ class WorkerProtocol(ProcessProtocol):
         self.stderr_tail = _Tail()
         self.ended: Deferred[BaseException] = Deferred()
         self.channel_error: str | None = None
+        #: The wire size of the frame whose message is being handled.
+        self.frame_bytes = 0
 
     def set_limits(self, limits: FrameLimits) -> None:
         """What the next frames may be (see L{kcoral.wire.channel.job_limits})."""
@@ -196,6 +199,7 @@ class WorkerProtocol(ProcessProtocol):
                 except ChannelError as e:
                     self.violation(str(e))
                     return
+                self.frame_bytes = frame.size
                 self._on_message(message)
                 if self.channel_error is not None:
                     return
@@ -609,6 +613,7 @@ class _RunningJob:
     #: What C{returned} messages brought so far.
     returned: dict[str, Any] = attrs.field(factory=dict)
     returned_parts: list[bytes] = attrs.field(factory=list)
+    returned_bytes: int = 0
 
     def start(self) -> None:
         self.remaining = self.job.timeout_seconds
@@ -664,8 +669,7 @@ class _RunningJob:
             else:
                 self._release_lease()
         elif isinstance(message, Returned):
-            self.returned[message.key] = message.value
-            self.returned_parts.extend(message.parts)
+            self._returned(message)
         elif isinstance(message, Outcome):
             if message.streamed_parts != len(self.returned_parts):
                 self._violation(
@@ -684,6 +688,25 @@ class _RunningJob:
 
     def _violation(self, reason: str) -> None:
         self.worker.protocol.violation(reason)
+
+    def _returned(self, message: Returned) -> None:
+        """
+        Keep a finished return; all of them together may not outgrow the
+        response (L{kcoral.wire.channel.OUTCOME_SLACK_BYTES} of framing aside),
+        so a worker cannot grow the parent's memory with many of them.
+        """
+        if message.key in self.returned:
+            self._violation(f"returned {message.key!r} twice")
+            return
+        self.returned_bytes += self.worker.protocol.frame_bytes
+        allowed = self.job.max_response_bytes + OUTCOME_SLACK_BYTES
+        if self.returned_bytes > allowed:
+            self._violation(
+                f"returned {self.returned_bytes} bytes ahead of the outcome, over {allowed}"
+            )
+            return
+        self.returned[message.key] = message.value
+        self.returned_parts.extend(message.parts)
 
     def _instruction(self, index: int) -> None:
         count = _instruction_count(self.job)

@@ -65,6 +65,8 @@ class Frame:
 
     header: dict[str, Any]
     payload: bytes = b""
+    #: The frame's length on the wire (prefix, header and payload), when read.
+    size: int = attrs.field(default=0, eq=False)
 
     @property
     def type(self) -> str:
@@ -184,6 +186,7 @@ class FrameDecoder:
     _buffer: bytearray = attrs.field(factory=bytearray)
     #: The decoded header and payload length of the frame being read.
     _current: tuple[dict[str, Any], int] | None = None
+    _header_end: int = 0
     _failed: ChannelError | None = None
 
     def feed(self, data: bytes) -> list[Frame]:
@@ -215,13 +218,14 @@ class FrameDecoder:
                 self.limits.check_type(str(header.get("type", "")), header_length, payload_length)
                 del buffer[:header_end]
                 self._current = (header, payload_length)
+                self._header_end = header_end
             header, payload_length = self._current
             if len(buffer) < payload_length:
                 break
             payload = bytes(buffer[:payload_length])
             del buffer[:payload_length]
             self._current = None
-            frames.append(Frame(header, payload))
+            frames.append(Frame(header, payload, self._header_end + payload_length))
         return frames
 
     @property

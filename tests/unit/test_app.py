@@ -132,8 +132,10 @@ class FakePool:
     versions: dict[str, str] = attrs.field(factory=dict)
     sandbox: FakeSandbox = attrs.field(factory=FakeSandbox)
     released: list[tuple[Any, str | None]] = attrs.field(factory=list)
+    clients: list[str | None] = attrs.field(factory=list)
 
-    def acquire(self, timeout: float) -> Deferred[Any]:
+    def acquire(self, timeout: float, client: str | None = None) -> Deferred[Any]:
+        self.clients.append(client)
         if self.busy or self.seat is None:
             return fail(PoolBusy("server saturated"))
         return succeed(self.seat)
@@ -357,6 +359,13 @@ class RunTests(APITestCase):
         self.make(FakePool(seat=FakeSeat(self.worker)))
         program = {**PROGRAM, "options": options} if options else PROGRAM
         return self.execute(program)
+
+    def test_client_address_for_reuse_scope(self) -> None:
+        """The pool is told the client's address (the reuse scope's identity)."""
+        self.run_with(JobResult("outcome", outcome=Outcome(status="COMPLETED")))
+        pool = self.api.pool
+        self.assertEqual(len(pool.clients), 1)
+        self.assertIsInstance(pool.clients[0], str)
 
     def test_completed(self) -> None:
         outcome = Outcome(

@@ -572,6 +572,21 @@ class ChannelDistrustTests(WorkerTestCase):
         self.deliver(worker, LeaseAcquire())
         self.assertPoisoned(worker, d, "holds")
 
+    def test_returned_twice(self) -> None:
+        worker = self.ready_worker()
+        d = worker.run(self.job())
+        self.deliver(worker, Returned("k", {"type": "null"}))
+        self.deliver(worker, Returned("k", {"type": "null"}))
+        self.assertPoisoned(worker, d, "'k' twice")
+
+    def test_returns_together_bounded(self) -> None:
+        """Many returns, each within the limits, cannot add up past the response."""
+        worker = self.ready_worker()
+        d = worker.run(self.job())
+        for i in range(3):
+            self.deliver(worker, Returned(f"k{i}", {"type": "null"}, (b"r" * 900_000,)))
+        self.assertPoisoned(worker, d, "ahead of the outcome")
+
     def test_ready_during_job(self) -> None:
         worker = self.ready_worker()
         d = worker.run(self.job())

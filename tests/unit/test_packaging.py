@@ -29,6 +29,7 @@ DISTRIBUTION_OF = {
     "zope": "zope.interface",
     "pycuda": "pycuda",
     "cupti": "cupti-python",
+    "tvm_ffi": "apache-tvm-ffi",
     "prometheus_client": "prometheus-client",
 }
 

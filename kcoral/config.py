@@ -26,6 +26,7 @@ from attrs import field
 __all__ = [
     "DEVICES",
     "LOG_LEVELS",
+    "REUSE_SCOPES",
     "SANDBOXES",
     "TENSOR_APIS",
     "ServerConfig",
@@ -37,6 +38,9 @@ DEVICES = ("cpu", "gpu")
 
 #: Accepted values of L{ServerConfig.sandbox}.
 SANDBOXES = ("none", "bubblewrap")
+
+#: Accepted values of L{ServerConfig.reuse_scope}.
+REUSE_SCOPES = ("address", "any")
 
 #: Accepted values of L{ServerConfig.tensor_api}.
 TENSOR_APIS = ("auto", "torch", "pycuda")
@@ -179,6 +183,11 @@ class ServerConfig:
     @ivar workers_per_gpu: workers per GPU in GPU mode.
     @ivar max_requests_per_worker: requests a worker serves before it is
         replaced; C{0} reuses workers without limit.
+    @ivar reuse_scope: which requests a reused worker may serve (one
+        interpreter runs them one after another, so a program can read or
+        answer for the next): C{"address"}, only requests from the client
+        address its first request came from; C{"any"}, every client's
+        (docs/security.md).
     @ivar sandbox: C{"bubblewrap"} or C{"none"}.
     @ivar sandbox_readonly_paths: extra read-only mounts inside the sandbox.
     @ivar worker_termination_grace_seconds: SIGTERM to SIGKILL window.
@@ -186,6 +195,9 @@ class ServerConfig:
     @ivar max_response_bytes: largest response body.
     @ivar output_limit_bytes: default per-stream stdout/stderr capture.
     @ivar max_output_limit_bytes: upper bound for a requested capture.
+    @ivar output_space_bytes: size of each bubblewrap worker's private
+        tmpfs for captured stdout and stderr; a program that writes more
+        gets C{ENOSPC} (docs/security.md).
     @ivar device: C{"gpu"} or C{"cpu"}.
     @ivar num_workers: number of workers in CPU mode.
     @ivar tensor_api: what Python functions in GPU workers receive as
@@ -218,6 +230,7 @@ class ServerConfig:
     )
     workers_per_gpu: int = field(default=8, validator=[_strict_int, _at_least_one])
     max_requests_per_worker: int = field(default=1, validator=_INT)
+    reuse_scope: str = field(default="address", validator=_choice(*REUSE_SCOPES))
     sandbox: str = field(default="bubblewrap", validator=_choice(*SANDBOXES))
     sandbox_readonly_paths: tuple[Path, ...] = field(default=(), converter=_to_paths)
     worker_termination_grace_seconds: float = field(
@@ -227,6 +240,7 @@ class ServerConfig:
     max_response_bytes: int = field(default=256 * _MIB, validator=_INT)
     output_limit_bytes: int = field(default=_MIB, validator=_INT)
     max_output_limit_bytes: int = field(default=16 * _MIB, validator=_INT)
+    output_space_bytes: int = field(default=64 * _MIB, validator=_INT)
     device: str = field(default="gpu", validator=_choice(*DEVICES))
     num_workers: int = field(default=1, validator=[_strict_int, _at_least_one])
     tensor_api: str = field(default="auto", validator=_choice(*TENSOR_APIS))
@@ -250,6 +264,12 @@ class ServerConfig:
             raise ValueError(
                 "default_timeout_seconds must not exceed max_timeout_seconds, got "
                 f"{self.default_timeout_seconds!r} > {self.max_timeout_seconds!r}"
+            )
+        needed = 2 * (self.max_output_limit_bytes + 8 * _KIB)
+        if self.output_space_bytes < needed:
+            raise ValueError(
+                f"output_space_bytes must hold both streams up to max_output_limit_bytes, "
+                f"at least {needed}, got {self.output_space_bytes}"
             )
         if self.sandbox_readonly_paths and self.sandbox != "bubblewrap":
             raise ValueError("sandbox_readonly_paths requires sandbox='bubblewrap'")

@@ -404,14 +404,16 @@ class KcoralAPI:
             )
             if program.options.gpu_count is not None:
                 return await self._run_multi_gpu(request_id, job, program.options.gpu_count)
-            return await self._run(request_id, job)
+            return await self._run(request_id, job, _client_identity(request))
         finally:
             resolution.pin.release()
 
-    async def _run(self, request_id: str, job: Job) -> tuple[int, str, Body]:
+    async def _run(
+        self, request_id: str, job: Job, client: str | None = None
+    ) -> tuple[int, str, Body]:
         queued = self._reactor.seconds()
         try:
-            seat = await self.pool.acquire(self.config.worker_wait_timeout_seconds)
+            seat = await self.pool.acquire(self.config.worker_wait_timeout_seconds, client)
         except PoolBusy:
             queue_ms = (self._reactor.seconds() - queued) * 1000.0
             raise RequestError("busy", "server saturated", "no_worker", queue_ms=queue_ms) from None
@@ -548,6 +550,8 @@ class KcoralAPI:
     def _retire_reason(self, seat: Any, result: JobResult) -> str | None:
         if result.ending == "timeout":
             return "timeout"
+        if result.ending == "invalid":
+            return "channel_violation"
         if result.ending != "outcome":
             return "crashed"
         assert result.outcome is not None
@@ -597,7 +601,7 @@ class KcoralAPI:
         if result.ending == "invalid":
             raise RequestError(
                 "engine",
-                "invalid worker response",
+                "invalid worker response" + (f": {result.detail[:512]}" if result.detail else ""),
                 "server_error",
                 error_kind="invalid_worker_response",
                 **place,
@@ -630,12 +634,27 @@ class KcoralAPI:
                 instruction.id,
                 "",
             )
-            outcome = Outcome(status="FAILED", error=crash_error)
+            # Returns that finished before the crash stay in the results.
+            outcome = Outcome(
+                status="FAILED", error=crash_error, results=result.results, parts=result.parts
+            )
             reason = "crashed"
         else:
             assert result.outcome is not None
             outcome = result.outcome
             reason = "completed" if outcome.status == "COMPLETED" else "program_failed"
+        if outcome.oversize is not None:
+            raise RequestError(
+                "response_too_large",
+                "results exceed the configured response-size limit",
+                "server_error",
+                error_kind="response_too_large",
+                response_bytes=outcome.oversize,
+                queue_ms=queue_ms,
+                elapsed_ms=elapsed_ms,
+                lease_held_ms=timings["lease_held_ms"],
+                **place,
+            )
         parts = list(outcome.parts)
         body: dict[str, Any] = {
             "status": outcome.status,
@@ -697,6 +716,15 @@ class KcoralAPI:
         if len(chunks) == 1:
             return 200, content_type, chunks[0]
         return 200, content_type, chunks
+
+
+def _client_identity(request: IRequest) -> str | None:
+    """
+    Who sent C{request}, for the reuse scope: the TCP peer's address
+    (C{None} when the transport has none).
+    """
+    host = getattr(request.getClientAddress(), "host", None)
+    return host if isinstance(host, str) else None
 
 
 def _invalid(error: ValidationError) -> RequestError:

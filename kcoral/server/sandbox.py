@@ -31,7 +31,7 @@ import stat
 import sys
 import tempfile
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -49,6 +49,11 @@ WORKSPACE = "/work"
 
 #: Where workers see the shared compile cache under bubblewrap.
 COMPILE_CACHE = "/var/cache/kcoral/compile"
+
+#: The worker's private, size-limited tmpfs for captured output, and the
+#: variable that tells the worker (C{kcoral.worker.capture.CAPTURE_DIR_ENV}).
+CAPTURE_DIR = "/run/kcoral/output"
+CAPTURE_DIR_ENV = "KCORAL_CAPTURE_DIR"
 
 #: The reserved top-level directory of a workspace.
 RESERVED = ".kcoral"
@@ -183,6 +188,32 @@ def package_root() -> str:
     return os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
 
 
+def server_import_dirs(
+    environ: Mapping[str, str] | None = None, user_site: str | None = None
+) -> tuple[str, ...]:
+    """
+    The directories this server imports from that a sandboxed worker would
+    lose: the C{PYTHONPATH} entries (for instance C{pip install --target
+    DIR}) and the user site-packages when Python uses it.  The sandbox binds
+    them read-only and puts them on the worker's C{PYTHONPATH}.
+
+    @param environ: the environment; L{os.environ} by default.
+    @param user_site: the user site-packages directory when it is in use;
+        by default C{site.USER_SITE} when C{site.ENABLE_USER_SITE}.
+    """
+    env = os.environ if environ is None else environ
+    dirs = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if user_site is None:
+        import site
+
+        if site.ENABLE_USER_SITE and site.USER_SITE:
+            user_site = site.USER_SITE
+    if user_site:
+        dirs.append(user_site)
+    found = [os.path.abspath(d) for d in dirs if os.path.isdir(d)]
+    return tuple(dict.fromkeys(found))
+
+
 def _is_within(path: str, root: str) -> bool:
     """Whether C{path} is C{root} or lies beneath it (both absolute and normalized)."""
     if root == "/":
@@ -282,6 +313,8 @@ class _Mount:
     source: str
     dest: str
     is_dir: bool
+    #: Goes on the worker's C{PYTHONPATH} (the server imports from it).
+    on_path: bool = False
 
 
 # -- bubblewrap ------------------------------------------------------------
@@ -309,6 +342,9 @@ class BubblewrapSandbox:
     bwrap: str = attrs.field(default="bwrap", kw_only=True)
     disable_userns: bool = attrs.field(default=True, kw_only=True)
     executable: str | None = attrs.field(default=None, kw_only=True)
+    #: Bytes of the worker's private tmpfs at L{CAPTURE_DIR} that holds its
+    #: captured stdout and stderr (C{None}: capture into the workspace).
+    capture_bytes: int | None = attrs.field(default=None, kw_only=True)
     #: A host directory shared read-write by every worker at L{COMPILE_CACHE}
     #: (the compile cache), or C{None}.
     compile_cache: str | None = attrs.field(default=None, kw_only=True)
@@ -373,6 +409,7 @@ class BubblewrapSandbox:
         candidates: list[tuple[str, str]] = [(p, "runtime") for p in RUNTIME_PATHS]
         candidates += [(sys.prefix, "runtime"), (sys.base_prefix, "runtime"), (pkg, "package")]
         candidates += [(p, "extra") for p in self.readonly_paths]
+        candidates += [(p, "import") for p in server_import_dirs()]
         for path, kind in candidates:
             dest = os.path.abspath(path)
             if kind == "extra" and not os.path.exists(dest):
@@ -380,18 +417,37 @@ class BubblewrapSandbox:
             if not os.path.exists(dest):
                 continue
             source = os.path.realpath(dest)
+            if kind == "import" and source == os.path.realpath(pkg):
+                continue  # kcoral's own checkout: mounted as the package
             if source == "/" or dest == "/":
                 raise SandboxError(f"read-only runtime path contains sandbox workspaces: {dest}")
             if _is_within(dest, WORKSPACE) or _is_within(WORKSPACE, dest):
+                if kind == "import":
+                    raise SandboxError(
+                        f"the server imports from {dest} (PYTHONPATH or user site-packages), "
+                        f"which overlaps the sandbox workspace {WORKSPACE}: workers could not "
+                        "import from it; install the packages elsewhere and name that "
+                        "directory with --sandbox-readonly-path"
+                    )
                 if kind != "package":
                     raise SandboxError(
                         f"read-only runtime path overlaps the sandbox workspace {WORKSPACE}: {dest}"
                     )
                 dest = PACKAGE_MOUNT
+            if kind == "import" and any(_is_within(dest, m.dest) for m in mounts):
+                # Already visible below a runtime mount (a venv's site-packages).
+                continue
             if dest in seen:
                 continue
             seen.add(dest)
-            mounts.append(_Mount(source=source, dest=dest, is_dir=os.path.isdir(source)))
+            mounts.append(
+                _Mount(
+                    source=source,
+                    dest=dest,
+                    is_dir=os.path.isdir(source),
+                    on_path=kind == "import" and os.path.isdir(source),
+                )
+            )
         return tuple(mounts)
 
     def _gpu_nodes(self, gpu_devices: Sequence[str]) -> tuple[str, ...]:
@@ -453,14 +509,19 @@ class BubblewrapSandbox:
         overrides = self._environment(mounts)
         for key, value in overrides.items():
             argv += ["--setenv", key, value]
+        env = {k: v for k, v in os.environ.items() if isinstance(v, str)}
+        env.update(overrides)
         if not gpu_devices:
             argv += ["--remount-ro", "/proc"]
         if self.compile_cache is not None:
             argv += ["--bind", self.compile_cache, COMPILE_CACHE]
+        if self.capture_bytes is not None:
+            # Captured output stays in the sandbox's memory, bounded: a
+            # program printing without end fills this, not the host's disk.
+            argv += ["--size", str(self.capture_bytes), "--tmpfs", CAPTURE_DIR]
+            argv += ["--setenv", CAPTURE_DIR_ENV, CAPTURE_DIR]
+            env[CAPTURE_DIR_ENV] = CAPTURE_DIR
         argv += ["--chdir", WORKSPACE, "--remount-ro", "/", "--", *tail]
-
-        env = {k: v for k, v in os.environ.items() if isinstance(v, str)}
-        env.update(overrides)
         return executable, argv, env
 
     def _environment(self, mounts: Sequence[_Mount]) -> dict[str, str]:
@@ -472,7 +533,7 @@ class BubblewrapSandbox:
         extras = {os.path.abspath(p) for p in self.readonly_paths}
         pythonpath = [pkg_dest]
         for m in mounts:
-            if m.dest in extras and m.is_dir and m.dest not in pythonpath:
+            if (m.on_path or (m.dest in extras and m.is_dir)) and m.dest not in pythonpath:
                 pythonpath.append(m.dest)
         return {
             "HOME": f"{private}/home",
@@ -716,7 +777,11 @@ async def _choose_sandbox(
 ) -> Any:
     if config.sandbox == "none":
         return NoSandbox()
-    sandbox = BubblewrapSandbox(tuple(config.sandbox_readonly_paths or ()), bwrap=bwrap)
+    sandbox = BubblewrapSandbox(
+        tuple(config.sandbox_readonly_paths or ()),
+        bwrap=bwrap,
+        capture_bytes=getattr(config, "output_space_bytes", None),
+    )
     if config.device == "gpu":
         minors = list(gpu_minors) if gpu_minors is not None else list(config.gpus)
         device_sets = [[str(minor)] for minor in dict.fromkeys(minors)]

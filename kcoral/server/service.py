@@ -16,7 +16,6 @@ import atexit
 import os
 import shutil
 import sys
-import tempfile
 import traceback
 import uuid
 from pathlib import Path
@@ -195,7 +194,17 @@ class KCoralService(service.MultiService):
             minors = [device.minor for device in self.pool.gpu_devices.values()]
         sandbox = await choose_sandbox(self._reactor, config, self.log, gpu_minors=minors)
         self.api.sandbox_name = sandbox.name
-        self._root_dir = Path(await self.run_blocking(tempfile.mkdtemp, prefix="kcoral-"))
+        from kcoral.server import scratch
+
+        leftovers = await self.run_blocking(scratch.remove_leftovers)
+        if leftovers:
+            self.log.info(
+                "removed {count} scratch directories of servers that are gone",
+                kcoral_event="leftovers_removed",
+                count=len(leftovers),
+                names=leftovers,
+            )
+        self._root_dir = await self.run_blocking(scratch.make_root)
         self.pool.sandbox = sandbox
         self.pool.root_dir = self._root_dir
         compile_cache = await self.run_blocking(_compile_cache_dir, config)

@@ -32,6 +32,7 @@ from twisted.python import usage
 from kcoral.config import (
     DEVICES,
     LOG_LEVELS,
+    REUSE_SCOPES,
     SANDBOXES,
     TENSOR_APIS,
     ServerConfig,
@@ -102,6 +103,7 @@ _FIELD_FLAGS: Mapping[str, str] = {
     "worker_wait_timeout_seconds": "worker-wait-timeout-seconds",
     "workers_per_gpu": "workers-per-gpu",
     "max_requests_per_worker": "max-requests-per-worker",
+    "reuse_scope": "reuse-scope",
     "sandbox": "sandbox",
     "sandbox_readonly_paths": "sandbox-readonly-path",
     "worker_termination_grace_seconds": "worker-termination-grace-seconds",
@@ -109,6 +111,7 @@ _FIELD_FLAGS: Mapping[str, str] = {
     "max_response_bytes": "max-response-bytes",
     "output_limit_bytes": "output-limit-bytes",
     "max_output_limit_bytes": "max-output-limit-bytes",
+    "output_space_bytes": "output-space-bytes",
     "device": "device",
     "num_workers": "num-workers",
     "tensor_api": "tensor-api",
@@ -213,6 +216,12 @@ class Options(usage.Options):
             "Largest stdout/stderr capture a request may ask for.",
         ),
         _int_param(
+            "output-space-bytes",
+            _DEFAULTS.output_space_bytes,
+            "Size of each bubblewrap worker's private tmpfs for captured output "
+            "(writes past it fail with ENOSPC).",
+        ),
+        _int_param(
             "cache-capacity-bytes",
             _DEFAULTS.cache_capacity_bytes,
             "Capacity of the memory cache for tensors, bytes and libraries.",
@@ -255,6 +264,14 @@ class Options(usage.Options):
             "0 sets no bound.",
         ),
         ["sandbox", None, _DEFAULTS.sandbox, f"Worker isolation, {_choices(SANDBOXES)}."],
+        [
+            "reuse-scope",
+            None,
+            _DEFAULTS.reuse_scope,
+            f"Whose requests a reused worker serves, {_choices(REUSE_SCOPES)}: 'address' "
+            "only the client address it first served, 'any' every client (a program "
+            "can read the next program its worker runs).",
+        ],
         [
             "tensor-api",
             None,
@@ -402,6 +419,7 @@ class Options(usage.Options):
                 worker_wait_timeout_seconds=self["worker-wait-timeout-seconds"],
                 workers_per_gpu=self["workers-per-gpu"],
                 max_requests_per_worker=self["max-requests-per-worker"],
+                reuse_scope=self["reuse-scope"],
                 sandbox=sandbox,
                 sandbox_readonly_paths=self["sandbox-readonly-path"],
                 worker_termination_grace_seconds=self["worker-termination-grace-seconds"],
@@ -409,6 +427,7 @@ class Options(usage.Options):
                 max_response_bytes=self["max-response-bytes"],
                 output_limit_bytes=self["output-limit-bytes"],
                 max_output_limit_bytes=self["max-output-limit-bytes"],
+                output_space_bytes=self["output-space-bytes"],
                 device=device,
                 num_workers=self["num-workers"],
                 tensor_api=tensor_api,

@@ -132,8 +132,10 @@ class FakePool:
     versions: dict[str, str] = attrs.field(factory=dict)
     sandbox: FakeSandbox = attrs.field(factory=FakeSandbox)
     released: list[tuple[Any, str | None]] = attrs.field(factory=list)
+    clients: list[str | None] = attrs.field(factory=list)
 
-    def acquire(self, timeout: float) -> Deferred[Any]:
+    def acquire(self, timeout: float, client: str | None = None) -> Deferred[Any]:
+        self.clients.append(client)
         if self.busy or self.seat is None:
             return fail(PoolBusy("server saturated"))
         return succeed(self.seat)
@@ -358,6 +360,13 @@ class RunTests(APITestCase):
         program = {**PROGRAM, "options": options} if options else PROGRAM
         return self.execute(program)
 
+    def test_client_address_for_reuse_scope(self) -> None:
+        """The pool is told the client's address (the reuse scope's identity)."""
+        self.run_with(JobResult("outcome", outcome=Outcome(status="COMPLETED")))
+        pool = self.api.pool
+        self.assertEqual(len(pool.clients), 1)
+        self.assertIsInstance(pool.clients[0], str)
+
     def test_completed(self) -> None:
         outcome = Outcome(
             status="COMPLETED",
@@ -406,7 +415,8 @@ class RunTests(APITestCase):
         self.assertEqual(body["error"], {"kind": "engine", "message": "worker crashed"})
 
     def test_invalid_worker_reply(self) -> None:
-        response, body = self.run_with(JobResult("invalid"))
+        response, body = self.run_with(JobResult("invalid", detail="a 'ready' message"))
         self.assertEqual(response.code, 500)
         self.assertEqual(body["error"]["kind"], "engine")
-        self.assertEqual(self.pool.released[0][1], "crashed")
+        self.assertEqual(body["error"]["message"], "invalid worker response: a 'ready' message")
+        self.assertEqual(self.pool.released[0][1], "channel_violation")

@@ -67,7 +67,7 @@ def _runner() -> Callable[..., Any]:
         if _in_reactor is None:
             import atexit
 
-            from crochet import EventLoop
+            from crochet import EventLoop  # type: ignore[attr-defined]  # public, not in __all__
 
             reactor = _private_reactor()
 
@@ -85,11 +85,10 @@ def _runner() -> Callable[..., Any]:
             loop.setup()
             _loop_reactor = reactor
 
-            @loop.run_in_reactor
             def call(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
                 return function(*args, **kwargs)
 
-            _in_reactor = call
+            _in_reactor = loop.run_in_reactor(call)
         return _in_reactor
 
 

@@ -18,21 +18,22 @@ import shutil
 import sys
 import traceback
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from twisted.application import service
 from twisted.internet.defer import Deferred
-from twisted.internet.endpoints import serverFromString
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger, globalLogPublisher
 from twisted.python.threadpool import ThreadPool
 
 from kcoral.config import ServerConfig
 from kcoral.server.app import KcoralAPI
+from kcoral.server.auth import beyond_loopback
 from kcoral.server.cache import BlobStore, DiskFileCache, MemoryBlobCache
 from kcoral.server.gpus import GpuDevice, discover_gpus, select_gpus
-from kcoral.server.http import KcoralSite
+from kcoral.server.http import listen_all, make_site, port_hosts, raise_fd_limit
 from kcoral.server.lease import LeaseArbiter
 from kcoral.server.pool import WorkerPool
 
@@ -55,12 +56,24 @@ class KCoralService(service.MultiService):
     log = Logger()
 
     def __init__(
-        self, config: ServerConfig, endpoint: str | None = None, *, reactor: Any = None
+        self,
+        config: ServerConfig,
+        endpoint: str | Sequence[str] | None = None,
+        *,
+        reactor: Any = None,
     ) -> None:
         super().__init__()
         self.setName("kcoral")
         self.config = config
-        self.endpoint = endpoint
+        #: Endpoint descriptions of the HTTP ports (C{--listen}).
+        self.endpoints: tuple[str, ...] = (
+            ()
+            if endpoint is None
+            else (endpoint,)
+            if isinstance(endpoint, str)
+            else tuple(endpoint)
+        )
+        self.endpoint = self.endpoints[0] if self.endpoints else None
         self._reactor = _reactor(reactor)
         self.threadpool = ThreadPool(minthreads=0, maxthreads=4, name="kcoral-io")
         gpus = () if config.device == "cpu" else tuple(dict.fromkeys(config.gpus))
@@ -93,6 +106,7 @@ class KCoralService(service.MultiService):
             self.api.status_page = STATUS_PAGE
         self.ready: Deferred[None] = Deferred()
         self.port: Any = None
+        self.ports: list[Any] = []
         self.log_setup: Any = None
         self._root_dir: Path | None = None
         #: The process's exit status when the server fails to start under
@@ -228,15 +242,45 @@ class KCoralService(service.MultiService):
             versions=self.pool.versions,
             workers=len(self.pool.seats),
         )
-        if self.endpoint is not None:
-            site = KcoralSite(self.api.resource(), max_request_bytes=config.max_request_bytes)
-            self.port = await serverFromString(self._reactor, self.endpoint).listen(site)
-            address = self.port.getHost()
+        if self.endpoints:
+            await self._listen()
+
+    async def _listen(self) -> None:
+        """Listen on every endpoint; warn when reachable from afar without a token."""
+        config = self.config
+        limits = raise_fd_limit()
+        if limits is not None and limits[0] != limits[1]:
+            self.log.info(
+                "open file limit raised from {old} to {new}",
+                kcoral_event="fd_limit_raised",
+                old=limits[0],
+                new=limits[1],
+            )
+        tokens = None
+        if config.auth_token_file is not None:
+            from kcoral.server.auth import load_tokens
+
+            tokens = await self.run_blocking(load_tokens, config.auth_token_file)
+        site = make_site(self.api.resource(), config, tokens)
+        self.ports = await listen_all(self._reactor, self.endpoints, site)
+        self.port = self.ports[0]
+        for port in self.ports:
+            address = port.getHost()
             self.log.info(
                 "listening on {host}:{port}",
                 kcoral_event="server_listening",
                 host=getattr(address, "host", None),
                 port=getattr(address, "port", None),
+                path=getattr(address, "name", None),
+                clients=None if tokens is None else [name for _, name in tokens.entries],
+            )
+        exposed = beyond_loopback(port_hosts(self.ports))
+        if exposed and tokens is None:
+            self.log.critical(
+                "LISTENING BEYOND LOOPBACK ({addresses}) WITHOUT --auth-token-file: "
+                "anyone who can reach this port can run code on this machine",
+                kcoral_event="unauthenticated_exposure",
+                addresses=exposed,
             )
 
     async def _discover_gpus(self) -> dict[int, GpuDevice]:
@@ -288,9 +332,9 @@ class KCoralService(service.MultiService):
             kcoral_event="shutdown_started",
             remaining=remaining,
         )
-        if self.port is not None:
-            await self.port.stopListening()
-            self.port = None
+        ports, self.ports, self.port = self.ports, [], None
+        for port in ports:
+            await port.stopListening()
         self.leases.close()
         # Queued requests get 503 now; running ones finish with their budgets.
         self.pool.stop_waiters()
@@ -358,7 +402,9 @@ def _observability(server: KCoralService) -> tuple[Any, Any]:
     )
 
 
-def makeService(config: ServerConfig, endpoint: str, *, reactor: Any = None) -> KCoralService:
+def makeService(
+    config: ServerConfig, endpoint: str | Sequence[str], *, reactor: Any = None
+) -> KCoralService:
     """
     Build the root service for C{config}, serving HTTP on C{endpoint}.
 

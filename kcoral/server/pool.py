@@ -16,7 +16,8 @@ import re
 import shutil
 import sys
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +27,29 @@ from twisted.internet.interfaces import IDelayedCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from kcoral.server.workerproc import WorkerProcess, worker_command_args
+from kcoral.server.lease import LeaseUnavailable
+from kcoral.server.workerproc import Job, JobResult, WorkerProcess, worker_command_args
+from kcoral.wire.render import Placement
 
 
 class PoolBusy(Exception):
-    """No worker could be had: the wait timed out or the pool is closing."""
+    """
+    No worker could be had: the wait timed out or the pool is closing.
+
+    @ivar queue_ms: how long the request waited, when it did.
+    """
+
+    def __init__(self, message: str = "server saturated", queue_ms: float | None = None) -> None:
+        super().__init__(message)
+        self.queue_ms = queue_ms
+
+
+class WorkerStartFailed(Exception):
+    """The one-request worker of a multi-GPU program did not start."""
+
+
+class BudgetSpent(Exception):
+    """Starting a multi-GPU program's worker used up its whole time budget."""
 
 
 @attrs.define(eq=False)
@@ -49,6 +68,113 @@ class Seat:
     @property
     def gpus(self) -> tuple[int, ...]:
         return () if self.gpu_id is None else (self.gpu_id,)
+
+
+@attrs.define(eq=False)
+class _LeaseToken:
+    """Holds a multi-GPU program's GPUs until its worker takes them over."""
+
+    request_id: str
+
+
+@attrs.define(eq=False)
+class SeatUse:
+    """
+    One request's hold on a seat, from L{WorkerPool.seat}: which worker runs
+    it and where, and what its run told the pool about the worker.
+
+    @ivar gpus: the GPUs the worker sees (a multi-GPU program's grant).
+    @ivar multi_gpu: the worker is a one-request worker started for it.
+    """
+
+    seat: Seat
+    worker: WorkerProcess
+    work_dir: Path
+    _pool: WorkerPool
+    queue_ms: float
+    assigned_at: float
+    gpus: tuple[int, ...]
+    multi_gpu: bool = False
+    startup_seconds: float = 0.0
+    lease_wait_seconds: float = 0.0
+    #: What the job's budget was once the worker had started.
+    timeout_seconds: float | None = None
+    result: JobResult | None = None
+
+    @property
+    def worker_id(self) -> str:
+        return self.seat.worker_id
+
+    @property
+    def gpu_id(self) -> int | None:
+        """The GPU the request was routed to (a multi-GPU grant's first)."""
+        return self.gpus[0] if self.multi_gpu else self.seat.gpu_id
+
+    @property
+    def generation(self) -> int:
+        return 0 if self.multi_gpu else self.seat.generation
+
+    @property
+    def pid(self) -> int | None:
+        return self.worker.pid
+
+    @property
+    def placement(self) -> Placement:
+        """Where the request ran, as the response reports it."""
+        return Placement(self.seat.worker_id, self.seat.gpu_id, self.gpus)
+
+    async def run(self, job: Job) -> JobResult:
+        """
+        Run C{job} on this worker, in its workspace.
+
+        Starting a multi-GPU worker counts against the budget (§6.5).
+
+        @raise BudgetSpent: nothing of the budget is left to run in.
+        """
+        sandbox = self._pool.sandbox
+        timeout = job.timeout_seconds - self.startup_seconds
+        if self.multi_gpu and timeout <= 0:
+            raise BudgetSpent()
+        job = attrs.evolve(
+            job,
+            workspace=sandbox.worker_path(self.work_dir),
+            reserved=sandbox.reserved,
+            timeout_seconds=timeout,
+        )
+        self.timeout_seconds = timeout
+        result: JobResult = await self.worker.run(job)
+        if self.multi_gpu:
+            result = attrs.evolve(
+                result,
+                lease_wait_seconds=result.lease_wait_seconds + self.lease_wait_seconds,
+                lease_held_seconds=result.lease_held_seconds + self.startup_seconds,
+            )
+        self.result = result
+        return result
+
+    def retire_reason(self) -> str | None:
+        """
+        Why the seat's worker must go after this request, or C{None} to
+        reuse it: a timeout or crash, the worker's own word (a poisoned
+        context), or the per-worker request limit.
+        """
+        result = self.result
+        if result is None:
+            worker = self.seat.worker
+            alive = worker is not None and worker.alive and not worker.busy
+            return None if alive else "crashed"
+        if result.ending == "timeout":
+            return "timeout"
+        if result.ending != "outcome":
+            return "crashed"
+        assert result.header is not None
+        reason = result.header.get("retire")
+        if reason:
+            return str(reason)
+        limit = self._pool.config.max_requests_per_worker
+        if limit and self.seat.served + 1 >= limit:
+            return "request_limit"
+        return None
 
 
 @attrs.define(eq=False)
@@ -278,6 +404,70 @@ class WorkerPool:
         dirs = [seat.seat_dir for seat in self.seats if seat.seat_dir is not None]
         await self._run_blocking(_remove_trees, dirs)
 
+    # -- one request's seat ----------------------------------------------------
+
+    @asynccontextmanager
+    async def seat(self, request_id: str, gpu_count: int | None = None) -> AsyncIterator[SeatUse]:
+        """
+        Hold a seat for one request, waiting in line for it.
+
+        With C{gpu_count}, lease any C{gpu_count} GPUs all or nothing and
+        start a one-request worker that sees them all (protocol §6.5); it is
+        removed afterwards.  On exit the seat goes back to the pool, its
+        worker retired when L{SeatUse.retire_reason} says so.
+
+        @raise PoolBusy: no seat (or no GPUs) within the wait timeout.
+        @raise WorkerStartFailed: the multi-GPU worker did not start.
+        """
+        queued = self._reactor.seconds()
+        try:
+            seat = await self.acquire(self.config.worker_wait_timeout_seconds)
+        except PoolBusy as e:
+            queue_ms = (self._reactor.seconds() - queued) * 1000.0
+            raise PoolBusy(str(e), queue_ms=queue_ms) from None
+        assigned = self._reactor.seconds()
+        queue_ms = (assigned - queued) * 1000.0
+        if gpu_count is None:
+            assert seat.worker is not None and seat.work_dir is not None
+            use = SeatUse(seat, seat.worker, seat.work_dir, self, queue_ms, assigned, seat.gpus)
+            try:
+                yield use
+            finally:
+                self.release(seat, retire=use.retire_reason())
+            return
+        token = _LeaseToken(request_id)
+        try:
+            try:
+                grant = await self.leases.acquire_any(token, gpu_count, label=request_id)
+            except LeaseUnavailable:
+                raise PoolBusy("server saturated", queue_ms=queue_ms) from None
+            starting = self._reactor.seconds()
+            try:
+                worker, work_dir = await self.start_transient(seat, grant.gpus, token)
+            except Exception as e:
+                raise WorkerStartFailed(str(e)) from e
+            use = SeatUse(
+                seat,
+                worker,
+                work_dir,
+                self,
+                queue_ms,
+                assigned,
+                grant.gpus,
+                multi_gpu=True,
+                startup_seconds=self._reactor.seconds() - starting,
+                lease_wait_seconds=grant.wait_seconds,
+            )
+            try:
+                yield use
+            finally:
+                self.remove_transient(worker, work_dir).addErrback(
+                    lambda f: self.log.failure("removing a multi-GPU worker failed", f)
+                )
+        finally:
+            self.leases.abandon(token)
+            self.release(seat)
+
     # -- acquire and release -------------------------------------------------
 
     def acquire(self, timeout: float) -> Deferred[Seat]:
@@ -474,4 +664,12 @@ def _remove_trees(paths: list[Path]) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-__all__ = ["PoolBusy", "Seat", "WorkerPool", "CancelledError"]
+__all__ = [
+    "BudgetSpent",
+    "CancelledError",
+    "PoolBusy",
+    "Seat",
+    "SeatUse",
+    "WorkerPool",
+    "WorkerStartFailed",
+]

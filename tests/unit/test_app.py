@@ -14,7 +14,7 @@ from typing import Any
 
 import attrs
 from treq.testing import StubTreq
-from twisted.internet.defer import Deferred, fail, succeed
+from twisted.internet.defer import Deferred, fail, maybeDeferred, succeed
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.server import Request
@@ -22,7 +22,7 @@ from twisted.web.server import Request
 from kcoral.config import ServerConfig
 from kcoral.server.app import KcoralAPI
 from kcoral.server.lease import LeaseArbiter
-from kcoral.server.pool import PoolBusy
+from kcoral.server.pool import PoolBusy, Seat, WorkerPool
 from kcoral.server.workerproc import Job, JobResult
 from kcoral.testing import multipart_body, sha256
 
@@ -102,7 +102,7 @@ class FakeWorker:
     result: JobResult
     pid: int = 4242
     alive: bool = True
-    _job: Any = None
+    busy: bool = False
     jobs: list[Job] = attrs.field(factory=list)
 
     def run(self, job: Job) -> Deferred[JobResult]:
@@ -110,56 +110,50 @@ class FakeWorker:
         return succeed(self.result)
 
 
-@attrs.define(eq=False)
-class FakeSeat:
-    worker: FakeWorker
-    worker_id: str = "cpu/w0"
-    gpu_id: int | None = None
-    generation: int = 1
-    served: int = 0
-    work_dir: Path = Path("/w")
+def _seat(worker: FakeWorker) -> Seat:
+    return Seat("cpu/w0", None, generation=1, worker=worker, work_dir=Path("/w"))  # type: ignore[arg-type]
 
 
 @attrs.define(eq=False)
-class FakePool:
-    seat: FakeSeat | None = None
+class FakePool(WorkerPool):
+    """
+    A L{WorkerPool} whose seats are handed out as given: C{preset} is the
+    one seat there is (none: the pool is saturated), and every release is
+    recorded in C{released}.
+    """
+
+    preset: Seat | None = None
     busy: bool = False
-    capacity: int = 2
-    active: int = 0
-    queue_length: int = 0
-    target: dict[str, str] = attrs.field(factory=dict)
-    versions: dict[str, str] = attrs.field(factory=dict)
-    sandbox: FakeSandbox = attrs.field(factory=FakeSandbox)
     released: list[tuple[Any, str | None]] = attrs.field(factory=list)
 
-    def acquire(self, timeout: float) -> Deferred[Any]:
-        if self.busy or self.seat is None:
+    def acquire(self, timeout: float) -> Deferred[Seat]:
+        if self.busy or self.preset is None:
             return fail(PoolBusy("server saturated"))
-        return succeed(self.seat)
+        return succeed(self.preset)
 
-    def release(self, seat: Any, *, retire: str | None = None) -> None:
+    def release(self, seat: Seat, *, retire: str | None = None) -> None:
         self.released.append((seat, retire))
-
-    def worker_status(self, now: float) -> list[dict[str, Any]]:
-        return [
-            {
-                "worker_id": "cpu/w0",
-                "gpu_id": None,
-                "status": "idle",
-                "generation": 1,
-                "pid": 4242,
-                "uptime_seconds": now,
-            }
-        ]
 
 
 class APITestCase(SynchronousTestCase):
-    def make(self, pool: FakePool | None = None, blobs: FakeBlobs | None = None) -> None:
+    def make(
+        self, seat: Seat | None = None, busy: bool = False, blobs: FakeBlobs | None = None
+    ) -> None:
         self.reactor = SyncReactor()
         self.reactor.advance(100.0)
-        self.pool = pool or FakePool()
+        config = ServerConfig(device="cpu", num_workers=2, max_request_bytes=4096)
+        self.pool = FakePool(
+            config,
+            self.reactor,
+            None,
+            FakeSandbox(),
+            lambda f, *a, **k: maybeDeferred(f, *a, **k),
+            Path("/nonexistent-kcoral-root"),
+            preset=seat,
+            busy=busy,
+        )
         self.api = KcoralAPI(
-            ServerConfig(device="cpu", num_workers=2, max_request_bytes=4096),
+            config,
             self.pool,
             LeaseArbiter((), self.reactor),
             blobs or FakeBlobs(),
@@ -295,7 +289,7 @@ class ExecuteErrorTests(APITestCase):
         )
 
     def test_busy(self) -> None:
-        self.make(FakePool(busy=True))
+        self.make(busy=True)
         response, body = self.execute()
         self.assertEqual(response.code, 503)
         self.assertEqual(response.headers.getRawHeaders("Retry-After"), ["1"])
@@ -315,6 +309,42 @@ class ExecuteErrorTests(APITestCase):
         self.assertEqual(
             body["error"]["message"], "gpu_count exceeds this GPU server's configured capacity"
         )
+
+
+class ErrorHandlingTests(APITestCase):
+    """The one error handler: domain errors, surprises and routing errors."""
+
+    def test_unknown_route_keeps_404(self) -> None:
+        """A path with no route is still Klein's plain 404."""
+        self.make()
+        response = self.successResultOf(self.treq.get("http://127.0.0.1/nope"))
+        self.assertEqual(response.code, 404)
+
+    def test_wrong_method_keeps_405(self) -> None:
+        """A route asked with the wrong method is still a 405."""
+        self.make()
+        response = self.successResultOf(self.treq.get(URL))
+        self.assertEqual(response.code, 405)
+
+    def test_unexpected_error_is_engine_500(self) -> None:
+        """An exception nobody expected is logged and answered as a 500."""
+
+        class Broken(FakeBlobs):
+            def resolve(self, kinds: Any, supplied: Any) -> Deferred[Resolution]:
+                raise ZeroDivisionError("surprise")
+
+        self.make(blobs=Broken())
+        response, body = self.execute()
+        self.assertEqual(response.code, 500)
+        self.assertEqual(
+            body,
+            {
+                "status": "ERROR",
+                "request_id": self.request_id(response),
+                "error": {"kind": "engine", "message": "internal server error"},
+            },
+        )
+        self.assertEqual(len(self.flushLoggedErrors(ZeroDivisionError)), 1)
 
 
 class RequestIdTests(APITestCase):
@@ -353,7 +383,7 @@ class RequestIdTests(APITestCase):
 class RunTests(APITestCase):
     def run_with(self, result: JobResult, **options: Any) -> tuple[Any, Any]:
         self.worker = FakeWorker(result)
-        self.make(FakePool(seat=FakeSeat(self.worker)))
+        self.make(_seat(self.worker))
         program = {**PROGRAM, "options": options} if options else PROGRAM
         return self.execute(program)
 

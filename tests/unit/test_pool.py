@@ -13,7 +13,9 @@ from twisted.internet.defer import Deferred, maybeDeferred, succeed
 from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import SynchronousTestCase
 
-from kcoral.server.pool import PoolBusy, Seat, WorkerPool
+from kcoral.server.lease import LeaseArbiter
+from kcoral.server.pool import BudgetSpent, PoolBusy, Seat, SeatUse, WorkerPool
+from kcoral.server.workerproc import Job, JobResult
 
 
 @attrs.define
@@ -24,6 +26,7 @@ class Config:
     workers_per_gpu: int = 1
     max_requests_per_worker: int = 1
     worker_termination_grace_seconds: float = 5.0
+    worker_wait_timeout_seconds: float = 10.0
     tensor_api: str = "auto"
 
 
@@ -64,7 +67,13 @@ class FakeWorker:
         self.started_at = 0.0
         self.killed = False
         self.stopped = False
-        self._job = None
+        self.busy = False
+        self.result = JobResult("outcome", header={"status": "COMPLETED"})
+        self.jobs: list[Job] = []
+
+    def run(self, job: Job) -> Deferred[JobResult]:
+        self.jobs.append(job)
+        return succeed(self.result)
 
     def come_up(self, arch: str = "") -> None:
         self.info = {"target": {"arch": arch} if arch else {}, "versions": {}}
@@ -88,7 +97,9 @@ class FakeWorker:
 
 
 class PoolTestCase(SynchronousTestCase):
-    def make_pool(self, config: Config | None = None, auto_ready: bool = True) -> WorkerPool:
+    def make_pool(
+        self, config: Config | None = None, auto_ready: bool = True, leases: Any = None
+    ) -> WorkerPool:
         self.reactor = MemoryReactorClock()
         self.sandbox = FakeSandbox()
         self.spawned: list[FakeWorker] = []
@@ -106,7 +117,7 @@ class PoolTestCase(SynchronousTestCase):
         pool = WorkerPool(
             config or Config(),
             self.reactor,
-            None,
+            leases(self.reactor) if leases is not None else None,
             self.sandbox,
             lambda f, *a, **k: maybeDeferred(f, *a, **k),
             Path("/nonexistent-kcoral-root"),
@@ -341,3 +352,138 @@ class StopTests(PoolTestCase):
         pool.spawn_worker = spawn  # type: ignore[assignment]
         failure = self.failureResultOf(Deferred.fromCoroutine(pool.start()), RuntimeError)
         self.assertTrue(str(failure.value).startswith("a pool serves one target"))
+
+
+def _job(timeout: float = 10.0) -> Job:
+    return Job(
+        request_id="req-1",
+        program_text="{}",
+        program=None,  # type: ignore[arg-type]
+        blobs={},
+        timeout_seconds=timeout,
+        output_limit=1024,
+        max_response_bytes=1 << 20,
+    )
+
+
+class SeatTests(PoolTestCase):
+    """L{WorkerPool.seat}: one request's seat, from the queue to its release."""
+
+    def use_seat(
+        self,
+        pool: WorkerPool,
+        job: Job | None = None,
+        gpu_count: int | None = None,
+        error: Exception | None = None,
+    ) -> Deferred[Any]:
+        self.uses: list[SeatUse] = []
+
+        async def go() -> JobResult:
+            async with pool.seat("req-1", gpu_count) as use:
+                self.uses.append(use)
+                if error is not None:
+                    raise error
+                return await use.run(job or _job())
+
+        return Deferred.fromCoroutine(go())
+
+    def test_runs_in_the_workspace_and_reuses(self) -> None:
+        """
+        The job runs in the seat's workspace as the worker sees it; without
+        a request limit the seat is cleared and offered again.
+        """
+        pool = self.make_pool(Config(num_workers=1, max_requests_per_worker=0))
+        result = self.successResultOf(self.use_seat(pool))
+        self.assertEqual(result.ending, "outcome")
+        worker = self.spawned[0]
+        seat = pool.seats[0]
+        self.assertEqual(worker.jobs[0].workspace, str(seat.work_dir))
+        self.assertEqual(self.uses[0].worker_id, "cpu/w0")
+        self.assertIsNone(self.uses[0].retire_reason())
+        self.assertEqual(self.sandbox.cleared, [seat.work_dir])
+        self.assertEqual(seat.status, "idle")
+        self.assertEqual(len(self.spawned), 1)
+
+    def test_request_limit_retires(self) -> None:
+        """At the request limit the seat's worker is replaced."""
+        pool = self.make_pool(Config(num_workers=1, max_requests_per_worker=1))
+        self.successResultOf(self.use_seat(pool))
+        self.assertEqual(self.uses[0].retire_reason(), "request_limit")
+        self.spawned[0].exit(0)
+        self.assertEqual(len(self.spawned), 2)
+        self.assertEqual(pool.seats[0].generation, 2)
+
+    def test_worker_asks_to_retire(self) -> None:
+        """An outcome that names a retire reason retires the worker."""
+        pool = self.make_pool(Config(num_workers=1, max_requests_per_worker=0))
+        self.spawned[0].result = JobResult(
+            "outcome", header={"status": "FAILED", "retire": "poisoned_context"}
+        )
+        self.successResultOf(self.use_seat(pool))
+        self.assertEqual(self.uses[0].retire_reason(), "poisoned_context")
+        self.assertTrue(self.spawned[0].killed)
+
+    def test_timeout_and_crash_retire(self) -> None:
+        """A timed-out or crashed job retires its worker."""
+        for ending in ("timeout", "crashed", "invalid"):
+            pool = self.make_pool(Config(num_workers=1, max_requests_per_worker=0))
+            self.spawned[0].result = JobResult(ending)
+            self.successResultOf(self.use_seat(pool))
+            expected = "timeout" if ending == "timeout" else "crashed"
+            self.assertEqual(self.uses[0].retire_reason(), expected)
+
+    def test_failure_before_run_keeps_a_healthy_worker(self) -> None:
+        """A request that fails before it runs gives its seat back for reuse."""
+        pool = self.make_pool(Config(num_workers=1, max_requests_per_worker=0))
+        self.failureResultOf(self.use_seat(pool, error=ValueError("boom")), ValueError)
+        self.assertEqual(pool.seats[0].status, "idle")
+        self.assertEqual(pool.active, 0)
+
+    def test_busy_reports_queue_time(self) -> None:
+        """A request that waited in vain learns how long it waited."""
+        pool = self.make_pool(Config(num_workers=1, worker_wait_timeout_seconds=2.0))
+        self.successResultOf(pool.acquire(10))
+        d = self.use_seat(pool)
+        self.reactor.advance(2.0)
+        failure = self.failureResultOf(d, PoolBusy)
+        self.assertEqual(failure.value.queue_ms, 2000.0)
+
+    def test_multi_gpu_worker(self) -> None:
+        """
+        With a GPU count, the request runs on a one-request worker that sees
+        the leased GPUs; afterwards it is removed and the GPUs are free.
+        """
+        pool = self.make_pool(
+            Config(device="gpu", gpus=(0, 1), max_requests_per_worker=0),
+            leases=lambda reactor: LeaseArbiter((0, 1), reactor),
+        )
+        result = self.successResultOf(self.use_seat(pool, gpu_count=2))
+        self.assertEqual(result.ending, "outcome")
+        use = self.uses[0]
+        transient = self.spawned[-1]
+        self.assertEqual(transient.gpus, (0, 1))
+        self.assertEqual(use.gpus, (0, 1))
+        self.assertTrue(use.multi_gpu)
+        self.assertEqual(use.generation, 0)
+        self.assertEqual(use.placement.gpus, (0, 1))
+        self.assertEqual(len(transient.jobs), 1)
+        self.assertTrue(transient.killed)
+        # The request's lease went to the worker (which releases it itself).
+        self.assertIs(pool.leases.holder_of(0), transient)
+        self.assertIs(pool.leases.holder_of(1), transient)
+        self.assertEqual(pool.active, 0)
+
+    def test_multi_gpu_startup_spends_the_budget(self) -> None:
+        """A multi-GPU worker that starts slower than the budget never runs."""
+        pool = self.make_pool(
+            Config(device="gpu", gpus=(0, 1), max_requests_per_worker=0),
+            leases=lambda reactor: LeaseArbiter((0, 1), reactor),
+        )
+        self.auto_ready = False
+        d = self.use_seat(pool, job=_job(timeout=1.0), gpu_count=2)
+        self.reactor.advance(2.0)
+        self.spawned[-1].come_up()
+        self.failureResultOf(d, BudgetSpent)
+        self.assertEqual(self.spawned[-1].jobs, [])
+        self.assertTrue(self.spawned[-1].killed)
+        self.assertEqual(pool.active, 0)

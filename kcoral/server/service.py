@@ -1,13 +1,21 @@
-# -*- test-case-name: tests.integration.test_server -*-
+# -*- test-case-name: tests.unit.test_service,tests.integration.test_server -*-
 """
-L{KCoralService}: the root service that owns a server's workers, caches,
-leases, logs and HTTP port.
+L{KCoralService}: the root service, a L{MultiService} of the server's parts.
+
+Its children, in start order (as buildbot's master holds its subsystems):
+
+  - C{threads}: the I/O thread pool (blocking file work);
+  - C{logs}: the log observers, run directory and program recorder;
+  - C{caches}: the disk file cache (evicted to its capacity at start);
+  - C{workers}: the sandbox probe and the worker pool, with its leases;
+  - C{http}: the listening port (absent from L{create_app}'s service).
 
 Construction does no I/O, so C{create_app(ServerConfig(...))} is cheap and
-starts nothing.  C{startService} brings things up in the order of the server
-spec (logs, caches, sandbox probe, workers, then the port) and exposes the
-result as C{ready}; C{stopService} stops accepting, lets in-flight requests
-finish, then stops every worker.
+starts nothing.  The children start one after another, each once the one
+before it is up (the order of the server spec), and C{ready} fires when all
+are; they stop in reverse order, each once the one after it has stopped, so
+the port closes first, in-flight requests finish, every worker exits, and
+the logs close last.
 """
 
 from __future__ import annotations
@@ -16,15 +24,19 @@ import shutil
 import tempfile
 import traceback
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from twisted.application import service
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.internet.endpoints import serverFromString
+from twisted.internet.interfaces import IListeningPort
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 from twisted.python.threadpool import ThreadPool
+from twisted.web.server import Site
 
 from kcoral.config import ServerConfig
 from kcoral.server.app import KcoralAPI
@@ -33,9 +45,8 @@ from kcoral.server.http import KcoralSite
 from kcoral.server.lease import LeaseArbiter
 from kcoral.server.pool import WorkerPool
 
-#: Set when a server started by twistd failed to start, so `kcoral server`
-#: can exit non-zero after the reactor stops.
-start_failures: list[str] = []
+#: Runs a blocking callable in the I/O thread pool.
+RunBlocking = Callable[..., Deferred[Any]]
 
 
 def _reactor(reactor: Any) -> Any:
@@ -46,8 +57,200 @@ def _reactor(reactor: Any) -> Any:
     return reactor
 
 
+class ThreadPoolService(service.Service):
+    """Starts and stops a L{ThreadPool} with the server."""
+
+    def __init__(self, threadpool: ThreadPool) -> None:
+        self.threadpool = threadpool
+
+    def startService(self) -> None:
+        super().startService()
+        self.threadpool.start()
+
+    def stopService(self) -> None:
+        super().stopService()
+        self.threadpool.stop()
+
+
+class LogWriterService(service.Service):
+    """
+    The server's log observers: installed at start (in a thread: they
+    create the run directory), removed at stop.
+
+    @ivar log_setup: the installed L{kcoral.server.logs.LogSetup}.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        observers: list[Any],
+        run_blocking: RunBlocking,
+        on_ready: Callable[[Any], None],
+    ) -> None:
+        self._config = config
+        self._observers = observers
+        self._run_blocking = run_blocking
+        self._on_ready = on_ready
+        self.log_setup: Any = None
+
+    def startService(self) -> Deferred[None]:  # type: ignore[override]
+        super().startService()
+        return Deferred.fromCoroutine(self._start())
+
+    async def _start(self) -> None:
+        from kcoral.server.logs import install_observers
+
+        self.log_setup = await self._run_blocking(
+            install_observers, self._config, extra_observers=self._observers
+        )
+        self._on_ready(self.log_setup)
+
+    def stopService(self) -> None:
+        super().stopService()
+        self.log.info("server stopped", kcoral_event="server_stopped")
+        if self.log_setup is not None:
+            self.log_setup.close()
+            self.log_setup = None
+
+
+class CacheService(service.Service):
+    """The disk file cache, trimmed to its capacity before any request."""
+
+    def __init__(self, disk_cache: DiskFileCache, run_blocking: RunBlocking) -> None:
+        self._disk_cache = disk_cache
+        self._run_blocking = run_blocking
+
+    def startService(self) -> Deferred[None]:  # type: ignore[override]
+        super().startService()
+        return self._run_blocking(self._disk_cache.evict)
+
+
+class WorkerPoolService(service.Service):
+    """
+    The worker pool: probes the sandbox and starts every worker; at stop,
+    refuses new work, lets running requests finish, then stops the workers.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        reactor: Any,
+        pool: WorkerPool,
+        leases: LeaseArbiter,
+        api: KcoralAPI,
+        run_blocking: RunBlocking,
+    ) -> None:
+        self._config = config
+        self._reactor = reactor
+        self.pool = pool
+        self._leases = leases
+        self._api = api
+        self._run_blocking = run_blocking
+        self._root_dir: Path | None = None
+
+    def startService(self) -> Deferred[None]:  # type: ignore[override]
+        super().startService()
+        return Deferred.fromCoroutine(self._start())
+
+    async def _start(self) -> None:
+        from kcoral.server.sandbox import choose_sandbox
+
+        config, pool = self._config, self.pool
+        sandbox = await choose_sandbox(self._reactor, config, self.log)
+        self._api.sandbox_name = sandbox.name
+        self._root_dir = Path(await self._run_blocking(tempfile.mkdtemp, prefix="kcoral-"))
+        pool.sandbox = sandbox
+        pool.root_dir = self._root_dir
+        compile_cache = await self._run_blocking(_compile_cache_dir, config)
+        if compile_cache is not None:
+            # Workers share one compile cache, so resubmitting a kernel skips
+            # nvcc whichever worker gets it (docs/compilers.md).
+            from kcoral.server.sandbox import COMPILE_CACHE, BubblewrapSandbox
+
+            if isinstance(sandbox, BubblewrapSandbox):
+                sandbox.compile_cache = str(compile_cache)
+                pool.worker_env["KCORAL_COMPILE_CACHE_DIR"] = COMPILE_CACHE
+            else:
+                pool.worker_env["KCORAL_COMPILE_CACHE_DIR"] = str(compile_cache)
+        await pool.start()
+        self.log.info(
+            "pool ready: {workers} workers, sandbox {sandbox}",
+            kcoral_event="pool_ready",
+            sandbox=sandbox.name,
+            mode=config.device,
+            target=pool.target,
+            versions=pool.versions,
+            workers=len(pool.seats),
+        )
+
+    def stopService(self) -> Deferred[None]:  # type: ignore[override]
+        super().stopService()
+        return Deferred.fromCoroutine(self._stop())
+
+    async def _stop(self) -> None:
+        self._leases.close()
+        # Queued requests get 503 now; running ones finish with their budgets.
+        self.pool.stop_waiters()
+        await self._api.wait_idle()
+        await self.pool.stop()
+        if self._root_dir is not None:
+            await self._run_blocking(shutil.rmtree, self._root_dir, True)
+        self.log.info("shutdown complete", kcoral_event="shutdown_complete")
+
+
+class ListeningPortService(service.Service):
+    """
+    The HTTP port: listens at start, stops listening at stop.
+
+    Like L{twisted.application.strports.service}, but its start returns
+    the listening Deferred, so a port that cannot be bound fails the
+    server's start, and the bound address is logged.
+    """
+
+    log = Logger()
+
+    def __init__(self, reactor: Any, endpoint: str, site: Site) -> None:
+        self._reactor = reactor
+        self._endpoint = endpoint
+        self._site = site
+        self.port: IListeningPort | None = None
+
+    def startService(self) -> Deferred[None]:  # type: ignore[override]
+        super().startService()
+        return Deferred.fromCoroutine(self._start())
+
+    async def _start(self) -> None:
+        self.port = await serverFromString(self._reactor, self._endpoint).listen(self._site)
+        address = self.port.getHost()
+        self.log.info(
+            "listening on {host}:{port}",
+            kcoral_event="server_listening",
+            host=getattr(address, "host", None),
+            port=getattr(address, "port", None),
+        )
+
+    def stopService(self) -> Deferred[None] | None:  # type: ignore[override]
+        super().stopService()
+        port, self.port = self.port, None
+        if port is None:
+            return None
+        d: Deferred[None] | None = port.stopListening()
+        return d
+
+
 class KCoralService(service.MultiService):
-    """The whole server, as a Twisted service."""
+    """
+    The whole server, as a Twisted service tree.
+
+    @ivar ready: fires when every child has started, or fails with the
+        reason the server could not start (twistd ignores a Deferred from
+        C{startService}).
+    @ivar start_failure: that reason, as one line, once start has failed.
+    """
 
     log = Logger()
 
@@ -57,7 +260,6 @@ class KCoralService(service.MultiService):
         super().__init__()
         self.setName("kcoral")
         self.config = config
-        self.endpoint = endpoint
         self._reactor = _reactor(reactor)
         self.threadpool = ThreadPool(minthreads=0, maxthreads=4, name="kcoral-io")
         gpus = () if config.device == "cpu" else tuple(dict.fromkeys(config.gpus))
@@ -87,9 +289,27 @@ class KCoralService(service.MultiService):
             self.api.status_snapshot = lambda health: status_snapshot(health, recent)
             self.api.status_page = STATUS_PAGE
         self.ready: Deferred[None] = Deferred()
-        self.port: Any = None
-        self.log_setup: Any = None
-        self._root_dir: Path | None = None
+        self.start_failure: str | None = None
+
+        observers = [o for o in (self.metrics, self.recent) if o is not None]
+        children: list[service.Service] = [
+            _named(ThreadPoolService(self.threadpool), "threads"),
+            _named(
+                LogWriterService(config, observers, self.run_blocking, self._logs_ready), "logs"
+            ),
+            _named(CacheService(self.disk_cache, self.run_blocking), "caches"),
+            _named(
+                WorkerPoolService(
+                    config, self._reactor, self.pool, self.leases, self.api, self.run_blocking
+                ),
+                "workers",
+            ),
+        ]
+        if endpoint is not None:
+            site = KcoralSite(self.api.resource(), max_request_bytes=config.max_request_bytes)
+            children.append(_named(ListeningPortService(self._reactor, endpoint, site), "http"))
+        for child in children:
+            child.setServiceParent(self)
 
     def run_blocking(self, f: Any, *args: Any, **kwargs: Any) -> Deferred[Any]:
         """Run blocking C{f} in the server's I/O thread pool."""
@@ -101,117 +321,63 @@ class KCoralService(service.MultiService):
         else:
             self.log.info("{kcoral_event} {cache}", kcoral_event=name, **fields)
 
-    # -- start ------------------------------------------------------------------
+    def _logs_ready(self, log_setup: Any) -> None:
+        """The logs are up: the run starts now (its first event)."""
+        self.api.started_at = self._reactor.seconds()
+        self.api.instance_id = str(uuid.uuid4())
+        run_dir = getattr(log_setup, "run_dir", None)
+        self.log.info(
+            "kcoral server starting",
+            kcoral_event="server_started",
+            run_dir=None if run_dir is None else str(getattr(run_dir, "path", run_dir)),
+            config=self.config.as_log_dict(),
+        )
+        recorder = getattr(log_setup, "recorder", None)
+        if recorder is not None:
+            self.api.save_program = lambda rid, data: self.run_blocking(recorder.save, rid, data)
+
+    # -- start and stop ---------------------------------------------------------
 
     def startService(self) -> None:
-        super().startService()
-        self.threadpool.start()
-        d = Deferred.fromCoroutine(self._start())
+        service.Service.startService(self)
+        d = Deferred.fromCoroutine(self._start_children())
         d.addCallbacks(self.ready.callback, self._start_failed)
 
-    def _start_failed(self, failure: Any) -> None:
-        message = f"{failure.type.__name__}: {failure.getErrorMessage()}"
+    async def _start_children(self) -> None:
+        for child in list(self):
+            await maybeDeferred(child.startService)
+
+    def _start_failed(self, failure: Failure) -> None:
+        message = f"{failure.type.__name__}: {failure.getErrorMessage()}"  # type: ignore[union-attr]
         self.log.error(
             "server failed to start: {error}",
             kcoral_event="server_start_failed",
             error=message,
             traceback="".join(traceback.format_exception(failure.value))[-8192:],
         )
-        start_failures.append(message)
+        self.start_failure = message
         self.ready.errback(failure)
         if self.running and self.parent is not None and self._reactor.running:
             self._reactor.stop()
 
-    async def _start(self) -> None:
-        config = self.config
-        from kcoral.server.logs import install_observers
-
-        observers = [o for o in (self.metrics, self.recent) if o is not None]
-        self.log_setup = await self.run_blocking(
-            install_observers, config, extra_observers=observers
-        )
-        started = self._reactor.seconds()
-        self.api.started_at = started
-        self.api.instance_id = str(uuid.uuid4())
-        run_dir = getattr(self.log_setup, "run_dir", None)
-        self.log.info(
-            "kcoral server starting",
-            kcoral_event="server_started",
-            run_dir=None if run_dir is None else str(getattr(run_dir, "path", run_dir)),
-            config=config.as_log_dict(),
-        )
-        recorder = getattr(self.log_setup, "recorder", None)
-        if recorder is not None:
-            self.api.save_program = lambda rid, data: self.run_blocking(recorder.save, rid, data)
-        await self.run_blocking(self.disk_cache.evict)
-
-        from kcoral.server.sandbox import choose_sandbox
-
-        sandbox = await choose_sandbox(self._reactor, config, self.log)
-        self.api.sandbox_name = sandbox.name
-        self._root_dir = Path(await self.run_blocking(tempfile.mkdtemp, prefix="kcoral-"))
-        self.pool.sandbox = sandbox
-        self.pool.root_dir = self._root_dir
-        compile_cache = await self.run_blocking(_compile_cache_dir, config)
-        if compile_cache is not None:
-            # Workers share one compile cache, so resubmitting a kernel skips
-            # nvcc whichever worker gets it (docs/compilers.md).
-            from kcoral.server.sandbox import COMPILE_CACHE, BubblewrapSandbox
-
-            if isinstance(sandbox, BubblewrapSandbox):
-                sandbox.compile_cache = str(compile_cache)
-                self.pool.worker_env["KCORAL_COMPILE_CACHE_DIR"] = COMPILE_CACHE
-            else:
-                self.pool.worker_env["KCORAL_COMPILE_CACHE_DIR"] = str(compile_cache)
-        await self.pool.start()
-        self.log.info(
-            "pool ready: {workers} workers, sandbox {sandbox}",
-            kcoral_event="pool_ready",
-            sandbox=sandbox.name,
-            mode=config.device,
-            target=self.pool.target,
-            versions=self.pool.versions,
-            workers=len(self.pool.seats),
-        )
-        if self.endpoint is not None:
-            site = KcoralSite(self.api.resource(), max_request_bytes=config.max_request_bytes)
-            self.port = await serverFromString(self._reactor, self.endpoint).listen(site)
-            address = self.port.getHost()
-            self.log.info(
-                "listening on {host}:{port}",
-                kcoral_event="server_listening",
-                host=getattr(address, "host", None),
-                port=getattr(address, "port", None),
-            )
-
-    # -- stop -------------------------------------------------------------------
-
     def stopService(self) -> Deferred[None]:
-        super().stopService()
-        return Deferred.fromCoroutine(self._stop())
-
-    async def _stop(self) -> None:
-        remaining = self.api.in_flight
+        service.Service.stopService(self)
         self.log.info(
             "shutdown requested; finishing {remaining} request(s)",
             kcoral_event="shutdown_started",
-            remaining=remaining,
+            remaining=self.api.in_flight,
         )
-        if self.port is not None:
-            await self.port.stopListening()
-            self.port = None
-        self.leases.close()
-        # Queued requests get 503 now; running ones finish with their budgets.
-        self.pool.stop_waiters()
-        await self.api.wait_idle()
-        await self.pool.stop()
-        if self._root_dir is not None:
-            await self.run_blocking(shutil.rmtree, self._root_dir, True)
-        self.log.info("shutdown complete", kcoral_event="shutdown_complete")
-        self.log.info("server stopped", kcoral_event="server_stopped")
-        if self.log_setup is not None:
-            self.log_setup.close()
-        self.threadpool.stop()
+        return Deferred.fromCoroutine(self._stop_children())
+
+    async def _stop_children(self) -> None:
+        for child in reversed(list(self)):
+            if child.running:
+                await maybeDeferred(child.stopService)
+
+
+def _named(child: service.Service, name: str) -> service.Service:
+    child.setName(name)
+    return child
 
 
 def _compile_cache_dir(config: ServerConfig) -> Path | None:

@@ -1,0 +1,115 @@
+"""
+Tests for L{kcoral.server.service.KCoralService}: the service tree and the
+order its children start and stop in, without starting a real child.
+"""
+
+from __future__ import annotations
+
+from twisted.application import service
+from twisted.internet.defer import Deferred
+from twisted.internet.testing import MemoryReactorClock
+from twisted.trial.unittest import SynchronousTestCase
+
+from kcoral.config import ServerConfig
+from kcoral.server.service import KCoralService, create_app, makeService
+
+
+class Recorder(service.Service):
+    """A child whose start and stop fire when the test says so."""
+
+    def __init__(self, name: str, calls: list[str]) -> None:
+        self.setName(name)
+        self.calls = calls
+        self.started: Deferred[None] = Deferred()
+        self.stopped: Deferred[None] = Deferred()
+
+    def startService(self) -> Deferred[None]:  # type: ignore[override]
+        super().startService()
+        self.calls.append(f"start {self.name}")
+        return self.started
+
+    def stopService(self) -> Deferred[None]:  # type: ignore[override]
+        super().stopService()
+        self.calls.append(f"stop {self.name}")
+        return self.stopped
+
+
+def _config() -> ServerConfig:
+    return ServerConfig(device="cpu", num_workers=1, log_dir=None, disk_cache_dir=None)
+
+
+class TreeTests(SynchronousTestCase):
+    def test_children(self) -> None:
+        """The root is a MultiService of named parts, the port last."""
+        root = makeService(
+            _config(), "tcp:port=0:interface=127.0.0.1", reactor=MemoryReactorClock()
+        )
+        self.assertIsInstance(root, service.MultiService)
+        self.assertEqual(
+            [child.name for child in root], ["threads", "logs", "caches", "workers", "http"]
+        )
+        self.assertFalse(any(child.running for child in root))
+
+    def test_app_has_no_port(self) -> None:
+        """C{create_app}'s service serves no port of its own."""
+        app = create_app(_config(), reactor=MemoryReactorClock())
+        root = app.kcoral_service  # type: ignore[attr-defined]
+        self.assertEqual([child.name for child in root], ["threads", "logs", "caches", "workers"])
+
+
+class OrderTests(SynchronousTestCase):
+    def make(self) -> tuple[KCoralService, list[Recorder], list[str]]:
+        root = KCoralService(_config(), reactor=MemoryReactorClock())
+        for child in list(root):
+            child.disownServiceParent()
+        calls: list[str] = []
+        children = [Recorder(name, calls) for name in ("a", "b", "c")]
+        for child in children:
+            child.setServiceParent(root)
+        return root, children, calls
+
+    def test_start_in_sequence(self) -> None:
+        """Each child starts once the one before it has; then C{ready} fires."""
+        root, (a, b, c), calls = self.make()
+        root.startService()
+        self.assertEqual(calls, ["start a"])
+        a.started.callback(None)
+        self.assertEqual(calls, ["start a", "start b"])
+        b.started.callback(None)
+        self.assertNoResult(root.ready)
+        c.started.callback(None)
+        self.assertIsNone(self.successResultOf(root.ready))
+
+    def test_failed_start(self) -> None:
+        """A child that fails stops the start: C{ready} fails, the rest never start."""
+        root, (a, b, c), calls = self.make()
+        root.startService()
+        a.started.errback(RuntimeError("no port"))
+        self.failureResultOf(root.ready, RuntimeError)
+        self.assertEqual(root.start_failure, "RuntimeError: no port")
+        self.assertEqual(calls, ["start a"])
+        self.assertEqual(len(self.flushLoggedErrors()), 0)
+        # Stopping then stops only what started.
+        a.stopped.callback(None)
+        self.successResultOf(root.stopService())
+        self.assertEqual(calls, ["start a", "stop a"])
+
+    def test_stop_in_reverse_sequence(self) -> None:
+        """
+        Children stop last to first, each once the one after it has, and
+        C{stopService} fires only when the first child has stopped.
+        """
+        root, (a, b, c), calls = self.make()
+        for child in (a, b, c):
+            child.started.callback(None)
+        root.startService()
+        del calls[:]
+        d = root.stopService()
+        self.assertEqual(calls, ["stop c"])
+        c.stopped.callback(None)
+        self.assertEqual(calls, ["stop c", "stop b"])
+        b.stopped.callback(None)
+        self.assertNoResult(d)
+        a.stopped.callback(None)
+        self.successResultOf(d)
+        self.assertEqual(calls, ["stop c", "stop b", "stop a"])

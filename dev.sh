@@ -10,9 +10,10 @@ VENV=${KCORAL_VENV:-.venv}
 PY=${PYTHON:-python3}
 
 system_packages() {
-    # bubblewrap isolates workers; chromium renders /status in a test.
+    # bubblewrap isolates workers; chromium renders /status in a test;
+    # haproxy balances two nodes in tests/integration/test_haproxy.py.
     local wanted=(bubblewrap)
-    [ "${1:-}" = test ] && wanted+=(chromium)
+    [ "${1:-}" = test ] && wanted+=(chromium haproxy)
     local missing=()
     for pkg in "${wanted[@]}"; do
         dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")

@@ -27,6 +27,7 @@ from twisted.internet.interfaces import IDelayedCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from kcoral.server.gpus import GpuDevice, cuda_environment
 from kcoral.server.lease import LeaseUnavailable
 from kcoral.server.workerproc import Job, JobResult, WorkerProcess, worker_command_args
 from kcoral.wire.render import Placement
@@ -215,6 +216,9 @@ class WorkerPool:
     target: dict[str, str] = attrs.field(factory=dict)
     versions: dict[str, str] = attrs.field(factory=dict)
     spawn_worker: Callable[..., WorkerProcess] = WorkerProcess.spawn
+    #: The configured GPUs by id (discovered at start; an id missing here
+    #: stands for itself: node C{/dev/nvidia<id>}, no UUID).
+    gpu_devices: dict[int, GpuDevice] = attrs.field(factory=dict)
 
     log = Logger()
 
@@ -312,6 +316,7 @@ class WorkerPool:
         max_requests: int,
     ) -> WorkerProcess:
         """Start a worker process that sees exactly C{gpus} (none: a CPU worker)."""
+        devices = [self.gpu_devices.get(gpu) or GpuDevice(gpu, gpu) for gpu in gpus]
         executable, args, env = self.sandbox.command(
             python=sys.executable,
             worker_args=worker_command_args(
@@ -320,13 +325,13 @@ class WorkerPool:
                 tensor_api=getattr(self.config, "tensor_api", "auto"),
             ),
             work_dir=work_dir,
-            gpu_devices=[str(gpu) for gpu in gpus],
+            gpu_devices=[str(device.minor) for device in devices],
         )
         env = {**env, **self.worker_env}
-        if gpus:
-            # Physical ids in nvidia-smi order, whatever the front end was given.
-            env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(gpu) for gpu in gpus)
+        if devices:
+            # CUDA device i is gpus[i], whatever the front end was given.
+            isolated = bool(getattr(self.sandbox, "isolates_devices", False))
+            env.update(cuda_environment(devices, isolated=isolated))
         return self.spawn_worker(
             self._reactor,
             seat=worker_id,

@@ -137,6 +137,10 @@ class ISandbox(Interface):
         "The reserved top-level directory name of a workspace (C{'.kcoral'}), or C{None} "
         "when uploads may use any name."
     )
+    isolates_devices = Attribute(
+        "C{True} when a worker sees only the device nodes of its own GPUs (so CUDA "
+        "numbers them from 0), C{False} when it sees every GPU of the machine."
+    )
 
     def prepare_seat(seat_dir: Path) -> Path:
         """
@@ -299,6 +303,7 @@ class BubblewrapSandbox:
 
     name: ClassVar[str] = "bubblewrap"
     reserved: ClassVar[str] = RESERVED
+    isolates_devices: ClassVar[bool] = True
 
     readonly_paths: tuple[str, ...] = attrs.field(converter=_to_path_strings)
     bwrap: str = attrs.field(default="bwrap", kw_only=True)
@@ -500,6 +505,7 @@ class NoSandbox:
 
     name: ClassVar[str] = "none"
     reserved: ClassVar[None] = None
+    isolates_devices: ClassVar[bool] = False
 
     def prepare_seat(self, seat_dir: Path) -> Path:
         return _prepare_seat(seat_dir, ("output",))
@@ -682,7 +688,12 @@ async def probe_sandbox(
 
 
 def choose_sandbox(
-    reactor: Any, config: Any, log: Logger | None = None, *, bwrap: str = "bwrap"
+    reactor: Any,
+    config: Any,
+    log: Logger | None = None,
+    *,
+    bwrap: str = "bwrap",
+    gpu_minors: Sequence[int] | None = None,
 ) -> Deferred[Any]:
     """
     Pick the server run's L{ISandbox}: L{NoSandbox} for C{sandbox="none"}
@@ -692,18 +703,23 @@ def choose_sandbox(
     @param config: a C{kcoral.config.ServerConfig} (C{sandbox},
         C{sandbox_readonly_paths}, C{device}, C{gpus}).
     @param bwrap: the bwrap executable to probe and use.
+    @param gpu_minors: the device node minors of the configured GPUs (from
+        L{kcoral.server.gpus}); when not given, each GPU id is taken to be
+        its minor (spec 6.2's fallback).
     @return: a Deferred firing with the L{ISandbox} provider.
     """
-    return Deferred.fromCoroutine(_choose_sandbox(reactor, config, log or _log, bwrap))
+    return Deferred.fromCoroutine(_choose_sandbox(reactor, config, log or _log, bwrap, gpu_minors))
 
 
-async def _choose_sandbox(reactor: Any, config: Any, log: Logger, bwrap: str) -> Any:
+async def _choose_sandbox(
+    reactor: Any, config: Any, log: Logger, bwrap: str, gpu_minors: Sequence[int] | None
+) -> Any:
     if config.sandbox == "none":
         return NoSandbox()
     sandbox = BubblewrapSandbox(tuple(config.sandbox_readonly_paths or ()), bwrap=bwrap)
     if config.device == "gpu":
-        # The device node minor is taken to be the GPU id (spec 6.2's fallback).
-        device_sets = [[str(gpu)] for gpu in dict.fromkeys(config.gpus)]
+        minors = list(gpu_minors) if gpu_minors is not None else list(config.gpus)
+        device_sets = [[str(minor)] for minor in dict.fromkeys(minors)]
     else:
         device_sets = [[]]
     error = await probe_sandbox(reactor, sandbox, gpu_device_sets=device_sets)

@@ -41,6 +41,7 @@ from twisted.web.server import Site
 from kcoral.config import ServerConfig
 from kcoral.server.app import KcoralAPI
 from kcoral.server.cache import BlobStore, DiskFileCache, MemoryBlobCache
+from kcoral.server.gpus import GpuDevice, discover_gpus, select_gpus
 from kcoral.server.http import KcoralSite
 from kcoral.server.lease import LeaseArbiter
 from kcoral.server.pool import WorkerPool
@@ -160,7 +161,11 @@ class WorkerPoolService(service.Service):
         from kcoral.server.sandbox import choose_sandbox
 
         config, pool = self._config, self.pool
-        sandbox = await choose_sandbox(self._reactor, config, self.log)
+        minors = None
+        if config.device == "gpu":
+            pool.gpu_devices = await self._discover_gpus()
+            minors = [device.minor for device in pool.gpu_devices.values()]
+        sandbox = await choose_sandbox(self._reactor, config, self.log, gpu_minors=minors)
         self._api.sandbox_name = sandbox.name
         self._root_dir = Path(await self._run_blocking(tempfile.mkdtemp, prefix="kcoral-"))
         pool.sandbox = sandbox
@@ -186,6 +191,18 @@ class WorkerPoolService(service.Service):
             versions=pool.versions,
             workers=len(pool.seats),
         )
+
+    async def _discover_gpus(self) -> dict[int, GpuDevice]:
+        """The configured GPUs' device nodes and UUIDs, found without CUDA (in a thread)."""
+        found = await self._run_blocking(discover_gpus)
+        selected = select_gpus(found, self._config.distinct_gpus)
+        self.log.info(
+            "GPUs: {gpus}",
+            kcoral_event="gpus_discovered",
+            gpus=[device.as_log_dict() for device in selected.values()],
+            discovered=len(found),
+        )
+        return selected
 
     def stopService(self) -> Deferred[None]:  # type: ignore[override]
         super().stopService()

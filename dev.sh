@@ -30,8 +30,13 @@ system_packages() {
 python_packages() {
     [ -x "$VENV/bin/python" ] || $PY -m venv "$VENV"
     "$VENV/bin/python" -m pip install -q --upgrade pip
-    # compat mode puts the checkout on sys.path, so twistd finds twisted/plugins/kcoral_plugin.py
-    "$VENV/bin/python" -m pip install -q -e '.[server,test]' --config-settings editable_mode=compat
+    # nvcc from the nvidia-cuda-nvcc wheel only when the machine has none.
+    local extras=server,test
+    command -v nvcc >/dev/null 2>&1 || extras+=,nvcc
+    # compat mode puts the checkout on sys.path, so twistd finds
+    # twisted/plugins/kcoral_plugin.py; a plain `pip install -e .` hides the
+    # plugin from twistd (docs/getting-started.md).
+    "$VENV/bin/python" -m pip install -q -e ".[$extras]" --config-settings editable_mode=compat
 }
 
 case "${1:-}" in

@@ -25,7 +25,7 @@ from kcoral.config import ServerConfig, default_disk_cache_dir
 from kcoral.server import tap
 
 ROOT = Path(__file__).resolve().parents[2]
-TAC = ROOT / "contrib" / "kcoral.tac"
+TACS = (ROOT / "contrib" / "kcoral-gpu.tac", ROOT / "contrib" / "kcoral-cpu.tac")
 
 #: A fixed environment with no KCORAL_* variables.
 BARE_ENV = {"HOME": "/home/op"}
@@ -582,7 +582,7 @@ class PluginTests(SynchronousTestCase):
 
 class TacTests(SynchronousTestCase):
     """
-    C{contrib/kcoral.tac} builds an application.
+    C{contrib/kcoral-gpu.tac} and C{contrib/kcoral-cpu.tac} build applications.
     """
 
     def setUp(self) -> None:
@@ -596,12 +596,15 @@ class TacTests(SynchronousTestCase):
 
     def test_load(self) -> None:
         """
-        twistd's loader finds an application holding the root service.
+        twistd's loader finds an application holding the root service, of
+        the device kind the file is named after.
         """
         from twisted.application.service import loadApplication
 
-        application = loadApplication(str(TAC), "python")
-        services = list(IServiceCollection(application))
-        self.assertEqual(len(services), 1)
-        self.assertTrue(IService.providedBy(services[0]))
-        self.assertFalse(services[0].running)
+        for tac, device in zip(TACS, ("gpu", "cpu"), strict=True):
+            application = loadApplication(str(tac), "python")
+            services = list(IServiceCollection(application))
+            self.assertEqual(len(services), 1)
+            self.assertTrue(IService.providedBy(services[0]))
+            self.assertFalse(services[0].running)
+            self.assertEqual(services[0].config.device, device)

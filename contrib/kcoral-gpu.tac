@@ -1,12 +1,13 @@
-# kcoral.tac: run the kcoral server with twistd from a Python configuration.
+# kcoral-gpu.tac: run a GPU node (runs and times programs) with twistd.
 #
-#     twistd -ny contrib/kcoral.tac          (foreground)
-#     twistd -y contrib/kcoral.tac           (daemon; logs to twistd.log)
+#     twistd -ny kcoral-gpu.tac          (foreground)
+#     twistd -y kcoral-gpu.tac           (daemon; logs to twistd.log)
 #
-# Edit the values below; every ServerConfig field not named keeps its
-# default (docs/configuration.md lists them all).  Environment variables and
-# command-line flags of `kcoral server` do not apply here: this file is the
-# whole configuration.
+# For a node without a GPU that compiles CUDA C for GPU nodes, use
+# kcoral-cpu.tac instead.  Edit the values below; every ServerConfig field
+# not named keeps its default (docs/configuration.md lists them all).
+# Environment variables and command-line flags of `kcoral server` do not
+# apply here: this file is the whole configuration.
 
 from pathlib import Path
 

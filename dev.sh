@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # kcoral developer entry point.
 #   ./dev.sh serve   install everything, then start a CPU server on 127.0.0.1:8000
-#   ./dev.sh test    install everything, then run lint, type checks and the tests
+#   ./dev.sh test    install everything, then run lint, type checks, the docs build and the tests
 #   ./dev.sh install only install (system packages when root, then .venv)
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -57,6 +57,8 @@ case "${1:-}" in
         "$VENV/bin/ruff" check kcoral tests bench examples
         "$VENV/bin/ruff" format --check kcoral tests bench examples
         "$VENV/bin/mypy" kcoral
+        # The docs site: warnings (a broken link, a page outside the toctree) fail.
+        "$VENV/bin/sphinx-build" -W --keep-going -q -b html docs "${TMPDIR:-/tmp}/kcoral-docs-html"
         exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"
         ;;
     *)

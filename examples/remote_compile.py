@@ -19,7 +19,7 @@ import urllib.parse
 
 import numpy as np
 
-from kcoral.testing import post_program, request, sha256
+from kcoral.testing import multipart_body, request, sha256
 from kcoral.wire.multipart import decode_response
 from kcoral.wire.values import decode_results
 
@@ -31,12 +31,16 @@ __global__ void saxpy(float a, const float *x, float *y, int n) {
 """
 
 
-def _port(url: str) -> int:
-    return urllib.parse.urlsplit(url).port or 80
+def _address(url: str) -> tuple[str, int]:
+    """The host and port of an http:// URL (IPv6 literals without brackets)."""
+    parts = urllib.parse.urlsplit(url)
+    return parts.hostname or "127.0.0.1", parts.port or 80
 
 
 def _run(url: str, program: dict, blobs: list[bytes] = ()) -> dict:
-    response = post_program(_port(url), program, list(blobs))
+    host, port = _address(url)
+    content_type, payload = multipart_body(program, list(blobs))
+    response = request(port, "POST", "/execute", payload, {"Content-Type": content_type}, host=host)
     body, parts = decode_response(response.headers["content-type"], response.body)
     if response.status != 200 or body["status"] != "COMPLETED":
         sys.exit(f"{url}: {json.dumps(body.get('error'), indent=2)}")
@@ -51,7 +55,8 @@ def main() -> None:
     args = parser.parse_args()
 
     # 1. The target comes from the GPU server: compile for exactly that arch.
-    health = request(_port(args.gpu), "GET", "/health").json()
+    gpu_host, gpu_port = _address(args.gpu)
+    health = request(gpu_port, "GET", "/health", host=gpu_host).json()
     arch = health["target"]["arch"]
     print(f"GPU server target: {arch}")
 

@@ -17,6 +17,20 @@ _LAZY = {
     "create_app": "kcoral.server.service",
     "KCoralService": "kcoral.server.service",
     "ExecutionError": "kcoral.errors",
+    # The client API of kcoral 0.1.1, plus the async client.
+    "AsyncClient": "kcoral.client.async_client",
+    "Client": "kcoral.client.blocking",
+    "Program": "kcoral.client.program",
+    "Register": "kcoral.client.program",
+    "ProgramResult": "kcoral.client.results",
+    "ReturnedFile": "kcoral.client.files",
+    "ReturnedFolder": "kcoral.client.files",
+    "KCoralError": "kcoral.client.errors",
+    "ProtocolError": "kcoral.client.errors",
+    "TransportError": "kcoral.client.errors",
+    "InstructionError": "kcoral.client.errors",
+    "RemoteExecutionError": "kcoral.client.errors",
+    "RemoteFunction": "kcoral.client.remote",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

@@ -9,6 +9,7 @@ code inside workers, so it imports nothing beyond the standard library and the T
 
 from __future__ import annotations
 
+from kcoral.client.errors import KCoralError, ProtocolError, TransportError  # 0.1.1 names
 from kcoral.wire.errors import INSTRUCTION_KINDS as KINDS  # protocol §9.1
 
 
@@ -52,4 +53,11 @@ class GPUAccessViolation(ExecutionError):
         self.call_stack = call_stack
 
 
-__all__ = ["KINDS", "ExecutionError", "GPUAccessViolation"]
+__all__ = [
+    "KINDS",
+    "ExecutionError",
+    "GPUAccessViolation",
+    "KCoralError",
+    "ProtocolError",
+    "TransportError",
+]

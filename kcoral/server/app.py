@@ -34,8 +34,8 @@ from kcoral.wire.errors import (
     REQUEST_TOO_LARGE_MESSAGE,
     TIMEOUT_MESSAGE,
     choose_request_id,
-    json_dumps,
 )
+from kcoral.wire.jsontext import json_dumps
 from kcoral.wire.multipart import (
     RequestBodyParser,
     RequestTooLarge,
@@ -437,6 +437,7 @@ class KcoralAPI:
                 generation=use.generation,
                 pid=use.pid,
                 queue_ms=use.queue_ms,
+                **({"startup_ms": use.startup_seconds * 1000.0} if use.multi_gpu else {}),
             )
             result = await use.run(job)
             elapsed_ms = (self._reactor.seconds() - use.assigned_at) * 1000.0

@@ -58,8 +58,6 @@ class _Waiter:
     gpus: tuple[int, ...]
     requested_at: float
     deferred: Deferred[Grant]
-    #: For an "any N GPUs" request, N (then C{gpus} is empty until granted).
-    count: int | None = None
 
 
 @attrs.define
@@ -198,71 +196,34 @@ class LeaseArbiter:
 
     def depth(self, gpu: int) -> int:
         """Waiters that want C{gpu}, plus one if it is held (the /health C{lease_depth})."""
-        waiting = sum(1 for w in self._waiters if w.count is not None or gpu in w.gpus)
+        waiting = sum(1 for w in self._waiters if gpu in w.gpus)
         return waiting + (1 if gpu in self._holders else 0)
 
-    def acquire_any(self, holder: Hashable, count: int, label: Any = None) -> Deferred[Grant]:
+    def least_busy(self, count: int) -> tuple[int, ...]:
         """
-        Ask for any C{count} GPUs at once (a multi-GPU program).
+        The C{count} usable GPUs with the fewest holders and waiters (ties in
+        configured order), in ascending order: where a multi-GPU program
+        starts its worker, before it holds anything.
 
-        Granted the first C{count} free GPUs in configured order, in arrival
-        order with the other requests; while it waits it reserves every GPU,
-        so a stream of single-GPU requests cannot starve it.
+        @raise LeaseUnavailable: fewer than C{count} GPUs can be leased.
         """
-        if not 1 <= count <= len(self.gpus):
-            raise ValueError(f"cannot lease {count} of {len(self.gpus)} GPU(s)")
-        if holder in self._grants:
-            raise RuntimeError(f"{holder!r} already holds GPUs {self._grants[holder].gpus}")
-        if self.closed or count > len(set(self.gpus) - self._quarantined):
-            d: Deferred[Grant] = Deferred()
-            d.errback(LeaseUnavailable("worker cleanup failed; device unavailable"))
-            return d
-        self._labels[holder] = label
-
-        def cancel(d: Deferred[Grant]) -> None:
-            self._waiters.remove(waiter)
-            self._dispatch()
-
-        waiter = _Waiter(holder, (), self._clock.seconds(), Deferred(cancel), count)
-        self._waiters.append(waiter)
-        self._dispatch()
-        return waiter.deferred
-
-    def transfer(self, holder: Hashable, new_holder: Hashable) -> Grant:
-        """Hand C{holder}'s grant, unchanged, to C{new_holder} (who holds nothing)."""
-        if new_holder in self._grants:
-            raise RuntimeError(f"{new_holder!r} already holds GPUs")
-        grant = attrs.evolve(self._grants.pop(holder), holder=new_holder)
-        self._grants[new_holder] = grant
-        for gpu in grant.gpus:
-            self._holders[gpu] = new_holder
-        self._labels[new_holder] = self._labels.pop(holder, None)
-        return grant
+        if count < 1:
+            raise ValueError(f"cannot lease {count} GPUs")
+        usable = [gpu for gpu in self.gpus if gpu not in self._quarantined]
+        if self.closed or count > len(usable):
+            raise LeaseUnavailable("worker cleanup failed; device unavailable")
+        chosen = sorted(usable, key=lambda gpu: (self.depth(gpu), self.gpus.index(gpu)))[:count]
+        return tuple(sorted(chosen))
 
     def _dispatch(self) -> None:
         """Grant, oldest first, every request whose GPUs are all free and unreserved."""
         reserved: set[int] = set()
         granted: list[tuple[_Waiter, Grant]] = []
         for waiter in self._waiters:
-            if waiter.count is not None:
-                free = [
-                    g
-                    for g in self.gpus
-                    if g not in self._holders
-                    and g not in reserved
-                    and g not in self._quarantined
-                    and not any(g in w.gpus for w, _ in granted)
-                ]
-                if len(free) < waiter.count:
-                    reserved |= set(self.gpus)
-                    continue
-                waiter.gpus = tuple(free[: waiter.count])
-                wanted = set(waiter.gpus)
-            else:
-                wanted = set(waiter.gpus)
-                if wanted & reserved or any(g in self._holders for g in wanted):
-                    reserved |= wanted
-                    continue
+            wanted = set(waiter.gpus)
+            if wanted & reserved or any(g in self._holders for g in wanted):
+                reserved |= wanted
+                continue
             grant = Grant(waiter.holder, waiter.gpus, waiter.requested_at, self._clock.seconds())
             for gpu in waiter.gpus:
                 self._holders[gpu] = waiter.holder

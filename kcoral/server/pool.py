@@ -72,13 +72,6 @@ class Seat:
 
 
 @attrs.define(eq=False)
-class _LeaseToken:
-    """Holds a multi-GPU program's GPUs until its worker takes them over."""
-
-    request_id: str
-
-
-@attrs.define(eq=False)
 class SeatUse:
     """
     One request's hold on a seat, from L{WorkerPool.seat}: which worker runs
@@ -97,7 +90,6 @@ class SeatUse:
     gpus: tuple[int, ...]
     multi_gpu: bool = False
     startup_seconds: float = 0.0
-    lease_wait_seconds: float = 0.0
     #: What the job's budget was once the worker had started.
     timeout_seconds: float | None = None
     result: JobResult | None = None
@@ -144,12 +136,6 @@ class SeatUse:
         )
         self.timeout_seconds = timeout
         result: JobResult = await self.worker.run(job)
-        if self.multi_gpu:
-            result = attrs.evolve(
-                result,
-                lease_wait_seconds=result.lease_wait_seconds + self.lease_wait_seconds,
-                lease_held_seconds=result.lease_held_seconds + self.startup_seconds,
-            )
         self.result = result
         return result
 
@@ -168,10 +154,9 @@ class SeatUse:
             return "timeout"
         if result.ending != "outcome":
             return "crashed"
-        assert result.header is not None
-        reason = result.header.get("retire")
-        if reason:
-            return str(reason)
+        assert result.outcome is not None
+        if result.outcome.retire:
+            return result.outcome.retire
         limit = self._pool.config.max_requests_per_worker
         if limit and self.seat.served + 1 >= limit:
             return "request_limit"
@@ -345,22 +330,21 @@ class WorkerPool:
         )
 
     async def start_transient(
-        self, seat: Seat, gpus: tuple[int, ...], lease_holder: object
+        self, seat: Seat, gpus: tuple[int, ...]
     ) -> tuple[WorkerProcess, Path]:
         """
         Start a one-request worker that sees all of C{gpus} (a multi-GPU
         program), for the request that holds C{seat}.
 
-        The caller holds the GPUs' lease as C{lease_holder}; it is handed to
-        the new worker, which creates its context under it and then releases
-        it.  Returns the worker (ready) and its directory, which the caller
-        removes with L{remove_transient}.
+        It starts like any worker: imports first, then its context under
+        its GPUs' lease, which it gives back once ready.  Returns the worker
+        (ready) and its directory, which the caller removes with
+        L{remove_transient}.
         """
         self._transients += 1
         directory = self.root_dir / f"{_safe_name(seat.worker_id)}-multi{self._transients}"
         work_dir = await self._run_blocking(self.sandbox.prepare_seat, directory)
         worker = self._spawn(seat.worker_id, 0, gpus, work_dir, 1)
-        self.leases.transfer(lease_holder, worker)
         try:
             await worker.ready
         except BaseException:
@@ -416,9 +400,10 @@ class WorkerPool:
         """
         Hold a seat for one request, waiting in line for it.
 
-        With C{gpu_count}, lease any C{gpu_count} GPUs all or nothing and
-        start a one-request worker that sees them all (protocol §6.5); it is
-        removed afterwards.  On exit the seat goes back to the pool, its
+        With C{gpu_count}, start a one-request worker that sees the
+        C{gpu_count} least busy GPUs (protocol §6.5); it takes their lease
+        itself, only while its instructions use them, and is removed
+        afterwards.  On exit the seat goes back to the pool, its
         worker retired when L{SeatUse.retire_reason} says so.
 
         @raise PoolBusy: no seat (or no GPUs) within the wait timeout.
@@ -440,15 +425,14 @@ class WorkerPool:
             finally:
                 self.release(seat, retire=use.retire_reason())
             return
-        token = _LeaseToken(request_id)
         try:
             try:
-                grant = await self.leases.acquire_any(token, gpu_count, label=request_id)
+                gpus = self.leases.least_busy(gpu_count)
             except LeaseUnavailable:
                 raise PoolBusy("server saturated", queue_ms=queue_ms) from None
             starting = self._reactor.seconds()
             try:
-                worker, work_dir = await self.start_transient(seat, grant.gpus, token)
+                worker, work_dir = await self.start_transient(seat, gpus)
             except Exception as e:
                 raise WorkerStartFailed(str(e)) from e
             use = SeatUse(
@@ -458,10 +442,9 @@ class WorkerPool:
                 self,
                 queue_ms,
                 assigned,
-                grant.gpus,
+                gpus,
                 multi_gpu=True,
                 startup_seconds=self._reactor.seconds() - starting,
-                lease_wait_seconds=grant.wait_seconds,
             )
             try:
                 yield use
@@ -470,7 +453,6 @@ class WorkerPool:
                     lambda f: self.log.failure("removing a multi-GPU worker failed", f)
                 )
         finally:
-            self.leases.abandon(token)
             self.release(seat)
 
     # -- acquire and release -------------------------------------------------

@@ -3,8 +3,8 @@
 One worker process, seen from the reactor.
 
 L{WorkerProcess} spawns C{python -m kcoral.worker} (inside the sandbox's
-command line), waits for its C{ready} message, runs jobs over the control
-channel (fds 3 and 4), answers its lease requests through the
+command line), waits for its L{Ready} message, runs jobs over the control
+channel (L{kcoral.wire.channel}), answers its lease requests through the
 L{LeaseArbiter}, enforces the execution budget (paused while the worker waits
 for its lease), and kills the whole process tree when asked: SIGTERM, then
 SIGKILL after the grace period.
@@ -30,12 +30,26 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.python.runtime import platform
 
-from kcoral.wire.channel import ChannelError, Message, MessageDecoder, encode_message
+from kcoral.wire.channel import (
+    FROM_WORKER_FD,
+    TO_WORKER_FD,
+    Blob,
+    ChannelError,
+    ChannelMessage,
+    Execute,
+    Exit,
+    Failed,
+    FrameDecoder,
+    Instruction,
+    LeaseAcquire,
+    LeaseGranted,
+    LeaseRelease,
+    Outcome,
+    Ready,
+    decode,
+    encode,
+)
 from kcoral.wire.program import Program
-
-#: Child fds of the control channel (see docs/architecture.md).
-TO_WORKER_FD = 3
-FROM_WORKER_FD = 4
 
 #: Bytes of each of the worker's own stdout/stderr kept for diagnostics.
 TAIL_BYTES = 8192
@@ -50,7 +64,10 @@ class WorkerStartError(Exception):
 
 @attrs.frozen
 class Job:
-    """One program for a worker to run."""
+    """
+    One program for a worker to run: what L{Execute} and its L{Blob}s carry,
+    plus what only the parent needs (the parsed program, the time budget).
+    """
 
     request_id: str
     program_text: str
@@ -62,21 +79,35 @@ class Job:
     workspace: str = ""
     reserved: str | None = None
 
+    def messages(self) -> list[ChannelMessage]:
+        """The blobs, then the L{Execute} message, in sending order."""
+        blobs: list[ChannelMessage] = [Blob(d, data) for d, data in self.blobs.items()]
+        return [
+            *blobs,
+            Execute(
+                program=self.program_text,
+                workspace=self.workspace,
+                request_id=self.request_id,
+                output_limit=self.output_limit,
+                max_response_bytes=self.max_response_bytes,
+                reserved=self.reserved,
+            ),
+        ]
+
 
 @attrs.frozen
 class JobResult:
     """
     How a job ended, as seen by the parent.
 
-    C{ending} is C{"outcome"} (the worker answered: C{header}/C{payload}),
+    C{ending} is C{"outcome"} (the worker answered with C{outcome}),
     C{"crashed"} (the process died; C{instruction_index} says where, if known),
     C{"timeout"} (the budget ran out and the worker is being killed) or
     C{"invalid"} (the worker sent something that is not an outcome).
     """
 
     ending: str
-    header: dict[str, Any] | None = None
-    payload: bytes = b""
+    outcome: Outcome | None = None
     instruction_index: int | None = None
     exit_code: int | None = None
     output_tail: str = ""
@@ -105,11 +136,21 @@ class _Tail:
 
 
 class WorkerProtocol(ProcessProtocol):
-    """Routes a worker's fds: channel messages, output tails, the end."""
+    """
+    Routes a worker's fds: channel messages, output tails, the end.
 
-    def __init__(self, on_message: Callable[[Message], None]) -> None:
+    A frame that is not a valid message goes to C{on_invalid}; bytes that are
+    not frames at all kill the worker at once.
+    """
+
+    def __init__(
+        self,
+        on_message: Callable[[ChannelMessage], None],
+        on_invalid: Callable[[ChannelError], None],
+    ) -> None:
         self._on_message = on_message
-        self._decoder = MessageDecoder()
+        self._on_invalid = on_invalid
+        self._decoder = FrameDecoder()
         self.stdout_tail = _Tail()
         self.stderr_tail = _Tail()
         self.ended: Deferred[BaseException] = Deferred()
@@ -118,13 +159,18 @@ class WorkerProtocol(ProcessProtocol):
     def childDataReceived(self, childFD: int, data: bytes) -> None:
         if childFD == FROM_WORKER_FD:
             try:
-                messages = self._decoder.feed(data)
+                frames = self._decoder.feed(data)
             except ChannelError as e:
                 self.channel_error = str(e)
                 self._kill_now()
                 return
-            for message in messages:
-                self._on_message(message)
+            for frame in frames:
+                try:
+                    message = decode(frame)
+                except ChannelError as e:
+                    self._on_invalid(e)
+                else:
+                    self._on_message(message)
         elif childFD == 1:
             self.stdout_tail.add(data)
         elif childFD == 2:
@@ -208,7 +254,7 @@ class WorkerProcess:
     ) -> WorkerProcess:
         """Start the process; see C{ready} for when it can take a job."""
         worker = cls(seat, generation, gpus, reactor, leases, grace_seconds)
-        worker.protocol = WorkerProtocol(worker._message_received)
+        worker.protocol = WorkerProtocol(worker._message_received, worker._invalid_received)
         worker.protocol.ended.addCallback(worker._process_ended)
         worker.started_at = reactor.seconds()
         transport = _spawn(
@@ -267,45 +313,54 @@ class WorkerProcess:
         self._leases.abandon(self)
         self.ended.callback(self.exit_code)
 
-    def _message_received(self, message: Message) -> None:
-        kind = message.type
-        if kind == "ready" and not self.ready.called:
+    def _message_received(self, message: ChannelMessage) -> None:
+        if isinstance(message, Ready) and not self.ready.called:
             if self._ready_timer is not None and self._ready_timer.active():
                 self._ready_timer.cancel()
-            self.info = dict(message.header)
+            self.info = message.header()
             self.ready.callback(self.info)
-        elif kind == "failed" and not self.ready.called:
-            self.ready.errback(WorkerStartError(str(message.header.get("error", "worker failed"))))
+        elif isinstance(message, Failed) and not self.ready.called:
+            self.ready.errback(WorkerStartError(message.error))
         elif self._job is not None:
             self._job.message_received(message)
-        elif kind == "lease_acquire":
+        elif isinstance(message, LeaseAcquire):
             # Outside a job: the worker warms up (creates its CUDA context)
             # under the lease.
             self._startup_lease()
-        elif kind == "lease_release":
+        elif isinstance(message, LeaseRelease):
             self._leases.release(self)
         else:
             self.log.warn(
                 "worker {worker_id} sent an unexpected {type!r} message",
                 worker_id=self.seat,
-                type=kind,
+                type=message.TYPE,
             )
+
+    def _invalid_received(self, error: ChannelError) -> None:
+        if self._job is not None:
+            self._job.invalid_received()
+            return
+        self.log.warn(
+            "worker {worker_id} sent an invalid message: {error}",
+            worker_id=self.seat,
+            error=str(error),
+        )
 
     def _startup_lease(self) -> None:
         if not self.gpus:
-            self.send({"type": "lease_granted"})
+            self.send(LeaseGranted())
             return
         d = self._leases.acquire(self, self.gpus, label=f"warmup:{self.seat}")
         d.addCallbacks(
-            lambda _: self.send({"type": "lease_granted"}),
+            lambda _: self.send(LeaseGranted()),
             lambda f: None if f.check(CancelledError) else self.kill(),
         )
 
-    def send(self, header: dict[str, Any], payload: bytes = b"") -> None:
+    def send(self, message: ChannelMessage) -> None:
         """Write one message to the worker (buffered by the transport)."""
         transport = self.protocol.transport
         if self.alive and transport is not None:
-            transport.writeToChild(TO_WORKER_FD, encode_message(header, payload))
+            transport.writeToChild(TO_WORKER_FD, encode(message))
 
     def run(
         self, job: Job, on_instruction: Callable[[int], None] | None = None
@@ -332,7 +387,7 @@ class WorkerProcess:
         """Ask for an orderly exit, then kill after the grace period."""
         if not self.alive:
             return succeed(self.exit_code)
-        self.send({"type": "exit"})
+        self.send(Exit())
         self._kill_timer = self._reactor.callLater(self._grace_seconds, self.kill)
         return self._ended_copy()
 
@@ -463,19 +518,8 @@ class _RunningJob:
 
     def start(self) -> None:
         self.remaining = self.job.timeout_seconds
-        for digest, data in self.job.blobs.items():
-            self.worker.send({"type": "blob", "digest": digest}, data)
-        self.worker.send(
-            {
-                "type": "execute",
-                "request_id": self.job.request_id,
-                "program": self.job.program_text,
-                "output_limit": self.job.output_limit,
-                "max_response_bytes": self.job.max_response_bytes,
-                "workspace": self.job.workspace,
-                "reserved": self.job.reserved,
-            }
-        )
+        for message in self.job.messages():
+            self.worker.send(message)
         self._resume_budget()
 
     # -- the execution budget, paused during lease waits -------------------
@@ -502,35 +546,39 @@ class _RunningJob:
 
     # -- messages -------------------------------------------------------------
 
-    def message_received(self, message: Message) -> None:
+    def message_received(self, message: ChannelMessage) -> None:
         if self.done.called:
             return
-        kind = message.type
-        if kind == "instruction":
-            index = message.header.get("index")
-            if isinstance(index, int):
-                self._instruction_finished()
-                self.instruction_index = index
-                self.instruction_started[index] = self._clock()
-                self.worker.log.info(
-                    "request {request_id}: instruction {index} started on {worker_id}",
-                    kcoral_event="instruction_started",
-                    request_id=self.job.request_id,
-                    worker_id=self.worker.seat,
-                    index=index,
-                    op=_op_of(self.job, index),
-                )
-                if self.on_instruction is not None:
-                    self.on_instruction(index)
-        elif kind == "lease_acquire":
+        if isinstance(message, Instruction):
+            index = message.index
+            self._instruction_finished()
+            self.instruction_index = index
+            self.instruction_started[index] = self._clock()
+            self.worker.log.info(
+                "request {request_id}: instruction {index} started on {worker_id}",
+                kcoral_event="instruction_started",
+                request_id=self.job.request_id,
+                worker_id=self.worker.seat,
+                index=index,
+                op=_op_of(self.job, index),
+            )
+            if self.on_instruction is not None:
+                self.on_instruction(index)
+        elif isinstance(message, LeaseAcquire):
             self._acquire_lease()
-        elif kind == "lease_release":
+        elif isinstance(message, LeaseRelease):
             self._release_lease()
-        elif kind == "outcome":
-            self._finish(JobResult("outcome", header=message.header, payload=message.payload))
+        elif isinstance(message, Outcome):
+            self._finish(JobResult("outcome", outcome=message))
         else:
-            self._finish(JobResult("invalid", instruction_index=self.instruction_index))
-            self.worker.kill()
+            self.invalid_received()
+
+    def invalid_received(self) -> None:
+        """The worker sent something that is not a message a job expects."""
+        if self.done.called:
+            return
+        self._finish(JobResult("invalid", instruction_index=self.instruction_index))
+        self.worker.kill()
 
     def _instruction_finished(self) -> None:
         """Log the end of the instruction that ran until now, if any."""
@@ -549,7 +597,7 @@ class _RunningJob:
 
     def _acquire_lease(self) -> None:
         if not self.worker.gpus:
-            self.worker.send({"type": "lease_granted"})
+            self.worker.send(LeaseGranted())
             return
         self._pause_budget()
         requested = self._clock()
@@ -563,7 +611,7 @@ class _RunningJob:
             self._held_since = now
             if self.done.called:
                 return
-            self.worker.send({"type": "lease_granted"})
+            self.worker.send(LeaseGranted())
             self._resume_budget()
 
         def failed(failure: Failure) -> None:

@@ -1,40 +1,67 @@
 # -*- test-case-name: tests.unit.test_wire_channel -*-
 """
-Framing of the control channel between the reactor process and a worker.
+The control channel between the reactor process and a worker, defined once.
 
-Each message is a JSON object (the header) and an optional binary payload, so
-blob bytes and returned tensors cross the pipe without base64.  A frame is::
+Both sides import from here: the file descriptors, the framing, and one
+frozen attrs class per message type (the idea of Twisted trial's
+C{_dist.workercommands}: typed commands instead of string literals).
+
+A frame is a JSON object (the header) and an optional binary payload, so
+blob bytes and returned tensors cross the pipe without base64::
 
     >I header length | >Q payload length | header (UTF-8 JSON) | payload
 
-The parent feeds received bytes to a L{MessageDecoder}; the worker, which has
-no reactor, uses the blocking L{read_message} and L{write_message}.
+The header's C{type} names the message class; L{encode} and L{decode} map a
+message to a frame and back, refusing any unknown type, missing or extra
+field, or field of the wrong JSON type with L{ChannelError}.  The parent
+feeds received bytes to a L{FrameDecoder}; the worker, which has no reactor,
+uses the blocking L{read_message} and L{write_message}.
 """
 
 from __future__ import annotations
 
 import json
 import struct
-from typing import IO, Any
+from collections.abc import Callable
+from typing import IO, Any, ClassVar, TypeVar
 
 import attrs
 
+from kcoral.wire.jsontext import json_dumps
+
+#: The worker reads the parent's messages on this fd ...
+TO_WORKER_FD = 3
+#: ... and writes its own on this one.  Fds 1 and 2 never carry channel bytes.
+FROM_WORKER_FD = 4
+
 _PREFIX = struct.Struct(">IQ")
 
-#: Largest header accepted; headers carry JSON metadata, never bulk data.
+#: Largest header accepted by default; headers carry JSON metadata, never bulk data.
 MAX_HEADER_BYTES = 64 * 1024 * 1024
 
-#: Largest payload accepted (a little above the largest request or response).
+#: Largest payload accepted by default (a little above the largest request or response).
 MAX_PAYLOAD_BYTES = 1 << 40
+
+#: Retire reasons a worker may put in its L{Outcome}.
+RETIRE_REQUEST_LIMIT = "request_limit"
+RETIRE_POISONED = "poisoned_context"
+WORKER_RETIRE_REASONS = frozenset({RETIRE_REQUEST_LIMIT, RETIRE_POISONED})
+
+#: Program statuses an L{Outcome} reports (protocol §8.1).
+OUTCOME_STATUSES = frozenset({"COMPLETED", "FAILED"})
 
 
 class ChannelError(Exception):
-    """The peer sent bytes that are not a valid frame."""
+    """The peer sent bytes that are not a valid frame or message."""
+
+
+# ---------------------------------------------------------------------------
+# Frames
 
 
 @attrs.frozen
-class Message:
-    """One decoded frame."""
+class Frame:
+    """One framed header and payload, before it is read as a message."""
 
     header: dict[str, Any]
     payload: bytes = b""
@@ -44,9 +71,14 @@ class Message:
         return str(self.header.get("type", ""))
 
 
-def encode_message(header: dict[str, Any], payload: bytes = b"") -> bytes:
+def encode_frame(header: dict[str, Any], payload: bytes = b"") -> bytes:
     """Frame C{header} and C{payload} into one byte string."""
     return _prefix_and_header(header, len(payload)) + bytes(payload)
+
+
+def _prefix_and_header(header: dict[str, Any], payload_length: int) -> bytes:
+    encoded = json_dumps(header)
+    return _PREFIX.pack(len(encoded), payload_length) + encoded
 
 
 def _decode_header(raw: bytes) -> dict[str, Any]:
@@ -59,30 +91,42 @@ def _decode_header(raw: bytes) -> dict[str, Any]:
     return header
 
 
-def _check_sizes(header_length: int, payload_length: int) -> None:
-    if header_length > MAX_HEADER_BYTES:
-        raise ChannelError(f"message header of {header_length} bytes is too large")
-    if payload_length > MAX_PAYLOAD_BYTES:
-        raise ChannelError(f"message payload of {payload_length} bytes is too large")
+@attrs.frozen
+class FrameLimits:
+    """The largest header and payload a reader accepts."""
+
+    max_header_bytes: int = MAX_HEADER_BYTES
+    max_payload_bytes: int = MAX_PAYLOAD_BYTES
+
+    def check(self, header_length: int, payload_length: int) -> None:
+        if header_length > self.max_header_bytes:
+            raise ChannelError(f"message header of {header_length} bytes is too large")
+        if payload_length > self.max_payload_bytes:
+            raise ChannelError(f"message payload of {payload_length} bytes is too large")
+
+
+DEFAULT_LIMITS = FrameLimits()
 
 
 @attrs.define
-class MessageDecoder:
+class FrameDecoder:
     """
-    Incremental decoder: C{feed} bytes as they arrive, get whole messages.
+    Incremental decoder: C{feed} bytes as they arrive, get whole frames.
 
-    Buffers at most one partial frame.
+    Buffers at most one partial frame; its prefix is checked against
+    C{limits} before the frame is buffered.
     """
 
+    limits: FrameLimits = DEFAULT_LIMITS
     _buffer: bytearray = attrs.field(factory=bytearray)
 
-    def feed(self, data: bytes) -> list[Message]:
-        """Add C{data} and return every message it completes."""
+    def feed(self, data: bytes) -> list[Frame]:
+        """Add C{data} and return every frame it completes."""
         self._buffer += data
-        messages = []
+        frames = []
         while len(self._buffer) >= _PREFIX.size:
             header_length, payload_length = _PREFIX.unpack_from(self._buffer)
-            _check_sizes(header_length, payload_length)
+            self.limits.check(header_length, payload_length)
             end = _PREFIX.size + header_length + payload_length
             if len(self._buffer) < end:
                 break
@@ -90,8 +134,8 @@ class MessageDecoder:
             header = _decode_header(bytes(self._buffer[_PREFIX.size : header_end]))
             payload = bytes(self._buffer[header_end:end])
             del self._buffer[:end]
-            messages.append(Message(header, payload))
-        return messages
+            frames.append(Frame(header, payload))
+        return frames
 
     @property
     def pending(self) -> int:
@@ -111,9 +155,9 @@ def _read_exactly(stream: IO[bytes], count: int) -> bytes | None:
     return b"".join(chunks)
 
 
-def read_message(stream: IO[bytes]) -> Message | None:
+def read_frame(stream: IO[bytes], limits: FrameLimits = DEFAULT_LIMITS) -> Frame | None:
     """
-    Blocking read of one message; C{None} at a clean end of stream.
+    Blocking read of one frame; C{None} at a clean end of stream.
 
     @raise ChannelError: on a truncated or malformed frame.
     """
@@ -121,26 +165,326 @@ def read_message(stream: IO[bytes]) -> Message | None:
     if prefix is None:
         return None
     header_length, payload_length = _PREFIX.unpack(prefix)
-    _check_sizes(header_length, payload_length)
+    limits.check(header_length, payload_length)
     raw_header = _read_exactly(stream, header_length)
     payload = _read_exactly(stream, payload_length) if payload_length else b""
     if raw_header is None or payload is None:
         raise ChannelError("stream ended inside a message")
-    return Message(_decode_header(raw_header), payload)
+    return Frame(_decode_header(raw_header), payload)
 
 
-def write_message(stream: IO[bytes], header: dict[str, Any], payload: bytes = b"") -> None:
-    """Blocking write of one message, flushed; a large payload is not copied."""
+def write_frame(stream: IO[bytes], header: dict[str, Any], payload: bytes = b"") -> None:
+    """Blocking write of one frame, flushed; a large payload is not copied."""
     if len(payload) < 1 << 16:
-        stream.write(encode_message(header, payload))
+        stream.write(encode_frame(header, payload))
     else:
         stream.write(_prefix_and_header(header, len(payload)))
         stream.write(payload)
     stream.flush()
 
 
-def _prefix_and_header(header: dict[str, Any], payload_length: int) -> bytes:
-    encoded = json.dumps(header, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode(
-        "utf-8"
+# ---------------------------------------------------------------------------
+# Field checks: JSON types, strictly (a bool is not an integer here)
+
+_Check = Callable[[Any, "attrs.Attribute[Any]", Any], None]
+
+
+def _json(*types: type, optional: bool = False) -> _Check:
+    def check(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if value is None and optional:
+            return
+        if isinstance(value, bool) and bool not in types:
+            ok = False
+        else:
+            ok = isinstance(value, types)
+        if not ok:
+            raise TypeError(f"field {attribute.name!r} must be {_names(types, optional)}")
+
+    return check
+
+
+def _names(types: tuple[type, ...], optional: bool) -> str:
+    names = {str: "a string", int: "an integer", bool: "a boolean", dict: "an object"}
+    text = " or ".join(names.get(t, t.__name__) for t in types)
+    return text + " or null" if optional else text
+
+
+def _one_of(choices: frozenset[str], optional: bool = False) -> _Check:
+    def check(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if value is None and optional:
+            return
+        if value not in choices:
+            raise ValueError(f"field {attribute.name!r} must be one of {sorted(choices)}")
+
+    return check
+
+
+# ---------------------------------------------------------------------------
+# Messages
+
+_REGISTRY: dict[str, type[ChannelMessage]] = {}
+
+_M = TypeVar("_M", bound="type[ChannelMessage]")
+
+
+def _message(name: str) -> Callable[[_M], _M]:
+    """Register a message class under its header C{type}."""
+
+    def register(cls: _M) -> _M:
+        if name in _REGISTRY:  # pragma: no cover - a programming error
+            raise ValueError(f"message type {name!r} defined twice")
+        cls.TYPE = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return register
+
+
+@attrs.frozen
+class ChannelMessage:
+    """
+    A message of the control channel.
+
+    Subclasses are frozen attrs classes whose fields are the header's other
+    keys; a subclass with a binary payload overrides L{_header_fields},
+    L{payload} and L{_from_fields}.
+    """
+
+    TYPE: ClassVar[str] = ""
+
+    def _header_fields(self) -> dict[str, Any]:
+        return attrs.asdict(self, recurse=False)
+
+    def header(self) -> dict[str, Any]:
+        """The frame header: C{type} and every field."""
+        return {"type": self.TYPE, **self._header_fields()}
+
+    def payload(self) -> bytes:
+        """The frame payload (none by default)."""
+        return b""
+
+    @classmethod
+    def _header_keys(cls) -> frozenset[str]:
+        return frozenset(a.name for a in attrs.fields(cls))
+
+    @classmethod
+    def _from_fields(cls, fields: dict[str, Any], payload: bytes) -> ChannelMessage:
+        if payload:
+            raise ChannelError(f"a {cls.TYPE!r} message carries no payload")
+        return cls(**fields)
+
+
+# -- parent to worker ---------------------------------------------------------
+
+
+@_message("blob")
+@attrs.frozen
+class Blob(ChannelMessage):
+    """A blob's bytes, sent before the L{Execute} that references it."""
+
+    digest: str = attrs.field(validator=_json(str))
+    data: bytes = attrs.field(
+        default=b"", repr=False, validator=attrs.validators.instance_of(bytes)
     )
-    return _PREFIX.pack(len(encoded), payload_length) + encoded
+
+    def _header_fields(self) -> dict[str, Any]:
+        return {"digest": self.digest}
+
+    def payload(self) -> bytes:
+        return self.data
+
+    @classmethod
+    def _header_keys(cls) -> frozenset[str]:
+        return frozenset({"digest"})
+
+    @classmethod
+    def _from_fields(cls, fields: dict[str, Any], payload: bytes) -> ChannelMessage:
+        return cls(data=payload, **fields)
+
+
+@_message("execute")
+@attrs.frozen
+class Execute(ChannelMessage):
+    """Run one program (the program JSON text) in C{workspace}."""
+
+    program: str = attrs.field(validator=_json(str))
+    #: The path of the request's workspace as the worker sees it.
+    workspace: str = attrs.field(validator=_json(str))
+    request_id: str = attrs.field(default="", validator=_json(str))
+    output_limit: int = attrs.field(default=1048576, validator=_json(int))
+    max_response_bytes: int = attrs.field(default=268435456, validator=_json(int))
+    #: The workspace's top-level name kept for the sandbox (C{.kcoral}), or C{None}.
+    reserved: str | None = attrs.field(default=None, validator=_json(str, optional=True))
+
+
+@_message("lease_granted")
+@attrs.frozen
+class LeaseGranted(ChannelMessage):
+    """The answer to L{LeaseAcquire}: this worker now holds its GPUs."""
+
+
+@_message("exit")
+@attrs.frozen
+class Exit(ChannelMessage):
+    """Exit in an orderly way."""
+
+
+# -- worker to parent ---------------------------------------------------------
+
+
+@_message("ready")
+@attrs.frozen
+class Ready(ChannelMessage):
+    """Start-up finished: the worker can take a program."""
+
+    pid: int = attrs.field(validator=_json(int))
+    target: dict[str, Any] = attrs.field(validator=_json(dict))
+    versions: dict[str, Any] = attrs.field(validator=_json(dict))
+    device: str = attrs.field(validator=_json(str))
+
+
+@_message("failed")
+@attrs.frozen
+class Failed(ChannelMessage):
+    """Start-up failed; the worker exits."""
+
+    error: str = attrs.field(validator=_json(str))
+
+
+@_message("lease_acquire")
+@attrs.frozen
+class LeaseAcquire(ChannelMessage):
+    """Ask for this worker's GPU lease; the parent answers L{LeaseGranted}."""
+
+
+@_message("lease_release")
+@attrs.frozen
+class LeaseRelease(ChannelMessage):
+    """Give the lease back (no answer)."""
+
+
+@_message("instruction")
+@attrs.frozen
+class Instruction(ChannelMessage):
+    """About to run instruction C{index}: a crash from now on is attributed to it."""
+
+    index: int = attrs.field(validator=_json(int))
+
+
+@_message("outcome")
+@attrs.frozen
+class Outcome(ChannelMessage):
+    """
+    How one program ended.  The header carries C{part_sizes}; the payload is
+    the binary parts concatenated in numbering order.
+    """
+
+    status: str = attrs.field(validator=_one_of(OUTCOME_STATUSES))
+    results: dict[str, Any] = attrs.field(factory=dict, validator=_json(dict))
+    error: dict[str, Any] | None = attrs.field(default=None, validator=_json(dict, optional=True))
+    stdout: str = attrs.field(default="", validator=_json(str))
+    stderr: str = attrs.field(default="", validator=_json(str))
+    stdout_truncated: bool = attrs.field(default=False, validator=_json(bool))
+    stderr_truncated: bool = attrs.field(default=False, validator=_json(bool))
+    retire: str | None = attrs.field(
+        default=None, validator=_one_of(WORKER_RETIRE_REASONS, optional=True)
+    )
+    parts: tuple[bytes, ...] = attrs.field(default=(), repr=False)
+
+    @parts.validator
+    def _check_parts(self, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if not isinstance(value, tuple) or not all(isinstance(p, bytes) for p in value):
+            raise TypeError("field 'parts' must be a tuple of bytes")
+
+    def _header_fields(self) -> dict[str, Any]:
+        fields = attrs.asdict(self, recurse=False)
+        del fields["parts"]
+        fields["part_sizes"] = [len(part) for part in self.parts]
+        return fields
+
+    def payload(self) -> bytes:
+        return b"".join(self.parts)
+
+    @classmethod
+    def _header_keys(cls) -> frozenset[str]:
+        return (super()._header_keys() - {"parts"}) | {"part_sizes"}
+
+    @classmethod
+    def _from_fields(cls, fields: dict[str, Any], payload: bytes) -> ChannelMessage:
+        sizes = fields.pop("part_sizes")
+        if not isinstance(sizes, list) or not all(
+            isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in sizes
+        ):
+            raise ChannelError("'part_sizes' must be a list of sizes")
+        if sum(sizes) != len(payload):
+            raise ChannelError(
+                f"'part_sizes' add up to {sum(sizes)} bytes, the payload has {len(payload)}"
+            )
+        view = memoryview(payload)
+        parts, offset = [], 0
+        for size in sizes:
+            parts.append(bytes(view[offset : offset + size]))
+            offset += size
+        return cls(parts=tuple(parts), **fields)
+
+
+#: Every message type, by the name its header carries.
+MESSAGE_TYPES: dict[str, type[ChannelMessage]] = dict(_REGISTRY)
+
+
+def encode(message: ChannelMessage) -> bytes:
+    """The frame of C{message}, as bytes."""
+    return encode_frame(message.header(), message.payload())
+
+
+def decode(frame: Frame) -> ChannelMessage:
+    """
+    The message a frame carries.
+
+    @raise ChannelError: unknown type, a missing or extra field, a field of
+        the wrong type or value, or a payload where none belongs.
+    """
+    fields = dict(frame.header)
+    name = fields.pop("type", None)
+    cls = _REGISTRY.get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise ChannelError(f"unknown message type {name!r}")
+    expected = cls._header_keys()
+    missing, extra = expected - fields.keys(), fields.keys() - expected
+    if missing or extra:
+        raise ChannelError(
+            f"bad {name!r} message: missing fields {sorted(missing)}, unknown fields {sorted(extra)}"
+        )
+    try:
+        return cls._from_fields(fields, frame.payload)
+    except (TypeError, ValueError) as e:
+        raise ChannelError(f"bad {name!r} message: {e}") from None
+
+
+def read_message(stream: IO[bytes], limits: FrameLimits = DEFAULT_LIMITS) -> ChannelMessage | None:
+    """
+    Blocking read of one message; C{None} at a clean end of stream.
+
+    @raise ChannelError: on a truncated, malformed or invalid frame.
+    """
+    frame = read_frame(stream, limits)
+    return None if frame is None else decode(frame)
+
+
+def write_message(stream: IO[bytes], message: ChannelMessage) -> None:
+    """Blocking write of one message, flushed; a large payload is not copied."""
+    write_frame(stream, message.header(), message.payload())
+
+
+@attrs.define
+class MessageDecoder:
+    """L{FrameDecoder} that returns messages: every frame must be a valid one."""
+
+    _frames: FrameDecoder = attrs.field(factory=FrameDecoder)
+
+    def feed(self, data: bytes) -> list[ChannelMessage]:
+        return [decode(frame) for frame in self._frames.feed(data)]
+
+    @property
+    def pending(self) -> int:
+        return self._frames.pending

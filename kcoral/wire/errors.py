@@ -9,9 +9,12 @@ on the exact shapes the 0.1.1 client checks.
 
 from __future__ import annotations
 
-import json
 import uuid
 from typing import Any
+
+from kcoral.wire.jsontext import json_dumps
+
+__all__ = ["json_dumps"]  # kept importable from here for the server
 
 #: Kinds allowed in a FAILED body's C{error.kind} (protocol §9.1).
 INSTRUCTION_KINDS = frozenset(
@@ -51,13 +54,6 @@ OPS = frozenset({"upload", "get_function", "run", "return"})
 
 #: Traceback tail budget, in characters and in UTF-8 bytes (protocol §9.3).
 TRACEBACK_LIMIT = 8192
-
-
-def json_dumps(obj: Any) -> bytes:
-    """Compact UTF-8 JSON that the strict 0.1.1 client accepts (no NaN)."""
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode(
-        "utf-8"
-    )
 
 
 def http_status(kind: str) -> int:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import os
 import re
 import secrets
@@ -32,6 +31,7 @@ from typing import IO, Any, Protocol
 
 import attrs
 
+from kcoral.wire.jsontext import json_dumps
 from kcoral.wire.program import (
     Program,
     Upload,
@@ -598,12 +598,6 @@ def check_tensor_lengths(program: Program, sizes: Mapping[str, int]) -> None:
             )
 
 
-def _json_dumps(obj: Any) -> bytes:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode(
-        "utf-8"
-    )
-
-
 def _choose_boundary(payloads: Iterable[bytes]) -> str:
     items = list(payloads)
     while True:
@@ -621,7 +615,7 @@ def encode_response(body: Mapping[str, Any], parts: list[bytes]) -> tuple[str, l
     @return: the C{Content-Type} value and the body as chunks (the parts
         themselves are not copied).
     """
-    result = _json_dumps(body)
+    result = json_dumps(body)
     if not parts:
         return "application/json", [result]
     boundary = _choose_boundary([result, *parts])

@@ -14,6 +14,7 @@ import json
 import math
 import re
 from collections.abc import Iterable, Mapping
+from types import MappingProxyType
 from typing import Any, Union
 
 import attrs
@@ -46,24 +47,32 @@ DTYPES: dict[str, int] = {
     "float64": 8,
 }
 
-#: Server functions a legacy string C{run.fn} may name (protocol §10.2),
-#: plus C{builtin.kernel}, kcoral's launch-handle maker for library kernels.
-BUILTIN_NAMES = frozenset(
+#: The one table of builtins: every server function a legacy string
+#: C{run.fn} may name (protocol §10.2), plus C{builtin.kernel}, kcoral's
+#: launch-handle maker for library kernels, each with whether workers register
+#: it C{cpu_only} (it runs without the GPU lease).
+BUILTINS: Mapping[str, bool] = MappingProxyType(
     {
-        "builtin.randn",
-        "builtin.empty",
-        "builtin.zeros",
-        "builtin.compile_tirx",
-        "builtin.compile_cuda",
-        "builtin.compile_cuda_binary",
-        "builtin.compile_cutedsl",
-        "builtin.compile_triton",
-        "builtin.benchmark",
-        "builtin.check_close",
-        "builtin.assert_close",
-        "builtin.kernel",
+        "builtin.randn": False,
+        "builtin.empty": False,
+        "builtin.zeros": False,
+        "builtin.compile_tirx": False,
+        "builtin.compile_cuda": True,
+        "builtin.compile_cuda_binary": True,
+        "builtin.compile_cutedsl": True,
+        "builtin.compile_triton": True,
+        "builtin.benchmark": False,
+        "builtin.check_close": False,
+        "builtin.assert_close": False,
+        "builtin.kernel": False,
     }
 )
+
+#: Builtins only a GPU worker registers; elsewhere they are unknown functions.
+GPU_ONLY_BUILTINS = frozenset({"builtin.kernel"})
+
+#: The names a program may use as C{run.fn}.
+BUILTIN_NAMES = frozenset(BUILTINS)
 
 #: Module languages of the legacy dialect (protocol §13.2 item 3).
 LANGUAGES = frozenset({"python", "cuda"})

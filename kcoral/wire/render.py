@@ -12,19 +12,20 @@ writes what it gets back.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, Protocol, Union
 
 import attrs
 
+from kcoral.wire.channel import Outcome
 from kcoral.wire.errors import (
     RESPONSE_TOO_LARGE_MESSAGE,
     TIMEOUT_MESSAGE,
     error_body,
     http_status,
     instruction_error,
-    json_dumps,
 )
+from kcoral.wire.jsontext import json_dumps
 from kcoral.wire.multipart import encode_response
 from kcoral.wire.program import Program
 
@@ -67,9 +68,7 @@ class Ending(Protocol):
     @property
     def ending(self) -> str: ...
     @property
-    def header(self) -> Mapping[str, Any] | None: ...
-    @property
-    def payload(self) -> bytes: ...
+    def outcome(self) -> Outcome | None: ...
     @property
     def instruction_index(self) -> int | None: ...
     @property
@@ -160,35 +159,35 @@ def render_result(
         "lease_held_ms": result.lease_held_seconds * 1000.0,
     }
     if result.ending == "crashed":
-        header, parts = _crash_header(program, result, queue_ms, elapsed_ms, place)
+        outcome = _crash_outcome(program, result, queue_ms, elapsed_ms, place)
         reason = "crashed"
     else:
-        assert result.header is not None
-        header = dict(result.header)
-        parts = _split_parts(result.payload, header.get("part_sizes") or [])
-        reason = "completed" if header.get("status") == "COMPLETED" else "program_failed"
+        assert result.outcome is not None
+        outcome = result.outcome
+        reason = "completed" if outcome.status == "COMPLETED" else "program_failed"
+    parts = list(outcome.parts)
     body: dict[str, Any] = {
-        "status": header.get("status"),
+        "status": outcome.status,
         "request_id": request_id,
         **timings,
-        "stdout": header.get("stdout", ""),
-        "stderr": header.get("stderr", ""),
-        "stdout_truncated": bool(header.get("stdout_truncated", False)),
-        "stderr_truncated": bool(header.get("stderr_truncated", False)),
+        "stdout": outcome.stdout,
+        "stderr": outcome.stderr,
+        "stdout_truncated": outcome.stdout_truncated,
+        "stderr_truncated": outcome.stderr_truncated,
     }
     if program.options.gpu_count is not None:
         # Only for programs that asked for a GPU count (protocol §6.5).
         body["gpu_ids"] = list(where.gpus)
         body["gpu_count"] = len(where.gpus)
-    body["results"] = header.get("results", {})
-    error = header.get("error")
+    body["results"] = outcome.results
+    error = outcome.error
     if (
         isinstance(error, dict)
         and error.get("kind") == "gpu_access"
         and where.gpu_id is not None
         and interferer is not None
     ):
-        error["interfered_request_id"] = interferer(error)
+        error = {**error, "interfered_request_id": interferer(error)}
     if body["status"] != "COMPLETED":
         body["error"] = error
     content_type, chunks = encode_response(body, parts)
@@ -225,15 +224,15 @@ def render_result(
     return Rendered(200, content_type, out, reason, fields)
 
 
-def _crash_header(
+def _crash_outcome(
     program: Program,
     result: Ending,
     queue_ms: float,
     elapsed_ms: float,
     place: dict[str, Any],
-) -> tuple[dict[str, Any], list[bytes]]:
+) -> Outcome:
     """
-    The FAILED header of a worker that died inside an instruction; a crash
+    The FAILED outcome of a worker that died inside an instruction; a crash
     anywhere else is a request-level C{engine} error.
     """
     index = result.instruction_index
@@ -257,23 +256,4 @@ def _crash_header(
         instruction.id,
         "",
     )
-    header: dict[str, Any] = {
-        "status": "FAILED",
-        "results": {},
-        "error": crash_error,
-        "stdout": "",
-        "stderr": "",
-        "stdout_truncated": False,
-        "stderr_truncated": False,
-    }
-    return header, []
-
-
-def _split_parts(payload: bytes, sizes: list[int]) -> list[bytes]:
-    """Cut the outcome's payload into the response's binary parts."""
-    parts, offset = [], 0
-    view = memoryview(payload)
-    for size in sizes:
-        parts.append(bytes(view[offset : offset + size]))
-        offset += size
-    return parts
+    return Outcome(status="FAILED", error=crash_error)

@@ -2,10 +2,10 @@
 """
 C{python -m kcoral.worker}: one worker process.
 
-The parent writes messages on fd 3 and reads ours on fd 4 (see
-docs/architecture.md, "The control channel").  Fds 1 and 2 stay free for
-diagnostics and, while a program runs, for its captured output; channel bytes
-never travel on them.
+The parent writes messages on fd 3 and reads ours on fd 4 (both defined in
+L{kcoral.wire.channel}; see docs/architecture.md, "The control channel").
+Fds 1 and 2 stay free for diagnostics and, while a program runs, for its
+captured output; channel bytes never travel on them.
 """
 
 from __future__ import annotations
@@ -19,15 +19,21 @@ import traceback
 from collections.abc import Sequence
 from typing import IO, Any
 
-from kcoral.wire.channel import read_message, write_message
+from kcoral.wire.channel import (
+    FROM_WORKER_FD,
+    TO_WORKER_FD,
+    Blob,
+    Execute,
+    Exit,
+    Failed,
+    Ready,
+    read_message,
+    write_message,
+)
 from kcoral.worker.builtins import registry_for
 from kcoral.worker.devices import make_backend, prepare_backend
-from kcoral.worker.engine import Engine, Request
+from kcoral.worker.engine import Engine
 from kcoral.worker.lease import LeaseClient, NullLease
-
-#: The control channel's file descriptors.
-INBOX_FD = 3
-OUTBOX_FD = 4
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -77,7 +83,7 @@ def serve(
         gc.freeze()
     except Exception as e:
         traceback.print_exc()
-        write_message(outbox, {"type": "failed", "error": f"{type(e).__name__}: {e}"})
+        write_message(outbox, Failed(f"{type(e).__name__}: {e}"))
         return 1
     if not backend.uses_lease:
         lease.release()
@@ -86,39 +92,30 @@ def serve(
         backend,
         lease,
         registry_for(backend),
-        send=lambda header: write_message(outbox, header),
+        send=lambda message: write_message(outbox, message),
     )
     write_message(
-        outbox,
-        {
-            "type": "ready",
-            "pid": os.getpid(),
-            "target": target,
-            "versions": versions,
-            "device": backend.name,
-        },
+        outbox, Ready(pid=os.getpid(), target=target, versions=versions, device=backend.name)
     )
     lease.release()
     served = 0
     blobs: dict[str, bytes] = {}
     while True:
         message = read_message(inbox)
-        if message is None or message.type == "exit":
+        if message is None or isinstance(message, Exit):
             return 0
-        if message.type == "blob":
-            blobs[str(message.header["digest"])] = message.payload
-        elif message.type == "execute":
+        if isinstance(message, Blob):
+            blobs[message.digest] = message.data
+        elif isinstance(message, Execute):
             served += 1
             retiring = max_requests > 0 and served >= max_requests
-            request = Request.from_message(message.header, blobs)
+            outcome = engine.run(message, blobs, retiring=retiring)
             blobs = {}
-            outcome = engine.run(request, retiring=retiring)
-            header, payload = outcome.to_message()
-            write_message(outbox, header, payload)
+            write_message(outbox, outcome)
             if outcome.retire is not None:
                 return 0
         else:
-            print(f"kcoral worker: ignoring message {message.type!r}", file=sys.stderr, flush=True)
+            print(f"kcoral worker: ignoring message {message.TYPE!r}", file=sys.stderr, flush=True)
 
 
 def _widen_pipe(fd: int, size: int = 1 << 20) -> None:
@@ -134,11 +131,11 @@ def _widen_pipe(fd: int, size: int = 1 << 20) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     _detach()
-    for fd in (INBOX_FD, OUTBOX_FD):
+    for fd in (TO_WORKER_FD, FROM_WORKER_FD):
         os.set_inheritable(fd, False)
         _widen_pipe(fd)
-    inbox = os.fdopen(INBOX_FD, "rb", buffering=1 << 16)
-    outbox = os.fdopen(OUTBOX_FD, "wb", buffering=1 << 16)
+    inbox = os.fdopen(TO_WORKER_FD, "rb", buffering=1 << 16)
+    outbox = os.fdopen(FROM_WORKER_FD, "wb", buffering=1 << 16)
     options: dict[str, Any] = {}
     if args.device == "gpu":
         options = {"gpu_ordinal": args.gpu_ordinal, "tensor_api": args.tensor_api}

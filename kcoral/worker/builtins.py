@@ -18,6 +18,7 @@ from typing import Any
 import attrs
 
 from kcoral.errors import ExecutionError
+from kcoral.wire.program import BUILTINS, GPU_ONLY_BUILTINS
 
 Builtin = tuple[Callable[..., Any], bool]
 
@@ -111,29 +112,21 @@ def compile_cuda_binary(source: Any, *rest: Any) -> bytes:
     return bytes(compile_binary(add_extern_c(text), arch, tuple(flags), float(timeout)))
 
 
-#: Wire names of every builtin and whether it is registered C{cpu_only}.
-CPU_ONLY = {
-    "builtin.randn": False,
-    "builtin.empty": False,
-    "builtin.zeros": False,
-    "builtin.compile_tirx": False,
-    "builtin.compile_cuda": True,
-    "builtin.compile_cuda_binary": True,
-    "builtin.compile_cutedsl": True,
-    "builtin.compile_triton": True,
-    "builtin.benchmark": False,
-    "builtin.check_close": False,
-    "builtin.assert_close": False,
-}
+def registered(implementations: Mapping[str, Callable[..., Any]]) -> dict[str, Builtin]:
+    """
+    Builtin table entries for C{implementations}, with the C{cpu_only} flag
+    of each name from the one table in L{kcoral.wire.program.BUILTINS}.
+    """
+    return {name: (function, BUILTINS[name]) for name, function in implementations.items()}
 
 
 def cpu_builtins() -> dict[str, Builtin]:
     """The builtin table of a CPU worker."""
-    table: dict[str, Builtin] = {
-        name: (_unavailable(name), cpu_only) for name, cpu_only in CPU_ONLY.items()
+    implementations: dict[str, Callable[..., Any]] = {
+        name: _unavailable(name) for name in BUILTINS if name not in GPU_ONLY_BUILTINS
     }
-    table["builtin.compile_cuda_binary"] = (compile_cuda_binary, True)
-    return table
+    implementations["builtin.compile_cuda_binary"] = compile_cuda_binary
+    return registered(implementations)
 
 
 def registry_for(backend: Any) -> dict[str, Builtin]:

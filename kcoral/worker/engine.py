@@ -2,8 +2,8 @@
 """
 The engine: interprets one program inside a worker process.
 
-L{Engine.run} takes a L{Request} (the C{execute} message plus its blobs) and
-returns an L{Outcome} (the C{outcome} message plus its binary parts).  It
+L{Engine.run} takes an L{Execute} message with the blobs sent before it and
+returns an L{Outcome} message (both from L{kcoral.wire.channel}).  It
 follows protocol §6: instructions run in order in the request's workspace,
 each handle binds the value its instruction produced, the first failure stops
 the program, and completed returns survive a later failure.  Around every
@@ -28,12 +28,20 @@ import stat
 import sys
 import threading
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
 
 from kcoral.errors import KINDS, ExecutionError, GPUAccessViolation
+from kcoral.wire.channel import (
+    RETIRE_POISONED,
+    RETIRE_REQUEST_LIMIT,
+    ChannelMessage,
+    Execute,
+    Instruction,
+    Outcome,
+)
 from kcoral.wire.errors import instruction_error, truncate_traceback
 from kcoral.wire.program import (
     BUILTIN_NAMES,
@@ -56,73 +64,7 @@ from kcoral.wire.values import (
 )
 from kcoral.worker import runtime
 from kcoral.worker.builtins import CudaSource
-from kcoral.worker.capture import OutputCapture
-
-#: Values of C{outcome.retire}.
-RETIRE_REQUEST_LIMIT = "request_limit"
-RETIRE_POISONED = "poisoned_context"
-
-
-# ---------------------------------------------------------------------------
-# Requests and outcomes
-
-
-@attrs.frozen
-class Request:
-    """One C{execute} message with the blobs sent before it."""
-
-    program: str
-    workspace: str
-    request_id: str = ""
-    output_limit: int = 1048576
-    max_response_bytes: int = 268435456
-    reserved: str | None = None
-    blobs: dict[str, bytes] = attrs.field(factory=dict)
-
-    @classmethod
-    def from_message(cls, header: dict[str, Any], blobs: dict[str, bytes]) -> Request:
-        """Build a request from an C{execute} header."""
-        return cls(
-            program=header["program"],
-            workspace=header["workspace"],
-            request_id=header.get("request_id", ""),
-            output_limit=int(header.get("output_limit", 1048576)),
-            max_response_bytes=int(header.get("max_response_bytes", 268435456)),
-            reserved=header.get("reserved"),
-            blobs=blobs,
-        )
-
-
-@attrs.define
-class Outcome:
-    """The result of one program, as sent in the C{outcome} message."""
-
-    status: str
-    results: dict[str, Any]
-    error: dict[str, Any] | None
-    parts: list[bytes] = attrs.field(factory=list)
-    stdout: str = ""
-    stderr: str = ""
-    stdout_truncated: bool = False
-    stderr_truncated: bool = False
-    retire: str | None = None
-
-    def to_message(self) -> tuple[dict[str, Any], bytes]:
-        """The C{outcome} header and its payload (the parts, concatenated)."""
-        header = {
-            "type": "outcome",
-            "status": self.status,
-            "results": self.results,
-            "error": self.error,
-            "stdout": self.stdout,
-            "stderr": self.stderr,
-            "stdout_truncated": self.stdout_truncated,
-            "stderr_truncated": self.stderr_truncated,
-            "part_sizes": [len(part) for part in self.parts],
-            "retire": self.retire,
-        }
-        return header, b"".join(self.parts)
-
+from kcoral.worker.capture import Captured, OutputCapture
 
 # ---------------------------------------------------------------------------
 # Error objects
@@ -527,7 +469,7 @@ class _Handles:
     cpu_only: set[str] = attrs.field(factory=set)
 
 
-def _noop_send(header: dict[str, Any]) -> None:
+def _noop_send(message: ChannelMessage) -> None:
     pass
 
 
@@ -539,28 +481,35 @@ class Engine:
     @ivar backend: an L{IDeviceBackend}.
     @ivar lease: an L{ILeaseClient}.
     @ivar builtins: the builtin table, C{name -> (callable, cpu_only)}.
-    @ivar send: called with each W→P header the engine emits while running
-        (the C{instruction} announcements).
+    @ivar send: called with each message the engine emits while running
+        (the L{Instruction} announcements).
     """
 
     backend: Any
     lease: Any
     builtins: dict[str, tuple[Callable[..., Any], bool]]
-    send: Callable[[dict[str, Any]], None] = _noop_send
+    send: Callable[[ChannelMessage], None] = _noop_send
 
     def __attrs_post_init__(self) -> None:
         runtime.install(self.backend, self.lease, self.builtins)
 
-    def run(self, request: Request, *, retiring: bool = False) -> Outcome:
+    def run(
+        self,
+        request: Execute,
+        blobs: Mapping[str, bytes] | None = None,
+        *,
+        retiring: bool = False,
+    ) -> Outcome:
         """
         Run one program and return its outcome.
 
+        @param blobs: the blobs sent before C{request}, by digest.
         @param retiring: the worker will exit after this program (its request
             limit is reached), so it keeps the lease and skips the reuse checks.
         """
         state = ProcessState.snapshot()
         program = _parse(request.program, frozenset(self.builtins) | BUILTIN_NAMES)
-        run = _ProgramRun(self, request, program)
+        run = _ProgramRun(self, request, dict(blobs or {}), program)
         cwd = os.getcwd()
         capture = OutputCapture(request.workspace, request.output_limit)
         capture.start()
@@ -586,11 +535,7 @@ class Engine:
                         "runtime", "program left background processes running; they were terminated"
                     ),
                 )
-        outcome = run.outcome()
-        outcome.stdout = captured.stdout
-        outcome.stderr = captured.stderr
-        outcome.stdout_truncated = captured.stdout_truncated
-        outcome.stderr_truncated = captured.stderr_truncated
+        outcome = run.outcome(captured)
         del run
         if retire is None and retiring:
             retire = RETIRE_REQUEST_LIMIT
@@ -610,15 +555,17 @@ class Engine:
                 retire = RETIRE_REQUEST_LIMIT
                 # A retiring worker exits (destroys its context) under the lease.
                 self.lease.acquire()
-        outcome.retire = retire
-        return outcome
+        return attrs.evolve(outcome, retire=retire)
 
 
 class _ProgramRun:
     """The state of one program while it runs."""
 
-    def __init__(self, engine: Engine, request: Request, program: Program) -> None:
+    def __init__(
+        self, engine: Engine, request: Execute, blobs: dict[str, bytes], program: Program
+    ) -> None:
         self.engine = engine
+        self.blobs = blobs
         self.backend = engine.backend
         self.lease = engine.lease
         self.request = request
@@ -634,7 +581,7 @@ class _ProgramRun:
     def execute(self) -> None:
         for instruction in self.program.instructions:
             self.last = instruction
-            self.engine.send({"type": "instruction", "index": instruction.index})
+            self.engine.send(Instruction(instruction.index))
             try:
                 self._place(instruction)
                 self._dispatch(instruction)
@@ -688,12 +635,16 @@ class _ProgramRun:
                     self.error = self._error(self.last, _Failure("runtime", pending))
         return retire
 
-    def outcome(self) -> Outcome:
+    def outcome(self, captured: Captured) -> Outcome:
         return Outcome(
             status="FAILED" if self.error is not None else "COMPLETED",
             results=self.results,
             error=self.error,
-            parts=self.parts.parts,
+            stdout=captured.stdout,
+            stderr=captured.stderr,
+            stdout_truncated=captured.stdout_truncated,
+            stderr_truncated=captured.stderr_truncated,
+            parts=tuple(self.parts.parts),
         )
 
     # -- lease placement (spec/server.md §4.3) --------------------------
@@ -750,7 +701,7 @@ class _ProgramRun:
 
     def _blob(self, digest: str | None) -> bytes:
         try:
-            return self.request.blobs[digest or ""]
+            return self.blobs[digest or ""]
         except KeyError:
             raise _Failure("engine", f"blob {digest} was not sent to the worker") from None
 

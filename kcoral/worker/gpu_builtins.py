@@ -29,6 +29,7 @@ import numpy as np
 
 from kcoral.compilers.source import add_extern_c
 from kcoral.errors import ExecutionError
+from kcoral.worker.builtins import registered
 from kcoral.worker.gpu import (
     FLOATING_DTYPES,
     check_shape,
@@ -909,15 +910,17 @@ def compile_cuda(source_fn: Any, cfg: Any = None, *, lease: Any = None) -> Kerne
     return _make_handle(function.function, name, config, [f"{n}:{k}" for n, k in params], None)
 
 
-#: Builtin names on the wire, their callables and whether they are
-#: registered C{cpu_only} (protocol §10.2).
-GPU_BUILTINS: dict[str, tuple[Callable[..., Any], bool]] = {
-    "builtin.benchmark": (benchmark, False),
-    "builtin.check_close": (check_close, False),
-    "builtin.assert_close": (assert_close, False),
-    "builtin.randn": (randn, False),
-    "builtin.empty": (empty, False),
-    "builtin.zeros": (zeros, False),
-    "builtin.compile_cuda": (compile_cuda, True),
-    "builtin.kernel": (launcher, False),
-}
+#: The GPU worker's builtins by wire name (their C{cpu_only} flags come
+#: from L{kcoral.wire.program.BUILTINS}, protocol §10.2).
+GPU_BUILTINS: dict[str, tuple[Callable[..., Any], bool]] = registered(
+    {
+        "builtin.benchmark": benchmark,
+        "builtin.check_close": check_close,
+        "builtin.assert_close": assert_close,
+        "builtin.randn": randn,
+        "builtin.empty": empty,
+        "builtin.zeros": zeros,
+        "builtin.compile_cuda": compile_cuda,
+        "builtin.kernel": launcher,
+    }
+)

@@ -2,7 +2,7 @@
 """
 The worker's side of the parent's GPU lease (spec/server.md §4.3).
 
-L{LeaseClient} speaks C{lease_acquire} / C{lease_granted} / C{lease_release}
+L{LeaseClient} speaks L{LeaseAcquire} / L{LeaseGranted} / L{LeaseRelease}
 over the control channel; L{NullLease} is the no-op lease of CPU workers.
 """
 
@@ -15,7 +15,13 @@ from typing import IO
 import attrs
 from zope.interface import implementer
 
-from kcoral.wire.channel import read_message, write_message
+from kcoral.wire.channel import (
+    LeaseAcquire,
+    LeaseGranted,
+    LeaseRelease,
+    read_message,
+    write_message,
+)
 from kcoral.worker.interfaces import ILeaseClient
 
 
@@ -49,21 +55,21 @@ class LeaseClient:
 
     def acquire(self) -> None:
         """
-        Ask for the lease and block until C{lease_granted} arrives.
+        Ask for the lease and block until L{LeaseGranted} arrives.
 
         If the parent goes away while we wait there is nobody to answer, so
         the process exits at once.
         """
         if self.held:
             return
-        write_message(self._outbox, {"type": "lease_acquire"})
+        write_message(self._outbox, LeaseAcquire())
         while True:
             message = read_message(self._inbox)
             if message is None:
                 sys.stderr.write("kcoral worker: parent closed the channel during a lease wait\n")
                 sys.stderr.flush()
                 os._exit(1)
-            if message.type == "lease_granted":
+            if isinstance(message, LeaseGranted):
                 self.held = True
                 return
 
@@ -71,5 +77,5 @@ class LeaseClient:
         """Give the lease back (no answer is expected)."""
         if not self.held:
             return
-        write_message(self._outbox, {"type": "lease_release"})
+        write_message(self._outbox, LeaseRelease())
         self.held = False

@@ -1,6 +1,7 @@
 # -*- test-case-name: tests.integration.test_interop -*-
 """
-The reference KCoral client (PyPI C{kcoral==0.1.1}) in its own virtualenv.
+The reference KCoral client (PyPI C{kcoral==0.1.1}) in its own virtualenv,
+and the same way of running our own client, so one interop suite drives both.
 
 Its import name C{kcoral} collides with ours, so it never runs in the test
 interpreter: L{ensure_venv} builds (once, outside the repository) a virtualenv
@@ -147,6 +148,27 @@ def kcoral_cli(
     # same way it does, but isolated.
     script = root / "bin" / "kcoral"
     return _run([str(_python(root)), "-I", str(script), *args], env, timeout, cwd)
+
+
+def run_our_client(
+    script: str,
+    *args: str,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 120,
+    cwd: str | os.PathLike[str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run C{script} the same way, with our package (this interpreter's environment)."""
+    return _run([sys.executable, "-I", *args], env, timeout, cwd, script=script)
+
+
+def our_kcoral_cli(
+    args: Sequence[str],
+    env: Mapping[str, str] | None = None,
+    timeout: float = 120,
+    cwd: str | os.PathLike[str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run our C{kcoral} command (C{python -I -m kcoral}) the same way."""
+    return _run([sys.executable, "-I", "-m", "kcoral", *args], env, timeout, cwd)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,10 +1,13 @@
 # -*- test-case-name: tests.integration.test_interop -*-
 """
 Interoperability tests: the unmodified reference client (PyPI C{kcoral==0.1.1})
-against our server in CPU mode.
+and our own client (L{kcoral.Client}, L{kcoral.client.cli}) against our
+server in CPU mode.
 
-The reference client runs in its own virtualenv (see L{refclient}); each test
-sends a short script to it and reads back one JSON line. Where the client
+Each test that drives a client runs twice (the C{client_impl} fixture): the
+reference client runs in its own virtualenv (see L{refclient}), ours in this
+interpreter's environment; each test sends the same short script to it and
+reads back one JSON line. Where the client
 cannot express a request (malformed bodies, duplicate keys, unreferenced
 blobs...) the tests speak raw HTTP through L{kcoral.testing}. The checklist
 of protocol.md section 15 maps onto these tests in docs/interop.md.
@@ -26,7 +29,14 @@ import pytest
 
 from kcoral.testing import ServerProcess, multipart_body, post_program, request, sha256
 
-from .refclient import RefClientUnavailable, ensure_venv, kcoral_cli, run_client
+from .refclient import (
+    RefClientUnavailable,
+    ensure_venv,
+    kcoral_cli,
+    our_kcoral_cli,
+    run_client,
+    run_our_client,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -82,7 +92,7 @@ def _hook(response):
 
 URL = sys.argv[1]
 client = Client(URL, headers=json.loads(sys.argv[2]) or None)
-client._http.event_hooks["response"].append(_hook)
+#@@HOOK@@
 
 def module_program(source, name="f", args=(), key="r", cpu_only=False):
     p = Program()
@@ -94,6 +104,19 @@ def module_program(source, name="f", args=(), key="r", cpu_only=False):
 
 out = {}
 """
+
+# How each client lets the script see its HTTP attempts.
+_HOOKS = {
+    "reference": 'client._http.event_hooks["response"].append(_hook)\n',
+    "ours": (
+        "client.attempt_observers.append(lambda a: ATTEMPTS.append({"
+        '"blobs": a.blobs, "http": a.code, "request_id": a.request_id, '
+        '"status": "multipart" if a.media_type == "multipart/form-data" else a.status}))\n'
+    ),
+}
+
+#: Which client the current test drives (set by the C{client_impl} fixture).
+_IMPL = {"kind": "reference"}
 
 _EPILOGUE = f"""
 out.setdefault("attempts", ATTEMPTS)
@@ -109,15 +132,32 @@ def refclient() -> Path:
         pytest.skip(str(e))
 
 
+@pytest.fixture(params=["reference", "ours"])
+def client_impl(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Run the test with the reference client, then with ours."""
+    if request.param == "reference":
+        request.getfixturevalue("refclient")
+    _IMPL["kind"] = request.param
+    try:
+        yield request.param
+    finally:
+        _IMPL["kind"] = "reference"
+
+
+def cli(args: list[str], **kwargs: Any) -> Any:
+    """Run the current client's C{kcoral} command."""
+    if _IMPL["kind"] == "ours":
+        return our_kcoral_cli(args, **kwargs)
+    return kcoral_cli(args, **kwargs)
+
+
 @pytest.fixture(scope="module")
 def disk_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("disk-cache")
 
 
 @pytest.fixture(scope="module")
-def server(
-    refclient: Path, cpu_server: Callable[..., ServerProcess], disk_cache: Path
-) -> ServerProcess:
+def server(cpu_server: Callable[..., ServerProcess], disk_cache: Path) -> ServerProcess:
     """The default server: bubblewrap sandbox, 2 CPU workers."""
     return cpu_server("--disk-cache-dir", str(disk_cache))
 
@@ -125,7 +165,6 @@ def server(
 @pytest.fixture(scope="module", params=["bubblewrap", "none"])
 def any_server(
     request: pytest.FixtureRequest,
-    refclient: Path,
     cpu_server: Callable[..., ServerProcess],
     disk_cache: Path,
 ) -> ServerProcess:
@@ -134,7 +173,7 @@ def any_server(
 
 
 @pytest.fixture(scope="module")
-def limits_server(refclient: Path, cpu_server: Callable[..., ServerProcess]) -> ServerProcess:
+def limits_server(cpu_server: Callable[..., ServerProcess]) -> ServerProcess:
     """One worker and small limits, for 413/500/503."""
     return cpu_server(
         "--disk-cache-dir",
@@ -157,9 +196,11 @@ def client(
     headers: dict[str, str] | None = None,
     timeout: float = 120,
 ) -> dict[str, Any]:
-    """Run C{body} with the reference client bound to C{server}; return its C{out}."""
-    script = _PRELUDE + textwrap.dedent(body) + _EPILOGUE
-    proc = run_client(
+    """Run C{body} with the current client bound to C{server}; return its C{out}."""
+    prelude = _PRELUDE.replace("#@@HOOK@@\n", _HOOKS[_IMPL["kind"]])
+    script = prelude + textwrap.dedent(body) + _EPILOGUE
+    run = run_our_client if _IMPL["kind"] == "ours" else run_client
+    proc = run(
         script, f"http://127.0.0.1:{server.port}", json.dumps(headers or {}), timeout=timeout
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith(_MARK)]
@@ -176,7 +217,7 @@ def b(data: bytes) -> dict[str, str]:
 # --- health ------------------------------------------------------------------
 
 
-def test_health(any_server: ServerProcess) -> None:
+def test_health(client_impl: str, any_server: ServerProcess) -> None:
     out = client(
         any_server,
         """
@@ -206,7 +247,7 @@ def test_health(any_server: ServerProcess) -> None:
 # --- values --------------------------------------------------------------------
 
 
-def test_value_types(any_server: ServerProcess) -> None:
+def test_value_types(client_impl: str, any_server: ServerProcess) -> None:
     out = client(
         any_server,
         r'''
@@ -320,7 +361,7 @@ def _split_multipart(body: bytes, boundary: bytes) -> list[tuple[str, str, bytes
     return parts
 
 
-def test_handles_and_ordering(server: ServerProcess) -> None:
+def test_handles_and_ordering(client_impl: str, server: ServerProcess) -> None:
     """Handles, callables as arguments and callees, snapshots, interleaved returns."""
     out = client(
         server,
@@ -388,7 +429,7 @@ def test_handles_and_ordering(server: ServerProcess) -> None:
 # --- blobs, CACHE_MISS --------------------------------------------------------
 
 
-def test_bytes_uploads_cache_miss_and_retry(any_server: ServerProcess) -> None:
+def test_bytes_uploads_cache_miss_and_retry(client_impl: str, any_server: ServerProcess) -> None:
     out = client(
         any_server,
         r"""
@@ -462,7 +503,7 @@ def test_gpu_count_after_cache_miss(server: ServerProcess) -> None:
     _assert_error(response, 400, "parse")
 
 
-def test_file_cache_second_execute(server: ServerProcess) -> None:
+def test_file_cache_second_execute(client_impl: str, server: ServerProcess) -> None:
     out = client(
         server,
         r"""
@@ -485,7 +526,7 @@ def test_file_cache_second_execute(server: ServerProcess) -> None:
 # --- files and folders ----------------------------------------------------------
 
 
-def test_file_and_folder_uploads_and_returns(any_server: ServerProcess) -> None:
+def test_file_and_folder_uploads_and_returns(client_impl: str, any_server: ServerProcess) -> None:
     out = client(
         any_server,
         r'''
@@ -550,7 +591,7 @@ def test_file_and_folder_uploads_and_returns(any_server: ServerProcess) -> None:
     assert results["empty"] == {"$folder": {}, "directories": []}
 
 
-def test_file_return_failures(server: ServerProcess) -> None:
+def test_file_return_failures(client_impl: str, server: ServerProcess) -> None:
     out = client(
         server,
         r"""
@@ -580,7 +621,7 @@ def test_file_return_failures(server: ServerProcess) -> None:
 # --- remote functions ------------------------------------------------------------
 
 
-def test_remote_functions(any_server: ServerProcess) -> None:
+def test_remote_functions(client_impl: str, any_server: ServerProcess) -> None:
     out = client(
         any_server,
         r"""
@@ -642,7 +683,7 @@ _ERROR_KEYS = {
 }
 
 
-def test_failed_kinds(any_server: ServerProcess) -> None:
+def test_failed_kinds(client_impl: str, any_server: ServerProcess) -> None:
     out = client(
         any_server,
         r'''
@@ -758,7 +799,7 @@ def test_failed_kinds(any_server: ServerProcess) -> None:
     assert out["partial"]["error"]["message"] == "RuntimeError: late"
 
 
-def test_builtins_importable(server: ServerProcess) -> None:
+def test_builtins_importable(client_impl: str, server: ServerProcess) -> None:
     """The 0.1.1 helper names import inside uploaded code (GPU use is another matter)."""
     out = client(
         server,
@@ -780,7 +821,7 @@ def test_builtins_importable(server: ServerProcess) -> None:
 # --- output capture ------------------------------------------------------------------
 
 
-def test_output_capture_and_truncation(any_server: ServerProcess) -> None:
+def test_output_capture_and_truncation(client_impl: str, any_server: ServerProcess) -> None:
     out = client(
         any_server,
         r'''
@@ -822,7 +863,7 @@ def test_output_capture_and_truncation(any_server: ServerProcess) -> None:
     assert out["huge"]["stdout"] == default["stdout"]
 
 
-def test_workspace_is_fresh(server: ServerProcess) -> None:
+def test_workspace_is_fresh(client_impl: str, server: ServerProcess) -> None:
     out = client(
         server,
         r'''
@@ -847,7 +888,7 @@ def test_workspace_is_fresh(server: ServerProcess) -> None:
 # --- request-level errors ---------------------------------------------------------------
 
 
-def test_timeout_kills_worker_and_subprocesses(any_server: ServerProcess) -> None:
+def test_timeout_kills_worker_and_subprocesses(client_impl: str, any_server: ServerProcess) -> None:
     marker = f"{time.time() % 1000:.6f}"
     out = client(
         any_server,
@@ -887,7 +928,7 @@ def _processes_with_arg(arg: str) -> list[int]:
     return found
 
 
-def test_request_id_echo(server: ServerProcess) -> None:
+def test_request_id_echo(client_impl: str, server: ServerProcess) -> None:
     request_id = str(uuid.uuid4())
     out = client(
         server,
@@ -955,7 +996,7 @@ def test_nil_uuid_request_id_accepted(server: ServerProcess) -> None:
     assert response.json()["request_id"] == nil
 
 
-def test_request_too_large(limits_server: ServerProcess) -> None:
+def test_request_too_large(client_impl: str, limits_server: ServerProcess) -> None:
     out = client(
         limits_server,
         r"""
@@ -986,7 +1027,7 @@ def test_request_too_large(limits_server: ServerProcess) -> None:
         connection.close()
 
 
-def test_response_too_large(limits_server: ServerProcess) -> None:
+def test_response_too_large(client_impl: str, limits_server: ServerProcess) -> None:
     out = client(
         limits_server,
         r"""
@@ -999,7 +1040,7 @@ def test_response_too_large(limits_server: ServerProcess) -> None:
     assert (out["e"]["status_code"], out["e"]["kind"]) == (500, "response_too_large")
 
 
-def test_busy(limits_server: ServerProcess) -> None:
+def test_busy(client_impl: str, limits_server: ServerProcess) -> None:
     slow = _simple_program("import time\ndef f():\n    time.sleep(4)\n    return 1\n")
     results: list[Any] = []
     thread = threading.Thread(target=lambda: results.append(limits_server.execute(slow)))
@@ -1027,7 +1068,7 @@ def test_busy(limits_server: ServerProcess) -> None:
 # --- kcoral run ----------------------------------------------------------------------
 
 
-def test_kcoral_run_python(server: ServerProcess, tmp_path: Path, refclient: Path) -> None:
+def test_kcoral_run_python(client_impl: str, server: ServerProcess, tmp_path: Path) -> None:
     experiment = tmp_path / "exp"
     (experiment / "lib").mkdir(parents=True)
     (experiment / "lib" / "helper.py").write_text("VALUE = 'helper-value'\n")
@@ -1046,7 +1087,7 @@ def test_kcoral_run_python(server: ServerProcess, tmp_path: Path, refclient: Pat
         )
     )
     url = f"http://127.0.0.1:{server.port}"
-    proc = kcoral_cli(
+    proc = cli(
         [
             "run",
             "python",
@@ -1065,7 +1106,7 @@ def test_kcoral_run_python(server: ServerProcess, tmp_path: Path, refclient: Pat
     assert proc.returncode == 3, proc.stderr
     assert "args ['3'] helper-value" in proc.stdout
     assert "to-stderr" in proc.stderr
-    proc = kcoral_cli(
+    proc = cli(
         [
             "run",
             "python",
@@ -1088,7 +1129,7 @@ def test_kcoral_run_python(server: ServerProcess, tmp_path: Path, refclient: Pat
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "results" / "out.txt").read_text() == "fetched hello"
     # A --fetch of something never written forces a non-zero status.
-    proc = kcoral_cli(
+    proc = cli(
         ["run", "python", "--url", url, "--fetch", "absent", "--out", "r2", "--", "-c", "print(1)"],
         cwd=tmp_path,
     )
@@ -1096,18 +1137,16 @@ def test_kcoral_run_python(server: ServerProcess, tmp_path: Path, refclient: Pat
     assert "missing artifacts: absent" in proc.stderr
 
 
-def test_kcoral_run_shell(server: ServerProcess, tmp_path: Path, refclient: Path) -> None:
+def test_kcoral_run_shell(client_impl: str, server: ServerProcess, tmp_path: Path) -> None:
     url = f"http://127.0.0.1:{server.port}"
-    proc = kcoral_cli(["run", "shell", "--url", url, "--", "echo", "hi"], cwd=tmp_path)
+    proc = cli(["run", "shell", "--url", url, "--", "echo", "hi"], cwd=tmp_path)
     assert (proc.returncode, proc.stdout) == (0, "hi\n"), proc.stderr
-    proc = kcoral_cli(
+    proc = cli(
         ["run", "shell", "--url", url, "--", "sh", "-c", "echo err >&2; exit 7"], cwd=tmp_path
     )
     assert proc.returncode == 7
     assert "err" in proc.stderr
-    proc = kcoral_cli(
-        ["run", "shell", "--url", url, "--", "sh", "-c", "kill -TERM $$"], cwd=tmp_path
-    )
+    proc = cli(["run", "shell", "--url", url, "--", "sh", "-c", "kill -TERM $$"], cwd=tmp_path)
     assert proc.returncode == 128 + 15
 
 

@@ -14,7 +14,17 @@ from typing import IO, Any
 
 import pytest
 
-from kcoral.wire.channel import Message, read_message, write_message
+from kcoral.wire.channel import (
+    Blob,
+    ChannelMessage,
+    Execute,
+    Exit,
+    Instruction,
+    LeaseGranted,
+    Outcome,
+    read_message,
+    write_message,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -40,36 +50,35 @@ class Worker:
         self.outbox: IO[bytes] = os.fdopen(p2w_write, "wb")
         self.inbox: IO[bytes] = os.fdopen(w2p_read, "rb")
 
-    def send(self, header: dict[str, Any], payload: bytes = b"") -> None:
-        write_message(self.outbox, header, payload)
+    def send(self, message: ChannelMessage) -> None:
+        write_message(self.outbox, message)
 
-    def receive(self) -> Message | None:
+    def receive(self) -> ChannelMessage | None:
         return read_message(self.inbox)
 
     def execute(self, workspace: str, instructions: list[Any], **blobs: bytes) -> None:
         for data in blobs.values():
-            self.send({"type": "blob", "digest": hashlib.sha256(data).hexdigest()}, data)
+            self.send(Blob(hashlib.sha256(data).hexdigest(), data))
         self.send(
-            {
-                "type": "execute",
-                "request_id": "r",
-                "program": json.dumps({"instructions": instructions}),
-                "workspace": workspace,
-                "output_limit": 1024,
-                "max_response_bytes": 1 << 20,
-                "reserved": None,
-            }
+            Execute(
+                request_id="r",
+                program=json.dumps({"instructions": instructions}),
+                workspace=workspace,
+                output_limit=1024,
+                max_response_bytes=1 << 20,
+                reserved=None,
+            )
         )
 
-    def outcome(self) -> tuple[Message, list[int]]:
+    def outcome(self) -> tuple[Outcome, list[int]]:
         """Read messages up to the outcome; return it and the announced indexes."""
         indexes = []
         while True:
             message = self.receive()
             assert message is not None
-            if message.type == "instruction":
-                indexes.append(message.header["index"])
-            elif message.type == "outcome":
+            if isinstance(message, Instruction):
+                indexes.append(message.index)
+            elif isinstance(message, Outcome):
                 return message, indexes
 
     def close(self) -> int:
@@ -120,19 +129,19 @@ def test_handshake_execute_and_retire(workspace: str) -> None:
     worker = Worker()
     try:
         ready = worker.receive()
-        assert ready is not None and ready.type == "ready"
-        assert ready.header["pid"] == worker.process.pid
-        assert ready.header["device"] == "cpu"
-        assert ready.header["target"] == {}
+        assert ready is not None and ready.TYPE == "ready"
+        assert ready.header()["pid"] == worker.process.pid
+        assert ready.header()["device"] == "cpu"
+        assert ready.header()["target"] == {}
         worker.execute(workspace, PROGRAM, b=b"abc")
         outcome, indexes = worker.outcome()
         assert indexes == [0, 1, 2, 3, 4]
-        header = outcome.header
+        header = outcome.header()
         assert header["status"] == "COMPLETED", header["error"]
         assert header["stdout"] == "hi\n"
         assert header["retire"] == "request_limit"
         assert header["part_sizes"] == [4]
-        assert outcome.payload == b"abc!"
+        assert outcome.payload() == b"abc!"
         assert header["results"]["r"]["type"] == "bytes"
         assert worker.receive() is None
     finally:
@@ -143,7 +152,7 @@ def test_crash_inside_instruction(workspace: str) -> None:
     """os._exit inside a run: the channel ends right after that instruction's announcement."""
     worker = Worker()
     try:
-        assert worker.receive().type == "ready"  # type: ignore[union-attr]
+        assert worker.receive().TYPE == "ready"  # type: ignore[union-attr]
         worker.execute(
             workspace,
             [
@@ -159,7 +168,7 @@ def test_crash_inside_instruction(workspace: str) -> None:
         )
         headers = []
         while (message := worker.receive()) is not None:
-            headers.append(message.header)
+            headers.append(message.header())
         assert headers[-1] == {"type": "instruction", "index": 2}
     finally:
         assert worker.close() == 7
@@ -169,7 +178,7 @@ def test_reuse_two_programs(tmp_path: Any) -> None:
     """With --max-requests 0 one process serves two programs, then exits on `exit`."""
     worker = Worker("--max-requests", "0")
     try:
-        assert worker.receive().type == "ready"  # type: ignore[union-attr]
+        assert worker.receive().TYPE == "ready"  # type: ignore[union-attr]
         for n in range(2):
             ws = tmp_path / f"ws{n}"
             ws.mkdir()
@@ -189,10 +198,10 @@ def test_reuse_two_programs(tmp_path: Any) -> None:
                 ],
             )
             outcome, _ = worker.outcome()
-            assert outcome.header["status"] == "COMPLETED", outcome.header["error"]
-            assert outcome.header["retire"] is None
-            assert outcome.header["results"] == {"r": {"type": "string", "value": "x"}}
-        worker.send({"type": "exit"})
+            assert outcome.status == "COMPLETED", outcome.error
+            assert outcome.retire is None
+            assert outcome.results == {"r": {"type": "string", "value": "x"}}
+        worker.send(Exit())
         assert worker.receive() is None
     finally:
         assert worker.close() == 0
@@ -202,14 +211,14 @@ def test_max_requests_two(tmp_path: Any) -> None:
     """With --max-requests 2 the second outcome carries retire request_limit."""
     worker = Worker("--max-requests", "2")
     try:
-        assert worker.receive().type == "ready"  # type: ignore[union-attr]
+        assert worker.receive().TYPE == "ready"  # type: ignore[union-attr]
         retire = []
         for n in range(2):
             ws = tmp_path / f"ws{n}"
             ws.mkdir()
             worker.execute(str(ws), PROGRAM, b=b"abc")
             outcome, _ = worker.outcome()
-            retire.append(outcome.header["retire"])
+            retire.append(outcome.retire)
         assert retire == [None, "request_limit"]
     finally:
         assert worker.close() == 0
@@ -218,7 +227,7 @@ def test_max_requests_two(tmp_path: Any) -> None:
 def test_eof_exits(workspace: str) -> None:
     """Closing the parent's end makes an idle worker exit 0."""
     worker = Worker()
-    assert worker.receive().type == "ready"  # type: ignore[union-attr]
+    assert worker.receive().TYPE == "ready"  # type: ignore[union-attr]
     assert worker.close() == 0
 
 
@@ -241,9 +250,9 @@ def test_failed_startup() -> None:
         # A GPU worker creates its context under its lease: grant the lease
         # if it gets that far (a machine without PyCUDA fails before).
         message = read_message(inbox)
-        if message is not None and message.type == "lease_acquire":
-            write_message(outbox, {"type": "lease_granted"})
+        if message is not None and message.TYPE == "lease_acquire":
+            write_message(outbox, LeaseGranted())
             message = read_message(inbox)
-    assert message is not None and message.type == "failed"
-    assert message.header["error"]
+    assert message is not None and message.TYPE == "failed"
+    assert message.header()["error"]
     assert process.wait(timeout=30) == 1

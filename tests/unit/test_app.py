@@ -25,6 +25,7 @@ from kcoral.server.lease import LeaseArbiter
 from kcoral.server.pool import PoolBusy, Seat, WorkerPool
 from kcoral.server.workerproc import Job, JobResult
 from kcoral.testing import multipart_body, sha256
+from kcoral.wire.channel import Outcome
 
 UUID_RE = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 URL = "http://127.0.0.1/execute"
@@ -388,13 +389,12 @@ class RunTests(APITestCase):
         return self.execute(program)
 
     def test_completed(self) -> None:
-        header = {
-            "status": "COMPLETED",
-            "results": {"r": {"type": "integer", "value": 1}},
-            "stdout": "hi\n",
-            "part_sizes": [],
-        }
-        response, body = self.run_with(JobResult("outcome", header=header), timeout_seconds=5000)
+        outcome = Outcome(
+            status="COMPLETED",
+            results={"r": {"type": "integer", "value": 1}},
+            stdout="hi\n",
+        )
+        response, body = self.run_with(JobResult("outcome", outcome=outcome), timeout_seconds=5000)
         self.assertEqual(response.code, 200)
         self.assertEqual(body["status"], "COMPLETED")
         self.assertEqual(body["results"], {"r": {"type": "integer", "value": 1}})

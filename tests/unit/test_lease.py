@@ -134,24 +134,29 @@ def test_single_other_request() -> None:
     assert _single_other_request(set(), "me") is None
 
 
-class AnyGpusTests(SynchronousTestCase):
-    """Multi-GPU requests: any N GPUs, all or nothing, never starved."""
+class MultiGpuTests(SynchronousTestCase):
+    """Multi-GPU requests: the least busy GPUs, all or nothing, never starved."""
 
     def setUp(self) -> None:
         self.clock = Clock()
         self.leases = LeaseArbiter((0, 1), self.clock)
 
-    def test_takes_first_free_in_order(self) -> None:
-        """With both GPUs free, N=2 gets (0, 1); N=1 gets the first free one."""
-        self.assertEqual(self.successResultOf(self.leases.acquire_any("big", 2)).gpus, (0, 1))
-        self.leases.release("big")
+    def test_least_busy_in_ascending_order(self) -> None:
+        """Both GPUs of two; one of two goes to the GPU with fewer holders and waiters."""
+        self.assertEqual(self.leases.least_busy(2), (0, 1))
+        self.assertEqual(self.leases.least_busy(1), (0,))
         self.successResultOf(self.leases.acquire("a", (0,)))
-        self.assertEqual(self.successResultOf(self.leases.acquire_any("one", 1)).gpus, (1,))
+        self.assertEqual(self.leases.least_busy(1), (1,))
+        self.successResultOf(self.leases.acquire("b", (1,)))
+        self.leases.acquire("c", (1,))
+        self.assertEqual(self.leases.least_busy(1), (0,))
+        # Choosing holds nothing.
+        self.assertEqual(self.leases.depth(0), 1)
 
-    def test_waits_without_holding_a_subset_and_blocks_newcomers(self) -> None:
-        """A waiting N=2 request holds nothing, and later single-GPU requests queue behind it."""
+    def test_set_waits_without_holding_a_subset_and_blocks_newcomers(self) -> None:
+        """A waiting two-GPU request holds nothing, and later single-GPU requests queue behind it."""
         self.successResultOf(self.leases.acquire("a", (0,)))
-        big = self.leases.acquire_any("big", 2)
+        big = self.leases.acquire("big", (1, 0))
         small = self.leases.acquire("small", (1,))
         self.assertNoResult(big)
         self.assertNoResult(small)
@@ -163,21 +168,12 @@ class AnyGpusTests(SynchronousTestCase):
         self.leases.release("big")
         self.successResultOf(small)
 
-    def test_transfer_keeps_the_hold(self) -> None:
-        """A grant handed to the worker it was taken for stays exclusive and re-entrant."""
-        grant = self.successResultOf(self.leases.acquire_any("token", 2, label="req"))
-        moved = self.leases.transfer("token", "worker")
-        self.assertEqual(moved.gpus, grant.gpus)
-        self.assertEqual(self.leases.holder_of(0), "worker")
-        self.assertIs(self.successResultOf(self.leases.acquire("worker", (0, 1))), moved)
-        waiting = self.leases.acquire("other", (1,))
-        self.assertNoResult(waiting)
-        self.leases.release("worker")
-        self.successResultOf(waiting)
-
-    def test_more_than_configured_is_refused(self) -> None:
-        """Asking for more GPUs than the server has is a programming error."""
-        self.assertRaises(ValueError, self.leases.acquire_any, "x", 3)
+    def test_more_than_usable_is_unavailable(self) -> None:
+        self.assertRaises(LeaseUnavailable, self.leases.least_busy, 3)
+        self.leases.quarantine((1,))
+        self.assertRaises(LeaseUnavailable, self.leases.least_busy, 2)
+        self.assertEqual(self.leases.least_busy(1), (0,))
+        self.assertRaises(ValueError, self.leases.least_busy, 0)
 
 
 class LeaseEventTests(SynchronousTestCase):

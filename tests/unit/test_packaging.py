@@ -39,8 +39,6 @@ OPTIONAL_IMPORTS = frozenset({"torch", "cupy"})
 NOT_IMPORTED = {
     # Ships the nvcc binary the compile backend runs (kcoral.compilers.nvcc).
     "nvidia-cuda-nvcc": "a binary, found on disk",
-    # kcoral's own treq client (issue 16) is its user; the server extra keeps it.
-    "treq": "the kcoral client",
 }
 
 #: Extras that hold what the code imports; test/nvcc hold tools and binaries.

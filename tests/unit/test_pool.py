@@ -16,6 +16,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from kcoral.server.lease import LeaseArbiter
 from kcoral.server.pool import BudgetSpent, PoolBusy, Seat, SeatUse, WorkerPool
 from kcoral.server.workerproc import Job, JobResult
+from kcoral.wire.channel import Outcome
 
 
 @attrs.define
@@ -68,7 +69,7 @@ class FakeWorker:
         self.killed = False
         self.stopped = False
         self.busy = False
-        self.result = JobResult("outcome", header={"status": "COMPLETED"})
+        self.result = JobResult("outcome", outcome=Outcome(status="COMPLETED"))
         self.jobs: list[Job] = []
 
     def run(self, job: Job) -> Deferred[JobResult]:
@@ -417,7 +418,7 @@ class SeatTests(PoolTestCase):
         """An outcome that names a retire reason retires the worker."""
         pool = self.make_pool(Config(num_workers=1, max_requests_per_worker=0))
         self.spawned[0].result = JobResult(
-            "outcome", header={"status": "FAILED", "retire": "poisoned_context"}
+            "outcome", outcome=Outcome(status="FAILED", retire="poisoned_context")
         )
         self.successResultOf(self.use_seat(pool))
         self.assertEqual(self.uses[0].retire_reason(), "poisoned_context")
@@ -451,7 +452,7 @@ class SeatTests(PoolTestCase):
     def test_multi_gpu_worker(self) -> None:
         """
         With a GPU count, the request runs on a one-request worker that sees
-        the leased GPUs; afterwards it is removed and the GPUs are free.
+        the least busy GPUs; afterwards it is removed.
         """
         pool = self.make_pool(
             Config(device="gpu", gpus=(0, 1), max_requests_per_worker=0),
@@ -468,9 +469,9 @@ class SeatTests(PoolTestCase):
         self.assertEqual(use.placement.gpus, (0, 1))
         self.assertEqual(len(transient.jobs), 1)
         self.assertTrue(transient.killed)
-        # The request's lease went to the worker (which releases it itself).
-        self.assertIs(pool.leases.holder_of(0), transient)
-        self.assertIs(pool.leases.holder_of(1), transient)
+        # The worker takes the GPUs' lease itself; the request holds none.
+        self.assertIsNone(pool.leases.holder_of(0))
+        self.assertIsNone(pool.leases.holder_of(1))
         self.assertEqual(pool.active, 0)
 
     def test_multi_gpu_startup_spends_the_budget(self) -> None:

@@ -24,9 +24,10 @@ import psutil
 import pytest
 
 from kcoral.errors import ExecutionError
+from kcoral.wire.channel import ChannelMessage, Execute, Instruction, Outcome
 from kcoral.worker.builtins import cpu_builtins
 from kcoral.worker.devices import CpuBackend, make_backend
-from kcoral.worker.engine import Engine, Outcome, Request
+from kcoral.worker.engine import Engine
 from kcoral.worker.lease import NullLease
 
 
@@ -54,7 +55,7 @@ class Harness:
 
     root: Any
     lease: RecordingLease = attrs.field(factory=RecordingLease)
-    sent: list[dict[str, Any]] = attrs.field(factory=list)
+    sent: list[ChannelMessage] = attrs.field(factory=list)
     blobs: dict[str, bytes] = attrs.field(factory=dict)
     count: int = 0
 
@@ -72,8 +73,7 @@ class Harness:
         workspace.mkdir()
         self.workspace = str(workspace)
         program = json.dumps({"instructions": instructions})
-        request = Request(program, str(workspace), blobs=dict(self.blobs), **kwargs)
-        return self.engine.run(request)
+        return self.engine.run(Execute(program, str(workspace), **kwargs), dict(self.blobs))
 
 
 @pytest.fixture
@@ -148,7 +148,7 @@ def test_completed_program(harness: Harness) -> None:
     assert outcome.status == "COMPLETED"
     assert outcome.error is None
     assert outcome.results == {"out": {"type": "integer", "value": 5}}
-    assert harness.sent == [{"type": "instruction", "index": i} for i in range(4)]
+    assert harness.sent == [Instruction(i) for i in range(4)]
     assert outcome.retire is None
 
 
@@ -470,7 +470,7 @@ def test_serialization_failures(harness: Harness, expression: str, message: str)
     source = f"import numpy\ndef f():\n    return {expression}\n"
     outcome = harness.run([module("m", source), get("f", "m", "f"), run("r", "f"), ret("r", "r")])
     assert error(outcome) == ("serialization", message, 3)
-    assert outcome.parts == []
+    assert outcome.parts == ()
     assert outcome.error["instruction_id"] is None
     assert outcome.error["instruction_op"] == "return"
 
@@ -492,7 +492,7 @@ def test_partial_results(harness: Harness) -> None:
     assert error(outcome) == ("engine", "RuntimeError: x", 5)
     assert values(outcome) == {"a": b"kept"}
     assert len(outcome.parts) == 1
-    assert [m["index"] for m in harness.sent] == [0, 1, 2, 3, 4, 5]
+    assert harness.sent == [Instruction(i) for i in range(6)]
 
 
 # -- file and folder returns ----------------------------------------------
@@ -566,7 +566,7 @@ def test_file_return_failures(harness: Harness, setup: str, kind: str, path: str
     kind_, message, index = error(outcome)
     assert (kind_, index) == ("serialization", 1)
     assert message.startswith(f"cannot return {kind}: ")
-    assert outcome.parts == []
+    assert outcome.parts == ()
 
 
 def test_file_return_budget(harness: Harness) -> None:
@@ -624,7 +624,7 @@ def test_retiring_keeps_lease(harness: Harness) -> None:
     workspace = harness.root / "solo"
     workspace.mkdir()
     program = json.dumps({"instructions": [ADD]})
-    outcome = harness.engine.run(Request(program, str(workspace)), retiring=True)
+    outcome = harness.engine.run(Execute(program, str(workspace)), retiring=True)
     assert outcome.retire == "request_limit"
     assert harness.lease.held
 

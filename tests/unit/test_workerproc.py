@@ -24,7 +24,18 @@ from kcoral.server.workerproc import (
     WorkerProcess,
     WorkerStartError,
 )
-from kcoral.wire.channel import Message, MessageDecoder, encode_message
+from kcoral.wire.channel import (
+    ChannelMessage,
+    Failed,
+    Instruction,
+    LeaseAcquire,
+    LeaseRelease,
+    MessageDecoder,
+    Outcome,
+    Ready,
+    encode,
+    encode_frame,
+)
 
 
 class FakeTransport:
@@ -45,7 +56,7 @@ class FakeTransport:
     def signalProcess(self, signal: str) -> None:
         self.signals.append(signal)
 
-    def messages(self) -> list[Message]:
+    def messages(self) -> list[ChannelMessage]:
         return MessageDecoder().feed(self.written.get(TO_WORKER_FD, b""))
 
 
@@ -111,8 +122,12 @@ class WorkerTestCase(SynchronousTestCase):
         self.transport: FakeTransport = self.reactor.spawned[-1]["transport"]
         return worker
 
-    def deliver(self, worker: WorkerProcess, header: dict[str, Any], payload: bytes = b"") -> None:
-        worker.protocol.childDataReceived(FROM_WORKER_FD, encode_message(header, payload))
+    def deliver(self, worker: WorkerProcess, message: ChannelMessage) -> None:
+        worker.protocol.childDataReceived(FROM_WORKER_FD, encode(message))
+
+    def deliver_frame(self, worker: WorkerProcess, header: dict[str, Any]) -> None:
+        """A well-framed header that need not be a valid message."""
+        worker.protocol.childDataReceived(FROM_WORKER_FD, encode_frame(header))
 
     def end(self, worker: WorkerProcess, code: int | None = 0) -> None:
         reason = ProcessDone(0) if code == 0 else ProcessTerminated(exitCode=code)
@@ -120,7 +135,7 @@ class WorkerTestCase(SynchronousTestCase):
 
     def ready_worker(self, gpus: tuple[int, ...] | None = None) -> WorkerProcess:
         worker = self.spawn(gpus)
-        self.deliver(worker, {"type": "ready", "pid": 77, "target": {}, "versions": {}})
+        self.deliver(worker, Ready(pid=77, target={}, versions={}, device="cpu"))
         self.successResultOf(worker.ready)
         return worker
 
@@ -157,7 +172,7 @@ class SpawnTests(WorkerTestCase):
         self.assertNoResult(worker.ready)
         self.deliver(
             worker,
-            {"type": "ready", "pid": 77, "target": {"arch": "x"}, "versions": {"v": "1"}},
+            Ready(pid=77, target={"arch": "x"}, versions={"v": "1"}, device="gpu"),
         )
         info = self.successResultOf(worker.ready)
         self.assertEqual(info["target"], {"arch": "x"})
@@ -179,7 +194,7 @@ class SpawnTests(WorkerTestCase):
 
     def test_failed_message(self) -> None:
         worker = self.spawn()
-        self.deliver(worker, {"type": "failed", "error": "no device"})
+        self.deliver(worker, Failed("no device"))
         failure = self.failureResultOf(worker.ready, WorkerStartError)
         self.assertEqual(str(failure.value), "no device")
 
@@ -196,7 +211,7 @@ class SpawnTests(WorkerTestCase):
     def test_stop_sends_exit_then_kills(self) -> None:
         worker = self.ready_worker()
         ended = worker.stop()
-        self.assertEqual([m.type for m in self.transport.messages()], ["exit"])
+        self.assertEqual([m.TYPE for m in self.transport.messages()], ["exit"])
         self.assertNoResult(ended)
         self.end(worker, 0)
         self.assertEqual(self.successResultOf(ended), 0)
@@ -208,17 +223,18 @@ class JobTests(WorkerTestCase):
         worker = self.ready_worker()
         d = worker.run(self.job(blobs={"ab" * 32: b"data"}))
         sent = self.transport.messages()
-        self.assertEqual([m.type for m in sent], ["blob", "execute"])
-        self.assertEqual(sent[0].payload, b"data")
-        self.assertEqual(sent[1].header["request_id"], "rid")
-        self.assertEqual(sent[1].header["workspace"], "/w")
+        self.assertEqual([m.TYPE for m in sent], ["blob", "execute"])
+        self.assertEqual(sent[0].payload(), b"data")
+        self.assertEqual(sent[1].header()["request_id"], "rid")
+        self.assertEqual(sent[1].header()["workspace"], "/w")
         self.assertNoResult(d)
-        self.deliver(worker, {"type": "instruction", "index": 0})
-        self.deliver(worker, {"type": "outcome", "status": "COMPLETED", "part_sizes": [3]}, b"abc")
+        self.deliver(worker, Instruction(0))
+        self.deliver(worker, Outcome(status="COMPLETED", parts=(b"abc",)))
         result = self.successResultOf(d)
         self.assertEqual(result.ending, "outcome")
-        self.assertEqual(result.header["status"], "COMPLETED")  # type: ignore[index]
-        self.assertEqual(result.payload, b"abc")
+        assert result.outcome is not None
+        self.assertEqual(result.outcome.status, "COMPLETED")
+        self.assertEqual(result.outcome.payload(), b"abc")
         self.assertEqual(result.lease_wait_seconds, 0.0)
         self.assertEqual(result.lease_held_seconds, 0.0)
         self.assertEqual(self.reactor.getDelayedCalls(), [])
@@ -231,7 +247,7 @@ class JobTests(WorkerTestCase):
     def test_timeout(self) -> None:
         worker = self.ready_worker()
         d = worker.run(self.job(timeout=2.0))
-        self.deliver(worker, {"type": "instruction", "index": 1})
+        self.deliver(worker, Instruction(1))
         self.reactor.advance(1.9)
         self.assertNoResult(d)
         self.reactor.advance(0.2)
@@ -248,8 +264,8 @@ class JobTests(WorkerTestCase):
         worker = self.ready_worker()
         indexes: list[int] = []
         d = worker.run(self.job(), on_instruction=indexes.append)
-        self.deliver(worker, {"type": "instruction", "index": 0})
-        self.deliver(worker, {"type": "instruction", "index": 2})
+        self.deliver(worker, Instruction(0))
+        self.deliver(worker, Instruction(2))
         worker.protocol.childDataReceived(2, b"dying\n")
         self.end(worker, 3)
         result = self.successResultOf(d)
@@ -270,8 +286,8 @@ class JobTests(WorkerTestCase):
     def test_invalid_message(self) -> None:
         worker = self.ready_worker()
         d = worker.run(self.job())
-        self.deliver(worker, {"type": "instruction", "index": 1})
-        self.deliver(worker, {"type": "nonsense"})
+        self.deliver(worker, Instruction(1))
+        self.deliver_frame(worker, {"type": "nonsense"})
         result = self.successResultOf(d)
         self.assertEqual(result.ending, "invalid")
         self.assertEqual(result.instruction_index, 1)
@@ -286,8 +302,8 @@ class JobTests(WorkerTestCase):
     def test_cpu_lease_granted_at_once(self) -> None:
         worker = self.ready_worker()
         worker.run(self.job())
-        self.deliver(worker, {"type": "lease_acquire"})
-        self.assertEqual(self.transport.messages()[-1].type, "lease_granted")
+        self.deliver(worker, LeaseAcquire())
+        self.assertEqual(self.transport.messages()[-1].TYPE, "lease_granted")
 
 
 class LeaseBudgetTests(WorkerTestCase):
@@ -299,21 +315,21 @@ class LeaseBudgetTests(WorkerTestCase):
         worker = self.ready_worker()
         d = worker.run(self.job(timeout=2.0))
         self.reactor.advance(0.5)
-        self.deliver(worker, {"type": "lease_acquire"})
+        self.deliver(worker, LeaseAcquire())
         # Waiting far longer than the whole budget does not time out.
         self.reactor.advance(10.0)
         self.assertNoResult(d)
-        self.assertNotIn("lease_granted", [m.type for m in self.transport.messages()])
+        self.assertNotIn("lease_granted", [m.TYPE for m in self.transport.messages()])
         self.leases.release(other)
-        self.assertEqual(self.transport.messages()[-1].type, "lease_granted")
+        self.assertEqual(self.transport.messages()[-1].TYPE, "lease_granted")
         self.assertIs(self.leases.holder_of(0), worker)
         # 1.5 s of budget is left.
         self.reactor.advance(1.0)
-        self.deliver(worker, {"type": "lease_release"})
+        self.deliver(worker, LeaseRelease())
         self.assertIsNone(self.leases.holder_of(0))
         self.reactor.advance(0.4)
         self.assertNoResult(d)
-        self.deliver(worker, {"type": "outcome", "status": "COMPLETED"})
+        self.deliver(worker, Outcome(status="COMPLETED"))
         result = self.successResultOf(d)
         self.assertEqual(result.ending, "outcome")
         self.assertAlmostEqual(result.lease_wait_seconds, 10.0)
@@ -325,7 +341,7 @@ class LeaseBudgetTests(WorkerTestCase):
         worker = self.ready_worker()
         d = worker.run(self.job(timeout=2.0))
         self.reactor.advance(1.5)
-        self.deliver(worker, {"type": "lease_acquire"})
+        self.deliver(worker, LeaseAcquire())
         self.reactor.advance(30.0)
         self.leases.release(other)
         self.reactor.advance(0.4)
@@ -339,7 +355,7 @@ class LeaseBudgetTests(WorkerTestCase):
     def test_crash_abandons_lease(self) -> None:
         worker = self.ready_worker()
         d = worker.run(self.job())
-        self.deliver(worker, {"type": "lease_acquire"})
+        self.deliver(worker, LeaseAcquire())
         self.assertIs(self.leases.holder_of(0), worker)
         self.reactor.advance(0.25)
         self.end(worker, -11)

@@ -1,0 +1,103 @@
+# -*- test-case-name: tests.integration.test_client -*-
+"""
+Our blocking L{kcoral.Client} (crochet + treq) against a real CPU server:
+repeated and concurrent calls, remote functions, and errors.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from kcoral import Client, KCoralError, Program, RemoteExecutionError, TransportError
+from kcoral.testing import ServerProcess, free_port
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def url(cpu_server: Callable[..., ServerProcess]) -> str:
+    return f"http://127.0.0.1:{cpu_server('--sandbox', 'none').port}"
+
+
+def test_repeated_and_concurrent(url: str) -> None:
+    """One client serves many calls, from several threads at once."""
+    blob = os.urandom(1 << 20)
+    program = Program()
+    module = program.upload(kind="module", source="def f(b):\n    return len(b)\n")
+    data = program.upload(kind="bytes", value=blob)
+    program.return_(
+        key="n", value=program.run(fn=program.get_function(module=module, name="f"), args=[data])
+    )
+    results: list[int] = []
+    errors: list[BaseException] = []
+    with Client(url) as client:
+        assert client.health()["status"] == "ok"
+        assert client.execute(program)["n"] == len(blob)
+
+        def work() -> None:
+            try:
+                for _ in range(3):
+                    results.append(client.execute(program, timeout_seconds=60)["n"])
+            except BaseException as e:  # pragma: no cover - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=work) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert errors == []
+    assert results == [len(blob)] * 12
+
+
+def test_remote_function(url: str) -> None:
+    """@client.function() round-trips JSON, bytes and defaults; failures raise."""
+    client = Client(url)
+
+    @client.function(timeout=30)
+    def describe(x, data=b"", *, scale=2):
+        import hashlib
+
+        return {"x": x * scale, "sha": hashlib.sha256(data).hexdigest(), "data": data}
+
+    out = describe.remote(21, data=b"\x00ab")
+    assert out["x"] == 42
+    assert out["data"] == b"\x00ab"
+    assert describe.remote(1)["data"] == b""
+    assert describe(1)["x"] == 2  # a plain call runs locally
+
+    @client.function()
+    def boom():
+        raise ValueError("boom")
+
+    with pytest.raises(RemoteExecutionError) as caught:
+        boom.remote()
+    assert caught.value.result.error["kind"] == "engine"
+    assert "ValueError: boom" in caught.value.result.error["message"]
+    client.close()
+
+
+def test_tensor_upload_unavailable_on_cpu(url: str) -> None:
+    """A tensor upload reaches the server and fails with kind unavailable on CPU."""
+    program = Program()
+    tensor = program.upload(kind="tensor", value=np.ones(4, dtype=np.float32))
+    program.return_(key="t", value=tensor)
+    result = Client(url).execute(program)
+    assert result.status == "FAILED"
+    assert result.error["kind"] == "unavailable"
+
+
+def test_errors(url: str) -> None:
+    """A 400 is a KCoralError of kind parse; a closed port is a TransportError."""
+    program = Program()
+    program.upload(kind="module", source="")
+    with pytest.raises(KCoralError) as caught:
+        Client(url).execute(program, gpu_count=1)
+    assert (caught.value.status_code, caught.value.kind) == (400, "parse")
+    with pytest.raises(TransportError):
+        Client(f"http://127.0.0.1:{free_port()}").health()

@@ -13,20 +13,26 @@ from __future__ import annotations
 import datetime
 import uuid
 from collections import Counter
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Hashable, Mapping
+from typing import IO, TYPE_CHECKING, Any, Protocol, TypeVar
 
 import attrs
 from klein import Klein
 from twisted.internet.defer import CancelledError, Deferred, fail
+from twisted.internet.interfaces import IReactorFromThreads, IReactorTime
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 from twisted.python.failure import Failure
+from twisted.python.threadpool import ThreadPool
 from twisted.web.iweb import IRequest
+from twisted.web.resource import IResource
 from werkzeug.exceptions import HTTPException
 
+from kcoral.config import ServerConfig
+from kcoral.server.cache import Resolution
+from kcoral.server.lease import LeaseArbiter
 from kcoral.server.logs import event_level_for_finish_reason
-from kcoral.server.pool import BudgetSpent, PoolBusy, WorkerStartFailed
+from kcoral.server.pool import BudgetSpent, PoolBusy, WorkerPool, WorkerStartFailed
 from kcoral.server.workerproc import Job, JobResult
 from kcoral.wire.errors import (
     BUSY_MESSAGE,
@@ -59,7 +65,12 @@ from kcoral.wire.render import (
     render_result,
 )
 
-__all__ = ["KcoralAPI", "RequestError"]
+if TYPE_CHECKING:
+    from kcoral.server.metrics import Metrics
+
+_T = TypeVar("_T")
+
+__all__ = ["BlobResolver", "KcoralAPI", "RequestError"]
 
 #: Bodies up to this size are parsed on the reactor thread; larger ones in
 #: the I/O thread pool.
@@ -82,7 +93,7 @@ def _iso_utc(timestamp: float) -> str:
     return moment.isoformat().replace("+00:00", "Z")
 
 
-def _parse_body(content: Any, content_type: str | None, max_bytes: int) -> Parsed:
+def _parse_body(content: IO[bytes], content_type: str | None, max_bytes: int) -> Parsed:
     """Thread pool: stream the spooled body through the multipart parser."""
     boundary = boundary_from_content_type(content_type)
     parser = RequestBodyParser(boundary, max_bytes=max_bytes)
@@ -112,7 +123,7 @@ def _parse_body(content: Any, content_type: str | None, max_bytes: int) -> Parse
     return Parsed(program, parsed.program, blobs, total)
 
 
-def _close_parser(parser: Any) -> None:
+def _close_parser(parser: RequestBodyParser) -> None:
     close = getattr(parser, "abort", None)
     if close is not None:
         try:
@@ -121,15 +132,15 @@ def _close_parser(parser: Any) -> None:
             pass
 
 
-def _shield(d: Deferred[Any], orphaned: Callable[[Failure], None]) -> Deferred[Any]:
+def _shield(d: Deferred[_T], orphaned: Callable[[Failure], None]) -> Deferred[_T]:
     """
     A copy of C{d} whose cancellation does not reach C{d}: a client that
     leaves does not stop its program.  A failure of C{d} after the copy was
     cancelled goes to C{orphaned}.
     """
-    copy: Deferred[Any] = Deferred(lambda _: None)
+    copy: Deferred[_T] = Deferred(lambda _: None)
 
-    def forward(result: Any) -> None:
+    def forward(result: _T | Failure) -> None:
         if not copy.called:
             if isinstance(result, Failure):
                 copy.errback(result)
@@ -142,20 +153,29 @@ def _shield(d: Deferred[Any], orphaned: Callable[[Failure], None]) -> Deferred[A
     return copy
 
 
+class BlobResolver(Protocol):
+    """Finds a request's blobs (L{kcoral.server.cache.BlobStore}, or a fake)."""
+
+    def resolve(
+        self, program_blobs: Mapping[str, frozenset[str]], supplied: Mapping[str, bytes]
+    ) -> Awaitable[Resolution]:
+        """Cache the supplied blobs and look up the rest."""
+
+
 @attrs.define(eq=False)
 class KcoralAPI:
     """The routes, bound to one server's state."""
 
-    config: Any
-    pool: Any
-    leases: Any
-    blobs: Any
-    _threadpool: Any
-    _reactor: Any
+    config: ServerConfig
+    pool: WorkerPool
+    leases: LeaseArbiter
+    blobs: BlobResolver
+    _threadpool: ThreadPool
+    _reactor: IReactorTime
     instance_id: str = attrs.field(factory=lambda: str(uuid.uuid4()))
     started_at: float = 0.0
     save_program: Callable[[str, bytes], Deferred[str | None]] | None = None
-    metrics: Any = None
+    metrics: Metrics | None = None
     status_snapshot: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     status_page: bytes | None = None
     sandbox_name: str = "none"
@@ -166,7 +186,7 @@ class KcoralAPI:
     app = Klein()
     log = Logger()
 
-    def resource(self) -> Any:
+    def resource(self) -> IResource:
         """The Twisted resource to serve."""
         return self.app.resource()
 
@@ -358,7 +378,7 @@ class KcoralAPI:
             # cheaper here than a round trip through the thread pool.
             return _parse_body(*arguments)
         parsed: Parsed = await deferToThreadPool(
-            self._reactor, self._threadpool, _parse_body, *arguments
+            IReactorFromThreads(self._reactor), self._threadpool, _parse_body, *arguments
         )
         return parsed
 
@@ -499,7 +519,7 @@ def _response_request_id(request: IRequest) -> str:
     return request_id
 
 
-def _single_other_request(labels: set[Any], request_id: str) -> str | None:
+def _single_other_request(labels: set[str | None], request_id: str) -> str | None:
     """The one other request among lease labels, if exactly one held the GPU."""
     others = {
         label
@@ -516,5 +536,5 @@ def _header(request: IRequest, name: bytes) -> str | None:
     return value.decode("latin-1") if isinstance(value, bytes) else str(value)
 
 
-def _holder_name(holder: Any) -> str | None:
+def _holder_name(holder: Hashable | None) -> str | None:
     return None if holder is None else getattr(holder, "seat", str(holder))

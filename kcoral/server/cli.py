@@ -22,7 +22,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any
 
-from twisted.application.service import IServiceMaker
+from twisted.application.service import IService, IServiceMaker, ServiceMaker
 from twisted.logger import ILogObserver, textFileLogObserver
 from twisted.python import usage
 from zope.interface import implementer, provider
@@ -94,7 +94,7 @@ class _KcoralServiceMaker:
     C{main} was given rather than C{os.environ}.
     """
 
-    def __init__(self, plugin: Any, environ: Mapping[str, str]) -> None:
+    def __init__(self, plugin: ServiceMaker, environ: Mapping[str, str]) -> None:
         self._plugin = plugin
         self._environ = environ
         self.tapname: str = plugin.tapname
@@ -104,15 +104,17 @@ class _KcoralServiceMaker:
         options: usage.Options = self._plugin.options(environ=self._environ)
         return options
 
-    def makeService(self, options: Any) -> Any:
-        return self._plugin.makeService(options)
+    def makeService(self, options: usage.Options) -> IService:
+        service: IService = self._plugin.makeService(options)
+        return service
 
 
-def _declared_plugin() -> Any:
+def _declared_plugin() -> ServiceMaker:
     """The C{kcoral} L{IServiceMaker} that twistd finds."""
     from twisted.plugins.kcoral_plugin import kcoral  # type: ignore[import-not-found]
 
-    return kcoral
+    plugin: ServiceMaker = kcoral
+    return plugin
 
 
 def _default_run_app(config: usage.Options) -> int:

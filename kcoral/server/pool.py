@@ -19,18 +19,46 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 from twisted.internet.defer import CancelledError, Deferred, DeferredList, succeed
-from twisted.internet.interfaces import IDelayedCall
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from kcoral.config import ServerConfig
 from kcoral.server.gpus import GpuDevice, cuda_environment
-from kcoral.server.lease import LeaseUnavailable
+from kcoral.server.lease import LeaseArbiter, LeaseUnavailable
+from kcoral.server.sandbox import ISandbox
 from kcoral.server.workerproc import Job, JobResult, WorkerProcess, worker_command_args
 from kcoral.wire.render import Placement
+
+
+class WorkerHandle(Protocol):
+    """
+    What the pool, and a request holding a seat, use of a worker process:
+    L{WorkerProcess}, or a fake in tests.
+    """
+
+    @property
+    def pid(self) -> int | None: ...
+    @property
+    def alive(self) -> bool: ...
+    @property
+    def busy(self) -> bool: ...
+    @property
+    def started_at(self) -> float: ...
+    @property
+    def info(self) -> dict[str, Any]: ...
+    @property
+    def ready(self) -> Deferred[dict[str, Any]]: ...
+    @property
+    def ended(self) -> Deferred[int | None]: ...
+
+    def run(self, job: Job) -> Deferred[JobResult]: ...
+    def kill(self) -> Deferred[int | None]: ...
+    def stop(self) -> Deferred[int | None]: ...
 
 
 class PoolBusy(Exception):
@@ -60,7 +88,7 @@ class Seat:
     worker_id: str
     gpu_id: int | None
     generation: int = 0
-    worker: WorkerProcess | None = None
+    worker: WorkerHandle | None = None
     work_dir: Path | None = None
     seat_dir: Path | None = None
     status: str = "starting"
@@ -82,7 +110,7 @@ class SeatUse:
     """
 
     seat: Seat
-    worker: WorkerProcess
+    worker: WorkerHandle
     work_dir: Path
     _pool: WorkerPool
     queue_ms: float
@@ -181,10 +209,11 @@ class WorkerPool:
     @ivar spawn_worker: how a process is started (replaced in tests).
     """
 
-    config: Any
-    _reactor: Any
-    leases: Any
-    sandbox: Any
+    config: ServerConfig
+    _reactor: IReactorTime
+    leases: LeaseArbiter
+    #: Replaced by the probed sandbox when the server starts.
+    sandbox: ISandbox
     _run_blocking: Callable[..., Deferred[Any]]
     root_dir: Path
     seats: list[Seat] = attrs.field(factory=list)
@@ -200,7 +229,7 @@ class WorkerPool:
     _transients: int = 0
     target: dict[str, str] = attrs.field(factory=dict)
     versions: dict[str, str] = attrs.field(factory=dict)
-    spawn_worker: Callable[..., WorkerProcess] = WorkerProcess.spawn
+    spawn_worker: Callable[..., WorkerHandle] = WorkerProcess.spawn
     #: The configured GPUs by id (discovered at start; an id missing here
     #: stands for itself: node C{/dev/nvidia<id>}, no UUID).
     gpu_devices: dict[int, GpuDevice] = attrs.field(factory=dict)
@@ -299,7 +328,7 @@ class WorkerPool:
         gpus: tuple[int, ...],
         work_dir: Path,
         max_requests: int,
-    ) -> WorkerProcess:
+    ) -> WorkerHandle:
         """Start a worker process that sees exactly C{gpus} (none: a CPU worker)."""
         devices = [self.gpu_devices.get(gpu) or GpuDevice(gpu, gpu) for gpu in gpus]
         executable, args, env = self.sandbox.command(
@@ -329,9 +358,7 @@ class WorkerPool:
             grace_seconds=self.config.worker_termination_grace_seconds,
         )
 
-    async def start_transient(
-        self, seat: Seat, gpus: tuple[int, ...]
-    ) -> tuple[WorkerProcess, Path]:
+    async def start_transient(self, seat: Seat, gpus: tuple[int, ...]) -> tuple[WorkerHandle, Path]:
         """
         Start a one-request worker that sees all of C{gpus} (a multi-GPU
         program), for the request that holds C{seat}.
@@ -353,7 +380,7 @@ class WorkerPool:
             raise
         return worker, work_dir
 
-    def remove_transient(self, worker: WorkerProcess, work_dir: Path) -> Deferred[Any]:
+    def remove_transient(self, worker: WorkerHandle, work_dir: Path) -> Deferred[None]:
         """Stop a transient worker and delete its directory."""
 
         async def remove() -> None:
@@ -363,7 +390,7 @@ class WorkerPool:
 
         return Deferred.fromCoroutine(remove())
 
-    def _worker_ended(self, code: int | None, seat: Seat, worker: WorkerProcess) -> int | None:
+    def _worker_ended(self, code: int | None, seat: Seat, worker: WorkerHandle) -> int | None:
         if seat.worker is worker and seat.status == "idle":
             # An idle worker died on its own: take it out of the idle set
             # and bring the seat back with a fresh process.
@@ -570,7 +597,7 @@ class WorkerPool:
 
         d.addBoth(done)
 
-    async def _replace_worker(self, seat: Seat, old: WorkerProcess | None, reason: str) -> None:
+    async def _replace_worker(self, seat: Seat, old: WorkerHandle | None, reason: str) -> None:
         old_dir = seat.seat_dir
         if old is not None and old.alive:
             if reason == "request_limit":
@@ -657,6 +684,7 @@ __all__ = [
     "PoolBusy",
     "Seat",
     "SeatUse",
+    "WorkerHandle",
     "WorkerPool",
     "WorkerStartFailed",
 ]

@@ -26,14 +26,15 @@ import traceback
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from klein import Klein
 from twisted.application import service
 from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.internet.endpoints import serverFromString
 from twisted.internet.interfaces import IListeningPort
 from twisted.internet.threads import deferToThreadPool
-from twisted.logger import Logger
+from twisted.logger import ILogObserver, Logger
 from twisted.python.failure import Failure
 from twisted.python.threadpool import ThreadPool
 from twisted.web.server import Site
@@ -45,12 +46,23 @@ from kcoral.server.gpus import GpuDevice, discover_gpus, select_gpus
 from kcoral.server.http import KcoralSite
 from kcoral.server.lease import LeaseArbiter
 from kcoral.server.pool import WorkerPool
+from kcoral.server.sandbox import NoSandbox
+
+if TYPE_CHECKING:
+    from kcoral.server.logs import LogSetup
+    from kcoral.server.metrics import Metrics
+    from kcoral.server.status import RecentRequests
 
 #: Runs a blocking callable in the I/O thread pool.
 RunBlocking = Callable[..., Deferred[Any]]
 
+#: The reactor the server runs on.  It is used for time, threads, processes
+#: and TCP, which no single Twisted interface covers; each part receives it
+#: typed as the interface it uses (C{IReactorTime} for the pool and leases).
+Reactor = Any
 
-def _reactor(reactor: Any) -> Any:
+
+def _reactor(reactor: Reactor | None) -> Reactor:
     if reactor is None:
         from twisted.internet import reactor as global_reactor
 
@@ -86,15 +98,15 @@ class LogWriterService(service.Service):
     def __init__(
         self,
         config: ServerConfig,
-        observers: list[Any],
+        observers: list[ILogObserver],
         run_blocking: RunBlocking,
-        on_ready: Callable[[Any], None],
+        on_ready: Callable[[LogSetup], None],
     ) -> None:
         self._config = config
         self._observers = observers
         self._run_blocking = run_blocking
         self._on_ready = on_ready
-        self.log_setup: Any = None
+        self.log_setup: LogSetup | None = None
 
     def startService(self) -> Deferred[None]:  # type: ignore[override]
         super().startService()
@@ -139,7 +151,7 @@ class WorkerPoolService(service.Service):
     def __init__(
         self,
         config: ServerConfig,
-        reactor: Any,
+        reactor: Reactor,
         pool: WorkerPool,
         leases: LeaseArbiter,
         api: KcoralAPI,
@@ -230,7 +242,7 @@ class ListeningPortService(service.Service):
 
     log = Logger()
 
-    def __init__(self, reactor: Any, endpoint: str, site: Site) -> None:
+    def __init__(self, reactor: Reactor, endpoint: str, site: Site) -> None:
         self._reactor = reactor
         self._endpoint = endpoint
         self._site = site
@@ -272,7 +284,7 @@ class KCoralService(service.MultiService):
     log = Logger()
 
     def __init__(
-        self, config: ServerConfig, endpoint: str | None = None, *, reactor: Any = None
+        self, config: ServerConfig, endpoint: str | None = None, *, reactor: Reactor | None = None
     ) -> None:
         super().__init__()
         self.setName("kcoral")
@@ -286,8 +298,9 @@ class KCoralService(service.MultiService):
             config.disk_cache_dir, config.disk_cache_capacity_mbytes, self._cache_event
         )
         self.blobs = BlobStore(self.memory_cache, self.disk_cache, self.threadpool, self._reactor)
+        # The probed sandbox replaces NoSandbox when the workers start.
         self.pool = WorkerPool(
-            config, self._reactor, self.leases, None, self.run_blocking, Path(".")
+            config, self._reactor, self.leases, NoSandbox(), self.run_blocking, Path(".")
         )
         self.metrics, self.recent = _observability(self)
         self.api = KcoralAPI(
@@ -308,7 +321,7 @@ class KCoralService(service.MultiService):
         self.ready: Deferred[None] = Deferred()
         self.start_failure: str | None = None
 
-        observers = [o for o in (self.metrics, self.recent) if o is not None]
+        observers: list[ILogObserver] = [o for o in (self.metrics, self.recent) if o is not None]
         children: list[service.Service] = [
             _named(ThreadPoolService(self.threadpool), "threads"),
             _named(
@@ -328,7 +341,7 @@ class KCoralService(service.MultiService):
         for child in children:
             child.setServiceParent(self)
 
-    def run_blocking(self, f: Any, *args: Any, **kwargs: Any) -> Deferred[Any]:
+    def run_blocking(self, f: Callable[..., Any], *args: Any, **kwargs: Any) -> Deferred[Any]:
         """Run blocking C{f} in the server's I/O thread pool."""
         return deferToThreadPool(self._reactor, self.threadpool, f, *args, **kwargs)
 
@@ -338,18 +351,18 @@ class KCoralService(service.MultiService):
         else:
             self.log.info("{kcoral_event} {cache}", kcoral_event=name, **fields)
 
-    def _logs_ready(self, log_setup: Any) -> None:
+    def _logs_ready(self, log_setup: LogSetup) -> None:
         """The logs are up: the run starts now (its first event)."""
         self.api.started_at = self._reactor.seconds()
         self.api.instance_id = str(uuid.uuid4())
-        run_dir = getattr(log_setup, "run_dir", None)
+        run_dir = log_setup.run_dir
         self.log.info(
             "kcoral server starting",
             kcoral_event="server_started",
-            run_dir=None if run_dir is None else str(getattr(run_dir, "path", run_dir)),
+            run_dir=None if run_dir is None else str(run_dir.path),
             config=self.config.as_log_dict(),
         )
-        recorder = getattr(log_setup, "recorder", None)
+        recorder = log_setup.recorder
         if recorder is not None:
             self.api.save_program = lambda rid, data: self.run_blocking(recorder.save, rid, data)
 
@@ -413,7 +426,7 @@ def _compile_cache_dir(config: ServerConfig) -> Path | None:
     return path
 
 
-def _observability(server: KCoralService) -> tuple[Any, Any]:
+def _observability(server: KCoralService) -> tuple[Metrics | None, RecentRequests | None]:
     """The metrics and recent-requests observers, when their modules exist."""
     try:
         from kcoral.server.metrics import Metrics
@@ -437,12 +450,14 @@ def _observability(server: KCoralService) -> tuple[Any, Any]:
     return Metrics(state), RecentRequests()
 
 
-def makeService(config: ServerConfig, endpoint: str, *, reactor: Any = None) -> KCoralService:
+def makeService(
+    config: ServerConfig, endpoint: str, *, reactor: Reactor | None = None
+) -> KCoralService:
     """Build the root service for C{config}, serving HTTP on C{endpoint}."""
     return KCoralService(config, endpoint, reactor=reactor)
 
 
-def create_app(config: ServerConfig | None = None, *, reactor: Any = None) -> Any:
+def create_app(config: ServerConfig | None = None, *, reactor: Reactor | None = None) -> Klein:
     """
     The Klein app for C{config}; nothing starts until its service does.
 

@@ -12,19 +12,27 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import attrs
 from treq.testing import StubTreq
-from twisted.internet.defer import Deferred, fail, maybeDeferred, succeed
-from twisted.internet.task import Clock
+from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.server import Request
 
 from kcoral.config import ServerConfig
 from kcoral.server.app import KcoralAPI
+from kcoral.server.cache import Resolution
 from kcoral.server.lease import LeaseArbiter
-from kcoral.server.pool import PoolBusy, Seat, WorkerPool
-from kcoral.server.workerproc import Job, JobResult
-from kcoral.testing import multipart_body, sha256
+from kcoral.server.pool import Seat
+from kcoral.server.workerproc import JobResult
+from kcoral.testing.fakes import (
+    FakeBlobs,
+    FakeSandbox,
+    FakeWorker,
+    RecordingPool,
+    SyncReactor,
+    SyncThreadPool,
+    seat_with,
+)
+from kcoral.testing.live_server import multipart_body, sha256
 from kcoral.wire.channel import Outcome
 
 UUID_RE = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
@@ -40,102 +48,6 @@ PROGRAM = {
 }
 
 
-class SyncReactor(Clock):
-    """A clock whose callFromThread runs at once (for the fake thread pool)."""
-
-    def callFromThread(self, f: Any, *args: Any, **kwargs: Any) -> None:
-        f(*args, **kwargs)
-
-
-class SyncThreadPool:
-    """Runs every job in the calling thread."""
-
-    def callInThreadWithCallback(self, onResult: Any, f: Any, *args: Any, **kwargs: Any) -> None:
-        try:
-            result = f(*args, **kwargs)
-        except BaseException as e:
-            from twisted.python.failure import Failure
-
-            onResult(False, Failure(e))
-        else:
-            onResult(True, result)
-
-
-class Pin:
-    def release(self) -> None:
-        pass
-
-
-@attrs.define
-class Resolution:
-    found: dict[str, bytes]
-    missing: list[str]
-    pin: Pin = attrs.field(factory=Pin)
-
-
-@attrs.define
-class FakeBlobs:
-    """Knows the blobs in C{cached}; everything else must be supplied."""
-
-    cached: dict[str, bytes] = attrs.field(factory=dict)
-
-    def resolve(self, kinds: dict[str, Any], supplied: dict[str, bytes]) -> Deferred[Resolution]:
-        found, missing = {}, []
-        for digest in kinds:
-            if digest in supplied:
-                found[digest] = supplied[digest]
-            elif digest in self.cached:
-                found[digest] = self.cached[digest]
-            else:
-                missing.append(digest)
-        return succeed(Resolution(found, missing))
-
-
-class FakeSandbox:
-    reserved = None
-
-    def worker_path(self, work_dir: Any) -> str:
-        return str(work_dir)
-
-
-@attrs.define(eq=False)
-class FakeWorker:
-    result: JobResult
-    pid: int = 4242
-    alive: bool = True
-    busy: bool = False
-    jobs: list[Job] = attrs.field(factory=list)
-
-    def run(self, job: Job) -> Deferred[JobResult]:
-        self.jobs.append(job)
-        return succeed(self.result)
-
-
-def _seat(worker: FakeWorker) -> Seat:
-    return Seat("cpu/w0", None, generation=1, worker=worker, work_dir=Path("/w"))  # type: ignore[arg-type]
-
-
-@attrs.define(eq=False)
-class FakePool(WorkerPool):
-    """
-    A L{WorkerPool} whose seats are handed out as given: C{preset} is the
-    one seat there is (none: the pool is saturated), and every release is
-    recorded in C{released}.
-    """
-
-    preset: Seat | None = None
-    busy: bool = False
-    released: list[tuple[Any, str | None]] = attrs.field(factory=list)
-
-    def acquire(self, timeout: float) -> Deferred[Seat]:
-        if self.busy or self.preset is None:
-            return fail(PoolBusy("server saturated"))
-        return succeed(self.preset)
-
-    def release(self, seat: Seat, *, retire: str | None = None) -> None:
-        self.released.append((seat, retire))
-
-
 class APITestCase(SynchronousTestCase):
     def make(
         self, seat: Seat | None = None, busy: bool = False, blobs: FakeBlobs | None = None
@@ -143,15 +55,15 @@ class APITestCase(SynchronousTestCase):
         self.reactor = SyncReactor()
         self.reactor.advance(100.0)
         config = ServerConfig(device="cpu", num_workers=2, max_request_bytes=4096)
-        self.pool = FakePool(
+        self.pool = RecordingPool(
             config,
             self.reactor,
-            None,
+            LeaseArbiter((), self.reactor),
             FakeSandbox(),
             lambda f, *a, **k: maybeDeferred(f, *a, **k),
             Path("/nonexistent-kcoral-root"),
             preset=seat,
-            busy=busy,
+            saturated=busy,
         )
         self.api = KcoralAPI(
             config,
@@ -383,8 +295,8 @@ class RequestIdTests(APITestCase):
 
 class RunTests(APITestCase):
     def run_with(self, result: JobResult, **options: Any) -> tuple[Any, Any]:
-        self.worker = FakeWorker(result)
-        self.make(_seat(self.worker))
+        self.worker = FakeWorker(result=result)
+        self.make(seat_with(self.worker))
         program = {**PROGRAM, "options": options} if options else PROGRAM
         return self.execute(program)
 

@@ -27,6 +27,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "wire": ("twisted", *HTTP, *CUDA, *UPPER, "kcoral.compilers"),
     "worker": ("twisted.internet", *HTTP, "kcoral.server", "kcoral.client", "kcoral.testing"),
     "server": (*CUDA, "kcoral.worker", "kcoral.client", "kcoral.testing"),
+    "client": (*CUDA, "kcoral.server", "kcoral.worker", "kcoral.testing"),
     "compilers": ("twisted.internet", *HTTP, *UPPER),
     "config": ("twisted", *HTTP, *CUDA, *UPPER, "kcoral.compilers", "kcoral.wire"),
 }

@@ -9,13 +9,14 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-from twisted.internet.defer import Deferred, maybeDeferred, succeed
+from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import SynchronousTestCase
 
 from kcoral.server.lease import LeaseArbiter
 from kcoral.server.pool import BudgetSpent, PoolBusy, Seat, SeatUse, WorkerPool
 from kcoral.server.workerproc import Job, JobResult
+from kcoral.testing.fakes import FakeSandbox, FakeWorker
 from kcoral.wire.channel import Outcome
 
 
@@ -29,72 +30,6 @@ class Config:
     worker_termination_grace_seconds: float = 5.0
     worker_wait_timeout_seconds: float = 10.0
     tensor_api: str = "auto"
-
-
-class FakeSandbox:
-    name = "none"
-    reserved = None
-
-    def __init__(self) -> None:
-        self.cleared: list[Any] = []
-
-    def prepare_seat(self, seat_dir: Path) -> Path:
-        return seat_dir / "work"
-
-    def command(
-        self, *, python: str, worker_args: list[str], work_dir: Path, gpu_devices: list[str]
-    ) -> Any:
-        return python, [python, "-m", "kcoral.worker", *worker_args], {}
-
-    def clear_workspace(self, work_dir: Path) -> None:
-        self.cleared.append(work_dir)
-
-    def worker_path(self, work_dir: Path) -> str:
-        return str(work_dir)
-
-
-class FakeWorker:
-    """What the pool uses of a L{WorkerProcess}."""
-
-    def __init__(self, seat: str, generation: int, gpus: tuple[int, ...]) -> None:
-        self.seat = seat
-        self.generation = generation
-        self.gpus = gpus
-        self.ready: Deferred[dict[str, Any]] = Deferred()
-        self.ended: Deferred[int | None] = Deferred()
-        self.alive = True
-        self.pid = 1000 + generation
-        self.info: dict[str, Any] = {}
-        self.started_at = 0.0
-        self.killed = False
-        self.stopped = False
-        self.busy = False
-        self.result = JobResult("outcome", outcome=Outcome(status="COMPLETED"))
-        self.jobs: list[Job] = []
-
-    def run(self, job: Job) -> Deferred[JobResult]:
-        self.jobs.append(job)
-        return succeed(self.result)
-
-    def come_up(self, arch: str = "") -> None:
-        self.info = {"target": {"arch": arch} if arch else {}, "versions": {}}
-        self.ready.callback(self.info)
-
-    def exit(self, code: int = 0) -> None:
-        self.alive = False
-        self.ended.callback(code)
-
-    def kill(self) -> Deferred[int | None]:
-        self.killed = True
-        if self.alive:
-            self.exit(-15)
-        return succeed(-15)
-
-    def stop(self) -> Deferred[int | None]:
-        self.stopped = True
-        if self.alive:
-            self.exit(0)
-        return succeed(0)
 
 
 class PoolTestCase(SynchronousTestCase):

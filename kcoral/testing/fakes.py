@@ -1,0 +1,274 @@
+# -*- test-case-name: tests.unit.test_app,tests.unit.test_pool,tests.unit.test_compilers -*-
+"""
+In-memory fakes of kcoral's collaborators, for every unit test.
+
+Each fake provides the seam it stands in for (the same interface or
+protocol the real object provides), so a test wires it where the real one
+goes: nothing here starts a process, opens a port or touches a GPU.
+
+  - L{FakeWorker}: a worker process, as the pool sees it.
+  - L{FakeSandbox}: an L{ISandbox} that only computes paths.
+  - L{RecordingPool}: a L{WorkerPool} handing out one preset seat and
+    recording each release.
+  - L{FakeBlobs}: a blob store that knows a fixed set of blobs.
+  - L{SyncReactor}, L{SyncThreadPool}: a clock and a thread pool that run
+    "threaded" work at once, in the calling thread.
+  - L{FakeCompilerBackend}: an L{ICompilerBackend} that needs no toolchain.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, ParamSpec, TypeVar
+
+import attrs
+from twisted.internet.defer import Deferred, fail, succeed
+from twisted.internet.interfaces import IReactorFromThreads
+from twisted.internet.task import Clock
+from twisted.plugin import IPlugin
+from twisted.python.failure import Failure
+from twisted.python.threadpool import ThreadPool
+from zope.interface import implementer
+
+from kcoral.compilers.interfaces import KIND_BINARY, ICompilerBackend
+from kcoral.compilers.nvcc import validate_arch, validate_options
+from kcoral.errors import ExecutionError
+from kcoral.server.cache import Pin, Resolution
+from kcoral.server.pool import PoolBusy, Seat, WorkerPool
+from kcoral.server.sandbox import ISandbox
+from kcoral.server.workerproc import Job, JobResult
+from kcoral.wire.channel import Outcome
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+__all__ = [
+    "FAKE_MAGIC",
+    "FakeBlobs",
+    "FakeCompilerBackend",
+    "FakeSandbox",
+    "FakeWorker",
+    "RecordingPool",
+    "SyncReactor",
+    "SyncThreadPool",
+]
+
+
+# -- the pool's collaborators ----------------------------------------------------
+
+
+class FakeWorker:
+    """
+    A worker process, as the pool and the API use it: it comes up, runs
+    jobs, and exits only when told to.
+
+    @ivar result: what every L{run} answers.
+    @ivar jobs: the jobs it was given, in order.
+    """
+
+    def __init__(
+        self,
+        seat: str = "cpu/w0",
+        generation: int = 1,
+        gpus: tuple[int, ...] = (),
+        result: JobResult | None = None,
+    ) -> None:
+        self.seat = seat
+        self.generation = generation
+        self.gpus = gpus
+        self.ready: Deferred[dict[str, Any]] = Deferred()
+        self.ended: Deferred[int | None] = Deferred()
+        self.alive = True
+        self.pid: int | None = 1000 + generation
+        self.info: dict[str, Any] = {}
+        self.started_at = 0.0
+        self.killed = False
+        self.stopped = False
+        self.busy = False
+        self.result = result or JobResult("outcome", outcome=Outcome(status="COMPLETED"))
+        self.jobs: list[Job] = []
+
+    def come_up(self, arch: str = "") -> None:
+        """Report ready, with C{arch} as the target when given."""
+        self.info = {"target": {"arch": arch} if arch else {}, "versions": {}}
+        self.ready.callback(self.info)
+
+    def exit(self, code: int = 0) -> None:
+        """The process ends with C{code}."""
+        self.alive = False
+        self.ended.callback(code)
+
+    def run(self, job: Job) -> Deferred[JobResult]:
+        self.jobs.append(job)
+        return succeed(self.result)
+
+    def kill(self) -> Deferred[int | None]:
+        self.killed = True
+        if self.alive:
+            self.exit(-15)
+        return succeed(-15)
+
+    def stop(self) -> Deferred[int | None]:
+        self.stopped = True
+        if self.alive:
+            self.exit(0)
+        return succeed(0)
+
+
+@implementer(ISandbox)
+class FakeSandbox:
+    """
+    An L{ISandbox} that isolates nothing and creates nothing: a seat's work
+    directory is C{<seat_dir>/work}, as the worker sees it too.
+
+    @ivar cleared: the workspaces L{clear_workspace} was asked to clear.
+    """
+
+    name = "none"
+    reserved = None
+    isolates_devices = False
+
+    def __init__(self) -> None:
+        self.cleared: list[Path] = []
+
+    def prepare_seat(self, seat_dir: Path) -> Path:
+        return seat_dir / "work"
+
+    def clear_workspace(self, work_dir: Path) -> None:
+        self.cleared.append(work_dir)
+
+    def command(
+        self, *, python: str, worker_args: list[str], work_dir: Path, gpu_devices: list[str]
+    ) -> tuple[str, list[str], dict[str, str]]:
+        return python, [python, "-m", "kcoral.worker", *worker_args], {}
+
+    def worker_path(self, work_dir: Path) -> str:
+        return str(work_dir)
+
+
+@attrs.define(eq=False)
+class RecordingPool(WorkerPool):
+    """
+    A L{WorkerPool} whose one seat is handed out as given: C{preset} (none:
+    the pool is saturated).  Every release is recorded in C{released}, and
+    nothing is retired or replaced.
+    """
+
+    preset: Seat | None = None
+    saturated: bool = False
+    released: list[tuple[Seat, str | None]] = attrs.field(factory=list)
+
+    def acquire(self, timeout: float) -> Deferred[Seat]:
+        if self.saturated or self.preset is None:
+            return fail(PoolBusy("server saturated"))
+        return succeed(self.preset)
+
+    def release(self, seat: Seat, *, retire: str | None = None) -> None:
+        self.released.append((seat, retire))
+
+
+def seat_with(worker: FakeWorker, worker_id: str = "cpu/w0") -> Seat:
+    """A busy seat occupied by C{worker}."""
+    return Seat(worker_id, None, generation=1, worker=worker, work_dir=Path("/w"))  # type: ignore[arg-type]
+
+
+# -- the API's collaborators -------------------------------------------------------
+
+
+@attrs.define
+class FakeBlobs:
+    """A blob store that knows the blobs in C{cached}; the rest must be supplied."""
+
+    cached: dict[str, bytes] = attrs.field(factory=dict)
+
+    def resolve(
+        self, program_blobs: Mapping[str, frozenset[str]], supplied: Mapping[str, bytes]
+    ) -> Deferred[Resolution]:
+        found, missing = {}, []
+        for digest in program_blobs:
+            if digest in supplied:
+                found[digest] = supplied[digest]
+            elif digest in self.cached:
+                found[digest] = self.cached[digest]
+            else:
+                missing.append(digest)
+        return succeed(Resolution(found, missing, Pin.empty()))
+
+
+@implementer(IReactorFromThreads)
+class SyncReactor(Clock):
+    """A clock whose C{callFromThread} runs at once (for L{SyncThreadPool})."""
+
+    def callFromThread(
+        self, callable: Callable[..., object], *args: object, **kwargs: object
+    ) -> None:
+        callable(*args, **kwargs)
+
+
+class SyncThreadPool(ThreadPool):
+    """A thread pool that runs every job at once, in the calling thread."""
+
+    def callInThreadWithCallback(
+        self,
+        onResult: Callable[[bool, _R], object] | None,
+        func: Callable[_P, _R],
+        *args: _P.args,
+        **kw: _P.kwargs,
+    ) -> None:
+        try:
+            result = func(*args, **kw)
+        except BaseException as e:
+            if onResult is not None:
+                onResult(False, Failure(e))  # type: ignore[arg-type]
+        else:
+            if onResult is not None:
+                onResult(True, result)
+
+
+# -- compiler backends ---------------------------------------------------------------
+
+#: First bytes of every image L{FakeCompilerBackend} produces.
+FAKE_MAGIC = b"FAKECUBIN\0"
+
+
+@implementer(IPlugin, ICompilerBackend)
+@attrs.define(eq=False)
+class FakeCompilerBackend:
+    """
+    A compiler that needs nothing: C{compile} returns a deterministic image
+    derived from its inputs, records each call, and can be told to fail.
+
+    @ivar name: the backend's name.
+    @ivar usable: what L{available} answers: C{(True, '')} by default.
+    @ivar fail: raised by every C{compile} when set.
+    @ivar calls: C{(source, arch, options, timeout)} of each C{compile}.
+    """
+
+    name: str = "fake"
+    kind: str = KIND_BINARY
+    usable: tuple[bool, str] = (True, "")
+    fail: ExecutionError | None = None
+    version: str = "1.0"
+    calls: list[tuple[str, str, tuple[str, ...], float]] = attrs.field(factory=list)
+    _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False, repr=False)
+
+    def available(self) -> tuple[bool, str]:
+        return self.usable
+
+    def versions(self) -> dict[str, str]:
+        return {self.name: self.version} if self.usable[0] else {}
+
+    def compile(self, source: str, arch: str, options: tuple[str, ...], timeout: float) -> bytes:
+        with self._lock:
+            self.calls.append((source, arch, tuple(options), timeout))
+        validate_arch(arch)
+        args, _ = validate_options(options)
+        if not self.usable[0]:
+            raise ExecutionError("unavailable", self.usable[1])
+        if self.fail is not None:
+            raise self.fail
+        digest = hashlib.sha256(repr((source, arch, args)).encode()).digest()
+        return FAKE_MAGIC + arch.encode("ascii") + b"\0" + digest

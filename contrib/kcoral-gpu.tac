@@ -27,6 +27,9 @@ config = ServerConfig(
     max_requests_per_worker=1,
     sandbox="bubblewrap",
     log_dir=Path("logs"),
+    # twistd's own log already shows every event (on the terminal with -n,
+    # in twistd.log otherwise); a console mirror would print each twice.
+    log_console=False,
     disk_cache_capacity_mbytes=16384,
 )
 

@@ -25,6 +25,7 @@ from attrs import field
 
 __all__ = [
     "DEVICES",
+    "LOG_LEVELS",
     "SANDBOXES",
     "TENSOR_APIS",
     "ServerConfig",
@@ -39,6 +40,9 @@ SANDBOXES = ("none", "bubblewrap")
 
 #: Accepted values of L{ServerConfig.tensor_api}.
 TENSOR_APIS = ("auto", "torch", "pycuda")
+
+#: Accepted values of L{ServerConfig.log_level} (L{twisted.logger.LogLevel} names).
+LOG_LEVELS = ("debug", "info", "warn", "error", "critical")
 
 _KIB = 1024
 _MIB = 1024**2
@@ -186,6 +190,12 @@ class ServerConfig:
     @ivar num_workers: number of workers in CPU mode.
     @ivar tensor_api: what Python functions in GPU workers receive as
         tensors: C{"auto"}, C{"torch"} or C{"pycuda"}.
+    @ivar log_level: the least severe level written to C{events.jsonl} and
+        the console: one of L{LOG_LEVELS}.
+    @ivar log_retention_days: run directories under C{log_dir} (events and
+        saved programs) older than this are deleted; C{0} keeps them by age.
+    @ivar log_retention_mbytes: the oldest run directories are deleted while
+        all of them together exceed this many MiB; C{0} sets no size bound.
     """
 
     gpus: tuple[int, ...] = field(default=(0,), converter=_to_gpus, validator=_gpu_ids)
@@ -220,6 +230,11 @@ class ServerConfig:
     device: str = field(default="gpu", validator=_choice(*DEVICES))
     num_workers: int = field(default=1, validator=[_strict_int, _at_least_one])
     tensor_api: str = field(default="auto", validator=_choice(*TENSOR_APIS))
+    log_level: str = field(default="info", validator=_choice(*LOG_LEVELS))
+    log_retention_days: float = field(
+        default=30.0, converter=_to_float, validator=_FLOAT_NON_NEGATIVE
+    )
+    log_retention_mbytes: int = field(default=10 * _KIB, validator=_INT)
 
     def __attrs_post_init__(self) -> None:
         """Check the rules that involve more than one field."""

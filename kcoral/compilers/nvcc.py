@@ -298,10 +298,16 @@ def _wheel_candidates() -> list[str]:
     return found
 
 
+#: Where a CUDA toolkit installs nvcc by default: searched last.
+STANDARD_LOCATIONS = ("/usr/local/cuda/bin/nvcc",)
+
+
 def find_nvcc(environ: dict[str, str] | None = None) -> tuple[str | None, str]:
     """
     Locate nvcc: C{PATH}, then C{$CUDA_HOME/bin/nvcc} (or C{$CUDA_PATH}), then
-    the C{nvidia-cuda-nvcc} wheel (the C{server} extra).
+    the C{nvidia-cuda-nvcc} wheel (the C{server} extra), then the toolkit's
+    default place (L{STANDARD_LOCATIONS}).  The compile backends and the GPU
+    worker both use this one search.
 
     @return: C{(path, '')} or C{(None, reason)}.
     """
@@ -323,6 +329,10 @@ def find_nvcc(environ: dict[str, str] | None = None) -> tuple[str | None, str]:
         if _executable(candidate):
             return candidate, ""
     tried.append("the nvidia-cuda-nvcc wheel is not installed (pip install 'kcoral[server]')")
+    for candidate in STANDARD_LOCATIONS:
+        if _executable(candidate):
+            return candidate, ""
+        tried.append(f"not at {candidate}")
     return None, "nvcc not found: " + ", ".join(tried)
 
 

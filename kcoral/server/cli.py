@@ -27,7 +27,7 @@ from twisted.logger import ILogObserver, textFileLogObserver
 from twisted.python import usage
 from zope.interface import implementer, provider
 
-__all__ = ["TWISTD_ARGS", "main", "stderr_log_observer", "twistd_args"]
+__all__ = ["TWISTD_ARGS", "main", "quiet_log_observer", "stderr_log_observer", "twistd_args"]
 
 #: twistd's own options for C{kcoral server}: stay in the foreground, write
 #: no pidfile, log to standard error.
@@ -70,11 +70,30 @@ def stderr_log_observer() -> ILogObserver:
     return observer
 
 
-def twistd_args(flags: Sequence[str]) -> list[str]:
+def quiet_log_observer() -> ILogObserver:
+    """
+    Like L{stderr_log_observer}, but only Twisted's warnings and errors:
+    no start-up chatter, no access log.  Used for C{--no-log-console} and
+    C{--log-level} above C{info}.
+    """
+    from twisted.logger import LogLevel
+
+    from kcoral.server.logs import twisted_console_observer
+
+    observer: ILogObserver = twisted_console_observer(sys.stderr, LogLevel.warn)
+    return observer
+
+
+def twistd_args(flags: Sequence[str], *, quiet: bool = False) -> list[str]:
     """
     The twistd command line that runs C{kcoral server <flags>}.
+
+    @param quiet: log only Twisted's warnings and errors (L{quiet_log_observer}).
     """
-    return [*TWISTD_ARGS, "kcoral", *flags]
+    if not quiet:
+        return [*TWISTD_ARGS, "kcoral", *flags]
+    args = [a for a in TWISTD_ARGS if not a.startswith("--logger=")]
+    return [*args, "--logger=kcoral.server.cli.quiet_log_observer", "kcoral", *flags]
 
 
 def _version() -> str:
@@ -105,7 +124,12 @@ class _KcoralServiceMaker:
         return options
 
     def makeService(self, options: usage.Options) -> IService:
-        service: IService = self._plugin.makeService(options)
+        # The plugin's module (kcoral.server.tap), asked for kcoral's own
+        # console mirror: `kcoral server` leaves kcoral events out of twistd's.
+        from kcoral.server import tap
+
+        assert isinstance(options, tap.Options)
+        service: IService = tap.makeService(options, console_mirror=True)
         return service
 
 
@@ -226,7 +250,8 @@ def _server(
     twistd_config = ServerOptions(stdout=out)  # type: ignore[no-untyped-call]
     twistd_config._getPlugins = get_plugins
     try:
-        twistd_config.parseOptions(twistd_args(flags))  # type: ignore[no-untyped-call]
+        quiet = not config.log_console or config.log_level not in ("debug", "info")
+        twistd_config.parseOptions(twistd_args(flags, quiet=quiet))  # type: ignore[no-untyped-call]
     except usage.UsageError as e:
         err.write(f"kcoral server: error: {e}\n")
         return 2

@@ -574,7 +574,8 @@ def install_observers(
         L{LogSetup.close} removes them too.
 
     @param config: a L{kcoral.config.ServerConfig} (only C{log_dir},
-        C{log_console} and C{log_programs} are read).
+        C{log_console}, C{log_programs} and C{log_level} are read): events
+        below C{log_level} are neither written nor mirrored.
     @param publisher: where observers are added and later removed;
         L{globalLogPublisher} by default.
     @param log_beginner: when given (a plain process outside twistd), its
@@ -590,6 +591,7 @@ def install_observers(
     """
     if publisher is None:
         publisher = globalLogPublisher
+    level = LogLevel.levelWithName(getattr(config, "log_level", "info"))
     observers: list[Any] = []
     run_dir = None
     recorder = None
@@ -606,13 +608,15 @@ def install_observers(
             rotateLength=rotate_length,
             maxRotatedFiles=max_rotated_files,
         )
-        observers.append(JsonEventObserver(events_file))
+        observers.append(JsonEventObserver(events_file, min_level=level))
         if config.log_programs:
             recorder = ProgramRecorder(run_dir.programs_dir)
     if config.log_console:
-        console = ConsoleObserver(console_stream)
+        console = ConsoleObserver(console_stream, min_level=level)
         observers.append(console)
-        observers.append(twisted_console_observer(console.stream))
+        # Twisted's own events: warnings and worse, or fewer at a higher level.
+        twisted_level = max(level, LogLevel.warn)
+        observers.append(twisted_console_observer(console.stream, twisted_level))
     observers.extend(extra_observers)
     if log_beginner is not None:
         log_beginner.beginLoggingTo(observers, redirectStandardIO=False)

@@ -11,6 +11,9 @@ Counters and histograms (from events):
 
   - C{kcoral_requests_total{outcome}}: C{request_finished} by
     C{finish_reason}.
+  - C{kcoral_request_duration_seconds{outcome}}: from a request's
+    C{request_received} to its C{request_finished} (the event times), by
+    C{finish_reason}: the latency the server adds up, queueing included.
   - C{kcoral_worker_replacements_total{reason}}: C{worker_retired} by
     C{reason}.
   - C{kcoral_lease_wait_seconds{gpu}}, C{kcoral_lease_held_seconds{gpu}}:
@@ -25,6 +28,9 @@ Gauges (from C{state()}): C{kcoral_queue_length}, C{kcoral_active_requests},
 C{kcoral_request_capacity}, C{kcoral_cache_bytes{cache}},
 C{kcoral_lease_depth{gpu}}.
 
+C{kcoral_build_info{version, python, twisted}} is always 1; its labels
+name what is running.
+
 The registry is private to the instance, so several servers (or tests) in
 one process do not share counters.
 """
@@ -34,7 +40,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, Info
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
@@ -82,6 +88,28 @@ LEASE_BUCKETS = (
 )
 
 _CACHES = ("memory", "disk")
+
+#: Requests received and not yet finished that are remembered for the
+#: duration histogram; beyond this the oldest are forgotten.
+MAX_OPEN_REQUESTS = 10000
+
+
+def build_info() -> dict[str, str]:
+    """The labels of C{kcoral_build_info}: kcoral, Python and Twisted versions."""
+    import platform
+    from importlib import metadata
+
+    def version(distribution: str) -> str:
+        try:
+            return metadata.version(distribution)
+        except metadata.PackageNotFoundError:
+            return "unknown"
+
+    return {
+        "version": version("kcoral-server"),
+        "python": platform.python_version(),
+        "twisted": version("twisted"),
+    }
 
 
 def _number(value: Any) -> float | None:
@@ -174,6 +202,16 @@ class Metrics:
             ["outcome"],
             registry=self.registry,
         )
+        self.request_duration = Histogram(
+            "kcoral_request_duration_seconds",
+            "Time from receiving a request to finishing it, by outcome (finish_reason).",
+            ["outcome"],
+            buckets=LEASE_BUCKETS,
+            registry=self.registry,
+        )
+        self.build = Info("kcoral_build", "The running kcoral.", registry=self.registry)
+        self.build.info(build_info())
+        self._received: dict[str, float] = {}
         self.worker_replacements = Counter(
             "kcoral_worker_replacements",
             "Workers retired and replaced, by reason.",
@@ -235,8 +273,19 @@ class Metrics:
             pass
 
     def _observe(self, name: str, event: Mapping[str, Any]) -> None:
-        if name == "request_finished":
-            self.requests.labels(outcome=str(event.get("finish_reason") or "unknown")).inc()
+        if name == "request_received":
+            received = _number(event.get("log_time"))
+            if received is not None:
+                self._received[str(event.get("request_id"))] = received
+                while len(self._received) > MAX_OPEN_REQUESTS:
+                    del self._received[next(iter(self._received))]
+        elif name == "request_finished":
+            outcome = str(event.get("finish_reason") or "unknown")
+            self.requests.labels(outcome=outcome).inc()
+            received = self._received.pop(str(event.get("request_id")), None)
+            finished = _number(event.get("log_time"))
+            if received is not None and finished is not None:
+                self.request_duration.labels(outcome=outcome).observe(max(0.0, finished - received))
             gpu = event.get("gpu_id")
             if gpu is not None:
                 wait = _number(event.get("lease_wait_ms"))

@@ -365,6 +365,18 @@ class KCoralService(service.MultiService):
         recorder = log_setup.recorder
         if recorder is not None:
             self.api.save_program = lambda rid, data: self.run_blocking(recorder.save, rid, data)
+        self._start_retention(None if run_dir is None else run_dir.path)
+
+    def _start_retention(self, run_path: Path | None) -> None:
+        """Prune old runs and saved programs hourly (docs/logs.md): a child started now."""
+        from kcoral.server.retention import RetentionPolicy, RetentionService
+
+        policy = RetentionPolicy.from_config(self.config)
+        if run_path is None or not policy.enabled:
+            return
+        RetentionService(
+            run_path.parent, run_path, policy, self.run_blocking, self._reactor
+        ).setServiceParent(self)
 
     # -- start and stop ---------------------------------------------------------
 

@@ -3,8 +3,10 @@
 The operator status page: C{GET /status} and C{GET /status.json}.
 
   - L{RecentRequests} is an L{ILogObserver} that remembers the requests in
-    flight (from C{request_routed}) and the last finished ones (from
-    C{request_finished}).
+    flight (from C{request_routed}), the last finished ones (from
+    C{request_finished}) and, apart from those so that a busy server does
+    not scroll them away, the last failures (L{FAILURE_REASONS} and the
+    worker and start-up events in L{FAILURE_EVENTS}).
   - L{status_snapshot} merges the C{/health} dictionary and those requests
     into the JSON the page reads.
   - L{STATUS_PAGE} is one self-contained HTML page (no framework, no
@@ -25,7 +27,22 @@ from zope.interface import implementer
 
 from kcoral.server.logs import format_timestamp
 
-__all__ = ["STATUS_PAGE", "RecentRequests", "status_snapshot"]
+__all__ = ["FAILURE_EVENTS", "FAILURE_REASONS", "STATUS_PAGE", "RecentRequests", "status_snapshot"]
+
+#: C{request_finished} reasons that are the server's failures (a program's
+#: own error, C{program_failed}, is the user's business).
+FAILURE_REASONS = frozenset({"crashed", "server_error", "timeout", "no_worker", "rejected"})
+
+#: Other events shown among the failures.
+FAILURE_EVENTS = frozenset(
+    {"worker_failed", "worker_replace_failed", "server_start_failed", "sandbox_disabled"}
+)
+
+
+def _short(value: Any, limit: int = 300) -> Any:
+    if isinstance(value, str) and len(value) > limit:
+        return value[:limit] + "..."
+    return value
 
 
 @implementer(ILogObserver)
@@ -40,13 +57,15 @@ class RecentRequests:
     C{worker_id}, C{gpu_id}, C{queue_ms}, C{time} (when it was routed).
     """
 
-    def __init__(self, maxlen: int = 50, max_in_flight: int = 1000) -> None:
+    def __init__(self, maxlen: int = 50, max_in_flight: int = 1000, max_failures: int = 20) -> None:
         """
         @param maxlen: finished requests kept.
         @param max_in_flight: in-flight entries kept; the oldest are dropped
             beyond this (a request whose server died never finishes).
+        @param max_failures: failures kept.
         """
         self._finished: deque[dict[str, Any]] = deque(maxlen=maxlen)
+        self._failures: deque[dict[str, Any]] = deque(maxlen=max_failures)
         self._in_flight: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._max_in_flight = max_in_flight
 
@@ -56,6 +75,25 @@ class RecentRequests:
             self._routed(event)
         elif name == "request_finished":
             self._finished_event(event)
+            if event.get("finish_reason") in FAILURE_REASONS:
+                self._failure(event, str(event.get("finish_reason")))
+        elif name in FAILURE_EVENTS:
+            self._failure(event, str(event.get("phase") or event.get("reason") or name))
+
+    def _failure(self, event: Mapping[str, Any], reason: str) -> None:
+        message = event.get("error_message") or event.get("error") or event.get("message")
+        self._failures.append(
+            {
+                "time": format_timestamp(event.get("log_time")),
+                "event": event.get("kcoral_event"),
+                "reason": reason,
+                "request_id": event.get("request_id"),
+                "worker_id": event.get("worker_id"),
+                "http_status": event.get("http_status"),
+                "error_kind": event.get("error_kind"),
+                "message": _short(message),
+            }
+        )
 
     def _routed(self, event: Mapping[str, Any]) -> None:
         request_id = event.get("request_id")
@@ -93,6 +131,12 @@ class RecentRequests:
         """
         return [dict(entry) for entry in reversed(self._finished)]
 
+    def failures(self) -> list[dict[str, Any]]:
+        """
+        The recent failures, newest first (copies).
+        """
+        return [dict(entry) for entry in reversed(self._failures)]
+
     def in_flight(self) -> list[dict[str, Any]]:
         """
         The routed, unfinished requests, oldest first (copies).
@@ -121,7 +165,8 @@ def status_snapshot(health: Mapping[str, Any], recent: RecentRequests) -> dict[s
     @return: a JSON-ready dictionary: C{status}, C{instance_id},
         C{started_at}, C{target}, C{load}, C{queue_length},
         C{active_requests}, C{request_capacity}, C{workers}, C{gpus},
-        C{in_flight} and C{recent} (newest first).
+        C{in_flight}, C{recent} and C{failures} (newest first), and
+        C{sandbox} (the worker isolation in use: C{bubblewrap} or C{none}).
     """
     workers = [
         {
@@ -144,6 +189,7 @@ def status_snapshot(health: Mapping[str, Any], recent: RecentRequests) -> dict[s
     ]
     return {
         "status": health.get("status"),
+        "sandbox": health.get("sandbox"),
         "instance_id": health.get("instance_id"),
         "started_at": health.get("started_at"),
         "target": health.get("target"),
@@ -155,6 +201,7 @@ def status_snapshot(health: Mapping[str, Any], recent: RecentRequests) -> dict[s
         "gpus": gpus,
         "in_flight": recent.in_flight(),
         "recent": recent.recent(),
+        "failures": recent.failures(),
     }
 
 
@@ -195,6 +242,9 @@ td.num { text-align: right; font-variant-numeric: tabular-nums; }
 <table id="recent"><thead><tr><th>time</th><th>request_id</th><th>finish_reason</th>
 <th>http_status</th><th>worker_id</th><th>queue_ms</th><th>elapsed_ms</th></tr></thead>
 <tbody></tbody></table>
+<h2>Recent failures</h2>
+<table id="failures"><thead><tr><th>time</th><th>event</th><th>reason</th><th>request_id</th>
+<th>worker_id</th><th>http_status</th><th>error</th></tr></thead><tbody></tbody></table>
 <script>
 "use strict";
 function text(v) { return v === null || v === undefined ? "" : String(v); }
@@ -243,9 +293,15 @@ function render(s) {
             text(r.http_status), text(r.worker_id), [ms(r.queue_ms), "num"],
             [ms(r.elapsed_ms), "num"]];
   });
+  fill("failures", s.failures, function (f) {
+    return [text(f.time), text(f.event), [text(f.reason), "bad"], text(f.request_id),
+            text(f.worker_id), text(f.http_status),
+            text(f.error_kind ? f.error_kind + ": " + text(f.message) : f.message)];
+  });
   var state = document.getElementById("state");
   state.className = "";
-  state.textContent = text(s.status) + " \\u00b7 instance " + text(s.instance_id) +
+  state.textContent = text(s.status) + " \\u00b7 sandbox " + text(s.sandbox) +
+    " \\u00b7 instance " + text(s.instance_id) +
     " \\u00b7 started " + text(s.started_at) + " \\u00b7 updated " + new Date().toISOString();
 }
 function poll() {

@@ -29,7 +29,14 @@ from typing import TYPE_CHECKING, Any
 from twisted.internet.endpoints import quoteStringArgument
 from twisted.python import usage
 
-from kcoral.config import DEVICES, SANDBOXES, TENSOR_APIS, ServerConfig, default_disk_cache_dir
+from kcoral.config import (
+    DEVICES,
+    LOG_LEVELS,
+    SANDBOXES,
+    TENSOR_APIS,
+    ServerConfig,
+    default_disk_cache_dir,
+)
 
 if TYPE_CHECKING:
     from twisted.application.service import MultiService
@@ -105,6 +112,9 @@ _FIELD_FLAGS: Mapping[str, str] = {
     "device": "device",
     "num_workers": "num-workers",
     "tensor_api": "tensor-api",
+    "log_level": "log-level",
+    "log_retention_days": "log-retention-days",
+    "log_retention_mbytes": "log-retention-mbytes",
 }
 
 _FIELD_RE = re.compile(r"\b(" + "|".join(_FIELD_FLAGS) + r")\b(?![=_])")
@@ -227,6 +237,23 @@ class Options(usage.Options):
             "Directory of run logs and saved programs; '' disables file logging "
             "(env KCORAL_LOG_DIR).",
         ],
+        [
+            "log-level",
+            None,
+            _DEFAULTS.log_level,
+            f"Least severe event written to events.jsonl and the console, {_choices(LOG_LEVELS)}.",
+        ],
+        _float_param(
+            "log-retention-days",
+            _DEFAULTS.log_retention_days,
+            "Delete run directories (events, saved programs) older than this; 0 keeps them.",
+        ),
+        _int_param(
+            "log-retention-mbytes",
+            _DEFAULTS.log_retention_mbytes,
+            "Delete the oldest run directories while all together exceed this many MiB; "
+            "0 sets no bound.",
+        ),
         ["sandbox", None, _DEFAULTS.sandbox, f"Worker isolation, {_choices(SANDBOXES)}."],
         [
             "tensor-api",
@@ -335,6 +362,11 @@ class Options(usage.Options):
             raise usage.UsageError(
                 f"--tensor-api must be one of {', '.join(TENSOR_APIS)}, got {tensor_api!r}"
             )
+        log_level = self["log-level"]
+        if log_level not in LOG_LEVELS:
+            raise usage.UsageError(
+                f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}"
+            )
         gpus = self._parse_gpus(self["gpus"])
         host = self["host"]
         if not host:
@@ -380,6 +412,9 @@ class Options(usage.Options):
                 device=device,
                 num_workers=self["num-workers"],
                 tensor_api=tensor_api,
+                log_level=log_level,
+                log_retention_days=self["log-retention-days"],
+                log_retention_mbytes=self["log-retention-mbytes"],
             )
         except ValueError as e:
             raise usage.UsageError(_flag_message(str(e))) from None
@@ -413,15 +448,27 @@ def endpoint_description(host: str, port: int) -> str:
     return f"tcp:port={port}:interface={interface}"
 
 
-def makeService(options: Options) -> MultiService:
+def makeService(options: Options, *, console_mirror: bool = False) -> MultiService:
     """
     Build the root service from parsed options (the L{IServiceMaker} hook).
 
+    Under plain twistd, twistd's own log observer already writes every event
+    (kcoral's included) to its log file or the terminal, so kcoral's console
+    mirror stays off there: each event appears once, where twistd's
+    C{--logfile}/C{--syslog} send it.  C{kcoral server} installs a twistd
+    logger that leaves kcoral events out and asks for the mirror instead.
+
     @param options: an L{Options} whose C{postOptions} has run.
+    @param console_mirror: keep C{config.log_console} as parsed.
     @return: the service made by L{kcoral.server.service.makeService}.
     """
     # Imported here so that parsing options never loads the service tree.
+    import attrs
+
     from kcoral.server.service import makeService as make_root_service
 
-    root: MultiService = make_root_service(options.config, options.endpoint)
+    config = options.config
+    if not console_mirror:
+        config = attrs.evolve(config, log_console=False)
+    root: MultiService = make_root_service(config, options.endpoint)
     return root

@@ -554,13 +554,10 @@ class _RunningJob:
             self._instruction_finished()
             self.instruction_index = index
             self.instruction_started[index] = self._clock()
-            self.worker.log.info(
+            self._event(
+                "instruction_started",
                 "request {request_id}: instruction {index} started on {worker_id}",
-                kcoral_event="instruction_started",
-                request_id=self.job.request_id,
-                worker_id=self.worker.seat,
-                index=index,
-                op=_op_of(self.job, index),
+                index,
             )
             if self.on_instruction is not None:
                 self.on_instruction(index)
@@ -585,14 +582,23 @@ class _RunningJob:
         index = self.instruction_index
         if index is None:
             return
-        self.worker.log.info(
+        self._event(
+            "instruction_finished",
             "request {request_id}: instruction {index} finished on {worker_id}",
-            kcoral_event="instruction_finished",
+            index,
+            elapsed_ms=(self._clock() - self.instruction_started[index]) * 1000.0,
+        )
+
+    def _event(self, event: str, text: str, index: int, **fields: Any) -> None:
+        """Log instruction event C{event} of this job's instruction C{index}."""
+        self.worker.log.info(
+            text,
+            kcoral_event=event,
             request_id=self.job.request_id,
             worker_id=self.worker.seat,
             index=index,
             op=_op_of(self.job, index),
-            elapsed_ms=(self._clock() - self.instruction_started[index]) * 1000.0,
+            **fields,
         )
 
     def _acquire_lease(self) -> None:

@@ -9,7 +9,8 @@ each handle binds the value its instruction produced, the first failure stops
 the program, and completed returns survive a later failure.  Around every
 instruction it places the GPU lease as spec/server.md §4.3 says, and it
 announces each instruction to the parent before running it so that a crash
-can be attributed.
+can be attributed.  Workspace file I/O is in L{kcoral.worker.files}, the
+checks of a reused worker in L{kcoral.worker.reuse}.
 
 Nothing here imports Twisted: the worker has no reactor.
 """
@@ -20,15 +21,11 @@ import builtins as _python_builtins
 import contextlib
 import gc
 import hashlib
-import importlib
 import linecache
 import os
-import signal
-import stat
 import sys
-import threading
 import traceback
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -59,21 +56,26 @@ from kcoral.wire.values import (
     PartCollector,
     SerializationError,
     encode_plain,
-    file_node,
     numpy_tensor_parts,
 )
-from kcoral.worker import runtime
+from kcoral.worker import files, reuse, runtime
 from kcoral.worker.builtins import CudaSource
 from kcoral.worker.capture import Captured, OutputCapture
+from kcoral.worker.files import Budget, collect_file, collect_folder, materialize_file
+from kcoral.worker.reuse import ProcessState, child_processes, terminate
 
 # ---------------------------------------------------------------------------
 # Error objects
 
 
+#: The interpreter's own modules: their frames are left out of tracebacks.
+_OWN_FILES = frozenset({__file__, files.__file__, reuse.__file__})
+
+
 def _format_traceback(exc: BaseException) -> str:
     """The traceback of C{exc} without this module's frames."""
     frames = traceback.extract_tb(exc.__traceback__)
-    kept = traceback.StackSummary.from_list([f for f in frames if f.filename != __file__])
+    kept = traceback.StackSummary.from_list([f for f in frames if f.filename not in _OWN_FILES])
     lines = ["Traceback (most recent call last):\n"] if kept else []
     lines += kept.format()
     lines += traceback.format_exception_only(type(exc), exc)
@@ -103,6 +105,19 @@ def _user_failure(exc: Exception) -> _Failure:
     return _Failure("engine", _describe(exc), exc)
 
 
+def _library_call(call: Callable[[], Any], message: Callable[[Exception], str]) -> Any:
+    """
+    Run an operation on an uploaded library: an L{ExecutionError} keeps its
+    kind, any other exception is a C{compile} failure with C{message(e)}.
+    """
+    try:
+        return call()
+    except ExecutionError as e:
+        raise _user_failure(e) from None
+    except Exception as e:
+        raise _Failure("compile", message(e), e) from None
+
+
 # ---------------------------------------------------------------------------
 # Value encoding (protocol §7)
 
@@ -124,327 +139,6 @@ def encode_value(
         return found if found is not None else numpy_tensor_parts(candidate)
 
     return encode_plain(value, parts, any_tensor)
-
-
-# ---------------------------------------------------------------------------
-# Paths, file uploads and file/folder returns
-
-
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-@contextlib.contextmanager
-def _open_parent(workspace: str, components: list[str], create: bool) -> Iterator[int]:
-    """
-    Yield a directory fd for C{components} below C{workspace}, opening each
-    component without following symbolic links (and creating missing ones
-    with mode 0700 when C{create}).
-    """
-    fd = os.open(workspace, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        for component in components:
-            if create:
-                try:
-                    os.mkdir(component, 0o700, dir_fd=fd)
-                except FileExistsError:
-                    pass
-            child = os.open(component, _DIR_FLAGS, dir_fd=fd)
-            os.close(fd)
-            fd = child
-        yield fd
-    finally:
-        os.close(fd)
-
-
-def materialize_file(workspace: str, path: str, data: bytes) -> None:
-    """Create C{path} (normalized) below C{workspace} exclusively, mode 0600."""
-    *parents, name = path.split("/")
-    with _open_parent(workspace, parents, create=True) as parent:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(name, flags, 0o600, dir_fd=parent)
-        try:
-            os.fchmod(fd, 0o600)
-            view = memoryview(data)
-            while view:
-                written = os.write(fd, view)
-                view = view[written:]
-        finally:
-            os.close(fd)
-
-
-class _Budget:
-    """Bytes that file and folder returns may still add to the response."""
-
-    def __init__(self, remaining: int) -> None:
-        self.remaining = remaining
-
-    def take(self, count: int) -> None:
-        if count > self.remaining:
-            raise SerializationError("file return exceeds max_response_bytes binary budget")
-        self.remaining -= count
-
-
-def _read_regular(dir_fd: int, name: str, budget: _Budget) -> bytes:
-    before = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-    if stat.S_ISLNK(before.st_mode):
-        raise SerializationError(f"{name!r} is a symbolic link")
-    if not stat.S_ISREG(before.st_mode):
-        raise SerializationError(f"{name!r} is not a regular file")
-    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
-    try:
-        opened = os.fstat(fd)
-        if (opened.st_dev, opened.st_ino) != (before.st_dev, before.st_ino):
-            raise SerializationError(f"{name!r} changed while it was read")
-        budget.take(opened.st_size)
-        chunks = []
-        remaining = opened.st_size + 1
-        while remaining > 0:
-            chunk = os.read(fd, min(remaining, 1 << 20))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            remaining -= len(chunk)
-        data = b"".join(chunks)
-        after = os.fstat(fd)
-    finally:
-        os.close(fd)
-    if len(data) != opened.st_size or (after.st_size, after.st_mtime_ns) != (
-        opened.st_size,
-        opened.st_mtime_ns,
-    ):
-        raise SerializationError(f"{name!r} changed while it was read")
-    return data
-
-
-def _file_node(data: bytes, parts: PartCollector) -> dict[str, Any]:
-    name, sha = parts.add(data)
-    return file_node(name, sha, len(data))
-
-
-def collect_file(
-    workspace: str, path: str, parts: PartCollector, budget: _Budget
-) -> dict[str, Any]:
-    """Capture the regular file at C{path} (protocol §7.3)."""
-    *parents, name = path.split("/")
-    with _open_parent(workspace, parents, create=False) as parent:
-        return _file_node(_read_regular(parent, name, budget), parts)
-
-
-def collect_folder(
-    workspace: str, path: str, parts: PartCollector, budget: _Budget
-) -> dict[str, Any]:
-    """Capture the folder at C{path}: every file and directory, no symlinks."""
-    components = path.split("/")
-    files: dict[str, bytes] = {}
-    directories: list[str] = []
-    seen: set[tuple[int, int]] = set()
-
-    def walk(fd: int, prefix: str) -> None:
-        info = os.fstat(fd)
-        if (info.st_dev, info.st_ino) in seen:
-            raise SerializationError(f"directory {prefix or '.'!r} was reached twice")
-        seen.add((info.st_dev, info.st_ino))
-        for entry in sorted(os.listdir(fd)):
-            relative = f"{prefix}{entry}"
-            mode = os.stat(entry, dir_fd=fd, follow_symlinks=False).st_mode
-            if stat.S_ISDIR(mode):
-                directories.append(relative)
-                child = os.open(entry, _DIR_FLAGS, dir_fd=fd)
-                try:
-                    walk(child, relative + "/")
-                finally:
-                    os.close(child)
-            elif stat.S_ISREG(mode):
-                files[relative] = _read_regular(fd, entry, budget)
-            elif stat.S_ISLNK(mode):
-                raise SerializationError(f"{relative!r} is a symbolic link")
-            else:
-                raise SerializationError(f"{relative!r} is not a regular file or directory")
-
-    with _open_parent(workspace, components, create=False) as root:
-        walk(root, "")
-    return {
-        "type": "folder",
-        "files": {key: _file_node(files[key], parts) for key in sorted(files)},
-        "directories": sorted(directories),
-    }
-
-
-# ---------------------------------------------------------------------------
-# Process state for reuse mode (spec/server.md §3.6)
-
-
-def _under(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip("/") + "/")
-
-
-def _sandbox_processes() -> list[int] | None:
-    """
-    Inside a private PID namespace (bubblewrap), every process except the
-    namespace's init and this worker: orphans re-parented to init included.
-    C{None} when this worker does not run in its own PID namespace.
-    """
-    try:
-        if os.readlink("/proc/self/ns/pid") == os.readlink("/proc/1/ns/pid"):
-            with open("/proc/1/cmdline", "rb") as f:
-                init = f.read().split(b"\0", 1)[0]
-            if not init.endswith(b"bwrap"):
-                return None
-        else:
-            return None
-    except OSError:
-        return None
-    me = os.getpid()
-    return [int(e) for e in os.listdir("/proc") if e.isdigit() and int(e) not in (1, me)]
-
-
-def _terminate(pids: list[int]) -> None:
-    """SIGKILL C{pids} and reap those that are our children."""
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-    for pid in pids:
-        try:
-            os.waitpid(pid, 0)
-        except OSError:
-            pass  # not our child (re-parented to the sandbox's init)
-
-
-def _proc_children(pid: int) -> list[int] | None:
-    """Direct children of C{pid} from procfs, or C{None} where the kernel lacks the file."""
-    found: list[int] = []
-    try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                found.extend(int(child) for child in f.read().split())
-    except FileNotFoundError:
-        return None
-    except OSError:
-        return []
-    return found
-
-
-def _descendants() -> list[int] | None:
-    """All descendants of this process, read from procfs without a full scan."""
-    result: list[int] = []
-    pending = [os.getpid()]
-    while pending:
-        children = _proc_children(pending.pop())
-        if children is None:
-            return None
-        result.extend(children)
-        pending.extend(children)
-    return result
-
-
-def _child_processes() -> list[int]:
-    sandboxed = _sandbox_processes()
-    if sandboxed is not None:
-        return sandboxed
-    descendants = _descendants()
-    if descendants is not None:
-        return descendants
-    try:
-        import psutil
-    except ImportError:
-        pids = []
-        me = str(os.getpid())
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if fields[1] == me:
-                pids.append(int(entry))
-        return pids
-    return [child.pid for child in psutil.Process().children(recursive=True)]
-
-
-def _open_fds_under(root: str) -> list[str]:
-    found = []
-    try:
-        entries = os.listdir("/proc/self/fd")
-    except OSError:  # pragma: no cover - not Linux
-        return []
-    for entry in entries:
-        try:
-            target = os.readlink(f"/proc/self/fd/{entry}")
-        except OSError:
-            continue
-        if _under(target, root):
-            found.append(target)
-    return found
-
-
-@attrs.define
-class ProcessState:
-    """
-    What a reused worker restores after each program: the environment,
-    C{sys.path}, modules imported from the workspace; and the baseline that
-    leftover threads are compared against.
-    """
-
-    environ: dict[str, str]
-    path: list[str]
-    modules: frozenset[str]
-    threads: frozenset[int]
-
-    @classmethod
-    def snapshot(cls) -> ProcessState:
-        return cls(
-            environ=dict(os.environ),
-            path=list(sys.path),
-            modules=frozenset(sys.modules),
-            threads=frozenset(t.ident or 0 for t in threading.enumerate()),
-        )
-
-    def leftovers(self, workspace: str, children: list[int] | None = None) -> list[str]:
-        """
-        Describe threads, child processes and open files the program left behind.
-
-        @param children: the child processes already found, if the caller looked.
-        """
-        root = os.path.realpath(workspace)
-        found = []
-        threads = [t.name for t in threading.enumerate() if (t.ident or 0) not in self.threads]
-        if threads:
-            found.append(f"threads: {', '.join(threads)}")
-        if children is None:
-            children = _child_processes()
-        if children:
-            found.append(f"child processes: {children}")
-        fds = _open_fds_under(root)
-        if fds:
-            found.append(f"open files: {fds}")
-        return found
-
-    def restore(self, workspace: str) -> None:
-        """Put the environment, C{sys.path} and the module table back."""
-        for name in list(os.environ):
-            if name not in self.environ:
-                del os.environ[name]
-        for name, value in self.environ.items():
-            if os.environ.get(name) != value:
-                os.environ[name] = value
-        sys.path[:] = self.path
-        root = os.path.realpath(workspace)
-        for name, module in list(sys.modules.items()):
-            if name in self.modules:
-                continue
-            origin = getattr(module, "__file__", None)
-            paths = list(getattr(module, "__path__", None) or [])
-            if origin:
-                paths.append(origin)
-            if any(_under(os.path.realpath(p), root) for p in paths if isinstance(p, str)):
-                del sys.modules[name]
-        importlib.invalidate_caches()
-        for key in [k for k in linecache.cache if k.startswith("<uploaded:")]:
-            del linecache.cache[key]
 
 
 # ---------------------------------------------------------------------------
@@ -522,11 +216,11 @@ class Engine:
         finally:
             captured = capture.stop()
         retire = run.cleanup()
-        leftover_pids = _child_processes()
+        leftover_pids = child_processes()
         if leftover_pids:
             # Background work must finish before a program returns: stop it,
             # and fail a program that otherwise completed (spec §6.3).
-            _terminate(leftover_pids)
+            terminate(leftover_pids)
             retire = retire or RETIRE_REQUEST_LIMIT
             if run.error is None and run.last is not None:
                 run.error = run._error(
@@ -743,14 +437,10 @@ class _ProgramRun:
 
     def _upload_library(self, instruction: Upload) -> Any:
         data = self._blob(instruction.blob)
-        try:
-            library = self.backend.load_library(data)
-        except ExecutionError as e:
-            raise _user_failure(e) from None
-        except Exception as e:
-            raise _Failure(
-                "compile", f"cannot load the uploaded library: {_describe(e)}", e
-            ) from None
+        library = _library_call(
+            lambda: self.backend.load_library(data),
+            lambda e: f"cannot load the uploaded library: {_describe(e)}",
+        )
         if instruction.id is not None:
             self.handles.libraries.add(instruction.id)
         return library
@@ -786,14 +476,10 @@ class _ProgramRun:
             except ExecutionError as e:
                 raise _user_failure(e) from None
         if target in self.handles.libraries:
-            try:
-                return module.get_function(name)
-            except ExecutionError as e:
-                raise _user_failure(e) from None
-            except Exception as e:
-                raise _Failure(
-                    "compile", f"the uploaded library exports no function {name!r}", e
-                ) from None
+            return _library_call(
+                lambda: module.get_function(name),
+                lambda e: f"the uploaded library exports no function {name!r}",
+            )
         if self.backend.name == "cpu":
             raise _Failure("unavailable", "get_function expects an uploaded Python module")
         raise _Failure("runtime", "get_function expects an uploaded module or library handle")
@@ -848,7 +534,7 @@ class _ProgramRun:
                         f"the path handle holds {type(path).__name__}, not a string"
                     )
             path = normalize_path(path)  # type: ignore[arg-type]
-            budget = _Budget(self.request.max_response_bytes - self.parts.total_bytes)
+            budget = Budget(self.request.max_response_bytes - self.parts.total_bytes)
             collect = collect_file if kind == "file" else collect_folder
             return collect(self.request.workspace, path, self.parts, budget)
         except (SerializationError, OSError, ValueError) as e:

@@ -14,7 +14,8 @@ What uploaded Python receives for a tensor depends on C{tensor_api}:
  - C{"auto"}: C{"torch"} when torch can be imported, else C{"pycuda"}.
 
 This module imports neither PyCUDA nor torch at import time, so it can be
-imported (and its host-side helpers tested) on machines without a GPU.
+imported on machines without a GPU; its host-side tensor helpers are in
+L{kcoral.worker.tensors}, the builtins in L{kcoral.worker.gpu_builtins}.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import gc
 import math
 import platform
 import re
-import shutil
 import subprocess
 import sys
 from typing import Any
@@ -31,9 +31,22 @@ from typing import Any
 import numpy as np
 from zope.interface import implementer
 
+from kcoral.compilers.nvcc import find_nvcc
 from kcoral.errors import ExecutionError
 from kcoral.wire.program import DTYPES
+from kcoral.wire.values import numpy_dtype
+from kcoral.worker.gpu_builtins import GPU_BUILTINS
 from kcoral.worker.interfaces import IDeviceBackend
+from kcoral.worker.tensors import (
+    dtype_name,
+    element_type_name,
+    is_cupy_array,
+    is_gpuarray,
+    is_torch_tensor,
+    numpy_parts,
+    to_host,
+    torch_parts,
+)
 
 #: Values of C{--tensor-api}.
 TENSOR_APIS = ("auto", "torch", "pycuda")
@@ -47,175 +60,6 @@ _STORAGE = {
     8: np.dtype(np.int64),
 }
 _TORCH_STORAGE = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
-
-#: The floating-point names among the twelve.
-FLOATING_DTYPES = frozenset(
-    {"float16", "bfloat16", "float32", "float64", "float8_e4m3fn", "float8_e5m2"}
-)
-
-
-def numpy_dtype(name: str) -> np.dtype:
-    """
-    The numpy dtype of a protocol dtype name (protocol §4.11); bfloat16 and
-    float8 come from C{ml_dtypes}.
-
-    @raise KeyError: C{name} is not one of the twelve.
-    """
-    if name not in DTYPES:
-        raise KeyError(name)
-    if name in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
-        import ml_dtypes
-
-        return np.dtype(getattr(ml_dtypes, name))
-    return np.dtype(name)
-
-
-def element_type_name(dtype: Any) -> str:
-    """The element type name of a numpy or torch dtype (C{torch.} dropped)."""
-    if isinstance(dtype, np.dtype):
-        return dtype.name
-    name = str(dtype)
-    return name[len("torch.") :] if name.startswith("torch.") else name
-
-
-def dtype_name(dtype: Any) -> str:
-    """
-    The protocol name of a numpy or torch dtype.
-
-    @raise ExecutionError: C{serialization} when it is none of the twelve.
-    """
-    name = element_type_name(dtype)
-    if name not in DTYPES:
-        raise ExecutionError("serialization", f"cannot return tensor dtype {name}")
-    return name
-
-
-def check_shape(shape: Any) -> tuple[int, ...]:
-    """
-    A shape as a tuple of non-negative ints.
-
-    @raise ExecutionError: C{parse} for anything else.
-    """
-    if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
-        shape = (shape,)
-    if not isinstance(shape, (list, tuple)):
-        raise ExecutionError(
-            "parse", f"shape must be a list of non-negative integers, got {shape!r}"
-        )
-    out = []
-    for dim in shape:
-        if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)) or dim < 0:
-            raise ExecutionError(
-                "parse", f"shape must be a list of non-negative integers, got {list(shape)!r}"
-            )
-        out.append(int(dim))
-    return tuple(out)
-
-
-def numpy_parts(array: np.ndarray) -> tuple[str, tuple[int, ...], bytes]:
-    """C{(dtype, shape, little-endian C-contiguous bytes)} of a host array."""
-    name = dtype_name(array.dtype)
-    dtype = array.dtype
-    if dtype.byteorder == ">":
-        array = array.astype(dtype.newbyteorder("<"))
-    return name, tuple(int(d) for d in array.shape), np.ascontiguousarray(array).tobytes()
-
-
-def _is_torch_tensor(value: Any) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(value, torch.Tensor)
-
-
-def _is_cupy_array(value: Any) -> bool:
-    cupy = sys.modules.get("cupy")
-    return cupy is not None and isinstance(value, cupy.ndarray)
-
-
-def _is_gpuarray(value: Any) -> bool:
-    gpuarray = sys.modules.get("pycuda.gpuarray")
-    return gpuarray is not None and isinstance(value, gpuarray.GPUArray)
-
-
-def _torch_parts(tensor: Any) -> tuple[str, tuple[int, ...], bytes]:
-    import torch
-
-    name = dtype_name(tensor.dtype)
-    shape = tuple(int(d) for d in tensor.shape)
-    host = tensor.detach().to("cpu").contiguous().reshape(-1)
-    if host.numel() == 0:
-        return name, shape, b""
-    return name, shape, host.view(torch.uint8).numpy().tobytes()
-
-
-def to_host(value: Any) -> np.ndarray | None:
-    """
-    A host numpy copy of a tensor-like C{value} (GPUArray, torch, cupy,
-    C{__cuda_array_interface__} exporter, numpy array), or C{None}.
-
-    bfloat16 and float8 come back as C{ml_dtypes} arrays.
-    """
-    if isinstance(value, np.ndarray):
-        return value
-    if _is_torch_tensor(value):
-        name, shape, data = _torch_parts(value)
-        return np.frombuffer(data, dtype=numpy_dtype(name)).reshape(shape)
-    if _is_gpuarray(value):
-        return _gpuarray_to_host(value)
-    if _is_cupy_array(value):
-        import cupy
-
-        return cupy.asnumpy(value)
-    cai = getattr(value, "__cuda_array_interface__", None)
-    if isinstance(cai, dict):
-        return _cai_to_host(cai)
-    return None
-
-
-def _gpuarray_to_host(array: Any) -> np.ndarray:
-    if array.size == 0:
-        return np.empty(array.shape, dtype=array.dtype)
-    if array.flags.c_contiguous:
-        return _copy_to_host(int(array.gpudata), array.dtype, tuple(array.shape))
-    return array.get()
-
-
-def _copy_to_host(ptr: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
-    # Copy into a uint8 buffer: numpy cannot export a buffer of an ml_dtypes
-    # dtype to PyCUDA's copy functions.
-    import pycuda.driver as drv
-
-    raw = np.empty(math.prod(shape) * dtype.itemsize, dtype=np.uint8)
-    drv.memcpy_dtoh(raw, ptr)
-    return raw.view(dtype).reshape(shape)
-
-
-def _cai_to_host(cai: dict[str, Any]) -> np.ndarray:
-    import pycuda.driver as drv
-
-    dtype = np.dtype(cai["typestr"])
-    shape = tuple(int(d) for d in cai["shape"])
-    ptr = int(cai["data"][0])
-    strides = cai.get("strides")
-    count = math.prod(shape)
-    drv.Context.synchronize()
-    if count == 0:
-        return np.empty(shape, dtype=dtype)
-    contiguous = strides is None or tuple(strides) == _c_strides(dtype.itemsize, shape)
-    if contiguous:
-        return _copy_to_host(ptr, dtype, shape)
-    from pycuda import gpuarray
-
-    view = gpuarray.GPUArray(shape, dtype, gpudata=ptr, strides=tuple(strides or ()))
-    return view.get()
-
-
-def _c_strides(itemsize: int, shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides = []
-    step = itemsize
-    for dim in reversed(shape):
-        strides.append(step)
-        step *= max(dim, 1)
-    return tuple(reversed(strides))
 
 
 def _pycuda_error_types() -> tuple[type[BaseException], ...]:
@@ -319,7 +163,7 @@ class GpuBackend:
     def upload_tensor(self, data: bytes, dtype: str, shape: tuple[int, ...]) -> Any:
         try:
             np_dtype = numpy_dtype(dtype)
-        except KeyError:
+        except ValueError:
             raise ExecutionError("runtime", f"unsupported tensor dtype {dtype!r}") from None
         shape = tuple(int(d) for d in shape)
         expected = math.prod(shape) * np_dtype.itemsize
@@ -382,9 +226,9 @@ class GpuBackend:
         C{(name, shape, b"")} is returned: the engine's encoder then fails
         the return with C{serialization} "cannot return tensor dtype X".
         """
-        if _is_torch_tensor(value):
+        if is_torch_tensor(value):
             dtype, shape = value.dtype, tuple(value.shape)
-        elif isinstance(value, np.ndarray) or _is_gpuarray(value) or _is_cupy_array(value):
+        elif isinstance(value, np.ndarray) or is_gpuarray(value) or is_cupy_array(value):
             dtype, shape = value.dtype, tuple(value.shape)
         else:
             cai = getattr(value, "__cuda_array_interface__", None)
@@ -394,8 +238,8 @@ class GpuBackend:
         name = element_type_name(dtype)
         if name not in DTYPES:
             return name, tuple(int(d) for d in shape), b""
-        if _is_torch_tensor(value):
-            return _torch_parts(value)
+        if is_torch_tensor(value):
+            return torch_parts(value)
         host = to_host(value)
         assert host is not None
         return numpy_parts(host)
@@ -408,8 +252,6 @@ class GpuBackend:
 
     def builtins(self) -> dict[str, tuple[Any, bool]]:
         """The GPU builtin table, C{name -> (callable, cpu_only)}."""
-        from kcoral.worker.gpu_builtins import GPU_BUILTINS
-
         return dict(GPU_BUILTINS)
 
     # -- libraries ---------------------------------------------------------
@@ -452,7 +294,7 @@ class GpuBackend:
     def l2_flush_buffer(self) -> Any:
         """
         A device allocation twice the L2 size, made once and kept, that
-        L{kcoral.worker.gpu_builtins.benchmark} zeroes before each call.
+        L{kcoral.worker.gpu_builtins.timing.benchmark} zeroes before each call.
         """
         if self._l2_flush is None:
             size = max(2 * self.l2_cache_size(), 4)
@@ -464,7 +306,7 @@ class GpuBackend:
         """
         A one-thread kernel C{spin(u64 ns)} that busy-waits on the GPU's
         global timer, JIT-loaded from PTX once; C{None} if it cannot load.
-        L{kcoral.worker.gpu_builtins.benchmark} runs it before each call when
+        L{kcoral.worker.gpu_builtins.timing.benchmark} runs it before each call when
         the L2 flush is off, so the host is ahead of the GPU when a call's
         start event executes.
         """
@@ -549,7 +391,7 @@ class LibraryFunction:
     A kernel of an uploaded library.  Calling it is PyCUDA's C{Function}
     call (C{f(*args, block=(x, y, z), grid=(x, y), shared=0)}); for a handle
     with fixed geometry and argument types see
-    L{kcoral.worker.gpu_builtins.launcher}.
+    L{kcoral.worker.gpu_builtins.launch.launcher}.
     """
 
     def __init__(self, library: LibraryHandle, name: str, function: Any) -> None:
@@ -603,18 +445,9 @@ def _nvidia_driver_version() -> str | None:
     return match.group(1) if match else None
 
 
-def find_nvcc() -> str | None:
-    """The nvcc on C{PATH}, else C{/usr/local/cuda/bin/nvcc} if present."""
-    found = shutil.which("nvcc")
-    if found:
-        return found
-    fallback = "/usr/local/cuda/bin/nvcc"
-    return fallback if shutil.which(fallback) else None
-
-
 def nvcc_version() -> str | None:
     """C{"13.0.48"} from C{nvcc --version}, or C{None}."""
-    nvcc = find_nvcc()
+    nvcc, _ = find_nvcc()
     if nvcc is None:
         return None
     try:

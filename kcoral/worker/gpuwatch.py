@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from kcoral.errors import GPUAccessViolation
@@ -59,6 +59,21 @@ def _trap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     return trapped
 
 
+def _present(
+    owner: Any, names: Sequence[str], prefix: str, own: bool = False
+) -> Iterator[tuple[Any, str, str]]:
+    """
+    C{(owner, name, "prefix.name")} for each of C{names} that C{owner} has
+    (nothing when C{owner} is C{None}); with C{own}, only those it defines
+    itself, not inherited ones.
+    """
+    if owner is None:
+        return
+    for attr in names:
+        if (attr in vars(owner)) if own else hasattr(owner, attr):
+            yield owner, attr, f"{prefix}.{attr}"
+
+
 def _targets() -> Iterator[tuple[Any, str, str]]:
     """(owner, attribute, reported name) for every entry point to wrap."""
     driver = sys.modules.get("pycuda.driver")
@@ -70,54 +85,31 @@ def _targets() -> Iterator[tuple[Any, str, str]]:
             if callable(value) and not isinstance(value, type):
                 yield driver, attr, f"pycuda.driver.{attr}"
         for cls_name in ("Function", "Stream", "Event", "Context", "DeviceAllocation"):
-            cls = getattr(driver, cls_name, None)
-            if cls is None:
-                continue
-            for attr in (
-                "__call__",
-                "prepared_call",
-                "synchronize",
-                "record",
-                "query",
-                "push",
-                "free",
-            ):
-                if attr in vars(cls):
-                    yield cls, attr, f"pycuda.driver.{cls_name}.{attr}"
+            yield from _present(
+                getattr(driver, cls_name, None),
+                ("__call__", "prepared_call", "synchronize", "record", "query", "push", "free"),
+                f"pycuda.driver.{cls_name}",
+                own=True,
+            )
     gpuarray = sys.modules.get("pycuda.gpuarray")
-    if gpuarray is not None:
-        for attr in (
-            "to_gpu",
-            "to_gpu_async",
-            "empty",
-            "zeros",
-            "empty_like",
-            "zeros_like",
-            "arange",
-        ):
-            if hasattr(gpuarray, attr):
-                yield gpuarray, attr, f"pycuda.gpuarray.{attr}"
-        cls = getattr(gpuarray, "GPUArray", None)
-        if cls is not None:
-            for attr in ("get", "set", "fill", "copy", "__init__"):
-                if attr in vars(cls):
-                    yield cls, attr, f"pycuda.gpuarray.GPUArray.{attr}"
+    yield from _present(
+        gpuarray,
+        ("to_gpu", "to_gpu_async", "empty", "zeros", "empty_like", "zeros_like", "arange"),
+        "pycuda.gpuarray",
+    )
+    yield from _present(
+        getattr(gpuarray, "GPUArray", None),
+        ("get", "set", "fill", "copy", "__init__"),
+        "pycuda.gpuarray.GPUArray",
+        own=True,
+    )
     torch = sys.modules.get("torch")
-    if torch is not None:
-        cuda = getattr(torch, "cuda", None)
-        if cuda is not None:
-            for attr in (
-                "synchronize",
-                "empty_cache",
-                "mem_get_info",
-                "set_device",
-                "current_stream",
-            ):
-                if hasattr(cuda, attr):
-                    yield cuda, attr, f"torch.cuda.{attr}"
-        tensor = getattr(torch, "Tensor", None)
-        if tensor is not None and hasattr(tensor, "cuda"):
-            yield tensor, "cuda", "torch.Tensor.cuda"
+    yield from _present(
+        getattr(torch, "cuda", None),
+        ("synchronize", "empty_cache", "mem_get_info", "set_device", "current_stream"),
+        "torch.cuda",
+    )
+    yield from _present(getattr(torch, "Tensor", None), ("cuda",), "torch.Tensor")
 
 
 @contextlib.contextmanager

@@ -1,7 +1,8 @@
 # -*- test-case-name: tests.unit.test_worker_engine -*-
 """
 Process-wide accessors for what builtins need: the worker's device backend,
-its lease client and its builtin registry.
+its lease client and its builtin registry.  This is the one holder of the
+current backend.
 
 A worker process installs these once at startup (L{install}); importable
 helpers such as L{kcoral.builtins.benchmark} read them back.  Outside a worker
@@ -11,6 +12,8 @@ nothing is installed and the accessors return C{None}.
 from __future__ import annotations
 
 from typing import Any
+
+from kcoral.errors import ExecutionError
 
 _state: dict[str, Any] = {"backend": None, "lease": None, "builtins": None}
 
@@ -38,3 +41,23 @@ def current_lease() -> Any:
 def current_builtins() -> Any:
     """The worker's builtin registry, or C{None} outside a worker."""
     return _state["builtins"]
+
+
+def use_backend(backend: Any) -> None:
+    """
+    Make C{backend} the current one outside a worker (tests, or kcoral used
+    as a library): builtins then use it as they would a worker's.
+    """
+    _state["backend"] = backend
+
+
+def gpu_backend() -> Any:
+    """
+    The current backend, which GPU builtins need to be a GPU one.
+
+    @raise ExecutionError: C{unavailable} when there is no GPU backend.
+    """
+    backend = _state["backend"]
+    if backend is None or getattr(backend, "name", None) != "gpu":
+        raise ExecutionError("unavailable", "this builtin needs a GPU worker")
+    return backend

@@ -358,10 +358,10 @@ class KernelTests(SynchronousTestCase):
         """A cubin from pycuda.compiler loads, exports its kernels and launches."""
         from pycuda.compiler import compile as pycuda_compile
 
-        from kcoral.worker.gpu import find_nvcc
+        from kcoral.compilers.nvcc import find_nvcc
 
         b = backend("pycuda")
-        cubin = pycuda_compile(SAXPY, nvcc=find_nvcc(), arch=b.arch, cache_dir=False)
+        cubin = pycuda_compile(SAXPY, nvcc=find_nvcc()[0], arch=b.arch, cache_dir=False)
         library = b.load_library(cubin)
         function = library.get_function("saxpy")
         n = 4096

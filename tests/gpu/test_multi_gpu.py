@@ -17,6 +17,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import attrs
 import numpy as np
 import pytest
 
@@ -113,19 +114,32 @@ def _bus(device: Any) -> str:
     return str(device.bus_id).lower()
 
 
+@attrs.frozen
+class TwoGpuServer:
+    """A server on GPUs 0 and 1 and the directory that holds its logs."""
+
+    server: ServerProcess
+    tmp: Path
+
+    def health(self) -> dict[str, Any]:
+        return self.server.health()
+
+    def execute(self, *args: Any, **kwargs: Any) -> Any:
+        return self.server.execute(*args, **kwargs)
+
+
 @pytest.fixture(scope="module")
-def two_gpu_server(tmp_path_factory: pytest.TempPathFactory) -> ServerProcess:
+def two_gpu_server(tmp_path_factory: pytest.TempPathFactory) -> TwoGpuServer:
     if _visible_gpus() < 2:
         pytest.skip(TWO_GPUS)
     tmp = tmp_path_factory.mktemp("two-gpus")
     server = _server(tmp, "0,1", 2)
     server.start(timeout=240)
-    server.tmp = tmp  # type: ignore[attr-defined]
-    yield server
+    yield TwoGpuServer(server, tmp)
     assert server.stop() == 0
 
 
-def test_every_gpus_workers_start_and_see_only_their_device(two_gpu_server: ServerProcess) -> None:
+def test_every_gpus_workers_start_and_see_only_their_device(two_gpu_server: TwoGpuServer) -> None:
     """Workers of GPU 0 and GPU 1 run in bubblewrap, each seeing one device as ordinal 0."""
     health = two_gpu_server.health()
     assert health["sandbox"] == "bubblewrap"
@@ -202,7 +216,7 @@ def _copy_program(digest: str, pause: float) -> dict[str, Any]:
     }
 
 
-def test_two_gpu_copy_holds_both_leases_only_while_it_runs(two_gpu_server: ServerProcess) -> None:
+def test_two_gpu_copy_holds_both_leases_only_while_it_runs(two_gpu_server: TwoGpuServer) -> None:
     """
     The cuda:0 -> cuda:1 copy returns the right bytes; /health shows both
     GPUs held while it runs; the request's lease is granted only after its
@@ -236,7 +250,7 @@ def test_two_gpu_copy_holds_both_leases_only_while_it_runs(two_gpu_server: Serve
     assert both_held is not None, "/health never showed both GPUs held by the program"
 
     time.sleep(1.0)  # the log writer flushes
-    events = _events(two_gpu_server.tmp)  # type: ignore[attr-defined]
+    events = _events(two_gpu_server.tmp)
     names = [(e.get("event"), e.get("request_id")) for e in events]
     routed = names.index(("request_routed", request_id))
     grants = [
@@ -249,7 +263,7 @@ def test_two_gpu_copy_holds_both_leases_only_while_it_runs(two_gpu_server: Serve
     assert {tuple(events[i]["gpu_ids"]) for i in grants} == {(0, 1)}
 
 
-def test_gpu_count_2_under_mixed_load_no_overlap(two_gpu_server: ServerProcess) -> None:
+def test_gpu_count_2_under_mixed_load_no_overlap(two_gpu_server: TwoGpuServer) -> None:
     """Single-GPU and two-GPU programs together: all answered right, no GPU held twice."""
     import sys
 
@@ -279,7 +293,7 @@ def test_gpu_count_2_under_mixed_load_no_overlap(two_gpu_server: ServerProcess) 
         if kind == "two":
             assert results["r"].tobytes() == data.tobytes()
     time.sleep(1.0)
-    paths = sorted((two_gpu_server.tmp / "logs" / "runs").glob("*/events.jsonl"))  # type: ignore[attr-defined]
+    paths = sorted((two_gpu_server.tmp / "logs" / "runs").glob("*/events.jsonl"))
     report = lease_overlap.check(paths)
     assert report["overlaps"] == []
     assert set(report["gpus"]) == {"0", "1"}

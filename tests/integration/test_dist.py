@@ -25,7 +25,11 @@ def _files(top: str) -> set[str]:
     return {
         str(p.relative_to(ROOT))
         for p in (ROOT / top).rglob("*")
-        if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"
+        if p.is_file()
+        and "__pycache__" not in p.parts
+        and p.suffix != ".pyc"
+        # Twisted's plugin cache, written at run time (gitignored).
+        and p.name != "dropin.cache"
     }
 
 

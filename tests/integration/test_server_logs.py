@@ -267,6 +267,8 @@ def test_no_log_console(tmp_path: Path) -> None:
     )
     assert "request_finished" not in text
     assert "pool_ready" not in text
+    # Really quiet: no twistd start-up lines, no access log either.
+    assert text == ""
 
 
 def test_metrics(server: ServerProcess) -> None:

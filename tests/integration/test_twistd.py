@@ -177,3 +177,24 @@ def test_tac(tmp_path: Path) -> None:
         code = _terminate(process)
     assert code in (0, -signal.SIGTERM)
     assert not (tmp_path / "logs").exists()
+
+
+def test_plugin_prints_each_event_once(tmp_path: Path) -> None:
+    """
+    Under plain twistd, twistd's log shows each event once: kcoral's console
+    mirror does not repeat them.
+    """
+    port = free_port()
+    process = _twistd(
+        ["-n", "--pidfile=", "kcoral", "--device", "cpu", "--num-workers", "1"]
+        + ["--sandbox", "none", "--port", str(port), "--log-dir", "", "--disk-cache-dir", ""],
+        tmp_path,
+    )
+    try:
+        _wait_health(process, port, tmp_path)
+    finally:
+        _terminate(process)
+    output = (tmp_path / "twistd-output.txt").read_text()
+    assert output.count("pool ready:") == 1, output
+    assert output.count("shutdown complete") == 1, output
+    assert not re.search(r"INFO\s+pool_ready", output), output

@@ -288,6 +288,63 @@ class LogObserverTests(SynchronousTestCase):
         self.assertEqual(stream.getvalue(), "")
 
 
+class QuietConsoleTests(SynchronousTestCase):
+    """
+    C{--no-log-console} and C{--log-level} above C{info} also quiet twistd's
+    own chatter (start-up lines, the access log).
+    """
+
+    def test_default_logger(self) -> None:
+        """Without either flag, twistd logs through L{cli.stderr_log_observer}."""
+        run = Run(["server", "--device", "cpu"])
+        [config] = run.configs
+        self.assertIs(config["logger"], cli.stderr_log_observer)
+
+    def test_quiet_logger(self) -> None:
+        """Either flag selects L{cli.quiet_log_observer}."""
+        for flags in (["--no-log-console"], ["--log-level", "warn"], ["--log-level", "error"]):
+            run = Run(["server", "--device", "cpu", *flags])
+            [config] = run.configs
+            self.assertIs(config["logger"], cli.quiet_log_observer, flags)
+
+    def test_quiet_observer_keeps_warnings_only(self) -> None:
+        """
+        The quiet observer drops Twisted's info events and kcoral events, and
+        prints Twisted's warnings.
+        """
+        from twisted.logger import LogLevel
+
+        stream = io.StringIO()
+        self.patch(sys, "stderr", stream)
+        observer = cli.quiet_log_observer()
+        observer(
+            {
+                "log_format": "GET /health",
+                "log_level": LogLevel.info,
+                "log_time": 0.0,
+                "log_namespace": "twisted.web",
+            }
+        )
+        observer(
+            {
+                "log_format": "x",
+                "log_level": LogLevel.error,
+                "log_time": 0.0,
+                "kcoral_event": "worker_failed",
+            }
+        )
+        self.assertEqual(stream.getvalue(), "")
+        observer(
+            {
+                "log_format": "disk full",
+                "log_level": LogLevel.warn,
+                "log_time": 0.0,
+                "log_namespace": "twisted.test",
+            }
+        )
+        self.assertIn("disk full", stream.getvalue())
+
+
 class ModuleEntryTests(SynchronousTestCase):
     """
     C{python -m kcoral} dispatches to L{cli.main}.

@@ -181,11 +181,13 @@ class NvccLocationTests(SynchronousTestCase):
     def test_nothingFound(self):
         """The reason lists each place searched."""
         self.patch(compilers.nvcc, "_wheel_candidates", lambda: [])
+        self.patch(compilers.nvcc, "STANDARD_LOCATIONS", ("/nonexistent/cuda/bin/nvcc",))
         path, reason = find_nvcc({"PATH": _mktemp(self)})
         self.assertIsNone(path)
         self.assertIn("not on PATH", reason)
         self.assertIn("$CUDA_HOME is not set", reason)
         self.assertIn("nvidia-cuda-nvcc", reason)
+        self.assertIn("not at /nonexistent/cuda/bin/nvcc", reason)
 
     def test_path(self):
         """nvcc on C{PATH} wins."""

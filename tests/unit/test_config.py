@@ -21,7 +21,7 @@ class DefaultsTests(SynchronousTestCase):
     def test_defaults(self) -> None:
         """
         Every field defaults to the value listed for the reference server,
-        plus C{tensor_api="auto"}.
+        plus C{tensor_api="auto"} and the log level and retention defaults.
         """
         config = ServerConfig(disk_cache_dir=None)
         expected = {
@@ -47,6 +47,9 @@ class DefaultsTests(SynchronousTestCase):
             "device": "gpu",
             "num_workers": 1,
             "tensor_api": "auto",
+            "log_level": "info",
+            "log_retention_days": 30.0,
+            "log_retention_mbytes": 10240,
         }
         self.assertEqual(attrs.asdict(config, recurse=False), expected)
 

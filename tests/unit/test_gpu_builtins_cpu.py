@@ -1,6 +1,6 @@
 # -*- test-case-name: tests.unit.test_gpu_builtins_cpu -*-
 """
-The host-side parts of L{kcoral.worker.gpu_builtins} and L{kcoral.worker.gpu}:
+The host-side parts of L{kcoral.worker.gpu_builtins} and L{kcoral.worker.tensors}:
 everything that needs no GPU, PyCUDA or torch.
 """
 
@@ -13,7 +13,8 @@ import numpy as np
 from twisted.trial.unittest import SynchronousTestCase
 
 from kcoral.errors import ExecutionError
-from kcoral.worker import gpu, gpu_builtins
+from kcoral.wire.values import numpy_dtype
+from kcoral.worker import gpu_builtins, tensors
 from kcoral.worker.gpu_builtins import (
     BenchmarkConfig,
     KernelHandle,
@@ -196,11 +197,11 @@ class TensorSpecTests(SynchronousTestCase):
 
     def test_host_randn_reproducible(self) -> None:
         """The same seed gives the same bits, for every floating dtype."""
-        for dtype in sorted(gpu.FLOATING_DTYPES):
+        for dtype in sorted(tensors.FLOATING_DTYPES):
             a = gpu_builtins.host_randn((4, 5), dtype, 7)
             b = gpu_builtins.host_randn((4, 5), dtype, 7)
             self.assertEqual(a.tobytes(), b.tobytes())
-            self.assertEqual(a.dtype, gpu.numpy_dtype(dtype))
+            self.assertEqual(a.dtype, numpy_dtype(dtype))
         c = gpu_builtins.host_randn((4, 5), "float32", 8)
         self.assertNotEqual(c.tobytes(), gpu_builtins.host_randn((4, 5), "float32", 7).tobytes())
 
@@ -213,21 +214,21 @@ class DtypeTests(SynchronousTestCase):
         from kcoral.wire.program import DTYPES
 
         for name, size in DTYPES.items():
-            dtype = gpu.numpy_dtype(name)
+            dtype = numpy_dtype(name)
             self.assertEqual(dtype.itemsize, size)
-            self.assertEqual(gpu.dtype_name(dtype), name)
+            self.assertEqual(tensors.dtype_name(dtype), name)
 
     def test_unknown(self) -> None:
         """Other dtypes are C{serialization} errors."""
         with self.assertRaises(ExecutionError) as e:
-            gpu.dtype_name(np.dtype(np.complex64))
+            tensors.dtype_name(np.dtype(np.complex64))
         self.assertEqual(e.exception.kind, "serialization")
         self.assertEqual(e.exception.message, "cannot return tensor dtype complex64")
 
     def test_numpy_parts_big_endian(self) -> None:
         """Big-endian arrays are returned little-endian and C-contiguous."""
         a = np.arange(6, dtype=">i4").reshape(2, 3).T
-        name, shape, data = gpu.numpy_parts(a)
+        name, shape, data = tensors.numpy_parts(a)
         self.assertEqual((name, shape), ("int32", (3, 2)))
         self.assertEqual(data, np.ascontiguousarray(a.astype("<i4")).tobytes())
 

@@ -564,6 +564,20 @@ class InstallObserversTests(SynchronousTestCase):
         self.assertEqual(list(self.base.iterdir()), [])
         self.assertIn("INFO    server_started\n", self.console.getvalue())
 
+    def test_log_level(self) -> None:
+        """
+        C{log_level} drops less severe events from both the console and
+        C{events.jsonl}.
+        """
+        setup = self.install(log_dir="logs", log_level="warn")
+        self.log.info("routine", kcoral_event="request_finished", finish_reason="completed")
+        self.log.warn("slow", kcoral_event="request_finished", finish_reason="timeout")
+        console = self.console.getvalue()
+        self.assertNotIn("completed", console)
+        self.assertIn("WARNING request_finished", console)
+        lines = setup.run_dir.events_path.read_text().splitlines()
+        self.assertEqual([json.loads(line)["finish_reason"] for line in lines], ["timeout"])
+
     def test_files(self) -> None:
         """
         With a log directory, events go to the run's C{events.jsonl} and a

@@ -234,3 +234,68 @@ class MetricsTests(SynchronousTestCase):
         found = samples(self.metrics)
         self.assertEqual(found[("kcoral_requests_total", (("outcome", "unknown"),))], 1)
         self.assertEqual(found[("kcoral_cache_hits_total", (("cache", "memory"),))], 0)
+
+
+class RequestDurationAndBuildInfoTests(SynchronousTestCase):
+    """
+    C{kcoral_request_duration_seconds} and C{kcoral_build_info}.
+    """
+
+    def setUp(self) -> None:
+        self.metrics = Metrics()
+
+    def event(self, name: str, request_id: str, at: float, **fields: Any) -> None:
+        self.metrics({"kcoral_event": name, "request_id": request_id, "log_time": at, **fields})
+
+    def test_duration_from_received_to_finished(self) -> None:
+        """
+        A request's duration runs from its C{request_received} to its
+        C{request_finished}, labelled by outcome.
+        """
+        self.event("request_received", "a", 100.0)
+        self.event("request_received", "b", 100.5)
+        self.event("request_finished", "b", 100.6, finish_reason="cache_miss")
+        self.event("request_finished", "a", 102.0, finish_reason="completed")
+        result = samples(self.metrics)
+        completed = (("outcome", "completed"),)
+        self.assertEqual(result[("kcoral_request_duration_seconds_count", completed)], 1.0)
+        self.assertEqual(result[("kcoral_request_duration_seconds_sum", completed)], 2.0)
+        self.assertEqual(
+            result[("kcoral_request_duration_seconds_bucket", (("le", "2.5"), *completed))], 1.0
+        )
+        self.assertEqual(
+            result[("kcoral_request_duration_seconds_bucket", (("le", "1.0"), *completed))], 0.0
+        )
+        miss = (("outcome", "cache_miss"),)
+        self.assertAlmostEqual(result[("kcoral_request_duration_seconds_sum", miss)], 0.1)
+
+    def test_finished_without_received(self) -> None:
+        """A finish whose start was never seen counts, but has no duration."""
+        self.event("request_finished", "x", 5.0, finish_reason="completed")
+        result = samples(self.metrics)
+        self.assertEqual(result[("kcoral_requests_total", (("outcome", "completed"),))], 1.0)
+        self.assertNotIn(
+            ("kcoral_request_duration_seconds_count", (("outcome", "completed"),)), result
+        )
+
+    def test_open_requests_bounded(self) -> None:
+        """Requests that never finish are forgotten beyond a bound."""
+        from kcoral.server import metrics
+
+        self.patch(metrics, "MAX_OPEN_REQUESTS", 3)
+        for i in range(5):
+            self.event("request_received", f"r{i}", float(i))
+        self.assertEqual(list(self.metrics._received), ["r2", "r3", "r4"])
+
+    def test_build_info(self) -> None:
+        """C{kcoral_build_info} is 1, labelled with the running versions."""
+        import platform
+
+        [(labels, value)] = [
+            (dict(labels), value)
+            for (name, labels), value in samples(self.metrics).items()
+            if name == "kcoral_build_info"
+        ]
+        self.assertEqual(value, 1.0)
+        self.assertEqual(labels["python"], platform.python_version())
+        self.assertEqual(set(labels), {"version", "python", "twisted"})

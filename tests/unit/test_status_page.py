@@ -269,8 +269,19 @@ class StatusPageTests(SynchronousTestCase):
                 "log_time": 1.0e9,
             }
         )
+        recent(
+            {
+                "kcoral_event": "request_finished",
+                "request_id": "req-crashed-9",
+                "http_status": 500,
+                "finish_reason": "crashed",
+                "worker_id": "gpu0/w1",
+                "log_time": 1.0e9 + 1,
+            }
+        )
         (work / "page.html").write_bytes(STATUS_PAGE)
-        (work / "status.json").write_text(json.dumps(status_snapshot(HEALTH, recent)))
+        health = {**HEALTH, "sandbox": "bubblewrap"}
+        (work / "status.json").write_text(json.dumps(status_snapshot(health, recent)))
 
         server = subprocess.Popen(
             [
@@ -327,3 +338,55 @@ class StatusPageTests(SynchronousTestCase):
         self.assertIn("1h 2m 5s", dom)
         self.assertIn('id="queue_length">3<', dom)
         self.assertIn('<div id="state" class="">ok ', dom)
+        self.assertIn("sandbox bubblewrap", dom)
+        self.assertIn('<td class="bad">crashed</td>', dom)
+
+
+class FailureTests(SynchronousTestCase):
+    """
+    Recent failures and the sandbox mode in L{status_snapshot}.
+    """
+
+    def test_failures_kept_apart(self) -> None:
+        """
+        Server-side failures and worker failures are listed newest first and
+        survive many later successes; a program's own error is not one.
+        """
+        recent = RecentRequests(maxlen=2)
+        recent(
+            {
+                "kcoral_event": "request_finished",
+                "request_id": "t1",
+                "finish_reason": "timeout",
+                "http_status": 504,
+                "worker_id": "cpu/w0",
+                "log_time": 1.0,
+            }
+        )
+        recent(
+            {
+                "kcoral_event": "worker_failed",
+                "worker_id": "cpu/w1",
+                "phase": "respawn",
+                "error": "x" * 1000,
+                "log_time": 2.0,
+            }
+        )
+        for i in range(5):
+            recent(
+                {
+                    "kcoral_event": "request_finished",
+                    "request_id": f"ok{i}",
+                    "finish_reason": "program_failed" if i == 0 else "completed",
+                    "log_time": 3.0 + i,
+                }
+            )
+        snapshot = status_snapshot({**HEALTH, "sandbox": "none"}, recent)
+        self.assertEqual(snapshot["sandbox"], "none")
+        failures = snapshot["failures"]
+        self.assertEqual([f["reason"] for f in failures], ["respawn", "timeout"])
+        self.assertEqual(failures[0]["event"], "worker_failed")
+        self.assertEqual(len(failures[0]["message"]), 303)
+        self.assertEqual(failures[1]["request_id"], "t1")
+        self.assertEqual(failures[1]["http_status"], 504)
+        self.assertEqual(len(snapshot["recent"]), 2)

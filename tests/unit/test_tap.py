@@ -12,6 +12,7 @@ import types
 from pathlib import Path
 from typing import Any
 
+import attrs
 from twisted.application.service import IService, IServiceCollection, IServiceMaker
 from twisted.internet.endpoints import serverFromString
 from twisted.internet.protocol import Factory
@@ -506,7 +507,18 @@ class MakeServiceTests(SynchronousTestCase):
 
         options = parse(["--port", "8123", "--device", "cpu"])
         self.assertIs(tap.makeService(options), sentinel)
-        self.assertEqual(calls, [(options.config, "tcp:port=8123:interface=127.0.0.1", None)])
+        self.assertIs(tap.makeService(options, console_mirror=True), sentinel)
+        endpoint = "tcp:port=8123:interface=127.0.0.1"
+        # Under plain twistd, twistd's own observer prints every event: no
+        # mirror, so nothing prints twice.  `kcoral server` asks for it.
+        self.assertEqual(
+            calls,
+            [
+                (attrs.evolve(options.config, log_console=False), endpoint, None),
+                (options.config, endpoint, None),
+            ],
+        )
+        self.assertTrue(options.config.log_console)
 
 
 class PluginTests(SynchronousTestCase):

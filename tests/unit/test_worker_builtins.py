@@ -5,7 +5,13 @@ every builtin and its C{cpu_only} flag; the worker tables follow it.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
+import pytest
+
 import kcoral.builtins
+from kcoral.errors import ExecutionError
 from kcoral.wire.program import BUILTIN_NAMES, BUILTINS, GPU_ONLY_BUILTINS
 from kcoral.worker.builtins import cpu_builtins, registered
 from kcoral.worker.gpu_builtins import GPU_BUILTINS
@@ -50,3 +56,40 @@ def test_importable_helpers_name_table_builtins() -> None:
     assert helpers
     for name in helpers:
         assert f"builtin.{name}" in BUILTINS, name
+
+
+def test_gpu_builtins_do_not_import_the_backend() -> None:
+    """
+    The GPU builtins and the tensor helpers import no L{kcoral.worker.gpu}:
+    the backend depends on them, never the other way round.
+    """
+    code = (
+        "import sys\n"
+        "import kcoral.worker.gpu_builtins, kcoral.worker.tensors\n"
+        "print('kcoral.worker.gpu' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    ).stdout
+    assert out.strip() == "False"
+
+
+def test_one_current_backend() -> None:
+    """use_backend sets the runtime's backend, which the GPU builtins read."""
+    from kcoral.worker import gpu_builtins, runtime
+
+    class FakeGpu:
+        name = "gpu"
+
+    saved = runtime.current_backend()
+    try:
+        fake = FakeGpu()
+        gpu_builtins.use_backend(fake)
+        assert runtime.current_backend() is fake
+        assert gpu_builtins.current_backend() is fake
+        runtime.use_backend(None)
+        with pytest.raises(ExecutionError) as e:
+            gpu_builtins.current_backend()
+        assert e.value.kind == "unavailable"
+    finally:
+        runtime.use_backend(saved)

@@ -6,13 +6,21 @@ Each fake provides the seam it stands in for (the same interface or
 protocol the real object provides), so a test wires it where the real one
 goes: nothing here starts a process, opens a port or touches a GPU.
 
-  - L{FakeWorker}: a worker process, as the pool sees it.
+  - L{pool_config}: a small L{ServerConfig} for pool tests.
+  - L{FakeWorker}, L{FakeSpawner}: a worker process, as the pool sees it,
+    and the C{spawn_worker} that makes them.
   - L{FakeSandbox}: an L{ISandbox} that only computes paths.
   - L{RecordingPool}: a L{WorkerPool} handing out one preset seat and
     recording each release.
+  - L{FakeTransport}, L{ProcessReactor}: a child process's transport and a
+    memory reactor whose C{spawnProcess} records calls (for
+    L{kcoral.server.workerproc.WorkerProcess}).
   - L{FakeBlobs}: a blob store that knows a fixed set of blobs.
+  - L{EventRecorder}: a cache's C{on_event} callback that remembers calls.
   - L{SyncReactor}, L{SyncThreadPool}: a clock and a thread pool that run
-    "threaded" work at once, in the calling thread.
+    "threaded" work at once, in the calling thread; L{QueuedThreadReactor}
+    delivers C{callFromThread} on the clock's next turn instead.
+  - L{RecordingService}: a child service whose start and stop the test fires.
   - L{FakeCompilerBackend}: an L{ICompilerBackend} that needs no toolchain.
 """
 
@@ -25,9 +33,11 @@ from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
 import attrs
+from twisted.application import service
 from twisted.internet.defer import Deferred, fail, succeed
-from twisted.internet.interfaces import IReactorFromThreads
+from twisted.internet.interfaces import IReactorFromThreads, IReactorProcess
 from twisted.internet.task import Clock
+from twisted.internet.testing import MemoryReactorClock
 from twisted.plugin import IPlugin
 from twisted.python.failure import Failure
 from twisted.python.threadpool import ThreadPool
@@ -35,25 +45,34 @@ from zope.interface import implementer
 
 from kcoral.compilers.interfaces import KIND_BINARY, ICompilerBackend
 from kcoral.compilers.nvcc import validate_arch, validate_options
+from kcoral.config import ServerConfig
 from kcoral.errors import ExecutionError
 from kcoral.server.cache import Pin, Resolution
 from kcoral.server.pool import PoolBusy, Seat, WorkerPool
 from kcoral.server.sandbox import ISandbox
 from kcoral.server.workerproc import Job, JobResult
-from kcoral.wire.channel import Outcome
+from kcoral.wire.channel import TO_WORKER_FD, ChannelMessage, MessageDecoder, Outcome
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
 __all__ = [
     "FAKE_MAGIC",
+    "EventRecorder",
     "FakeBlobs",
     "FakeCompilerBackend",
     "FakeSandbox",
+    "FakeSpawner",
+    "FakeTransport",
     "FakeWorker",
+    "ProcessReactor",
+    "QueuedThreadReactor",
     "RecordingPool",
+    "RecordingService",
     "SyncReactor",
     "SyncThreadPool",
+    "pool_config",
+    "seat_with",
 ]
 
 
@@ -75,10 +94,12 @@ class FakeWorker:
         generation: int = 1,
         gpus: tuple[int, ...] = (),
         result: JobResult | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.seat = seat
         self.generation = generation
         self.gpus = gpus
+        self.env = env or {}
         self.ready: Deferred[dict[str, Any]] = Deferred()
         self.ended: Deferred[int | None] = Deferred()
         self.alive = True
@@ -118,6 +139,54 @@ class FakeWorker:
         return succeed(0)
 
 
+class FakeSpawner:
+    """
+    A pool's C{spawn_worker}: makes L{FakeWorker}s, which come up at once
+    (reporting C{arch}) unless C{auto_ready} is false.
+
+    @ivar spawned: every worker made, in order.
+    """
+
+    def __init__(self, auto_ready: bool = True, arch: str = "") -> None:
+        self.auto_ready = auto_ready
+        self.arch = arch
+        self.spawned: list[FakeWorker] = []
+
+    def __call__(
+        self,
+        reactor: object,
+        *,
+        seat: str,
+        generation: int,
+        gpus: tuple[int, ...],
+        env: dict[str, str] | None = None,
+        **kw: object,
+    ) -> FakeWorker:
+        worker = FakeWorker(seat, generation, gpus, env=env)
+        self.spawned.append(worker)
+        if self.auto_ready:
+            worker.come_up(self.arch)
+        return worker
+
+
+def pool_config(**changes: Any) -> ServerConfig:
+    """
+    A L{ServerConfig} for pool tests: two CPU workers, each retired after
+    one request, no logs or disk cache; C{changes} override any field.
+    """
+    defaults: dict[str, Any] = {
+        "device": "cpu",
+        "num_workers": 2,
+        "workers_per_gpu": 1,
+        "max_requests_per_worker": 1,
+        "worker_termination_grace_seconds": 5.0,
+        "worker_wait_timeout_seconds": 10.0,
+        "log_dir": None,
+        "disk_cache_dir": None,
+    }
+    return ServerConfig(**{**defaults, **changes})
+
+
 @implementer(ISandbox)
 class FakeSandbox:
     """
@@ -125,14 +194,18 @@ class FakeSandbox:
     directory is C{<seat_dir>/work}, as the worker sees it too.
 
     @ivar cleared: the workspaces L{clear_workspace} was asked to clear.
+    @ivar nodes: the C{gpu_devices} of each L{command}.
+    @ivar env: the environment each L{command} returns.
     """
 
     name = "none"
     reserved = None
-    isolates_devices = False
 
-    def __init__(self) -> None:
+    def __init__(self, isolates_devices: bool = False, env: dict[str, str] | None = None) -> None:
+        self.isolates_devices = isolates_devices
+        self.env = env or {}
         self.cleared: list[Path] = []
+        self.nodes: list[list[str]] = []
 
     def prepare_seat(self, seat_dir: Path) -> Path:
         return seat_dir / "work"
@@ -143,7 +216,8 @@ class FakeSandbox:
     def command(
         self, *, python: str, worker_args: list[str], work_dir: Path, gpu_devices: list[str]
     ) -> tuple[str, list[str], dict[str, str]]:
-        return python, [python, "-m", "kcoral.worker", *worker_args], {}
+        self.nodes.append(list(gpu_devices))
+        return python, [python, "-m", "kcoral.worker", *worker_args], dict(self.env)
 
     def worker_path(self, work_dir: Path) -> str:
         return str(work_dir)
@@ -172,7 +246,7 @@ class RecordingPool(WorkerPool):
 
 def seat_with(worker: FakeWorker, worker_id: str = "cpu/w0") -> Seat:
     """A busy seat occupied by C{worker}."""
-    return Seat(worker_id, None, generation=1, worker=worker, work_dir=Path("/w"))  # type: ignore[arg-type]
+    return Seat(worker_id, None, generation=1, worker=worker, work_dir=Path("/w"))
 
 
 # -- the API's collaborators -------------------------------------------------------
@@ -209,7 +283,16 @@ class SyncReactor(Clock):
 
 
 class SyncThreadPool(ThreadPool):
-    """A thread pool that runs every job at once, in the calling thread."""
+    """
+    A thread pool that runs every job at once, in the calling thread.
+
+    @ivar jobs: how many jobs it was given.
+    """
+
+    jobs = 0
+
+    def callInThread(self, func: Callable[_P, object], *args: _P.args, **kw: _P.kwargs) -> None:
+        self.callInThreadWithCallback(None, func, *args, **kw)
 
     def callInThreadWithCallback(
         self,
@@ -218,6 +301,7 @@ class SyncThreadPool(ThreadPool):
         *args: _P.args,
         **kw: _P.kwargs,
     ) -> None:
+        self.jobs += 1
         try:
             result = func(*args, **kw)
         except BaseException as e:
@@ -226,6 +310,119 @@ class SyncThreadPool(ThreadPool):
         else:
             if onResult is not None:
                 onResult(True, result)
+
+
+class QueuedThreadReactor(MemoryReactorClock):
+    """
+    A L{MemoryReactorClock} with C{callFromThread}: calls are queued until
+    the clock is advanced, as a real reactor delivers them on its next turn.
+    """
+
+    def callFromThread(
+        self, callable: Callable[..., object], *args: object, **kwargs: object
+    ) -> None:
+        self.callLater(0, callable, *args, **kwargs)
+
+
+class EventRecorder:
+    """An C{on_event} callback (of the caches) that remembers every call."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, dict[str, Any]]] = []
+        self._lock = threading.Lock()
+
+    def __call__(self, name: str, **fields: Any) -> None:
+        with self._lock:
+            self.events.append((name, fields))
+
+    def names(self) -> list[str]:
+        return [name for name, _ in self.events]
+
+
+# -- processes -------------------------------------------------------------------
+
+
+class FakeTransport:
+    """The process transport a worker writes to and signals."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.written: dict[int, bytes] = {}
+        self.signals: list[str] = []
+        self.stdin_closed = False
+
+    def writeToChild(self, fd: int, data: bytes) -> None:
+        self.written[fd] = self.written.get(fd, b"") + data
+
+    def closeStdin(self) -> None:
+        self.stdin_closed = True
+
+    def signalProcess(self, signal: str) -> None:
+        self.signals.append(signal)
+
+    def messages(self) -> list[ChannelMessage]:
+        """The messages written to the worker's control channel."""
+        return MessageDecoder().feed(self.written.get(TO_WORKER_FD, b""))
+
+
+@implementer(IReactorProcess)
+class ProcessReactor(MemoryReactorClock):
+    """A memory reactor that records C{spawnProcess} calls and spawns nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.spawned: list[dict[str, Any]] = []
+
+    def spawnProcess(  # type: ignore[override]
+        self,
+        processProtocol: Any,
+        executable: Any,
+        args: Any = (),
+        env: Any = None,
+        path: Any = None,
+        uid: Any = None,
+        gid: Any = None,
+        usePTY: Any = False,
+        childFDs: Any = None,
+    ) -> FakeTransport:
+        # Above Linux's largest pid_max (2**22): signalling it can never hit
+        # a real process or process group.
+        transport = FakeTransport(pid=2**22 + 1000 + len(self.spawned))
+        self.spawned.append(
+            {
+                "protocol": processProtocol,
+                "executable": executable,
+                "args": list(args),
+                "env": env,
+                "childFDs": childFDs,
+                "transport": transport,
+            }
+        )
+        processProtocol.makeConnection(transport)
+        return transport
+
+
+# -- services ----------------------------------------------------------------------
+
+
+class RecordingService(service.Service):
+    """A child service whose start and stop fire when the test says so."""
+
+    def __init__(self, name: str, calls: list[str]) -> None:
+        self.setName(name)
+        self.calls = calls
+        self.started: Deferred[None] = Deferred()
+        self.stopped: Deferred[None] = Deferred()
+
+    def startService(self) -> Deferred[None]:  # type: ignore[override]
+        super().startService()
+        self.calls.append(f"start {self.name}")
+        return self.started
+
+    def stopService(self) -> Deferred[None]:
+        super().stopService()
+        self.calls.append(f"stop {self.name}")
+        return self.stopped
 
 
 # -- compiler backends ---------------------------------------------------------------

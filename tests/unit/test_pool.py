@@ -8,57 +8,36 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import attrs
 from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import SynchronousTestCase
 
+from kcoral.config import ServerConfig
 from kcoral.server.lease import LeaseArbiter
 from kcoral.server.pool import BudgetSpent, PoolBusy, Seat, SeatUse, WorkerPool
 from kcoral.server.workerproc import Job, JobResult
-from kcoral.testing.fakes import FakeSandbox, FakeWorker
+from kcoral.testing.fakes import FakeSandbox, FakeSpawner, FakeWorker, pool_config
 from kcoral.wire.channel import Outcome
-
-
-@attrs.define
-class Config:
-    device: str = "cpu"
-    num_workers: int = 2
-    gpus: tuple[int, ...] = ()
-    workers_per_gpu: int = 1
-    max_requests_per_worker: int = 1
-    worker_termination_grace_seconds: float = 5.0
-    worker_wait_timeout_seconds: float = 10.0
-    tensor_api: str = "auto"
 
 
 class PoolTestCase(SynchronousTestCase):
     def make_pool(
-        self, config: Config | None = None, auto_ready: bool = True, leases: Any = None
+        self, config: ServerConfig | None = None, auto_ready: bool = True, leases: Any = None
     ) -> WorkerPool:
         self.reactor = MemoryReactorClock()
         self.sandbox = FakeSandbox()
-        self.spawned: list[FakeWorker] = []
-        self.auto_ready = auto_ready
-
-        def spawn(
-            reactor: Any, *, seat: str, generation: int, gpus: tuple[int, ...], **kw: Any
-        ) -> FakeWorker:
-            worker = FakeWorker(seat, generation, gpus)
-            self.spawned.append(worker)
-            if self.auto_ready:
-                worker.come_up()
-            return worker
+        self.spawner = FakeSpawner(auto_ready)
+        self.spawned = self.spawner.spawned
 
         pool = WorkerPool(
-            config or Config(),
+            config or pool_config(),
             self.reactor,
             leases(self.reactor) if leases is not None else None,
             self.sandbox,
             lambda f, *a, **k: maybeDeferred(f, *a, **k),
             Path("/nonexistent-kcoral-root"),
         )
-        pool.spawn_worker = spawn  # type: ignore[assignment]
+        pool.spawn_worker = self.spawner
         self.successResultOf(Deferred.fromCoroutine(pool.start()))
         return pool
 
@@ -79,7 +58,7 @@ class AcquireTests(PoolTestCase):
         self.assertEqual(pool.active, 1)
 
     def test_fifo_waiters(self) -> None:
-        pool = self.make_pool(Config(max_requests_per_worker=0))
+        pool = self.make_pool(pool_config(max_requests_per_worker=0))
         a = self.successResultOf(pool.acquire(10))
         self.successResultOf(pool.acquire(10))
         waiters = [pool.acquire(10) for _ in range(3)]
@@ -113,7 +92,7 @@ class AcquireTests(PoolTestCase):
         self.failureResultOf(pool.acquire(0), PoolBusy)
 
     def test_timer_cancelled_on_handoff(self) -> None:
-        pool = self.make_pool(Config(num_workers=1, max_requests_per_worker=0))
+        pool = self.make_pool(pool_config(num_workers=1, max_requests_per_worker=0))
         seat = self.successResultOf(pool.acquire(10))
         d = pool.acquire(5)
         pool.release(seat)
@@ -121,7 +100,7 @@ class AcquireTests(PoolTestCase):
         self.assertEqual(self.reactor.getDelayedCalls(), [])
 
     def test_cancel_leaves_line(self) -> None:
-        pool = self.make_pool(Config(num_workers=1, max_requests_per_worker=0))
+        pool = self.make_pool(pool_config(num_workers=1, max_requests_per_worker=0))
         seat = self.successResultOf(pool.acquire(10))
         first = pool.acquire(10)
         second = pool.acquire(10)
@@ -133,7 +112,7 @@ class AcquireTests(PoolTestCase):
 
     def test_least_loaded_gpu(self) -> None:
         pool = self.make_pool(
-            Config(device="gpu", gpus=(0, 1), workers_per_gpu=2, max_requests_per_worker=0)
+            pool_config(device="gpu", gpus=(0, 1), workers_per_gpu=2, max_requests_per_worker=0)
         )
         first = self.successResultOf(pool.acquire(10))
         second = self.successResultOf(pool.acquire(10))
@@ -148,7 +127,7 @@ class AcquireTests(PoolTestCase):
         self.assertEqual(self.successResultOf(pool.acquire(10)).gpu_id, 0)
 
     def test_most_recently_returned_within_gpu(self) -> None:
-        pool = self.make_pool(Config(num_workers=3, max_requests_per_worker=0))
+        pool = self.make_pool(pool_config(num_workers=3, max_requests_per_worker=0))
         seats = [self.successResultOf(pool.acquire(10)) for _ in range(3)]
         pool.release(seats[1])
         pool.release(seats[2])
@@ -157,11 +136,11 @@ class AcquireTests(PoolTestCase):
 
 class ReplacementTests(PoolTestCase):
     def test_seat_not_offered_until_replacement_ready(self) -> None:
-        pool = self.make_pool(Config(num_workers=1))
+        pool = self.make_pool(pool_config(num_workers=1))
         seat = self.successResultOf(pool.acquire(10))
         old = seat.worker
         waiter = pool.acquire(100)
-        self.auto_ready = False
+        self.spawner.auto_ready = False
         pool.release(seat, retire="crashed")
         self.assertEqual(seat.status, "starting")
         self.assertEqual(seat.generation, 2)
@@ -174,9 +153,9 @@ class ReplacementTests(PoolTestCase):
         self.assertEqual(pool.capacity, 1)
 
     def test_capacity_excludes_replacing(self) -> None:
-        pool = self.make_pool(Config(num_workers=3))
+        pool = self.make_pool(pool_config(num_workers=3))
         seat = self.successResultOf(pool.acquire(10))
-        self.auto_ready = False
+        self.spawner.auto_ready = False
         self.assertEqual(pool.capacity, 3)
         pool.release(seat, retire="request_limit")
         # The retiring worker exits on its own; until then and until the
@@ -191,7 +170,7 @@ class ReplacementTests(PoolTestCase):
         self.assertEqual(seat.status, "idle")
 
     def test_request_limit_grace_kill(self) -> None:
-        pool = self.make_pool(Config(num_workers=1))
+        pool = self.make_pool(pool_config(num_workers=1))
         seat = self.successResultOf(pool.acquire(10))
         old = seat.worker
         pool.release(seat, retire="request_limit")
@@ -202,9 +181,9 @@ class ReplacementTests(PoolTestCase):
         self.assertEqual(seat.status, "idle")
 
     def test_idle_worker_death_replaced(self) -> None:
-        pool = self.make_pool(Config(num_workers=1))
+        pool = self.make_pool(pool_config(num_workers=1))
         seat = pool.seats[0]
-        self.auto_ready = False
+        self.spawner.auto_ready = False
         seat.worker.exit(1)  # type: ignore[union-attr]
         self.assertEqual(pool.capacity, 0)
         self.failureResultOf(pool.acquire(0), PoolBusy)
@@ -213,7 +192,7 @@ class ReplacementTests(PoolTestCase):
         self.assertIs(self.successResultOf(pool.acquire(0)), seat)
 
     def test_reuse_clears_workspace(self) -> None:
-        pool = self.make_pool(Config(num_workers=1, max_requests_per_worker=0))
+        pool = self.make_pool(pool_config(num_workers=1, max_requests_per_worker=0))
         seat = self.successResultOf(pool.acquire(10))
         pool.release(seat)
         self.assertEqual(self.sandbox.cleared, [seat.work_dir])
@@ -221,9 +200,9 @@ class ReplacementTests(PoolTestCase):
         self.assertEqual(seat.status, "idle")
 
     def test_replacement_failure_marks_dead_then_revived(self) -> None:
-        pool = self.make_pool(Config(num_workers=1))
+        pool = self.make_pool(pool_config(num_workers=1))
         seat = self.successResultOf(pool.acquire(10))
-        self.auto_ready = False
+        self.spawner.auto_ready = False
         pool.release(seat, retire="crashed")
         failing = self.spawned[-1]
         failing.alive = False
@@ -259,7 +238,7 @@ class StopTests(PoolTestCase):
         self.assertFalse(any(w.stopped for w in self.spawned))
 
     def test_no_replacement_while_closing(self) -> None:
-        pool = self.make_pool(Config(num_workers=1))
+        pool = self.make_pool(pool_config(num_workers=1))
         seat = self.successResultOf(pool.acquire(10))
         pool.closing = True
         pool.release(seat, retire="crashed")
@@ -278,7 +257,7 @@ class StopTests(PoolTestCase):
             return worker
 
         pool = WorkerPool(
-            Config(device="gpu", gpus=(0, 1)),
+            pool_config(device="gpu", gpus=(0, 1)),
             self.reactor,
             None,
             FakeSandbox(),
@@ -328,7 +307,7 @@ class SeatTests(PoolTestCase):
         The job runs in the seat's workspace as the worker sees it; without
         a request limit the seat is cleared and offered again.
         """
-        pool = self.make_pool(Config(num_workers=1, max_requests_per_worker=0))
+        pool = self.make_pool(pool_config(num_workers=1, max_requests_per_worker=0))
         result = self.successResultOf(self.use_seat(pool))
         self.assertEqual(result.ending, "outcome")
         worker = self.spawned[0]
@@ -342,7 +321,7 @@ class SeatTests(PoolTestCase):
 
     def test_request_limit_retires(self) -> None:
         """At the request limit the seat's worker is replaced."""
-        pool = self.make_pool(Config(num_workers=1, max_requests_per_worker=1))
+        pool = self.make_pool(pool_config(num_workers=1, max_requests_per_worker=1))
         self.successResultOf(self.use_seat(pool))
         self.assertEqual(self.uses[0].retire_reason(), "request_limit")
         self.spawned[0].exit(0)
@@ -351,7 +330,7 @@ class SeatTests(PoolTestCase):
 
     def test_worker_asks_to_retire(self) -> None:
         """An outcome that names a retire reason retires the worker."""
-        pool = self.make_pool(Config(num_workers=1, max_requests_per_worker=0))
+        pool = self.make_pool(pool_config(num_workers=1, max_requests_per_worker=0))
         self.spawned[0].result = JobResult(
             "outcome", outcome=Outcome(status="FAILED", retire="poisoned_context")
         )
@@ -362,7 +341,7 @@ class SeatTests(PoolTestCase):
     def test_timeout_and_crash_retire(self) -> None:
         """A timed-out or crashed job retires its worker."""
         for ending in ("timeout", "crashed", "invalid"):
-            pool = self.make_pool(Config(num_workers=1, max_requests_per_worker=0))
+            pool = self.make_pool(pool_config(num_workers=1, max_requests_per_worker=0))
             self.spawned[0].result = JobResult(ending)
             self.successResultOf(self.use_seat(pool))
             expected = "timeout" if ending == "timeout" else "crashed"
@@ -370,14 +349,14 @@ class SeatTests(PoolTestCase):
 
     def test_failure_before_run_keeps_a_healthy_worker(self) -> None:
         """A request that fails before it runs gives its seat back for reuse."""
-        pool = self.make_pool(Config(num_workers=1, max_requests_per_worker=0))
+        pool = self.make_pool(pool_config(num_workers=1, max_requests_per_worker=0))
         self.failureResultOf(self.use_seat(pool, error=ValueError("boom")), ValueError)
         self.assertEqual(pool.seats[0].status, "idle")
         self.assertEqual(pool.active, 0)
 
     def test_busy_reports_queue_time(self) -> None:
         """A request that waited in vain learns how long it waited."""
-        pool = self.make_pool(Config(num_workers=1, worker_wait_timeout_seconds=2.0))
+        pool = self.make_pool(pool_config(num_workers=1, worker_wait_timeout_seconds=2.0))
         self.successResultOf(pool.acquire(10))
         d = self.use_seat(pool)
         self.reactor.advance(2.0)
@@ -390,7 +369,7 @@ class SeatTests(PoolTestCase):
         the least busy GPUs; afterwards it is removed.
         """
         pool = self.make_pool(
-            Config(device="gpu", gpus=(0, 1), max_requests_per_worker=0),
+            pool_config(device="gpu", gpus=(0, 1), max_requests_per_worker=0),
             leases=lambda reactor: LeaseArbiter((0, 1), reactor),
         )
         result = self.successResultOf(self.use_seat(pool, gpu_count=2))
@@ -412,10 +391,10 @@ class SeatTests(PoolTestCase):
     def test_multi_gpu_startup_spends_the_budget(self) -> None:
         """A multi-GPU worker that starts slower than the budget never runs."""
         pool = self.make_pool(
-            Config(device="gpu", gpus=(0, 1), max_requests_per_worker=0),
+            pool_config(device="gpu", gpus=(0, 1), max_requests_per_worker=0),
             leases=lambda reactor: LeaseArbiter((0, 1), reactor),
         )
-        self.auto_ready = False
+        self.spawner.auto_ready = False
         d = self.use_seat(pool, job=_job(timeout=1.0), gpu_count=2)
         self.reactor.advance(2.0)
         self.spawned[-1].come_up()

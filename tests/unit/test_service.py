@@ -6,32 +6,12 @@ order its children start and stop in, without starting a real child.
 from __future__ import annotations
 
 from twisted.application import service
-from twisted.internet.defer import Deferred
 from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import SynchronousTestCase
 
 from kcoral.config import ServerConfig
 from kcoral.server.service import KCoralService, create_app, makeService
-
-
-class Recorder(service.Service):
-    """A child whose start and stop fire when the test says so."""
-
-    def __init__(self, name: str, calls: list[str]) -> None:
-        self.setName(name)
-        self.calls = calls
-        self.started: Deferred[None] = Deferred()
-        self.stopped: Deferred[None] = Deferred()
-
-    def startService(self) -> Deferred[None]:  # type: ignore[override]
-        super().startService()
-        self.calls.append(f"start {self.name}")
-        return self.started
-
-    def stopService(self) -> Deferred[None]:  # type: ignore[override]
-        super().stopService()
-        self.calls.append(f"stop {self.name}")
-        return self.stopped
+from kcoral.testing.fakes import RecordingService
 
 
 def _config() -> ServerConfig:
@@ -58,12 +38,12 @@ class TreeTests(SynchronousTestCase):
 
 
 class OrderTests(SynchronousTestCase):
-    def make(self) -> tuple[KCoralService, list[Recorder], list[str]]:
+    def make(self) -> tuple[KCoralService, list[RecordingService], list[str]]:
         root = KCoralService(_config(), reactor=MemoryReactorClock())
         for child in list(root):
             child.disownServiceParent()
         calls: list[str] = []
-        children = [Recorder(name, calls) for name in ("a", "b", "c")]
+        children = [RecordingService(name, calls) for name in ("a", "b", "c")]
         for child in children:
             child.setServiceParent(root)
         return root, children, calls

@@ -70,6 +70,27 @@ def _reactor(reactor: Reactor | None) -> Reactor:
     return reactor
 
 
+class AsyncService(service.Service):
+    """
+    A child service whose start and stop are coroutines: C{startService}
+    and C{stopService} return their Deferreds, which the root waits for.
+    """
+
+    async def start(self) -> None:
+        """Bring the part up (after C{running} is set)."""
+
+    async def stop(self) -> None:
+        """Take the part down (after C{running} is cleared)."""
+
+    def startService(self) -> Deferred[None]:  # type: ignore[override]
+        super().startService()
+        return Deferred.fromCoroutine(self.start())
+
+    def stopService(self) -> Deferred[None]:
+        super().stopService()
+        return Deferred.fromCoroutine(self.stop())
+
+
 class ThreadPoolService(service.Service):
     """Starts and stops a L{ThreadPool} with the server."""
 
@@ -85,7 +106,7 @@ class ThreadPoolService(service.Service):
         self.threadpool.stop()
 
 
-class LogWriterService(service.Service):
+class LogWriterService(AsyncService):
     """
     The server's log observers: installed at start (in a thread: they
     create the run directory), removed at stop.
@@ -108,11 +129,7 @@ class LogWriterService(service.Service):
         self._on_ready = on_ready
         self.log_setup: LogSetup | None = None
 
-    def startService(self) -> Deferred[None]:  # type: ignore[override]
-        super().startService()
-        return Deferred.fromCoroutine(self._start())
-
-    async def _start(self) -> None:
+    async def start(self) -> None:
         from kcoral.server.logs import install_observers
 
         self.log_setup = await self._run_blocking(
@@ -120,27 +137,25 @@ class LogWriterService(service.Service):
         )
         self._on_ready(self.log_setup)
 
-    def stopService(self) -> None:
-        super().stopService()
+    async def stop(self) -> None:
         self.log.info("server stopped", kcoral_event="server_stopped")
         if self.log_setup is not None:
             self.log_setup.close()
             self.log_setup = None
 
 
-class CacheService(service.Service):
+class CacheService(AsyncService):
     """The disk file cache, trimmed to its capacity before any request."""
 
     def __init__(self, disk_cache: DiskFileCache, run_blocking: RunBlocking) -> None:
         self._disk_cache = disk_cache
         self._run_blocking = run_blocking
 
-    def startService(self) -> Deferred[None]:  # type: ignore[override]
-        super().startService()
-        return self._run_blocking(self._disk_cache.evict)
+    async def start(self) -> None:
+        await self._run_blocking(self._disk_cache.evict)
 
 
-class WorkerPoolService(service.Service):
+class WorkerPoolService(AsyncService):
     """
     The worker pool: probes the sandbox and starts every worker; at stop,
     refuses new work, lets running requests finish, then stops the workers.
@@ -165,11 +180,7 @@ class WorkerPoolService(service.Service):
         self._run_blocking = run_blocking
         self._root_dir: Path | None = None
 
-    def startService(self) -> Deferred[None]:  # type: ignore[override]
-        super().startService()
-        return Deferred.fromCoroutine(self._start())
-
-    async def _start(self) -> None:
+    async def start(self) -> None:
         from kcoral.server.sandbox import choose_sandbox
 
         config, pool = self._config, self.pool
@@ -216,11 +227,7 @@ class WorkerPoolService(service.Service):
         )
         return selected
 
-    def stopService(self) -> Deferred[None]:  # type: ignore[override]
-        super().stopService()
-        return Deferred.fromCoroutine(self._stop())
-
-    async def _stop(self) -> None:
+    async def stop(self) -> None:
         self._leases.close()
         # Queued requests get 503 now; running ones finish with their budgets.
         self.pool.stop_waiters()
@@ -231,7 +238,7 @@ class WorkerPoolService(service.Service):
         self.log.info("shutdown complete", kcoral_event="shutdown_complete")
 
 
-class ListeningPortService(service.Service):
+class ListeningPortService(AsyncService):
     """
     The HTTP port: listens at start, stops listening at stop.
 
@@ -248,11 +255,7 @@ class ListeningPortService(service.Service):
         self._site = site
         self.port: IListeningPort | None = None
 
-    def startService(self) -> Deferred[None]:  # type: ignore[override]
-        super().startService()
-        return Deferred.fromCoroutine(self._start())
-
-    async def _start(self) -> None:
+    async def start(self) -> None:
         self.port = await serverFromString(self._reactor, self._endpoint).listen(self._site)
         address = self.port.getHost()
         self.log.info(
@@ -262,13 +265,10 @@ class ListeningPortService(service.Service):
             port=getattr(address, "port", None),
         )
 
-    def stopService(self) -> Deferred[None] | None:  # type: ignore[override]
-        super().stopService()
+    async def stop(self) -> None:
         port, self.port = self.port, None
-        if port is None:
-            return None
-        d: Deferred[None] | None = port.stopListening()
-        return d
+        if port is not None:
+            await maybeDeferred(port.stopListening)
 
 
 class KCoralService(service.MultiService):

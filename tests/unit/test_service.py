@@ -8,10 +8,12 @@ from __future__ import annotations
 from twisted.application import service
 from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import SynchronousTestCase
+from twisted.web.resource import Resource
+from twisted.web.server import Site
 
 from kcoral.config import ServerConfig
-from kcoral.server.service import KCoralService, create_app, makeService
-from kcoral.testing.fakes import RecordingService
+from kcoral.server.service import KCoralService, ListeningPortService, create_app, makeService
+from kcoral.testing.fakes import RecordingService, SyncReactor, SyncThreadPool
 
 
 def _config() -> ServerConfig:
@@ -93,3 +95,41 @@ class OrderTests(SynchronousTestCase):
         a.stopped.callback(None)
         self.successResultOf(d)
         self.assertEqual(calls, ["stop c", "stop b", "stop a"])
+
+
+class ChildTests(SynchronousTestCase):
+    def test_port_listens_and_stops(self) -> None:
+        """The http child listens when it starts and stops listening when it stops."""
+        reactor = MemoryReactorClock()
+        port = ListeningPortService(reactor, "tcp:port=8123:interface=127.0.0.1", Site(Resource()))
+        self.successResultOf(port.startService())
+        self.assertEqual([(p, i) for p, _, _, i in reactor.tcpServers], [(8123, "127.0.0.1")])
+        self.assertIsNotNone(port.port)
+        self.successResultOf(port.stopService())
+        self.assertIsNone(port.port)
+        self.assertFalse(port.running)
+
+    def test_workers_stop_waits_for_requests(self) -> None:
+        """
+        The workers child refuses queued requests and closes the leases at
+        once, but stops the pool only when no request is in flight.
+        """
+        root = KCoralService(_config(), reactor=SyncReactor())
+        root.threadpool = SyncThreadPool()
+        workers = root.getServiceNamed("workers")
+        workers.running = True
+        root.api.in_flight = 1
+        d = workers.stopService()
+        self.assertTrue(root.pool.closing)
+        self.assertTrue(root.leases.closed)
+        self.assertNoResult(d)
+
+    def test_workers_stop(self) -> None:
+        """With nothing in flight the workers child stops the pool at once."""
+        root = KCoralService(_config(), reactor=SyncReactor())
+        root.threadpool = SyncThreadPool()
+        workers = root.getServiceNamed("workers")
+        workers.running = True
+        self.successResultOf(workers.stopService())
+        self.assertEqual(root.pool.capacity, 0)
+        self.assertFalse(workers.running)

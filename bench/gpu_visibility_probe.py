@@ -22,6 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from kcoral.server.gpus import discover_gpus
 from kcoral.server.sandbox import BubblewrapSandbox
 
 PROBE = """
@@ -45,7 +46,7 @@ def _host_facts() -> dict[str, object]:
     facts: dict[str, object] = {}
     smi = shutil.which("nvidia-smi")
     if smi:
-        query = "--query-gpu=index,uuid,pci.bus_id,minor_number"
+        query = "--query-gpu=index,uuid,pci.bus_id"
         facts["nvidia_smi"] = subprocess.run(
             [smi, query, "--format=csv,noheader"], capture_output=True, text=True
         ).stdout
@@ -55,6 +56,7 @@ def _host_facts() -> dict[str, object]:
         with open(path) as f:
             info[path] = f.read()
     facts["proc_information"] = info
+    facts["discovered"] = [device.as_log_dict() for device in discover_gpus()]
     return facts
 
 
@@ -65,8 +67,7 @@ def main() -> None:
     args = parser.parse_args()
     facts = _host_facts()
     print(json.dumps(facts, indent=1), flush=True)
-    smi = str(facts.get("nvidia_smi") or "")
-    uuids = [row.split(",")[1].strip() for row in smi.splitlines() if row.count(",") >= 3]
+    uuids = [device.uuid for device in discover_gpus() if device.uuid]
     sandbox = BubblewrapSandbox(tuple(args.readonly_path))
     sandbox.executable = shutil.which("bwrap")
     seat = Path(tempfile.mkdtemp(prefix="kcoral-probe-"))

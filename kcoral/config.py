@@ -240,6 +240,12 @@ class ServerConfig:
         """Check the rules that involve more than one field."""
         if self.device == "gpu" and not self.gpus:
             raise ValueError("gpus must name at least one GPU in GPU mode")
+        repeated = sorted({gpu for gpu in self.gpus if self.gpus.count(gpu) > 1})
+        if self.device == "gpu" and repeated:
+            # One GPU id is one set of seats with one directory each; a repeat
+            # would build seats that share them.
+            listed = ", ".join(str(gpu) for gpu in repeated)
+            raise ValueError(f"gpus must not repeat a GPU id, got {listed} more than once")
         if self.default_timeout_seconds > self.max_timeout_seconds:
             raise ValueError(
                 "default_timeout_seconds must not exceed max_timeout_seconds, got "

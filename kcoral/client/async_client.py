@@ -78,7 +78,8 @@ class Attempt:
     """
     What one HTTP attempt of an execution sent and got: the number of blob
     parts, the HTTP code, the body's C{status} (C{None} when unreadable),
-    the response's media type and its C{X-Request-ID} header.
+    the response's media type, its C{X-Request-ID} header and, for a
+    CACHE_MISS, the digests the server reported missing.
     """
 
     number: int
@@ -87,6 +88,7 @@ class Attempt:
     status: str | None
     media_type: str
     request_id: str | None
+    missing_blobs: tuple[str, ...] = ()
 
 
 def _deferred(coroutine: Coroutine[Any, Any, _T]) -> Deferred[_T]:
@@ -103,15 +105,18 @@ async def _transport(action: Callable[[], Deferred[_T]]) -> _T:
         raise TransportError(f"{type(e).__name__}: {e}") from e
 
 
-def _status(media: str, data: bytes) -> str | None:
-    """The C{status} of a JSON body, for observers (C{None} when there is none)."""
+def _summary(media: str, data: bytes) -> tuple[str | None, tuple[str, ...]]:
+    """A JSON body's C{status} and C{missing_blobs}, for observers."""
     if media != "application/json":
-        return None
+        return None, ()
     try:
-        status = json_object(data).get("status")
+        body = json_object(data)
     except ProtocolError:
-        return None
-    return status if isinstance(status, str) else None
+        return None, ()
+    status, missing = body.get("status"), body.get("missing_blobs")
+    if not isinstance(missing, list) or not all(isinstance(d, str) for d in missing):
+        missing = []
+    return (status if isinstance(status, str) else None), tuple(missing)
 
 
 def _header(response: Any, name: bytes) -> str | None:
@@ -132,7 +137,9 @@ class AsyncClient:
     @param connect_timeout_seconds: the connection timeout; responses
         themselves have no client-side timeout.
     @param progress: an L{IProgress} that follows each attempt.
-    @ivar attempt_observers: callables given each L{Attempt} as it ends.
+    @ivar attempt_observers: callables given each L{Attempt} as it ends; one
+        that returns a L{Deferred} holds the execution (the next attempt, or
+        the result) until it fires.
     """
 
     log = Logger()
@@ -168,7 +175,7 @@ class AsyncClient:
             cooperator = Cooperator(scheduler=lambda work: reactor.callLater(0, work))
         self._cooperator = cooperator
         self.progress: IProgress = progress if progress is not None else NoProgress()
-        self.attempt_observers: list[Callable[[Attempt], None]] = []
+        self.attempt_observers: list[Callable[[Attempt], object]] = []
 
     @property
     def base_url(self) -> str:
@@ -278,9 +285,14 @@ class AsyncClient:
             for digest, data in blobs.items()
             if digest in wanted
         ]
-        producer = MultipartProducer(
-            parts, cooperator=self._cooperator, on_progress=self.progress.sending
-        )
+        progress = self.progress
+
+        def sent(count: int, total: int) -> None:
+            progress.sending(count, total)
+            if count == total:
+                progress.waiting()
+
+        producer = MultipartProducer(parts, cooperator=self._cooperator, on_progress=sent)
         extra = {"Content-Type": producer.content_type}
         if route:
             extra["X-KCoral-Node"] = route
@@ -291,21 +303,22 @@ class AsyncClient:
                     "POST", url, headers=self._request_headers(extra), data=producer
                 )
             )
-            self.progress.waiting()
             data = await self._read(response)
         finally:
             self.progress.done()
         content_type = _header(response, b"content-type")
         media = (content_type or "").split(";", 1)[0].strip().lower()
+        status, missing = _summary(media, data)
         attempt = Attempt(
             number,
             len(parts) - 1,
             response.code,
-            _status(media, data),
+            status,
             media,
             _header(response, b"x-request-id"),
+            missing,
         )
-        self._observe(attempt)
+        await self._observe(attempt)
         if response.code != 200:
             raise server_error(response.code, data)
         body, binary = response_body(content_type, data)
@@ -314,7 +327,7 @@ class AsyncClient:
             next_route = None
         return body, binary, next_route
 
-    def _observe(self, attempt: Attempt) -> None:
+    async def _observe(self, attempt: Attempt) -> None:
         self.log.debug(
             "execute attempt {number}: {blobs} blobs, HTTP {code}, {status}",
             number=attempt.number,
@@ -324,7 +337,9 @@ class AsyncClient:
             request_id=attempt.request_id,
         )
         for observer in list(self.attempt_observers):
-            observer(attempt)
+            held = observer(attempt)
+            if isinstance(held, Deferred):
+                await held
 
     def function(
         self,

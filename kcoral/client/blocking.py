@@ -75,7 +75,7 @@ class Client:
         self._connect_timeout = connect_timeout_seconds
         self._progress = progress
         self._client: AsyncClient | None = None
-        self.attempt_observers: list[Callable[[Attempt], None]] = []
+        self.attempt_observers: list[Callable[[Attempt], object]] = []
 
     def __enter__(self) -> Client:
         return self

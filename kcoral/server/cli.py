@@ -42,6 +42,8 @@ Usage: kcoral <command> [options]
 
 Commands:
   server     Run the KCoral server in the foreground (kcoral server --help).
+  run        Run a tool on a KCoral server (kcoral run python|shell|... --help).
+  health     Print a KCoral server's /health (kcoral health --help).
 
 Options:
   --help     Show this message and exit.

@@ -62,6 +62,7 @@ __all__ = [
     "EVENT_KEY",
     "ConsoleObserver",
     "JsonEventObserver",
+    "LogDirectoryError",
     "LogSetup",
     "ProgramRecorder",
     "RunDirectory",
@@ -401,6 +402,23 @@ def twisted_console_observer(stream: IO[str], level: LogLevel = LogLevel.warn) -
     return FilteringLogObserver(text, predicates)
 
 
+class LogDirectoryError(OSError):
+    """
+    The log directory cannot be created; the message names the path that
+    failed and why, for the operator reading the console.
+    """
+
+    def __init__(self, log_dir: str | os.PathLike[str], cause: OSError) -> None:
+        where = os.fspath(log_dir)
+        reason = cause.strerror or str(cause)
+        if cause.filename is not None and os.fspath(cause.filename) != where:
+            reason = f"{reason} ({os.fspath(cause.filename)})"
+        super().__init__(cause.errno, f"cannot create the log directory {where}: {reason}")
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
 @attrs.frozen
 class RunDirectory:
     """
@@ -588,6 +606,7 @@ def install_observers(
     @param rotate_length: size in bytes at which C{events.jsonl} rotates.
     @param max_rotated_files: rotated files kept.
     @param extra_observers: more observers to add and remove with these.
+    @raise LogDirectoryError: when the run directory cannot be created.
     """
     if publisher is None:
         publisher = globalLogPublisher
@@ -597,11 +616,14 @@ def install_observers(
     recorder = None
     events_file = None
     if config.log_dir is not None:
-        run_dir = RunDirectory.create(
-            config.log_dir,
-            now if now is not None else datetime.now(timezone.utc),
-            programs=bool(config.log_programs),
-        )
+        try:
+            run_dir = RunDirectory.create(
+                config.log_dir,
+                now if now is not None else datetime.now(timezone.utc),
+                programs=bool(config.log_programs),
+            )
+        except OSError as e:
+            raise LogDirectoryError(config.log_dir, e) from e
         events_file = _LogFile(
             run_dir.events_path.name,
             str(run_dir.path),

@@ -58,6 +58,7 @@ class WorkerHandle(Protocol):
 
     def run(self, job: Job) -> Deferred[JobResult]: ...
     def kill(self) -> Deferred[int | None]: ...
+    def kill_now(self) -> None: ...
     def stop(self) -> Deferred[int | None]: ...
 
 
@@ -602,8 +603,10 @@ class WorkerPool:
         if old is not None and old.alive:
             if reason == "request_limit":
                 # The worker exits by itself after answering; give it the grace.
+                # One grace in all: SIGKILL when it is spent, not SIGTERM
+                # and a second grace.
                 timer = self._reactor.callLater(
-                    self.config.worker_termination_grace_seconds, old.kill
+                    self.config.worker_termination_grace_seconds, old.kill_now
                 )
                 await old.ended
                 if timer.active():

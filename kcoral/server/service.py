@@ -20,7 +20,10 @@ the logs close last.
 
 from __future__ import annotations
 
+import atexit
+import os
 import shutil
+import sys
 import tempfile
 import traceback
 import uuid
@@ -34,7 +37,7 @@ from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.internet.endpoints import serverFromString
 from twisted.internet.interfaces import IListeningPort
 from twisted.internet.threads import deferToThreadPool
-from twisted.logger import ILogObserver, Logger
+from twisted.logger import ILogObserver, Logger, globalLogPublisher
 from twisted.python.failure import Failure
 from twisted.python.threadpool import ThreadPool
 from twisted.web.server import Site
@@ -320,13 +323,15 @@ class KCoralService(service.MultiService):
             self.api.status_page = STATUS_PAGE
         self.ready: Deferred[None] = Deferred()
         self.start_failure: str | None = None
+        #: The process's exit status when the server fails to start under
+        #: twistd; C{None} leaves the exit status to the caller.
+        self.exit_status_on_failure: int | None = None
 
         observers: list[ILogObserver] = [o for o in (self.metrics, self.recent) if o is not None]
+        self.logs = LogWriterService(config, observers, self.run_blocking, self._logs_ready)
         children: list[service.Service] = [
             _named(ThreadPoolService(self.threadpool), "threads"),
-            _named(
-                LogWriterService(config, observers, self.run_blocking, self._logs_ready), "logs"
-            ),
+            _named(self.logs, "logs"),
             _named(CacheService(self.disk_cache, self.run_blocking), "caches"),
             _named(
                 WorkerPoolService(
@@ -391,16 +396,37 @@ class KCoralService(service.MultiService):
 
     def _start_failed(self, failure: Failure) -> None:
         message = f"{failure.type.__name__}: {failure.getErrorMessage()}"  # type: ignore[union-attr]
-        self.log.error(
-            "server failed to start: {error}",
-            kcoral_event="server_start_failed",
-            error=message,
-            traceback="".join(traceback.format_exception(failure.value))[-8192:],
-        )
+        console = None
+        if self.logs.log_setup is None and self.config.log_console:
+            # The console mirror is not installed yet (the log directory
+            # itself may be the cause): show the cause on the console anyway.
+            # (Under plain twistd log_console is off: twistd's log shows it.)
+            from kcoral.server.logs import ConsoleObserver
+
+            console = ConsoleObserver()
+            globalLogPublisher.addObserver(console)
+        try:
+            self.log.error(
+                "server failed to start: {error}",
+                kcoral_event="server_start_failed",
+                error=message,
+                traceback="".join(traceback.format_exception(failure.value))[-8192:],
+            )
+        finally:
+            if console is not None:
+                globalLogPublisher.removeObserver(console)
         self.start_failure = message
         self.ready.errback(failure)
-        if self.running and self.parent is not None and self._reactor.running:
-            self._reactor.stop()
+        if self.running and self.parent is not None:
+            # Under twistd (kcoral server, twistd -n kcoral, a .tac): stop
+            # the process, and make it exit non-zero so a supervisor sees
+            # the failure (systemd Restart=on-failure).
+            if self._reactor.running:
+                self._reactor.stop()
+            else:
+                self._reactor.callWhenRunning(self._reactor.stop)
+            if self.exit_status_on_failure is not None:
+                atexit.register(_exit_with, self.exit_status_on_failure)
 
     def stopService(self) -> Deferred[None]:
         service.Service.stopService(self)
@@ -412,9 +438,14 @@ class KCoralService(service.MultiService):
         return Deferred.fromCoroutine(self._stop_children())
 
     async def _stop_children(self) -> None:
+        # Whatever fails, the children before it still stop: the logs close
+        # and the I/O threads (not daemon threads) end.
         for child in reversed(list(self)):
             if child.running:
-                await maybeDeferred(child.stopService)
+                try:
+                    await maybeDeferred(child.stopService)
+                except Exception:
+                    self.log.failure("error while stopping {child}", child=child.name)
 
 
 def _named(child: service.Service, name: str) -> service.Service:
@@ -465,8 +496,30 @@ def _observability(server: KCoralService) -> tuple[Metrics | None, RecentRequest
 def makeService(
     config: ServerConfig, endpoint: str, *, reactor: Reactor | None = None
 ) -> KCoralService:
-    """Build the root service for C{config}, serving HTTP on C{endpoint}."""
-    return KCoralService(config, endpoint, reactor=reactor)
+    """
+    Build the root service for C{config}, serving HTTP on C{endpoint}.
+
+    This is the twistd entry point (the C{kcoral} plugin and
+    C{contrib/kcoral.tac}): a server that fails to start makes the process
+    exit with status 1 once twistd has shut down.
+    """
+    root = KCoralService(config, endpoint, reactor=reactor)
+    root.exit_status_on_failure = 1
+    return root
+
+
+def _exit_with(status: int) -> None:
+    """
+    End the process with C{status} (an C{atexit} hook: twistd itself always
+    exits 0 after its reactor stops).
+    """
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        try:
+            if stream is not None:
+                stream.flush()
+        except Exception:
+            pass
+    os._exit(status)
 
 
 def create_app(config: ServerConfig | None = None, *, reactor: Reactor | None = None) -> Klein:

@@ -181,7 +181,7 @@ class Options(usage.Options):
         _float_param(
             "worker-termination-grace-seconds",
             _DEFAULTS.worker_termination_grace_seconds,
-            "Seconds between SIGTERM and SIGKILL when a worker is stopped.",
+            "Seconds a stopped worker gets to exit before SIGKILL, spent once.",
         ),
         _float_param(
             "worker-wait-timeout-seconds",

@@ -359,8 +359,13 @@ class WorkerProcess:
     def send(self, message: ChannelMessage) -> None:
         """Write one message to the worker (buffered by the transport)."""
         transport = self.protocol.transport
-        if self.alive and transport is not None:
-            transport.writeToChild(TO_WORKER_FD, encode(message))
+        if not self.alive or transport is None:
+            return
+        if TO_WORKER_FD not in getattr(transport, "pipes", {TO_WORKER_FD: None}):
+            # The worker closed its end (it is exiting; the end is not
+            # reaped yet): nothing can reach it any more.
+            return
+        transport.writeToChild(TO_WORKER_FD, encode(message))
 
     def run(
         self, job: Job, on_instruction: Callable[[int], None] | None = None
@@ -384,12 +389,25 @@ class WorkerProcess:
         return result
 
     def stop(self) -> Deferred[int | None]:
-        """Ask for an orderly exit, then kill after the grace period."""
+        """
+        Ask for an orderly exit; SIGKILL whatever is left after the grace
+        period.  One grace in all: the worker had it to exit by itself.
+        """
         if not self.alive:
             return succeed(self.exit_code)
-        self.send(Exit())
-        self._kill_timer = self._reactor.callLater(self._grace_seconds, self.kill)
+        if not self._killing:
+            self.send(Exit())
+            self._kill_timer = self._reactor.callLater(self._grace_seconds, self.kill_now)
         return self._ended_copy()
+
+    def kill_now(self) -> None:
+        """SIGKILL the worker's whole tree at once (its grace is spent)."""
+        if not self.alive:
+            return
+        if self._kill_timer is not None and self._kill_timer.active():
+            self._kill_timer.cancel()
+        self._killing = True
+        self._kill_hard(self._tree())
 
     def kill(self) -> Deferred[int | None]:
         """SIGTERM the worker's whole tree, SIGKILL whatever is left after the grace."""

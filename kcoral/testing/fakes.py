@@ -107,6 +107,7 @@ class FakeWorker:
         self.info: dict[str, Any] = {}
         self.started_at = 0.0
         self.killed = False
+        self.killed_now = False
         self.stopped = False
         self.busy = False
         self.result = result or JobResult("outcome", outcome=Outcome(status="COMPLETED"))
@@ -131,6 +132,11 @@ class FakeWorker:
         if self.alive:
             self.exit(-15)
         return succeed(-15)
+
+    def kill_now(self) -> None:
+        self.killed_now = True
+        if self.alive:
+            self.exit(-9)
 
     def stop(self) -> Deferred[int | None]:
         self.stopped = True

@@ -91,6 +91,15 @@ class GpuBackend:
         self.device = drv.Device(ordinal)
         self.context = self.device.retain_primary_context()
         self.context.push()
+        # A multi-GPU worker (options.gpu_count) sees more devices: create
+        # their primary contexts now as well, while it warms up under the
+        # lease, so a program's first use of cuda:1 (torch adopts the same
+        # primary context) does not create one while it holds every GPU.
+        self.other_contexts = [
+            drv.Device(i).retain_primary_context()
+            for i in range(drv.Device.count())
+            if i != ordinal
+        ]
         self._closed = False
         major, minor = self.device.compute_capability()
         self._arch = f"sm_{major}{minor}" + ("a" if major >= 9 else "")

@@ -185,6 +185,15 @@ class BackendTests(SynchronousTestCase):
                 b.tensor_parts(c), ("float32", (5,), np.arange(5, dtype=np.float32).tobytes())
             )
 
+    def test_every_visible_device_has_its_context(self) -> None:
+        """A backend retains the primary context of every other device it sees (multi-GPU)."""
+        import pycuda.driver as drv
+
+        b = backend("pycuda")
+        self.assertEqual(len(b.other_contexts), drv.Device.count() - 1)
+        for context in b.other_contexts:
+            self.assertNotEqual(context.get_device().pci_bus_id(), b.device.pci_bus_id())
+
     def test_lifecycle(self) -> None:
         """drain, cleanup and reset succeed on a healthy context."""
         b = backend("pycuda")

@@ -184,6 +184,17 @@ def test_gpus_0_with_the_front_end_restricted(tmp_path: Path) -> None:
         assert results["r"] == ["0", 1, _bus(machine[0])]
 
 
+def test_a_gpu_the_machine_lacks_stops_the_start(tmp_path: Path) -> None:
+    """--gpus with an id past the machine's GPUs: the server exits and says which ids exist."""
+    machine = _machine_gpus()
+    server = _server(tmp_path, str(len(machine)), 1)
+    with pytest.raises(RuntimeError):
+        server.start(timeout=60)
+    output = (tmp_path / "server.out").read_text(errors="replace")
+    have = ", ".join(str(d.index) for d in machine)
+    assert f"no GPU with id {len(machine)} on this machine (it has {have})" in output
+
+
 COPY = (
     "import time\n"
     "import torch\n"

@@ -101,3 +101,41 @@ def test_errors(url: str) -> None:
     assert (caught.value.status_code, caught.value.kind) == (400, "parse")
     with pytest.raises(TransportError):
         Client(f"http://127.0.0.1:{free_port()}").health()
+
+
+def test_upload_is_streamed(url: str) -> None:
+    """
+    Sending a 64 MiB blob allocates only a few MiB more: the body is written
+    from the program's own bytes, chunk by chunk (tracemalloc sees every
+    Python allocation, the reactor thread's included).
+    """
+    import tracemalloc
+
+    size = 64 << 20
+    program = Program()
+    module = program.upload(kind="module", source="def f(b):\n    return len(b)\n")
+    data = program.upload(kind="bytes", value=os.urandom(size))
+    function = program.get_function(module=module, name="f")
+    program.return_(key="n", value=program.run(fn=function, args=[data]))
+    with Client(url) as client:
+        client.health()
+        tracemalloc.start()
+        try:
+            base = tracemalloc.get_traced_memory()[0]
+            result = client.execute(program)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert result["n"] == size
+    assert peak - base < size // 4
+
+
+def test_called_from_a_running_event_loop(url: str) -> None:
+    """A notebook cell runs inside an asyncio loop; the blocking client still works there."""
+    import asyncio
+
+    async def cell() -> str:
+        with Client(url) as client:
+            return client.health()["status"]
+
+    assert asyncio.run(cell()) == "ok"

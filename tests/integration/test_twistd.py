@@ -179,6 +179,102 @@ def test_tac(tmp_path: Path) -> None:
     assert not (tmp_path / "logs").exists()
 
 
+def _wait_exit(process: subprocess.Popen[bytes], cwd: Path) -> tuple[int, str]:
+    """The exit status and console output of a server that must stop by itself."""
+    try:
+        # A guard against a hang, not a timing assertion.
+        code = process.wait(120)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        output = (cwd / "twistd-output.txt").read_text(errors="replace")
+        raise AssertionError(f"the server did not exit by itself:\n{output[-4000:]}") from None
+    return code, (cwd / "twistd-output.txt").read_text(errors="replace")
+
+
+def _kcoral_server(args: list[str], cwd: Path) -> subprocess.Popen[bytes]:
+    log = open(cwd / "twistd-output.txt", "wb")
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-m", "kcoral", "server", *args],
+            cwd=cwd,
+            env=_env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    finally:
+        log.close()
+
+
+#: A GPU server that cannot start anywhere: no GPU 97 on a GPU host, no
+#: GPU (or no PyCUDA) on a CPU host.
+_BAD_GPU_SERVER = ["--device", "gpu", "--gpus", "97", "--workers-per-gpu", "1"]
+_QUIET = ["--sandbox", "none", "--log-dir", "", "--disk-cache-dir", ""]
+
+
+def test_kcoral_server_gpu_start_failure_exits(tmp_path: Path) -> None:
+    """
+    C{kcoral server --device gpu} that cannot start exits 1 by itself with
+    the cause on the console; no thread keeps it alive (issue 17, item 12).
+    """
+    process = _kcoral_server([*_BAD_GPU_SERVER, *_QUIET, "--port", str(free_port())], tmp_path)
+    code, output = _wait_exit(process, tmp_path)
+    assert code == 1, output[-4000:]
+    assert "server_start_failed" in output
+    assert "worker_failed" in output
+
+
+def test_plugin_gpu_start_failure_exits(tmp_path: Path) -> None:
+    """C{twistd -n kcoral --device gpu} that cannot start exits 1 (issue 17, item 12)."""
+    args = ["-n", "--pidfile=", "kcoral", *_BAD_GPU_SERVER, *_QUIET]
+    process = _twistd([*args, "--port", str(free_port())], tmp_path)
+    code, output = _wait_exit(process, tmp_path)
+    assert code == 1, output[-4000:]
+    assert "server failed to start" in output
+
+
+def test_tac_gpu_start_failure_exits(tmp_path: Path) -> None:
+    """
+    C{twistd -ny contrib/kcoral-gpu.tac} whose GPU server cannot start
+    exits 1 and removes its pidfile (issue 17, item 12).
+    """
+    source = (ROOT / "contrib" / "kcoral-gpu.tac").read_text()
+    for pattern, replacement in [
+        (r"PORT = \d+", f"PORT = {free_port()}"),
+        (r"gpus=\(0,\),", "gpus=(97,),"),
+        (r"workers_per_gpu=\d+,", "workers_per_gpu=1,"),
+        (r'sandbox="bubblewrap"', 'sandbox="none"'),
+        (r'log_dir=Path\("logs"\)', "log_dir=None"),
+        (r"disk_cache_capacity_mbytes=\d+", "disk_cache_capacity_mbytes=0"),
+    ]:
+        source, count = re.subn(pattern, replacement, source)
+        assert count == 1, f"contrib/kcoral-gpu.tac no longer contains {pattern!r}"
+    tac = tmp_path / "kcoral.tac"
+    tac.write_text(source)
+    process = _twistd(["-ny", str(tac)], tmp_path)
+    code, output = _wait_exit(process, tmp_path)
+    assert code == 1, output[-4000:]
+    assert "server failed to start" in output
+    assert not (tmp_path / "twistd.pid").exists()
+
+
+def test_log_dir_cannot_be_created(tmp_path: Path) -> None:
+    """
+    A C{--log-dir} that cannot be created stops the server with status 1
+    and a console line naming the path and why (issue 17, item 13).
+    """
+    (tmp_path / "afile").write_text("")
+    args = ["--device", "cpu", "--sandbox", "none", "--disk-cache-dir", ""]
+    process = _kcoral_server(
+        [*args, "--log-dir", "afile/logs", "--port", str(free_port())], tmp_path
+    )
+    code, output = _wait_exit(process, tmp_path)
+    assert code == 1, output[-4000:]
+    line = next(line for line in output.splitlines() if "server_start_failed" in line)
+    assert "cannot create the log directory afile/logs" in line
+    assert "Not a directory" in line
+
+
 def test_plugin_prints_each_event_once(tmp_path: Path) -> None:
     """
     Under plain twistd, twistd's log shows each event once: kcoral's console
@@ -198,3 +294,19 @@ def test_plugin_prints_each_event_once(tmp_path: Path) -> None:
     assert output.count("pool ready:") == 1, output
     assert output.count("shutdown complete") == 1, output
     assert not re.search(r"INFO\s+pool_ready", output), output
+
+
+def test_plugin_log_dir_cannot_be_created(tmp_path: Path) -> None:
+    """
+    Under plain twistd the log directory failure shows once, through
+    twistd's log, and twistd exits 1 (issue 17, item 13).
+    """
+    (tmp_path / "afile").write_text("")
+    args = ["-n", "--pidfile=", "kcoral", "--device", "cpu", "--sandbox", "none"]
+    process = _twistd(
+        [*args, "--disk-cache-dir", "", "--log-dir", "afile/logs", "--port", str(free_port())],
+        tmp_path,
+    )
+    code, output = _wait_exit(process, tmp_path)
+    assert code == 1, output[-4000:]
+    assert output.count("cannot create the log directory afile/logs") == 1, output

@@ -320,3 +320,19 @@ class ProgressTests(SynchronousTestCase):
         progress.done()
         self.assertTrue(stream.getvalue().endswith("\r\x1b[K"))
         self.assertEqual(clock.getDelayedCalls(), [])
+
+
+class DispatchTests(SynchronousTestCase):
+    """C{kcoral run} and C{kcoral health} reach the client CLI."""
+
+    def test_dispatch(self) -> None:
+        from contextlib import redirect_stderr
+
+        from kcoral.__main__ import main
+
+        with redirect_stderr(io.StringIO()) as err:
+            self.assertEqual(main(["health", "--port", "0"]), 2)
+            self.assertEqual(main(["run", "no-such-tool"]), 2)
+            self.assertEqual(main(["run", "shell", "--url", "http://h", "--"]), 2)
+        self.assertIn("kcoral health", err.getvalue())
+        self.assertIn("kcoral run", err.getvalue())

@@ -174,6 +174,17 @@ class ValidationTests(SynchronousTestCase):
         self.assertInvalid("gpus must not contain negative ids, got -1", gpus=[0, -1])
         self.assertInvalid("gpus must contain integers, got '1'", gpus=["1"])
 
+    def test_repeated_gpus(self) -> None:
+        """
+        GPU mode rejects a GPU id given twice (issue 17, item 9): each id
+        owns its seats and their directories.  CPU mode ignores C{gpus}.
+        """
+        self.assertInvalid("gpus must not repeat a GPU id, got 0 more than once", gpus=[0, 0])
+        self.assertInvalid(
+            "gpus must not repeat a GPU id, got 1, 3 more than once", gpus=[3, 1, 2, 1, 3]
+        )
+        self.assertEqual(ServerConfig(device="cpu", gpus=[0, 0]).gpus, (0, 0))
+
     def test_default_exceeds_max_timeout(self) -> None:
         """
         The default execution budget may not exceed the maximum.
@@ -320,7 +331,7 @@ class HelperTests(SynchronousTestCase):
         C{distinct_gpus} keeps the first occurrence of each id, in order, and
         is empty in CPU mode.
         """
-        self.assertEqual(ServerConfig(gpus=[3, 1, 3, 0]).distinct_gpus, (3, 1, 0))
+        self.assertEqual(ServerConfig(gpus=[3, 1, 0]).distinct_gpus, (3, 1, 0))
         self.assertEqual(ServerConfig(device="cpu", gpus=[1]).distinct_gpus, ())
 
     def test_worker_ids_gpu(self) -> None:

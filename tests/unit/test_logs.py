@@ -23,6 +23,7 @@ from kcoral.config import ServerConfig
 from kcoral.server.logs import (
     ConsoleObserver,
     JsonEventObserver,
+    LogDirectoryError,
     ProgramRecorder,
     RunDirectory,
     event_level_for_finish_reason,
@@ -551,6 +552,23 @@ class InstallObserversTests(SynchronousTestCase):
         )
         self.addCleanup(setup.close)
         return setup
+
+    def test_log_dir_cannot_be_created(self) -> None:
+        """
+        A log directory that cannot be created raises L{LogDirectoryError}
+        naming the configured path, the reason and the path that failed
+        (issue 17, item 13).
+        """
+        Path("afile").write_text("")
+        error = self.assertRaises(
+            LogDirectoryError, install_observers, ServerConfig(log_dir="afile/logs")
+        )
+        self.assertIsInstance(error, OSError)
+        failed = os.path.join(self.base, "afile", "logs", "runs")
+        self.assertEqual(
+            str(error),
+            f"cannot create the log directory afile/logs: Not a directory ({failed})",
+        )
 
     def test_no_log_dir_writes_nothing(self) -> None:
         """

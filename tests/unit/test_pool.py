@@ -174,9 +174,12 @@ class ReplacementTests(PoolTestCase):
         seat = self.successResultOf(pool.acquire(10))
         old = seat.worker
         pool.release(seat, retire="request_limit")
-        self.assertFalse(old.killed)  # type: ignore[union-attr]
+        self.assertFalse(old.killed_now)  # type: ignore[union-attr]
         self.reactor.advance(5.0)
-        self.assertTrue(old.killed)  # type: ignore[union-attr]
+        # One grace in all (issue 17, item 10): SIGKILL, not a SIGTERM and
+        # a second grace.
+        self.assertTrue(old.killed_now)  # type: ignore[union-attr]
+        self.assertFalse(old.killed)  # type: ignore[union-attr]
         self.assertEqual(seat.generation, 2)
         self.assertEqual(seat.status, "idle")
 

@@ -404,6 +404,9 @@ class ValidationTests(SynchronousTestCase):
             "--default-timeout-seconds must be positive, got 0.0",
         )
         self.assertUsageError(["--gpus", "0,-1"], "--gpus must not contain negative ids, got -1")
+        self.assertUsageError(
+            ["--gpus", "0,0"], "--gpus must not repeat a GPU id, got 0 more than once"
+        )
 
     def test_empty_values(self) -> None:
         """

@@ -9,6 +9,7 @@ from typing import Any
 
 from twisted.internet.error import ProcessDone, ProcessTerminated
 from twisted.internet.interfaces import IReactorProcess
+from twisted.logger import capturedLogs
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 from zope.interface.verify import verifyObject
@@ -231,6 +232,30 @@ class JobTests(WorkerTestCase):
         self.assertEqual(result.ending, "invalid")
         self.assertEqual(result.instruction_index, 1)
 
+    def test_malformed_outcome_is_invalid(self) -> None:
+        """An outcome whose part sizes do not describe its payload is not accepted."""
+        worker = self.ready_worker()
+        d = worker.run(self.job())
+        header = Outcome(status="COMPLETED").header()
+        header["part_sizes"] = [5]
+        worker.protocol.childDataReceived(FROM_WORKER_FD, encode_frame(header, b"abc"))
+        result = self.successResultOf(d)
+        self.assertEqual(result.ending, "invalid")
+        self.assertIsNone(result.outcome)
+        # The worker is being killed: SIGKILL follows after the grace period.
+        self.assertTrue(any(c.active() for c in self.reactor.getDelayedCalls()))
+
+    def test_invalid_message_between_jobs_is_logged(self) -> None:
+        """Outside a job an invalid message is only logged; the worker stays."""
+        worker = self.ready_worker()
+        with capturedLogs() as events:
+            self.deliver_frame(worker, {"type": "instruction", "index": "one"})
+        self.assertTrue(worker.alive)
+        self.assertEqual(self.transport.signals, [])
+        self.assertEqual(len(events), 1)
+        self.assertIn("invalid message", events[0]["log_format"])
+        self.assertIn("'instruction'", events[0]["error"])
+
     def test_garbage_on_channel_kills(self) -> None:
         worker = self.ready_worker()
         worker.run(self.job())
@@ -302,3 +327,48 @@ class LeaseBudgetTests(WorkerTestCase):
         self.assertEqual(result.ending, "crashed")
         self.assertAlmostEqual(result.lease_held_seconds, 0.25)
         self.assertIsNone(self.leases.holder_of(0))
+
+
+class StopTests(WorkerTestCase):
+    """
+    Stopping a worker spends one termination grace in all (issue 17, item
+    10), and a worker whose pipe is already closed does not break the stop
+    (issue 17, item 12).
+    """
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.hard_kills: list[int] = []
+        self.patch(WorkerProcess, "_kill_hard", lambda worker, victims: self.hard_kills.append(1))
+
+    def test_stop_one_grace(self) -> None:
+        worker = self.ready_worker()
+        d = worker.stop()
+        self.assertEqual(self.transport.messages()[-1].TYPE, "exit")
+        self.reactor.advance(4.9)
+        self.assertEqual(self.hard_kills, [])
+        self.reactor.advance(0.2)
+        # SIGKILL when the grace is spent; no SIGTERM and second grace.
+        self.assertEqual(self.hard_kills, [1])
+        self.assertEqual(self.reactor.getDelayedCalls(), [])
+        self.end(worker, -9)
+        self.assertEqual(self.successResultOf(d), -9)
+
+    def test_stop_exits_in_time(self) -> None:
+        worker = self.ready_worker()
+        d = worker.stop()
+        self.end(worker, 0)
+        self.assertEqual(self.successResultOf(d), 0)
+        self.assertEqual(self.reactor.getDelayedCalls(), [])
+        self.assertEqual(self.hard_kills, [])
+
+    def test_stop_closed_pipe(self) -> None:
+        worker = self.ready_worker()
+        sent = len(self.transport.messages())
+        self.transport.pipes = {}  # type: ignore[attr-defined]
+        d = worker.stop()
+        self.assertEqual(len(self.transport.messages()), sent)
+        self.reactor.advance(5.0)
+        self.assertEqual(self.hard_kills, [1])
+        self.end(worker, -9)
+        self.assertEqual(self.successResultOf(d), -9)

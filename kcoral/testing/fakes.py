@@ -21,28 +21,36 @@ goes: nothing here starts a process, opens a port or touches a GPU.
     "threaded" work at once, in the calling thread; L{QueuedThreadReactor}
     delivers C{callFromThread} on the clock's next turn instead.
   - L{RecordingService}: a child service whose start and stop the test fires.
+  - L{RecordingLease}, L{FakeFunction}, L{FakeDeviceArray}: a worker's
+    GPU lease, a PyCUDA function and a CUDA array, for worker tests.
+  - L{FakeServer} (with L{json_reply}, L{result_reply}, L{completed},
+    L{cache_miss}): an in-memory KCoral server for client tests.
   - L{FakeCompilerBackend}: an L{ICompilerBackend} that needs no toolchain.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
 import attrs
+from treq.client import HTTPClient
+from treq.testing import RequestTraversalAgent, StringStubbingResource
 from twisted.application import service
 from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.interfaces import IReactorFromThreads, IReactorProcess
-from twisted.internet.task import Clock
+from twisted.internet.task import Clock, Cooperator
 from twisted.internet.testing import MemoryReactorClock
 from twisted.plugin import IPlugin
 from twisted.python.failure import Failure
 from twisted.python.threadpool import ThreadPool
 from zope.interface import implementer
 
+from kcoral.client.async_client import AsyncClient
 from kcoral.compilers.interfaces import KIND_BINARY, ICompilerBackend
 from kcoral.compilers.nvcc import validate_arch, validate_options
 from kcoral.config import ServerConfig
@@ -52,6 +60,7 @@ from kcoral.server.pool import PoolBusy, Seat, WorkerPool
 from kcoral.server.sandbox import ISandbox
 from kcoral.server.workerproc import Job, JobResult
 from kcoral.wire.channel import TO_WORKER_FD, ChannelMessage, MessageDecoder, Outcome
+from kcoral.wire.multipart import encode_response, parse_request_body
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -61,6 +70,15 @@ __all__ = [
     "EventRecorder",
     "FakeBlobs",
     "FakeCompilerBackend",
+    "FakeDeviceArray",
+    "FakeFunction",
+    "FakeServer",
+    "RecordingLease",
+    "Seen",
+    "cache_miss",
+    "completed",
+    "json_reply",
+    "result_reply",
     "FakeSandbox",
     "FakeSpawner",
     "FakeTransport",
@@ -429,6 +447,160 @@ class RecordingService(service.Service):
         super().stopService()
         self.calls.append(f"stop {self.name}")
         return self.stopped
+
+
+# -- the worker's collaborators ---------------------------------------------------
+
+
+@attrs.define
+class RecordingLease:
+    """A worker's GPU lease that records the C{acquire}/C{release} calls that changed state."""
+
+    held: bool = False
+    events: list[str] = attrs.field(factory=list)
+
+    def acquire(self) -> None:
+        if not self.held:
+            self.events.append("acquire")
+        self.held = True
+
+    def release(self) -> None:
+        if self.held:
+            self.events.append("release")
+        self.held = False
+
+
+class FakeFunction:
+    """Stands in for a PyCUDA C{Function}: records launches."""
+
+    def __init__(self) -> None:
+        self.launches: list[tuple[Any, ...]] = []
+
+    def _launch_kernel(self, grid: Any, block: Any, buffer: Any, shared: Any, stream: Any) -> None:
+        self.launches.append((grid, block, buffer, shared, stream))
+
+
+class FakeDeviceArray:
+    """An object exporting the CUDA array interface."""
+
+    __cuda_array_interface__ = {
+        "shape": (4,),
+        "typestr": "<f4",
+        "data": (0x7000, False),
+        "version": 3,
+        "strides": None,
+    }
+
+
+# -- an HTTP server for the client ---------------------------------------------------
+
+Reply = tuple[int, dict[str, str], bytes]
+
+
+@attrs.define
+class Seen:
+    """One request as the fake server saw it."""
+
+    method: str
+    path: str
+    headers: dict[str, list[str]]
+    program: dict[str, Any] | None = None
+    program_bytes: bytes = b""
+    blobs: dict[str, bytes] = attrs.Factory(dict)
+    body: bytes = b""
+
+
+def json_reply(body: dict[str, Any], code: int = 200, **headers: str) -> Reply:
+    request_id = body.get("request_id", "00000000-0000-0000-0000-000000000000")
+    all_headers = {"Content-Type": "application/json", "X-Request-ID": request_id, **headers}
+    return code, all_headers, json.dumps(body).encode()
+
+
+def result_reply(body: dict[str, Any], parts: list[bytes]) -> Reply:
+    content_type, chunks = encode_response(body, parts)
+    return 200, {"Content-Type": content_type, "X-Request-ID": body["request_id"]}, b"".join(chunks)
+
+
+def completed(results: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "status": "COMPLETED",
+        "request_id": "11111111-1111-4111-8111-111111111111",
+        "queue_ms": 1,
+        "elapsed_ms": 2.5,
+        "lease_wait_ms": 0,
+        "lease_held_ms": 0,
+        "stdout": "out",
+        "stderr": "",
+        "stdout_truncated": False,
+        "stderr_truncated": False,
+        "results": results or {},
+    }
+    body.update(extra)
+    return body
+
+
+def cache_miss(*digests: str) -> dict[str, Any]:
+    return {
+        "status": "CACHE_MISS",
+        "request_id": "22222222-2222-4222-8222-222222222222",
+        "missing_blobs": list(digests),
+    }
+
+
+class FakeServer:
+    """
+    An in-memory KCoral server for client tests: treq's
+    C{StringStubbingResource} behind a C{RequestTraversalAgent}, recording what
+    each request carried (parsed with the server's own multipart parser).
+
+    Answers each request with the next scripted reply (or C{handler(seen)}).
+    """
+
+    def __init__(self, *replies: Reply | Callable[[Seen], Reply]) -> None:
+        self.replies = list(replies)
+        self.seen: list[Seen] = []
+        self.clock = Clock()
+        self.agent = RequestTraversalAgent(StringStubbingResource(self._answer))
+
+    def _answer(
+        self, method: bytes, url: str, params: Any, headers: dict[bytes, list[bytes]], data: bytes
+    ) -> Reply:
+        named = {
+            (k.decode() if isinstance(k, bytes) else k).lower(): [
+                v.decode() if isinstance(v, bytes) else v for v in vs
+            ]
+            for k, vs in headers.items()
+        }
+        seen = Seen(
+            method.decode() if isinstance(method, bytes) else method,
+            url.split("/", 3)[-1],
+            named,
+            body=data,
+        )
+        if seen.method == "POST":
+            parsed = parse_request_body(named["content-type"][0], data)
+            seen.program_bytes = parsed.program
+            seen.program = json.loads(parsed.program)
+            seen.blobs = {digest: blob.read() for digest, blob in parsed.blobs.items()}
+        self.seen.append(seen)
+        reply = self.replies.pop(0)
+        return reply(seen) if callable(reply) else reply
+
+    def client(self, **kwargs: Any) -> AsyncClient:
+        cooperator = Cooperator(scheduler=lambda work: self.clock.callLater(0, work))
+        return AsyncClient(
+            "http://kcoral.test/prefix/",
+            http_client=HTTPClient(self.agent),
+            reactor=self.clock,
+            cooperator=cooperator,
+            **kwargs,
+        )
+
+    def settle(self) -> None:
+        """Let body producers and the in-memory connections run to quiescence."""
+        for _ in range(50):
+            self.clock.advance(0)
+            self.agent.flush()
 
 
 # -- compiler backends ---------------------------------------------------------------

@@ -23,6 +23,7 @@ from twisted.web.http_headers import Headers
 from zope.interface import Interface, implementer
 
 from kcoral.client.body import MultipartProducer, Part
+from kcoral.client.download import ResponseReader
 from kcoral.client.errors import ProtocolError, TransportError
 from kcoral.client.program import Program, execute_options, program_json
 from kcoral.client.results import (
@@ -77,7 +78,7 @@ class NoProgress:
 class Attempt:
     """
     What one HTTP attempt of an execution sent and got: the number of blob
-    parts, the HTTP code, the body's C{status} (C{None} when unreadable),
+    parts, the HTTP code, a JSON body's C{status} (C{None} for multipart),
     the response's media type, its C{X-Request-ID} header and, for a
     CACHE_MISS, the digests the server reported missing.
     """
@@ -185,20 +186,32 @@ class AsyncClient:
         merged = {**self._headers, **extra}
         return Headers({name: [value] for name, value in merged.items()})
 
-    async def _read(self, response: Any) -> bytes:
+    async def _read(self, response: Any, sink: Callable[[bytes], None] | None = None) -> bytes:
+        """
+        Read the body: into C{sink} chunk by chunk when given (returning
+        nothing), else whole.
+        """
         total = response.length if isinstance(response.length, int) else None
         chunks: list[bytes] = []
         received = 0
 
         def collect(data: bytes) -> None:
             nonlocal received
-            chunks.append(data)
+            if sink is None:
+                chunks.append(data)
+            else:
+                sink(data)
             received += len(data)
             self.progress.receiving(received, total)
 
         from treq import collect as treq_collect
 
-        await _transport(lambda: treq_collect(response, collect))
+        try:
+            await treq_collect(response, collect)
+        except (CancelledError, ProtocolError):
+            raise
+        except Exception as e:
+            raise TransportError(f"{type(e).__name__}: {e}") from e
         return b"".join(chunks)
 
     def health(self) -> Deferred[dict[str, Any]]:
@@ -303,11 +316,17 @@ class AsyncClient:
                     "POST", url, headers=self._request_headers(extra), data=producer
                 )
             )
-            data = await self._read(response)
+            content_type = _header(response, b"content-type")
+            media = (content_type or "").split(";", 1)[0].strip().lower()
+            if response.code == 200 and media == "multipart/form-data":
+                # Results with binary parts: decoded as they arrive.
+                reader = ResponseReader(content_type)
+                data = await self._read(response, reader.feed)
+            else:
+                reader = None
+                data = await self._read(response)
         finally:
             self.progress.done()
-        content_type = _header(response, b"content-type")
-        media = (content_type or "").split(";", 1)[0].strip().lower()
         status, missing = _summary(media, data)
         attempt = Attempt(
             number,
@@ -321,7 +340,10 @@ class AsyncClient:
         await self._observe(attempt)
         if response.code != 200:
             raise server_error(response.code, data)
-        body, binary = response_body(content_type, data)
+        if reader is not None:
+            body, binary = reader.finish()
+        else:
+            body, binary = response_body(content_type, data)
         next_route = _header(response, b"x-kcoral-node")
         if next_route is not None and not 0 < len(next_route) <= MAX_ROUTE_LENGTH:
             next_route = None

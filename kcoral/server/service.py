@@ -305,6 +305,8 @@ class KCoralService(service.MultiService):
         self.pool = WorkerPool(
             config, self._reactor, self.leases, NoSandbox(), self.run_blocking, Path(".")
         )
+        #: Endpoints that cannot work in this installation -> why.
+        self.unavailable: dict[str, str] = {}
         self.metrics, self.recent = _observability(self)
         self.api = KcoralAPI(
             config,
@@ -367,10 +369,21 @@ class KCoralService(service.MultiService):
             run_dir=None if run_dir is None else str(run_dir.path),
             config=self.config.as_log_dict(),
         )
+        self._announce_unavailable()
         recorder = log_setup.recorder
         if recorder is not None:
             self.api.save_program = lambda rid, data: self.run_blocking(recorder.save, rid, data)
         self._start_retention(None if run_dir is None else run_dir.path)
+
+    def _announce_unavailable(self) -> None:
+        """Say at start-up which endpoints cannot work here, and why."""
+        for endpoint, reason in self.unavailable.items():
+            self.log.warn(
+                "{endpoint} is unavailable: {error}",
+                kcoral_event="endpoint_unavailable",
+                endpoint=endpoint,
+                error=reason,
+            )
 
     def _start_retention(self, run_path: Path | None) -> None:
         """Prune old runs and saved programs hourly (docs/logs.md): a child started now."""
@@ -470,12 +483,25 @@ def _compile_cache_dir(config: ServerConfig) -> Path | None:
 
 
 def _observability(server: KCoralService) -> tuple[Metrics | None, RecentRequests | None]:
-    """The metrics and recent-requests observers, when their modules exist."""
+    """
+    The metrics and recent-requests observers, when their modules import.
+
+    An endpoint that cannot work is recorded in C{server.unavailable}
+    (endpoint -> reason) and announced at start-up, never dropped silently.
+    """
     try:
         from kcoral.server.metrics import Metrics
+    except ImportError as e:
+        server.unavailable["/metrics"] = (
+            f"{e} (install the server extra: pip install 'kcoral-server[server]')"
+        )
+        Metrics = None  # type: ignore[assignment,misc]
+    try:
         from kcoral.server.status import RecentRequests
-    except ImportError:
-        return None, None
+    except ImportError as e:
+        for endpoint in ("/status", "/status.json"):
+            server.unavailable[endpoint] = str(e)
+        RecentRequests = None  # type: ignore[assignment,misc]
 
     def state() -> dict[str, Any]:
         pool = server.pool
@@ -490,7 +516,10 @@ def _observability(server: KCoralService) -> tuple[Metrics | None, RecentRequest
             "lease_depth": {gpu: server.leases.depth(gpu) for gpu in server.leases.gpus},
         }
 
-    return Metrics(state), RecentRequests()
+    return (
+        None if Metrics is None else Metrics(state),
+        None if RecentRequests is None else RecentRequests(),
+    )
 
 
 def makeService(

@@ -91,6 +91,7 @@ class Job:
                 output_limit=self.output_limit,
                 max_response_bytes=self.max_response_bytes,
                 reserved=self.reserved,
+                timeout_seconds=float(self.timeout_seconds),
             ),
         ]
 

@@ -56,7 +56,7 @@ from kcoral.compilers.nvcc import validate_arch, validate_options
 from kcoral.config import ServerConfig
 from kcoral.errors import ExecutionError
 from kcoral.server.cache import Pin, Resolution
-from kcoral.server.pool import PoolBusy, Seat, WorkerPool
+from kcoral.server.pool import PoolBusy, Seat, WorkerHandle, WorkerPool
 from kcoral.server.sandbox import ISandbox
 from kcoral.server.workerproc import Job, JobResult
 from kcoral.wire.channel import TO_WORKER_FD, ChannelMessage, MessageDecoder, Outcome
@@ -252,12 +252,18 @@ class RecordingPool(WorkerPool):
     """
     A L{WorkerPool} whose one seat is handed out as given: C{preset} (none:
     the pool is saturated).  Every release is recorded in C{released}, and
-    nothing is retired or replaced.
+    nothing is retired or replaced.  A multi-GPU program's worker starts
+    when the test fires the Deferred recorded in C{starts}; its removal is
+    recorded in C{removed}.
     """
 
     preset: Seat | None = None
     saturated: bool = False
     released: list[tuple[Seat, str | None]] = attrs.field(factory=list)
+    starts: list[tuple[Seat, tuple[int, ...], Deferred[tuple[WorkerHandle, Path]]]] = attrs.field(
+        factory=list
+    )
+    removed: list[WorkerHandle] = attrs.field(factory=list)
 
     def acquire(self, timeout: float) -> Deferred[Seat]:
         if self.saturated or self.preset is None:
@@ -267,10 +273,19 @@ class RecordingPool(WorkerPool):
     def release(self, seat: Seat, *, retire: str | None = None) -> None:
         self.released.append((seat, retire))
 
+    async def start_transient(self, seat: Seat, gpus: tuple[int, ...]) -> tuple[WorkerHandle, Path]:
+        started: Deferred[tuple[WorkerHandle, Path]] = Deferred()
+        self.starts.append((seat, gpus, started))
+        return await started
 
-def seat_with(worker: FakeWorker, worker_id: str = "cpu/w0") -> Seat:
+    def remove_transient(self, worker: WorkerHandle, work_dir: Path) -> Deferred[None]:
+        self.removed.append(worker)
+        return succeed(None)
+
+
+def seat_with(worker: FakeWorker, worker_id: str = "cpu/w0", gpu_id: int | None = None) -> Seat:
     """A busy seat occupied by C{worker}."""
-    return Seat(worker_id, None, generation=1, worker=worker, work_dir=Path("/w"))
+    return Seat(worker_id, gpu_id, generation=1, worker=worker, work_dir=Path("/w"))
 
 
 # -- the API's collaborators -------------------------------------------------------

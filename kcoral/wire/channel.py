@@ -315,6 +315,11 @@ class Execute(ChannelMessage):
     max_response_bytes: int = attrs.field(default=268435456, validator=_json(int))
     #: The workspace's top-level name kept for the sandbox (C{.kcoral}), or C{None}.
     reserved: str | None = attrs.field(default=None, validator=_json(str, optional=True))
+    #: The request's execution budget in seconds (bounds compiles in the
+    #: worker); C{None} when the parent gave none.
+    timeout_seconds: float | None = attrs.field(
+        default=None, validator=_json(float, int, optional=True)
+    )
 
 
 @_message("lease_granted")

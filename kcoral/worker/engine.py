@@ -202,6 +202,7 @@ class Engine:
             limit is reached), so it keeps the lease and skips the reuse checks.
         """
         state = ProcessState.snapshot()
+        runtime.set_budget(request.timeout_seconds)
         program = _parse(request.program, frozenset(self.builtins) | BUILTIN_NAMES)
         run = _ProgramRun(self, request, dict(blobs or {}), program)
         cwd = os.getcwd()

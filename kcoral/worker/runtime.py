@@ -11,11 +11,12 @@ nothing is installed and the accessors return C{None}.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from kcoral.errors import ExecutionError
 
-_state: dict[str, Any] = {"backend": None, "lease": None, "builtins": None}
+_state: dict[str, Any] = {"backend": None, "lease": None, "builtins": None, "deadline": None}
 
 
 def install(backend: Any, lease: Any, builtins: Any) -> None:
@@ -61,3 +62,27 @@ def gpu_backend() -> Any:
     if backend is None or getattr(backend, "name", None) != "gpu":
         raise ExecutionError("unavailable", "this builtin needs a GPU worker")
     return backend
+
+
+def set_budget(seconds: float | None) -> None:
+    """
+    Start the running request's budget: C{seconds} from now, or no bound
+    (C{None}).  Builtins that start a compiler bound it by what is left.
+    """
+    _state["deadline"] = None if seconds is None else time.monotonic() + float(seconds)
+
+
+def remaining_budget(default: float) -> float:
+    """
+    Seconds left of the running request's budget, at most C{default}.
+
+    @raise ExecutionError: C{compile} when the budget is spent (only
+        compilers ask; the parent ends the request as a timeout anyway).
+    """
+    deadline = _state["deadline"]
+    if deadline is None:
+        return default
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise ExecutionError("compile", "the request's execution budget is spent")
+    return min(default, left)

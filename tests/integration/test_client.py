@@ -139,3 +139,29 @@ def test_called_from_a_running_event_loop(url: str) -> None:
             return client.health()["status"]
 
     assert asyncio.run(cell()) == "ok"
+
+
+def test_download_is_decoded_as_it_arrives(url: str) -> None:
+    """
+    Receiving a 64 MiB bytes result holds a few copies at most: the response
+    is split into parts while it arrives, not after it was collected whole.
+    """
+    import tracemalloc
+
+    size = 64 << 20
+    program = Program()
+    module = program.upload(
+        kind="module", source=f"import os\ndef f():\n    return os.urandom({size})\n"
+    )
+    program.return_(key="b", value=program.run(fn=program.get_function(module=module, name="f")))
+    with Client(url) as client:
+        client.health()
+        tracemalloc.start()
+        try:
+            base = tracemalloc.get_traced_memory()[0]
+            result = client.execute(program, output_limit_bytes=0)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert len(result["b"]) == size
+    assert peak - base < 4 * size

@@ -380,3 +380,44 @@ class ContractTests(SynchronousTestCase):
         self.assertEqual(health, {"status": "ok"})
         self.assertTrue(result.completed)
         self.assertEqual(json.loads(server.seen[1].program_bytes), {"instructions": []})
+
+
+class ResponseReaderTests(SynchronousTestCase):
+    """ResponseReader decodes a response fed in arbitrary pieces, as decode_response would."""
+
+    def test_bytewise_equals_whole(self) -> None:
+        from kcoral.client.download import ResponseReader
+        from kcoral.wire.multipart import decode_response, encode_response
+
+        parts = [b"\r\n--x\r\n", b"", bytes(range(256)) * 50]
+        body = {"status": "COMPLETED", "results": {}}
+        content_type, chunks = encode_response(body, parts)
+        data = b"".join(chunks)
+        for size in (1, 7, 4096, len(data)):
+            reader = ResponseReader(content_type)
+            for start in range(0, len(data), size):
+                reader.feed(data[start : start + size])
+            self.assertEqual(reader.finish(), decode_response(content_type, data))
+
+    def test_json_and_errors(self) -> None:
+        from kcoral.client.download import ResponseReader
+
+        reader = ResponseReader("application/json; charset=utf-8")
+        reader.feed(b'{"status":')
+        reader.feed(b'"ok"}')
+        self.assertEqual(reader.finish(), ({"status": "ok"}, {}))
+        self.assertRaises(ProtocolError, ResponseReader, "text/plain")
+        self.assertRaises(ProtocolError, ResponseReader, "multipart/form-data")
+        only_blob = (
+            b'--b\r\nContent-Disposition: form-data; name="return:0"\r\n'
+            b"Content-Type: application/octet-stream\r\n\r\nx\r\n--b--\r\n"
+        )
+        reader = ResponseReader("multipart/form-data; boundary=b")
+        reader.feed(only_blob)
+        self.assertRaises(ProtocolError, reader.finish)
+        reader = ResponseReader("multipart/form-data; boundary=b")
+        reader.feed(only_blob[:-4])
+        self.assertRaises(ProtocolError, reader.finish)
+        reader = ResponseReader("application/json")
+        reader.feed(b"[1]")
+        self.assertRaises(ProtocolError, reader.finish)

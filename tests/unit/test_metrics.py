@@ -299,3 +299,64 @@ class RequestDurationAndBuildInfoTests(SynchronousTestCase):
         self.assertEqual(value, 1.0)
         self.assertEqual(labels["python"], platform.python_version())
         self.assertEqual(set(labels), {"version", "python", "twisted"})
+
+
+class MissingPrometheusTests(SynchronousTestCase):
+    """
+    Without prometheus_client /metrics cannot work; the server says so at
+    start-up instead of dropping it silently (issue 17, item 8).
+    """
+
+    def make_server(self) -> Any:
+        from twisted.internet.testing import MemoryReactorClock
+
+        from kcoral.config import ServerConfig
+        from kcoral.server.service import KCoralService
+
+        return KCoralService(
+            ServerConfig(device="cpu", disk_cache_dir=None), reactor=MemoryReactorClock()
+        )
+
+    def hide_metrics_module(self) -> None:
+        import sys
+
+        # A module set to None in sys.modules fails to import.
+        saved = sys.modules.get("kcoral.server.metrics")
+        sys.modules["kcoral.server.metrics"] = None  # type: ignore[assignment]
+
+        def restore() -> None:
+            if saved is None:
+                sys.modules.pop("kcoral.server.metrics", None)
+            else:
+                sys.modules["kcoral.server.metrics"] = saved
+
+        self.addCleanup(restore)
+
+    def test_metrics_unavailable(self) -> None:
+        self.hide_metrics_module()
+        server = self.make_server()
+        self.assertIsNone(server.metrics)
+        self.assertEqual(list(server.unavailable), ["/metrics"])
+        self.assertIn("kcoral-server[server]", server.unavailable["/metrics"])
+        # /status keeps working: it does not need prometheus_client.
+        self.assertIsNotNone(server.recent)
+
+    def test_announced(self) -> None:
+        from twisted.logger import globalLogPublisher
+
+        self.hide_metrics_module()
+        server = self.make_server()
+        events: list[dict[str, Any]] = []
+        globalLogPublisher.addObserver(events.append)
+        self.addCleanup(globalLogPublisher.removeObserver, events.append)
+        server._announce_unavailable()
+        [event] = [e for e in events if e.get("kcoral_event") == "endpoint_unavailable"]
+        self.assertEqual(event["endpoint"], "/metrics")
+        self.assertEqual(event["log_level"].name, "warn")
+        self.assertIn("kcoral.server.metrics", event["error"])
+
+    def test_all_endpoints_when_installed(self) -> None:
+        server = self.make_server()
+        self.assertEqual(server.unavailable, {})
+        self.assertIsNotNone(server.metrics)
+        self.assertIsNotNone(server.recent)

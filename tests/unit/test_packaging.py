@@ -102,6 +102,28 @@ class DependencyTests(SynchronousTestCase):
         unused = declared_requirements() - set(imported_distributions()) - exempt
         self.assertEqual(sorted(unused), [])
 
+    def test_server_extra_gives_every_endpoint(self) -> None:
+        """
+        C{pip install 'kcoral-server[server]'} covers everything the server
+        and its CPU workers import; only GPU workers need the C{gpu} extra.
+        """
+        cfg = _setup_cfg()
+        server = _requirements(cfg["options"]["install_requires"]) | _requirements(
+            cfg["options.extras_require"]["server"]
+        )
+        gpu = _requirements(cfg["options.extras_require"]["gpu"])
+        missing = {
+            name: sorted(files)
+            for name, files in imported_distributions().items()
+            if name not in server and name not in gpu
+        }
+        self.assertEqual(missing, {})
+        gpu_users = {f for name in gpu for f in imported_distributions().get(name, ())}
+        self.assertTrue(
+            all(f.startswith(("kcoral/worker/", "kcoral/compilers/")) for f in gpu_users),
+            gpu_users,
+        )
+
     def test_nvcc_wheel_is_an_extra_with_a_pinned_range(self) -> None:
         """
         The nvcc wheel (~400 MB) is only in the C{nvcc} extra, with both an

@@ -10,12 +10,11 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from kcoral.compilers.nvcc import find_nvcc
 from kcoral.compilers.source import add_extern_c
 from kcoral.errors import ExecutionError
 from kcoral.worker.gpu_builtins.common import check_cfg
 from kcoral.worker.gpu_builtins.launch import KernelHandle, make_handle, normalize_arg_types
-from kcoral.worker.runtime import current_lease, gpu_backend
+from kcoral.worker.runtime import current_lease, gpu_backend, remaining_budget
 
 _C_TYPES = {
     "char": "i8",
@@ -95,32 +94,27 @@ def parse_compile_cfg(cfg: Any) -> list[str]:
     return list(flags)
 
 
-def compile_image(source: str, arch: str, flags: Sequence[str]) -> bytes:
-    """
-    Compile CUDA C to a cubin for C{arch} with PyCUDA's compiler front end
-    (no device needed).
+#: Most seconds one compile_cuda may run when the budget allows more.
+COMPILE_TIMEOUT_SECONDS = 300.0
 
-    @raise ExecutionError: C{compile} with nvcc's diagnostics,
-        C{unavailable} without nvcc.
-    """
-    nvcc, _ = find_nvcc()
-    if nvcc is None:
-        raise ExecutionError("unavailable", "compile_cuda needs nvcc, which is not installed")
-    import pycuda.driver as drv
-    from pycuda.compiler import compile as pycuda_compile
 
-    try:
-        return pycuda_compile(
-            source,
-            nvcc=nvcc,
-            options=["-O3", *flags],
-            arch=arch,
-            no_extern_c=True,
-            cache_dir=False,
-        )
-    except drv.CompileError as e:
-        detail = (getattr(e, "stderr", "") or getattr(e, "stdout", "") or str(e)).strip()
-        raise ExecutionError("compile", f"nvcc failed:\n{detail}") from e
+def compile_image(
+    source: str, arch: str, flags: Sequence[str], timeout: float | None = None
+) -> bytes:
+    """
+    Compile CUDA C to a cubin for C{arch} through the compiler backend
+    registry's C{sourcemodule} backend (PyCUDA's compiler, no device
+    needed): cached by source, options and arch like nvcc on CPU nodes, and
+    bounded by what is left of the request's budget.
+
+    @raise ExecutionError: C{compile} with nvcc's diagnostics, its timeout,
+        or a budget already spent; C{unavailable} without nvcc or PyCUDA.
+    """
+    from kcoral.compilers import compile_binary
+
+    if timeout is None:
+        timeout = remaining_budget(COMPILE_TIMEOUT_SECONDS)
+    return compile_binary(source, arch, ("-O3", *flags), timeout, backend="sourcemodule")
 
 
 def compile_cuda(source_fn: Any, cfg: Any = None, *, lease: Any = None) -> KernelHandle:
@@ -145,7 +139,17 @@ def compile_cuda(source_fn: Any, cfg: Any = None, *, lease: Any = None) -> Kerne
     flags = parse_compile_cfg(config)
     if "arg_types" in config:
         params = normalize_arg_types(config["arg_types"], config.get("arg_names"))
-    else:
+    backend = gpu_backend()
+    if lease is None:
+        lease = current_lease()
+    if lease is not None:
+        lease.release()
+    # Compile first: a source that does not compile is a `compile` error
+    # with the compiler's message, whatever its signature looks like.
+    image = compile_image(add_extern_c(source), backend.arch, flags)
+    if lease is not None:
+        lease.acquire()
+    if "arg_types" not in config:
         found = kernel_signature(source, name)
         if found is None:
             raise ExecutionError(
@@ -153,14 +157,6 @@ def compile_cuda(source_fn: Any, cfg: Any = None, *, lease: Any = None) -> Kerne
                 f"compile_cuda: cannot read the parameters of {name!r}; give cfg.arg_types",
             )
         params = found
-    backend = gpu_backend()
-    if lease is None:
-        lease = current_lease()
-    if lease is not None:
-        lease.release()
-    image = compile_image(add_extern_c(source), backend.arch, flags)
-    if lease is not None:
-        lease.acquire()
     library = backend.load_library(image)
     try:
         function = library.get_function(name)

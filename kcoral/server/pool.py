@@ -181,6 +181,8 @@ class SeatUse:
             return None if alive else "crashed"
         if result.ending == "timeout":
             return "timeout"
+        if result.ending == "invalid":
+            return "channel_violation"
         if result.ending != "outcome":
             return "crashed"
         assert result.outcome is not None
@@ -450,8 +452,15 @@ class WorkerPool:
             use = SeatUse(seat, seat.worker, seat.work_dir, self, queue_ms, assigned, seat.gpus)
             try:
                 yield use
-            finally:
+            except BaseException:
                 self.release(seat, retire=use.retire_reason())
+                raise
+            retire = use.retire_reason()
+            try:
+                if not await self._empty_unsandboxed_workspace(seat, use.worker, retire):
+                    retire = "sandbox_cleanup"
+            finally:
+                self.release(seat, retire=retire)
             return
         try:
             try:
@@ -482,6 +491,31 @@ class WorkerPool:
                 )
         finally:
             self.release(seat)
+
+    async def _empty_unsandboxed_workspace(
+        self, seat: Seat, worker: WorkerHandle, retire: str | None
+    ) -> bool:
+        """
+        Without a sandbox nothing hides one request's workspace from the
+        next, so empty it before the answer goes out rather than after
+        (issue 17, item 5).  A retiring worker is stopped first, so nothing
+        writes into the workspace once it is empty.  Returns C{False} when
+        the workspace could not be emptied (the worker must then retire).
+        """
+        if self.sandbox.name != "none" or seat.work_dir is None:
+            return True
+        if retire is not None and retire != "request_limit" and worker.alive:
+            await worker.kill()
+        try:
+            await self._run_blocking(self.sandbox.clear_workspace, seat.work_dir)
+        except Exception as e:
+            self.log.warn(
+                "could not empty the workspace of {worker_id}: {error}",
+                worker_id=seat.worker_id,
+                error=str(e),
+            )
+            return False
+        return True
 
     # -- acquire and release -------------------------------------------------
 
@@ -650,7 +684,14 @@ class WorkerPool:
         return len(self.seats) - len(self._replacing)
 
     def worker_status(self, now: float) -> list[dict[str, Any]]:
-        """Per-seat status for /health and /status."""
+        """
+        Per-seat status for /health and /status.
+
+        C{status} is one of the protocol's worker states, C{idle} or
+        C{busy}, which is all 0.1.1-era consumers accept: a seat that is
+        starting, being replaced or dead cannot take a request, so it is
+        C{busy}.  C{state} says which of those it is.
+        """
         rows = []
         for seat in self.seats:
             worker = seat.worker
@@ -658,7 +699,8 @@ class WorkerPool:
                 {
                     "worker_id": seat.worker_id,
                     "gpu_id": seat.gpu_id,
-                    "status": seat.status,
+                    "status": "idle" if seat.status == "idle" else "busy",
+                    "state": seat.status,
                     "generation": seat.generation,
                     "pid": None if worker is None else worker.pid,
                     "uptime_seconds": 0.0

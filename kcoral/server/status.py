@@ -278,7 +278,7 @@ function render(s) {
     document.getElementById(k).textContent = text(s[k]);
   });
   fill("workers", s.workers, function (w) {
-    return [text(w.worker_id), text(w.gpu_id), text(w.status), text(w.generation),
+    return [text(w.worker_id), text(w.gpu_id), text(w.state || w.status), text(w.generation),
             text(w.pid), [uptime(w.uptime_seconds), "num"]];
   });
   fill("leases", s.gpus, function (g) {

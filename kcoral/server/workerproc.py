@@ -31,6 +31,7 @@ from twisted.python.failure import Failure
 from twisted.python.runtime import platform
 
 from kcoral.wire.channel import (
+    CONTROL_LIMITS,
     FROM_WORKER_FD,
     TO_WORKER_FD,
     Blob,
@@ -40,6 +41,7 @@ from kcoral.wire.channel import (
     Exit,
     Failed,
     FrameDecoder,
+    FrameLimits,
     Instruction,
     LeaseAcquire,
     LeaseGranted,
@@ -48,6 +50,7 @@ from kcoral.wire.channel import (
     Ready,
     decode,
     encode,
+    job_limits,
 )
 from kcoral.wire.program import Program
 
@@ -104,7 +107,9 @@ class JobResult:
     C{ending} is C{"outcome"} (the worker answered with C{outcome}),
     C{"crashed"} (the process died; C{instruction_index} says where, if known),
     C{"timeout"} (the budget ran out and the worker is being killed) or
-    C{"invalid"} (the worker sent something that is not an outcome).
+    C{"invalid"} (the worker broke the control channel: a frame over its
+    limits, a malformed message, or one out of order; C{detail} says which,
+    and the worker is being killed).
     """
 
     ending: str
@@ -118,6 +123,7 @@ class JobResult:
     #: (reactor time), to tell which request held the GPU meanwhile.
     instruction_started: dict[int, float] = attrs.field(factory=dict)
     ended_at: float = 0.0
+    detail: str = ""
 
 
 class _Tail:
@@ -140,42 +146,75 @@ class WorkerProtocol(ProcessProtocol):
     """
     Routes a worker's fds: channel messages, output tails, the end.
 
-    A frame that is not a valid message goes to C{on_invalid}; bytes that are
-    not frames at all kill the worker at once.
+    The channel is never trusted.  Frames are decoded under C{limits}
+    (narrowed by L{WorkerProcess} to what its state allows), and the first
+    frame that is over them, malformed or not a valid message goes to
+    C{on_violation}; from then on nothing more is read from the channel, so
+    the parent keeps at most one frame within the limits whatever the
+    worker writes.
     """
 
     def __init__(
         self,
         on_message: Callable[[ChannelMessage], None],
-        on_invalid: Callable[[ChannelError], None],
+        on_violation: Callable[[str], None],
     ) -> None:
         self._on_message = on_message
-        self._on_invalid = on_invalid
-        self._decoder = FrameDecoder()
+        self._on_violation = on_violation
+        self._decoder = FrameDecoder(CONTROL_LIMITS)
         self.stdout_tail = _Tail()
         self.stderr_tail = _Tail()
         self.ended: Deferred[BaseException] = Deferred()
         self.channel_error: str | None = None
 
+    def set_limits(self, limits: FrameLimits) -> None:
+        """What the next frames may be (see L{kcoral.wire.channel.job_limits})."""
+        self._decoder.limits = limits
+
+    @property
+    def pending(self) -> int:
+        """Channel bytes buffered for an incomplete frame."""
+        return self._decoder.pending
+
     def childDataReceived(self, childFD: int, data: bytes) -> None:
         if childFD == FROM_WORKER_FD:
+            if self.channel_error is not None:
+                return
             try:
                 frames = self._decoder.feed(data)
             except ChannelError as e:
-                self.channel_error = str(e)
-                self._kill_now()
+                self.violation(str(e))
                 return
             for frame in frames:
                 try:
                     message = decode(frame)
                 except ChannelError as e:
-                    self._on_invalid(e)
-                else:
-                    self._on_message(message)
+                    self.violation(str(e))
+                    return
+                self._on_message(message)
+                if self.channel_error is not None:
+                    return
         elif childFD == 1:
             self.stdout_tail.add(data)
         elif childFD == 2:
             self.stderr_tail.add(data)
+
+    def violation(self, reason: str) -> None:
+        """
+        The worker broke the channel: stop reading it, kill the process,
+        and report C{reason} once.
+        """
+        if self.channel_error is not None:
+            return
+        self.channel_error = reason
+        close = getattr(self.transport, "closeChildFD", None)
+        if close is not None:
+            try:
+                close(FROM_WORKER_FD)
+            except Exception:  # already closed
+                pass
+        self._kill_now()
+        self._on_violation(reason)
 
     def _kill_now(self) -> None:
         try:
@@ -235,6 +274,9 @@ class WorkerProcess:
     _ready_timer: IDelayedCall | None = None
     _kill_timer: IDelayedCall | None = None
     _killing: bool = False
+    #: The lease a GPU worker takes to warm up: C{None} (not asked),
+    #: C{"pending"}, C{"held"} or C{"released"}.
+    _startup_lease_state: str | None = None
 
     log = Logger()
 
@@ -255,7 +297,7 @@ class WorkerProcess:
     ) -> WorkerProcess:
         """Start the process; see C{ready} for when it can take a job."""
         worker = cls(seat, generation, gpus, reactor, leases, grace_seconds)
-        worker.protocol = WorkerProtocol(worker._message_received, worker._invalid_received)
+        worker.protocol = WorkerProtocol(worker._message_received, worker._poisoned)
         worker.protocol.ended.addCallback(worker._process_ended)
         worker.started_at = reactor.seconds()
         transport = _spawn(
@@ -315,45 +357,70 @@ class WorkerProcess:
         self.ended.callback(self.exit_code)
 
     def _message_received(self, message: ChannelMessage) -> None:
-        if isinstance(message, Ready) and not self.ready.called:
-            if self._ready_timer is not None and self._ready_timer.active():
-                self._ready_timer.cancel()
-            self.info = message.header()
-            self.ready.callback(self.info)
-        elif isinstance(message, Failed) and not self.ready.called:
-            self.ready.errback(WorkerStartError(message.error))
-        elif self._job is not None:
-            self._job.message_received(message)
-        elif isinstance(message, LeaseAcquire):
-            # Outside a job: the worker warms up (creates its CUDA context)
-            # under the lease.
-            self._startup_lease()
-        elif isinstance(message, LeaseRelease):
+        """
+        Route one message; anything the current state does not expect
+        poisons the worker (L{_poisoned}).
+        """
+        if not self.ready.called:
+            if isinstance(message, Ready):
+                if self._ready_timer is not None and self._ready_timer.active():
+                    self._ready_timer.cancel()
+                self.info = message.header()
+                self.ready.callback(self.info)
+                return
+            if isinstance(message, Failed):
+                self.ready.errback(WorkerStartError(message.error[:4096]))
+                return
+            if isinstance(message, LeaseAcquire) and self._startup_lease_state is None:
+                # The worker warms up (creates its CUDA context) under the lease.
+                self._startup_lease_state = "pending"
+                self._startup_lease()
+                return
+        if isinstance(message, LeaseRelease) and self._startup_lease_state == "held":
+            # Sent right after Ready: it may arrive once a job has started.
+            self._startup_lease_state = "released"
             self._leases.release(self)
-        else:
-            self.log.warn(
-                "worker {worker_id} sent an unexpected {type!r} message",
-                worker_id=self.seat,
-                type=message.TYPE,
-            )
-
-    def _invalid_received(self, error: ChannelError) -> None:
-        if self._job is not None:
-            self._job.invalid_received()
             return
+        if self._job is not None:
+            self._job.message_received(message)
+            return
+        where = "between programs" if self.ready.called else "during start"
+        self.protocol.violation(f"unexpected {message.TYPE!r} message {where}")
+
+    def _poisoned(self, reason: str) -> None:
+        """
+        The worker broke the control channel (its protocol already stopped
+        reading and killed it): fail its job or its start, never trust it again.
+        """
         self.log.warn(
-            "worker {worker_id} sent an invalid message: {error}",
+            "worker {worker_id} broke the control channel: {reason}",
+            kcoral_event="worker_poisoned",
             worker_id=self.seat,
-            error=str(error),
+            generation=self.generation,
+            pid=self.pid,
+            request_id=None if self._job is None else self._job.job.request_id,
+            reason=reason,
         )
+        if self._job is not None:
+            self._job.invalid_received(reason)
+        if not self.ready.called:
+            self.ready.errback(
+                WorkerStartError(f"worker {self.seat} broke the control channel: {reason}")
+            )
+        self.kill_now()
 
     def _startup_lease(self) -> None:
-        if not self.gpus:
+        def granted(_: object) -> None:
+            if self._startup_lease_state == "pending":
+                self._startup_lease_state = "held"
             self.send(LeaseGranted())
+
+        if not self.gpus:
+            granted(None)
             return
         d = self._leases.acquire(self, self.gpus, label=f"warmup:{self.seat}")
         d.addCallbacks(
-            lambda _: self.send(LeaseGranted()),
+            granted,
             lambda f: None if f.check(CancelledError) else self.kill(),
         )
 
@@ -376,6 +443,7 @@ class WorkerProcess:
             raise RuntimeError(f"worker {self.seat} is already running a job")
         running = _RunningJob(self, job, on_instruction)
         self._job = running
+        self.protocol.set_limits(job_limits(job.max_response_bytes, job.output_limit))
         running.done.addBoth(self._job_done)
         running.start()
         return running.done
@@ -387,6 +455,8 @@ class WorkerProcess:
 
     def _job_done(self, result: JobResult) -> JobResult:
         self._job = None
+        # After its outcome a worker has nothing to say until the next job.
+        self.protocol.set_limits(CONTROL_LIMITS)
         return result
 
     def stop(self) -> Deferred[int | None]:
@@ -534,6 +604,8 @@ class _RunningJob:
     _lease_wait: float = 0.0
     _lease_held: float = 0.0
     _held_since: float | None = None
+    #: C{"none"}, C{"pending"} (asked, not granted yet) or C{"held"}.
+    _lease_state: str = "none"
 
     def start(self) -> None:
         self.remaining = self.job.timeout_seconds
@@ -566,35 +638,62 @@ class _RunningJob:
     # -- messages -------------------------------------------------------------
 
     def message_received(self, message: ChannelMessage) -> None:
+        """
+        One message of this job, checked against the job's state machine:
+        instructions in increasing order within the program, the lease
+        asked for only when not held and given back only when held,
+        nothing while a lease request waits, and one outcome.
+        """
         if self.done.called:
             return
-        if isinstance(message, Instruction):
-            index = message.index
-            self._instruction_finished()
-            self.instruction_index = index
-            self.instruction_started[index] = self._clock()
-            self._event(
-                "instruction_started",
-                "request {request_id}: instruction {index} started on {worker_id}",
-                index,
-            )
-            if self.on_instruction is not None:
-                self.on_instruction(index)
+        if self._lease_state == "pending":
+            self._violation(f"a {message.TYPE!r} message while its lease request waits")
+        elif isinstance(message, Instruction):
+            self._instruction(message.index)
         elif isinstance(message, LeaseAcquire):
-            self._acquire_lease()
+            if self._lease_state == "held":
+                self._violation("asked for the lease it holds")
+            else:
+                self._acquire_lease()
         elif isinstance(message, LeaseRelease):
-            self._release_lease()
+            if self._lease_state != "held":
+                self._violation("gave back a lease it does not hold")
+            else:
+                self._release_lease()
         elif isinstance(message, Outcome):
             self._finish(JobResult("outcome", outcome=message))
         else:
-            self.invalid_received()
+            self._violation(f"unexpected {message.TYPE!r} message during a program")
 
-    def invalid_received(self) -> None:
-        """The worker sent something that is not a message a job expects."""
+    def _violation(self, reason: str) -> None:
+        self.worker.protocol.violation(reason)
+
+    def _instruction(self, index: int) -> None:
+        count = _instruction_count(self.job)
+        last = self.instruction_index
+        if index < 0 or (count is not None and index >= count):
+            self._violation(f"instruction {index} is not in the program")
+            return
+        if last is not None and index <= last:
+            self._violation(f"instruction {index} announced after instruction {last}")
+            return
+        self._instruction_finished()
+        self.instruction_index = index
+        self.instruction_started[index] = self._clock()
+        self._event(
+            "instruction_started",
+            "request {request_id}: instruction {index} started on {worker_id}",
+            index,
+        )
+        if self.on_instruction is not None:
+            self.on_instruction(index)
+
+    def invalid_received(self, detail: str = "") -> None:
+        """The worker broke the control channel during this job."""
         if self.done.called:
             return
-        self._finish(JobResult("invalid", instruction_index=self.instruction_index))
-        self.worker.kill()
+        self._finish(JobResult("invalid", instruction_index=self.instruction_index, detail=detail))
+        self.worker.kill_now()
 
     def _instruction_finished(self) -> None:
         """Log the end of the instruction that ran until now, if any."""
@@ -622,8 +721,10 @@ class _RunningJob:
 
     def _acquire_lease(self) -> None:
         if not self.worker.gpus:
+            self._lease_state = "held"
             self.worker.send(LeaseGranted())
             return
+        self._lease_state = "pending"
         self._pause_budget()
         requested = self._clock()
         d = self.worker._leases.acquire(self.worker, self.worker.gpus, label=self.job.request_id)
@@ -631,6 +732,7 @@ class _RunningJob:
 
         def granted(grant: Any) -> None:
             self._lease_request = None
+            self._lease_state = "held"
             now = self._clock()
             self._lease_wait += now - requested
             self._held_since = now
@@ -648,6 +750,7 @@ class _RunningJob:
         d.addCallbacks(granted, failed)
 
     def _release_lease(self) -> None:
+        self._lease_state = "none"
         if self._held_since is not None:
             self._lease_held += self._clock() - self._held_since
             self._held_since = None
@@ -685,6 +788,12 @@ class _RunningJob:
             output_tail=result.output_tail or self.worker.protocol.output_tail(),
         )
         self.done.callback(result)
+
+
+def _instruction_count(job: Job) -> int | None:
+    """How many instructions the job's program has (C{None}: not known)."""
+    instructions = getattr(job.program, "instructions", None)
+    return None if instructions is None else len(instructions)
 
 
 def _op_of(job: Job, index: int) -> str | None:

@@ -91,21 +91,79 @@ def _decode_header(raw: bytes) -> dict[str, Any]:
     return header
 
 
+#: Largest frame (header and payload) of every message but an outcome: ready,
+#: failed, lease and instruction messages are a few hundred bytes.
+CONTROL_FRAME_BYTES = 64 * 1024
+
+#: Room in an outcome's header beyond its results and captured output
+#: (the error object with its truncated traceback, field names).
+OUTCOME_SLACK_BYTES = 1 << 20
+
+
 @attrs.frozen
 class FrameLimits:
-    """The largest header and payload a reader accepts."""
+    """
+    The largest header and payload a reader accepts.
+
+    With C{max_control_bytes} set, a frame whose type is not one of
+    C{bulk_types} must also fit in that many bytes in all; its header is
+    read first, so an oversized payload is refused before it is buffered.
+    """
 
     max_header_bytes: int = MAX_HEADER_BYTES
     max_payload_bytes: int = MAX_PAYLOAD_BYTES
+    max_control_bytes: int | None = None
+    bulk_types: frozenset[str] = frozenset()
 
     def check(self, header_length: int, payload_length: int) -> None:
         if header_length > self.max_header_bytes:
-            raise ChannelError(f"message header of {header_length} bytes is too large")
+            raise ChannelError(
+                f"message header of {header_length} bytes is over the limit of "
+                f"{self.max_header_bytes}"
+            )
         if payload_length > self.max_payload_bytes:
-            raise ChannelError(f"message payload of {payload_length} bytes is too large")
+            raise ChannelError(
+                f"message payload of {payload_length} bytes is over the limit of "
+                f"{self.max_payload_bytes}"
+            )
+
+    def check_type(self, type_name: str, header_length: int, payload_length: int) -> None:
+        """Refuse a frame of a small message type that claims to be large."""
+        if self.max_control_bytes is None or type_name in self.bulk_types:
+            return
+        size = header_length + payload_length
+        if size > self.max_control_bytes:
+            raise ChannelError(
+                f"a {type_name!r} message of {size} bytes is over the limit of "
+                f"{self.max_control_bytes}"
+            )
 
 
 DEFAULT_LIMITS = FrameLimits()
+
+#: What a worker may send when it runs no program (start-up, between jobs).
+CONTROL_LIMITS = FrameLimits(
+    max_header_bytes=CONTROL_FRAME_BYTES,
+    max_payload_bytes=0,
+    max_control_bytes=CONTROL_FRAME_BYTES,
+)
+
+
+def job_limits(max_response_bytes: int, output_limit: int) -> FrameLimits:
+    """
+    What a worker may send while it runs one program: small control frames,
+    and one outcome no larger than the response it may become (its results
+    within C{max_response_bytes}, each output stream within C{output_limit}
+    bytes, which JSON may escape to six bytes each).
+    """
+    return FrameLimits(
+        max_header_bytes=max(0, max_response_bytes)
+        + 12 * max(0, output_limit)
+        + OUTCOME_SLACK_BYTES,
+        max_payload_bytes=max(0, max_response_bytes),
+        max_control_bytes=CONTROL_FRAME_BYTES,
+        bulk_types=frozenset({"outcome"}),
+    )
 
 
 @attrs.define
@@ -113,27 +171,56 @@ class FrameDecoder:
     """
     Incremental decoder: C{feed} bytes as they arrive, get whole frames.
 
-    Buffers at most one partial frame; its prefix is checked against
-    C{limits} before the frame is buffered.
+    Buffers at most one partial frame.  Its prefix is checked against
+    C{limits} as soon as it arrives, and its header's type before its
+    payload is buffered, so a frame that claims more than the limits allow
+    is refused before its bytes are kept.  After a refusal the decoder keeps
+    nothing more: every later C{feed} raises the same error.  C{limits} may
+    be replaced between frames (the parent narrows them to what the current
+    state allows).
     """
 
     limits: FrameLimits = DEFAULT_LIMITS
     _buffer: bytearray = attrs.field(factory=bytearray)
+    #: The decoded header and payload length of the frame being read.
+    _current: tuple[dict[str, Any], int] | None = None
+    _failed: ChannelError | None = None
 
     def feed(self, data: bytes) -> list[Frame]:
         """Add C{data} and return every frame it completes."""
+        if self._failed is not None:
+            raise self._failed
         self._buffer += data
+        try:
+            return self._frames()
+        except ChannelError as e:
+            self._failed = e
+            self._buffer = bytearray()
+            self._current = None
+            raise
+
+    def _frames(self) -> list[Frame]:
         frames = []
-        while len(self._buffer) >= _PREFIX.size:
-            header_length, payload_length = _PREFIX.unpack_from(self._buffer)
-            self.limits.check(header_length, payload_length)
-            end = _PREFIX.size + header_length + payload_length
-            if len(self._buffer) < end:
+        buffer = self._buffer
+        while True:
+            if self._current is None:
+                if len(buffer) < _PREFIX.size:
+                    break
+                header_length, payload_length = _PREFIX.unpack_from(buffer)
+                self.limits.check(header_length, payload_length)
+                header_end = _PREFIX.size + header_length
+                if len(buffer) < header_end:
+                    break
+                header = _decode_header(bytes(buffer[_PREFIX.size : header_end]))
+                self.limits.check_type(str(header.get("type", "")), header_length, payload_length)
+                del buffer[:header_end]
+                self._current = (header, payload_length)
+            header, payload_length = self._current
+            if len(buffer) < payload_length:
                 break
-            header_end = _PREFIX.size + header_length
-            header = _decode_header(bytes(self._buffer[_PREFIX.size : header_end]))
-            payload = bytes(self._buffer[header_end:end])
-            del self._buffer[:end]
+            payload = bytes(buffer[:payload_length])
+            del buffer[:payload_length]
+            self._current = None
             frames.append(Frame(header, payload))
         return frames
 
@@ -167,10 +254,14 @@ def read_frame(stream: IO[bytes], limits: FrameLimits = DEFAULT_LIMITS) -> Frame
     header_length, payload_length = _PREFIX.unpack(prefix)
     limits.check(header_length, payload_length)
     raw_header = _read_exactly(stream, header_length)
-    payload = _read_exactly(stream, payload_length) if payload_length else b""
-    if raw_header is None or payload is None:
+    if raw_header is None:
         raise ChannelError("stream ended inside a message")
-    return Frame(_decode_header(raw_header), payload)
+    header = _decode_header(raw_header)
+    limits.check_type(str(header.get("type", "")), header_length, payload_length)
+    payload = _read_exactly(stream, payload_length) if payload_length else b""
+    if payload is None:
+        raise ChannelError("stream ended inside a message")
+    return Frame(header, payload)
 
 
 def write_frame(stream: IO[bytes], header: dict[str, Any], payload: bytes = b"") -> None:
@@ -394,6 +485,10 @@ class Outcome(ChannelMessage):
     retire: str | None = attrs.field(
         default=None, validator=_one_of(WORKER_RETIRE_REASONS, optional=True)
     )
+    #: The size results and parts would have had, when over the request's
+    #: C{max_response_bytes}: they are left out, so the frame stays within
+    #: the limits the parent reads it under.
+    oversize: int | None = attrs.field(default=None, validator=_json(int, optional=True))
     parts: tuple[bytes, ...] = attrs.field(default=(), repr=False)
 
     @parts.validator

@@ -76,6 +76,8 @@ class Ending(Protocol):
     @property
     def output_tail(self) -> str: ...
     @property
+    def detail(self) -> str: ...
+    @property
     def lease_wait_seconds(self) -> float: ...
     @property
     def lease_held_seconds(self) -> float: ...
@@ -147,7 +149,7 @@ def render_result(
     if result.ending == "invalid":
         raise RequestError(
             "engine",
-            "invalid worker response",
+            "invalid worker response" + (f": {result.detail[:512]}" if result.detail else ""),
             "server_error",
             error_kind="invalid_worker_response",
             **place,
@@ -165,6 +167,19 @@ def render_result(
         assert result.outcome is not None
         outcome = result.outcome
         reason = "completed" if outcome.status == "COMPLETED" else "program_failed"
+    if outcome.oversize is not None:
+        # The worker's results were over the limit: it sent their size only.
+        raise RequestError(
+            "response_too_large",
+            RESPONSE_TOO_LARGE_MESSAGE,
+            "server_error",
+            error_kind="response_too_large",
+            response_bytes=outcome.oversize,
+            queue_ms=queue_ms,
+            elapsed_ms=elapsed_ms,
+            lease_held_ms=timings["lease_held_ms"],
+            **place,
+        )
     parts = list(outcome.parts)
     body: dict[str, Any] = {
         "status": outcome.status,

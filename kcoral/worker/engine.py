@@ -32,6 +32,7 @@ import attrs
 
 from kcoral.errors import KINDS, ExecutionError, GPUAccessViolation
 from kcoral.wire.channel import (
+    CONTROL_FRAME_BYTES,
     RETIRE_POISONED,
     RETIRE_REQUEST_LIMIT,
     ChannelMessage,
@@ -40,6 +41,7 @@ from kcoral.wire.channel import (
     Outcome,
 )
 from kcoral.wire.errors import instruction_error, truncate_traceback
+from kcoral.wire.jsontext import json_dumps
 from kcoral.wire.program import (
     BUILTIN_NAMES,
     BuiltinName,
@@ -230,7 +232,7 @@ class Engine:
                         "runtime", "program left background processes running; they were terminated"
                     ),
                 )
-        outcome = run.outcome(captured)
+        outcome = _fit_response(run.outcome(captured), request.max_response_bytes)
         del run
         if retire is None and retiring:
             retire = RETIRE_REQUEST_LIMIT
@@ -251,6 +253,24 @@ class Engine:
                 # A retiring worker exits (destroys its context) under the lease.
                 self.lease.acquire()
         return attrs.evolve(outcome, retire=retire)
+
+
+def _fit_response(outcome: Outcome, limit: int) -> Outcome:
+    """
+    C{outcome}, or the same without its results and parts when either is
+    over C{limit} (the parent reads no larger outcome, see
+    L{kcoral.wire.channel.job_limits}, and answers C{response_too_large}).
+    """
+    size = sum(len(part) for part in outcome.parts)
+    if size <= limit:
+        try:
+            results = len(json_dumps(outcome.results))
+        except (TypeError, ValueError):
+            return outcome
+        if results <= limit + CONTROL_FRAME_BYTES:
+            return outcome
+        size += results
+    return attrs.evolve(outcome, results={}, parts=(), oversize=size)
 
 
 class _ProgramRun:

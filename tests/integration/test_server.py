@@ -573,3 +573,37 @@ def test_health_during_request(server: ServerProcess) -> None:
         assert health["load"]["requests_in_progress"] == 1
         assert {w["status"] for w in health["workers"]} == {"busy", "idle"}
         assert future.result().status == 200
+
+
+# -- workspaces without a sandbox (issue 17, item 5) ---------------------------
+
+WRITE_SECRET = (
+    "import os\n"
+    "def f():\n"
+    "    with open('secret.txt', 'w') as fh:\n"
+    "        fh.write('from the previous request')\n"
+    "    return os.path.abspath('secret.txt')\n"
+)
+LOOK = "import os\ndef f(path):\n    return os.path.exists(path)\n"
+
+
+def test_fresh_workers_next_request_cannot_see_previous_workspace(
+    server: ServerProcess,
+) -> None:
+    """
+    With C{--sandbox none} and fresh workers the previous request's
+    workspace is emptied before its answer, so the next request (on the
+    other worker, at once) cannot read its files.
+    """
+    path = result_value(post_program(server.port, program(WRITE_SECRET)))
+    assert not os.path.exists(path)
+    assert result_value(post_program(server.port, program(LOOK, [path]))) is False
+
+
+def test_reused_worker_next_request_cannot_see_previous_workspace(
+    reuse_server: ServerProcess,
+) -> None:
+    """The same with one reused worker: the answer comes after the workspace is empty."""
+    path = result_value(post_program(reuse_server.port, program(WRITE_SECRET)))
+    assert not os.path.exists(path)
+    assert result_value(post_program(reuse_server.port, program(LOOK, [path]))) is False

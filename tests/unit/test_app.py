@@ -348,7 +348,8 @@ class RunTests(APITestCase):
         self.assertEqual(body["error"], {"kind": "engine", "message": "worker crashed"})
 
     def test_invalid_worker_reply(self) -> None:
-        response, body = self.run_with(JobResult("invalid"))
+        response, body = self.run_with(JobResult("invalid", detail="a 'ready' message"))
         self.assertEqual(response.code, 500)
         self.assertEqual(body["error"]["kind"], "engine")
-        self.assertEqual(self.pool.released[0][1], "crashed")
+        self.assertEqual(body["error"]["message"], "invalid worker response: a 'ready' message")
+        self.assertEqual(self.pool.released[0][1], "channel_violation")

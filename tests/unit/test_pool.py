@@ -152,6 +152,25 @@ class ReplacementTests(PoolTestCase):
         self.assertIs(self.successResultOf(waiter), seat)
         self.assertEqual(pool.capacity, 1)
 
+    def test_health_status_only_idle_or_busy(self) -> None:
+        """
+        /health's C{status} is only C{idle} or C{busy} (issue 17, item 6):
+        a seat being replaced reads C{busy}, and C{state} tells why.
+        """
+        pool = self.make_pool(pool_config(num_workers=2))
+        seat = self.successResultOf(pool.acquire(10))
+        self.spawner.auto_ready = False
+        rows = pool.worker_status(0.0)
+        self.assertEqual([r["status"] for r in rows], ["busy", "idle"])
+        self.assertEqual([r["state"] for r in rows], ["busy", "idle"])
+        pool.release(seat, retire="crashed")
+        self.assertEqual(seat.status, "starting")
+        rows = pool.worker_status(0.0)
+        self.assertEqual([r["status"] for r in rows], ["busy", "idle"])
+        self.assertEqual([r["state"] for r in rows], ["starting", "idle"])
+        self.spawned[-1].come_up()
+        self.assertEqual([r["status"] for r in pool.worker_status(0.0)], ["idle", "idle"])
+
     def test_capacity_excludes_replacing(self) -> None:
         pool = self.make_pool(pool_config(num_workers=3))
         seat = self.successResultOf(pool.acquire(10))
@@ -318,9 +337,29 @@ class SeatTests(PoolTestCase):
         self.assertEqual(worker.jobs[0].workspace, str(seat.work_dir))
         self.assertEqual(self.uses[0].worker_id, "cpu/w0")
         self.assertIsNone(self.uses[0].retire_reason())
-        self.assertEqual(self.sandbox.cleared, [seat.work_dir])
+        # Without a sandbox: emptied before the answer, and again for reuse.
+        self.assertEqual(self.sandbox.cleared, [seat.work_dir, seat.work_dir])
         self.assertEqual(seat.status, "idle")
         self.assertEqual(len(self.spawned), 1)
+
+    def test_sandboxed_workspace_emptied_on_reuse_only(self) -> None:
+        """Under a sandbox the workspace is emptied once, when the seat is reused."""
+        pool = self.make_pool(pool_config(num_workers=1, max_requests_per_worker=0))
+        self.sandbox.name = "bubblewrap"  # type: ignore[misc]
+        self.successResultOf(self.use_seat(pool))
+        self.assertEqual(self.sandbox.cleared, [pool.seats[0].work_dir])
+
+    def test_unemptied_workspace_retires(self) -> None:
+        """Without a sandbox, a workspace that cannot be emptied retires its worker."""
+        pool = self.make_pool(pool_config(num_workers=1, max_requests_per_worker=0))
+
+        def refuse(work_dir: Path) -> None:
+            raise OSError("busy")
+
+        self.sandbox.clear_workspace = refuse  # type: ignore[method-assign]
+        self.successResultOf(self.use_seat(pool))
+        self.assertTrue(self.spawned[0].killed)
+        self.assertEqual(len(self.spawned), 2)
 
     def test_request_limit_retires(self) -> None:
         """At the request limit the seat's worker is replaced."""
@@ -342,13 +381,15 @@ class SeatTests(PoolTestCase):
         self.assertTrue(self.spawned[0].killed)
 
     def test_timeout_and_crash_retire(self) -> None:
-        """A timed-out or crashed job retires its worker."""
-        for ending in ("timeout", "crashed", "invalid"):
+        """A timed-out, crashed or channel-breaking job retires its worker."""
+        expected = {"timeout": "timeout", "crashed": "crashed", "invalid": "channel_violation"}
+        for ending, reason in expected.items():
             pool = self.make_pool(pool_config(num_workers=1, max_requests_per_worker=0))
             self.spawned[0].result = JobResult(ending)
             self.successResultOf(self.use_seat(pool))
-            expected = "timeout" if ending == "timeout" else "crashed"
-            self.assertEqual(self.uses[0].retire_reason(), expected)
+            self.assertEqual(self.uses[0].retire_reason(), reason)
+            # Without a sandbox the worker is stopped before its workspace is emptied.
+            self.assertTrue(self.spawned[0].killed)
 
     def test_failure_before_run_keeps_a_healthy_worker(self) -> None:
         """A request that fails before it runs gives its seat back for reuse."""

@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kcoral.wire.channel import (
+    CONTROL_LIMITS,
     FROM_WORKER_FD,
     MESSAGE_TYPES,
     TO_WORKER_FD,
@@ -35,6 +36,7 @@ from kcoral.wire.channel import (
     decode,
     encode,
     encode_frame,
+    job_limits,
     read_frame,
     read_message,
     write_frame,
@@ -183,6 +185,7 @@ def test_outcome_frame_layout() -> None:
         "stdout_truncated": False,
         "stderr_truncated": False,
         "retire": None,
+        "oversize": None,
         "part_sizes": [2, 3],
     }
     assert outcome.payload() == b"abcde"
@@ -298,3 +301,37 @@ def test_messages_are_frozen() -> None:
 
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
         Instruction(1).index = 2  # type: ignore[misc]
+
+
+def test_job_limits_refuse_large_control_frames_from_header() -> None:
+    """A small message type claiming a large payload is refused before it is buffered."""
+    decoder = FrameDecoder(job_limits(1000, 10))
+    frame = encode_frame({"type": "instruction", "index": 0}, b"p" * 70_000)
+    with pytest.raises(ChannelError, match="over the limit"):
+        decoder.feed(frame[:64])
+    assert decoder.pending == 0
+
+
+def test_job_limits_bound_the_outcome() -> None:
+    """An outcome's payload may reach max_response_bytes, not more."""
+    limits = job_limits(1000, 10)
+    assert FrameDecoder(limits).feed(encode(Outcome(status="COMPLETED", parts=(b"a" * 1000,))))
+    with pytest.raises(ChannelError, match="payload"):
+        FrameDecoder(limits).feed(encode(Outcome(status="COMPLETED", parts=(b"a" * 1001,)))[:40])
+
+
+def test_decoder_refuses_everything_after_an_error() -> None:
+    """After a refused frame the decoder keeps nothing more."""
+    decoder = FrameDecoder(CONTROL_LIMITS)
+    with pytest.raises(ChannelError):
+        decoder.feed(struct.pack(">IQ", 10, 1 << 39))
+    with pytest.raises(ChannelError):
+        decoder.feed(encode_frame({"type": "ready"}))
+    assert decoder.pending == 0
+
+
+def test_read_frame_checks_type_limits() -> None:
+    """The blocking reader applies the same per-type bound."""
+    frame = encode_frame({"type": "instruction"}, b"x" * 70_000)
+    with pytest.raises(ChannelError):
+        read_frame(io.BytesIO(frame), job_limits(1 << 20, 10))

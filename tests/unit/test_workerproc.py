@@ -5,8 +5,10 @@ L{IReactorProcess}: no processes, no sleeps.
 
 from __future__ import annotations
 
+import struct
 from typing import Any
 
+import attrs
 from twisted.internet.error import ProcessDone, ProcessTerminated
 from twisted.internet.interfaces import IReactorProcess
 from twisted.logger import capturedLogs
@@ -35,6 +37,11 @@ from kcoral.wire.channel import (
     encode,
     encode_frame,
 )
+
+
+@attrs.frozen
+class _Program:
+    instructions: tuple[Any, ...] = ()
 
 
 class WorkerTestCase(SynchronousTestCase):
@@ -83,7 +90,7 @@ class WorkerTestCase(SynchronousTestCase):
         return Job(
             request_id="rid",
             program_text='{"instructions":[]}',
-            program=None,  # type: ignore[arg-type]
+            program=kw.pop("program", None),
             blobs=kw.pop("blobs", {}),
             timeout_seconds=timeout,
             output_limit=1024,
@@ -242,19 +249,19 @@ class JobTests(WorkerTestCase):
         result = self.successResultOf(d)
         self.assertEqual(result.ending, "invalid")
         self.assertIsNone(result.outcome)
-        # The worker is being killed: SIGKILL follows after the grace period.
-        self.assertTrue(any(c.active() for c in self.reactor.getDelayedCalls()))
+        self.assertIn("part_sizes", result.detail)
+        # The worker is killed at once: it is not trusted with a grace period.
+        self.assertEqual(self.transport.signals, ["KILL"])
 
-    def test_invalid_message_between_jobs_is_logged(self) -> None:
-        """Outside a job an invalid message is only logged; the worker stays."""
+    def test_invalid_message_between_jobs_poisons(self) -> None:
+        """Outside a job any message poisons the worker: it is killed and logged."""
         worker = self.ready_worker()
         with capturedLogs() as events:
             self.deliver_frame(worker, {"type": "instruction", "index": "one"})
-        self.assertTrue(worker.alive)
-        self.assertEqual(self.transport.signals, [])
-        self.assertEqual(len(events), 1)
-        self.assertIn("invalid message", events[0]["log_format"])
-        self.assertIn("'instruction'", events[0]["error"])
+        self.assertEqual(self.transport.signals, ["KILL"])
+        poisoned = [e for e in events if e.get("kcoral_event") == "worker_poisoned"]
+        self.assertEqual(len(poisoned), 1)
+        self.assertIn("'instruction'", poisoned[0]["reason"])
 
     def test_garbage_on_channel_kills(self) -> None:
         worker = self.ready_worker()
@@ -372,3 +379,158 @@ class StopTests(WorkerTestCase):
         self.assertEqual(self.hard_kills, [1])
         self.end(worker, -9)
         self.assertEqual(self.successResultOf(d), -9)
+
+
+class ChannelDistrustTests(WorkerTestCase):
+    """
+    The parent never trusts the channel (issue 13, item 1): sizes bounded by
+    what the job may send, checked before buffering; a strict per-job state
+    machine; nothing read after a violation.
+    """
+
+    def assertPoisoned(self, worker: WorkerProcess, d: Any, *words: str) -> JobResult:
+        result: JobResult = self.successResultOf(d)
+        self.assertEqual(result.ending, "invalid")
+        for word in words:
+            self.assertIn(word, result.detail)
+        self.assertIn("KILL", self.transport.signals)
+        self.assertIsNotNone(worker.protocol.channel_error)
+        return result
+
+    def test_flood_header_refused_before_buffering(self) -> None:
+        worker = self.ready_worker()
+        d = worker.run(self.job())
+        prefix = struct.pack(">IQ", 20, 1 << 39)
+        worker.protocol.childDataReceived(FROM_WORKER_FD, prefix + b"x" * (1 << 20))
+        self.assertPoisoned(worker, d, "over the limit")
+        self.assertEqual(worker.protocol.pending, 0)
+        # Whatever follows is not kept.
+        for _ in range(8):
+            worker.protocol.childDataReceived(FROM_WORKER_FD, b"y" * (1 << 20))
+        self.assertEqual(worker.protocol.pending, 0)
+
+    def test_outcome_over_response_limit(self) -> None:
+        worker = self.ready_worker()
+        d = worker.run(self.job())
+        message = Outcome(status="COMPLETED", parts=(b"z" * ((1 << 20) + 1),))
+        frame = encode(message)
+        # The prefix and header alone are refused.
+        worker.protocol.childDataReceived(FROM_WORKER_FD, frame[:200])
+        self.assertPoisoned(worker, d, "payload", "over the limit")
+
+    def test_outcome_at_response_limit_accepted(self) -> None:
+        worker = self.ready_worker()
+        d = worker.run(self.job())
+        self.deliver(worker, Outcome(status="COMPLETED", parts=(b"z" * (1 << 20),)))
+        self.assertEqual(self.successResultOf(d).ending, "outcome")
+
+    def test_large_control_message_refused_from_header(self) -> None:
+        worker = self.ready_worker()
+        d = worker.run(self.job())
+        frame = encode_frame({"type": "instruction", "index": 0}, b"p" * 100_000)
+        worker.protocol.childDataReceived(FROM_WORKER_FD, frame[:100])
+        self.assertPoisoned(worker, d, "'instruction'", "over the limit")
+
+    def test_flood_between_jobs(self) -> None:
+        worker = self.ready_worker()
+        worker.protocol.childDataReceived(FROM_WORKER_FD, struct.pack(">IQ", 1 << 30, 0))
+        self.assertEqual(self.transport.signals, ["KILL"])
+        self.assertEqual(worker.protocol.pending, 0)
+
+    def test_second_outcome_poisons(self) -> None:
+        """A forged outcome followed by the real one: the worker is retired."""
+        worker = self.ready_worker()
+        d = worker.run(self.job())
+        self.deliver(worker, Outcome(status="COMPLETED"))
+        self.assertEqual(self.successResultOf(d).ending, "outcome")
+        self.deliver(worker, Outcome(status="COMPLETED"))
+        self.assertEqual(self.transport.signals, ["KILL"])
+        self.assertIn("between programs", worker.protocol.channel_error or "")
+
+    def test_instruction_out_of_order(self) -> None:
+        worker = self.ready_worker()
+        d = worker.run(self.job())
+        self.deliver(worker, Instruction(2))
+        self.deliver(worker, Instruction(1))
+        result = self.assertPoisoned(worker, d, "instruction 1", "after instruction 2")
+        self.assertEqual(result.instruction_index, 2)
+
+    def test_instruction_outside_program(self) -> None:
+        worker = self.ready_worker()
+        d = worker.run(self.job(program=_Program(instructions=(1, 2))))
+        self.deliver(worker, Instruction(2))
+        self.assertPoisoned(worker, d, "instruction 2 is not in the program")
+
+    def test_release_without_lease(self) -> None:
+        worker = self.ready_worker()
+        d = worker.run(self.job())
+        self.deliver(worker, LeaseRelease())
+        self.assertPoisoned(worker, d, "does not hold")
+
+    def test_acquire_twice(self) -> None:
+        worker = self.ready_worker()
+        d = worker.run(self.job())
+        self.deliver(worker, LeaseAcquire())
+        self.deliver(worker, LeaseAcquire())
+        self.assertPoisoned(worker, d, "holds")
+
+    def test_ready_during_job(self) -> None:
+        worker = self.ready_worker()
+        d = worker.run(self.job())
+        self.deliver(worker, Ready(pid=1, target={}, versions={}, device="cpu"))
+        self.assertPoisoned(worker, d, "'ready'")
+
+    def test_unknown_frame_during_start_fails_start(self) -> None:
+        worker = self.spawn()
+        self.deliver(worker, Outcome(status="COMPLETED"))
+        failure = self.failureResultOf(worker.ready, WorkerStartError)
+        self.assertIn("during start", str(failure.value))
+        self.assertEqual(self.transport.signals, ["KILL"])
+
+    def test_closes_channel_on_violation(self) -> None:
+        closed: list[int] = []
+        worker = self.ready_worker()
+        self.transport.closeChildFD = closed.append  # type: ignore[attr-defined]
+        worker.protocol.childDataReceived(FROM_WORKER_FD, b"\xff" * 64)
+        self.assertEqual(closed, [FROM_WORKER_FD])
+
+
+class GpuChannelDistrustTests(WorkerTestCase):
+    gpus = (0,)
+
+    def test_message_while_lease_pending(self) -> None:
+        other = object()
+        self.successResultOf(self.leases.acquire(other, (0,)))
+        worker = self.ready_worker()
+        d = worker.run(self.job())
+        self.deliver(worker, LeaseAcquire())
+        self.deliver(worker, Outcome(status="COMPLETED"))
+        result: JobResult = self.successResultOf(d)
+        self.assertEqual(result.ending, "invalid")
+        self.assertIn("lease request waits", result.detail)
+        self.end(worker, -9)
+        # The killed worker is not left waiting in line for the GPU.
+        self.leases.release(other)
+        self.assertIsNone(self.leases.holder_of(0))
+
+    def test_forged_frames_release_lease(self) -> None:
+        worker = self.ready_worker()
+        d = worker.run(self.job())
+        self.deliver(worker, LeaseAcquire())
+        self.assertIs(self.leases.holder_of(0), worker)
+        self.deliver(worker, LeaseAcquire())
+        self.assertEqual(self.successResultOf(d).ending, "invalid")
+        self.end(worker, -9)
+        self.assertIsNone(self.leases.holder_of(0))
+
+    def test_startup_release_may_arrive_during_first_job(self) -> None:
+        worker = self.spawn()
+        self.deliver(worker, LeaseAcquire())
+        self.assertIs(self.leases.holder_of(0), worker)
+        self.deliver(worker, Ready(pid=77, target={}, versions={}, device="gpu"))
+        d = worker.run(self.job())
+        self.deliver(worker, LeaseRelease())
+        self.assertIsNone(self.leases.holder_of(0))
+        self.deliver(worker, Outcome(status="COMPLETED"))
+        self.assertEqual(self.successResultOf(d).ending, "outcome")
+        self.assertEqual(self.transport.signals, [])

@@ -23,6 +23,7 @@ goes: nothing here starts a process, opens a port or touches a GPU.
   - L{RecordingService}: a child service whose start and stop the test fires.
   - L{RecordingLease}, L{FakeFunction}, L{FakeDeviceArray}: a worker's
     GPU lease, a PyCUDA function and a CUDA array, for worker tests.
+  - L{FakeClient}: the blocking client, for C{kcoral run}.
   - L{FakeServer} (with L{json_reply}, L{result_reply}, L{completed},
     L{cache_miss}): an in-memory KCoral server for client tests.
   - L{FakeCompilerBackend}: an L{ICompilerBackend} that needs no toolchain.
@@ -51,6 +52,7 @@ from twisted.python.threadpool import ThreadPool
 from zope.interface import implementer
 
 from kcoral.client.async_client import AsyncClient
+from kcoral.client.results import ProgramResult
 from kcoral.compilers.interfaces import KIND_BINARY, ICompilerBackend
 from kcoral.compilers.nvcc import validate_arch, validate_options
 from kcoral.config import ServerConfig
@@ -69,6 +71,7 @@ __all__ = [
     "FAKE_MAGIC",
     "EventRecorder",
     "FakeBlobs",
+    "FakeClient",
     "FakeCompilerBackend",
     "FakeDeviceArray",
     "FakeFunction",
@@ -616,6 +619,35 @@ class FakeServer:
         for _ in range(50):
             self.clock.advance(0)
             self.agent.flush()
+
+
+class FakeClient:
+    """Stands in for C{kcoral.Client} (for C{kcoral run}): records the call, returns a canned result."""
+
+    def __init__(self, result: ProgramResult | Exception) -> None:
+        self.result = result
+        self.calls: list[tuple[str, Any, dict[str, Any]]] = []
+
+    def __call__(self, url: str, **kwargs: Any) -> FakeClient:
+        self.url = url
+        return self
+
+    def __enter__(self) -> FakeClient:
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        pass
+
+    def execute(self, program: Any, **kwargs: Any) -> ProgramResult:
+        self.calls.append(("execute", program, kwargs))
+        if isinstance(self.result, Exception):
+            raise self.result
+        return self.result
+
+    def health(self) -> dict[str, Any]:
+        if isinstance(self.result, Exception):
+            raise self.result
+        return {"status": "ok"}
 
 
 # -- compiler backends ---------------------------------------------------------------

@@ -26,6 +26,7 @@ from attrs import field
 __all__ = [
     "DEVICES",
     "LOG_LEVELS",
+    "REUSE_SCOPES",
     "SANDBOXES",
     "TENSOR_APIS",
     "ServerConfig",
@@ -37,6 +38,9 @@ DEVICES = ("cpu", "gpu")
 
 #: Accepted values of L{ServerConfig.sandbox}.
 SANDBOXES = ("none", "bubblewrap")
+
+#: Accepted values of L{ServerConfig.reuse_scope}.
+REUSE_SCOPES = ("address", "any")
 
 #: Accepted values of L{ServerConfig.tensor_api}.
 TENSOR_APIS = ("auto", "torch", "pycuda")
@@ -179,6 +183,11 @@ class ServerConfig:
     @ivar workers_per_gpu: workers per GPU in GPU mode.
     @ivar max_requests_per_worker: requests a worker serves before it is
         replaced; C{0} reuses workers without limit.
+    @ivar reuse_scope: which requests a reused worker may serve (one
+        interpreter runs them one after another, so a program can read or
+        answer for the next): C{"address"}, only requests from the client
+        address its first request came from; C{"any"}, every client's
+        (docs/security.md).
     @ivar sandbox: C{"bubblewrap"} or C{"none"}.
     @ivar sandbox_readonly_paths: extra read-only mounts inside the sandbox.
     @ivar worker_termination_grace_seconds: SIGTERM to SIGKILL window.
@@ -218,6 +227,7 @@ class ServerConfig:
     )
     workers_per_gpu: int = field(default=8, validator=[_strict_int, _at_least_one])
     max_requests_per_worker: int = field(default=1, validator=_INT)
+    reuse_scope: str = field(default="address", validator=_choice(*REUSE_SCOPES))
     sandbox: str = field(default="bubblewrap", validator=_choice(*SANDBOXES))
     sandbox_readonly_paths: tuple[Path, ...] = field(default=(), converter=_to_paths)
     worker_termination_grace_seconds: float = field(

@@ -4,6 +4,8 @@ The built-in compiler backends, found by C{getPlugins(ICompilerBackend, kcoral.p
 
 from kcoral.compilers.nvcc import NvccBackend
 from kcoral.compilers.sourcemodule import SourceModuleBackend
+from kcoral.compilers.tvmffi import TvmFfiBackend
 
 nvcc = NvccBackend()
 sourcemodule = SourceModuleBackend()
+tvmffi = TvmFfiBackend()

@@ -436,13 +436,14 @@ class KcoralAPI:
                 output_limit=output_limit,
                 max_response_bytes=config.max_response_bytes,
             )
-            return await self._run(request_id, job)
+            return await self._run(request_id, job, _client_identity(request))
         finally:
             resolution.pin.release()
 
-    async def _run(self, request_id: str, job: Job) -> Rendered:
+    async def _run(self, request_id: str, job: Job, client: str | None) -> Rendered:
         """Run C{job} on a seat of the pool and render how it ended."""
-        async with self.pool.seat(request_id, job.program.options.gpu_count) as use:
+        gpu_count = job.program.options.gpu_count
+        async with self.pool.seat(request_id, gpu_count, client) as use:
             if use.multi_gpu:
                 message = "request {request_id} routed to a worker on GPUs {gpu_ids}"
             else:
@@ -507,6 +508,15 @@ def _too_large() -> RequestError:
         "rejected",
         error_kind="request_too_large",
     )
+
+
+def _client_identity(request: IRequest) -> str | None:
+    """
+    Who sent C{request}, for the reuse scope: the TCP peer's address
+    (C{None} when the transport has none).
+    """
+    host = getattr(request.getClientAddress(), "host", None)
+    return host if isinstance(host, str) else None
 
 
 def _response_request_id(request: IRequest) -> str:

@@ -94,6 +94,9 @@ class Seat:
     seat_dir: Path | None = None
     status: str = "starting"
     served: int = 0
+    #: The client (address) whose requests the current worker has served;
+    #: C{None} while it has served none (docs/security.md, "reuse scope").
+    owner: str | None = None
 
     @property
     def gpus(self) -> tuple[int, ...]:
@@ -198,6 +201,7 @@ class SeatUse:
 class _Waiter:
     deferred: Deferred[Seat]
     timer: IDelayedCall | None = None
+    client: str | None = None
 
 
 def _safe_name(worker_id: str) -> str:
@@ -296,6 +300,7 @@ class WorkerPool:
         )
         seat.worker = worker
         seat.served = 0
+        seat.owner = None
         worker.ended.addCallback(self._worker_ended, seat, worker)
         try:
             info = await worker.ready
@@ -426,7 +431,9 @@ class WorkerPool:
     # -- one request's seat ----------------------------------------------------
 
     @asynccontextmanager
-    async def seat(self, request_id: str, gpu_count: int | None = None) -> AsyncIterator[SeatUse]:
+    async def seat(
+        self, request_id: str, gpu_count: int | None = None, client: str | None = None
+    ) -> AsyncIterator[SeatUse]:
         """
         Hold a seat for one request, waiting in line for it.
 
@@ -436,12 +443,16 @@ class WorkerPool:
         afterwards.  On exit the seat goes back to the pool, its
         worker retired when L{SeatUse.retire_reason} says so.
 
+        @param client: the request's client address: a reused worker serves
+            one client only (the reuse scope, L{acquire}).
         @raise PoolBusy: no seat (or no GPUs) within the wait timeout.
         @raise WorkerStartFailed: the multi-GPU worker did not start.
         """
         queued = self._reactor.seconds()
         try:
-            seat = await self.acquire(self.config.worker_wait_timeout_seconds)
+            seat = await self.acquire(
+                self.config.worker_wait_timeout_seconds, client if gpu_count is None else None
+            )
         except PoolBusy as e:
             queue_ms = (self._reactor.seconds() - queued) * 1000.0
             raise PoolBusy(str(e), queue_ms=queue_ms) from None
@@ -519,25 +530,29 @@ class WorkerPool:
 
     # -- acquire and release -------------------------------------------------
 
-    def acquire(self, timeout: float) -> Deferred[Seat]:
+    def acquire(self, timeout: float, client: str | None = None) -> Deferred[Seat]:
         """
         Take an idle seat, or wait in line for one.
+
+        A worker that served another client than C{client} (the request's
+        client address) is replaced before the seat is handed over, unless
+        the reuse scope is C{any} (L{_fit_for}).
 
         Fails with L{PoolBusy} after C{timeout} seconds or when the pool
         closes.  Cancelling the Deferred leaves the line.
         """
         if self.closing:
             return _failed(PoolBusy("server shutting down"))
-        seat = self._take_idle()
+        seat = self._take_idle(client)
         if seat is not None:
-            return succeed(seat)
+            return self._fit_for(seat, client)
         if timeout <= 0:
             return _failed(PoolBusy("server saturated"))
 
         def cancel(d: Deferred[Seat]) -> None:
             self._drop_waiter(waiter)
 
-        waiter = _Waiter(Deferred(cancel))
+        waiter = _Waiter(Deferred(cancel), client=client)
         waiter.timer = self._reactor.callLater(timeout, self._wait_expired, waiter)
         self._waiters.append(waiter)
         return waiter.deferred
@@ -554,22 +569,70 @@ class WorkerPool:
             self._waiters.remove(waiter)
             waiter.deferred.errback(PoolBusy("server saturated"))
 
-    def _take_idle(self) -> Seat | None:
+    def _take_idle(self, client: str | None = None) -> Seat | None:
         if not self._idle:
             return None
         least = min(
             {seat.gpu_id for seat in self._idle},
             key=lambda gpu: (self._assigned[gpu], self._gpu_order(gpu)),
         )
-        for i in range(len(self._idle) - 1, -1, -1):
-            seat = self._idle[i]
-            if seat.gpu_id == least:
-                del self._idle[i]
-                self._assigned[seat.gpu_id] += 1
-                seat.status = "busy"
-                self.active += 1
-                return seat
-        return None
+        # On that GPU: the most recently returned seat whose worker may serve
+        # this client as it is, else the most recently returned one.
+        candidates = [i for i, seat in enumerate(self._idle) if seat.gpu_id == least]
+        if not candidates:
+            return None
+        fitting = [i for i in candidates if self._may_serve(self._idle[i], client)]
+        index = (fitting or candidates)[-1]
+        seat = self._idle.pop(index)
+        self._assigned[seat.gpu_id] += 1
+        seat.status = "busy"
+        self.active += 1
+        return seat
+
+    def _may_serve(self, seat: Seat, client: str | None) -> bool:
+        """
+        Whether C{seat}'s worker may run a program of C{client} as it is:
+        it served nobody yet, the scope is C{any}, or it served only this
+        client (an unknown client is never the same as another).
+        """
+        if seat.owner is None or getattr(self.config, "reuse_scope", "address") == "any":
+            return True
+        return client is not None and seat.owner == client
+
+    def _fit_for(self, seat: Seat, client: str | None) -> Deferred[Seat]:
+        """
+        C{seat}, taken for C{client}; its worker is replaced first when it
+        served another client (the request waits for the start it causes).
+        """
+        if self._may_serve(seat, client):
+            seat.owner = client if client is not None else "?"
+            return succeed(seat)
+        return Deferred.fromCoroutine(self._renew(seat, client))
+
+    async def _renew(self, seat: Seat, client: str | None) -> Seat:
+        """Replace the worker of a taken seat for a request of another client."""
+        old = seat.worker
+        self.log.info(
+            "worker {worker_id} retired: {reason}",
+            kcoral_event="worker_retired",
+            worker_id=seat.worker_id,
+            gpu_id=seat.gpu_id,
+            generation=seat.generation,
+            pid=None if old is None else old.pid,
+            reason="reuse_scope",
+        )
+        if old is not None and old.alive:
+            await old.kill()
+        if seat.seat_dir is not None:
+            await self._run_blocking(_remove_trees, [seat.seat_dir])
+        try:
+            await self._start_seat(seat, "respawn")
+        except Exception:
+            self.release(seat, retire="crashed")
+            raise PoolBusy("no worker could be started") from None
+        seat.status = "busy"
+        seat.owner = client if client is not None else "?"
+        return seat
 
     def _gpu_order(self, gpu: int | None) -> int:
         gpus = list(getattr(self.config, "gpus", ()))
@@ -667,9 +730,9 @@ class WorkerPool:
             waiter = self._waiters.popleft()
             if waiter.timer is not None and waiter.timer.active():
                 waiter.timer.cancel()
-            taken = self._take_idle()
+            taken = self._take_idle(waiter.client)
             assert taken is not None
-            waiter.deferred.callback(taken)
+            self._fit_for(taken, waiter.client).chainDeferred(waiter.deferred)
 
     # -- load accounting -------------------------------------------------------
 

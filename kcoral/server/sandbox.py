@@ -31,7 +31,7 @@ import stat
 import sys
 import tempfile
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -183,6 +183,32 @@ def package_root() -> str:
     return os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
 
 
+def server_import_dirs(
+    environ: Mapping[str, str] | None = None, user_site: str | None = None
+) -> tuple[str, ...]:
+    """
+    The directories this server imports from that a sandboxed worker would
+    lose: the C{PYTHONPATH} entries (for instance C{pip install --target
+    DIR}) and the user site-packages when Python uses it.  The sandbox binds
+    them read-only and puts them on the worker's C{PYTHONPATH}.
+
+    @param environ: the environment; L{os.environ} by default.
+    @param user_site: the user site-packages directory when it is in use;
+        by default C{site.USER_SITE} when C{site.ENABLE_USER_SITE}.
+    """
+    env = os.environ if environ is None else environ
+    dirs = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if user_site is None:
+        import site
+
+        if site.ENABLE_USER_SITE and site.USER_SITE:
+            user_site = site.USER_SITE
+    if user_site:
+        dirs.append(user_site)
+    found = [os.path.abspath(d) for d in dirs if os.path.isdir(d)]
+    return tuple(dict.fromkeys(found))
+
+
 def _is_within(path: str, root: str) -> bool:
     """Whether C{path} is C{root} or lies beneath it (both absolute and normalized)."""
     if root == "/":
@@ -282,6 +308,8 @@ class _Mount:
     source: str
     dest: str
     is_dir: bool
+    #: Goes on the worker's C{PYTHONPATH} (the server imports from it).
+    on_path: bool = False
 
 
 # -- bubblewrap ------------------------------------------------------------
@@ -373,6 +401,7 @@ class BubblewrapSandbox:
         candidates: list[tuple[str, str]] = [(p, "runtime") for p in RUNTIME_PATHS]
         candidates += [(sys.prefix, "runtime"), (sys.base_prefix, "runtime"), (pkg, "package")]
         candidates += [(p, "extra") for p in self.readonly_paths]
+        candidates += [(p, "import") for p in server_import_dirs()]
         for path, kind in candidates:
             dest = os.path.abspath(path)
             if kind == "extra" and not os.path.exists(dest):
@@ -380,18 +409,37 @@ class BubblewrapSandbox:
             if not os.path.exists(dest):
                 continue
             source = os.path.realpath(dest)
+            if kind == "import" and source == os.path.realpath(pkg):
+                continue  # kcoral's own checkout: mounted as the package
             if source == "/" or dest == "/":
                 raise SandboxError(f"read-only runtime path contains sandbox workspaces: {dest}")
             if _is_within(dest, WORKSPACE) or _is_within(WORKSPACE, dest):
+                if kind == "import":
+                    raise SandboxError(
+                        f"the server imports from {dest} (PYTHONPATH or user site-packages), "
+                        f"which overlaps the sandbox workspace {WORKSPACE}: workers could not "
+                        "import from it; install the packages elsewhere and name that "
+                        "directory with --sandbox-readonly-path"
+                    )
                 if kind != "package":
                     raise SandboxError(
                         f"read-only runtime path overlaps the sandbox workspace {WORKSPACE}: {dest}"
                     )
                 dest = PACKAGE_MOUNT
+            if kind == "import" and any(_is_within(dest, m.dest) for m in mounts):
+                # Already visible below a runtime mount (a venv's site-packages).
+                continue
             if dest in seen:
                 continue
             seen.add(dest)
-            mounts.append(_Mount(source=source, dest=dest, is_dir=os.path.isdir(source)))
+            mounts.append(
+                _Mount(
+                    source=source,
+                    dest=dest,
+                    is_dir=os.path.isdir(source),
+                    on_path=kind == "import" and os.path.isdir(source),
+                )
+            )
         return tuple(mounts)
 
     def _gpu_nodes(self, gpu_devices: Sequence[str]) -> tuple[str, ...]:
@@ -472,7 +520,7 @@ class BubblewrapSandbox:
         extras = {os.path.abspath(p) for p in self.readonly_paths}
         pythonpath = [pkg_dest]
         for m in mounts:
-            if m.dest in extras and m.is_dir and m.dest not in pythonpath:
+            if (m.on_path or (m.dest in extras and m.is_dir)) and m.dest not in pythonpath:
                 pythonpath.append(m.dest)
         return {
             "HOME": f"{private}/home",

@@ -32,6 +32,7 @@ from twisted.python import usage
 from kcoral.config import (
     DEVICES,
     LOG_LEVELS,
+    REUSE_SCOPES,
     SANDBOXES,
     TENSOR_APIS,
     ServerConfig,
@@ -102,6 +103,7 @@ _FIELD_FLAGS: Mapping[str, str] = {
     "worker_wait_timeout_seconds": "worker-wait-timeout-seconds",
     "workers_per_gpu": "workers-per-gpu",
     "max_requests_per_worker": "max-requests-per-worker",
+    "reuse_scope": "reuse-scope",
     "sandbox": "sandbox",
     "sandbox_readonly_paths": "sandbox-readonly-path",
     "worker_termination_grace_seconds": "worker-termination-grace-seconds",
@@ -256,6 +258,14 @@ class Options(usage.Options):
         ),
         ["sandbox", None, _DEFAULTS.sandbox, f"Worker isolation, {_choices(SANDBOXES)}."],
         [
+            "reuse-scope",
+            None,
+            _DEFAULTS.reuse_scope,
+            f"Whose requests a reused worker serves, {_choices(REUSE_SCOPES)}: 'address' "
+            "only the client address it first served, 'any' every client (a program "
+            "can read the next program its worker runs).",
+        ],
+        [
             "tensor-api",
             None,
             _DEFAULTS.tensor_api,
@@ -402,6 +412,7 @@ class Options(usage.Options):
                 worker_wait_timeout_seconds=self["worker-wait-timeout-seconds"],
                 workers_per_gpu=self["workers-per-gpu"],
                 max_requests_per_worker=self["max-requests-per-worker"],
+                reuse_scope=self["reuse-scope"],
                 sandbox=sandbox,
                 sandbox_readonly_paths=self["sandbox-readonly-path"],
                 worker_termination_grace_seconds=self["worker-termination-grace-seconds"],

@@ -33,6 +33,7 @@ from twisted.python.runtime import platform
 from kcoral.wire.channel import (
     CONTROL_LIMITS,
     FROM_WORKER_FD,
+    OUTCOME_SLACK_BYTES,
     TO_WORKER_FD,
     Blob,
     ChannelError,
@@ -48,6 +49,7 @@ from kcoral.wire.channel import (
     LeaseRelease,
     Outcome,
     Ready,
+    Returned,
     decode,
     encode,
     job_limits,
@@ -124,6 +126,10 @@ class JobResult:
     instruction_started: dict[int, float] = attrs.field(factory=dict)
     ended_at: float = 0.0
     detail: str = ""
+    #: Returns the worker finished before it crashed (C{returned} messages):
+    #: their results and binary parts, kept for the answer.
+    results: dict[str, Any] = attrs.field(factory=dict)
+    parts: tuple[bytes, ...] = ()
 
 
 class _Tail:
@@ -166,6 +172,8 @@ class WorkerProtocol(ProcessProtocol):
         self.stderr_tail = _Tail()
         self.ended: Deferred[BaseException] = Deferred()
         self.channel_error: str | None = None
+        #: The wire size of the frame whose message is being handled.
+        self.frame_bytes = 0
 
     def set_limits(self, limits: FrameLimits) -> None:
         """What the next frames may be (see L{kcoral.wire.channel.job_limits})."""
@@ -191,6 +199,7 @@ class WorkerProtocol(ProcessProtocol):
                 except ChannelError as e:
                     self.violation(str(e))
                     return
+                self.frame_bytes = frame.size
                 self._on_message(message)
                 if self.channel_error is not None:
                     return
@@ -606,6 +615,10 @@ class _RunningJob:
     _held_since: float | None = None
     #: C{"none"}, C{"pending"} (asked, not granted yet) or C{"held"}.
     _lease_state: str = "none"
+    #: What C{returned} messages brought so far.
+    returned: dict[str, Any] = attrs.field(factory=dict)
+    returned_parts: list[bytes] = attrs.field(factory=list)
+    returned_bytes: int = 0
 
     def start(self) -> None:
         self.remaining = self.job.timeout_seconds
@@ -660,13 +673,45 @@ class _RunningJob:
                 self._violation("gave back a lease it does not hold")
             else:
                 self._release_lease()
+        elif isinstance(message, Returned):
+            self._returned(message)
         elif isinstance(message, Outcome):
-            self._finish(JobResult("outcome", outcome=message))
+            if message.streamed_parts != len(self.returned_parts):
+                self._violation(
+                    f"outcome counts {message.streamed_parts} parts sent ahead, "
+                    f"{len(self.returned_parts)} arrived"
+                )
+                return
+            outcome = attrs.evolve(
+                message,
+                parts=(*self.returned_parts, *message.parts),
+                streamed_parts=0,
+            )
+            self._finish(JobResult("outcome", outcome=outcome))
         else:
             self._violation(f"unexpected {message.TYPE!r} message during a program")
 
     def _violation(self, reason: str) -> None:
         self.worker.protocol.violation(reason)
+
+    def _returned(self, message: Returned) -> None:
+        """
+        Keep a finished return; all of them together may not outgrow the
+        response (L{kcoral.wire.channel.OUTCOME_SLACK_BYTES} of framing aside),
+        so a worker cannot grow the parent's memory with many of them.
+        """
+        if message.key in self.returned:
+            self._violation(f"returned {message.key!r} twice")
+            return
+        self.returned_bytes += self.worker.protocol.frame_bytes
+        allowed = self.job.max_response_bytes + OUTCOME_SLACK_BYTES
+        if self.returned_bytes > allowed:
+            self._violation(
+                f"returned {self.returned_bytes} bytes ahead of the outcome, over {allowed}"
+            )
+            return
+        self.returned[message.key] = message.value
+        self.returned_parts.extend(message.parts)
 
     def _instruction(self, index: int) -> None:
         count = _instruction_count(self.job)
@@ -780,6 +825,8 @@ class _RunningJob:
             held += self._clock() - self._held_since
         result = attrs.evolve(
             result,
+            results=dict(self.returned),
+            parts=tuple(self.returned_parts),
             lease_wait_seconds=self._lease_wait,
             lease_held_seconds=held,
             instruction_started=dict(self.instruction_started),

@@ -263,12 +263,15 @@ class RecordingPool(WorkerPool):
     preset: Seat | None = None
     saturated: bool = False
     released: list[tuple[Seat, str | None]] = attrs.field(factory=list)
+    #: The client address of each C{acquire} (the reuse scope's identity).
+    clients: list[str | None] = attrs.field(factory=list)
     starts: list[tuple[Seat, tuple[int, ...], Deferred[tuple[WorkerHandle, Path]]]] = attrs.field(
         factory=list
     )
     removed: list[WorkerHandle] = attrs.field(factory=list)
 
-    def acquire(self, timeout: float) -> Deferred[Seat]:
+    def acquire(self, timeout: float, client: str | None = None) -> Deferred[Seat]:
+        self.clients.append(client)
         if self.saturated or self.preset is None:
             return fail(PoolBusy("server saturated"))
         return succeed(self.preset)

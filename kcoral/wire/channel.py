@@ -65,6 +65,8 @@ class Frame:
 
     header: dict[str, Any]
     payload: bytes = b""
+    #: The frame's length on the wire (prefix, header and payload), when read.
+    size: int = attrs.field(default=0, eq=False)
 
     @property
     def type(self) -> str:
@@ -152,7 +154,7 @@ CONTROL_LIMITS = FrameLimits(
 def job_limits(max_response_bytes: int, output_limit: int) -> FrameLimits:
     """
     What a worker may send while it runs one program: small control frames,
-    and one outcome no larger than the response it may become (its results
+    and outcomes and returns no larger than the response they may become (results
     within C{max_response_bytes}, each output stream within C{output_limit}
     bytes, which JSON may escape to six bytes each).
     """
@@ -162,7 +164,7 @@ def job_limits(max_response_bytes: int, output_limit: int) -> FrameLimits:
         + OUTCOME_SLACK_BYTES,
         max_payload_bytes=max(0, max_response_bytes),
         max_control_bytes=CONTROL_FRAME_BYTES,
-        bulk_types=frozenset({"outcome"}),
+        bulk_types=frozenset({"outcome", "returned"}),
     )
 
 
@@ -184,6 +186,7 @@ class FrameDecoder:
     _buffer: bytearray = attrs.field(factory=bytearray)
     #: The decoded header and payload length of the frame being read.
     _current: tuple[dict[str, Any], int] | None = None
+    _header_end: int = 0
     _failed: ChannelError | None = None
 
     def feed(self, data: bytes) -> list[Frame]:
@@ -215,13 +218,14 @@ class FrameDecoder:
                 self.limits.check_type(str(header.get("type", "")), header_length, payload_length)
                 del buffer[:header_end]
                 self._current = (header, payload_length)
+                self._header_end = header_end
             header, payload_length = self._current
             if len(buffer) < payload_length:
                 break
             payload = bytes(buffer[:payload_length])
             del buffer[:payload_length]
             self._current = None
-            frames.append(Frame(header, payload))
+            frames.append(Frame(header, payload, self._header_end + payload_length))
         return frames
 
     @property
@@ -490,6 +494,9 @@ class Outcome(ChannelMessage):
     #: the limits the parent reads it under.
     oversize: int | None = attrs.field(default=None, validator=_json(int, optional=True))
     parts: tuple[bytes, ...] = attrs.field(default=(), repr=False)
+    #: How many leading binary parts were already sent with L{Returned}
+    #: messages; C{parts} holds only the ones after them.
+    streamed_parts: int = attrs.field(default=0, validator=_json(int))
 
     @parts.validator
     def _check_parts(self, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -526,6 +533,57 @@ class Outcome(ChannelMessage):
             parts.append(bytes(view[offset : offset + size]))
             offset += size
         return cls(parts=tuple(parts), **fields)
+
+
+@_message("returned")
+@attrs.frozen
+class Returned(ChannelMessage):
+    """
+    One C{return} instruction finished: its result and its binary parts,
+    sent at once so they survive a later crash of the worker.
+    """
+
+    key: str = attrs.field(validator=_json(str))
+    value: Any = attrs.field()
+    parts: tuple[bytes, ...] = attrs.field(default=(), repr=False)
+
+    @parts.validator
+    def _check_parts(self, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if not isinstance(value, tuple) or not all(isinstance(p, bytes) for p in value):
+            raise TypeError("field 'parts' must be a tuple of bytes")
+
+    def _header_fields(self) -> dict[str, Any]:
+        return {"key": self.key, "value": self.value, "part_sizes": [len(p) for p in self.parts]}
+
+    def payload(self) -> bytes:
+        return b"".join(self.parts)
+
+    @classmethod
+    def _header_keys(cls) -> frozenset[str]:
+        return (super()._header_keys() - {"parts"}) | {"part_sizes"}
+
+    @classmethod
+    def _from_fields(cls, fields: dict[str, Any], payload: bytes) -> ChannelMessage:
+        sizes = fields.pop("part_sizes")
+        return cls(parts=_split_parts(sizes, payload), **fields)
+
+
+def _split_parts(sizes: Any, payload: bytes) -> tuple[bytes, ...]:
+    """Cut C{payload} into parts of C{sizes} (a header's C{part_sizes})."""
+    if not isinstance(sizes, list) or not all(
+        isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in sizes
+    ):
+        raise ChannelError("'part_sizes' must be a list of sizes")
+    if sum(sizes) != len(payload):
+        raise ChannelError(
+            f"'part_sizes' add up to {sum(sizes)} bytes, the payload has {len(payload)}"
+        )
+    view = memoryview(payload)
+    parts, offset = [], 0
+    for size in sizes:
+        parts.append(bytes(view[offset : offset + size]))
+        offset += size
+    return tuple(parts)
 
 
 #: Every message type, by the name its header carries.

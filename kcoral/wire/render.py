@@ -78,6 +78,10 @@ class Ending(Protocol):
     @property
     def detail(self) -> str: ...
     @property
+    def results(self) -> dict[str, Any]: ...
+    @property
+    def parts(self) -> tuple[bytes, ...]: ...
+    @property
     def lease_wait_seconds(self) -> float: ...
     @property
     def lease_held_seconds(self) -> float: ...
@@ -271,4 +275,5 @@ def _crash_outcome(
         instruction.id,
         "",
     )
-    return Outcome(status="FAILED", error=crash_error)
+    # Returns that finished before the crash stay in the results.
+    return Outcome(status="FAILED", error=crash_error, results=result.results, parts=result.parts)

@@ -19,6 +19,8 @@ import traceback
 from collections.abc import Sequence
 from typing import IO, Any
 
+import attrs
+
 from kcoral.wire.channel import (
     FROM_WORKER_FD,
     TO_WORKER_FD,
@@ -26,6 +28,7 @@ from kcoral.wire.channel import (
     Execute,
     Exit,
     Failed,
+    Outcome,
     Ready,
     read_message,
     write_message,
@@ -93,6 +96,7 @@ def serve(
         lease,
         registry_for(backend),
         send=lambda message: write_message(outbox, message),
+        stream_returns=True,
     )
     write_message(
         outbox, Ready(pid=os.getpid(), target=target, versions=versions, device=backend.name)
@@ -111,11 +115,38 @@ def serve(
             retiring = max_requests > 0 and served >= max_requests
             outcome = engine.run(message, blobs, retiring=retiring)
             blobs = {}
-            write_message(outbox, outcome)
+            try:
+                write_message(outbox, outcome)
+            except ValueError:
+                # Text without a UTF-8 form (a lone surrogate in an error
+                # message or a key): nothing was written yet; send it mended.
+                write_message(outbox, _mended(outcome))
             if outcome.retire is not None:
                 return 0
         else:
             print(f"kcoral worker: ignoring message {message.TYPE!r}", file=sys.stderr, flush=True)
+
+
+def _mend(value: Any) -> Any:
+    """C{value} with every string's unencodable characters replaced."""
+    if isinstance(value, str):
+        return value.encode("utf-8", "replace").decode("utf-8")
+    if isinstance(value, dict):
+        return {_mend(k): _mend(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_mend(v) for v in value]
+    return value
+
+
+def _mended(outcome: Outcome) -> Outcome:
+    """The outcome with its text fields mended (see L{_mend})."""
+    return attrs.evolve(
+        outcome,
+        results=_mend(outcome.results),
+        error=_mend(outcome.error),
+        stdout=_mend(outcome.stdout),
+        stderr=_mend(outcome.stderr),
+    )
 
 
 def _widen_pipe(fd: int, size: int = 1 << 20) -> None:

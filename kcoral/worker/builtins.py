@@ -74,7 +74,10 @@ def _split_cfg(args: tuple[Any, ...]) -> tuple[tuple[Any, ...], dict[str, Any]]:
 
 def compile_cuda_binary(source: Any, *rest: Any) -> bytes:
     """
-    Compile CUDA source for an explicit C{arch}; return the image's bytes.
+    Compile CUDA source for an explicit C{arch}; return the image's bytes:
+    a cubin for C{__global__} kernels, a shared library (for
+    C{tvm_ffi.load_module} or a C{library} upload) when the handle names a
+    host function with TVM-FFI parameters.
 
     C{source} is a L{CudaFunction} (or the source text); the trailing C{cfg}
     is C{{arch: str, extra_cuda_cflags?: [str], timeout_seconds?: number}}.
@@ -84,8 +87,9 @@ def compile_cuda_binary(source: Any, *rest: Any) -> bytes:
     args, cfg = _split_cfg(rest)
     if args:
         raise ExecutionError("parse", "compile_cuda_binary expects (source, cfg)")
+    name = None
     if isinstance(source, CudaFunction):
-        text = source.source
+        text, name = source.source, source.name
     elif isinstance(source, str):
         text = source
     else:
@@ -108,7 +112,15 @@ def compile_cuda_binary(source: Any, *rest: Any) -> bytes:
             "unavailable", f"builtin.compile_cuda_binary is unavailable: {e}"
         ) from None
     from kcoral.compilers.source import add_extern_c
+    from kcoral.compilers.tvmffi import export_source, is_host_function
 
+    if name is not None and is_host_function(text, name):
+        # A TVM-FFI host function: a shared library for tvm_ffi.load_module.
+        return bytes(
+            compile_binary(
+                export_source(text, name), arch, tuple(flags), float(timeout), backend="tvmffi"
+            )
+        )
     return bytes(compile_binary(add_extern_c(text), arch, tuple(flags), float(timeout)))
 
 

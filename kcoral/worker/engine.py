@@ -39,6 +39,7 @@ from kcoral.wire.channel import (
     Execute,
     Instruction,
     Outcome,
+    Returned,
 )
 from kcoral.wire.errors import instruction_error, truncate_traceback
 from kcoral.wire.jsontext import json_dumps
@@ -185,6 +186,10 @@ class Engine:
     lease: Any
     builtins: dict[str, tuple[Callable[..., Any], bool]]
     send: Callable[[ChannelMessage], None] = _noop_send
+    #: Send each finished return at once (a L{Returned} message), so the
+    #: parent keeps it if the worker crashes later; the outcome then carries
+    #: only the parts not sent yet.
+    stream_returns: bool = False
 
     def __attrs_post_init__(self) -> None:
         runtime.install(self.backend, self.lease, self.builtins)
@@ -255,6 +260,25 @@ class Engine:
         return attrs.evolve(outcome, retire=retire)
 
 
+#: Bytes of a L{Returned} frame beyond its key, value and parts (an upper bound).
+RETURNED_OVERHEAD = 256
+
+
+def _encoded_size(result: Any) -> int:
+    """
+    The size of an encoded return in the response's JSON.
+
+    @raise _Failure: C{serialization}, when the value has no JSON text (a
+        lone surrogate such as C{'\\ud800'}, an integer past Python's digit
+        limit such as C{10**5000}): that return fails, the ones before it stay.
+    """
+    try:
+        return len(json_dumps(result))
+    except (ValueError, TypeError, RecursionError) as e:
+        message = f"cannot encode the returned value: {_describe(e)}"
+        raise _Failure("serialization", message, e) from None
+
+
 def _fit_response(outcome: Outcome, limit: int) -> Outcome:
     """
     C{outcome}, or the same without its results and parts when either is
@@ -287,6 +311,10 @@ class _ProgramRun:
         self.program = program
         self.handles = _Handles()
         self.parts = PartCollector()
+        #: Parts already sent with L{Returned} messages.
+        self.streamed = 0
+        self.streamed_bytes = 0
+        self.streaming = True
         self.results: dict[str, Any] = {}
         self.error: dict[str, Any] | None = None
         self.last: Any = None
@@ -359,7 +387,8 @@ class _ProgramRun:
             stderr=captured.stderr,
             stdout_truncated=captured.stdout_truncated,
             stderr_truncated=captured.stderr_truncated,
-            parts=tuple(self.parts.parts),
+            parts=tuple(self.parts.parts[self.streamed :]),
+            streamed_parts=self.streamed,
         )
 
     # -- lease placement (spec/server.md §4.3) --------------------------
@@ -407,10 +436,29 @@ class _ProgramRun:
         elif isinstance(instruction, Return):
             mark = self.parts.mark()
             try:
-                self.results[instruction.key] = self._return(instruction)
+                result = self._return(instruction)
+                encoded = _encoded_size(result)
             except BaseException:
                 self.parts.rewind(mark)
                 raise
+            self.results[instruction.key] = result
+            if self.engine.stream_returns and self.streaming:
+                new_parts = tuple(bytes(p) for p in self.parts.parts[self.streamed :])
+                # What this return adds to the frames sent ahead: the parent
+                # accepts no more than max_response_bytes of them in all.
+                size = encoded + 6 * len(instruction.key) + RETURNED_OVERHEAD
+                size += sum(len(p) + 24 for p in new_parts)
+                limit = self.request.max_response_bytes
+                if self.parts.total_bytes > limit or self.streamed_bytes + size > limit:
+                    # Over the response limit: the outcome reports it
+                    # (oversize); nothing more is sent ahead.
+                    self.streaming = False
+                    return
+                self.streamed_bytes += size
+                self.engine.send(
+                    Returned(instruction.key, self.results[instruction.key], new_parts)
+                )
+                self.streamed = len(self.parts.parts)
         else:  # pragma: no cover - the parser admits nothing else
             raise _Failure("engine", f"unknown instruction {instruction!r}")
 

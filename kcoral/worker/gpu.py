@@ -20,6 +20,7 @@ L{kcoral.worker.tensors}, the builtins in L{kcoral.worker.gpu_builtins}.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import platform
@@ -254,10 +255,22 @@ class GpuBackend:
         return numpy_parts(host)
 
     def cpu_only_watch(self) -> Any:
-        """Trap CUDA entry points during a C{cpu_only} run (see L{kcoral.worker.gpuwatch})."""
+        """
+        Watch for CUDA use during a C{cpu_only} run: the driver itself through
+        CUPTI (L{kcoral.worker.cuptiwatch}) when cupti-python works here, and
+        always PyCUDA's and torch's Python entry points
+        (L{kcoral.worker.gpuwatch}), which stop a call before it is made.
+        """
+        from kcoral.worker.cuptiwatch import driver_watch
         from kcoral.worker.gpuwatch import cpu_only_watch
 
-        return cpu_only_watch()
+        watch = driver_watch()
+        if watch is None:
+            return cpu_only_watch()
+        stack = contextlib.ExitStack()
+        stack.enter_context(watch.watching())
+        stack.enter_context(cpu_only_watch())
+        return stack
 
     def builtins(self) -> dict[str, tuple[Any, bool]]:
         """The GPU builtin table, C{name -> (callable, cpu_only)}."""

@@ -17,7 +17,9 @@ code reaches the device:
 The first call through any of them raises L{GPUAccessViolation} naming the
 call and the innermost uploaded-code frame.  What it cannot see: CUDA reached
 through other native libraries (cupy, ctypes, a C extension), calls made in
-subprocesses, and device work that was queued before the run started.
+subprocesses, and device work that was queued before the run started.  The
+GPU backend therefore also watches the driver itself through CUPTI
+(L{kcoral.worker.cuptiwatch}) when it can; this module is the fallback.
 """
 
 from __future__ import annotations

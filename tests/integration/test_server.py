@@ -607,3 +607,30 @@ def test_reused_worker_next_request_cannot_see_previous_workspace(
     path = result_value(post_program(reuse_server.port, program(WRITE_SECRET)))
     assert not os.path.exists(path)
     assert result_value(post_program(reuse_server.port, program(LOOK, [path]))) is False
+
+
+def test_returns_before_crash_kept(server: ServerProcess) -> None:
+    """
+    Returns that finished before the worker crashed stay in C{results}
+    (issue 17, item 4; protocol: results of completed returns are kept).
+    """
+    body = {
+        "instructions": [
+            {"op": "upload", "kind": "module", "id": "m", "source": ECHO},
+            {"op": "get_function", "id": "f", "module": {"$ref": "m"}, "name": "f"},
+            {"op": "run", "id": "a", "fn": {"$ref": "f"}, "args": [21]},
+            {"op": "return", "key": "first", "value": {"$ref": "a"}},
+            {"op": "upload", "kind": "module", "id": "c", "source": CRASH},
+            {"op": "get_function", "id": "g", "module": {"$ref": "c"}, "name": "f"},
+            {"op": "run", "id": "b", "fn": {"$ref": "g"}, "args": []},
+            {"op": "return", "key": "second", "value": {"$ref": "b"}},
+        ]
+    }
+    response = server.execute(body)
+    assert response.status == 200
+    answer = response.json()
+    assert answer["status"] == "FAILED"
+    assert answer["error"]["instruction_index"] == 6
+    assert answer["error"]["message"] == "worker exited while executing the instruction"
+    assert list(answer["results"]) == ["first"]
+    assert answer["results"]["first"]["value"] == 42

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from typing import IO, Any
 
+import attrs
 import pytest
 
 from kcoral.wire.channel import (
@@ -22,6 +23,7 @@ from kcoral.wire.channel import (
     Instruction,
     LeaseGranted,
     Outcome,
+    Returned,
     read_message,
     write_message,
 )
@@ -71,15 +73,24 @@ class Worker:
         )
 
     def outcome(self) -> tuple[Outcome, list[int]]:
-        """Read messages up to the outcome; return it and the announced indexes."""
+        """
+        Read messages up to the outcome; return it, with the parts its
+        returns sent ahead (C{returned} messages) put back in front as the
+        parent does, and the announced indexes.
+        """
         indexes = []
+        streamed: list[bytes] = []
         while True:
             message = self.receive()
             assert message is not None
             if isinstance(message, Instruction):
                 indexes.append(message.index)
+            elif isinstance(message, Returned):
+                streamed.extend(message.parts)
             elif isinstance(message, Outcome):
-                return message, indexes
+                assert message.streamed_parts == len(streamed)
+                joined = attrs.evolve(message, parts=(*streamed, *message.parts), streamed_parts=0)
+                return joined, indexes
 
     def close(self) -> int:
         for stream in (self.outbox, self.inbox):

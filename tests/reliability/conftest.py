@@ -8,13 +8,14 @@ bubblewrap sandbox (docs/security.md).
 
 from __future__ import annotations
 
+import http.client
 import shutil
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
-from kcoral.testing import Response, ServerProcess
+from kcoral.testing import Response, ServerProcess, multipart_body
 
 #: Every test here attacks a real server; bubblewrap must be there.
 requires_bwrap = pytest.mark.skipif(
@@ -72,3 +73,23 @@ def assert_serves(server: ServerProcess) -> None:
     body = body_of(response)
     assert body["status"] == "COMPLETED", body
     assert body["results"]["out"]["value"] == 5
+
+
+def post_from(
+    server: ServerProcess, source: str, program: dict[str, Any], timeout: float = 120.0
+) -> Response:
+    """
+    POST C{program} from loopback address C{source} (127.0.0.x): another
+    client address, as the reuse scope sees it.
+    """
+    content_type, body = multipart_body(program)
+    connection = http.client.HTTPConnection(
+        "127.0.0.1", server.port, timeout=timeout, source_address=(source, 0)
+    )
+    try:
+        connection.request("POST", "/execute", body=body, headers={"Content-Type": content_type})
+        response = connection.getresponse()
+        data = response.read()
+        return Response(response.status, {k.lower(): v for k, v in response.getheaders()}, data)
+    finally:
+        connection.close()

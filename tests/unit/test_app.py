@@ -300,6 +300,13 @@ class RunTests(APITestCase):
         program = {**PROGRAM, "options": options} if options else PROGRAM
         return self.execute(program)
 
+    def test_client_address_for_reuse_scope(self) -> None:
+        """The pool is told the client's address (the reuse scope's identity)."""
+        self.run_with(JobResult("outcome", outcome=Outcome(status="COMPLETED")))
+        pool = self.api.pool
+        self.assertEqual(len(pool.clients), 1)
+        self.assertIsInstance(pool.clients[0], str)
+
     def test_completed(self) -> None:
         outcome = Outcome(
             status="COMPLETED",

@@ -421,3 +421,30 @@ class ResponseReaderTests(SynchronousTestCase):
         reader = ResponseReader("application/json")
         reader.feed(b"[1]")
         self.assertRaises(ProtocolError, reader.finish)
+
+
+class RequestSequenceTests(SynchronousTestCase):
+    """The client over treq's StubTreq, checked request by request with RequestSequence."""
+
+    def test_health_requests(self) -> None:
+        from treq.testing import HasHeaders, RequestSequence, StringStubbingResource, StubTreq
+
+        ok = (200, {"Content-Type": "application/json"}, b'{"status":"ok","target":{}}')
+        expected = (
+            b"get",
+            "http://kcoral.test/api/health",
+            {},
+            HasHeaders({"X-Token": ["t"]}),
+            b"",
+        )
+        sequence = RequestSequence([(expected, ok), (expected, ok)])
+        stub = StubTreq(StringStubbingResource(sequence))
+        client = AsyncClient(
+            "http://kcoral.test/api/", headers={"X-Token": "t"}, http_client=stub, reactor=Clock()
+        )
+        with sequence.consume(self.fail):
+            first = client.health()
+            second = client.target()
+            stub.flush()
+            self.assertEqual(self.successResultOf(first)["status"], "ok")
+            self.failureResultOf(second, ProtocolError)

@@ -160,3 +160,29 @@ class ResultTypeTests(SynchronousTestCase):
         result = ProgramResult("COMPLETED", "r", 0, 0, 0, 0, {"k": 1}, "", "", False, False)
         self.assertEqual(result["k"], 1)
         self.assertRaises(KeyError, result.__getitem__, "z")
+
+
+class ModulePathTests(SynchronousTestCase):
+    """The 0.1.1 import paths of the client's names still work."""
+
+    def test_paths(self) -> None:
+        import kcoral
+        from kcoral.artifacts import ReturnedFile as F
+        from kcoral.client import Client, KCoralError, Program, ProgramResult, Register
+        from kcoral.client.functions import RemoteExecutionError, RemoteFunction
+        from kcoral.client.http import Client as HttpClient
+        from kcoral.client.program import Program as P
+        from kcoral.client.result import ProgramResult as R
+        from kcoral.errors import KCoralError as E
+        from kcoral.errors import ProtocolError, TransportError
+
+        self.assertIs(F, kcoral.ReturnedFile)
+        self.assertIs(HttpClient, Client)
+        self.assertIs(P, Program)
+        self.assertIs(R, ProgramResult)
+        self.assertIs(E, KCoralError)
+        self.assertIs(RemoteFunction, kcoral.RemoteFunction)
+        self.assertIs(RemoteExecutionError, kcoral.RemoteExecutionError)
+        self.assertIs(Register, kcoral.Register)
+        self.assertTrue(issubclass(ProtocolError, Exception))
+        self.assertTrue(issubclass(TransportError, Exception))

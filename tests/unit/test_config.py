@@ -37,6 +37,7 @@ class DefaultsTests(SynchronousTestCase):
             "worker_wait_timeout_seconds": 1800.0,
             "workers_per_gpu": 8,
             "max_requests_per_worker": 1,
+            "reuse_scope": "address",
             "sandbox": "bubblewrap",
             "sandbox_readonly_paths": (),
             "worker_termination_grace_seconds": 5.0,

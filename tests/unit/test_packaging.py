@@ -28,6 +28,8 @@ ROOT = Path(__file__).resolve().parents[2]
 DISTRIBUTION_OF = {
     "zope": "zope.interface",
     "pycuda": "pycuda",
+    "cupti": "cupti-python",
+    "tvm_ffi": "apache-tvm-ffi",
     "prometheus_client": "prometheus-client",
 }
 

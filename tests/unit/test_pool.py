@@ -235,6 +235,91 @@ class ReplacementTests(PoolTestCase):
         self.assertIs(self.successResultOf(pool.acquire(0)), seat)
 
 
+class ReuseScopeTests(PoolTestCase):
+    """
+    A reused worker runs the next program in the same interpreter, so it only
+    serves requests of the client it first served, unless the operator
+    chose C{--reuse-scope any} (issue 13, item 2).
+    """
+
+    def reuse_pool(self, num_workers: int = 1, scope: str = "address") -> WorkerPool:
+        return self.make_pool(
+            pool_config(num_workers=num_workers, max_requests_per_worker=0, reuse_scope=scope)
+        )
+
+    def test_same_client_reuses(self) -> None:
+        pool = self.reuse_pool()
+        seat = self.successResultOf(pool.acquire(10, "10.0.0.1"))
+        pool.release(seat)
+        again = self.successResultOf(pool.acquire(10, "10.0.0.1"))
+        self.assertIs(again, seat)
+        self.assertEqual(seat.generation, 1)
+        self.assertEqual(len(self.spawned), 1)
+
+    def test_other_client_gets_a_fresh_worker(self) -> None:
+        pool = self.reuse_pool()
+        seat = self.successResultOf(pool.acquire(10, "10.0.0.1"))
+        first = seat.worker
+        pool.release(seat)
+        self.spawner.auto_ready = False
+        d = pool.acquire(10, "10.0.0.2")
+        # The request waits for the start its client caused.
+        self.assertNoResult(d)
+        self.assertTrue(first.killed)  # type: ignore[union-attr]
+        self.spawned[-1].come_up()
+        self.assertIs(self.successResultOf(d), seat)
+        self.assertEqual(seat.generation, 2)
+        self.assertEqual(seat.owner, "10.0.0.2")
+        self.assertEqual(seat.status, "busy")
+        self.assertEqual(pool.active, 1)
+
+    def test_waiter_of_other_client_gets_a_fresh_worker(self) -> None:
+        pool = self.reuse_pool()
+        seat = self.successResultOf(pool.acquire(10, "10.0.0.1"))
+        waiting = pool.acquire(10, "10.0.0.2")
+        self.assertNoResult(waiting)
+        pool.release(seat)
+        self.assertIs(self.successResultOf(waiting), seat)
+        self.assertEqual(seat.generation, 2)
+        self.assertEqual(seat.owner, "10.0.0.2")
+
+    def test_prefers_the_clients_own_worker(self) -> None:
+        pool = self.reuse_pool(num_workers=2)
+        a = self.successResultOf(pool.acquire(10, "10.0.0.1"))
+        b = self.successResultOf(pool.acquire(10, "10.0.0.2"))
+        pool.release(a)
+        pool.release(b)
+        self.assertIs(self.successResultOf(pool.acquire(10, "10.0.0.1")), a)
+        self.assertIs(self.successResultOf(pool.acquire(10, "10.0.0.2")), b)
+        self.assertEqual(len(self.spawned), 2)
+
+    def test_unknown_client_never_shares(self) -> None:
+        pool = self.reuse_pool()
+        seat = self.successResultOf(pool.acquire(10, None))
+        pool.release(seat)
+        self.successResultOf(pool.acquire(10, None))
+        self.assertEqual(seat.generation, 2)
+
+    def test_scope_any_shares(self) -> None:
+        pool = self.reuse_pool(scope="any")
+        seat = self.successResultOf(pool.acquire(10, "10.0.0.1"))
+        pool.release(seat)
+        self.assertIs(self.successResultOf(pool.acquire(10, "10.0.0.2")), seat)
+        self.assertEqual(seat.generation, 1)
+
+    def test_failed_start_fails_the_request(self) -> None:
+        pool = self.reuse_pool()
+        seat = self.successResultOf(pool.acquire(10, "10.0.0.1"))
+        pool.release(seat)
+        self.spawner.auto_ready = False
+        d = pool.acquire(10, "10.0.0.2")
+        failing = self.spawned[-1]
+        failing.alive = False
+        failing.ready.errback(RuntimeError("no"))
+        self.failureResultOf(d, PoolBusy)
+        self.assertEqual(pool.active, 0)
+
+
 class StopTests(PoolTestCase):
     def test_stop_fails_waiters(self) -> None:
         pool = self.make_pool()

@@ -519,3 +519,56 @@ class ChooseWithoutProbeTests(SynchronousTestCase):
         config = SimpleNamespace(sandbox="none", sandbox_readonly_paths=(), device="cpu", gpus=(0,))
         result = self.successResultOf(choose_sandbox(reactor, config))
         self.assertIsInstance(result, NoSandbox)
+
+
+class ServerImportDirsTests(_TempMixin, SynchronousTestCase):
+    """
+    What the server imports from outside its runtime (PYTHONPATH, user
+    site-packages) is bound read-only for workers and put on their
+    PYTHONPATH, or the start fails naming the path (issue 17, item 7).
+    """
+
+    def setUp(self) -> None:
+        import kcoral.server.sandbox as module
+
+        self.module = module
+        # Plan mounts as on a machine whose runtime lies outside the workspace.
+        self.patch(sys, "prefix", "/usr")
+        self.patch(sys, "base_prefix", "/usr")
+        self.package = self.make_dir()
+        self.patch(module, "package_root", lambda: str(self.package))
+        self.seat = self.make_dir()
+        self.work = self.seat / "work"
+        self.work.mkdir()
+
+    def test_import_dirs(self) -> None:
+        """PYTHONPATH entries and the user site that exist, made absolute, once each."""
+        a, b = self.make_dir(), self.make_dir()
+        environ = {"PYTHONPATH": os.pathsep.join([str(a), "", "/nonexistent-h17", str(a)])}
+        self.assertEqual(
+            self.module.server_import_dirs(environ, user_site=str(b)), (str(a), str(b))
+        )
+        self.assertEqual(self.module.server_import_dirs({}, user_site=""), ())
+
+    def test_pythonpath_dir_bound_and_on_path(self) -> None:
+        """A C{pip install --target} directory is bound read-only and importable."""
+        target = self.make_dir()
+        self.patch(self.module, "server_import_dirs", lambda: (str(target),))
+        sandbox = BubblewrapSandbox([])
+        _executable, argv, env = sandbox.command(
+            python=sys.executable, worker_args=[], work_dir=self.work, gpu_devices=[]
+        )
+        binds = [argv[i + 1 : i + 3] for i, a in enumerate(argv) if a == "--ro-bind"]
+        self.assertIn([os.path.realpath(target), str(target)], binds)
+        self.assertIn(str(target), env["PYTHONPATH"].split(":"))
+
+    def test_import_dir_in_workspace_refused(self) -> None:
+        """A directory the workspace would hide stops the start, naming the path and flag."""
+        workspace = self.make_dir()
+        inside = workspace / "site"
+        inside.mkdir()
+        self.patch(self.module, "WORKSPACE", str(workspace))
+        self.patch(self.module, "server_import_dirs", lambda: (str(inside),))
+        error = self.assertRaises(SandboxError, BubblewrapSandbox([]).resolve_mounts)
+        self.assertIn(str(inside), str(error))
+        self.assertIn("--sandbox-readonly-path", str(error))

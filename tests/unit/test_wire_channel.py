@@ -33,6 +33,7 @@ from kcoral.wire.channel import (
     MessageDecoder,
     Outcome,
     Ready,
+    Returned,
     decode,
     encode,
     encode_frame,
@@ -139,7 +140,9 @@ EXAMPLES: list[ChannelMessage] = [
         stderr_truncated=False,
         retire="poisoned_context",
         parts=(b"abc", b"", b"\xff" * 70000),
+        streamed_parts=2,
     ),
+    Returned("t", {"type": "bytes", "part": "return:0", "sha256": "x"}, (b"ab", b"")),
 ]
 
 
@@ -149,9 +152,9 @@ def test_fds_are_three_and_four() -> None:
 
 
 def test_every_type_has_an_example() -> None:
-    """The examples cover the registry: ten message types, each named once."""
+    """The examples cover the registry: eleven message types, each named once."""
     assert sorted(m.TYPE for m in EXAMPLES) == sorted(MESSAGE_TYPES)
-    assert len(MESSAGE_TYPES) == 10
+    assert len(MESSAGE_TYPES) == 11
     for name, cls in MESSAGE_TYPES.items():
         assert cls.TYPE == name
 
@@ -187,6 +190,7 @@ def test_outcome_frame_layout() -> None:
         "retire": None,
         "oversize": None,
         "part_sizes": [2, 3],
+        "streamed_parts": 0,
     }
     assert outcome.payload() == b"abcde"
 

@@ -25,7 +25,7 @@ import pytest
 
 from kcoral.errors import ExecutionError
 from kcoral.testing.fakes import RecordingLease
-from kcoral.wire.channel import ChannelMessage, Execute, Instruction, Outcome
+from kcoral.wire.channel import ChannelMessage, Execute, Instruction, Outcome, Returned, encode
 from kcoral.worker.builtins import cpu_builtins
 from kcoral.worker.devices import CpuBackend, make_backend
 from kcoral.worker.engine import Engine
@@ -879,3 +879,92 @@ def test_null_lease() -> None:
     assert lease.held
     lease.release()
     assert not lease.held
+
+
+def test_stream_returns(harness: Harness) -> None:
+    """
+    With C{stream_returns} each finished return is sent at once with its
+    parts, and the outcome carries only the parts after them (issue 17,
+    item 4: the parent keeps returns that ran before a crash).
+    """
+    harness.engine.stream_returns = True
+    digest = harness.blob(b"abc")
+    outcome = harness.run(
+        [
+            {"op": "upload", "kind": "bytes", "id": "b", "blob": digest},
+            {"op": "return", "key": "k", "value": ref("b")},
+            module("m", "def f():\n    raise ValueError('late')\n"),
+            get("f", "m", "f"),
+            run("r", "f"),
+        ]
+    )
+    returned = [m for m in harness.sent if isinstance(m, Returned)]
+    assert [m.key for m in returned] == ["k"]
+    assert returned[0].parts == (b"abc",)
+    assert returned[0].value == outcome.results["k"]
+    assert outcome.status == "FAILED"
+    assert outcome.parts == ()
+    assert outcome.streamed_parts == 1
+
+
+def test_no_stream_by_default(harness: Harness) -> None:
+    """Without C{stream_returns} the outcome carries every part itself."""
+    digest = harness.blob(b"abc")
+    outcome = harness.run(
+        [
+            {"op": "upload", "kind": "bytes", "id": "b", "blob": digest},
+            {"op": "return", "key": "k", "value": ref("b")},
+        ]
+    )
+    assert not [m for m in harness.sent if isinstance(m, Returned)]
+    assert outcome.parts == (b"abc",)
+    assert outcome.streamed_parts == 0
+
+
+@pytest.mark.parametrize(
+    ("expression", "words"),
+    [
+        ("'\\ud800'", "surrogates not allowed"),
+        ("10**5000", "integer string conversion"),
+        ("{'a': ['\\udfff']}", "surrogates not allowed"),
+    ],
+)
+def test_unencodable_return_is_serialization(harness: Harness, expression: str, words: str) -> None:
+    """
+    A value without a JSON text fails its return as C{serialization}; the
+    returns that ran before it are kept (issue 13, item 3).
+    """
+    source = f"def ok():\n    return b'kept'\ndef bad():\n    return {expression}\n"
+    outcome = harness.run(
+        [
+            module("m", source),
+            get("ok", "m", "ok"),
+            get("bad", "m", "bad"),
+            run("a", "ok"),
+            ret("a", "a"),
+            run("b", "bad"),
+            ret("b", "b"),
+        ]
+    )
+    kind, message, index = error(outcome)
+    assert (kind, index) == ("serialization", 6)
+    assert message.startswith("cannot encode the returned value: ")
+    assert words in message
+    assert values(outcome) == {"a": b"kept"}
+    # The outcome itself has a JSON text.
+    encode(outcome)
+
+
+def test_streamed_returns_stop_at_the_response_limit(harness: Harness) -> None:
+    """Returns sent ahead stay within max_response_bytes in all."""
+    harness.engine.stream_returns = True
+    source = "def f():\n    return 'x' * 600\n"
+    outcome = harness.run(
+        [module("m", source), get("f", "m", "f"), run("r", "f")]
+        + [ret(f"k{i}", "r") for i in range(4)],
+        max_response_bytes=2000,
+    )
+    returned = [m for m in harness.sent if isinstance(m, Returned)]
+    assert [m.key for m in returned] == ["k0", "k1"]
+    # The outcome carries the rest (the server answers response_too_large).
+    assert sorted(outcome.results) == ["k0", "k1", "k2", "k3"]

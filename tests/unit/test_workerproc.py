@@ -34,6 +34,7 @@ from kcoral.wire.channel import (
     LeaseRelease,
     Outcome,
     Ready,
+    Returned,
     encode,
     encode_frame,
 )
@@ -221,6 +222,42 @@ class JobTests(WorkerTestCase):
         self.assertEqual(result.exit_code, 3)
         self.assertIn("[err] dying", result.output_tail)
         self.assertEqual(indexes, [0, 2])
+
+    def test_returns_before_crash_kept(self) -> None:
+        """
+        C{returned} messages that arrived before a crash are in the result
+        (issue 17, item 4).
+        """
+        worker = self.ready_worker()
+        d = worker.run(self.job())
+        self.deliver(worker, Instruction(0))
+        self.deliver(worker, Returned("a", {"type": "int", "value": 1}))
+        self.deliver(worker, Instruction(1))
+        self.deliver(worker, Returned("b", {"type": "bytes", "part": "return:0"}, (b"xy",)))
+        self.deliver(worker, Instruction(2))
+        self.end(worker, -11)
+        result = self.successResultOf(d)
+        self.assertEqual(result.ending, "crashed")
+        self.assertEqual(list(result.results), ["a", "b"])
+        self.assertEqual(result.parts, (b"xy",))
+
+    def test_streamed_parts_joined_to_outcome(self) -> None:
+        """The outcome's parts follow the parts its returns already sent."""
+        worker = self.ready_worker()
+        d = worker.run(self.job())
+        self.deliver(worker, Returned("a", {"type": "bytes", "part": "return:0"}, (b"ab",)))
+        self.deliver(worker, Outcome(status="COMPLETED", parts=(b"cd",), streamed_parts=1))
+        result = self.successResultOf(d)
+        assert result.outcome is not None
+        self.assertEqual(result.outcome.parts, (b"ab", b"cd"))
+        self.assertEqual(result.outcome.streamed_parts, 0)
+
+    def test_streamed_parts_mismatch_invalid(self) -> None:
+        """An outcome that counts parts never sent is invalid."""
+        worker = self.ready_worker()
+        d = worker.run(self.job())
+        self.deliver(worker, Outcome(status="COMPLETED", streamed_parts=2))
+        self.assertEqual(self.successResultOf(d).ending, "invalid")
 
     def test_crash_before_any_instruction(self) -> None:
         worker = self.ready_worker()
@@ -473,6 +510,21 @@ class ChannelDistrustTests(WorkerTestCase):
         self.deliver(worker, LeaseAcquire())
         self.deliver(worker, LeaseAcquire())
         self.assertPoisoned(worker, d, "holds")
+
+    def test_returned_twice(self) -> None:
+        worker = self.ready_worker()
+        d = worker.run(self.job())
+        self.deliver(worker, Returned("k", {"type": "null"}))
+        self.deliver(worker, Returned("k", {"type": "null"}))
+        self.assertPoisoned(worker, d, "'k' twice")
+
+    def test_returns_together_bounded(self) -> None:
+        """Many returns, each within the limits, cannot add up past the response."""
+        worker = self.ready_worker()
+        d = worker.run(self.job())
+        for i in range(3):
+            self.deliver(worker, Returned(f"k{i}", {"type": "null"}, (b"r" * 900_000,)))
+        self.assertPoisoned(worker, d, "ahead of the outcome")
 
     def test_ready_during_job(self) -> None:
         worker = self.ready_worker()

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kcoral.compilers.source import add_extern_c
+from kcoral.compilers.tvmffi import export_source, is_host_function, load_library
 from kcoral.errors import ExecutionError
 from kcoral.worker.gpu_builtins.common import check_cfg
 from kcoral.worker.gpu_builtins.launch import KernelHandle, make_handle, normalize_arg_types
@@ -137,6 +138,8 @@ def compile_cuda(source_fn: Any, cfg: Any = None, *, lease: Any = None) -> Kerne
         )
     config = check_cfg(cfg, "compile_cuda")
     flags = parse_compile_cfg(config)
+    if is_host_function(source, name):
+        return _compile_host_function(source, name, flags, lease)
     if "arg_types" in config:
         params = normalize_arg_types(config["arg_types"], config.get("arg_names"))
     backend = gpu_backend()
@@ -165,3 +168,44 @@ def compile_cuda(source_fn: Any, cfg: Any = None, *, lease: Any = None) -> Kerne
             "compile", f"compile_cuda: the compiled module has no kernel {name!r}"
         ) from None
     return make_handle(function.function, name, config, [f"{n}:{k}" for n, k in params], None)
+
+
+#: TVM-FFI modules loaded by this worker, by library digest: a module stays
+#: loaded while its functions may be called.
+_host_modules: dict[str, Any] = {}
+
+
+def _compile_host_function(source: str, name: str, flags: list[str], lease: Any) -> Any:
+    """
+    Build a TVM-FFI host function into a shared library (the C{tvmffi}
+    backend: cached, bounded by the budget, off the lease), load it with
+    C{tvm_ffi.load_module} under the lease and return the exported function.
+    """
+    import hashlib
+
+    from kcoral.compilers import compile_binary
+
+    backend = gpu_backend()
+    if lease is None:
+        lease = current_lease()
+    if lease is not None:
+        lease.release()
+    image = compile_binary(
+        export_source(source, name),
+        backend.arch,
+        tuple(flags),
+        remaining_budget(COMPILE_TIMEOUT_SECONDS),
+        backend="tvmffi",
+    )
+    if lease is not None:
+        lease.acquire()
+    digest = hashlib.sha256(image).hexdigest()
+    module = _host_modules.get(digest)
+    if module is None:
+        module = _host_modules[digest] = load_library(image)
+    try:
+        return module[name]
+    except Exception:
+        raise ExecutionError(
+            "compile", f"compile_cuda: the compiled library exports no function {name!r}"
+        ) from None

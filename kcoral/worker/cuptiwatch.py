@@ -1,0 +1,149 @@
+# -*- test-case-name: tests.unit.test_cuptiwatch,tests.gpu.test_gpu_cupti_watch -*-
+"""
+Watch the CUDA driver itself during C{cpu_only} runs, through CUPTI's
+callback API (cupti-python).
+
+Every CUDA library (torch, cupy, PyCUDA, ctypes on C{libcuda}) ends in the
+driver API, so a driver-API callback sees them all.  The subscription is
+made once per process; the driver domain is enabled only while a
+C{cpu_only} function runs.  A callback cannot stop the call it reports (it
+runs inside the driver), so the first device-touching call is remembered,
+with the Python stack of the thread that made it, and the run fails with
+C{gpu_access} naming that call and the uploaded-code line when it returns.
+
+Without cupti-python (or without a CUPTI the driver accepts) the worker
+falls back to L{kcoral.worker.gpuwatch}'s Python-level traps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import traceback
+from collections.abc import Iterator
+from typing import Any
+
+import attrs
+
+from kcoral.errors import GPUAccessViolation
+
+__all__ = ["HARMLESS_DRIVER_CALLS", "DriverWatch", "driver_watch"]
+
+#: Driver calls that only ask questions or look up entry points: libraries
+#: make them when they load, and they do not touch a device.
+HARMLESS_DRIVER_CALLS = frozenset(
+    {
+        "cuInit",
+        "cuDriverGetVersion",
+        "cuGetProcAddress",
+        "cuGetProcAddress_v2",
+        "cuGetExportTable",
+        "cuGetErrorName",
+        "cuGetErrorString",
+        "cuDeviceGet",
+        "cuDeviceGetCount",
+        "cuDeviceGetName",
+        "cuDeviceGetUuid",
+        "cuDeviceGetUuid_v2",
+        "cuDeviceGetAttribute",
+        "cuDeviceGetPCIBusId",
+        "cuDeviceTotalMem",
+        "cuDeviceTotalMem_v2",
+        "cuDeviceComputeCapability",
+        "cuDevicePrimaryCtxGetState",
+        "cuCtxGetCurrent",
+        "cuCtxGetDevice",
+        "cuCtxGetApiVersion",
+        "cuModuleGetLoadingMode",
+    }
+)
+
+
+def _location(stack: list[traceback.FrameSummary]) -> str:
+    """The innermost uploaded-code frame, else the innermost Python frame."""
+    for frame in reversed(stack):
+        if frame.filename.startswith("<uploaded:"):
+            return f"{frame.filename}:{frame.lineno} in {frame.name}"
+    if not stack:
+        return ""
+    last = stack[-1]
+    return f"{last.filename}:{last.lineno} in {last.name}"
+
+
+@attrs.define(eq=False)
+class DriverWatch:
+    """
+    One CUPTI subscriber to the driver API domain, switched on per run.
+
+    @ivar cupti: the C{cupti.cupti} module (or a stand-in in tests).
+    """
+
+    cupti: Any
+    _subscriber: Any = None
+    _first: tuple[str, str, str] | None = None
+    _active: bool = False
+    _lock: threading.Lock = attrs.field(factory=threading.Lock)
+
+    def __attrs_post_init__(self) -> None:
+        self._subscriber = self.cupti.subscribe(self._callback, None)
+
+    def _callback(self, userdata: Any, domain: Any, callback_id: Any, cbdata: Any) -> None:
+        if not self._active or self._first is not None:
+            return
+        if cbdata.callback_site != self.cupti.ApiCallbackSite.API_ENTER:
+            return
+        name = str(cbdata.function_name)
+        if name in HARMLESS_DRIVER_CALLS:
+            return
+        stack = traceback.extract_stack()[:-1]
+        with self._lock:
+            if self._first is None:
+                self._first = (
+                    name,
+                    _location(stack),
+                    "Traceback (most recent call last):\n" + "".join(traceback.format_list(stack)),
+                )
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        """
+        Report the run's first device-touching driver call as
+        L{GPUAccessViolation} when the block ends.
+        """
+        domain = self.cupti.CallbackDomain.DRIVER_API
+        self._first = None
+        self._active = True
+        self.cupti.enable_domain(1, self._subscriber, domain)
+        try:
+            yield
+        finally:
+            self.cupti.enable_domain(0, self._subscriber, domain)
+            self._active = False
+            first, self._first = self._first, None
+            if first is not None:
+                name, location, stack = first
+                raise GPUAccessViolation(
+                    f"cpu_only function called the CUDA driver ({name}) while the worker "
+                    "does not hold the GPU lease",
+                    cuda_call=name,
+                    location=location,
+                    call_stack=stack,
+                )
+
+
+_watch: list[DriverWatch | None] = []
+
+
+def driver_watch() -> DriverWatch | None:
+    """
+    This process's L{DriverWatch}, made on first use; C{None} when CUPTI
+    cannot be used here (no cupti-python, or the subscription is refused).
+    """
+    if not _watch:
+        try:
+            from cupti import cupti
+
+            _watch.append(DriverWatch(cupti))
+        except Exception:
+            _watch.append(None)
+    return _watch[0]

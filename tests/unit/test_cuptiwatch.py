@@ -1,0 +1,99 @@
+"""
+Tests for L{kcoral.worker.cuptiwatch}: the driver-API watch reports the
+first device-touching CUDA driver call of a cpu_only run (issue 17, item 3).
+A stand-in C{cupti} module plays cupti-python and the driver; the real one
+runs on the H200 (C{tests/gpu/test_gpu_cupti_watch.py}).
+"""
+
+from __future__ import annotations
+
+import enum
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from kcoral.errors import GPUAccessViolation
+from kcoral.worker.cuptiwatch import DriverWatch
+
+
+class FakeCupti:
+    """Just the cupti-python calls the watch makes, and a driver that calls back."""
+
+    class ApiCallbackSite(enum.IntEnum):
+        API_ENTER = 0
+        API_EXIT = 1
+
+    class CallbackDomain(enum.IntEnum):
+        DRIVER_API = 1
+
+    def __init__(self) -> None:
+        self.callback: Any = None
+        self.enabled: list[int] = []
+
+    def subscribe(self, callback: Any, userdata: Any) -> int:
+        self.callback = callback
+        return 7
+
+    def enable_domain(self, enable: int, subscriber: int, domain: int) -> None:
+        assert subscriber == 7 and domain == self.CallbackDomain.DRIVER_API
+        self.enabled.append(enable)
+
+    def driver_call(self, name: str) -> None:
+        """What the driver does for an API call when the domain is on."""
+        if self.enabled and self.enabled[-1]:
+            for site in (self.ApiCallbackSite.API_ENTER, self.ApiCallbackSite.API_EXIT):
+                data = SimpleNamespace(callback_site=site, function_name=name)
+                self.callback(None, self.CallbackDomain.DRIVER_API, 0, data)
+
+
+def uploaded(cupti: FakeCupti, *calls: str) -> Any:
+    """A function compiled as uploaded code that makes C{calls}."""
+    body = "".join(f"    cupti.driver_call({name!r})\n" for name in calls) or "    pass\n"
+    code = compile("def user():\n" + body, "<uploaded:abc>", "exec")
+    namespace: dict[str, Any] = {"cupti": cupti}
+    exec(code, namespace)
+    return namespace["user"]
+
+
+def test_driver_call_reported_with_location() -> None:
+    cupti = FakeCupti()
+    watch = DriverWatch(cupti)
+    user = uploaded(cupti, "cuInit", "cuDeviceGetCount", "cuMemAlloc_v2", "cuLaunchKernel")
+    with pytest.raises(GPUAccessViolation) as caught, watch.watching():
+        user()
+    error = caught.value
+    assert error.kind == "gpu_access"
+    assert error.cuda_call == "cuMemAlloc_v2"
+    assert error.location == "<uploaded:abc>:4 in user"
+    assert "Traceback" in error.call_stack
+    assert cupti.enabled == [1, 0]
+
+
+def test_harmless_calls_pass() -> None:
+    cupti = FakeCupti()
+    watch = DriverWatch(cupti)
+    with watch.watching():
+        uploaded(cupti, "cuInit", "cuDriverGetVersion", "cuGetProcAddress_v2")()
+
+
+def test_outside_the_run_nothing_is_reported() -> None:
+    """Driver calls before and after a cpu_only run are the worker's own."""
+    cupti = FakeCupti()
+    watch = DriverWatch(cupti)
+    cupti.driver_call("cuMemAlloc_v2")
+    with watch.watching():
+        pass
+    cupti.driver_call("cuLaunchKernel")
+    with watch.watching():
+        pass
+
+
+def test_violation_beats_the_run_error() -> None:
+    """A run that touched the GPU and then failed is reported as gpu_access."""
+    cupti = FakeCupti()
+    watch = DriverWatch(cupti)
+    user = uploaded(cupti, "cuMemcpyHtoD_v2")
+    with pytest.raises(GPUAccessViolation), watch.watching():
+        user()
+        raise RuntimeError("the library failed afterwards")

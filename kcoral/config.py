@@ -195,6 +195,9 @@ class ServerConfig:
     @ivar max_response_bytes: largest response body.
     @ivar output_limit_bytes: default per-stream stdout/stderr capture.
     @ivar max_output_limit_bytes: upper bound for a requested capture.
+    @ivar output_space_bytes: size of each bubblewrap worker's private
+        tmpfs for captured stdout and stderr; a program that writes more
+        gets C{ENOSPC} (docs/security.md).
     @ivar device: C{"gpu"} or C{"cpu"}.
     @ivar num_workers: number of workers in CPU mode.
     @ivar tensor_api: what Python functions in GPU workers receive as
@@ -237,6 +240,7 @@ class ServerConfig:
     max_response_bytes: int = field(default=256 * _MIB, validator=_INT)
     output_limit_bytes: int = field(default=_MIB, validator=_INT)
     max_output_limit_bytes: int = field(default=16 * _MIB, validator=_INT)
+    output_space_bytes: int = field(default=64 * _MIB, validator=_INT)
     device: str = field(default="gpu", validator=_choice(*DEVICES))
     num_workers: int = field(default=1, validator=[_strict_int, _at_least_one])
     tensor_api: str = field(default="auto", validator=_choice(*TENSOR_APIS))
@@ -260,6 +264,12 @@ class ServerConfig:
             raise ValueError(
                 "default_timeout_seconds must not exceed max_timeout_seconds, got "
                 f"{self.default_timeout_seconds!r} > {self.max_timeout_seconds!r}"
+            )
+        needed = 2 * (self.max_output_limit_bytes + 8 * _KIB)
+        if self.output_space_bytes < needed:
+            raise ValueError(
+                f"output_space_bytes must hold both streams up to max_output_limit_bytes, "
+                f"at least {needed}, got {self.output_space_bytes}"
             )
         if self.sandbox_readonly_paths and self.sandbox != "bubblewrap":
             raise ValueError("sandbox_readonly_paths requires sandbox='bubblewrap'")

@@ -50,6 +50,11 @@ WORKSPACE = "/work"
 #: Where workers see the shared compile cache under bubblewrap.
 COMPILE_CACHE = "/var/cache/kcoral/compile"
 
+#: The worker's private, size-limited tmpfs for captured output, and the
+#: variable that tells the worker (C{kcoral.worker.capture.CAPTURE_DIR_ENV}).
+CAPTURE_DIR = "/run/kcoral/output"
+CAPTURE_DIR_ENV = "KCORAL_CAPTURE_DIR"
+
 #: The reserved top-level directory of a workspace.
 RESERVED = ".kcoral"
 
@@ -337,6 +342,9 @@ class BubblewrapSandbox:
     bwrap: str = attrs.field(default="bwrap", kw_only=True)
     disable_userns: bool = attrs.field(default=True, kw_only=True)
     executable: str | None = attrs.field(default=None, kw_only=True)
+    #: Bytes of the worker's private tmpfs at L{CAPTURE_DIR} that holds its
+    #: captured stdout and stderr (C{None}: capture into the workspace).
+    capture_bytes: int | None = attrs.field(default=None, kw_only=True)
     #: A host directory shared read-write by every worker at L{COMPILE_CACHE}
     #: (the compile cache), or C{None}.
     compile_cache: str | None = attrs.field(default=None, kw_only=True)
@@ -501,14 +509,19 @@ class BubblewrapSandbox:
         overrides = self._environment(mounts)
         for key, value in overrides.items():
             argv += ["--setenv", key, value]
+        env = {k: v for k, v in os.environ.items() if isinstance(v, str)}
+        env.update(overrides)
         if not gpu_devices:
             argv += ["--remount-ro", "/proc"]
         if self.compile_cache is not None:
             argv += ["--bind", self.compile_cache, COMPILE_CACHE]
+        if self.capture_bytes is not None:
+            # Captured output stays in the sandbox's memory, bounded: a
+            # program printing without end fills this, not the host's disk.
+            argv += ["--size", str(self.capture_bytes), "--tmpfs", CAPTURE_DIR]
+            argv += ["--setenv", CAPTURE_DIR_ENV, CAPTURE_DIR]
+            env[CAPTURE_DIR_ENV] = CAPTURE_DIR
         argv += ["--chdir", WORKSPACE, "--remount-ro", "/", "--", *tail]
-
-        env = {k: v for k, v in os.environ.items() if isinstance(v, str)}
-        env.update(overrides)
         return executable, argv, env
 
     def _environment(self, mounts: Sequence[_Mount]) -> dict[str, str]:
@@ -764,7 +777,11 @@ async def _choose_sandbox(
 ) -> Any:
     if config.sandbox == "none":
         return NoSandbox()
-    sandbox = BubblewrapSandbox(tuple(config.sandbox_readonly_paths or ()), bwrap=bwrap)
+    sandbox = BubblewrapSandbox(
+        tuple(config.sandbox_readonly_paths or ()),
+        bwrap=bwrap,
+        capture_bytes=getattr(config, "output_space_bytes", None),
+    )
     if config.device == "gpu":
         minors = list(gpu_minors) if gpu_minors is not None else list(config.gpus)
         device_sets = [[str(minor)] for minor in dict.fromkeys(minors)]

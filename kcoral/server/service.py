@@ -24,7 +24,6 @@ import atexit
 import os
 import shutil
 import sys
-import tempfile
 import traceback
 import uuid
 from collections.abc import Callable
@@ -193,7 +192,17 @@ class WorkerPoolService(AsyncService):
             minors = [device.minor for device in pool.gpu_devices.values()]
         sandbox = await choose_sandbox(self._reactor, config, self.log, gpu_minors=minors)
         self._api.sandbox_name = sandbox.name
-        self._root_dir = Path(await self._run_blocking(tempfile.mkdtemp, prefix="kcoral-"))
+        from kcoral.server import scratch
+
+        leftovers = await self._run_blocking(scratch.remove_leftovers)
+        if leftovers:
+            self.log.info(
+                "removed {count} scratch directories of servers that are gone",
+                kcoral_event="leftovers_removed",
+                count=len(leftovers),
+                names=leftovers,
+            )
+        self._root_dir = await self._run_blocking(scratch.make_root)
         pool.sandbox = sandbox
         pool.root_dir = self._root_dir
         compile_cache = await self._run_blocking(_compile_cache_dir, config)

@@ -111,6 +111,7 @@ _FIELD_FLAGS: Mapping[str, str] = {
     "max_response_bytes": "max-response-bytes",
     "output_limit_bytes": "output-limit-bytes",
     "max_output_limit_bytes": "max-output-limit-bytes",
+    "output_space_bytes": "output-space-bytes",
     "device": "device",
     "num_workers": "num-workers",
     "tensor_api": "tensor-api",
@@ -213,6 +214,12 @@ class Options(usage.Options):
             "max-output-limit-bytes",
             _DEFAULTS.max_output_limit_bytes,
             "Largest stdout/stderr capture a request may ask for.",
+        ),
+        _int_param(
+            "output-space-bytes",
+            _DEFAULTS.output_space_bytes,
+            "Size of each bubblewrap worker's private tmpfs for captured output "
+            "(writes past it fail with ENOSPC).",
         ),
         _int_param(
             "cache-capacity-bytes",
@@ -420,6 +427,7 @@ class Options(usage.Options):
                 max_response_bytes=self["max-response-bytes"],
                 output_limit_bytes=self["output-limit-bytes"],
                 max_output_limit_bytes=self["max-output-limit-bytes"],
+                output_space_bytes=self["output-space-bytes"],
                 device=device,
                 num_workers=self["num-workers"],
                 tensor_api=tensor_api,

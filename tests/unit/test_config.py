@@ -45,6 +45,7 @@ class DefaultsTests(SynchronousTestCase):
             "max_response_bytes": 256 * 1024**2,
             "output_limit_bytes": 1024**2,
             "max_output_limit_bytes": 16 * 1024**2,
+            "output_space_bytes": 64 * 1024**2,
             "device": "gpu",
             "num_workers": 1,
             "tensor_api": "auto",

@@ -37,7 +37,7 @@ __all__ = [
 DEVICES = ("cpu", "gpu")
 
 #: Accepted values of L{ServerConfig.sandbox}.
-SANDBOXES = ("none", "bubblewrap")
+SANDBOXES = ("none", "bubblewrap", "auto")
 
 #: Accepted values of L{ServerConfig.reuse_scope}.
 REUSE_SCOPES = ("address", "any")
@@ -188,7 +188,9 @@ class ServerConfig:
         answer for the next): C{"address"}, only requests from the client
         address its first request came from; C{"any"}, every client's
         (docs/security.md).
-    @ivar sandbox: C{"bubblewrap"} or C{"none"}.
+    @ivar sandbox: C{"bubblewrap"} (the server does not start when
+        bubblewrap cannot run), C{"auto"} (bubblewrap when it runs, else no
+        sandbox with a loud warning) or C{"none"}.
     @ivar sandbox_readonly_paths: extra read-only mounts inside the sandbox.
     @ivar worker_termination_grace_seconds: SIGTERM to SIGKILL window.
     @ivar max_request_bytes: largest accepted request body.
@@ -271,7 +273,7 @@ class ServerConfig:
                 f"output_space_bytes must hold both streams up to max_output_limit_bytes, "
                 f"at least {needed}, got {self.output_space_bytes}"
             )
-        if self.sandbox_readonly_paths and self.sandbox != "bubblewrap":
+        if self.sandbox_readonly_paths and self.sandbox == "none":
             raise ValueError("sandbox_readonly_paths requires sandbox='bubblewrap'")
 
     @property

@@ -315,6 +315,9 @@ class _Mount:
     is_dir: bool
     #: Goes on the worker's C{PYTHONPATH} (the server imports from it).
     on_path: bool = False
+    #: The C{kcoral} package directory itself; its parent goes first on
+    #: the worker's C{PYTHONPATH}.
+    is_package: bool = False
 
 
 # -- bubblewrap ------------------------------------------------------------
@@ -342,6 +345,11 @@ class BubblewrapSandbox:
     bwrap: str = attrs.field(default="bwrap", kw_only=True)
     disable_userns: bool = attrs.field(default=True, kw_only=True)
     executable: str | None = attrs.field(default=None, kw_only=True)
+    #: The server's own directories (logs, caches) that no worker may see:
+    #: hidden under an empty tmpfs where a read-only mount would show them.
+    hidden_paths: tuple[str, ...] = attrs.field(
+        default=(), kw_only=True, converter=_to_path_strings
+    )
     #: Bytes of the worker's private tmpfs at L{CAPTURE_DIR} that holds its
     #: captured stdout and stderr (C{None}: capture into the workspace).
     capture_bytes: int | None = attrs.field(default=None, kw_only=True)
@@ -434,6 +442,11 @@ class BubblewrapSandbox:
                         f"read-only runtime path overlaps the sandbox workspace {WORKSPACE}: {dest}"
                     )
                 dest = PACKAGE_MOUNT
+            if kind == "package":
+                # Only the package directory: the rest of a checkout (its
+                # logs, caches, configuration) stays out of the sandbox.
+                source = os.path.join(source, "kcoral")
+                dest = os.path.join(dest, "kcoral")
             if kind == "import" and any(_is_within(dest, m.dest) for m in mounts):
                 # Already visible below a runtime mount (a venv's site-packages).
                 continue
@@ -446,6 +459,7 @@ class BubblewrapSandbox:
                     dest=dest,
                     is_dir=os.path.isdir(source),
                     on_path=kind == "import" and os.path.isdir(source),
+                    is_package=kind == "package",
                 )
             )
         return tuple(mounts)
@@ -489,6 +503,10 @@ class BubblewrapSandbox:
             argv += ["--bind", private_tmp, link]
         for m in mounts:
             argv += ["--ro-bind", m.source, m.dest]
+        for path in self._masked(mounts):
+            # Server files below a bound path (a log directory inside a
+            # virtualenv or a --target directory): an empty tmpfs over them.
+            argv += ["--size", "4096", "--tmpfs", path, "--remount-ro", path]
         argv += ["--bind", resolved_work, WORKSPACE]
         argv += ["--proc", "/proc", "--dir", "/dev"]
         for dev in PSEUDO_DEVICES:
@@ -524,10 +542,24 @@ class BubblewrapSandbox:
         argv += ["--chdir", WORKSPACE, "--remount-ro", "/", "--", *tail]
         return executable, argv, env
 
+    def _masked(self, mounts: Sequence[_Mount]) -> list[str]:
+        """The L{hidden_paths} that some read-only mount would show."""
+        masked = []
+        for hidden in self.hidden_paths:
+            for path in dict.fromkeys((os.path.abspath(hidden), os.path.realpath(hidden))):
+                if not os.path.isdir(path):
+                    continue
+                for m in mounts:
+                    if _is_within(path, m.source) and m.is_dir:
+                        inside = os.path.join(m.dest, os.path.relpath(path, m.source))
+                        if inside not in masked:
+                            masked.append(os.path.normpath(inside))
+        return masked
+
     def _environment(self, mounts: Sequence[_Mount]) -> dict[str, str]:
         private = f"{WORKSPACE}/{RESERVED}"
         pkg_dest = next(
-            (m.dest for m in mounts if m.dest == PACKAGE_MOUNT),
+            (os.path.dirname(m.dest) for m in mounts if m.is_package),
             os.path.abspath(package_root()),
         )
         extras = {os.path.abspath(p) for p in self.readonly_paths}
@@ -758,8 +790,10 @@ def choose_sandbox(
 ) -> Deferred[Any]:
     """
     Pick the server run's L{ISandbox}: L{NoSandbox} for C{sandbox="none"}
-    (no probe); else probe bubblewrap and fall back to L{NoSandbox} with a
-    C{sandbox_disabled} WARNING event and a C{RuntimeWarning} on failure.
+    (no probe); else probe bubblewrap.  When the probe fails, C{"bubblewrap"}
+    fails with L{SandboxError} (the server does not start) and C{"auto"}
+    falls back to L{NoSandbox} with a C{sandbox_disabled} WARNING event and
+    a C{RuntimeWarning}.
 
     @param config: a C{kcoral.config.ServerConfig} (C{sandbox},
         C{sandbox_readonly_paths}, C{device}, C{gpus}).
@@ -781,6 +815,7 @@ async def _choose_sandbox(
         tuple(config.sandbox_readonly_paths or ()),
         bwrap=bwrap,
         capture_bytes=getattr(config, "output_space_bytes", None),
+        hidden_paths=_server_paths(config),
     )
     if config.device == "gpu":
         minors = list(gpu_minors) if gpu_minors is not None else list(config.gpus)
@@ -790,6 +825,12 @@ async def _choose_sandbox(
     error = await probe_sandbox(reactor, sandbox, gpu_device_sets=device_sets)
     if error is None:
         return sandbox
+    if config.sandbox != "auto":
+        # The operator asked for the sandbox: never run programs without it.
+        raise SandboxError(
+            f"--sandbox bubblewrap: bubblewrap cannot run ({error}); fix it, or choose "
+            "--sandbox auto to fall back to no sandbox"
+        )
     full_text = FALLBACK_PREFIX + error
     log.warn(
         "bubblewrap could not start; filesystem isolation is disabled for this server run: {error}",
@@ -800,6 +841,20 @@ async def _choose_sandbox(
     )
     warnings.warn(full_text, RuntimeWarning, stacklevel=2)
     return NoSandbox()
+
+
+def _server_paths(config: Any) -> tuple[str, ...]:
+    """The server's directories no worker may see: logs and caches."""
+    paths = []
+    for name in ("log_dir", "disk_cache_dir"):
+        value = getattr(config, name, None)
+        if value:
+            paths.append(os.fspath(value))
+    cache = getattr(config, "disk_cache_dir", None)
+    if cache:
+        # The compile cache beside it (its host path; workers use their bind).
+        paths.append(os.path.join(os.path.dirname(os.fspath(cache)), "compile"))
+    return tuple(paths)
 
 
 _log = Logger(namespace="kcoral.server.sandbox")

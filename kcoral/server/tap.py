@@ -373,7 +373,9 @@ class Options(usage.Options):
             raise usage.UsageError(f"--device must be 'cpu' or 'gpu', got {device!r}")
         sandbox = self["sandbox"]
         if sandbox not in SANDBOXES:
-            raise usage.UsageError(f"--sandbox must be 'none' or 'bubblewrap', got {sandbox!r}")
+            raise usage.UsageError(
+                f"--sandbox must be 'none', 'bubblewrap' or 'auto', got {sandbox!r}"
+            )
         tensor_api = self["tensor-api"]
         if tensor_api not in TENSOR_APIS:
             raise usage.UsageError(
@@ -402,7 +404,7 @@ class Options(usage.Options):
             raise usage.UsageError("--max-requests-per-worker must be non-negative")
         if self["disk-cache-capacity-mbytes"] < 0:
             raise usage.UsageError("--disk-cache-capacity-mbytes must be non-negative")
-        if self["sandbox-readonly-path"] and sandbox != "bubblewrap":
+        if self["sandbox-readonly-path"] and sandbox == "none":
             raise usage.UsageError("--sandbox-readonly-path requires --sandbox bubblewrap")
 
         try:

@@ -231,9 +231,11 @@ class ValidationTests(SynchronousTestCase):
 
     def test_unknown_sandbox(self) -> None:
         """
-        The sandbox is C{none} or C{bubblewrap}.
+        The sandbox is C{none}, C{bubblewrap} or C{auto}.
         """
-        self.assertInvalid("sandbox must be 'none' or 'bubblewrap', got 'docker'", sandbox="docker")
+        self.assertInvalid(
+            "sandbox must be one of 'none', 'bubblewrap', 'auto', got 'docker'", sandbox="docker"
+        )
 
     def test_unknown_tensor_api(self) -> None:
         """

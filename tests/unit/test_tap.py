@@ -382,7 +382,8 @@ class ValidationTests(SynchronousTestCase):
         """
         self.assertUsageError(["--device", "tpu"], "--device must be 'cpu' or 'gpu', got 'tpu'")
         self.assertUsageError(
-            ["--sandbox", "docker"], "--sandbox must be 'none' or 'bubblewrap', got 'docker'"
+            ["--sandbox", "docker"],
+            "--sandbox must be 'none', 'bubblewrap' or 'auto', got 'docker'",
         )
         self.assertUsageError(
             ["--tensor-api", "jax"], "--tensor-api must be one of auto, torch, pycuda, got 'jax'"

@@ -39,6 +39,12 @@ __global__ void saxpy(float *y, const float *x, float a, int n)
 _backends: dict[str, object] = {}
 
 
+def teardown_module() -> None:
+    """Pop every cached backend's context, so PyCUDA's exit finds an empty stack."""
+    while _backends:
+        _backends.popitem()[1].close()
+
+
 def backend(tensor_api: str = "pycuda"):
     """One L{GpuBackend} per tensor API for the whole test run."""
     from kcoral.worker.gpu import GpuBackend
@@ -191,8 +197,16 @@ class BackendTests(SynchronousTestCase):
 
         b = backend("pycuda")
         self.assertEqual(len(b.other_contexts), drv.Device.count() - 1)
+        seen = set()
         for context in b.other_contexts:
-            self.assertNotEqual(context.get_device().pci_bus_id(), b.device.pci_bus_id())
+            # Context.get_device() names the *current* context's device.
+            context.push()
+            try:
+                seen.add(drv.Context.get_device().pci_bus_id())
+            finally:
+                drv.Context.pop()
+        self.assertNotIn(b.device.pci_bus_id(), seen)
+        self.assertEqual(len(seen), len(b.other_contexts))
 
     def test_lifecycle(self) -> None:
         """drain, cleanup and reset succeed on a healthy context."""

@@ -39,12 +39,6 @@ __global__ void saxpy(float *y, const float *x, float a, int n)
 _backends: dict[str, object] = {}
 
 
-def teardown_module() -> None:
-    """Pop every cached backend's context, so PyCUDA's exit finds an empty stack."""
-    while _backends:
-        _backends.popitem()[1].close()
-
-
 def backend(tensor_api: str = "pycuda"):
     """One L{GpuBackend} per tensor API for the whole test run."""
     from kcoral.worker.gpu import GpuBackend
@@ -411,11 +405,20 @@ class KernelTests(SynchronousTestCase):
         self.assertEqual(e.exception.kind, "compile")
 
 
-def teardown_module() -> None:
+def close_backends() -> None:
+    """
+    Close the cached backends (popping their contexts), so PyCUDA's exit
+    finds an empty context stack; every module that uses L{backend} calls it
+    at its end.
+    """
     for b in list(_backends.values()):
         b.close()
     _backends.clear()
     gpu_builtins.use_backend(None)
+
+
+def teardown_module() -> None:
+    close_backends()
 
 
 if os.environ.get("KCORAL_GPU_TEST_DEBUG"):

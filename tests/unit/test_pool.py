@@ -229,10 +229,56 @@ class ReplacementTests(PoolTestCase):
         failing = self.spawned[-1]
         failing.alive = False
         failing.ready.errback(RuntimeError("no"))
-        # The dead seat is revived before anyone gets it.
+        # The dead seat is revived before anyone gets it, after a backoff.
+        self.assertEqual(seat.generation, 2)
+        self.assertEqual(seat.status, "dead")
+        self.reactor.advance(pool.respawn_backoff_initial)
         self.assertEqual(seat.generation, 3)
         self.spawned[-1].come_up()
         self.assertIs(self.successResultOf(pool.acquire(0)), seat)
+        self.assertEqual(seat.respawn_failures, 0)
+
+    def test_respawn_failures_back_off_exponentially(self) -> None:
+        """
+        Replacements that keep failing are retried after 0.5, 1, 2, 4 ...
+        seconds (at most a minute), not in a tight loop; /health shows the
+        count, the error and when the next try is (issue 18, item 3).
+        """
+        pool = self.make_pool(pool_config(num_workers=1))
+        seat = self.successResultOf(pool.acquire(10))
+        self.spawner.auto_ready = False
+        pool.release(seat, retire="crashed")
+        waits = []
+        for _ in range(9):
+            failing = self.spawned[-1]
+            failing.alive = False
+            failing.ready.errback(RuntimeError("sandbox broken"))
+            (row,) = pool.worker_status(self.reactor.seconds())
+            self.assertEqual(row["respawn_error"], "sandbox broken")
+            waits.append(row["respawn_in_seconds"])
+            spawned = len(self.spawned)
+            self.reactor.advance(row["respawn_in_seconds"] - 0.001)
+            self.assertEqual(len(self.spawned), spawned)
+            self.reactor.advance(0.001)
+            self.assertEqual(len(self.spawned), spawned + 1)
+        self.assertEqual(waits, [0.5, 1, 2, 4, 8, 16, 32, 60, 60])
+        self.assertEqual(seat.respawn_failures, 9)
+        self.spawned[-1].come_up()
+        (row,) = pool.worker_status(self.reactor.seconds())
+        self.assertEqual((row["respawn_failures"], row["respawn_in_seconds"]), (0, None))
+        self.assertIs(self.successResultOf(pool.acquire(0)), seat)
+
+    def test_stop_cancels_backoff(self) -> None:
+        """Stopping the pool cancels a pending respawn."""
+        pool = self.make_pool(pool_config(num_workers=1))
+        seat = self.successResultOf(pool.acquire(10))
+        self.spawner.auto_ready = False
+        pool.release(seat, retire="crashed")
+        failing = self.spawned[-1]
+        failing.alive = False
+        failing.ready.errback(RuntimeError("no"))
+        pool.stop_waiters()
+        self.assertEqual(self.reactor.getDelayedCalls(), [])
 
 
 class ReuseScopeTests(PoolTestCase):

@@ -132,6 +132,8 @@ class SeatUse:
     #: What the job's budget was once the worker had started.
     timeout_seconds: float | None = None
     result: JobResult | None = None
+    #: The request was cancelled (its client left) while its program ran.
+    abandoned: bool = False
 
     @property
     def worker_id(self) -> str:
@@ -174,7 +176,13 @@ class SeatUse:
             timeout_seconds=timeout,
         )
         self.timeout_seconds = timeout
-        result: JobResult = await self.worker.run(job)
+        try:
+            result: JobResult = await self.worker.run(job)
+        except CancelledError:
+            # The client left: the program is still running in the worker,
+            # which must go (retire reason C{abandoned}).
+            self.abandoned = True
+            raise
         self.result = result
         return result
 
@@ -185,6 +193,8 @@ class SeatUse:
         context), or the per-worker request limit.
         """
         result = self.result
+        if self.abandoned:
+            return "abandoned"
         if result is None:
             worker = self.seat.worker
             alive = worker is not None and worker.alive and not worker.busy

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from twisted.internet.defer import Deferred, maybeDeferred
+from twisted.internet.defer import CancelledError, Deferred, maybeDeferred
 from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -454,6 +454,36 @@ class SeatTests(PoolTestCase):
                 return await use.run(job or _job())
 
         return Deferred.fromCoroutine(go())
+
+    def test_cancelled_run_replaces_worker(self) -> None:
+        """
+        A request cancelled while its program runs (its client left) retires
+        the worker as C{abandoned}: it is killed and replaced, not reused
+        while still running the program (issue 18, item 4).
+        """
+        pool = self.make_pool(pool_config(num_workers=1, max_requests_per_worker=0))
+        worker = self.spawned[0]
+        running: Deferred[JobResult] = Deferred()
+        worker.run = lambda job: running  # type: ignore[method-assign]
+        d = self.use_seat(pool)
+        d.cancel()
+        self.failureResultOf(d, CancelledError)
+        self.assertEqual(self.uses[0].retire_reason(), "abandoned")
+        self.assertTrue(worker.killed)
+        self.assertEqual(len(self.spawned), 2)
+        self.assertEqual(pool.seats[0].status, "idle")
+
+    def test_cancelled_wait_leaves_the_line(self) -> None:
+        """A queued request that is cancelled leaves the line at once."""
+        pool = self.make_pool(pool_config(num_workers=1))
+        held = self.successResultOf(pool.acquire(10))
+        d = self.use_seat(pool)
+        self.assertEqual(pool.queue_length, 1)
+        d.cancel()
+        self.failureResultOf(d, CancelledError)
+        self.assertEqual(pool.queue_length, 0)
+        self.assertEqual(self.uses, [])
+        pool.release(held)
 
     def test_runs_in_the_workspace_and_reuses(self) -> None:
         """

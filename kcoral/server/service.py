@@ -192,8 +192,6 @@ class KCoralService(service.MultiService):
         if config.device == "gpu":
             self.pool.gpu_devices = await self._discover_gpus()
             minors = [device.minor for device in self.pool.gpu_devices.values()]
-        sandbox = await choose_sandbox(self._reactor, config, self.log, gpu_minors=minors)
-        self.api.sandbox_name = sandbox.name
         from kcoral.server import scratch
 
         leftovers = await self.run_blocking(scratch.remove_leftovers)
@@ -205,6 +203,10 @@ class KCoralService(service.MultiService):
                 names=leftovers,
             )
         self._root_dir = await self.run_blocking(scratch.make_root)
+        sandbox = await choose_sandbox(
+            self._reactor, config, self.log, gpu_minors=minors, scratch=self._root_dir
+        )
+        self.api.sandbox_name = sandbox.name
         self.pool.sandbox = sandbox
         self.pool.root_dir = self._root_dir
         compile_cache = await self.run_blocking(_compile_cache_dir, config)

@@ -457,6 +457,11 @@ class WorkerProcess:
         running.start()
         return running.done
 
+    @property
+    def busy(self) -> bool:
+        """Whether a job is running on this worker."""
+        return self._job is not None
+
     def _job_done(self, result: JobResult) -> JobResult:
         self._job = None
         # After its outcome a worker has nothing to say until the next job.

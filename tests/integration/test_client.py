@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from kcoral import Client, KCoralError, Program, RemoteExecutionError, TransportError
-from kcoral.testing import ServerProcess, free_port
+from kcoral.testing.live_server import ServerProcess, free_port
 
 pytestmark = pytest.mark.integration
 

@@ -35,7 +35,7 @@ from typing import Any
 import psutil
 import pytest
 
-from kcoral.testing import Response, ServerProcess, sha256
+from kcoral.testing.live_server import Response, ServerProcess, sha256
 
 pytestmark = [
     pytest.mark.integration,

@@ -210,6 +210,15 @@ class ServerConfig:
         saved programs) older than this are deleted; C{0} keeps them by age.
     @ivar log_retention_mbytes: the oldest run directories are deleted while
         all of them together exceed this many MiB; C{0} sets no size bound.
+    @ivar auth_token_file: the file of bearer tokens and client names
+        (L{kcoral.server.auth}); C{None} serves everyone.
+    @ivar public_metrics: serve C{/metrics} and C{/status} without a token.
+    @ivar header_timeout_seconds: time a client has to send a request head,
+        not extended by trickled bytes; C{0} sets none.
+    @ivar body_timeout_seconds: time a client has to send a request body
+        once its head arrived; C{0} sets none.
+    @ivar max_connections: open HTTP connections served at once; more are
+        answered 503 and closed; C{0} sets no cap.
     """
 
     gpus: tuple[int, ...] = field(default=(0,), converter=_to_gpus, validator=_gpu_ids)
@@ -251,6 +260,15 @@ class ServerConfig:
         default=30.0, converter=_to_float, validator=_FLOAT_NON_NEGATIVE
     )
     log_retention_mbytes: int = field(default=10 * _KIB, validator=_INT)
+    auth_token_file: Path | None = field(default=None, converter=_to_optional_path)
+    public_metrics: bool = field(default=False, validator=_boolean)
+    header_timeout_seconds: float = field(
+        default=30.0, converter=_to_float, validator=_FLOAT_NON_NEGATIVE
+    )
+    body_timeout_seconds: float = field(
+        default=300.0, converter=_to_float, validator=_FLOAT_NON_NEGATIVE
+    )
+    max_connections: int = field(default=4096, validator=_INT)
 
     def __attrs_post_init__(self) -> None:
         """Check the rules that involve more than one field."""

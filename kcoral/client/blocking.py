@@ -101,6 +101,8 @@ class Client:
 
     @param base_url: the server address, such as C{http://127.0.0.1:8000}.
     @param headers: extra HTTP headers for every request.
+    @param token: a bearer token, sent as C{Authorization: Bearer TOKEN}
+        with every request (servers started with C{--auth-token-file}).
     @param connect_timeout_seconds: the connection timeout; a response may
         take as long as the program runs.
     @param progress: an L{IProgress} (called in the reactor thread).
@@ -111,11 +113,14 @@ class Client:
         base_url: str,
         *,
         headers: dict[str, str] | None = None,
+        token: str | None = None,
         connect_timeout_seconds: float = 10.0,
         progress: IProgress | None = None,
     ) -> None:
         self._base_url = base_url
         self._headers = dict(headers or {})
+        if token is not None:
+            self._headers["Authorization"] = f"Bearer {token}"
         self._connect_timeout = connect_timeout_seconds
         self._progress = progress
         self._client: AsyncClient | None = None

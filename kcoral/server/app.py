@@ -358,6 +358,7 @@ class KcoralAPI:
             kcoral_event="request_received",
             request_id=request_id,
             client=getattr(client, "host", None),
+            client_name=getattr(request, "client_name", None),
             content_length=_header(request, b"content-length"),
         )
         rendered = await self._admit_and_run(request, request_id)
@@ -512,9 +513,13 @@ def _too_large() -> RequestError:
 
 def _client_identity(request: IRequest) -> str | None:
     """
-    Who sent C{request}, for the reuse scope: the TCP peer's address
-    (C{None} when the transport has none).
+    Who sent C{request}, for the reuse scope: the client name of its bearer
+    token when the server has tokens (L{kcoral.server.auth}), else the TCP
+    peer's address (C{None} when the transport has none).
     """
+    name = getattr(request, "client_name", None)
+    if isinstance(name, str):
+        return "client:" + name
     host = getattr(request.getClientAddress(), "host", None)
     return host if isinstance(host, str) else None
 

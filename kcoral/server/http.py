@@ -18,8 +18,10 @@ parsed by L{kcoral.wire.multipart} in a thread).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+from twisted.internet.endpoints import serverFromString
 from twisted.internet.interfaces import IDelayedCall
 from twisted.internet.protocol import Protocol, connectionDone
 from twisted.logger import Logger
@@ -377,3 +379,69 @@ class KcoralSite(Site):
             refusal.factory = self
             return refusal
         return super().buildProtocol(addr)
+
+
+def make_site(resource: Any, config: Any, tokens: Any = None, **kwargs: Any) -> KcoralSite:
+    """
+    The site serving C{resource} under C{config}'s HTTP limits, behind a
+    L{kcoral.server.auth.TokenGuard} when C{tokens} is given.
+    """
+    if tokens is not None:
+        from kcoral.server.auth import TokenGuard
+
+        resource = TokenGuard(resource, tokens, public_metrics=config.public_metrics)
+    return KcoralSite(
+        resource,
+        max_request_bytes=config.max_request_bytes,
+        header_timeout=config.header_timeout_seconds,
+        body_timeout=config.body_timeout_seconds,
+        max_connections=config.max_connections,
+        **kwargs,
+    )
+
+
+async def listen_all(reactor: Any, descriptions: Sequence[str], site: Site) -> list[Any]:
+    """
+    Listen on every endpoint description; if one fails, stop those already
+    listening and raise.
+    """
+    ports: list[Any] = []
+    try:
+        for description in descriptions:
+            ports.append(await serverFromString(reactor, description).listen(site))
+    except BaseException:
+        for port in ports:
+            await port.stopListening()
+        raise
+    return ports
+
+
+def port_hosts(ports: Sequence[Any]) -> list[str]:
+    """The IP addresses C{ports} are bound to (UNIX sockets have none)."""
+    hosts = []
+    for port in ports:
+        host = getattr(port.getHost(), "host", None)
+        if isinstance(host, str):
+            hosts.append(host)
+    return hosts
+
+
+def raise_fd_limit() -> tuple[int, int] | None:
+    """
+    Raise the soft limit on open files to the hard limit (systemd's soft
+    default of 1,024 is a few hundred idle connections); returns the
+    (old, new) soft limits, or C{None} where the platform has no such limit.
+    """
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not POSIX
+        return None
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft == resource.RLIM_INFINITY or soft >= target:
+        return (soft, soft)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError):
+        return (soft, soft)
+    return (soft, target)

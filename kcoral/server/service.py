@@ -26,14 +26,13 @@ import shutil
 import sys
 import traceback
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from klein import Klein
 from twisted.application import service
 from twisted.internet.defer import Deferred, maybeDeferred
-from twisted.internet.endpoints import serverFromString
 from twisted.internet.interfaces import IListeningPort
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import ILogObserver, Logger, globalLogPublisher
@@ -43,9 +42,10 @@ from twisted.web.server import Site
 
 from kcoral.config import ServerConfig
 from kcoral.server.app import KcoralAPI
+from kcoral.server.auth import beyond_loopback
 from kcoral.server.cache import BlobStore, DiskFileCache, MemoryBlobCache
 from kcoral.server.gpus import GpuDevice, discover_gpus, select_gpus
-from kcoral.server.http import KcoralSite
+from kcoral.server.http import listen_all, make_site, port_hosts, raise_fd_limit
 from kcoral.server.lease import LeaseArbiter
 from kcoral.server.pool import WorkerPool
 from kcoral.server.sandbox import NoSandbox
@@ -252,34 +252,85 @@ class WorkerPoolService(AsyncService):
 
 class ListeningPortService(AsyncService):
     """
-    The HTTP port: listens at start, stops listening at stop.
+    The HTTP ports: listen at start, stop listening at stop.
 
-    Like L{twisted.application.strports.service}, but its start returns
-    the listening Deferred, so a port that cannot be bound fails the
-    server's start, and the bound address is logged.
+    Like L{twisted.application.strports.service} for each C{--listen}
+    endpoint, but its start returns the listening Deferred, so a port that
+    cannot be bound fails the server's start, and the bound addresses are
+    logged.  Before listening it raises the open-file limit and, with
+    C{token_file}, puts the API behind L{kcoral.server.auth.TokenGuard}
+    (the file is read in a thread); listening beyond loopback without a
+    token is announced as a CRITICAL event.
     """
 
     log = Logger()
 
-    def __init__(self, reactor: Reactor, endpoint: str, site: Site) -> None:
+    def __init__(
+        self,
+        reactor: Reactor,
+        endpoint: str | Sequence[str],
+        site: Site,
+        *,
+        token_file: Path | None = None,
+        public_metrics: bool = False,
+        run_blocking: RunBlocking | None = None,
+    ) -> None:
         self._reactor = reactor
-        self._endpoint = endpoint
+        self._endpoints = (endpoint,) if isinstance(endpoint, str) else tuple(endpoint)
         self._site = site
-        self.port: IListeningPort | None = None
+        self._token_file = token_file
+        self._public_metrics = public_metrics
+        self._run_blocking = run_blocking
+        self.ports: list[IListeningPort] = []
+
+    @property
+    def port(self) -> IListeningPort | None:
+        """The first listening port (C{None} when not listening)."""
+        return self.ports[0] if self.ports else None
 
     async def start(self) -> None:
-        self.port = await serverFromString(self._reactor, self._endpoint).listen(self._site)
-        address = self.port.getHost()
-        self.log.info(
-            "listening on {host}:{port}",
-            kcoral_event="server_listening",
-            host=getattr(address, "host", None),
-            port=getattr(address, "port", None),
-        )
+        limits = raise_fd_limit()
+        if limits is not None and limits[0] != limits[1]:
+            self.log.info(
+                "open file limit raised from {old} to {new}",
+                kcoral_event="fd_limit_raised",
+                old=limits[0],
+                new=limits[1],
+            )
+        tokens = None
+        if self._token_file is not None:
+            from kcoral.server.auth import TokenGuard, load_tokens
+
+            if self._run_blocking is None:
+                tokens = load_tokens(self._token_file)
+            else:
+                tokens = await self._run_blocking(load_tokens, self._token_file)
+            self._site.resource = TokenGuard(
+                self._site.resource, tokens, public_metrics=self._public_metrics
+            )
+        self.ports = await listen_all(self._reactor, self._endpoints, self._site)
+        for port in self.ports:
+            address = port.getHost()
+            self.log.info(
+                "listening on {host}:{port}",
+                kcoral_event="server_listening",
+                host=getattr(address, "host", None),
+                port=getattr(address, "port", None),
+                path=getattr(address, "name", None),
+                clients=None if tokens is None else [name for _, name in tokens.entries],
+            )
+        exposed = beyond_loopback(port_hosts(self.ports))
+        if exposed and tokens is None:
+            self.log.critical(
+                "LISTENING BEYOND LOOPBACK ({addresses}) WITHOUT --auth-token-file: "
+                "anyone who can reach this port can run code on this machine",
+                kcoral_event="unauthenticated_exposure",
+                addresses=exposed,
+            )
 
     async def stop(self) -> None:
-        port, self.port = self.port, None
-        if port is not None:
+        ports, self.ports = self.ports, []
+        for port in ports:
             await maybeDeferred(port.stopListening)
 
 
@@ -296,7 +347,11 @@ class KCoralService(service.MultiService):
     log = Logger()
 
     def __init__(
-        self, config: ServerConfig, endpoint: str | None = None, *, reactor: Reactor | None = None
+        self,
+        config: ServerConfig,
+        endpoint: str | Sequence[str] | None = None,
+        *,
+        reactor: Reactor | None = None,
     ) -> None:
         super().__init__()
         self.setName("kcoral")
@@ -351,9 +406,17 @@ class KCoralService(service.MultiService):
                 "workers",
             ),
         ]
-        if endpoint is not None:
-            site = KcoralSite(self.api.resource(), max_request_bytes=config.max_request_bytes)
-            children.append(_named(ListeningPortService(self._reactor, endpoint, site), "http"))
+        if endpoint is not None and endpoint != ():
+            site = make_site(self.api.resource(), config, reactor=self._reactor)
+            http = ListeningPortService(
+                self._reactor,
+                endpoint,
+                site,
+                token_file=config.auth_token_file,
+                public_metrics=config.public_metrics,
+                run_blocking=self.run_blocking,
+            )
+            children.append(_named(http, "http"))
         for child in children:
             child.setServiceParent(self)
 
@@ -532,7 +595,7 @@ def _observability(server: KCoralService) -> tuple[Metrics | None, RecentRequest
 
 
 def makeService(
-    config: ServerConfig, endpoint: str, *, reactor: Reactor | None = None
+    config: ServerConfig, endpoint: str | Sequence[str], *, reactor: Reactor | None = None
 ) -> KCoralService:
     """
     Build the root service for C{config}, serving HTTP on C{endpoint}.

@@ -52,6 +52,11 @@ class DefaultsTests(SynchronousTestCase):
             "log_level": "info",
             "log_retention_days": 30.0,
             "log_retention_mbytes": 10240,
+            "auth_token_file": None,
+            "public_metrics": False,
+            "header_timeout_seconds": 30.0,
+            "body_timeout_seconds": 300.0,
+            "max_connections": 4096,
         }
         self.assertEqual(attrs.asdict(config, recurse=False), expected)
 

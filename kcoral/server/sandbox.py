@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import glob
 import os
+import shlex
 import shutil
 import signal
 import stat
@@ -54,6 +55,10 @@ COMPILE_CACHE = "/var/cache/kcoral/compile"
 #: variable that tells the worker (C{kcoral.worker.capture.CAPTURE_DIR_ENV}).
 CAPTURE_DIR = "/run/kcoral/output"
 CAPTURE_DIR_ENV = "KCORAL_CAPTURE_DIR"
+
+#: The fd bwrap reads the seccomp filter from, and the shell that opens it.
+SECCOMP_FD = 9
+SHELL = "/bin/sh"
 
 #: The reserved top-level directory of a workspace.
 RESERVED = ".kcoral"
@@ -350,6 +355,9 @@ class BubblewrapSandbox:
     hidden_paths: tuple[str, ...] = attrs.field(
         default=(), kw_only=True, converter=_to_path_strings
     )
+    #: The compiled seccomp filter (L{kcoral.server.seccomp}) bwrap loads
+    #: before it starts the worker, or C{None} for none.
+    seccomp_path: str | None = attrs.field(default=None, kw_only=True)
     #: Bytes of the worker's private tmpfs at L{CAPTURE_DIR} that holds its
     #: captured stdout and stderr (C{None}: capture into the workspace).
     capture_bytes: int | None = attrs.field(default=None, kw_only=True)
@@ -540,6 +548,13 @@ class BubblewrapSandbox:
             argv += ["--setenv", CAPTURE_DIR_ENV, CAPTURE_DIR]
             env[CAPTURE_DIR_ENV] = CAPTURE_DIR
         argv += ["--chdir", WORKSPACE, "--remount-ro", "/", "--", *tail]
+        if self.seccomp_path is not None:
+            # bwrap reads the filter from an fd: a shell opens the file on
+            # SECCOMP_FD and execs bwrap (same pid), so the fd exists only
+            # for bwrap, which closes it before the worker starts.
+            script = f'exec "$0" "$@" {SECCOMP_FD}<{shlex.quote(self.seccomp_path)}'
+            argv = [SHELL, "-c", script, argv[0], "--seccomp", str(SECCOMP_FD), *argv[1:]]
+            executable = SHELL
         return executable, argv, env
 
     def _masked(self, mounts: Sequence[_Mount]) -> list[str]:
@@ -787,6 +802,7 @@ def choose_sandbox(
     *,
     bwrap: str = "bwrap",
     gpu_minors: Sequence[int] | None = None,
+    scratch: Path | None = None,
 ) -> Deferred[Any]:
     """
     Pick the server run's L{ISandbox}: L{NoSandbox} for C{sandbox="none"}
@@ -801,13 +817,22 @@ def choose_sandbox(
     @param gpu_minors: the device node minors of the configured GPUs (from
         L{kcoral.server.gpus}); when not given, each GPU id is taken to be
         its minor (spec 6.2's fallback).
+    @param scratch: the server's scratch root: the seccomp filter is
+        compiled into it (none without it, or without libseccomp).
     @return: a Deferred firing with the L{ISandbox} provider.
     """
-    return Deferred.fromCoroutine(_choose_sandbox(reactor, config, log or _log, bwrap, gpu_minors))
+    return Deferred.fromCoroutine(
+        _choose_sandbox(reactor, config, log or _log, bwrap, gpu_minors, scratch)
+    )
 
 
 async def _choose_sandbox(
-    reactor: Any, config: Any, log: Logger, bwrap: str, gpu_minors: Sequence[int] | None
+    reactor: Any,
+    config: Any,
+    log: Logger,
+    bwrap: str,
+    gpu_minors: Sequence[int] | None,
+    scratch: Path | None = None,
 ) -> Any:
     if config.sandbox == "none":
         return NoSandbox()
@@ -817,6 +842,19 @@ async def _choose_sandbox(
         capture_bytes=getattr(config, "output_space_bytes", None),
         hidden_paths=_server_paths(config),
     )
+    if scratch is not None:
+        from kcoral.server.seccomp import SeccompUnavailable, write_filter
+
+        try:
+            sandbox.seccomp_path = await deferToThreadPool(
+                reactor, reactor.getThreadPool(), write_filter, scratch
+            )
+        except (SeccompUnavailable, OSError) as e:
+            log.warn(
+                "no seccomp filter for the sandbox: {error}",
+                kcoral_event="seccomp_unavailable",
+                error=str(e),
+            )
     if config.device == "gpu":
         minors = list(gpu_minors) if gpu_minors is not None else list(config.gpus)
         device_sets = [[str(minor)] for minor in dict.fromkeys(minors)]

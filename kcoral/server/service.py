@@ -190,8 +190,6 @@ class WorkerPoolService(AsyncService):
         if config.device == "gpu":
             pool.gpu_devices = await self._discover_gpus()
             minors = [device.minor for device in pool.gpu_devices.values()]
-        sandbox = await choose_sandbox(self._reactor, config, self.log, gpu_minors=minors)
-        self._api.sandbox_name = sandbox.name
         from kcoral.server import scratch
 
         leftovers = await self._run_blocking(scratch.remove_leftovers)
@@ -203,6 +201,10 @@ class WorkerPoolService(AsyncService):
                 names=leftovers,
             )
         self._root_dir = await self._run_blocking(scratch.make_root)
+        sandbox = await choose_sandbox(
+            self._reactor, config, self.log, gpu_minors=minors, scratch=self._root_dir
+        )
+        self._api.sandbox_name = sandbox.name
         pool.sandbox = sandbox
         pool.root_dir = self._root_dir
         compile_cache = await self._run_blocking(_compile_cache_dir, config)

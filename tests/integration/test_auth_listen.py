@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from kcoral import Client, KCoralError, Program
-from kcoral.testing import ServerProcess, free_port
+from kcoral.testing.live_server import ServerProcess, free_port
 
 ALICE = "alice-token-0123456789abcdef"
 BOB = "bob-token-fedcba9876543210xyz"

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from kcoral.server.sandbox import package_root
-from kcoral.testing import ServerProcess
+from kcoral.testing.live_server import ServerProcess
 from tests.reliability.conftest import assert_serves, body_of, requires_bwrap, run_program
 
 pytestmark = [pytest.mark.integration, requires_bwrap]

@@ -219,6 +219,9 @@ class ServerConfig:
         once its head arrived; C{0} sets none.
     @ivar max_connections: open HTTP connections served at once; more are
         answered 503 and closed; C{0} sets no cap.
+    @ivar finish_abandoned: run a program to its end when its client
+        disconnects; by default a queued request leaves the line at once and
+        a running program's worker is replaced.
     """
 
     gpus: tuple[int, ...] = field(default=(0,), converter=_to_gpus, validator=_gpu_ids)
@@ -269,6 +272,7 @@ class ServerConfig:
         default=300.0, converter=_to_float, validator=_FLOAT_NON_NEGATIVE
     )
     max_connections: int = field(default=4096, validator=_INT)
+    finish_abandoned: bool = field(default=False, validator=_boolean)
 
     def __attrs_post_init__(self) -> None:
         """Check the rules that involve more than one field."""

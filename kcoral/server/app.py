@@ -260,7 +260,18 @@ class KcoralAPI:
         self.in_flight += 1
         try:
             d = Deferred.fromCoroutine(self._handle(request, request_id))
-            rendered = await _shield(d, lambda f: self._orphaned(request_id, f))
+            if self.config.finish_abandoned:
+                # The operator wants abandoned programs run to the end.
+                rendered = await _shield(d, lambda f: self._orphaned(request_id, f))
+            else:
+                # Klein cancels this handler when the client disconnects: the
+                # cancellation reaches the queue (the request leaves the
+                # line) or the running program (its worker is replaced).
+                try:
+                    rendered = await d
+                except CancelledError:
+                    self._finished(request_id, 499, "abandoned")
+                    raise
         finally:
             self.in_flight -= 1
             if self.in_flight == 0:

@@ -97,6 +97,13 @@ class Seat:
     #: The client (address) whose requests the current worker has served;
     #: C{None} while it has served none (docs/security.md, "reuse scope").
     owner: str | None = None
+    #: Replacements that failed in a row (reset by one that starts).
+    respawn_failures: int = 0
+    #: Why the last replacement failed, while C{respawn_failures} > 0.
+    respawn_error: str | None = None
+    #: When the next replacement is tried (reactor seconds), while backing off.
+    respawn_at: float | None = None
+    _respawn_call: Any = None
 
     @property
     def gpus(self) -> tuple[int, ...]:
@@ -125,6 +132,8 @@ class SeatUse:
     #: What the job's budget was once the worker had started.
     timeout_seconds: float | None = None
     result: JobResult | None = None
+    #: The request was cancelled (its client left) while its program ran.
+    abandoned: bool = False
 
     @property
     def worker_id(self) -> str:
@@ -167,7 +176,13 @@ class SeatUse:
             timeout_seconds=timeout,
         )
         self.timeout_seconds = timeout
-        result: JobResult = await self.worker.run(job)
+        try:
+            result: JobResult = await self.worker.run(job)
+        except CancelledError:
+            # The client left: the program is still running in the worker,
+            # which must go (retire reason C{abandoned}).
+            self.abandoned = True
+            raise
         self.result = result
         return result
 
@@ -178,6 +193,8 @@ class SeatUse:
         context), or the per-worker request limit.
         """
         result = self.result
+        if self.abandoned:
+            return "abandoned"
         if result is None:
             worker = self.seat.worker
             alive = worker is not None and worker.alive and not worker.busy
@@ -230,6 +247,10 @@ class WorkerPool:
     _replacing: set[Seat] = attrs.field(factory=set)
     _pending: set[Deferred[Any]] = attrs.field(factory=set)
     closing: bool = False
+    #: The first wait after a failed replacement; it doubles with each
+    #: failure in a row, up to L{respawn_backoff_max}.
+    respawn_backoff_initial: float = 0.5
+    respawn_backoff_max: float = 60.0
     active: int = 0
     #: Extra environment variables for every worker (e.g. the compile cache).
     worker_env: dict[str, str] = attrs.field(factory=dict)
@@ -411,6 +432,10 @@ class WorkerPool:
     def stop_waiters(self) -> None:
         """Refuse new work and answer every queued request with L{PoolBusy}."""
         self.closing = True
+        for seat in self.seats:
+            call, seat._respawn_call, seat.respawn_at = seat._respawn_call, None, None
+            if call is not None and call.active():
+                call.cancel()
         while self._waiters:
             waiter = self._waiters.popleft()
             if waiter.timer is not None and waiter.timer.active():
@@ -682,18 +707,39 @@ class WorkerPool:
             self._pending.discard(d)
             self._replacing.discard(seat)
             if isinstance(result, Failure) and not self.closing:
+                seat.respawn_failures += 1
+                seat.respawn_error = result.getErrorMessage()
+                delay = min(
+                    self.respawn_backoff_initial * 2 ** (seat.respawn_failures - 1),
+                    self.respawn_backoff_max,
+                )
                 self.log.error(
                     "could not replace worker {worker_id}: {error}",
                     kcoral_event="worker_replace_failed",
                     worker_id=seat.worker_id,
                     gpu_id=seat.gpu_id,
                     reason=reason,
-                    error=result.getErrorMessage(),
+                    error=seat.respawn_error,
+                    failures=seat.respawn_failures,
+                    retry_in_seconds=delay,
                 )
                 seat.status = "dead"
+                # Back off: a replacement that cannot start (a broken
+                # sandbox, no memory) must not be retried in a tight loop.
+                seat.respawn_at = self._reactor.seconds() + delay
+                seat._respawn_call = self._reactor.callLater(delay, self._retry_respawn, seat)
+                return
+            if not isinstance(result, Failure):
+                seat.respawn_failures = 0
+                seat.respawn_error = None
             self._offer(seat)
 
         d.addBoth(done)
+
+    def _retry_respawn(self, seat: Seat) -> None:
+        seat._respawn_call = None
+        seat.respawn_at = None
+        self._offer(seat)
 
     async def _replace_worker(self, seat: Seat, old: WorkerHandle | None, reason: str) -> None:
         old_dir = seat.seat_dir
@@ -769,6 +815,11 @@ class WorkerPool:
                     "uptime_seconds": 0.0
                     if worker is None or not worker.alive
                     else round(now - worker.started_at, 3),
+                    "respawn_failures": seat.respawn_failures,
+                    "respawn_error": seat.respawn_error,
+                    "respawn_in_seconds": None
+                    if seat.respawn_at is None
+                    else round(max(0.0, seat.respawn_at - now), 3),
                 }
             )
         return rows

@@ -126,6 +126,7 @@ _FIELD_FLAGS: Mapping[str, str] = {
     "header_timeout_seconds": "header-timeout-seconds",
     "body_timeout_seconds": "body-timeout-seconds",
     "max_connections": "max-connections",
+    "finish_abandoned": "finish-abandoned",
 }
 
 _FIELD_RE = re.compile(r"\b(" + "|".join(_FIELD_FLAGS) + r")\b(?![=_])")
@@ -171,6 +172,12 @@ class Options(usage.Options):
             None,
             "Serve /metrics and /status without a token when --auth-token-file is given "
             "(/health is always open). [default: behind the token]",
+        ],
+        [
+            "finish-abandoned",
+            None,
+            "Run a program to its end when its client disconnects. [default: a queued "
+            "request is dropped at once, a running one's worker is replaced]",
         ],
     ]
 
@@ -508,6 +515,7 @@ class Options(usage.Options):
                 header_timeout_seconds=self["header-timeout-seconds"],
                 body_timeout_seconds=self["body-timeout-seconds"],
                 max_connections=self["max-connections"],
+                finish_abandoned=bool(self["finish-abandoned"]),
             )
         except ValueError as e:
             raise usage.UsageError(_flag_message(str(e))) from None

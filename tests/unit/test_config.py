@@ -57,6 +57,7 @@ class DefaultsTests(SynchronousTestCase):
             "header_timeout_seconds": 30.0,
             "body_timeout_seconds": 300.0,
             "max_connections": 4096,
+            "finish_abandoned": False,
         }
         self.assertEqual(attrs.asdict(config, recurse=False), expected)
 

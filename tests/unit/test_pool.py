@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from twisted.internet.defer import Deferred, maybeDeferred
+from twisted.internet.defer import CancelledError, Deferred, maybeDeferred
 from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -229,10 +229,56 @@ class ReplacementTests(PoolTestCase):
         failing = self.spawned[-1]
         failing.alive = False
         failing.ready.errback(RuntimeError("no"))
-        # The dead seat is revived before anyone gets it.
+        # The dead seat is revived before anyone gets it, after a backoff.
+        self.assertEqual(seat.generation, 2)
+        self.assertEqual(seat.status, "dead")
+        self.reactor.advance(pool.respawn_backoff_initial)
         self.assertEqual(seat.generation, 3)
         self.spawned[-1].come_up()
         self.assertIs(self.successResultOf(pool.acquire(0)), seat)
+        self.assertEqual(seat.respawn_failures, 0)
+
+    def test_respawn_failures_back_off_exponentially(self) -> None:
+        """
+        Replacements that keep failing are retried after 0.5, 1, 2, 4 ...
+        seconds (at most a minute), not in a tight loop; /health shows the
+        count, the error and when the next try is (issue 18, item 3).
+        """
+        pool = self.make_pool(pool_config(num_workers=1))
+        seat = self.successResultOf(pool.acquire(10))
+        self.spawner.auto_ready = False
+        pool.release(seat, retire="crashed")
+        waits = []
+        for _ in range(9):
+            failing = self.spawned[-1]
+            failing.alive = False
+            failing.ready.errback(RuntimeError("sandbox broken"))
+            (row,) = pool.worker_status(self.reactor.seconds())
+            self.assertEqual(row["respawn_error"], "sandbox broken")
+            waits.append(row["respawn_in_seconds"])
+            spawned = len(self.spawned)
+            self.reactor.advance(row["respawn_in_seconds"] - 0.001)
+            self.assertEqual(len(self.spawned), spawned)
+            self.reactor.advance(0.001)
+            self.assertEqual(len(self.spawned), spawned + 1)
+        self.assertEqual(waits, [0.5, 1, 2, 4, 8, 16, 32, 60, 60])
+        self.assertEqual(seat.respawn_failures, 9)
+        self.spawned[-1].come_up()
+        (row,) = pool.worker_status(self.reactor.seconds())
+        self.assertEqual((row["respawn_failures"], row["respawn_in_seconds"]), (0, None))
+        self.assertIs(self.successResultOf(pool.acquire(0)), seat)
+
+    def test_stop_cancels_backoff(self) -> None:
+        """Stopping the pool cancels a pending respawn."""
+        pool = self.make_pool(pool_config(num_workers=1))
+        seat = self.successResultOf(pool.acquire(10))
+        self.spawner.auto_ready = False
+        pool.release(seat, retire="crashed")
+        failing = self.spawned[-1]
+        failing.alive = False
+        failing.ready.errback(RuntimeError("no"))
+        pool.stop_waiters()
+        self.assertEqual(self.reactor.getDelayedCalls(), [])
 
 
 class ReuseScopeTests(PoolTestCase):
@@ -408,6 +454,36 @@ class SeatTests(PoolTestCase):
                 return await use.run(job or _job())
 
         return Deferred.fromCoroutine(go())
+
+    def test_cancelled_run_replaces_worker(self) -> None:
+        """
+        A request cancelled while its program runs (its client left) retires
+        the worker as C{abandoned}: it is killed and replaced, not reused
+        while still running the program (issue 18, item 4).
+        """
+        pool = self.make_pool(pool_config(num_workers=1, max_requests_per_worker=0))
+        worker = self.spawned[0]
+        running: Deferred[JobResult] = Deferred()
+        worker.run = lambda job: running  # type: ignore[method-assign]
+        d = self.use_seat(pool)
+        d.cancel()
+        self.failureResultOf(d, CancelledError)
+        self.assertEqual(self.uses[0].retire_reason(), "abandoned")
+        self.assertTrue(worker.killed)
+        self.assertEqual(len(self.spawned), 2)
+        self.assertEqual(pool.seats[0].status, "idle")
+
+    def test_cancelled_wait_leaves_the_line(self) -> None:
+        """A queued request that is cancelled leaves the line at once."""
+        pool = self.make_pool(pool_config(num_workers=1))
+        held = self.successResultOf(pool.acquire(10))
+        d = self.use_seat(pool)
+        self.assertEqual(pool.queue_length, 1)
+        d.cancel()
+        self.failureResultOf(d, CancelledError)
+        self.assertEqual(pool.queue_length, 0)
+        self.assertEqual(self.uses, [])
+        pool.release(held)
 
     def test_runs_in_the_workspace_and_reuses(self) -> None:
         """

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import importlib
 import re
+import shutil
 import sys
+import tempfile
 import types
 from pathlib import Path
 from typing import Any
@@ -584,15 +586,17 @@ class BoundaryFlagTests(SynchronousTestCase):
 
     def test_token_file_checked(self) -> None:
         """A token file is read while parsing, so a bad one is a usage error."""
-        good = Path(self.mktemp())
+        directory = Path(tempfile.mkdtemp())
+        self.addCleanup(shutil.rmtree, directory)
+        good = directory / "good"
         good.write_text("alice 0123456789abcdef0123\n")
         config = parse(["--auth-token-file", str(good)]).config
         self.assertEqual(config.auth_token_file, good)
-        bad = Path(self.mktemp())
+        bad = directory / "bad"
         bad.write_text("alice short\n")
         error = self.assertRaises(usage.UsageError, parse, ["--auth-token-file", str(bad)])
         self.assertIn("shorter than 16", str(error))
-        missing = str(Path(self.mktemp()))
+        missing = str(directory / "missing")
         self.assertRaises(usage.UsageError, parse, ["--auth-token-file", missing])
 
 

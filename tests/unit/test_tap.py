@@ -586,10 +586,8 @@ class BoundaryFlagTests(SynchronousTestCase):
 
     def test_token_file_checked(self) -> None:
         """A token file is read while parsing, so a bad one is a usage error."""
-        # SynchronousTestCase.mktemp() names a path below the working
-        # directory (the checkout under pytest); keep the files out of it.
-        directory = Path(tempfile.mkdtemp(prefix="kcoral-tap-test-"))
-        self.addCleanup(shutil.rmtree, directory, True)
+        directory = Path(tempfile.mkdtemp())
+        self.addCleanup(shutil.rmtree, directory)
         good = directory / "good"
         good.write_text("alice 0123456789abcdef0123\n")
         config = parse(["--auth-token-file", str(good)]).config

@@ -676,6 +676,11 @@ class _RunningJob:
         elif isinstance(message, Returned):
             self._returned(message)
         elif isinstance(message, Outcome):
+            if self._lease_state == "held" and self.worker.gpus and message.retire is None:
+                # A worker that stays gives its GPU back before it answers;
+                # only a retiring one exits holding it.
+                self._violation("answered holding its GPU lease without retiring")
+                return
             if message.streamed_parts != len(self.returned_parts):
                 self._violation(
                     f"outcome counts {message.streamed_parts} parts sent ahead, "

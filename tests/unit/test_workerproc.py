@@ -575,6 +575,30 @@ class GpuChannelDistrustTests(WorkerTestCase):
         self.end(worker, -9)
         self.assertIsNone(self.leases.holder_of(0))
 
+    def test_outcome_holding_the_lease(self) -> None:
+        """
+        A forged outcome while the worker holds its GPU: it would keep the
+        GPU between requests, so the worker is poisoned and the lease freed.
+        """
+        worker = self.ready_worker()
+        d = worker.run(self.job())
+        self.deliver(worker, LeaseAcquire())
+        self.deliver(worker, Outcome(status="COMPLETED"))
+        result: JobResult = self.successResultOf(d)
+        self.assertEqual(result.ending, "invalid")
+        self.assertIn("holding its GPU lease", result.detail)
+        self.end(worker, -9)
+        self.assertIsNone(self.leases.holder_of(0))
+
+    def test_retiring_outcome_may_hold_the_lease(self) -> None:
+        """A retiring worker exits under its lease (it destroys its context)."""
+        worker = self.ready_worker()
+        d = worker.run(self.job())
+        self.deliver(worker, LeaseAcquire())
+        self.deliver(worker, Outcome(status="COMPLETED", retire="request_limit"))
+        self.assertEqual(self.successResultOf(d).ending, "outcome")
+        self.assertEqual(self.transport.signals, [])
+
     def test_startup_release_may_arrive_during_first_job(self) -> None:
         worker = self.spawn()
         self.deliver(worker, LeaseAcquire())

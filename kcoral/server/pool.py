@@ -255,6 +255,7 @@ class WorkerPool:
     #: Extra environment variables for every worker (e.g. the compile cache).
     worker_env: dict[str, str] = attrs.field(factory=dict)
     _transients: int = 0
+    _transient_workers: set[WorkerHandle] = attrs.field(factory=set)
     target: dict[str, str] = attrs.field(factory=dict)
     versions: dict[str, str] = attrs.field(factory=dict)
     spawn_worker: Callable[..., WorkerHandle] = WorkerProcess.spawn
@@ -401,6 +402,13 @@ class WorkerPool:
         directory = self.root_dir / f"{_safe_name(seat.worker_id)}-multi{self._transients}"
         work_dir = await self._run_blocking(self.sandbox.prepare_seat, directory)
         worker = self._spawn(seat.worker_id, 0, gpus, work_dir, 1)
+        self._transient_workers.add(worker)
+
+        def forget(result: int | None) -> int | None:
+            self._transient_workers.discard(worker)
+            return result
+
+        worker.ended.addBoth(forget)
         try:
             await worker.ready
         except BaseException:
@@ -441,6 +449,22 @@ class WorkerPool:
             if waiter.timer is not None and waiter.timer.active():
                 waiter.timer.cancel()
             waiter.deferred.errback(PoolBusy("server shutting down"))
+
+    def kill_now(self) -> int:
+        """
+        Refuse new work and SIGKILL every worker at once (a second stop
+        signal): their requests end as crashed, nothing waits for a grace.
+        Returns how many workers were killed.
+        """
+        self.stop_waiters()
+        workers = [seat.worker for seat in self.seats if seat.worker is not None]
+        workers += list(self._transient_workers)
+        killed = 0
+        for worker in workers:
+            if worker.alive:
+                worker.kill_now()
+                killed += 1
+        return killed
 
     async def stop(self) -> None:
         """Refuse new work, fail waiters, and stop every worker."""

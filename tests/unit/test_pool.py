@@ -367,6 +367,18 @@ class ReuseScopeTests(PoolTestCase):
 
 
 class StopTests(PoolTestCase):
+    def test_kill_now(self) -> None:
+        """A second stop signal SIGKILLs every worker and fails the line at once."""
+        pool = self.make_pool(pool_config(num_workers=2))
+        held = self.successResultOf(pool.acquire(10))
+        self.successResultOf(pool.acquire(10))
+        waiter = pool.acquire(10)
+        self.assertEqual(pool.kill_now(), 2)
+        self.failureResultOf(waiter, PoolBusy)
+        self.assertTrue(all(worker.killed_now for worker in self.spawned))
+        self.assertFalse(held.worker.alive)  # type: ignore[union-attr]
+        self.assertEqual(pool.kill_now(), 0)
+
     def test_stop_fails_waiters(self) -> None:
         pool = self.make_pool()
         pool.acquire(10)

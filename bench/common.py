@@ -5,7 +5,7 @@ Standard library and numpy only: keep-alive C{http.client} connections, a
 minimal multipart encoder/decoder for the KCoral wire format (protocol §3,
 §8.2), percentile helpers, a thread-pool load generator and the JSON result
 writer.  A benchmark either targets a running server (C{--url}) or starts one
-itself (C{--spawn "<server flags>"}) through L{kcoral.testing.ServerProcess}.
+itself (C{--spawn "<server flags>"}) through L{kcoral.testing.live_server.ServerProcess}.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def add_server_args(parser: argparse.ArgumentParser, name: str) -> None:
 def server_from_args(args: argparse.Namespace) -> Iterator[tuple[str, int, str]]:
     """Yield C{(host, port, description)}; start and stop a server for C{--spawn}."""
     if args.spawn is not None:
-        from kcoral.testing import ServerProcess
+        from kcoral.testing.live_server import ServerProcess
 
         flags = shlex.split(args.spawn)
         log = RESULTS / f"spawned-server-{uuid.uuid4().hex[:8]}.log"
@@ -207,7 +207,7 @@ class Connection:
 
 def multipart_body(program: dict[str, Any], blobs: list[bytes] = ()) -> tuple[str, bytes]:
     """The request body the reference client sends (program part, then blobs)."""
-    from kcoral.testing import multipart_body as encode
+    from kcoral.testing.live_server import multipart_body as encode
 
     return encode(program, list(blobs))
 

@@ -7,7 +7,7 @@ GPU server.
     python examples/remote_compile.py --cpu http://127.0.0.1:8000 --gpu http://127.0.0.1:8001
 
 Standard library and numpy only: it speaks the wire protocol with
-kcoral.testing's helpers (multipart in, JSON or multipart out).
+kcoral.testing.live_server's helpers (multipart in, JSON or multipart out).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import urllib.parse
 
 import numpy as np
 
-from kcoral.testing import multipart_body, request, sha256
+from kcoral.testing.live_server import multipart_body, request, sha256
 from kcoral.wire.multipart import decode_response
 from kcoral.wire.values import decode_results
 

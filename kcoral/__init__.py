@@ -3,6 +3,12 @@ kcoral: a Twisted server that compiles, runs and times GPU programs.
 
 Public names are imported lazily, so a worker that imports C{kcoral.errors}
 or C{kcoral.builtins} never loads Twisted, Klein or the client.
+
+Layers (DESIGN.md), imports running downward only, each package's
+docstring stating its rule and tests/unit/test_layers.py checking them:
+entry points (C{kcoral.server}, C{kcoral.worker}, C{kcoral.client},
+C{kcoral.testing}) build on C{kcoral.wire}, C{kcoral.compilers} and
+C{kcoral.config}.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ __all__ = [
 DEVICES = ("cpu", "gpu")
 
 #: Accepted values of L{ServerConfig.sandbox}.
-SANDBOXES = ("none", "bubblewrap")
+SANDBOXES = ("none", "bubblewrap", "auto")
 
 #: Accepted values of L{ServerConfig.reuse_scope}.
 REUSE_SCOPES = ("address", "any")
@@ -188,13 +188,18 @@ class ServerConfig:
         answer for the next): C{"address"}, only requests from the client
         address its first request came from; C{"any"}, every client's
         (docs/security.md).
-    @ivar sandbox: C{"bubblewrap"} or C{"none"}.
+    @ivar sandbox: C{"bubblewrap"} (the server does not start when
+        bubblewrap cannot run), C{"auto"} (bubblewrap when it runs, else no
+        sandbox with a loud warning) or C{"none"}.
     @ivar sandbox_readonly_paths: extra read-only mounts inside the sandbox.
     @ivar worker_termination_grace_seconds: SIGTERM to SIGKILL window.
     @ivar max_request_bytes: largest accepted request body.
     @ivar max_response_bytes: largest response body.
     @ivar output_limit_bytes: default per-stream stdout/stderr capture.
     @ivar max_output_limit_bytes: upper bound for a requested capture.
+    @ivar output_space_bytes: size of each bubblewrap worker's private
+        tmpfs for captured stdout and stderr; a program that writes more
+        gets C{ENOSPC} (docs/security.md).
     @ivar device: C{"gpu"} or C{"cpu"}.
     @ivar num_workers: number of workers in CPU mode.
     @ivar tensor_api: what Python functions in GPU workers receive as
@@ -205,6 +210,18 @@ class ServerConfig:
         saved programs) older than this are deleted; C{0} keeps them by age.
     @ivar log_retention_mbytes: the oldest run directories are deleted while
         all of them together exceed this many MiB; C{0} sets no size bound.
+    @ivar auth_token_file: the file of bearer tokens and client names
+        (L{kcoral.server.auth}); C{None} serves everyone.
+    @ivar public_metrics: serve C{/metrics} and C{/status} without a token.
+    @ivar header_timeout_seconds: time a client has to send a request head,
+        not extended by trickled bytes; C{0} sets none.
+    @ivar body_timeout_seconds: time a client has to send a request body
+        once its head arrived; C{0} sets none.
+    @ivar max_connections: open HTTP connections served at once; more are
+        answered 503 and closed; C{0} sets no cap.
+    @ivar finish_abandoned: run a program to its end when its client
+        disconnects; by default a queued request leaves the line at once and
+        a running program's worker is replaced.
     """
 
     gpus: tuple[int, ...] = field(default=(0,), converter=_to_gpus, validator=_gpu_ids)
@@ -237,6 +254,7 @@ class ServerConfig:
     max_response_bytes: int = field(default=256 * _MIB, validator=_INT)
     output_limit_bytes: int = field(default=_MIB, validator=_INT)
     max_output_limit_bytes: int = field(default=16 * _MIB, validator=_INT)
+    output_space_bytes: int = field(default=64 * _MIB, validator=_INT)
     device: str = field(default="gpu", validator=_choice(*DEVICES))
     num_workers: int = field(default=1, validator=[_strict_int, _at_least_one])
     tensor_api: str = field(default="auto", validator=_choice(*TENSOR_APIS))
@@ -245,6 +263,16 @@ class ServerConfig:
         default=30.0, converter=_to_float, validator=_FLOAT_NON_NEGATIVE
     )
     log_retention_mbytes: int = field(default=10 * _KIB, validator=_INT)
+    auth_token_file: Path | None = field(default=None, converter=_to_optional_path)
+    public_metrics: bool = field(default=False, validator=_boolean)
+    header_timeout_seconds: float = field(
+        default=30.0, converter=_to_float, validator=_FLOAT_NON_NEGATIVE
+    )
+    body_timeout_seconds: float = field(
+        default=300.0, converter=_to_float, validator=_FLOAT_NON_NEGATIVE
+    )
+    max_connections: int = field(default=4096, validator=_INT)
+    finish_abandoned: bool = field(default=False, validator=_boolean)
 
     def __attrs_post_init__(self) -> None:
         """Check the rules that involve more than one field."""
@@ -261,7 +289,13 @@ class ServerConfig:
                 "default_timeout_seconds must not exceed max_timeout_seconds, got "
                 f"{self.default_timeout_seconds!r} > {self.max_timeout_seconds!r}"
             )
-        if self.sandbox_readonly_paths and self.sandbox != "bubblewrap":
+        needed = 2 * (self.max_output_limit_bytes + 8 * _KIB)
+        if self.output_space_bytes < needed:
+            raise ValueError(
+                f"output_space_bytes must hold both streams up to max_output_limit_bytes, "
+                f"at least {needed}, got {self.output_space_bytes}"
+            )
+        if self.sandbox_readonly_paths and self.sandbox == "none":
             raise ValueError("sandbox_readonly_paths requires sandbox='bubblewrap'")
 
     @property

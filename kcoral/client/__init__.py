@@ -4,6 +4,10 @@ the treq-based L{AsyncClient}.
 
 Names are imported lazily: C{kcoral.client.errors} and the result types
 load neither Twisted nor crochet.
+
+Layer rule: an entry point beside the server; it builds on C{kcoral.wire}
+and never imports C{kcoral.server} or C{kcoral.worker}
+(tests/unit/test_layers.py checks every module's imports).
 """
 
 from __future__ import annotations

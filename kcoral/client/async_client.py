@@ -132,6 +132,8 @@ class AsyncClient:
     @param base_url: the server address, such as C{http://127.0.0.1:8000}
         (a path prefix is kept: requests go to C{<base_url>/execute}).
     @param headers: extra HTTP headers for every request.
+    @param token: a bearer token, sent as C{Authorization: Bearer TOKEN}
+        with every request (servers started with C{--auth-token-file}).
     @param http_client: a treq C{HTTPClient}; by default one with its own
         persistent connection pool on C{reactor}.
     @param reactor: the reactor (the global one by default).
@@ -150,6 +152,7 @@ class AsyncClient:
         base_url: str,
         *,
         headers: dict[str, str] | None = None,
+        token: str | None = None,
         http_client: Any = None,
         reactor: Any = None,
         connect_timeout_seconds: float = 10.0,
@@ -163,6 +166,8 @@ class AsyncClient:
         self._reactor: IReactorTime = reactor
         self._base_url = base_url.rstrip("/")
         self._headers = dict(headers or {})
+        if token is not None:
+            self._headers["Authorization"] = f"Bearer {token}"
         self._pool = None
         if http_client is None:
             from treq.client import HTTPClient

@@ -2,11 +2,14 @@
 """
 L{Client}: the blocking client of the 0.1.1 API, built on L{AsyncClient}.
 
-crochet runs the Twisted reactor in a background thread (started by the
-first client that needs it); each call hands its work to that thread and
-waits for the result, so a client can be used repeatedly, from several
-threads at once, and from a notebook.  An interrupted wait (Ctrl-C) cancels
-the request.
+crochet runs a reactor in a background thread (started by the first client
+that needs it); each call hands its work to that thread and waits for the
+result, so a client can be used repeatedly, from several threads at once,
+and from a notebook.  An interrupted wait (Ctrl-C) cancels the request.
+
+The reactor is a private instance, never the global one: a process that runs
+the global reactor itself (a Twisted application, a trial test suite) can use
+the blocking client too, and the client never starts or stops that reactor.
 """
 
 from __future__ import annotations
@@ -29,22 +32,63 @@ _R = TypeVar("_R")
 
 _setup_lock = threading.Lock()
 _in_reactor: Callable[..., Any] | None = None
+#: The private reactor L{_runner} started (None until the first call).
+_loop_reactor: Any = None
+
+
+def _private_reactor() -> Any:
+    """A new reactor of the platform's default kind, not installed globally."""
+    try:
+        from twisted.internet.epollreactor import EPollReactor
+    except ImportError:  # pragma: no cover - not Linux
+        from twisted.internet.selectreactor import SelectReactor
+
+        return SelectReactor()
+    return EPollReactor()
+
+
+def _stop_when_main_thread_ends(stop: Callable[[], None]) -> threading.Thread:
+    """
+    A daemon thread that calls C{stop} once the main thread has finished, so
+    the (non-daemon) reactor thread never keeps the interpreter alive.
+    """
+
+    def watch() -> None:
+        threading.main_thread().join()
+        stop()
+
+    return threading.Thread(target=watch, name="kcoral-client-watchdog", daemon=True)
 
 
 def _runner() -> Callable[..., Any]:
-    """crochet's C{run_in_reactor} wrapper, setting crochet up on first use."""
-    global _in_reactor
+    """crochet's C{run_in_reactor} wrapper, starting the private reactor on first use."""
+    global _in_reactor, _loop_reactor
     with _setup_lock:
         if _in_reactor is None:
-            import crochet
+            import atexit
 
-            crochet.setup()
+            from crochet import EventLoop  # type: ignore[attr-defined]  # public, not in __all__
 
-            @crochet.run_in_reactor
+            reactor = _private_reactor()
+
+            def stop() -> None:
+                if reactor.running:
+                    reactor.callFromThread(reactor.stop)
+
+            loop = EventLoop(
+                lambda: reactor,
+                atexit.register,
+                watchdog_thread=_stop_when_main_thread_ends(stop),
+                # This reactor spawns no processes, so it has none to reap.
+                reapAllProcesses=lambda: None,
+            )
+            loop.setup()
+            _loop_reactor = reactor
+
             def call(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
                 return function(*args, **kwargs)
 
-            _in_reactor = call
+            _in_reactor = loop.run_in_reactor(call)
         return _in_reactor
 
 
@@ -57,6 +101,8 @@ class Client:
 
     @param base_url: the server address, such as C{http://127.0.0.1:8000}.
     @param headers: extra HTTP headers for every request.
+    @param token: a bearer token, sent as C{Authorization: Bearer TOKEN}
+        with every request (servers started with C{--auth-token-file}).
     @param connect_timeout_seconds: the connection timeout; a response may
         take as long as the program runs.
     @param progress: an L{IProgress} (called in the reactor thread).
@@ -67,11 +113,14 @@ class Client:
         base_url: str,
         *,
         headers: dict[str, str] | None = None,
+        token: str | None = None,
         connect_timeout_seconds: float = 10.0,
         progress: IProgress | None = None,
     ) -> None:
         self._base_url = base_url
         self._headers = dict(headers or {})
+        if token is not None:
+            self._headers["Authorization"] = f"Bearer {token}"
         self._connect_timeout = connect_timeout_seconds
         self._progress = progress
         self._client: AsyncClient | None = None
@@ -91,6 +140,7 @@ class Client:
                 headers=self._headers,
                 connect_timeout_seconds=self._connect_timeout,
                 progress=self._progress,
+                reactor=_loop_reactor,
             )
             self._client.attempt_observers = self.attempt_observers
         return self._client

@@ -10,6 +10,11 @@ CUDA C compiler backends: discovery and the entry point the worker uses.
 
 Imports stay light: Twisted's plugin machinery is imported only when
 backends are first looked up.
+
+Layer rule: beside C{kcoral.wire} and C{kcoral.config} at the bottom; no
+reactor, Klein or treq, and nothing from C{kcoral.server}, C{kcoral.worker}
+or C{kcoral.client} (tests/unit/test_layers.py checks every module's
+imports).
 """
 
 from __future__ import annotations

@@ -13,23 +13,34 @@ from __future__ import annotations
 import datetime
 import uuid
 from collections import Counter
-from collections.abc import Callable
-from typing import Any, Union
+from collections.abc import Awaitable, Callable, Hashable, Mapping
+from typing import IO, TYPE_CHECKING, Any, Protocol, TypeVar
 
 import attrs
 from klein import Klein
-from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.defer import CancelledError, Deferred, fail
+from twisted.internet.interfaces import IReactorFromThreads, IReactorTime
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.python.threadpool import ThreadPool
 from twisted.web.iweb import IRequest
+from twisted.web.resource import IResource
+from werkzeug.exceptions import HTTPException
 
-from kcoral.server.lease import LeaseUnavailable
+from kcoral.config import ServerConfig
+from kcoral.server.cache import Resolution
+from kcoral.server.lease import LeaseArbiter
 from kcoral.server.logs import event_level_for_finish_reason
-from kcoral.server.pool import PoolBusy
+from kcoral.server.pool import BudgetSpent, PoolBusy, WorkerPool, WorkerStartFailed
 from kcoral.server.workerproc import Job, JobResult
-from kcoral.wire.channel import Outcome
-from kcoral.wire.errors import choose_request_id, error_body, instruction_error
-from kcoral.wire.errors import http_status as status_of_kind
+from kcoral.wire.errors import (
+    BUSY_MESSAGE,
+    REQUEST_KIND_HEADERS,
+    REQUEST_TOO_LARGE_MESSAGE,
+    TIMEOUT_MESSAGE,
+    choose_request_id,
+)
 from kcoral.wire.jsontext import json_dumps
 from kcoral.wire.multipart import (
     RequestBodyParser,
@@ -37,7 +48,6 @@ from kcoral.wire.multipart import (
     boundary_from_content_type,
     check_blob_references,
     check_tensor_lengths,
-    encode_response,
 )
 from kcoral.wire.program import (
     BUILTIN_NAMES,
@@ -47,9 +57,20 @@ from kcoral.wire.program import (
     clamp_options,
     parse_program,
 )
+from kcoral.wire.render import (
+    FIELD_LIMIT,
+    Rendered,
+    RequestError,
+    render_cache_miss,
+    render_result,
+)
 
-#: A response body: bytes, or the chunks of a multipart body.
-Body = Union[bytes, list[bytes]]
+if TYPE_CHECKING:
+    from kcoral.server.metrics import Metrics
+
+_T = TypeVar("_T")
+
+__all__ = ["BlobResolver", "KcoralAPI", "RequestError"]
 
 #: Bodies up to this size are parsed on the reactor thread; larger ones in
 #: the I/O thread pool.
@@ -57,17 +78,6 @@ INLINE_PARSE_BYTES = 64 * 1024
 
 #: Bytes read from the spooled body per parser feed.
 READ_CHUNK = 256 * 1024
-
-
-class RequestError(Exception):
-    """A request-level failure answered with an ERROR body."""
-
-    def __init__(self, kind: str, message: str, finish_reason: str, **fields: Any) -> None:
-        super().__init__(message)
-        self.kind = kind
-        self.message = message
-        self.finish_reason = finish_reason
-        self.fields = fields
 
 
 @attrs.frozen
@@ -83,7 +93,7 @@ def _iso_utc(timestamp: float) -> str:
     return moment.isoformat().replace("+00:00", "Z")
 
 
-def _parse_body(content: Any, content_type: str | None, max_bytes: int) -> Parsed:
+def _parse_body(content: IO[bytes], content_type: str | None, max_bytes: int) -> Parsed:
     """Thread pool: stream the spooled body through the multipart parser."""
     boundary = boundary_from_content_type(content_type)
     parser = RequestBodyParser(boundary, max_bytes=max_bytes)
@@ -113,7 +123,7 @@ def _parse_body(content: Any, content_type: str | None, max_bytes: int) -> Parse
     return Parsed(program, parsed.program, blobs, total)
 
 
-def _close_parser(parser: Any) -> None:
+def _close_parser(parser: RequestBodyParser) -> None:
     close = getattr(parser, "abort", None)
     if close is not None:
         try:
@@ -122,36 +132,50 @@ def _close_parser(parser: Any) -> None:
             pass
 
 
-def _shield(d: Deferred[Any]) -> Deferred[Any]:
-    """A copy of C{d} whose cancellation does not reach C{d}."""
-    copy: Deferred[Any] = Deferred(lambda _: None)
+def _shield(d: Deferred[_T], orphaned: Callable[[Failure], None]) -> Deferred[_T]:
+    """
+    A copy of C{d} whose cancellation does not reach C{d}: a client that
+    leaves does not stop its program.  A failure of C{d} after the copy was
+    cancelled goes to C{orphaned}.
+    """
+    copy: Deferred[_T] = Deferred(lambda _: None)
 
-    def forward(result: Any) -> Any:
+    def forward(result: _T | Failure) -> None:
         if not copy.called:
-            if isinstance(result, BaseException):
+            if isinstance(result, Failure):
                 copy.errback(result)
             else:
                 copy.callback(result)
-        return None
+        elif isinstance(result, Failure):
+            orphaned(result)
 
-    d.addCallbacks(forward, lambda f: forward(f.value))
+    d.addBoth(forward)
     return copy
+
+
+class BlobResolver(Protocol):
+    """Finds a request's blobs (L{kcoral.server.cache.BlobStore}, or a fake)."""
+
+    def resolve(
+        self, program_blobs: Mapping[str, frozenset[str]], supplied: Mapping[str, bytes]
+    ) -> Awaitable[Resolution]:
+        """Cache the supplied blobs and look up the rest."""
 
 
 @attrs.define(eq=False)
 class KcoralAPI:
     """The routes, bound to one server's state."""
 
-    config: Any
-    pool: Any
-    leases: Any
-    blobs: Any
-    _threadpool: Any
-    _reactor: Any
+    config: ServerConfig
+    pool: WorkerPool
+    leases: LeaseArbiter
+    blobs: BlobResolver
+    _threadpool: ThreadPool
+    _reactor: IReactorTime
     instance_id: str = attrs.field(factory=lambda: str(uuid.uuid4()))
     started_at: float = 0.0
     save_program: Callable[[str, bytes], Deferred[str | None]] | None = None
-    metrics: Any = None
+    metrics: Metrics | None = None
     status_snapshot: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     status_page: bytes | None = None
     sandbox_name: str = "none"
@@ -162,7 +186,7 @@ class KcoralAPI:
     app = Klein()
     log = Logger()
 
-    def resource(self) -> Any:
+    def resource(self) -> IResource:
         """The Twisted resource to serve."""
         return self.app.resource()
 
@@ -236,17 +260,27 @@ class KcoralAPI:
         self.in_flight += 1
         try:
             d = Deferred.fromCoroutine(self._handle(request, request_id))
-            status, content_type, body = await _shield(d)
+            if self.config.finish_abandoned:
+                # The operator wants abandoned programs run to the end.
+                rendered = await _shield(d, lambda f: self._orphaned(request_id, f))
+            else:
+                # Klein cancels this handler when the client disconnects: the
+                # cancellation reaches the queue (the request leaves the
+                # line) or the running program (its worker is replaced).
+                try:
+                    rendered = await d
+                except CancelledError:
+                    self._finished(request_id, 499, "abandoned")
+                    raise
         finally:
             self.in_flight -= 1
             if self.in_flight == 0:
                 waiters, self._idle_waiters = self._idle_waiters, []
                 for waiter in waiters:
                     waiter.callback(None)
-        request.setResponseCode(status)
-        request.setHeader(b"Content-Type", content_type.encode())
-        if status == 503:
-            request.setHeader(b"Retry-After", b"1")
+        request.setResponseCode(rendered.status)
+        request.setHeader(b"Content-Type", rendered.content_type.encode())
+        body = rendered.body
         if isinstance(body, list):
             # A multipart body: write its chunks as they are (binary parts
             # can be hundreds of MiB; joining them would copy them again).
@@ -255,6 +289,58 @@ class KcoralAPI:
                 request.write(chunk)
             return b""
         return body
+
+    @app.handle_errors(Exception)
+    def _failed(self, request: IRequest, failure: Failure) -> bytes | Deferred[bytes]:
+        """
+        The one place a failed request becomes an ERROR body: domain errors
+        map to their request error kind (protocol §9.2), anything else is
+        logged and answered as an internal C{engine} error.
+        """
+        if failure.check(HTTPException, CancelledError):
+            # Routing errors (404, 405) keep Klein's answers.
+            return fail(failure)
+        request_id = _response_request_id(request)
+        error = self._request_error(request_id, failure)
+        self._finished(request_id, error.status, error.finish_reason, **error.fields)
+        request.setResponseCode(error.status)
+        request.setHeader(b"Content-Type", b"application/json")
+        for name, value in REQUEST_KIND_HEADERS.get(error.kind, {}).items():
+            request.setHeader(name.encode(), value.encode())
+        return error.body(request_id)
+
+    def _orphaned(self, request_id: str, failure: Failure) -> None:
+        """A request whose client left failed: log how it finished anyway."""
+        if failure.check(CancelledError):
+            return
+        error = self._request_error(request_id, failure)
+        self._finished(request_id, error.status, error.finish_reason, **error.fields)
+
+    def _request_error(self, request_id: str, failure: Failure) -> RequestError:
+        """The request error kind, message and log fields of C{failure}."""
+        error = failure.value
+        if isinstance(error, RequestError):
+            return error
+        if isinstance(error, RequestTooLarge):
+            return _too_large()
+        if isinstance(error, ValidationError):
+            return _invalid(error)
+        if isinstance(error, PoolBusy):
+            return RequestError("busy", BUSY_MESSAGE, "no_worker", queue_ms=error.queue_ms)
+        if isinstance(error, WorkerStartFailed):
+            return RequestError(
+                "engine", "worker crashed", "crashed", error_message=str(error)[:FIELD_LIMIT]
+            )
+        if isinstance(error, BudgetSpent):
+            return RequestError("timeout", TIMEOUT_MESSAGE, "timeout")
+        self.log.failure("unhandled error in request {request_id}", failure, request_id=request_id)
+        return RequestError(
+            "engine",
+            "internal server error",
+            "server_error",
+            error_kind="unhandled",
+            error_message=f"{type(error).__name__}: {error}"[:FIELD_LIMIT],
+        )
 
     def wait_idle(self) -> Deferred[None]:
         """Fires once no /execute request is in flight (graceful shutdown)."""
@@ -276,90 +362,50 @@ class KcoralAPI:
             **fields,
         )
 
-    def _error(self, request_id: str, error: RequestError) -> tuple[int, str, bytes]:
-        status = status_of_kind(error.kind)
-        self._finished(request_id, status, error.finish_reason, **error.fields)
-        return (
-            status,
-            "application/json",
-            json_dumps(error_body(request_id, error.kind, error.message)),
-        )
-
-    async def _handle(self, request: IRequest, request_id: str) -> tuple[int, str, Body]:
+    async def _handle(self, request: IRequest, request_id: str) -> Rendered:
         client = request.getClientAddress()
         self.log.info(
             "request {request_id} received",
             kcoral_event="request_received",
             request_id=request_id,
             client=getattr(client, "host", None),
+            client_name=getattr(request, "client_name", None),
             content_length=_header(request, b"content-length"),
         )
-        try:
-            return await self._admit_and_run(request, request_id)
-        except RequestError as error:
-            return self._error(request_id, error)
-        except CancelledError:
-            raise
-        except Exception as e:
-            self.log.failure("unhandled error in request {request_id}", request_id=request_id)
-            return self._error(
-                request_id,
-                RequestError(
-                    "engine",
-                    "internal server error",
-                    "server_error",
-                    error_kind="unhandled",
-                    error_message=f"{type(e).__name__}: {e}"[:2048],
-                ),
-            )
+        rendered = await self._admit_and_run(request, request_id)
+        self._finished(request_id, rendered.status, rendered.finish_reason, **rendered.fields)
+        return rendered
 
-    async def _admit_and_run(self, request: IRequest, request_id: str) -> tuple[int, str, Body]:
-        config = self.config
+    async def _parse(self, request: IRequest) -> Parsed:
+        """The request's program and blobs, parsed in the thread pool when large."""
         if getattr(request, "too_large", False):
-            raise _too_large()
-        try:
-            arguments = (
-                request.content,
-                _header(request, b"content-type"),
-                config.max_request_bytes,
-            )
-            if getattr(request, "body_bytes", INLINE_PARSE_BYTES + 1) <= INLINE_PARSE_BYTES:
-                # A small body parses and hashes in well under a millisecond:
-                # cheaper here than a round trip through the thread pool.
-                parsed: Parsed = _parse_body(*arguments)
-            else:
-                parsed = await deferToThreadPool(
-                    self._reactor, self._threadpool, _parse_body, *arguments
-                )
-        except RequestTooLarge:
-            raise _too_large() from None
-        except ValidationError as e:
-            raise _invalid(e) from None
-        program = parsed.program
+            raise RequestTooLarge()
+        arguments = (
+            request.content,
+            _header(request, b"content-type"),
+            self.config.max_request_bytes,
+        )
+        if getattr(request, "body_bytes", INLINE_PARSE_BYTES + 1) <= INLINE_PARSE_BYTES:
+            # A small body parses and hashes in well under a millisecond:
+            # cheaper here than a round trip through the thread pool.
+            return _parse_body(*arguments)
+        parsed: Parsed = await deferToThreadPool(
+            IReactorFromThreads(self._reactor), self._threadpool, _parse_body, *arguments
+        )
+        return parsed
 
+    async def _admit_and_run(self, request: IRequest, request_id: str) -> Rendered:
+        config = self.config
+        parsed = await self._parse(request)
+        program = parsed.program
         kinds: dict[str, frozenset[str]] = {}
         for digest in program.referenced_blobs():
             kinds[digest] = program.blob_kinds(digest)
         resolution = await self.blobs.resolve(kinds, parsed.blobs)
         try:
             if resolution.missing:
-                self._finished(
-                    request_id,
-                    200,
-                    "cache_miss",
-                    status="CACHE_MISS",
-                    missing=len(resolution.missing),
-                )
-                body = {
-                    "status": "CACHE_MISS",
-                    "request_id": request_id,
-                    "missing_blobs": list(resolution.missing),
-                }
-                return 200, "application/json", json_dumps(body)
-            try:
-                check_tensor_lengths(program, {d: len(b) for d, b in resolution.found.items()})
-            except ValidationError as e:
-                raise _invalid(e) from None
+                return render_cache_miss(request_id, list(resolution.missing))
+            check_tensor_lengths(program, {d: len(b) for d, b in resolution.found.items()})
             gpu_count = program.options.gpu_count
             if gpu_count is not None:
                 capacity = 0 if config.device == "cpu" else len(set(config.gpus))
@@ -402,329 +448,57 @@ class KcoralAPI:
                 output_limit=output_limit,
                 max_response_bytes=config.max_response_bytes,
             )
-            if program.options.gpu_count is not None:
-                return await self._run_multi_gpu(request_id, job, program.options.gpu_count)
             return await self._run(request_id, job, _client_identity(request))
         finally:
             resolution.pin.release()
 
-    async def _run(
-        self, request_id: str, job: Job, client: str | None = None
-    ) -> tuple[int, str, Body]:
-        queued = self._reactor.seconds()
-        try:
-            seat = await self.pool.acquire(self.config.worker_wait_timeout_seconds, client)
-        except PoolBusy:
-            queue_ms = (self._reactor.seconds() - queued) * 1000.0
-            raise RequestError("busy", "server saturated", "no_worker", queue_ms=queue_ms) from None
-        assigned = self._reactor.seconds()
-        queue_ms = (assigned - queued) * 1000.0
-        worker = seat.worker
-        self.log.info(
-            "request {request_id} routed to {worker_id}",
-            kcoral_event="request_routed",
-            request_id=request_id,
-            worker_id=seat.worker_id,
-            gpu_id=seat.gpu_id,
-            gpu_ids=None,
-            generation=seat.generation,
-            pid=worker.pid,
-            queue_ms=queue_ms,
-        )
-        job = attrs.evolve(
-            job,
-            workspace=self.pool.sandbox.worker_path(seat.work_dir),
-            reserved=self.pool.sandbox.reserved,
-        )
-        retire: str | None = None
-        try:
-            result: JobResult = await worker.run(job)
-            elapsed_ms = (self._reactor.seconds() - assigned) * 1000.0
-            retire = self._retire_reason(seat, result)
-            answer = self._respond(request_id, seat, job, result, queue_ms, elapsed_ms)
-            if not await self._workspace_out_of_reach(seat, worker, retire):
-                retire = "sandbox_cleanup"
-            return answer
-        finally:
-            self.pool.release(
-                seat, retire=retire if retire is not None else self._fallback_retire(seat)
-            )
-
-    async def _run_multi_gpu(self, request_id: str, job: Job, count: int) -> tuple[int, str, Body]:
-        """
-        Run a program that asked for C{count} GPUs (protocol §6.5): take a
-        seat, pick the C{count} least busy GPUs, start a one-request worker
-        that sees exactly those, then run the program.
-
-        No lease is held while the worker starts: like any new worker it
-        takes its GPUs' lease only to create its context, and the program
-        takes all of them (all or nothing, ascending) only while its
-        instructions use the GPUs, so single-GPU requests are not held up
-        by a process start and imports.
-        """
-        queued = self._reactor.seconds()
-        try:
-            seat = await self.pool.acquire(self.config.worker_wait_timeout_seconds)
-        except PoolBusy:
-            queue_ms = (self._reactor.seconds() - queued) * 1000.0
-            raise RequestError("busy", "server saturated", "no_worker", queue_ms=queue_ms) from None
-        assigned = self._reactor.seconds()
-        queue_ms = (assigned - queued) * 1000.0
-        try:
-            try:
-                gpus = self.leases.least_busy(count)
-            except LeaseUnavailable:
-                raise RequestError(
-                    "busy", "server saturated", "no_worker", queue_ms=queue_ms
-                ) from None
-            starting = self._reactor.seconds()
-            try:
-                worker, work_dir = await self.pool.start_transient(seat, gpus)
-            except Exception as e:
-                raise RequestError(
-                    "engine", "worker crashed", "crashed", error_message=str(e)[:2048]
-                ) from None
-            startup = self._reactor.seconds() - starting
+    async def _run(self, request_id: str, job: Job, client: str | None) -> Rendered:
+        """Run C{job} on a seat of the pool and render how it ended."""
+        gpu_count = job.program.options.gpu_count
+        async with self.pool.seat(request_id, gpu_count, client) as use:
+            if use.multi_gpu:
+                message = "request {request_id} routed to a worker on GPUs {gpu_ids}"
+            else:
+                message = "request {request_id} routed to {worker_id}"
             self.log.info(
-                "request {request_id} routed to a worker on GPUs {gpu_ids}",
+                message,
                 kcoral_event="request_routed",
                 request_id=request_id,
-                worker_id=seat.worker_id,
-                gpu_id=gpus[0],
-                gpu_ids=list(gpus),
-                generation=0,
-                pid=worker.pid,
-                queue_ms=queue_ms,
-                startup_ms=startup * 1000.0,
+                worker_id=use.worker_id,
+                gpu_id=use.gpu_id,
+                gpu_ids=list(use.gpus) if use.multi_gpu else None,
+                generation=use.generation,
+                pid=use.pid,
+                queue_ms=use.queue_ms,
+                **({"startup_ms": use.startup_seconds * 1000.0} if use.multi_gpu else {}),
             )
-            try:
-                # Starting the worker counts against the budget (§6.5).
-                remaining = job.timeout_seconds - startup
-                if remaining <= 0:
-                    raise RequestError("timeout", "execution timed out", "timeout")
-                job = attrs.evolve(
-                    job,
-                    workspace=self.pool.sandbox.worker_path(work_dir),
-                    reserved=self.pool.sandbox.reserved,
-                    timeout_seconds=remaining,
-                )
-                result: JobResult = await worker.run(job)
-                elapsed_ms = (self._reactor.seconds() - assigned) * 1000.0
-                return self._respond(request_id, seat, job, result, queue_ms, elapsed_ms, gpus=gpus)
-            finally:
-                self.pool.remove_transient(worker, work_dir).addErrback(
-                    lambda f: self.log.failure("removing a multi-GPU worker failed", f)
-                )
-        finally:
-            self.pool.release(seat)
-
-    async def _workspace_out_of_reach(self, seat: Any, worker: Any, retire: str | None) -> bool:
-        """
-        Without a sandbox nothing hides one request's workspace from the
-        next, so empty it before the answer goes out rather than after
-        (issue 17, item 5).  A retiring worker is stopped first, so nothing
-        writes into the workspace once it is empty.  Returns C{False} when
-        the workspace could not be emptied (the worker must then retire).
-        """
-        if getattr(self.pool.sandbox, "name", None) != "none" or seat.work_dir is None:
-            return True
-        if retire is not None and retire != "request_limit" and worker.alive:
-            await worker.kill()
-        try:
-            await deferToThreadPool(
-                self._reactor, self._threadpool, self.pool.sandbox.clear_workspace, seat.work_dir
+            result = await use.run(job)
+            elapsed_ms = (self._reactor.seconds() - use.assigned_at) * 1000.0
+            where = use.placement
+            return render_result(
+                request_id,
+                job.program,
+                result,
+                where,
+                timeout_seconds=use.timeout_seconds or job.timeout_seconds,
+                queue_ms=use.queue_ms,
+                elapsed_ms=elapsed_ms,
+                max_response_bytes=self.config.max_response_bytes,
+                interferer=lambda error: self._interferer(request_id, where.gpu_id, error, result),
             )
-        except Exception as e:
-            self.log.warn(
-                "could not empty the workspace of {worker_id}: {error}",
-                worker_id=seat.worker_id,
-                error=str(e),
-            )
-            return False
-        return True
-
-    def _fallback_retire(self, seat: Any) -> str | None:
-        worker = seat.worker
-        return None if worker is not None and worker.alive and worker._job is None else "crashed"
-
-    def _retire_reason(self, seat: Any, result: JobResult) -> str | None:
-        if result.ending == "timeout":
-            return "timeout"
-        if result.ending == "invalid":
-            return "channel_violation"
-        if result.ending != "outcome":
-            return "crashed"
-        assert result.outcome is not None
-        reason = result.outcome.retire
-        if reason:
-            return reason
-        limit = self.config.max_requests_per_worker
-        if limit and seat.served + 1 >= limit:
-            return "request_limit"
-        return None
 
     def _interferer(
-        self, request_id: str, gpu: int, error: dict[str, Any], result: JobResult
+        self, request_id: str, gpu: int | None, error: dict[str, Any], result: JobResult
     ) -> str | None:
         """
         The request that held the GPU while the offending cpu_only run ran,
         when exactly one other request did (protocol §9.1).
         """
         start = result.instruction_started.get(error.get("instruction_index", -1))
-        if start is None:
+        if start is None or gpu is None:
             return None
         labels = self.leases.labels_during(gpu, start, result.ended_at)
         return _single_other_request(labels, request_id)
-
-    def _respond(
-        self,
-        request_id: str,
-        seat: Any,
-        job: Job,
-        result: JobResult,
-        queue_ms: float,
-        elapsed_ms: float,
-        gpus: tuple[int, ...] | None = None,
-    ) -> tuple[int, str, Body]:
-        place = {"worker_id": seat.worker_id, "gpu_id": seat.gpu_id}
-        if result.ending == "timeout":
-            raise RequestError(
-                "timeout",
-                "execution timed out",
-                "timeout",
-                queue_ms=queue_ms,
-                elapsed_ms=elapsed_ms,
-                timeout_seconds=job.timeout_seconds,
-                output_tail=result.output_tail,
-                **place,
-            )
-        if result.ending == "invalid":
-            raise RequestError(
-                "engine",
-                "invalid worker response" + (f": {result.detail[:512]}" if result.detail else ""),
-                "server_error",
-                error_kind="invalid_worker_response",
-                **place,
-            )
-        timings = {
-            "queue_ms": queue_ms,
-            "elapsed_ms": elapsed_ms,
-            "lease_wait_ms": result.lease_wait_seconds * 1000.0,
-            "lease_held_ms": result.lease_held_seconds * 1000.0,
-        }
-        if result.ending == "crashed":
-            index = result.instruction_index
-            if index is None or not 0 <= index < len(job.program.instructions):
-                raise RequestError(
-                    "engine",
-                    "worker crashed",
-                    "crashed",
-                    exitcode=result.exit_code,
-                    queue_ms=queue_ms,
-                    elapsed_ms=elapsed_ms,
-                    output_tail=result.output_tail,
-                    **place,
-                )
-            instruction = job.program.instructions[index]
-            crash_error = instruction_error(
-                "runtime",
-                "worker exited while executing the instruction",
-                index,
-                instruction.op,
-                instruction.id,
-                "",
-            )
-            # Returns that finished before the crash stay in the results.
-            outcome = Outcome(
-                status="FAILED", error=crash_error, results=result.results, parts=result.parts
-            )
-            reason = "crashed"
-        else:
-            assert result.outcome is not None
-            outcome = result.outcome
-            reason = "completed" if outcome.status == "COMPLETED" else "program_failed"
-        if outcome.oversize is not None:
-            raise RequestError(
-                "response_too_large",
-                "results exceed the configured response-size limit",
-                "server_error",
-                error_kind="response_too_large",
-                response_bytes=outcome.oversize,
-                queue_ms=queue_ms,
-                elapsed_ms=elapsed_ms,
-                lease_held_ms=timings["lease_held_ms"],
-                **place,
-            )
-        parts = list(outcome.parts)
-        body: dict[str, Any] = {
-            "status": outcome.status,
-            "request_id": request_id,
-            **timings,
-            "stdout": outcome.stdout,
-            "stderr": outcome.stderr,
-            "stdout_truncated": outcome.stdout_truncated,
-            "stderr_truncated": outcome.stderr_truncated,
-        }
-        if job.program.options.gpu_count is not None:
-            # Only for programs that asked for a GPU count (protocol §6.5).
-            gpu_ids = list(seat.gpus if gpus is None else gpus)
-            body["gpu_ids"] = gpu_ids
-            body["gpu_count"] = len(gpu_ids)
-        body["results"] = outcome.results
-        error = outcome.error
-        if (
-            isinstance(error, dict)
-            and error.get("kind") == "gpu_access"
-            and seat.gpu_id is not None
-        ):
-            error["interfered_request_id"] = self._interferer(
-                request_id, seat.gpu_id, error, result
-            )
-        if body["status"] != "COMPLETED":
-            body["error"] = error
-        content_type, chunks = encode_response(body, parts)
-        size = sum(len(c) for c in chunks)
-        if size > self.config.max_response_bytes:
-            raise RequestError(
-                "response_too_large",
-                "results exceed the configured response-size limit",
-                "server_error",
-                error_kind="response_too_large",
-                response_bytes=size,
-                queue_ms=queue_ms,
-                elapsed_ms=elapsed_ms,
-                lease_held_ms=timings["lease_held_ms"],
-                **place,
-            )
-        fields: dict[str, Any] = {
-            "status": body["status"],
-            "exitcode": result.exit_code if reason == "crashed" else None,
-            "output_tail": result.output_tail if reason == "crashed" else None,
-            **place,
-            **timings,
-            "response_bytes": size,
-        }
-        if error:
-            fields.update(
-                error_kind=error.get("kind"),
-                error_message=str(error.get("message", ""))[:2048],
-                instruction_index=error.get("instruction_index"),
-                instruction_op=error.get("instruction_op"),
-                instruction_id=error.get("instruction_id"),
-            )
-        self._finished(request_id, 200, reason, **fields)
-        if len(chunks) == 1:
-            return 200, content_type, chunks[0]
-        return 200, content_type, chunks
-
-
-def _client_identity(request: IRequest) -> str | None:
-    """
-    Who sent C{request}, for the reuse scope: the TCP peer's address
-    (C{None} when the transport has none).
-    """
-    host = getattr(request.getClientAddress(), "host", None)
-    return host if isinstance(host, str) else None
 
 
 def _invalid(error: ValidationError) -> RequestError:
@@ -734,7 +508,7 @@ def _invalid(error: ValidationError) -> RequestError:
         error.message,
         "rejected",
         error_kind="invalid_request",
-        error_message=error.message[:2048],
+        error_message=error.message[:FIELD_LIMIT],
     )
 
 
@@ -742,13 +516,36 @@ def _too_large() -> RequestError:
     """The 413 for a body over C{max_request_bytes}."""
     return RequestError(
         "request_too_large",
-        "request exceeds the configured size limit",
+        REQUEST_TOO_LARGE_MESSAGE,
         "rejected",
         error_kind="request_too_large",
     )
 
 
-def _single_other_request(labels: set[Any], request_id: str) -> str | None:
+def _client_identity(request: IRequest) -> str | None:
+    """
+    Who sent C{request}, for the reuse scope: the client name of its bearer
+    token when the server has tokens (L{kcoral.server.auth}), else the TCP
+    peer's address (C{None} when the transport has none).
+    """
+    name = getattr(request, "client_name", None)
+    if isinstance(name, str):
+        return "client:" + name
+    host = getattr(request.getClientAddress(), "host", None)
+    return host if isinstance(host, str) else None
+
+
+def _response_request_id(request: IRequest) -> str:
+    """The C{X-Request-ID} this response carries; a fresh one if none yet."""
+    values = request.responseHeaders.getRawHeaders(b"X-Request-ID")
+    if values:
+        return values[0].decode("ascii")
+    request_id = str(uuid.uuid4())
+    request.setHeader(b"X-Request-ID", request_id.encode())
+    return request_id
+
+
+def _single_other_request(labels: set[str | None], request_id: str) -> str | None:
     """The one other request among lease labels, if exactly one held the GPU."""
     others = {
         label
@@ -765,5 +562,5 @@ def _header(request: IRequest, name: bytes) -> str | None:
     return value.decode("latin-1") if isinstance(value, bytes) else str(value)
 
 
-def _holder_name(holder: Any) -> str | None:
+def _holder_name(holder: Hashable | None) -> str | None:
     return None if holder is None else getattr(holder, "seat", str(holder))

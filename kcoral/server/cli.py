@@ -22,7 +22,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any
 
-from twisted.application.service import IServiceMaker
+from twisted.application.service import IService, IServiceMaker, ServiceMaker
 from twisted.logger import ILogObserver, textFileLogObserver
 from twisted.python import usage
 from zope.interface import implementer, provider
@@ -110,28 +110,37 @@ def _version() -> str:
 @implementer(IServiceMaker)
 class _KcoralServiceMaker:
     """
-    The C{kcoral} plugin as C{kcoral server} hands it to twistd.
-
-    Equivalent to C{twisted/plugins/kcoral_plugin.py}, but reads the
-    environment C{main} was given and does not depend on the plugin being
-    found on C{sys.path}.
+    The C{kcoral} plugin (declared once, in C{twisted/plugins/kcoral_plugin.py})
+    as C{kcoral server} hands it to twistd: its options read the environment
+    C{main} was given rather than C{os.environ}.
     """
 
-    tapname = "kcoral"
-    description = "A KCoral-compatible server that compiles, runs and times GPU programs."
-
-    def __init__(self, environ: Mapping[str, str]) -> None:
+    def __init__(self, plugin: ServiceMaker, environ: Mapping[str, str]) -> None:
+        self._plugin = plugin
         self._environ = environ
+        self.tapname: str = plugin.tapname
+        self.description: str = plugin.description
 
     def options(self) -> usage.Options:
+        options: usage.Options = self._plugin.options(environ=self._environ)
+        return options
+
+    def makeService(self, options: usage.Options) -> IService:
+        # The plugin's module (kcoral.server.tap), asked for kcoral's own
+        # console mirror: `kcoral server` leaves kcoral events out of twistd's.
         from kcoral.server import tap
 
-        return tap.Options(environ=self._environ)
+        assert isinstance(options, tap.Options)
+        service: IService = tap.makeService(options, console_mirror=True)
+        return service
 
-    def makeService(self, options: Any) -> Any:
-        from kcoral.server import tap
 
-        return tap.makeService(options, console_mirror=True)
+def _declared_plugin() -> ServiceMaker:
+    """The C{kcoral} L{IServiceMaker} that twistd finds."""
+    from twisted.plugins.kcoral_plugin import kcoral  # type: ignore[import-not-found]
+
+    plugin: ServiceMaker = kcoral
+    return plugin
 
 
 def _default_run_app(config: usage.Options) -> int:
@@ -141,12 +150,16 @@ def _default_run_app(config: usage.Options) -> int:
     Unlike C{twistd}, a graceful stop on SIGTERM or SIGINT exits with status
     0 rather than re-raising the signal; a server that failed to start exits 1.
     """
+    from twisted.application.service import IServiceCollection
     from twisted.scripts.twistd import _SomeApplicationRunner  # type: ignore[attr-defined]
 
-    from kcoral.server import service
-
-    _SomeApplicationRunner(config).run()  # type: ignore[no-untyped-call]
-    return 1 if service.start_failures else 0
+    runner = _SomeApplicationRunner(config)
+    runner.run()
+    application = getattr(runner, "application", None)
+    if application is None:
+        return 1
+    root = IServiceCollection(application).getServiceNamed("kcoral")
+    return 1 if getattr(root, "start_failure", None) else 0
 
 
 def _exit_code(exc: SystemExit, err: IO[str]) -> int:
@@ -230,7 +243,7 @@ def _server(
             "workers are pinned to the physical GPU ids given by --gpus\n"
         )
 
-    maker = _KcoralServiceMaker(env)
+    maker = _KcoralServiceMaker(_declared_plugin(), env)
 
     def get_plugins(interface: Any, package: Any = None) -> list[Any]:
         # Only the kcoral plugin, whether or not twisted/plugins is on sys.path.

@@ -1,31 +1,105 @@
-# -*- test-case-name: tests.unit.test_app -*-
+# -*- test-case-name: tests.unit.test_http -*-
 """
-The HTTP site: a request class that enforces the body-size limit while the
-body arrives, so a 256 MiB+ upload is refused without being buffered.
+The HTTP boundary: everything between the socket and the Klein resource.
+
+  - L{LimitedRequest} refuses a body over C{site.max_request_bytes} while it
+    arrives (never buffered), and turns any non-JSON error page (Klein's
+    404/405 HTML, Twisted's 500 page) into the protocol's ERROR body.
+  - L{KcoralChannel} answers what Twisted's parser rejects (bad
+    C{Content-Length}, bad chunking, HTTP/0.9, too many or too large
+    headers) with the same JSON body and the right status instead of a bare
+    400 or a closed connection, and enforces header and body deadlines that
+    trickling bytes cannot extend (slowloris).
+  - L{KcoralSite} caps the number of open connections (503 past the cap).
 
 Twisted's own form parsing is turned off (the program's multipart body is
-parsed by L{kcoral.wire.multipart} in a thread), and error pages are always
-the protocol's JSON error body.
+parsed by L{kcoral.wire.multipart} in a thread).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+from twisted.internet.endpoints import serverFromString
+from twisted.internet.interfaces import IDelayedCall
+from twisted.internet.protocol import Protocol, connectionDone
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web.http import HTTPChannel
 from twisted.web.server import Request, Site
+
+from kcoral.wire.errors import REQUEST_KIND_HEADERS, choose_request_id, error_body, status_error
+from kcoral.wire.jsontext import json_dumps
+
+#: Seconds a client has to send a complete request head, counted from the
+#: connection (or the previous response) and never reset by trickled bytes.
+DEFAULT_HEADER_TIMEOUT = 30.0
+
+#: Seconds a client has to send a request body, counted from its head.
+DEFAULT_BODY_TIMEOUT = 300.0
+
+#: Open connections served at once; more are answered 503 and closed.
+DEFAULT_MAX_CONNECTIONS = 4096
+
+_REASONS = {
+    400: b"Bad Request",
+    401: b"Unauthorized",
+    404: b"Not Found",
+    405: b"Method Not Allowed",
+    408: b"Request Timeout",
+    413: b"Content Too Large",
+    414: b"URI Too Long",
+    431: b"Request Header Fields Too Large",
+    500: b"Internal Server Error",
+    503: b"Service Unavailable",
+}
+
+
+def error_json(status: int, request_id: str, message: str | None = None) -> tuple[str, bytes]:
+    """The kind and the encoded ERROR body (protocol §9.2) for C{status}."""
+    kind, default = status_error(status)
+    return kind, json_dumps(error_body(request_id, kind, message or default))
+
+
+def raw_error_response(status: int, message: str | None = None, request_id: str = "") -> bytes:
+    """
+    A complete HTTP/1.1 error response with a JSON ERROR body, for the
+    moments before a L{Request} can answer (the request head is broken, the
+    client is too slow, the server is full).  The connection always closes.
+    """
+    request_id = request_id or choose_request_id(None)
+    kind, body = error_json(status, request_id, message)
+    lines = [
+        b"HTTP/1.1 %d %s" % (status, _REASONS.get(status, b"Error")),
+        b"Content-Type: application/json",
+        b"Content-Length: %d" % (len(body),),
+        b"X-Request-ID: " + request_id.encode("ascii"),
+        b"Connection: close",
+    ]
+    for name, value in REQUEST_KIND_HEADERS.get(kind, {}).items():
+        lines.append(name.encode("ascii") + b": " + value.encode("ascii"))
+    return b"\r\n".join(lines) + b"\r\n\r\n" + body
 
 
 class LimitedRequest(Request):
     """
-    A request that stops buffering its body past C{site.max_request_bytes}.
+    A request that stops buffering its body past C{site.max_request_bytes}
+    and whose error responses are always the protocol's JSON ERROR body.
 
     When a declared C{Content-Length} is over the limit, or the body grows
     over it, C{too_large} is set and the remaining bytes are discarded; the
     resource answers 413 once the (discarded) body has been received.
+
+    C{client_name} is the name of the bearer token the request carried
+    (L{kcoral.server.auth}), or C{None} when the server has no tokens: the
+    client identity that worker reuse is scoped by.
     """
 
     too_large = False
     body_bytes = 0
+    client_name: str | None = None
+    _error_body_written = False
 
     def _limit(self) -> int | None:
         site = getattr(self.channel, "site", None)
@@ -66,16 +140,308 @@ class LimitedRequest(Request):
             except Exception:
                 pass
 
+    # -- error bodies -------------------------------------------------------
+
+    def _needs_json_error(self) -> bool:
+        if self.startedWriting or self.code < 400:
+            return False
+        content_type = self.responseHeaders.getRawHeaders(b"content-type") or [b""]
+        return not content_type[-1].lower().startswith(b"application/json")
+
+    def _write_json_error(self) -> None:
+        """Replace whatever error page was coming with the ERROR body."""
+        ids = self.responseHeaders.getRawHeaders(b"x-request-id")
+        if ids:
+            request_id = ids[0].decode("ascii", "replace")
+        else:
+            sent = self.requestHeaders.getRawHeaders(b"x-request-id")
+            request_id = choose_request_id(None if sent is None else list(sent))
+            self.setHeader(b"X-Request-ID", request_id.encode("ascii"))
+        kind, body = error_json(self.code, request_id)
+        for name, value in REQUEST_KIND_HEADERS.get(kind, {}).items():
+            self.setHeader(name.encode("ascii"), value.encode("ascii"))
+        self.setHeader(b"Content-Type", b"application/json")
+        self.setHeader(b"Content-Length", str(len(body)).encode("ascii"))
+        self._error_body_written = True
+        super().write(body)
+
+    def write(self, data: bytes) -> None:
+        if self._error_body_written:
+            return
+        if self._needs_json_error():
+            self._write_json_error()
+            return
+        super().write(data)
+
+    def finish(self) -> None:
+        if not self._error_body_written and self._needs_json_error() and not self._disconnected:
+            self._write_json_error()
+        super().finish()
+
+
+class KcoralChannel(HTTPChannel):
+    """
+    An L{HTTPChannel} whose refusals are JSON ERROR bodies and whose request
+    head and body must arrive within fixed deadlines.
+
+    Twisted's idle timeout is reset by every byte, so one byte every few
+    seconds holds a connection forever; these deadlines are not.  An idle
+    keep-alive connection whose deadline passes before any byte of a next
+    request is simply closed.
+    """
+
+    log = Logger()
+    #: Set by L{Site.buildProtocol}.
+    site: Any
+
+    _refused = False
+    _deadline: IDelayedCall | None = None
+    _partial_head = False
+    _counted = False
+
+    def _site_setting(self, name: str, default: float) -> float:
+        value = getattr(getattr(self, "site", None), name, default)
+        return default if value is None else value
+
+    # -- refusals -----------------------------------------------------------
+
+    def refuse(self, status: int, message: str | None = None) -> None:
+        """Answer C{status} with an ERROR body once, and close."""
+        if self._refused or self.transport is None:
+            return
+        self._refused = True
+        self._cancel_deadline()
+        self.transport.write(raw_error_response(status, message))
+        self.loseConnection()
+
+    def _respondToBadRequestAndDisconnect(self) -> None:
+        # Bad Content-Length or Transfer-Encoding, bad chunking, a request
+        # line without three parts (HTTP/0.9), a malformed header line.
+        self.refuse(400)
+
+    def lineLengthExceeded(self, line: bytes) -> None:
+        if getattr(self, "_HTTPChannel__first_line", 0):
+            self.refuse(414)
+        else:
+            self.refuse(431)
+
+    def lineReceived(self, line: bytes) -> None:
+        if self._receivedHeaderSize + len(line) > self.totalHeadersSize:
+            self.refuse(431)
+            return
+        super().lineReceived(line)
+
+    def headerReceived(self, line: bytes) -> bool:
+        if self._receivedHeaderCount >= self.maxHeaders:
+            self.refuse(431)
+            return False
+        return bool(super().headerReceived(line))
+
+    # -- deadlines ----------------------------------------------------------
+
+    def _start_deadline(self, seconds: float, expired: Any) -> None:
+        self._cancel_deadline()
+        if seconds and seconds > 0:
+            self._deadline = self.callLater(seconds, expired)
+
+    def _cancel_deadline(self) -> None:
+        if self._deadline is not None and self._deadline.active():
+            self._deadline.cancel()
+        self._deadline = None
+
+    def _await_head(self) -> None:
+        self._partial_head = False
+        self._start_deadline(
+            self._site_setting("header_timeout", DEFAULT_HEADER_TIMEOUT), self._head_expired
+        )
+
+    def _head_expired(self) -> None:
+        self._deadline = None
+        if self._partial_head:
+            self.log.info(
+                "client {peer} did not send a request head in time",
+                kcoral_event="client_too_slow",
+                peer=str(self.transport.getPeer()) if self.transport else None,
+                phase="head",
+            )
+            self.refuse(408)
+        else:
+            self.loseConnection()
+
+    def _body_expired(self) -> None:
+        self._deadline = None
+        self.log.info(
+            "client {peer} did not send its request body in time",
+            kcoral_event="client_too_slow",
+            peer=str(self.transport.getPeer()) if self.transport else None,
+            phase="body",
+        )
+        self.refuse(408)
+
+    def connectionMade(self) -> None:
+        super().connectionMade()
+        site = getattr(self, "site", None)
+        if site is not None and hasattr(site, "open_connections"):
+            site.open_connections += 1
+            self._counted = True
+        self._await_head()
+
+    def dataReceived(self, data: bytes) -> None:
+        if self._refused:
+            return
+        if data and not self._handlingRequest:
+            self._partial_head = True
+        super().dataReceived(data)
+
+    def allHeadersReceived(self) -> None:
+        super().allHeadersReceived()
+        if self._refused:
+            return
+        if self.length == 0:
+            self._cancel_deadline()
+        else:
+            self._start_deadline(
+                self._site_setting("body_timeout", DEFAULT_BODY_TIMEOUT), self._body_expired
+            )
+
+    def allContentReceived(self) -> None:
+        self._cancel_deadline()
+        self._partial_head = False
+        super().allContentReceived()
+
+    def requestDone(self, request: Any) -> None:
+        super().requestDone(request)
+        if self.persistent and not self._refused and not self.requests:
+            self._await_head()
+            # Bytes of a pipelined request already replayed count as a head.
+            self._partial_head = bool(getattr(self, "_buffer", b"")) or self._partial_head
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        self._cancel_deadline()
+        if self._counted:
+            self._counted = False
+            self.site.open_connections -= 1
+        super().connectionLost(reason)
+
+
+class _Refusal(Protocol):
+    """Answers 503 and closes: the server already has too many connections."""
+
+    def connectionMade(self) -> None:
+        assert self.transport is not None
+        self.transport.write(raw_error_response(503, "too many open connections"))
+        self.transport.loseConnection()
+
 
 class KcoralSite(Site):
-    """A L{Site} for L{LimitedRequest}s, with form parsing disabled."""
+    """
+    A L{Site} of L{KcoralChannel}s and L{LimitedRequest}s, with form parsing
+    disabled and at most C{max_connections} connections at once.
+    """
 
+    protocol = KcoralChannel  # type: ignore[assignment]
     requestFactory = LimitedRequest
+    # Not C{log}: L{Site.log} is the access-log method.
+    _events = Logger()
 
-    def __init__(self, resource: Any, *, max_request_bytes: int, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        resource: Any,
+        *,
+        max_request_bytes: int,
+        header_timeout: float = DEFAULT_HEADER_TIMEOUT,
+        body_timeout: float = DEFAULT_BODY_TIMEOUT,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        **kwargs: Any,
+    ) -> None:
         try:
             super().__init__(resource, parsePOSTFormSubmission=False, **kwargs)
         except TypeError:  # older Twisted: the request ignores form bodies anyway
             super().__init__(resource, **kwargs)
         self.max_request_bytes = max_request_bytes
+        self.header_timeout = header_timeout
+        self.body_timeout = body_timeout
+        self.max_connections = max_connections
+        self.open_connections = 0
+        self.refused_connections = 0
         self.displayTracebacks = False
+
+    def buildProtocol(self, addr: Any) -> Any:
+        if self.max_connections and self.open_connections >= self.max_connections:
+            self.refused_connections += 1
+            self._events.warn(
+                "refused a connection from {peer}: {open} connections open",
+                kcoral_event="connection_refused",
+                peer=str(addr),
+                open=self.open_connections,
+            )
+            refusal = _Refusal()
+            refusal.factory = self
+            return refusal
+        return super().buildProtocol(addr)
+
+
+def make_site(resource: Any, config: Any, tokens: Any = None, **kwargs: Any) -> KcoralSite:
+    """
+    The site serving C{resource} under C{config}'s HTTP limits, behind a
+    L{kcoral.server.auth.TokenGuard} when C{tokens} is given.
+    """
+    if tokens is not None:
+        from kcoral.server.auth import TokenGuard
+
+        resource = TokenGuard(resource, tokens, public_metrics=config.public_metrics)
+    return KcoralSite(
+        resource,
+        max_request_bytes=config.max_request_bytes,
+        header_timeout=config.header_timeout_seconds,
+        body_timeout=config.body_timeout_seconds,
+        max_connections=config.max_connections,
+        **kwargs,
+    )
+
+
+async def listen_all(reactor: Any, descriptions: Sequence[str], site: Site) -> list[Any]:
+    """
+    Listen on every endpoint description; if one fails, stop those already
+    listening and raise.
+    """
+    ports: list[Any] = []
+    try:
+        for description in descriptions:
+            ports.append(await serverFromString(reactor, description).listen(site))
+    except BaseException:
+        for port in ports:
+            await port.stopListening()
+        raise
+    return ports
+
+
+def port_hosts(ports: Sequence[Any]) -> list[str]:
+    """The IP addresses C{ports} are bound to (UNIX sockets have none)."""
+    hosts = []
+    for port in ports:
+        host = getattr(port.getHost(), "host", None)
+        if isinstance(host, str):
+            hosts.append(host)
+    return hosts
+
+
+def raise_fd_limit() -> tuple[int, int] | None:
+    """
+    Raise the soft limit on open files to the hard limit (systemd's soft
+    default of 1,024 is a few hundred idle connections); returns the
+    (old, new) soft limits, or C{None} where the platform has no such limit.
+    """
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not POSIX
+        return None
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft == resource.RLIM_INFINITY or soft >= target:
+        return (soft, soft)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError):
+        return (soft, soft)
+    return (soft, target)

@@ -47,7 +47,7 @@ class HoldInterval:
 
     gpu: int
     holder: Hashable
-    label: Any
+    label: str | None
     start: float
     end: float
 
@@ -72,7 +72,7 @@ class LeaseArbiter:
     _clock: IReactorTime
     history_size: int = 256
     _holders: dict[int, Hashable] = attrs.field(factory=dict)
-    _labels: dict[Hashable, Any] = attrs.field(factory=dict)
+    _labels: dict[Hashable, str | None] = attrs.field(factory=dict)
     _grants: dict[Hashable, Grant] = attrs.field(factory=dict)
     _waiters: deque[_Waiter] = attrs.field(factory=deque)
     _quarantined: set[int] = attrs.field(factory=set)
@@ -95,7 +95,7 @@ class LeaseArbiter:
         )
 
     def acquire(
-        self, holder: Hashable, gpus: tuple[int, ...], label: Any = None
+        self, holder: Hashable, gpus: tuple[int, ...], label: str | None = None
     ) -> Deferred[Grant]:
         """
         Ask for every GPU in C{gpus} at once.
@@ -175,11 +175,11 @@ class LeaseArbiter:
         """Who holds C{gpu} now."""
         return self._holders.get(gpu)
 
-    def label_of(self, holder: Hashable) -> Any:
+    def label_of(self, holder: Hashable) -> str | None:
         """The label C{holder} acquired with."""
         return self._labels.get(holder)
 
-    def labels_during(self, gpu: int, start: float, end: float) -> set[Any]:
+    def labels_during(self, gpu: int, start: float, end: float) -> set[str | None]:
         """
         The labels of every hold of C{gpu} that overlapped C{[start, end]},
         the current hold included (which request held a GPU at some moment).

@@ -460,20 +460,20 @@ class RunDirectory:
         """
         base = Path(log_dir).expanduser().absolute()
         runs = base / "runs"
-        runs.mkdir(parents=True, exist_ok=True)
+        runs.mkdir(mode=0o700, parents=True, exist_ok=True)
         name = cls.name_for(now)
         suffix = 0
         while True:
             path = runs / (name if suffix == 0 else f"{name}-{suffix}")
             try:
-                path.mkdir()
+                path.mkdir(mode=0o700)
             except FileExistsError:
                 suffix += 1
                 continue
             break
         programs_dir = path / "programs"
         if programs:
-            programs_dir.mkdir()
+            programs_dir.mkdir(mode=0o700)
         return cls(path=path, events_path=path / "events.jsonl", programs_dir=programs_dir)
 
 
@@ -517,8 +517,10 @@ class ProgramRecorder:
         target = self.programs_dir / name
         temporary = self.programs_dir / f".{name}.tmp"
         try:
-            self.programs_dir.mkdir(parents=True, exist_ok=True)
-            with open(temporary, "wb") as f:
+            self.programs_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            # Programs are the clients' code: readable by the server's user only.
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "wb") as f:
                 f.write(program_bytes)
             os.replace(temporary, target)
         except Exception:
@@ -629,6 +631,7 @@ def install_observers(
             str(run_dir.path),
             rotateLength=rotate_length,
             maxRotatedFiles=max_rotated_files,
+            defaultMode=0o600,
         )
         observers.append(JsonEventObserver(events_file, min_level=level))
         if config.log_programs:

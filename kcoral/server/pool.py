@@ -16,22 +16,70 @@ import re
 import shutil
 import sys
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 from twisted.internet.defer import CancelledError, Deferred, DeferredList, succeed
-from twisted.internet.interfaces import IDelayedCall
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from kcoral.config import ServerConfig
 from kcoral.server.gpus import GpuDevice, cuda_environment
-from kcoral.server.workerproc import WorkerProcess, worker_command_args
+from kcoral.server.lease import LeaseArbiter, LeaseUnavailable
+from kcoral.server.sandbox import ISandbox
+from kcoral.server.workerproc import Job, JobResult, WorkerProcess, worker_command_args
+from kcoral.wire.render import Placement
+
+
+class WorkerHandle(Protocol):
+    """
+    What the pool, and a request holding a seat, use of a worker process:
+    L{WorkerProcess}, or a fake in tests.
+    """
+
+    @property
+    def pid(self) -> int | None: ...
+    @property
+    def alive(self) -> bool: ...
+    @property
+    def busy(self) -> bool: ...
+    @property
+    def started_at(self) -> float: ...
+    @property
+    def info(self) -> dict[str, Any]: ...
+    @property
+    def ready(self) -> Deferred[dict[str, Any]]: ...
+    @property
+    def ended(self) -> Deferred[int | None]: ...
+
+    def run(self, job: Job) -> Deferred[JobResult]: ...
+    def kill(self) -> Deferred[int | None]: ...
+    def kill_now(self) -> None: ...
+    def stop(self) -> Deferred[int | None]: ...
 
 
 class PoolBusy(Exception):
-    """No worker could be had: the wait timed out or the pool is closing."""
+    """
+    No worker could be had: the wait timed out or the pool is closing.
+
+    @ivar queue_ms: how long the request waited, when it did.
+    """
+
+    def __init__(self, message: str = "server saturated", queue_ms: float | None = None) -> None:
+        super().__init__(message)
+        self.queue_ms = queue_ms
+
+
+class WorkerStartFailed(Exception):
+    """The one-request worker of a multi-GPU program did not start."""
+
+
+class BudgetSpent(Exception):
+    """Starting a multi-GPU program's worker used up its whole time budget."""
 
 
 @attrs.define(eq=False)
@@ -41,7 +89,7 @@ class Seat:
     worker_id: str
     gpu_id: int | None
     generation: int = 0
-    worker: WorkerProcess | None = None
+    worker: WorkerHandle | None = None
     work_dir: Path | None = None
     seat_dir: Path | None = None
     status: str = "starting"
@@ -49,10 +97,121 @@ class Seat:
     #: The client (address) whose requests the current worker has served;
     #: C{None} while it has served none (docs/security.md, "reuse scope").
     owner: str | None = None
+    #: Replacements that failed in a row (reset by one that starts).
+    respawn_failures: int = 0
+    #: Why the last replacement failed, while C{respawn_failures} > 0.
+    respawn_error: str | None = None
+    #: When the next replacement is tried (reactor seconds), while backing off.
+    respawn_at: float | None = None
+    _respawn_call: Any = None
 
     @property
     def gpus(self) -> tuple[int, ...]:
         return () if self.gpu_id is None else (self.gpu_id,)
+
+
+@attrs.define(eq=False)
+class SeatUse:
+    """
+    One request's hold on a seat, from L{WorkerPool.seat}: which worker runs
+    it and where, and what its run told the pool about the worker.
+
+    @ivar gpus: the GPUs the worker sees (a multi-GPU program's grant).
+    @ivar multi_gpu: the worker is a one-request worker started for it.
+    """
+
+    seat: Seat
+    worker: WorkerHandle
+    work_dir: Path
+    _pool: WorkerPool
+    queue_ms: float
+    assigned_at: float
+    gpus: tuple[int, ...]
+    multi_gpu: bool = False
+    startup_seconds: float = 0.0
+    #: What the job's budget was once the worker had started.
+    timeout_seconds: float | None = None
+    result: JobResult | None = None
+    #: The request was cancelled (its client left) while its program ran.
+    abandoned: bool = False
+
+    @property
+    def worker_id(self) -> str:
+        return self.seat.worker_id
+
+    @property
+    def gpu_id(self) -> int | None:
+        """The GPU the request was routed to (a multi-GPU grant's first)."""
+        return self.gpus[0] if self.multi_gpu else self.seat.gpu_id
+
+    @property
+    def generation(self) -> int:
+        return 0 if self.multi_gpu else self.seat.generation
+
+    @property
+    def pid(self) -> int | None:
+        return self.worker.pid
+
+    @property
+    def placement(self) -> Placement:
+        """Where the request ran, as the response reports it."""
+        return Placement(self.seat.worker_id, self.seat.gpu_id, self.gpus)
+
+    async def run(self, job: Job) -> JobResult:
+        """
+        Run C{job} on this worker, in its workspace.
+
+        Starting a multi-GPU worker counts against the budget (§6.5).
+
+        @raise BudgetSpent: nothing of the budget is left to run in.
+        """
+        sandbox = self._pool.sandbox
+        timeout = job.timeout_seconds - self.startup_seconds
+        if self.multi_gpu and timeout <= 0:
+            raise BudgetSpent()
+        job = attrs.evolve(
+            job,
+            workspace=sandbox.worker_path(self.work_dir),
+            reserved=sandbox.reserved,
+            timeout_seconds=timeout,
+        )
+        self.timeout_seconds = timeout
+        try:
+            result: JobResult = await self.worker.run(job)
+        except CancelledError:
+            # The client left: the program is still running in the worker,
+            # which must go (retire reason C{abandoned}).
+            self.abandoned = True
+            raise
+        self.result = result
+        return result
+
+    def retire_reason(self) -> str | None:
+        """
+        Why the seat's worker must go after this request, or C{None} to
+        reuse it: a timeout or crash, the worker's own word (a poisoned
+        context), or the per-worker request limit.
+        """
+        result = self.result
+        if self.abandoned:
+            return "abandoned"
+        if result is None:
+            worker = self.seat.worker
+            alive = worker is not None and worker.alive and not worker.busy
+            return None if alive else "crashed"
+        if result.ending == "timeout":
+            return "timeout"
+        if result.ending == "invalid":
+            return "channel_violation"
+        if result.ending != "outcome":
+            return "crashed"
+        assert result.outcome is not None
+        if result.outcome.retire:
+            return result.outcome.retire
+        limit = self._pool.config.max_requests_per_worker
+        if limit and self.seat.served + 1 >= limit:
+            return "request_limit"
+        return None
 
 
 @attrs.define(eq=False)
@@ -74,10 +233,11 @@ class WorkerPool:
     @ivar spawn_worker: how a process is started (replaced in tests).
     """
 
-    config: Any
-    _reactor: Any
-    leases: Any
-    sandbox: Any
+    config: ServerConfig
+    _reactor: IReactorTime
+    leases: LeaseArbiter
+    #: Replaced by the probed sandbox when the server starts.
+    sandbox: ISandbox
     _run_blocking: Callable[..., Deferred[Any]]
     root_dir: Path
     seats: list[Seat] = attrs.field(factory=list)
@@ -87,13 +247,17 @@ class WorkerPool:
     _replacing: set[Seat] = attrs.field(factory=set)
     _pending: set[Deferred[Any]] = attrs.field(factory=set)
     closing: bool = False
+    #: The first wait after a failed replacement; it doubles with each
+    #: failure in a row, up to L{respawn_backoff_max}.
+    respawn_backoff_initial: float = 0.5
+    respawn_backoff_max: float = 60.0
     active: int = 0
     #: Extra environment variables for every worker (e.g. the compile cache).
     worker_env: dict[str, str] = attrs.field(factory=dict)
     _transients: int = 0
     target: dict[str, str] = attrs.field(factory=dict)
     versions: dict[str, str] = attrs.field(factory=dict)
-    spawn_worker: Callable[..., WorkerProcess] = WorkerProcess.spawn
+    spawn_worker: Callable[..., WorkerHandle] = WorkerProcess.spawn
     #: The configured GPUs by id (discovered at start; an id missing here
     #: stands for itself: node C{/dev/nvidia<id>}, no UUID).
     gpu_devices: dict[int, GpuDevice] = attrs.field(factory=dict)
@@ -193,7 +357,7 @@ class WorkerPool:
         gpus: tuple[int, ...],
         work_dir: Path,
         max_requests: int,
-    ) -> WorkerProcess:
+    ) -> WorkerHandle:
         """Start a worker process that sees exactly C{gpus} (none: a CPU worker)."""
         devices = [self.gpu_devices.get(gpu) or GpuDevice(gpu, gpu) for gpu in gpus]
         executable, args, env = self.sandbox.command(
@@ -223,9 +387,7 @@ class WorkerPool:
             grace_seconds=self.config.worker_termination_grace_seconds,
         )
 
-    async def start_transient(
-        self, seat: Seat, gpus: tuple[int, ...]
-    ) -> tuple[WorkerProcess, Path]:
+    async def start_transient(self, seat: Seat, gpus: tuple[int, ...]) -> tuple[WorkerHandle, Path]:
         """
         Start a one-request worker that sees all of C{gpus} (a multi-GPU
         program), for the request that holds C{seat}.
@@ -247,7 +409,7 @@ class WorkerPool:
             raise
         return worker, work_dir
 
-    def remove_transient(self, worker: WorkerProcess, work_dir: Path) -> Deferred[Any]:
+    def remove_transient(self, worker: WorkerHandle, work_dir: Path) -> Deferred[None]:
         """Stop a transient worker and delete its directory."""
 
         async def remove() -> None:
@@ -257,7 +419,7 @@ class WorkerPool:
 
         return Deferred.fromCoroutine(remove())
 
-    def _worker_ended(self, code: int | None, seat: Seat, worker: WorkerProcess) -> int | None:
+    def _worker_ended(self, code: int | None, seat: Seat, worker: WorkerHandle) -> int | None:
         if seat.worker is worker and seat.status == "idle":
             # An idle worker died on its own: take it out of the idle set
             # and bring the seat back with a fresh process.
@@ -270,6 +432,10 @@ class WorkerPool:
     def stop_waiters(self) -> None:
         """Refuse new work and answer every queued request with L{PoolBusy}."""
         self.closing = True
+        for seat in self.seats:
+            call, seat._respawn_call, seat.respawn_at = seat._respawn_call, None, None
+            if call is not None and call.active():
+                call.cancel()
         while self._waiters:
             waiter = self._waiters.popleft()
             if waiter.timer is not None and waiter.timer.active():
@@ -286,6 +452,106 @@ class WorkerPool:
         await DeferredList(stops, consumeErrors=True)
         dirs = [seat.seat_dir for seat in self.seats if seat.seat_dir is not None]
         await self._run_blocking(_remove_trees, dirs)
+
+    # -- one request's seat ----------------------------------------------------
+
+    @asynccontextmanager
+    async def seat(
+        self, request_id: str, gpu_count: int | None = None, client: str | None = None
+    ) -> AsyncIterator[SeatUse]:
+        """
+        Hold a seat for one request, waiting in line for it.
+
+        With C{gpu_count}, start a one-request worker that sees the
+        C{gpu_count} least busy GPUs (protocol §6.5); it takes their lease
+        itself, only while its instructions use them, and is removed
+        afterwards.  On exit the seat goes back to the pool, its
+        worker retired when L{SeatUse.retire_reason} says so.
+
+        @param client: the request's client address: a reused worker serves
+            one client only (the reuse scope, L{acquire}).
+        @raise PoolBusy: no seat (or no GPUs) within the wait timeout.
+        @raise WorkerStartFailed: the multi-GPU worker did not start.
+        """
+        queued = self._reactor.seconds()
+        try:
+            seat = await self.acquire(
+                self.config.worker_wait_timeout_seconds, client if gpu_count is None else None
+            )
+        except PoolBusy as e:
+            queue_ms = (self._reactor.seconds() - queued) * 1000.0
+            raise PoolBusy(str(e), queue_ms=queue_ms) from None
+        assigned = self._reactor.seconds()
+        queue_ms = (assigned - queued) * 1000.0
+        if gpu_count is None:
+            assert seat.worker is not None and seat.work_dir is not None
+            use = SeatUse(seat, seat.worker, seat.work_dir, self, queue_ms, assigned, seat.gpus)
+            try:
+                yield use
+            except BaseException:
+                self.release(seat, retire=use.retire_reason())
+                raise
+            retire = use.retire_reason()
+            try:
+                if not await self._empty_unsandboxed_workspace(seat, use.worker, retire):
+                    retire = "sandbox_cleanup"
+            finally:
+                self.release(seat, retire=retire)
+            return
+        try:
+            try:
+                gpus = self.leases.least_busy(gpu_count)
+            except LeaseUnavailable:
+                raise PoolBusy("server saturated", queue_ms=queue_ms) from None
+            starting = self._reactor.seconds()
+            try:
+                worker, work_dir = await self.start_transient(seat, gpus)
+            except Exception as e:
+                raise WorkerStartFailed(str(e)) from e
+            use = SeatUse(
+                seat,
+                worker,
+                work_dir,
+                self,
+                queue_ms,
+                assigned,
+                gpus,
+                multi_gpu=True,
+                startup_seconds=self._reactor.seconds() - starting,
+            )
+            try:
+                yield use
+            finally:
+                self.remove_transient(worker, work_dir).addErrback(
+                    lambda f: self.log.failure("removing a multi-GPU worker failed", f)
+                )
+        finally:
+            self.release(seat)
+
+    async def _empty_unsandboxed_workspace(
+        self, seat: Seat, worker: WorkerHandle, retire: str | None
+    ) -> bool:
+        """
+        Without a sandbox nothing hides one request's workspace from the
+        next, so empty it before the answer goes out rather than after
+        (issue 17, item 5).  A retiring worker is stopped first, so nothing
+        writes into the workspace once it is empty.  Returns C{False} when
+        the workspace could not be emptied (the worker must then retire).
+        """
+        if self.sandbox.name != "none" or seat.work_dir is None:
+            return True
+        if retire is not None and retire != "request_limit" and worker.alive:
+            await worker.kill()
+        try:
+            await self._run_blocking(self.sandbox.clear_workspace, seat.work_dir)
+        except Exception as e:
+            self.log.warn(
+                "could not empty the workspace of {worker_id}: {error}",
+                worker_id=seat.worker_id,
+                error=str(e),
+            )
+            return False
+        return True
 
     # -- acquire and release -------------------------------------------------
 
@@ -441,20 +707,41 @@ class WorkerPool:
             self._pending.discard(d)
             self._replacing.discard(seat)
             if isinstance(result, Failure) and not self.closing:
+                seat.respawn_failures += 1
+                seat.respawn_error = result.getErrorMessage()
+                delay = min(
+                    self.respawn_backoff_initial * 2 ** (seat.respawn_failures - 1),
+                    self.respawn_backoff_max,
+                )
                 self.log.error(
                     "could not replace worker {worker_id}: {error}",
                     kcoral_event="worker_replace_failed",
                     worker_id=seat.worker_id,
                     gpu_id=seat.gpu_id,
                     reason=reason,
-                    error=result.getErrorMessage(),
+                    error=seat.respawn_error,
+                    failures=seat.respawn_failures,
+                    retry_in_seconds=delay,
                 )
                 seat.status = "dead"
+                # Back off: a replacement that cannot start (a broken
+                # sandbox, no memory) must not be retried in a tight loop.
+                seat.respawn_at = self._reactor.seconds() + delay
+                seat._respawn_call = self._reactor.callLater(delay, self._retry_respawn, seat)
+                return
+            if not isinstance(result, Failure):
+                seat.respawn_failures = 0
+                seat.respawn_error = None
             self._offer(seat)
 
         d.addBoth(done)
 
-    async def _replace_worker(self, seat: Seat, old: WorkerProcess | None, reason: str) -> None:
+    def _retry_respawn(self, seat: Seat) -> None:
+        seat._respawn_call = None
+        seat.respawn_at = None
+        self._offer(seat)
+
+    async def _replace_worker(self, seat: Seat, old: WorkerHandle | None, reason: str) -> None:
         old_dir = seat.seat_dir
         if old is not None and old.alive:
             if reason == "request_limit":
@@ -528,6 +815,11 @@ class WorkerPool:
                     "uptime_seconds": 0.0
                     if worker is None or not worker.alive
                     else round(now - worker.started_at, 3),
+                    "respawn_failures": seat.respawn_failures,
+                    "respawn_error": seat.respawn_error,
+                    "respawn_in_seconds": None
+                    if seat.respawn_at is None
+                    else round(max(0.0, seat.respawn_at - now), 3),
                 }
             )
         return rows
@@ -545,4 +837,13 @@ def _remove_trees(paths: list[Path]) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-__all__ = ["PoolBusy", "Seat", "WorkerPool", "CancelledError"]
+__all__ = [
+    "BudgetSpent",
+    "CancelledError",
+    "PoolBusy",
+    "Seat",
+    "SeatUse",
+    "WorkerHandle",
+    "WorkerPool",
+    "WorkerStartFailed",
+]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import glob
 import os
+import shlex
 import shutil
 import signal
 import stat
@@ -49,6 +50,15 @@ WORKSPACE = "/work"
 
 #: Where workers see the shared compile cache under bubblewrap.
 COMPILE_CACHE = "/var/cache/kcoral/compile"
+
+#: The worker's private, size-limited tmpfs for captured output, and the
+#: variable that tells the worker (C{kcoral.worker.capture.CAPTURE_DIR_ENV}).
+CAPTURE_DIR = "/run/kcoral/output"
+CAPTURE_DIR_ENV = "KCORAL_CAPTURE_DIR"
+
+#: The fd bwrap reads the seccomp filter from, and the shell that opens it.
+SECCOMP_FD = 9
+SHELL = "/bin/sh"
 
 #: The reserved top-level directory of a workspace.
 RESERVED = ".kcoral"
@@ -310,6 +320,9 @@ class _Mount:
     is_dir: bool
     #: Goes on the worker's C{PYTHONPATH} (the server imports from it).
     on_path: bool = False
+    #: The C{kcoral} package directory itself; its parent goes first on
+    #: the worker's C{PYTHONPATH}.
+    is_package: bool = False
 
 
 # -- bubblewrap ------------------------------------------------------------
@@ -337,6 +350,17 @@ class BubblewrapSandbox:
     bwrap: str = attrs.field(default="bwrap", kw_only=True)
     disable_userns: bool = attrs.field(default=True, kw_only=True)
     executable: str | None = attrs.field(default=None, kw_only=True)
+    #: The server's own directories (logs, caches) that no worker may see:
+    #: hidden under an empty tmpfs where a read-only mount would show them.
+    hidden_paths: tuple[str, ...] = attrs.field(
+        default=(), kw_only=True, converter=_to_path_strings
+    )
+    #: The compiled seccomp filter (L{kcoral.server.seccomp}) bwrap loads
+    #: before it starts the worker, or C{None} for none.
+    seccomp_path: str | None = attrs.field(default=None, kw_only=True)
+    #: Bytes of the worker's private tmpfs at L{CAPTURE_DIR} that holds its
+    #: captured stdout and stderr (C{None}: capture into the workspace).
+    capture_bytes: int | None = attrs.field(default=None, kw_only=True)
     #: A host directory shared read-write by every worker at L{COMPILE_CACHE}
     #: (the compile cache), or C{None}.
     compile_cache: str | None = attrs.field(default=None, kw_only=True)
@@ -426,6 +450,11 @@ class BubblewrapSandbox:
                         f"read-only runtime path overlaps the sandbox workspace {WORKSPACE}: {dest}"
                     )
                 dest = PACKAGE_MOUNT
+            if kind == "package":
+                # Only the package directory: the rest of a checkout (its
+                # logs, caches, configuration) stays out of the sandbox.
+                source = os.path.join(source, "kcoral")
+                dest = os.path.join(dest, "kcoral")
             if kind == "import" and any(_is_within(dest, m.dest) for m in mounts):
                 # Already visible below a runtime mount (a venv's site-packages).
                 continue
@@ -438,6 +467,7 @@ class BubblewrapSandbox:
                     dest=dest,
                     is_dir=os.path.isdir(source),
                     on_path=kind == "import" and os.path.isdir(source),
+                    is_package=kind == "package",
                 )
             )
         return tuple(mounts)
@@ -481,6 +511,10 @@ class BubblewrapSandbox:
             argv += ["--bind", private_tmp, link]
         for m in mounts:
             argv += ["--ro-bind", m.source, m.dest]
+        for path in self._masked(mounts):
+            # Server files below a bound path (a log directory inside a
+            # virtualenv or a --target directory): an empty tmpfs over them.
+            argv += ["--size", "4096", "--tmpfs", path, "--remount-ro", path]
         argv += ["--bind", resolved_work, WORKSPACE]
         argv += ["--proc", "/proc", "--dir", "/dev"]
         for dev in PSEUDO_DEVICES:
@@ -501,20 +535,46 @@ class BubblewrapSandbox:
         overrides = self._environment(mounts)
         for key, value in overrides.items():
             argv += ["--setenv", key, value]
+        env = {k: v for k, v in os.environ.items() if isinstance(v, str)}
+        env.update(overrides)
         if not gpu_devices:
             argv += ["--remount-ro", "/proc"]
         if self.compile_cache is not None:
             argv += ["--bind", self.compile_cache, COMPILE_CACHE]
+        if self.capture_bytes is not None:
+            # Captured output stays in the sandbox's memory, bounded: a
+            # program printing without end fills this, not the host's disk.
+            argv += ["--size", str(self.capture_bytes), "--tmpfs", CAPTURE_DIR]
+            argv += ["--setenv", CAPTURE_DIR_ENV, CAPTURE_DIR]
+            env[CAPTURE_DIR_ENV] = CAPTURE_DIR
         argv += ["--chdir", WORKSPACE, "--remount-ro", "/", "--", *tail]
-
-        env = {k: v for k, v in os.environ.items() if isinstance(v, str)}
-        env.update(overrides)
+        if self.seccomp_path is not None:
+            # bwrap reads the filter from an fd: a shell opens the file on
+            # SECCOMP_FD and execs bwrap (same pid), so the fd exists only
+            # for bwrap, which closes it before the worker starts.
+            script = f'exec "$0" "$@" {SECCOMP_FD}<{shlex.quote(self.seccomp_path)}'
+            argv = [SHELL, "-c", script, argv[0], "--seccomp", str(SECCOMP_FD), *argv[1:]]
+            executable = SHELL
         return executable, argv, env
+
+    def _masked(self, mounts: Sequence[_Mount]) -> list[str]:
+        """The L{hidden_paths} that some read-only mount would show."""
+        masked = []
+        for hidden in self.hidden_paths:
+            for path in dict.fromkeys((os.path.abspath(hidden), os.path.realpath(hidden))):
+                if not os.path.isdir(path):
+                    continue
+                for m in mounts:
+                    if _is_within(path, m.source) and m.is_dir:
+                        inside = os.path.join(m.dest, os.path.relpath(path, m.source))
+                        if inside not in masked:
+                            masked.append(os.path.normpath(inside))
+        return masked
 
     def _environment(self, mounts: Sequence[_Mount]) -> dict[str, str]:
         private = f"{WORKSPACE}/{RESERVED}"
         pkg_dest = next(
-            (m.dest for m in mounts if m.dest == PACKAGE_MOUNT),
+            (os.path.dirname(m.dest) for m in mounts if m.is_package),
             os.path.abspath(package_root()),
         )
         extras = {os.path.abspath(p) for p in self.readonly_paths}
@@ -742,11 +802,14 @@ def choose_sandbox(
     *,
     bwrap: str = "bwrap",
     gpu_minors: Sequence[int] | None = None,
+    scratch: Path | None = None,
 ) -> Deferred[Any]:
     """
     Pick the server run's L{ISandbox}: L{NoSandbox} for C{sandbox="none"}
-    (no probe); else probe bubblewrap and fall back to L{NoSandbox} with a
-    C{sandbox_disabled} WARNING event and a C{RuntimeWarning} on failure.
+    (no probe); else probe bubblewrap.  When the probe fails, C{"bubblewrap"}
+    fails with L{SandboxError} (the server does not start) and C{"auto"}
+    falls back to L{NoSandbox} with a C{sandbox_disabled} WARNING event and
+    a C{RuntimeWarning}.
 
     @param config: a C{kcoral.config.ServerConfig} (C{sandbox},
         C{sandbox_readonly_paths}, C{device}, C{gpus}).
@@ -754,17 +817,44 @@ def choose_sandbox(
     @param gpu_minors: the device node minors of the configured GPUs (from
         L{kcoral.server.gpus}); when not given, each GPU id is taken to be
         its minor (spec 6.2's fallback).
+    @param scratch: the server's scratch root: the seccomp filter is
+        compiled into it (none without it, or without libseccomp).
     @return: a Deferred firing with the L{ISandbox} provider.
     """
-    return Deferred.fromCoroutine(_choose_sandbox(reactor, config, log or _log, bwrap, gpu_minors))
+    return Deferred.fromCoroutine(
+        _choose_sandbox(reactor, config, log or _log, bwrap, gpu_minors, scratch)
+    )
 
 
 async def _choose_sandbox(
-    reactor: Any, config: Any, log: Logger, bwrap: str, gpu_minors: Sequence[int] | None
+    reactor: Any,
+    config: Any,
+    log: Logger,
+    bwrap: str,
+    gpu_minors: Sequence[int] | None,
+    scratch: Path | None = None,
 ) -> Any:
     if config.sandbox == "none":
         return NoSandbox()
-    sandbox = BubblewrapSandbox(tuple(config.sandbox_readonly_paths or ()), bwrap=bwrap)
+    sandbox = BubblewrapSandbox(
+        tuple(config.sandbox_readonly_paths or ()),
+        bwrap=bwrap,
+        capture_bytes=getattr(config, "output_space_bytes", None),
+        hidden_paths=_server_paths(config),
+    )
+    if scratch is not None:
+        from kcoral.server.seccomp import SeccompUnavailable, write_filter
+
+        try:
+            sandbox.seccomp_path = await deferToThreadPool(
+                reactor, reactor.getThreadPool(), write_filter, scratch
+            )
+        except (SeccompUnavailable, OSError) as e:
+            log.warn(
+                "no seccomp filter for the sandbox: {error}",
+                kcoral_event="seccomp_unavailable",
+                error=str(e),
+            )
     if config.device == "gpu":
         minors = list(gpu_minors) if gpu_minors is not None else list(config.gpus)
         device_sets = [[str(minor)] for minor in dict.fromkeys(minors)]
@@ -773,6 +863,12 @@ async def _choose_sandbox(
     error = await probe_sandbox(reactor, sandbox, gpu_device_sets=device_sets)
     if error is None:
         return sandbox
+    if config.sandbox != "auto":
+        # The operator asked for the sandbox: never run programs without it.
+        raise SandboxError(
+            f"--sandbox bubblewrap: bubblewrap cannot run ({error}); fix it, or choose "
+            "--sandbox auto to fall back to no sandbox"
+        )
     full_text = FALLBACK_PREFIX + error
     log.warn(
         "bubblewrap could not start; filesystem isolation is disabled for this server run: {error}",
@@ -783,6 +879,20 @@ async def _choose_sandbox(
     )
     warnings.warn(full_text, RuntimeWarning, stacklevel=2)
     return NoSandbox()
+
+
+def _server_paths(config: Any) -> tuple[str, ...]:
+    """The server's directories no worker may see: logs and caches."""
+    paths = []
+    for name in ("log_dir", "disk_cache_dir"):
+        value = getattr(config, name, None)
+        if value:
+            paths.append(os.fspath(value))
+    cache = getattr(config, "disk_cache_dir", None)
+    if cache:
+        # The compile cache beside it (its host path; workers use their bind).
+        paths.append(os.path.join(os.path.dirname(os.fspath(cache)), "compile"))
+    return tuple(paths)
 
 
 _log = Logger(namespace="kcoral.server.sandbox")

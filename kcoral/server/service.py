@@ -1,13 +1,21 @@
-# -*- test-case-name: tests.integration.test_server -*-
+# -*- test-case-name: tests.unit.test_service,tests.integration.test_server -*-
 """
-L{KCoralService}: the root service that owns a server's workers, caches,
-leases, logs and HTTP port.
+L{KCoralService}: the root service, a L{MultiService} of the server's parts.
+
+Its children, in start order (as buildbot's master holds its subsystems):
+
+  - C{threads}: the I/O thread pool (blocking file work);
+  - C{logs}: the log observers, run directory and program recorder;
+  - C{caches}: the disk file cache (evicted to its capacity at start);
+  - C{workers}: the sandbox probe and the worker pool, with its leases;
+  - C{http}: the listening port (absent from L{create_app}'s service).
 
 Construction does no I/O, so C{create_app(ServerConfig(...))} is cheap and
-starts nothing.  C{startService} brings things up in the order of the server
-spec (logs, caches, sandbox probe, workers, then the port) and exposes the
-result as C{ready}; C{stopService} stops accepting, lets in-flight requests
-finish, then stops every worker.
+starts nothing.  The children start one after another, each once the one
+before it is up (the order of the server spec), and C{ready} fires when all
+are; they stop in reverse order, each once the one after it has stopped, so
+the port closes first, in-flight requests finish, every worker exits, and
+the logs close last.
 """
 
 from __future__ import annotations
@@ -16,33 +24,47 @@ import atexit
 import os
 import shutil
 import sys
-import tempfile
 import traceback
 import uuid
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from klein import Klein
 from twisted.application import service
-from twisted.internet.defer import Deferred
-from twisted.internet.endpoints import serverFromString
+from twisted.internet.defer import Deferred, maybeDeferred
+from twisted.internet.interfaces import IListeningPort
 from twisted.internet.threads import deferToThreadPool
-from twisted.logger import Logger, globalLogPublisher
+from twisted.logger import ILogObserver, Logger, globalLogPublisher
+from twisted.python.failure import Failure
 from twisted.python.threadpool import ThreadPool
+from twisted.web.server import Site
 
 from kcoral.config import ServerConfig
 from kcoral.server.app import KcoralAPI
+from kcoral.server.auth import beyond_loopback
 from kcoral.server.cache import BlobStore, DiskFileCache, MemoryBlobCache
 from kcoral.server.gpus import GpuDevice, discover_gpus, select_gpus
-from kcoral.server.http import KcoralSite
+from kcoral.server.http import listen_all, make_site, port_hosts, raise_fd_limit
 from kcoral.server.lease import LeaseArbiter
 from kcoral.server.pool import WorkerPool
+from kcoral.server.sandbox import NoSandbox
 
-#: Set when a server started by twistd failed to start, so `kcoral server`
-#: can exit non-zero after the reactor stops.
-start_failures: list[str] = []
+if TYPE_CHECKING:
+    from kcoral.server.logs import LogSetup
+    from kcoral.server.metrics import Metrics
+    from kcoral.server.status import RecentRequests
+
+#: Runs a blocking callable in the I/O thread pool.
+RunBlocking = Callable[..., Deferred[Any]]
+
+#: The reactor the server runs on.  It is used for time, threads, processes
+#: and TCP, which no single Twisted interface covers; each part receives it
+#: typed as the interface it uses (C{IReactorTime} for the pool and leases).
+Reactor = Any
 
 
-def _reactor(reactor: Any) -> Any:
+def _reactor(reactor: Reactor | None) -> Reactor:
     if reactor is None:
         from twisted.internet import reactor as global_reactor
 
@@ -50,18 +72,292 @@ def _reactor(reactor: Any) -> Any:
     return reactor
 
 
-class KCoralService(service.MultiService):
-    """The whole server, as a Twisted service."""
+class AsyncService(service.Service):
+    """
+    A child service whose start and stop are coroutines: C{startService}
+    and C{stopService} return their Deferreds, which the root waits for.
+    """
+
+    async def start(self) -> None:
+        """Bring the part up (after C{running} is set)."""
+
+    async def stop(self) -> None:
+        """Take the part down (after C{running} is cleared)."""
+
+    def startService(self) -> Deferred[None]:  # type: ignore[override]
+        super().startService()
+        return Deferred.fromCoroutine(self.start())
+
+    def stopService(self) -> Deferred[None]:
+        super().stopService()
+        return Deferred.fromCoroutine(self.stop())
+
+
+class ThreadPoolService(service.Service):
+    """Starts and stops a L{ThreadPool} with the server."""
+
+    def __init__(self, threadpool: ThreadPool) -> None:
+        self.threadpool = threadpool
+
+    def startService(self) -> None:
+        super().startService()
+        self.threadpool.start()
+
+    def stopService(self) -> None:
+        super().stopService()
+        self.threadpool.stop()
+
+
+class LogWriterService(AsyncService):
+    """
+    The server's log observers: installed at start (in a thread: they
+    create the run directory), removed at stop.
+
+    @ivar log_setup: the installed L{kcoral.server.logs.LogSetup}.
+    """
 
     log = Logger()
 
     def __init__(
-        self, config: ServerConfig, endpoint: str | None = None, *, reactor: Any = None
+        self,
+        config: ServerConfig,
+        observers: list[ILogObserver],
+        run_blocking: RunBlocking,
+        on_ready: Callable[[LogSetup], None],
+    ) -> None:
+        self._config = config
+        self._observers = observers
+        self._run_blocking = run_blocking
+        self._on_ready = on_ready
+        self.log_setup: LogSetup | None = None
+
+    async def start(self) -> None:
+        from kcoral.server.logs import install_observers
+
+        self.log_setup = await self._run_blocking(
+            install_observers, self._config, extra_observers=self._observers
+        )
+        self._on_ready(self.log_setup)
+
+    async def stop(self) -> None:
+        self.log.info("server stopped", kcoral_event="server_stopped")
+        if self.log_setup is not None:
+            self.log_setup.close()
+            self.log_setup = None
+
+
+class CacheService(AsyncService):
+    """The disk file cache, trimmed to its capacity before any request."""
+
+    def __init__(self, disk_cache: DiskFileCache, run_blocking: RunBlocking) -> None:
+        self._disk_cache = disk_cache
+        self._run_blocking = run_blocking
+
+    async def start(self) -> None:
+        await self._run_blocking(self._disk_cache.evict)
+
+
+class WorkerPoolService(AsyncService):
+    """
+    The worker pool: probes the sandbox and starts every worker; at stop,
+    refuses new work, lets running requests finish, then stops the workers.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        reactor: Reactor,
+        pool: WorkerPool,
+        leases: LeaseArbiter,
+        api: KcoralAPI,
+        run_blocking: RunBlocking,
+    ) -> None:
+        self._config = config
+        self._reactor = reactor
+        self.pool = pool
+        self._leases = leases
+        self._api = api
+        self._run_blocking = run_blocking
+        self._root_dir: Path | None = None
+
+    async def start(self) -> None:
+        from kcoral.server.sandbox import choose_sandbox
+
+        config, pool = self._config, self.pool
+        minors = None
+        if config.device == "gpu":
+            pool.gpu_devices = await self._discover_gpus()
+            minors = [device.minor for device in pool.gpu_devices.values()]
+        from kcoral.server import scratch
+
+        leftovers = await self._run_blocking(scratch.remove_leftovers)
+        if leftovers:
+            self.log.info(
+                "removed {count} scratch directories of servers that are gone",
+                kcoral_event="leftovers_removed",
+                count=len(leftovers),
+                names=leftovers,
+            )
+        self._root_dir = await self._run_blocking(scratch.make_root)
+        sandbox = await choose_sandbox(
+            self._reactor, config, self.log, gpu_minors=minors, scratch=self._root_dir
+        )
+        self._api.sandbox_name = sandbox.name
+        pool.sandbox = sandbox
+        pool.root_dir = self._root_dir
+        compile_cache = await self._run_blocking(_compile_cache_dir, config)
+        if compile_cache is not None:
+            # Workers share one compile cache, so resubmitting a kernel skips
+            # nvcc whichever worker gets it (docs/compilers.md).
+            from kcoral.server.sandbox import COMPILE_CACHE, BubblewrapSandbox
+
+            if isinstance(sandbox, BubblewrapSandbox):
+                sandbox.compile_cache = str(compile_cache)
+                pool.worker_env["KCORAL_COMPILE_CACHE_DIR"] = COMPILE_CACHE
+            else:
+                pool.worker_env["KCORAL_COMPILE_CACHE_DIR"] = str(compile_cache)
+        await pool.start()
+        self.log.info(
+            "pool ready: {workers} workers, sandbox {sandbox}",
+            kcoral_event="pool_ready",
+            sandbox=sandbox.name,
+            mode=config.device,
+            target=pool.target,
+            versions=pool.versions,
+            workers=len(pool.seats),
+        )
+
+    async def _discover_gpus(self) -> dict[int, GpuDevice]:
+        """The configured GPUs' device nodes and UUIDs, found without CUDA (in a thread)."""
+        found = await self._run_blocking(discover_gpus)
+        selected = select_gpus(found, self._config.distinct_gpus)
+        self.log.info(
+            "GPUs: {gpus}",
+            kcoral_event="gpus_discovered",
+            gpus=[device.as_log_dict() for device in selected.values()],
+            discovered=len(found),
+        )
+        return selected
+
+    async def stop(self) -> None:
+        self._leases.close()
+        # Queued requests get 503 now; running ones finish with their budgets.
+        self.pool.stop_waiters()
+        await self._api.wait_idle()
+        await self.pool.stop()
+        if self._root_dir is not None:
+            await self._run_blocking(shutil.rmtree, self._root_dir, True)
+        self.log.info("shutdown complete", kcoral_event="shutdown_complete")
+
+
+class ListeningPortService(AsyncService):
+    """
+    The HTTP ports: listen at start, stop listening at stop.
+
+    Like L{twisted.application.strports.service} for each C{--listen}
+    endpoint, but its start returns the listening Deferred, so a port that
+    cannot be bound fails the server's start, and the bound addresses are
+    logged.  Before listening it raises the open-file limit and, with
+    C{token_file}, puts the API behind L{kcoral.server.auth.TokenGuard}
+    (the file is read in a thread); listening beyond loopback without a
+    token is announced as a CRITICAL event.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        reactor: Reactor,
+        endpoint: str | Sequence[str],
+        site: Site,
+        *,
+        token_file: Path | None = None,
+        public_metrics: bool = False,
+        run_blocking: RunBlocking | None = None,
+    ) -> None:
+        self._reactor = reactor
+        self._endpoints = (endpoint,) if isinstance(endpoint, str) else tuple(endpoint)
+        self._site = site
+        self._token_file = token_file
+        self._public_metrics = public_metrics
+        self._run_blocking = run_blocking
+        self.ports: list[IListeningPort] = []
+
+    @property
+    def port(self) -> IListeningPort | None:
+        """The first listening port (C{None} when not listening)."""
+        return self.ports[0] if self.ports else None
+
+    async def start(self) -> None:
+        limits = raise_fd_limit()
+        if limits is not None and limits[0] != limits[1]:
+            self.log.info(
+                "open file limit raised from {old} to {new}",
+                kcoral_event="fd_limit_raised",
+                old=limits[0],
+                new=limits[1],
+            )
+        tokens = None
+        if self._token_file is not None:
+            from kcoral.server.auth import TokenGuard, load_tokens
+
+            if self._run_blocking is None:
+                tokens = load_tokens(self._token_file)
+            else:
+                tokens = await self._run_blocking(load_tokens, self._token_file)
+            self._site.resource = TokenGuard(
+                self._site.resource, tokens, public_metrics=self._public_metrics
+            )
+        self.ports = await listen_all(self._reactor, self._endpoints, self._site)
+        for port in self.ports:
+            address = port.getHost()
+            self.log.info(
+                "listening on {host}:{port}",
+                kcoral_event="server_listening",
+                host=getattr(address, "host", None),
+                port=getattr(address, "port", None),
+                path=getattr(address, "name", None),
+                clients=None if tokens is None else [name for _, name in tokens.entries],
+            )
+        exposed = beyond_loopback(port_hosts(self.ports))
+        if exposed and tokens is None:
+            self.log.critical(
+                "LISTENING BEYOND LOOPBACK ({addresses}) WITHOUT --auth-token-file: "
+                "anyone who can reach this port can run code on this machine",
+                kcoral_event="unauthenticated_exposure",
+                addresses=exposed,
+            )
+
+    async def stop(self) -> None:
+        ports, self.ports = self.ports, []
+        for port in ports:
+            await maybeDeferred(port.stopListening)
+
+
+class KCoralService(service.MultiService):
+    """
+    The whole server, as a Twisted service tree.
+
+    @ivar ready: fires when every child has started, or fails with the
+        reason the server could not start (twistd ignores a Deferred from
+        C{startService}).
+    @ivar start_failure: that reason, as one line, once start has failed.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        endpoint: str | Sequence[str] | None = None,
+        *,
+        reactor: Reactor | None = None,
     ) -> None:
         super().__init__()
         self.setName("kcoral")
         self.config = config
-        self.endpoint = endpoint
         self._reactor = _reactor(reactor)
         self.threadpool = ThreadPool(minthreads=0, maxthreads=4, name="kcoral-io")
         gpus = () if config.device == "cpu" else tuple(dict.fromkeys(config.gpus))
@@ -71,8 +367,9 @@ class KCoralService(service.MultiService):
             config.disk_cache_dir, config.disk_cache_capacity_mbytes, self._cache_event
         )
         self.blobs = BlobStore(self.memory_cache, self.disk_cache, self.threadpool, self._reactor)
+        # The probed sandbox replaces NoSandbox when the workers start.
         self.pool = WorkerPool(
-            config, self._reactor, self.leases, None, self.run_blocking, Path(".")
+            config, self._reactor, self.leases, NoSandbox(), self.run_blocking, Path(".")
         )
         #: Endpoints that cannot work in this installation -> why.
         self.unavailable: dict[str, str] = {}
@@ -93,14 +390,39 @@ class KCoralService(service.MultiService):
             self.api.status_snapshot = lambda health: status_snapshot(health, recent)
             self.api.status_page = STATUS_PAGE
         self.ready: Deferred[None] = Deferred()
-        self.port: Any = None
-        self.log_setup: Any = None
-        self._root_dir: Path | None = None
+        self.start_failure: str | None = None
         #: The process's exit status when the server fails to start under
         #: twistd; C{None} leaves the exit status to the caller.
         self.exit_status_on_failure: int | None = None
 
-    def run_blocking(self, f: Any, *args: Any, **kwargs: Any) -> Deferred[Any]:
+        observers: list[ILogObserver] = [o for o in (self.metrics, self.recent) if o is not None]
+        self.logs = LogWriterService(config, observers, self.run_blocking, self._logs_ready)
+        children: list[service.Service] = [
+            _named(ThreadPoolService(self.threadpool), "threads"),
+            _named(self.logs, "logs"),
+            _named(CacheService(self.disk_cache, self.run_blocking), "caches"),
+            _named(
+                WorkerPoolService(
+                    config, self._reactor, self.pool, self.leases, self.api, self.run_blocking
+                ),
+                "workers",
+            ),
+        ]
+        if endpoint is not None and endpoint != ():
+            site = make_site(self.api.resource(), config, reactor=self._reactor)
+            http = ListeningPortService(
+                self._reactor,
+                endpoint,
+                site,
+                token_file=config.auth_token_file,
+                public_metrics=config.public_metrics,
+                run_blocking=self.run_blocking,
+            )
+            children.append(_named(http, "http"))
+        for child in children:
+            child.setServiceParent(self)
+
+    def run_blocking(self, f: Callable[..., Any], *args: Any, **kwargs: Any) -> Deferred[Any]:
         """Run blocking C{f} in the server's I/O thread pool."""
         return deferToThreadPool(self._reactor, self.threadpool, f, *args, **kwargs)
 
@@ -110,18 +432,59 @@ class KCoralService(service.MultiService):
         else:
             self.log.info("{kcoral_event} {cache}", kcoral_event=name, **fields)
 
-    # -- start ------------------------------------------------------------------
+    def _logs_ready(self, log_setup: LogSetup) -> None:
+        """The logs are up: the run starts now (its first event)."""
+        self.api.started_at = self._reactor.seconds()
+        self.api.instance_id = str(uuid.uuid4())
+        run_dir = log_setup.run_dir
+        self.log.info(
+            "kcoral server starting",
+            kcoral_event="server_started",
+            run_dir=None if run_dir is None else str(run_dir.path),
+            config=self.config.as_log_dict(),
+        )
+        self._announce_unavailable()
+        recorder = log_setup.recorder
+        if recorder is not None:
+            self.api.save_program = lambda rid, data: self.run_blocking(recorder.save, rid, data)
+        self._start_retention(None if run_dir is None else run_dir.path)
+
+    def _announce_unavailable(self) -> None:
+        """Say at start-up which endpoints cannot work here, and why."""
+        for endpoint, reason in self.unavailable.items():
+            self.log.warn(
+                "{endpoint} is unavailable: {error}",
+                kcoral_event="endpoint_unavailable",
+                endpoint=endpoint,
+                error=reason,
+            )
+
+    def _start_retention(self, run_path: Path | None) -> None:
+        """Prune old runs and saved programs hourly (docs/logs.md): a child started now."""
+        from kcoral.server.retention import RetentionPolicy, RetentionService
+
+        policy = RetentionPolicy.from_config(self.config)
+        if run_path is None or not policy.enabled:
+            return
+        RetentionService(
+            run_path.parent, run_path, policy, self.run_blocking, self._reactor
+        ).setServiceParent(self)
+
+    # -- start and stop ---------------------------------------------------------
 
     def startService(self) -> None:
-        super().startService()
-        self.threadpool.start()
-        d = Deferred.fromCoroutine(self._start())
+        service.Service.startService(self)
+        d = Deferred.fromCoroutine(self._start_children())
         d.addCallbacks(self.ready.callback, self._start_failed)
 
-    def _start_failed(self, failure: Any) -> None:
-        message = f"{failure.type.__name__}: {failure.getErrorMessage()}"
+    async def _start_children(self) -> None:
+        for child in list(self):
+            await maybeDeferred(child.startService)
+
+    def _start_failed(self, failure: Failure) -> None:
+        message = f"{failure.type.__name__}: {failure.getErrorMessage()}"  # type: ignore[union-attr]
         console = None
-        if self.log_setup is None and self.config.log_console:
+        if self.logs.log_setup is None and self.config.log_console:
             # The console mirror is not installed yet (the log directory
             # itself may be the cause): show the cause on the console anyway.
             # (Under plain twistd log_console is off: twistd's log shows it.)
@@ -139,7 +502,7 @@ class KCoralService(service.MultiService):
         finally:
             if console is not None:
                 globalLogPublisher.removeObserver(console)
-        start_failures.append(message)
+        self.start_failure = message
         self.ready.errback(failure)
         if self.running and self.parent is not None:
             # Under twistd (kcoral server, twistd -n kcoral, a .tac): stop
@@ -152,145 +515,29 @@ class KCoralService(service.MultiService):
             if self.exit_status_on_failure is not None:
                 atexit.register(_exit_with, self.exit_status_on_failure)
 
-    def _announce_unavailable(self) -> None:
-        """Say at start-up which endpoints cannot work here, and why."""
-        for endpoint, reason in self.unavailable.items():
-            self.log.warn(
-                "{endpoint} is unavailable: {error}",
-                kcoral_event="endpoint_unavailable",
-                endpoint=endpoint,
-                error=reason,
-            )
-
-    async def _start(self) -> None:
-        config = self.config
-        from kcoral.server.logs import install_observers
-
-        observers = [o for o in (self.metrics, self.recent) if o is not None]
-        self.log_setup = await self.run_blocking(
-            install_observers, config, extra_observers=observers
-        )
-        started = self._reactor.seconds()
-        self.api.started_at = started
-        self.api.instance_id = str(uuid.uuid4())
-        run_dir = getattr(self.log_setup, "run_dir", None)
-        self.log.info(
-            "kcoral server starting",
-            kcoral_event="server_started",
-            run_dir=None if run_dir is None else str(getattr(run_dir, "path", run_dir)),
-            config=config.as_log_dict(),
-        )
-        self._announce_unavailable()
-        recorder = getattr(self.log_setup, "recorder", None)
-        if recorder is not None:
-            self.api.save_program = lambda rid, data: self.run_blocking(recorder.save, rid, data)
-        self._start_retention(getattr(run_dir, "path", None))
-        await self.run_blocking(self.disk_cache.evict)
-
-        from kcoral.server.sandbox import choose_sandbox
-
-        minors = None
-        if config.device == "gpu":
-            self.pool.gpu_devices = await self._discover_gpus()
-            minors = [device.minor for device in self.pool.gpu_devices.values()]
-        sandbox = await choose_sandbox(self._reactor, config, self.log, gpu_minors=minors)
-        self.api.sandbox_name = sandbox.name
-        self._root_dir = Path(await self.run_blocking(tempfile.mkdtemp, prefix="kcoral-"))
-        self.pool.sandbox = sandbox
-        self.pool.root_dir = self._root_dir
-        compile_cache = await self.run_blocking(_compile_cache_dir, config)
-        if compile_cache is not None:
-            # Workers share one compile cache, so resubmitting a kernel skips
-            # nvcc whichever worker gets it (docs/compilers.md).
-            from kcoral.server.sandbox import COMPILE_CACHE, BubblewrapSandbox
-
-            if isinstance(sandbox, BubblewrapSandbox):
-                sandbox.compile_cache = str(compile_cache)
-                self.pool.worker_env["KCORAL_COMPILE_CACHE_DIR"] = COMPILE_CACHE
-            else:
-                self.pool.worker_env["KCORAL_COMPILE_CACHE_DIR"] = str(compile_cache)
-        await self.pool.start()
-        self.log.info(
-            "pool ready: {workers} workers, sandbox {sandbox}",
-            kcoral_event="pool_ready",
-            sandbox=sandbox.name,
-            mode=config.device,
-            target=self.pool.target,
-            versions=self.pool.versions,
-            workers=len(self.pool.seats),
-        )
-        if self.endpoint is not None:
-            site = KcoralSite(self.api.resource(), max_request_bytes=config.max_request_bytes)
-            self.port = await serverFromString(self._reactor, self.endpoint).listen(site)
-            address = self.port.getHost()
-            self.log.info(
-                "listening on {host}:{port}",
-                kcoral_event="server_listening",
-                host=getattr(address, "host", None),
-                port=getattr(address, "port", None),
-            )
-
-    async def _discover_gpus(self) -> dict[int, GpuDevice]:
-        """The configured GPUs' device nodes and UUIDs, found without CUDA (in a thread)."""
-        found = await self.run_blocking(discover_gpus)
-        selected = select_gpus(found, self.config.distinct_gpus)
-        self.log.info(
-            "GPUs: {gpus}",
-            kcoral_event="gpus_discovered",
-            gpus=[device.as_log_dict() for device in selected.values()],
-            discovered=len(found),
-        )
-        return selected
-
-    def _start_retention(self, run_path: Path | None) -> None:
-        """Prune old runs and saved programs hourly (docs/logs.md)."""
-        from kcoral.server.retention import RetentionPolicy, RetentionService
-
-        policy = RetentionPolicy.from_config(self.config)
-        if run_path is None or not policy.enabled:
-            return
-        RetentionService(
-            run_path.parent, run_path, policy, self.run_blocking, self._reactor
-        ).setServiceParent(self)
-
-    # -- stop -------------------------------------------------------------------
-
     def stopService(self) -> Deferred[None]:
-        super().stopService()
-        return Deferred.fromCoroutine(self._stop())
-
-    async def _stop(self) -> None:
-        try:
-            await self._stop_all()
-        except Exception:
-            self.log.failure("error while stopping the server")
-        finally:
-            # Whatever failed above, the I/O threads must end: they are not
-            # daemon threads and would keep the process alive after the
-            # reactor has stopped.
-            if self.log_setup is not None:
-                self.log_setup.close()
-            self.threadpool.stop()
-
-    async def _stop_all(self) -> None:
-        remaining = self.api.in_flight
+        service.Service.stopService(self)
         self.log.info(
             "shutdown requested; finishing {remaining} request(s)",
             kcoral_event="shutdown_started",
-            remaining=remaining,
+            remaining=self.api.in_flight,
         )
-        if self.port is not None:
-            await self.port.stopListening()
-            self.port = None
-        self.leases.close()
-        # Queued requests get 503 now; running ones finish with their budgets.
-        self.pool.stop_waiters()
-        await self.api.wait_idle()
-        await self.pool.stop()
-        if self._root_dir is not None:
-            await self.run_blocking(shutil.rmtree, self._root_dir, True)
-        self.log.info("shutdown complete", kcoral_event="shutdown_complete")
-        self.log.info("server stopped", kcoral_event="server_stopped")
+        return Deferred.fromCoroutine(self._stop_children())
+
+    async def _stop_children(self) -> None:
+        # Whatever fails, the children before it still stop: the logs close
+        # and the I/O threads (not daemon threads) end.
+        for child in reversed(list(self)):
+            if child.running:
+                try:
+                    await maybeDeferred(child.stopService)
+                except Exception:
+                    self.log.failure("error while stopping {child}", child=child.name)
+
+
+def _named(child: service.Service, name: str) -> service.Service:
+    child.setName(name)
+    return child
 
 
 def _compile_cache_dir(config: ServerConfig) -> Path | None:
@@ -309,7 +556,7 @@ def _compile_cache_dir(config: ServerConfig) -> Path | None:
     return path
 
 
-def _observability(server: KCoralService) -> tuple[Any, Any]:
+def _observability(server: KCoralService) -> tuple[Metrics | None, RecentRequests | None]:
     """
     The metrics and recent-requests observers, when their modules import.
 
@@ -349,7 +596,9 @@ def _observability(server: KCoralService) -> tuple[Any, Any]:
     )
 
 
-def makeService(config: ServerConfig, endpoint: str, *, reactor: Any = None) -> KCoralService:
+def makeService(
+    config: ServerConfig, endpoint: str | Sequence[str], *, reactor: Reactor | None = None
+) -> KCoralService:
     """
     Build the root service for C{config}, serving HTTP on C{endpoint}.
 
@@ -376,7 +625,7 @@ def _exit_with(status: int) -> None:
     os._exit(status)
 
 
-def create_app(config: ServerConfig | None = None, *, reactor: Any = None) -> Any:
+def create_app(config: ServerConfig | None = None, *, reactor: Reactor | None = None) -> Klein:
     """
     The Klein app for C{config}; nothing starts until its service does.
 

@@ -42,7 +42,10 @@ from kcoral.config import (
 if TYPE_CHECKING:
     from twisted.application.service import MultiService
 
-__all__ = ["ENV_VARS", "Options", "endpoint_description", "makeService"]
+__all__ = ["ENV_VARS", "Options", "endpoint_description", "makeService", "with_backlog"]
+
+#: The listen queue of TCP and SSL ports given without C{backlog=}.
+DEFAULT_BACKLOG = 1024
 
 #: Options whose default comes from an environment variable when it is set.
 ENV_VARS: Mapping[str, str] = {
@@ -111,12 +114,19 @@ _FIELD_FLAGS: Mapping[str, str] = {
     "max_response_bytes": "max-response-bytes",
     "output_limit_bytes": "output-limit-bytes",
     "max_output_limit_bytes": "max-output-limit-bytes",
+    "output_space_bytes": "output-space-bytes",
     "device": "device",
     "num_workers": "num-workers",
     "tensor_api": "tensor-api",
     "log_level": "log-level",
     "log_retention_days": "log-retention-days",
     "log_retention_mbytes": "log-retention-mbytes",
+    "auth_token_file": "auth-token-file",
+    "public_metrics": "public-metrics",
+    "header_timeout_seconds": "header-timeout-seconds",
+    "body_timeout_seconds": "body-timeout-seconds",
+    "max_connections": "max-connections",
+    "finish_abandoned": "finish-abandoned",
 }
 
 _FIELD_RE = re.compile(r"\b(" + "|".join(_FIELD_FLAGS) + r")\b(?![=_])")
@@ -132,8 +142,10 @@ class Options(usage.Options):
     Options of C{twistd kcoral} and C{kcoral server}.
 
     @ivar config: the L{ServerConfig} built by L{postOptions}.
-    @ivar endpoint: the strports description of the HTTP listening port,
-        built by L{postOptions}.
+    @ivar endpoints: the endpoint descriptions of the HTTP listening ports
+        (C{--listen}, or C{tcp:} on C{--host}/C{--port}), built by
+        L{postOptions}.
+    @ivar endpoint: the first of them.
     """
 
     longdesc = (
@@ -154,6 +166,18 @@ class Options(usage.Options):
             "no-log-programs",
             None,
             "Do not save accepted programs under the run directory. [default: programs saved]",
+        ],
+        [
+            "public-metrics",
+            None,
+            "Serve /metrics and /status without a token when --auth-token-file is given "
+            "(/health is always open). [default: behind the token]",
+        ],
+        [
+            "finish-abandoned",
+            None,
+            "Run a program to its end when its client disconnects. [default: a queued "
+            "request is dropped at once, a running one's worker is replaced]",
         ],
     ]
 
@@ -215,6 +239,12 @@ class Options(usage.Options):
             "Largest stdout/stderr capture a request may ask for.",
         ),
         _int_param(
+            "output-space-bytes",
+            _DEFAULTS.output_space_bytes,
+            "Size of each bubblewrap worker's private tmpfs for captured output "
+            "(writes past it fail with ENOSPC).",
+        ),
+        _int_param(
             "cache-capacity-bytes",
             _DEFAULTS.cache_capacity_bytes,
             "Capacity of the memory cache for tensors, bytes and libraries.",
@@ -256,13 +286,43 @@ class Options(usage.Options):
             "Delete the oldest run directories while all together exceed this many MiB; "
             "0 sets no bound.",
         ),
+        [
+            "auth-token-file",
+            None,
+            None,
+            "File of bearer tokens, one 'CLIENT-NAME TOKEN' per line (or one bare token); "
+            "every request but GET /health then needs 'Authorization: Bearer TOKEN'. "
+            "[default: no authentication]",
+        ],
+        _int_param(
+            "listen-backlog",
+            DEFAULT_BACKLOG,
+            "Listen queue length of TCP and SSL ports given without backlog=.",
+        ),
+        _float_param(
+            "header-timeout-seconds",
+            _DEFAULTS.header_timeout_seconds,
+            "Seconds a client has to send a whole request head, however it trickles "
+            "(408 after); 0 sets none.",
+        ),
+        _float_param(
+            "body-timeout-seconds",
+            _DEFAULTS.body_timeout_seconds,
+            "Seconds a client has to send a request body after its head (408 after); 0 sets none.",
+        ),
+        _int_param(
+            "max-connections",
+            _DEFAULTS.max_connections,
+            "Open HTTP connections served at once; more get a 503 and are closed. 0: no cap.",
+        ),
         ["sandbox", None, _DEFAULTS.sandbox, f"Worker isolation, {_choices(SANDBOXES)}."],
         [
             "reuse-scope",
             None,
             _DEFAULTS.reuse_scope,
             f"Whose requests a reused worker serves, {_choices(REUSE_SCOPES)}: 'address' "
-            "only the client address it first served, 'any' every client (a program "
+            "only the client it first served (its address, or its token's client name with "
+            "--auth-token-file), 'any' every client (a program "
             "can read the next program its worker runs).",
         ],
         [
@@ -295,6 +355,17 @@ class Options(usage.Options):
         self["disk-cache-dir"] = xdg_default
         self.defaults["disk-cache-dir"] = xdg_default
         self["sandbox-readonly-path"] = []
+        self["listen"] = []
+
+    def opt_listen(self, description: str) -> None:
+        """
+        Listen on a Twisted endpoint instead of --host/--port: tcp:PORT[:interface=ADDR],
+        ssl:PORT:privateKey=KEY.pem:certKey=CERT.pem, unix:PATH. Repeat to listen on
+        several. [default: tcp on --host/--port]
+        """
+        if not description:
+            raise usage.UsageError("--listen needs an endpoint description")
+        self["listen"].append(description)
 
     def opt_sandbox_readonly_path(self, path: str) -> None:
         """
@@ -366,7 +437,9 @@ class Options(usage.Options):
             raise usage.UsageError(f"--device must be 'cpu' or 'gpu', got {device!r}")
         sandbox = self["sandbox"]
         if sandbox not in SANDBOXES:
-            raise usage.UsageError(f"--sandbox must be 'none' or 'bubblewrap', got {sandbox!r}")
+            raise usage.UsageError(
+                f"--sandbox must be 'none', 'bubblewrap' or 'auto', got {sandbox!r}"
+            )
         tensor_api = self["tensor-api"]
         if tensor_api not in TENSOR_APIS:
             raise usage.UsageError(
@@ -395,8 +468,18 @@ class Options(usage.Options):
             raise usage.UsageError("--max-requests-per-worker must be non-negative")
         if self["disk-cache-capacity-mbytes"] < 0:
             raise usage.UsageError("--disk-cache-capacity-mbytes must be non-negative")
-        if self["sandbox-readonly-path"] and sandbox != "bubblewrap":
+        if self["sandbox-readonly-path"] and sandbox == "none":
             raise usage.UsageError("--sandbox-readonly-path requires --sandbox bubblewrap")
+        if self["listen-backlog"] < 1:
+            raise usage.UsageError("--listen-backlog must be at least 1")
+        token_file = self["auth-token-file"] or None
+        if token_file is not None:
+            from kcoral.server.auth import TokenFileError, load_tokens
+
+            try:
+                load_tokens(token_file)
+            except TokenFileError as e:
+                raise usage.UsageError(f"--auth-token-file: {e}") from None
 
         try:
             self.config = ServerConfig(
@@ -420,17 +503,26 @@ class Options(usage.Options):
                 max_response_bytes=self["max-response-bytes"],
                 output_limit_bytes=self["output-limit-bytes"],
                 max_output_limit_bytes=self["max-output-limit-bytes"],
+                output_space_bytes=self["output-space-bytes"],
                 device=device,
                 num_workers=self["num-workers"],
                 tensor_api=tensor_api,
                 log_level=log_level,
                 log_retention_days=self["log-retention-days"],
                 log_retention_mbytes=self["log-retention-mbytes"],
+                auth_token_file=token_file,
+                public_metrics=bool(self["public-metrics"]),
+                header_timeout_seconds=self["header-timeout-seconds"],
+                body_timeout_seconds=self["body-timeout-seconds"],
+                max_connections=self["max-connections"],
+                finish_abandoned=bool(self["finish-abandoned"]),
             )
         except ValueError as e:
             raise usage.UsageError(_flag_message(str(e))) from None
         self["port"] = port
-        self.endpoint = endpoint_description(host, port)
+        descriptions = self["listen"] or [endpoint_description(host, port)]
+        self.endpoints = tuple(with_backlog(d, self["listen-backlog"]) for d in descriptions)
+        self.endpoint = self.endpoints[0]
 
     @staticmethod
     def _parse_gpus(value: str) -> tuple[int, ...]:
@@ -459,6 +551,17 @@ def endpoint_description(host: str, port: int) -> str:
     return f"tcp:port={port}:interface={interface}"
 
 
+def with_backlog(description: str, backlog: int) -> str:
+    """
+    Add C{backlog=} to a C{tcp:} or C{ssl:} endpoint description that has
+    none (Twisted's default of 50 resets connections in a burst).
+    """
+    kind = description.split(":", 1)[0].lower()
+    if kind in ("tcp", "tcp6", "ssl") and "backlog=" not in description:
+        return f"{description}:backlog={backlog}"
+    return description
+
+
 def makeService(options: Options, *, console_mirror: bool = False) -> MultiService:
     """
     Build the root service from parsed options (the L{IServiceMaker} hook).
@@ -481,5 +584,5 @@ def makeService(options: Options, *, console_mirror: bool = False) -> MultiServi
     config = options.config
     if not console_mirror:
         config = attrs.evolve(config, log_console=False)
-    root: MultiService = make_root_service(config, options.endpoint)
+    root: MultiService = make_root_service(config, options.endpoints)
     return root

@@ -457,6 +457,11 @@ class WorkerProcess:
         running.start()
         return running.done
 
+    @property
+    def busy(self) -> bool:
+        """Whether a job is running on this worker."""
+        return self._job is not None
+
     def _job_done(self, result: JobResult) -> JobResult:
         self._job = None
         # After its outcome a worker has nothing to say until the next job.
@@ -671,6 +676,11 @@ class _RunningJob:
         elif isinstance(message, Returned):
             self._returned(message)
         elif isinstance(message, Outcome):
+            if self._lease_state == "held" and self.worker.gpus and message.retire is None:
+                # A worker that stays gives its GPU back before it answers;
+                # only a retiring one exits holding it.
+                self._violation("answered holding its GPU lease without retiring")
+                return
             if message.streamed_parts != len(self.returned_parts):
                 self._violation(
                     f"outcome counts {message.streamed_parts} parts sent ahead, "

@@ -38,10 +38,44 @@ REQUEST_KINDS: dict[str, int] = {
     "timeout": 504,
     "engine": 500,
     "response_too_large": 500,
+    # The HTTP layer's own refusals (issue 18): the same three-key body, so a
+    # client that reads ERROR bodies reads these too.
+    "unauthorized": 401,
+    "not_found": 404,
+    "method_not_allowed": 405,
+    "request_timeout": 408,
+    "uri_too_long": 414,
+    "header_too_large": 431,
 }
 
+#: The kind and message of an error status the HTTP layer answers itself
+#: (a framework 404, a malformed request line, a slow client).
+HTTP_STATUS_ERRORS: dict[int, tuple[str, str]] = {
+    400: ("parse", "malformed HTTP request"),
+    401: ("unauthorized", "a valid bearer token is required"),
+    404: ("not_found", "no such resource"),
+    405: ("method_not_allowed", "method not allowed for this resource"),
+    408: ("request_timeout", "the request was not received in time"),
+    413: ("request_too_large", "request exceeds the configured size limit"),
+    414: ("uri_too_long", "request line too long"),
+    431: ("header_too_large", "request header fields too large"),
+    500: ("engine", "internal server error"),
+    503: ("busy", "server saturated"),
+}
+
+
+def status_error(status: int) -> tuple[str, str]:
+    """The kind and message of an ERROR body for HTTP C{status}."""
+    if status in HTTP_STATUS_ERRORS:
+        return HTTP_STATUS_ERRORS[status]
+    return ("parse", f"HTTP {status}") if status < 500 else ("engine", f"HTTP {status}")
+
+
 #: Extra headers a request error carries (C{Retry-After} only with C{busy}).
-REQUEST_KIND_HEADERS: dict[str, dict[str, str]] = {"busy": {"Retry-After": "1"}}
+REQUEST_KIND_HEADERS: dict[str, dict[str, str]] = {
+    "busy": {"Retry-After": "1"},
+    "unauthorized": {"WWW-Authenticate": 'Bearer realm="kcoral"'},
+}
 
 #: Reference messages of the fixed request errors.
 REQUEST_TOO_LARGE_MESSAGE = "request exceeds the configured size limit"

@@ -260,6 +260,11 @@ def strict_json_loads(data: bytes | str) -> Any:
         return json.loads(text, object_pairs_hook=pairs_hook, parse_constant=reject_constant)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValidationError(f"malformed JSON: {e}") from None
+    except ValidationError:
+        raise
+    except ValueError as e:
+        # An integer longer than Python's conversion limit (4,300 digits).
+        raise ValidationError(f"malformed JSON: {e}") from None
     except RecursionError:
         # The reference answers 500 here; a 400 is the honest answer.
         raise ValidationError("malformed JSON: nesting too deep") from None
@@ -378,6 +383,14 @@ def _check_literal(value: object, label: str) -> None:
             raise ValidationError(f"{label} contains a non-JSON value")
 
 
+def _finite_float(number: int | float) -> bool:
+    """Whether C{number} is a finite float, or an integer that fits one."""
+    try:
+        return math.isfinite(float(number))
+    except OverflowError:  # an integer of hundreds of digits
+        return False
+
+
 def _parse_options(value: object) -> Options:
     if not isinstance(value, dict):
         raise ValidationError("'options' must be an object")
@@ -392,7 +405,7 @@ def _parse_options(value: object) -> Options:
         if (
             isinstance(timeout, bool)
             or not isinstance(timeout, int | float)
-            or not math.isfinite(timeout)
+            or not _finite_float(timeout)
             or timeout <= 0
         ):
             raise ValidationError("'timeout_seconds' must be a finite positive number")
@@ -552,7 +565,7 @@ def parse_program_object(body: object, *, builtin_names: frozenset[str] = frozen
         if op == "return":
             instruction = _parse_return(item, index, handles, keys)
             keys.add(instruction.key)
-        elif op in HANDLE_OPS:
+        elif isinstance(op, str) and op in HANDLE_OPS:
             ident = item.get("id")
             idless_file = op == "upload" and "id" not in item and item.get("kind") == "file"
             if not idless_file:

@@ -16,8 +16,16 @@ import sys
 
 import attrs
 
-#: Capture files live here, relative to the workspace.
+#: Capture files live here, relative to the workspace ...
 OUTPUT_DIR = (".kcoral", "output")
+
+#: ... unless the sandbox names a directory of its own in this variable: a
+#: size-limited tmpfs, so output cannot fill the host's disk.
+CAPTURE_DIR_ENV = "KCORAL_CAPTURE_DIR"
+
+
+def _output_dir(workspace: str) -> str:
+    return os.environ.get(CAPTURE_DIR_ENV) or os.path.join(workspace, *OUTPUT_DIR)
 
 
 @attrs.frozen
@@ -33,7 +41,7 @@ class Captured:
 def capture_paths(workspace: str, pid: int | None = None) -> tuple[str, str]:
     """The stdout and stderr capture files of process C{pid} (default: this one)."""
     pid = os.getpid() if pid is None else pid
-    directory = os.path.join(workspace, *OUTPUT_DIR)
+    directory = _output_dir(workspace)
     return os.path.join(directory, f"{pid}.out"), os.path.join(directory, f"{pid}.err")
 
 
@@ -70,7 +78,7 @@ class OutputCapture:
 
     def start(self) -> None:
         """Flush Python's streams and point fds 1 and 2 at fresh capture files."""
-        directory = os.path.join(self.workspace, *OUTPUT_DIR)
+        directory = _output_dir(self.workspace)
         os.makedirs(directory, mode=0o700, exist_ok=True)
         self._paths = capture_paths(self.workspace)
         _flush_python_streams()

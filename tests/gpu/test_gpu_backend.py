@@ -191,8 +191,16 @@ class BackendTests(SynchronousTestCase):
 
         b = backend("pycuda")
         self.assertEqual(len(b.other_contexts), drv.Device.count() - 1)
+        seen = set()
         for context in b.other_contexts:
-            self.assertNotEqual(context.get_device().pci_bus_id(), b.device.pci_bus_id())
+            # Context.get_device() names the *current* context's device.
+            context.push()
+            try:
+                seen.add(drv.Context.get_device().pci_bus_id())
+            finally:
+                drv.Context.pop()
+        self.assertNotIn(b.device.pci_bus_id(), seen)
+        self.assertEqual(len(seen), len(b.other_contexts))
 
     def test_lifecycle(self) -> None:
         """drain, cleanup and reset succeed on a healthy context."""
@@ -397,11 +405,20 @@ class KernelTests(SynchronousTestCase):
         self.assertEqual(e.exception.kind, "compile")
 
 
-def teardown_module() -> None:
+def close_backends() -> None:
+    """
+    Close the cached backends (popping their contexts), so PyCUDA's exit
+    finds an empty context stack; every module that uses L{backend} calls it
+    at its end.
+    """
     for b in list(_backends.values()):
         b.close()
     _backends.clear()
     gpu_builtins.use_backend(None)
+
+
+def teardown_module() -> None:
+    close_backends()
 
 
 if os.environ.get("KCORAL_GPU_TEST_DEBUG"):

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from kcoral import Client, Program
-from kcoral.testing import ServerProcess
+from kcoral.testing.live_server import ServerProcess
 
 from .test_gpu_server import _readonly_flags
 

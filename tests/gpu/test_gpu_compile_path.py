@@ -20,7 +20,7 @@ from kcoral.errors import ExecutionError
 from kcoral.worker import gpu_builtins, runtime
 from kcoral.worker.builtins import CudaFunction
 from tests.gpu.conftest import gpu_unavailable_reason
-from tests.gpu.test_gpu_backend import SAXPY, _Lease, backend
+from tests.gpu.test_gpu_backend import SAXPY, _Lease, backend, close_backends
 
 _SKIP = gpu_unavailable_reason()
 
@@ -79,3 +79,7 @@ class CompilePathTests(SynchronousTestCase):
             gpu_builtins.compile_cuda(CudaFunction(slow, "slow"), {}, lease=_Lease())
         self.assertEqual(e.exception.kind, "compile")
         self.assertIn("timed out", e.exception.message)
+
+
+def teardown_module() -> None:
+    close_backends()

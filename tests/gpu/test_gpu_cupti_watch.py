@@ -13,7 +13,7 @@ import importlib.util
 
 import pytest
 
-from kcoral.testing import ServerProcess
+from kcoral.testing.live_server import ServerProcess
 from kcoral.wire.multipart import decode_response
 from tests.gpu.test_gpu_server import gpu_server  # noqa: F401  (the fixture)
 

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kcoral.testing import ServerProcess, sha256
+from kcoral.testing.live_server import ServerProcess, sha256
 from kcoral.wire.multipart import decode_response
 from kcoral.wire.values import decode_results
 

@@ -19,7 +19,7 @@ from kcoral.compilers.tvmffi import load_library
 from kcoral.worker import gpu_builtins
 from kcoral.worker.builtins import CudaFunction, compile_cuda_binary
 from tests.gpu.conftest import gpu_unavailable_reason
-from tests.gpu.test_gpu_backend import _Lease, backend
+from tests.gpu.test_gpu_backend import _Lease, backend, close_backends
 from tests.unit.test_tvmffi import HOST
 
 _SKIP = gpu_unavailable_reason() or (
@@ -59,3 +59,7 @@ class TvmFfiHostFunctionTests(SynchronousTestCase):
         add_one(x, y)
         torch.cuda.synchronize()
         self.assertTrue(torch.equal(y, x + 1))
+
+
+def teardown_module() -> None:
+    close_backends()

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from kcoral.server.gpus import discover_gpus
-from kcoral.testing import ServerProcess, sha256
+from kcoral.testing.live_server import ServerProcess, sha256
 from kcoral.wire.multipart import decode_response
 from kcoral.wire.values import decode_results
 

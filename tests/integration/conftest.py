@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from kcoral.testing import ServerProcess
+from kcoral.testing.live_server import ServerProcess
 
 
 @pytest.fixture(scope="module")

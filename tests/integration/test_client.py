@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from kcoral import Client, KCoralError, Program, RemoteExecutionError, TransportError
-from kcoral.testing import ServerProcess, free_port
+from kcoral.testing.live_server import ServerProcess, free_port
 
 pytestmark = pytest.mark.integration
 
@@ -165,3 +165,18 @@ def test_download_is_decoded_as_it_arrives(url: str) -> None:
             tracemalloc.stop()
     assert len(result["b"]) == size
     assert peak - base < 4 * size
+
+
+def test_global_reactor_untouched(url: str) -> None:
+    """
+    The blocking client runs its own reactor: the process's global reactor
+    is never started, so trial tests and Twisted applications that run it
+    themselves can use the client too.
+    """
+    from twisted.internet import reactor
+
+    assert Client(url).health()["status"] == "ok"
+    assert not reactor.running
+    assert reactor.getDelayedCalls() == []
+    running = [t.name for t in threading.enumerate()]
+    assert "CrochetReactor" in running

@@ -21,7 +21,7 @@ import pytest
 from twisted.internet.threads import deferToThread
 
 from kcoral import Client, Program
-from kcoral.testing import ServerProcess, free_port
+from kcoral.testing.live_server import ServerProcess, free_port
 from kcoral.wire.multipart import parse_request_body
 from kcoral.wire.program import BLOB_KINDS
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from kcoral.testing import ServerProcess
+from kcoral.testing.live_server import ServerProcess
 from kcoral.wire.multipart import decode_response
 from kcoral.wire.values import decode_results
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from kcoral.testing import ServerProcess, free_port, request
+from kcoral.testing.live_server import ServerProcess, free_port, request
 
 from .refclient import RefClientUnavailable, _clean_env, ensure_venv
 

@@ -9,7 +9,7 @@ reference client runs in its own virtualenv (see L{refclient}), ours in this
 interpreter's environment; each test sends the same short script to it and
 reads back one JSON line. Where the client
 cannot express a request (malformed bodies, duplicate keys, unreferenced
-blobs...) the tests speak raw HTTP through L{kcoral.testing}. The checklist
+blobs...) the tests speak raw HTTP through L{kcoral.testing.live_server}. The checklist
 of protocol.md section 15 maps onto these tests in docs/interop.md.
 """
 
@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from kcoral.testing import ServerProcess, multipart_body, post_program, request, sha256
+from kcoral.testing.live_server import ServerProcess, multipart_body, post_program, request, sha256
 
 from .refclient import (
     RefClientUnavailable,

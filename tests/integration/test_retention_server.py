@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kcoral.testing import ServerProcess
+from kcoral.testing.live_server import ServerProcess
 
 pytestmark = pytest.mark.integration
 

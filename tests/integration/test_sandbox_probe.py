@@ -32,6 +32,7 @@ from kcoral.server.sandbox import (
     FALLBACK_PREFIX,
     BubblewrapSandbox,
     NoSandbox,
+    SandboxError,
     choose_sandbox,
     probe_sandbox,
 )
@@ -167,10 +168,27 @@ class ChooseSandboxTests(TestCase):
         self.assertEqual(list(events), [])
         self.assertEqual(self.flushWarnings([self.test_bubblewrap]), [])
 
-    async def test_fallback(self) -> None:
-        """A failed probe gives L{NoSandbox}, a C{sandbox_disabled} WARNING and a RuntimeWarning."""
+    async def test_required_sandbox_fails(self) -> None:
+        """
+        With C{sandbox="bubblewrap"} a failed probe stops the start: programs
+        never run unsandboxed when the operator asked for the sandbox.
+        """
         bwrap = _fake_bwrap(self, "echo nope >&2\nexit 1")
         d, events = self.choose(ServerConfig(device="cpu"), bwrap=bwrap)
+        with self.assertRaises(SandboxError) as caught:
+            await d
+        self.assertIn("bubblewrap cannot run", str(caught.exception))
+        self.assertIn("nope", str(caught.exception))
+        self.assertIn("--sandbox auto", str(caught.exception))
+        self.assertEqual(list(events), [])
+
+    async def test_fallback(self) -> None:
+        """
+        With C{sandbox="auto"} a failed probe gives L{NoSandbox}, a
+        C{sandbox_disabled} WARNING and a RuntimeWarning.
+        """
+        bwrap = _fake_bwrap(self, "echo nope >&2\nexit 1")
+        d, events = self.choose(ServerConfig(device="cpu", sandbox="auto"), bwrap=bwrap)
         sandbox = await d
         self.assertIsInstance(sandbox, NoSandbox)
         error = "bubblewrap startup probe exited with status 1: nope"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kcoral.testing import ServerProcess, post_program
+from kcoral.testing.live_server import ServerProcess, post_program
 
 pytestmark = [
     pytest.mark.integration,

@@ -21,7 +21,7 @@ from typing import Any
 import psutil
 import pytest
 
-from kcoral.testing import ServerProcess, post_program, request, sha256
+from kcoral.testing.live_server import ServerProcess, post_program, request, sha256
 
 pytestmark = pytest.mark.integration
 
@@ -184,7 +184,7 @@ def test_request_id_replaced(server: ServerProcess, header: str | None) -> None:
 def test_request_id_duplicated_replaced(server: ServerProcess) -> None:
     import http.client
 
-    from kcoral.testing import multipart_body
+    from kcoral.testing.live_server import multipart_body
 
     rid = str(uuid.uuid4())
     content_type, body = multipart_body(program(ECHO, [1]))

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from kcoral.testing import ServerProcess, request
+from kcoral.testing.live_server import ServerProcess, request
 
 pytestmark = pytest.mark.integration
 
@@ -221,7 +221,7 @@ def test_empty_log_dir_creates_nothing(tmp_path: Path) -> None:
 
 def _serve_and_capture(args: list[str], cwd: Path, err_path: Path) -> str:
     """Run a server with stderr captured, do one request, return stderr."""
-    from kcoral.testing import free_port, post_program
+    from kcoral.testing.live_server import free_port, post_program
 
     port = free_port()
     env = dict(os.environ)

@@ -18,7 +18,7 @@ import pytest
 from kcoral.compilers.nvcc import find_nvcc
 from kcoral.compilers.tvmffi import TvmFfiBackend, export_source, load_library
 from kcoral.errors import ExecutionError
-from kcoral.testing import ServerProcess
+from kcoral.testing.live_server import ServerProcess
 from kcoral.wire.multipart import decode_response
 from kcoral.wire.values import decode_results
 from tests.unit.test_tvmffi import HOST

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from kcoral.testing import free_port, request
+from kcoral.testing.live_server import free_port, request
 
 pytestmark = pytest.mark.integration
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from kcoral.testing import Response, ServerProcess, multipart_body
+from kcoral.testing.live_server import Response, ServerProcess, multipart_body
 
 #: Every test here attacks a real server; bubblewrap must be there.
 requires_bwrap = pytest.mark.skipif(

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kcoral.testing import ServerProcess
+from kcoral.testing.live_server import ServerProcess
 from tests.reliability.conftest import assert_serves, body_of, requires_bwrap
 
 pytestmark = [pytest.mark.integration, requires_bwrap]

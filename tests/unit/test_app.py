@@ -12,19 +12,27 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import attrs
 from treq.testing import StubTreq
-from twisted.internet.defer import Deferred, fail, succeed
-from twisted.internet.task import Clock
+from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.server import Request
 
 from kcoral.config import ServerConfig
 from kcoral.server.app import KcoralAPI
+from kcoral.server.cache import Resolution
 from kcoral.server.lease import LeaseArbiter
-from kcoral.server.pool import PoolBusy
-from kcoral.server.workerproc import Job, JobResult
-from kcoral.testing import multipart_body, sha256
+from kcoral.server.pool import Seat
+from kcoral.server.workerproc import JobResult
+from kcoral.testing.fakes import (
+    FakeBlobs,
+    FakeSandbox,
+    FakeWorker,
+    RecordingPool,
+    SyncReactor,
+    SyncThreadPool,
+    seat_with,
+)
+from kcoral.testing.live_server import multipart_body, sha256
 from kcoral.wire.channel import Outcome
 
 UUID_RE = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
@@ -40,129 +48,25 @@ PROGRAM = {
 }
 
 
-class SyncReactor(Clock):
-    """A clock whose callFromThread runs at once (for the fake thread pool)."""
-
-    def callFromThread(self, f: Any, *args: Any, **kwargs: Any) -> None:
-        f(*args, **kwargs)
-
-
-class SyncThreadPool:
-    """Runs every job in the calling thread."""
-
-    def callInThreadWithCallback(self, onResult: Any, f: Any, *args: Any, **kwargs: Any) -> None:
-        try:
-            result = f(*args, **kwargs)
-        except BaseException as e:
-            from twisted.python.failure import Failure
-
-            onResult(False, Failure(e))
-        else:
-            onResult(True, result)
-
-
-class Pin:
-    def release(self) -> None:
-        pass
-
-
-@attrs.define
-class Resolution:
-    found: dict[str, bytes]
-    missing: list[str]
-    pin: Pin = attrs.field(factory=Pin)
-
-
-@attrs.define
-class FakeBlobs:
-    """Knows the blobs in C{cached}; everything else must be supplied."""
-
-    cached: dict[str, bytes] = attrs.field(factory=dict)
-
-    def resolve(self, kinds: dict[str, Any], supplied: dict[str, bytes]) -> Deferred[Resolution]:
-        found, missing = {}, []
-        for digest in kinds:
-            if digest in supplied:
-                found[digest] = supplied[digest]
-            elif digest in self.cached:
-                found[digest] = self.cached[digest]
-            else:
-                missing.append(digest)
-        return succeed(Resolution(found, missing))
-
-
-class FakeSandbox:
-    reserved = None
-
-    def worker_path(self, work_dir: Any) -> str:
-        return str(work_dir)
-
-
-@attrs.define(eq=False)
-class FakeWorker:
-    result: JobResult
-    pid: int = 4242
-    alive: bool = True
-    _job: Any = None
-    jobs: list[Job] = attrs.field(factory=list)
-
-    def run(self, job: Job) -> Deferred[JobResult]:
-        self.jobs.append(job)
-        return succeed(self.result)
-
-
-@attrs.define(eq=False)
-class FakeSeat:
-    worker: FakeWorker
-    worker_id: str = "cpu/w0"
-    gpu_id: int | None = None
-    generation: int = 1
-    served: int = 0
-    work_dir: Path = Path("/w")
-
-
-@attrs.define(eq=False)
-class FakePool:
-    seat: FakeSeat | None = None
-    busy: bool = False
-    capacity: int = 2
-    active: int = 0
-    queue_length: int = 0
-    target: dict[str, str] = attrs.field(factory=dict)
-    versions: dict[str, str] = attrs.field(factory=dict)
-    sandbox: FakeSandbox = attrs.field(factory=FakeSandbox)
-    released: list[tuple[Any, str | None]] = attrs.field(factory=list)
-    clients: list[str | None] = attrs.field(factory=list)
-
-    def acquire(self, timeout: float, client: str | None = None) -> Deferred[Any]:
-        self.clients.append(client)
-        if self.busy or self.seat is None:
-            return fail(PoolBusy("server saturated"))
-        return succeed(self.seat)
-
-    def release(self, seat: Any, *, retire: str | None = None) -> None:
-        self.released.append((seat, retire))
-
-    def worker_status(self, now: float) -> list[dict[str, Any]]:
-        return [
-            {
-                "worker_id": "cpu/w0",
-                "gpu_id": None,
-                "status": "idle",
-                "generation": 1,
-                "pid": 4242,
-                "uptime_seconds": now,
-            }
-        ]
-
-
 class APITestCase(SynchronousTestCase):
-    def make(self, pool: FakePool | None = None, blobs: FakeBlobs | None = None) -> None:
+    def make(
+        self, seat: Seat | None = None, busy: bool = False, blobs: FakeBlobs | None = None
+    ) -> None:
         self.reactor = SyncReactor()
         self.reactor.advance(100.0)
-        self.pool = pool or FakePool()
+        config = ServerConfig(device="cpu", num_workers=2, max_request_bytes=4096)
+        self.pool = RecordingPool(
+            config,
+            self.reactor,
+            LeaseArbiter((), self.reactor),
+            FakeSandbox(),
+            lambda f, *a, **k: maybeDeferred(f, *a, **k),
+            Path("/nonexistent-kcoral-root"),
+            preset=seat,
+            saturated=busy,
+        )
         self.api = KcoralAPI(
-            ServerConfig(device="cpu", num_workers=2, max_request_bytes=4096),
+            config,
             self.pool,
             LeaseArbiter((), self.reactor),
             blobs or FakeBlobs(),
@@ -298,7 +202,7 @@ class ExecuteErrorTests(APITestCase):
         )
 
     def test_busy(self) -> None:
-        self.make(FakePool(busy=True))
+        self.make(busy=True)
         response, body = self.execute()
         self.assertEqual(response.code, 503)
         self.assertEqual(response.headers.getRawHeaders("Retry-After"), ["1"])
@@ -318,6 +222,42 @@ class ExecuteErrorTests(APITestCase):
         self.assertEqual(
             body["error"]["message"], "gpu_count exceeds this GPU server's configured capacity"
         )
+
+
+class ErrorHandlingTests(APITestCase):
+    """The one error handler: domain errors, surprises and routing errors."""
+
+    def test_unknown_route_keeps_404(self) -> None:
+        """A path with no route is still Klein's plain 404."""
+        self.make()
+        response = self.successResultOf(self.treq.get("http://127.0.0.1/nope"))
+        self.assertEqual(response.code, 404)
+
+    def test_wrong_method_keeps_405(self) -> None:
+        """A route asked with the wrong method is still a 405."""
+        self.make()
+        response = self.successResultOf(self.treq.get(URL))
+        self.assertEqual(response.code, 405)
+
+    def test_unexpected_error_is_engine_500(self) -> None:
+        """An exception nobody expected is logged and answered as a 500."""
+
+        class Broken(FakeBlobs):
+            def resolve(self, kinds: Any, supplied: Any) -> Deferred[Resolution]:
+                raise ZeroDivisionError("surprise")
+
+        self.make(blobs=Broken())
+        response, body = self.execute()
+        self.assertEqual(response.code, 500)
+        self.assertEqual(
+            body,
+            {
+                "status": "ERROR",
+                "request_id": self.request_id(response),
+                "error": {"kind": "engine", "message": "internal server error"},
+            },
+        )
+        self.assertEqual(len(self.flushLoggedErrors(ZeroDivisionError)), 1)
 
 
 class RequestIdTests(APITestCase):
@@ -355,8 +295,8 @@ class RequestIdTests(APITestCase):
 
 class RunTests(APITestCase):
     def run_with(self, result: JobResult, **options: Any) -> tuple[Any, Any]:
-        self.worker = FakeWorker(result)
-        self.make(FakePool(seat=FakeSeat(self.worker)))
+        self.worker = FakeWorker(result=result)
+        self.make(seat_with(self.worker))
         program = {**PROGRAM, "options": options} if options else PROGRAM
         return self.execute(program)
 

@@ -12,8 +12,6 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from twisted.internet.testing import MemoryReactorClock
-from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 
 from kcoral.server.cache import (
@@ -23,6 +21,7 @@ from kcoral.server.cache import (
     Pin,
     Resolution,
 )
+from kcoral.testing.fakes import EventRecorder, QueuedThreadReactor, SyncThreadPool
 from kcoral.wire.program import is_digest
 
 MiB = 1024 * 1024
@@ -36,52 +35,6 @@ def blob(tag: str, size: int) -> tuple[str, bytes]:
     """A (digest, data) pair of C{size} bytes distinguished by C{tag}."""
     data = (tag.encode() * size)[:size]
     return sha(data), data
-
-
-class EventRecorder:
-    """An C{on_event} callback that remembers every call."""
-
-    def __init__(self) -> None:
-        self.events: list[tuple[str, dict[str, Any]]] = []
-        self._lock = threading.Lock()
-
-    def __call__(self, name: str, **fields: Any) -> None:
-        with self._lock:
-            self.events.append((name, fields))
-
-    def names(self) -> list[str]:
-        return [name for name, _ in self.events]
-
-
-class ImmediateThreadPool:
-    """A thread pool that runs each job at once in the calling thread."""
-
-    def __init__(self) -> None:
-        self.jobs = 0
-
-    def callInThread(self, f, *args, **kwargs):
-        self.callInThreadWithCallback(None, f, *args, **kwargs)
-
-    def callInThreadWithCallback(self, onResult, f, *args, **kwargs):
-        self.jobs += 1
-        try:
-            result = f(*args, **kwargs)
-        except BaseException:
-            if onResult is not None:
-                onResult(False, Failure())
-        else:
-            if onResult is not None:
-                onResult(True, result)
-
-
-class ThreadedMemoryReactor(MemoryReactorClock):
-    """
-    A L{MemoryReactorClock} with C{callFromThread}: calls are queued until
-    the clock is advanced, as a real reactor delivers them on its next turn.
-    """
-
-    def callFromThread(self, f, *args, **kwargs):
-        self.callLater(0, f, *args, **kwargs)
 
 
 class TempDirMixin:
@@ -524,8 +477,8 @@ class DiskFileCacheTests(TempDirMixin, SynchronousTestCase):
 
 class BlobStoreTests(TempDirMixin, SynchronousTestCase):
     def setUp(self) -> None:
-        self.reactor = ThreadedMemoryReactor()
-        self.pool = ImmediateThreadPool()
+        self.reactor = QueuedThreadReactor()
+        self.pool = SyncThreadPool()
         self.memory = MemoryBlobCache(4 * MiB)
         self.disk = DiskFileCache(self.make_dir() / "files", 4)
 

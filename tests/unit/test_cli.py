@@ -165,7 +165,9 @@ class ServerRunTests(SynchronousTestCase):
                 disk_cache_dir=Path("/home/op/.cache/kcoral/files"),
             ),
         )
-        self.assertEqual(config.subOptions.endpoint, "tcp:port=8001:interface=127.0.0.1")
+        self.assertEqual(
+            config.subOptions.endpoint, "tcp:port=8001:interface=127.0.0.1:backlog=1024"
+        )
 
     def test_plugin_makes_service(self) -> None:
         """
@@ -183,7 +185,7 @@ class ServerRunTests(SynchronousTestCase):
         """
         run = Run(["server"], {"KCORAL_SERVER_HOST": "0.0.0.0", "KCORAL_SERVER_DEVICE": "cpu"})
         [config] = run.configs
-        self.assertEqual(config.subOptions.endpoint, "tcp:port=8000:interface=0.0.0.0")
+        self.assertEqual(config.subOptions.endpoint, "tcp:port=8000:interface=0.0.0.0:backlog=1024")
         self.assertEqual(config.subOptions.config.device, "cpu")
 
     def test_exit_status(self) -> None:

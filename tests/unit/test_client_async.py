@@ -21,9 +21,8 @@ from kcoral.client.body import MultipartProducer, Part, encode_body
 from kcoral.client.errors import KCoralError, ProtocolError, TransportError
 from kcoral.client.files import ReturnedFile
 from kcoral.client.program import Program
+from kcoral.testing.fakes import FakeServer, cache_miss, completed, json_reply, result_reply
 from kcoral.wire.multipart import parse_request_body
-
-from .clientfakes import FakeServer, cache_miss, completed, json_reply, result_reply
 
 
 def _sha(data: bytes) -> str:

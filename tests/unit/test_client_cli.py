@@ -29,6 +29,7 @@ from kcoral.client.files import ReturnedFile, ReturnedFolder
 from kcoral.client.progress import TerminalProgress
 from kcoral.client.results import ProgramResult
 from kcoral.client.tools import TOOLS, source
+from kcoral.testing.fakes import FakeClient
 
 ENV = {"KCORAL_URL": "http://h:1", "HOME": "/home/u"}
 
@@ -53,35 +54,6 @@ def outcome(code: int, missing: list[str] | None = None, **results: Any) -> Prog
         stdout_truncated=False,
         stderr_truncated=False,
     )
-
-
-class FakeClient:
-    """Stands in for kcoral.Client: records the call, returns a canned result."""
-
-    def __init__(self, result: ProgramResult | Exception) -> None:
-        self.result = result
-        self.calls: list[tuple[str, Any, dict[str, Any]]] = []
-
-    def __call__(self, url: str, **kwargs: Any) -> FakeClient:
-        self.url = url
-        return self
-
-    def __enter__(self) -> FakeClient:
-        return self
-
-    def __exit__(self, *args: Any) -> None:
-        pass
-
-    def execute(self, program: Any, **kwargs: Any) -> ProgramResult:
-        self.calls.append(("execute", program, kwargs))
-        if isinstance(self.result, Exception):
-            raise self.result
-        return self.result
-
-    def health(self) -> dict[str, Any]:
-        if isinstance(self.result, Exception):
-            raise self.result
-        return {"status": "ok"}
 
 
 class ArgumentTests(SynchronousTestCase):

@@ -15,8 +15,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from kcoral.client.errors import ProtocolError, RemoteExecutionError
 from kcoral.client.remote import RemoteFunction, check_literal, function_source
-
-from .clientfakes import FakeServer, completed, json_reply
+from kcoral.testing.fakes import FakeServer, completed, json_reply
 
 LIMIT = 3
 
@@ -157,7 +156,8 @@ class ObserverTests(SynchronousTestCase):
     """An attempt observer that returns a Deferred holds the next attempt."""
 
     def test_hold(self) -> None:
-        from .clientfakes import cache_miss
+        from kcoral.testing.fakes import cache_miss
+
         from .test_client_async import _sha, blob_program
 
         server = FakeServer(json_reply(cache_miss(_sha(b"a"))), json_reply(completed()))

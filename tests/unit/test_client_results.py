@@ -18,8 +18,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from kcoral.client.errors import KCoralError, ProtocolError
 from kcoral.client.files import ReturnedFile, ReturnedFolder
 from kcoral.client.results import ProgramResult, missing_blobs, program_result, server_error
-
-from .clientfakes import completed
+from kcoral.testing.fakes import completed
 
 
 def _sha(data: bytes) -> str:

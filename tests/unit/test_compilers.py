@@ -43,7 +43,7 @@ from kcoral.compilers.nvcc import (
 )
 from kcoral.compilers.sourcemodule import SourceModuleBackend, load_module_image
 from kcoral.errors import ExecutionError
-from kcoral.testing_compilers import FAKE_MAGIC, FakeCompilerBackend
+from kcoral.testing.fakes import FAKE_MAGIC, FakeCompilerBackend
 
 SOURCE = 'extern "C" __global__ void k(float* x) { x[threadIdx.x] = 1.0f; }\n'
 
@@ -567,7 +567,7 @@ class DiscoveryTests(SynchronousTestCase):
         self.plugin_dir(
             {
                 "thirdparty_backend": """
-                from kcoral.testing_compilers import FakeCompilerBackend
+                from kcoral.testing.fakes import FakeCompilerBackend
 
                 thirdparty = FakeCompilerBackend(name="thirdparty", version="7")
                 """
@@ -586,7 +586,7 @@ class DiscoveryTests(SynchronousTestCase):
         self.plugin_dir(
             {
                 "late_backend": """
-                from kcoral.testing_compilers import FakeCompilerBackend
+                from kcoral.testing.fakes import FakeCompilerBackend
 
                 late = FakeCompilerBackend(name="late")
                 """
@@ -599,7 +599,7 @@ class DiscoveryTests(SynchronousTestCase):
         self.plugin_dir(
             {
                 "dup_backend": """
-                from kcoral.testing_compilers import FakeCompilerBackend
+                from kcoral.testing.fakes import FakeCompilerBackend
 
                 one = FakeCompilerBackend(name="nvcc")
                 """

@@ -45,12 +45,19 @@ class DefaultsTests(SynchronousTestCase):
             "max_response_bytes": 256 * 1024**2,
             "output_limit_bytes": 1024**2,
             "max_output_limit_bytes": 16 * 1024**2,
+            "output_space_bytes": 64 * 1024**2,
             "device": "gpu",
             "num_workers": 1,
             "tensor_api": "auto",
             "log_level": "info",
             "log_retention_days": 30.0,
             "log_retention_mbytes": 10240,
+            "auth_token_file": None,
+            "public_metrics": False,
+            "header_timeout_seconds": 30.0,
+            "body_timeout_seconds": 300.0,
+            "max_connections": 4096,
+            "finish_abandoned": False,
         }
         self.assertEqual(attrs.asdict(config, recurse=False), expected)
 
@@ -230,9 +237,11 @@ class ValidationTests(SynchronousTestCase):
 
     def test_unknown_sandbox(self) -> None:
         """
-        The sandbox is C{none} or C{bubblewrap}.
+        The sandbox is C{none}, C{bubblewrap} or C{auto}.
         """
-        self.assertInvalid("sandbox must be 'none' or 'bubblewrap', got 'docker'", sandbox="docker")
+        self.assertInvalid(
+            "sandbox must be one of 'none', 'bubblewrap', 'auto', got 'docker'", sandbox="docker"
+        )
 
     def test_unknown_tensor_api(self) -> None:
         """

@@ -13,6 +13,7 @@ import numpy as np
 from twisted.trial.unittest import SynchronousTestCase
 
 from kcoral.errors import ExecutionError
+from kcoral.testing.fakes import FakeDeviceArray, FakeFunction
 from kcoral.wire.values import numpy_dtype
 from kcoral.worker import gpu_builtins, tensors
 from kcoral.worker.gpu_builtins import (
@@ -233,33 +234,11 @@ class DtypeTests(SynchronousTestCase):
         self.assertEqual(data, np.ascontiguousarray(a.astype("<i4")).tobytes())
 
 
-class _FakeFunction:
-    """Stands in for a PyCUDA C{Function}: records launches."""
-
-    def __init__(self) -> None:
-        self.launches: list[tuple] = []
-
-    def _launch_kernel(self, grid, block, buffer, shared, stream) -> None:
-        self.launches.append((grid, block, buffer, shared, stream))
-
-
-class _FakeDeviceArray:
-    """An object exporting the CUDA array interface."""
-
-    __cuda_array_interface__ = {
-        "shape": (4,),
-        "typestr": "<f4",
-        "data": (0x7000, False),
-        "version": 3,
-        "strides": None,
-    }
-
-
 class KernelHandleTests(SynchronousTestCase):
     """Argument checking and packing of L{KernelHandle}, with a fake function."""
 
-    def _handle(self, **kwargs) -> tuple[KernelHandle, _FakeFunction]:
-        function = _FakeFunction()
+    def _handle(self, **kwargs) -> tuple[KernelHandle, FakeFunction]:
+        function = FakeFunction()
         handle = KernelHandle(
             function,
             grid=kwargs.pop("grid", [4]),
@@ -273,7 +252,7 @@ class KernelHandleTests(SynchronousTestCase):
     def test_launch(self) -> None:
         """Tensors become pointers, scalars are packed with C alignment."""
         handle, function = self._handle()
-        handle(_FakeDeviceArray(), _FakeDeviceArray(), 10, 2)
+        handle(FakeDeviceArray(), FakeDeviceArray(), 10, 2)
         [(grid, block, buffer, shared, stream)] = function.launches
         self.assertEqual((grid, block, shared, stream), ((4, 1, 1), (128, 1, 1), 0, None))
         self.assertEqual(buffer, struct.pack("@PPif", 0x7000, 0x7000, 10, 2.0))
@@ -281,14 +260,14 @@ class KernelHandleTests(SynchronousTestCase):
     def test_alignment(self) -> None:
         """An i32 before a pointer is padded to the pointer's alignment."""
         handle, function = self._handle(arg_types=["i32", "ptr"])
-        handle(1, _FakeDeviceArray())
+        handle(1, FakeDeviceArray())
         self.assertEqual(len(function.launches[0][2]), 16)
 
     def test_wrong_type(self) -> None:
         """A float for an i32 names the parameter."""
         handle, function = self._handle()
         with self.assertRaises(ExecutionError) as e:
-            handle(_FakeDeviceArray(), _FakeDeviceArray(), 1.5, 2.0)
+            handle(FakeDeviceArray(), FakeDeviceArray(), 1.5, 2.0)
         self.assertEqual(e.exception.kind, "runtime")
         self.assertIn("parameter 2 (n) expects i32", e.exception.message)
         self.assertEqual(function.launches, [])
@@ -297,7 +276,7 @@ class KernelHandleTests(SynchronousTestCase):
         """A host array is not a device tensor."""
         handle, _ = self._handle()
         with self.assertRaises(ExecutionError) as e:
-            handle(np.zeros(4), _FakeDeviceArray(), 1, 2.0)
+            handle(np.zeros(4), FakeDeviceArray(), 1, 2.0)
         self.assertIn(
             "parameter 0 (x) expects a device tensor (ptr), got a host numpy array",
             e.exception.message,
@@ -322,7 +301,7 @@ class KernelHandleTests(SynchronousTestCase):
 
     def test_geometry_at_call(self) -> None:
         """Without fixed geometry the call must give it."""
-        function = _FakeFunction()
+        function = FakeFunction()
         handle = KernelHandle(function, arg_types=["i32"])
         with self.assertRaises(ExecutionError):
             handle(1)

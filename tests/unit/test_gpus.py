@@ -8,9 +8,7 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
 
-import attrs
 from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import SynchronousTestCase
@@ -28,6 +26,7 @@ from kcoral.server.gpus import (
 )
 from kcoral.server.pool import WorkerPool
 from kcoral.server.sandbox import BubblewrapSandbox, NoSandbox
+from kcoral.testing.fakes import FakeSandbox, FakeSpawner, FakeWorker, pool_config
 
 #: What the driver writes (seen on a two-H200 machine), with placeholders.
 INFORMATION = (
@@ -201,69 +200,26 @@ class CudaEnvironmentTests(SynchronousTestCase):
         self.assertFalse(NoSandbox().isolates_devices)
 
 
-@attrs.define
-class _Config:
-    device: str = "gpu"
-    gpus: tuple[int, ...] = (0, 1)
-    workers_per_gpu: int = 1
-    max_requests_per_worker: int = 0
-    worker_termination_grace_seconds: float = 5.0
-    tensor_api: str = "auto"
-
-
-class _RecordingSandbox:
-    name = "bubblewrap"
-    reserved = ".kcoral"
-
-    def __init__(self, isolates: bool) -> None:
-        self.isolates_devices = isolates
-        self.nodes: list[list[str]] = []
-
-    def prepare_seat(self, seat_dir: Path) -> Path:
-        return seat_dir / "work"
-
-    def command(
-        self, *, python: str, worker_args: list[str], work_dir: Path, gpu_devices: list[str]
-    ) -> Any:
-        self.nodes.append(list(gpu_devices))
-        return python, [python], {"CUDA_VISIBLE_DEVICES": "from-the-front-end"}
-
-
-class _Worker:
-    def __init__(self, gpus: tuple[int, ...], env: dict[str, str]) -> None:
-        self.gpus = gpus
-        self.env = env
-        self.info = {"target": {"arch": "sm_90a"}, "versions": {}}
-        self.ready: Deferred[dict[str, Any]] = Deferred()
-        self.ready.callback(self.info)
-        self.ended: Deferred[int | None] = Deferred()
-        self.alive = True
-        self.pid = 1
-
-
 class PoolSpawnTests(SynchronousTestCase):
     """The pool binds each worker's own device nodes and numbers its GPUs from 0."""
 
-    def start(self, isolates: bool) -> tuple[_RecordingSandbox, list[_Worker]]:
-        sandbox = _RecordingSandbox(isolates)
-        workers: list[_Worker] = []
-
-        def spawn(reactor: Any, *, gpus: tuple[int, ...], env: dict[str, str], **kw: Any) -> Any:
-            workers.append(_Worker(gpus, env))
-            return workers[-1]
-
+    def start(self, isolates: bool) -> tuple[FakeSandbox, list[FakeWorker]]:
+        sandbox = FakeSandbox(
+            isolates_devices=isolates, env={"CUDA_VISIBLE_DEVICES": "from-the-front-end"}
+        )
+        spawner = FakeSpawner(arch="sm_90a")
         pool = WorkerPool(
-            _Config(),
+            pool_config(device="gpu", gpus=(0, 1), max_requests_per_worker=0),
             MemoryReactorClock(),
             None,
             sandbox,
             lambda f, *a, **k: maybeDeferred(f, *a, **k),
             Path("/nonexistent-kcoral-root"),
         )
-        pool.spawn_worker = spawn  # type: ignore[assignment]
+        pool.spawn_worker = spawner
         pool.gpu_devices = {0: FOUND[0], 1: FOUND[1]}
         self.successResultOf(Deferred.fromCoroutine(pool.start()))
-        return sandbox, workers
+        return sandbox, spawner.spawned
 
     def test_sandboxed_workers_see_their_gpu_as_zero(self) -> None:
         sandbox, workers = self.start(isolates=True)

@@ -553,6 +553,29 @@ class InstallObserversTests(SynchronousTestCase):
         self.addCleanup(setup.close)
         return setup
 
+    def test_files_private_to_the_server_user(self) -> None:
+        """
+        Run directories are 0700, events and saved programs 0600, whatever
+        the umask (issue 13, item 4): they hold every client's programs.
+        """
+        import stat
+
+        old = os.umask(0o022)
+        self.addCleanup(os.umask, old)
+        setup = self.install(log_dir="logs")
+        self.log.info("x", kcoral_event="x")
+        setup.recorder.save("rid", b"{}")
+        run = setup.run_dir.path
+
+        def mode(path: Path) -> int:
+            return stat.S_IMODE(path.stat().st_mode)
+
+        self.assertEqual(mode(run.parent), 0o700)
+        self.assertEqual(mode(run), 0o700)
+        self.assertEqual(mode(run / "programs"), 0o700)
+        self.assertEqual(mode(run / "events.jsonl"), 0o600)
+        self.assertEqual(mode(run / "programs" / "rid.json"), 0o600)
+
     def test_log_dir_cannot_be_created(self) -> None:
         """
         A log directory that cannot be created raises L{LogDirectoryError}

@@ -8,117 +8,36 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import attrs
-from twisted.internet.defer import Deferred, maybeDeferred, succeed
+from twisted.internet.defer import CancelledError, Deferred, maybeDeferred
 from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import SynchronousTestCase
 
-from kcoral.server.pool import PoolBusy, Seat, WorkerPool
-
-
-@attrs.define
-class Config:
-    device: str = "cpu"
-    num_workers: int = 2
-    gpus: tuple[int, ...] = ()
-    workers_per_gpu: int = 1
-    max_requests_per_worker: int = 1
-    reuse_scope: str = "address"
-    worker_termination_grace_seconds: float = 5.0
-    tensor_api: str = "auto"
-
-
-class FakeSandbox:
-    name = "none"
-    reserved = None
-
-    def __init__(self) -> None:
-        self.cleared: list[Any] = []
-
-    def prepare_seat(self, seat_dir: Path) -> Path:
-        return seat_dir / "work"
-
-    def command(
-        self, *, python: str, worker_args: list[str], work_dir: Path, gpu_devices: list[str]
-    ) -> Any:
-        return python, [python, "-m", "kcoral.worker", *worker_args], {}
-
-    def clear_workspace(self, work_dir: Path) -> None:
-        self.cleared.append(work_dir)
-
-    def worker_path(self, work_dir: Path) -> str:
-        return str(work_dir)
-
-
-class FakeWorker:
-    """What the pool uses of a L{WorkerProcess}."""
-
-    def __init__(self, seat: str, generation: int, gpus: tuple[int, ...]) -> None:
-        self.seat = seat
-        self.generation = generation
-        self.gpus = gpus
-        self.ready: Deferred[dict[str, Any]] = Deferred()
-        self.ended: Deferred[int | None] = Deferred()
-        self.alive = True
-        self.pid = 1000 + generation
-        self.info: dict[str, Any] = {}
-        self.started_at = 0.0
-        self.killed = False
-        self.killed_now = False
-        self.stopped = False
-        self._job = None
-
-    def come_up(self, arch: str = "") -> None:
-        self.info = {"target": {"arch": arch} if arch else {}, "versions": {}}
-        self.ready.callback(self.info)
-
-    def exit(self, code: int = 0) -> None:
-        self.alive = False
-        self.ended.callback(code)
-
-    def kill(self) -> Deferred[int | None]:
-        self.killed = True
-        if self.alive:
-            self.exit(-15)
-        return succeed(-15)
-
-    def kill_now(self) -> None:
-        self.killed_now = True
-        if self.alive:
-            self.exit(-9)
-
-    def stop(self) -> Deferred[int | None]:
-        self.stopped = True
-        if self.alive:
-            self.exit(0)
-        return succeed(0)
+from kcoral.config import ServerConfig
+from kcoral.server.lease import LeaseArbiter
+from kcoral.server.pool import BudgetSpent, PoolBusy, Seat, SeatUse, WorkerPool
+from kcoral.server.workerproc import Job, JobResult
+from kcoral.testing.fakes import FakeSandbox, FakeSpawner, FakeWorker, pool_config
+from kcoral.wire.channel import Outcome
 
 
 class PoolTestCase(SynchronousTestCase):
-    def make_pool(self, config: Config | None = None, auto_ready: bool = True) -> WorkerPool:
+    def make_pool(
+        self, config: ServerConfig | None = None, auto_ready: bool = True, leases: Any = None
+    ) -> WorkerPool:
         self.reactor = MemoryReactorClock()
         self.sandbox = FakeSandbox()
-        self.spawned: list[FakeWorker] = []
-        self.auto_ready = auto_ready
-
-        def spawn(
-            reactor: Any, *, seat: str, generation: int, gpus: tuple[int, ...], **kw: Any
-        ) -> FakeWorker:
-            worker = FakeWorker(seat, generation, gpus)
-            self.spawned.append(worker)
-            if self.auto_ready:
-                worker.come_up()
-            return worker
+        self.spawner = FakeSpawner(auto_ready)
+        self.spawned = self.spawner.spawned
 
         pool = WorkerPool(
-            config or Config(),
+            config or pool_config(),
             self.reactor,
-            None,
+            leases(self.reactor) if leases is not None else None,
             self.sandbox,
             lambda f, *a, **k: maybeDeferred(f, *a, **k),
             Path("/nonexistent-kcoral-root"),
         )
-        pool.spawn_worker = spawn  # type: ignore[assignment]
+        pool.spawn_worker = self.spawner
         self.successResultOf(Deferred.fromCoroutine(pool.start()))
         return pool
 
@@ -139,7 +58,7 @@ class AcquireTests(PoolTestCase):
         self.assertEqual(pool.active, 1)
 
     def test_fifo_waiters(self) -> None:
-        pool = self.make_pool(Config(max_requests_per_worker=0))
+        pool = self.make_pool(pool_config(max_requests_per_worker=0))
         a = self.successResultOf(pool.acquire(10))
         self.successResultOf(pool.acquire(10))
         waiters = [pool.acquire(10) for _ in range(3)]
@@ -173,7 +92,7 @@ class AcquireTests(PoolTestCase):
         self.failureResultOf(pool.acquire(0), PoolBusy)
 
     def test_timer_cancelled_on_handoff(self) -> None:
-        pool = self.make_pool(Config(num_workers=1, max_requests_per_worker=0))
+        pool = self.make_pool(pool_config(num_workers=1, max_requests_per_worker=0))
         seat = self.successResultOf(pool.acquire(10))
         d = pool.acquire(5)
         pool.release(seat)
@@ -181,7 +100,7 @@ class AcquireTests(PoolTestCase):
         self.assertEqual(self.reactor.getDelayedCalls(), [])
 
     def test_cancel_leaves_line(self) -> None:
-        pool = self.make_pool(Config(num_workers=1, max_requests_per_worker=0))
+        pool = self.make_pool(pool_config(num_workers=1, max_requests_per_worker=0))
         seat = self.successResultOf(pool.acquire(10))
         first = pool.acquire(10)
         second = pool.acquire(10)
@@ -193,7 +112,7 @@ class AcquireTests(PoolTestCase):
 
     def test_least_loaded_gpu(self) -> None:
         pool = self.make_pool(
-            Config(device="gpu", gpus=(0, 1), workers_per_gpu=2, max_requests_per_worker=0)
+            pool_config(device="gpu", gpus=(0, 1), workers_per_gpu=2, max_requests_per_worker=0)
         )
         first = self.successResultOf(pool.acquire(10))
         second = self.successResultOf(pool.acquire(10))
@@ -208,7 +127,7 @@ class AcquireTests(PoolTestCase):
         self.assertEqual(self.successResultOf(pool.acquire(10)).gpu_id, 0)
 
     def test_most_recently_returned_within_gpu(self) -> None:
-        pool = self.make_pool(Config(num_workers=3, max_requests_per_worker=0))
+        pool = self.make_pool(pool_config(num_workers=3, max_requests_per_worker=0))
         seats = [self.successResultOf(pool.acquire(10)) for _ in range(3)]
         pool.release(seats[1])
         pool.release(seats[2])
@@ -217,11 +136,11 @@ class AcquireTests(PoolTestCase):
 
 class ReplacementTests(PoolTestCase):
     def test_seat_not_offered_until_replacement_ready(self) -> None:
-        pool = self.make_pool(Config(num_workers=1))
+        pool = self.make_pool(pool_config(num_workers=1))
         seat = self.successResultOf(pool.acquire(10))
         old = seat.worker
         waiter = pool.acquire(100)
-        self.auto_ready = False
+        self.spawner.auto_ready = False
         pool.release(seat, retire="crashed")
         self.assertEqual(seat.status, "starting")
         self.assertEqual(seat.generation, 2)
@@ -238,9 +157,9 @@ class ReplacementTests(PoolTestCase):
         /health's C{status} is only C{idle} or C{busy} (issue 17, item 6):
         a seat being replaced reads C{busy}, and C{state} tells why.
         """
-        pool = self.make_pool(Config(num_workers=2))
+        pool = self.make_pool(pool_config(num_workers=2))
         seat = self.successResultOf(pool.acquire(10))
-        self.auto_ready = False
+        self.spawner.auto_ready = False
         rows = pool.worker_status(0.0)
         self.assertEqual([r["status"] for r in rows], ["busy", "idle"])
         self.assertEqual([r["state"] for r in rows], ["busy", "idle"])
@@ -253,9 +172,9 @@ class ReplacementTests(PoolTestCase):
         self.assertEqual([r["status"] for r in pool.worker_status(0.0)], ["idle", "idle"])
 
     def test_capacity_excludes_replacing(self) -> None:
-        pool = self.make_pool(Config(num_workers=3))
+        pool = self.make_pool(pool_config(num_workers=3))
         seat = self.successResultOf(pool.acquire(10))
-        self.auto_ready = False
+        self.spawner.auto_ready = False
         self.assertEqual(pool.capacity, 3)
         pool.release(seat, retire="request_limit")
         # The retiring worker exits on its own; until then and until the
@@ -270,7 +189,7 @@ class ReplacementTests(PoolTestCase):
         self.assertEqual(seat.status, "idle")
 
     def test_request_limit_grace_kill(self) -> None:
-        pool = self.make_pool(Config(num_workers=1))
+        pool = self.make_pool(pool_config(num_workers=1))
         seat = self.successResultOf(pool.acquire(10))
         old = seat.worker
         pool.release(seat, retire="request_limit")
@@ -284,9 +203,9 @@ class ReplacementTests(PoolTestCase):
         self.assertEqual(seat.status, "idle")
 
     def test_idle_worker_death_replaced(self) -> None:
-        pool = self.make_pool(Config(num_workers=1))
+        pool = self.make_pool(pool_config(num_workers=1))
         seat = pool.seats[0]
-        self.auto_ready = False
+        self.spawner.auto_ready = False
         seat.worker.exit(1)  # type: ignore[union-attr]
         self.assertEqual(pool.capacity, 0)
         self.failureResultOf(pool.acquire(0), PoolBusy)
@@ -295,7 +214,7 @@ class ReplacementTests(PoolTestCase):
         self.assertIs(self.successResultOf(pool.acquire(0)), seat)
 
     def test_reuse_clears_workspace(self) -> None:
-        pool = self.make_pool(Config(num_workers=1, max_requests_per_worker=0))
+        pool = self.make_pool(pool_config(num_workers=1, max_requests_per_worker=0))
         seat = self.successResultOf(pool.acquire(10))
         pool.release(seat)
         self.assertEqual(self.sandbox.cleared, [seat.work_dir])
@@ -303,17 +222,63 @@ class ReplacementTests(PoolTestCase):
         self.assertEqual(seat.status, "idle")
 
     def test_replacement_failure_marks_dead_then_revived(self) -> None:
-        pool = self.make_pool(Config(num_workers=1))
+        pool = self.make_pool(pool_config(num_workers=1))
         seat = self.successResultOf(pool.acquire(10))
-        self.auto_ready = False
+        self.spawner.auto_ready = False
         pool.release(seat, retire="crashed")
         failing = self.spawned[-1]
         failing.alive = False
         failing.ready.errback(RuntimeError("no"))
-        # The dead seat is revived before anyone gets it.
+        # The dead seat is revived before anyone gets it, after a backoff.
+        self.assertEqual(seat.generation, 2)
+        self.assertEqual(seat.status, "dead")
+        self.reactor.advance(pool.respawn_backoff_initial)
         self.assertEqual(seat.generation, 3)
         self.spawned[-1].come_up()
         self.assertIs(self.successResultOf(pool.acquire(0)), seat)
+        self.assertEqual(seat.respawn_failures, 0)
+
+    def test_respawn_failures_back_off_exponentially(self) -> None:
+        """
+        Replacements that keep failing are retried after 0.5, 1, 2, 4 ...
+        seconds (at most a minute), not in a tight loop; /health shows the
+        count, the error and when the next try is (issue 18, item 3).
+        """
+        pool = self.make_pool(pool_config(num_workers=1))
+        seat = self.successResultOf(pool.acquire(10))
+        self.spawner.auto_ready = False
+        pool.release(seat, retire="crashed")
+        waits = []
+        for _ in range(9):
+            failing = self.spawned[-1]
+            failing.alive = False
+            failing.ready.errback(RuntimeError("sandbox broken"))
+            (row,) = pool.worker_status(self.reactor.seconds())
+            self.assertEqual(row["respawn_error"], "sandbox broken")
+            waits.append(row["respawn_in_seconds"])
+            spawned = len(self.spawned)
+            self.reactor.advance(row["respawn_in_seconds"] - 0.001)
+            self.assertEqual(len(self.spawned), spawned)
+            self.reactor.advance(0.001)
+            self.assertEqual(len(self.spawned), spawned + 1)
+        self.assertEqual(waits, [0.5, 1, 2, 4, 8, 16, 32, 60, 60])
+        self.assertEqual(seat.respawn_failures, 9)
+        self.spawned[-1].come_up()
+        (row,) = pool.worker_status(self.reactor.seconds())
+        self.assertEqual((row["respawn_failures"], row["respawn_in_seconds"]), (0, None))
+        self.assertIs(self.successResultOf(pool.acquire(0)), seat)
+
+    def test_stop_cancels_backoff(self) -> None:
+        """Stopping the pool cancels a pending respawn."""
+        pool = self.make_pool(pool_config(num_workers=1))
+        seat = self.successResultOf(pool.acquire(10))
+        self.spawner.auto_ready = False
+        pool.release(seat, retire="crashed")
+        failing = self.spawned[-1]
+        failing.alive = False
+        failing.ready.errback(RuntimeError("no"))
+        pool.stop_waiters()
+        self.assertEqual(self.reactor.getDelayedCalls(), [])
 
 
 class ReuseScopeTests(PoolTestCase):
@@ -325,7 +290,7 @@ class ReuseScopeTests(PoolTestCase):
 
     def reuse_pool(self, num_workers: int = 1, scope: str = "address") -> WorkerPool:
         return self.make_pool(
-            Config(num_workers=num_workers, max_requests_per_worker=0, reuse_scope=scope)
+            pool_config(num_workers=num_workers, max_requests_per_worker=0, reuse_scope=scope)
         )
 
     def test_same_client_reuses(self) -> None:
@@ -342,7 +307,7 @@ class ReuseScopeTests(PoolTestCase):
         seat = self.successResultOf(pool.acquire(10, "10.0.0.1"))
         first = seat.worker
         pool.release(seat)
-        self.auto_ready = False
+        self.spawner.auto_ready = False
         d = pool.acquire(10, "10.0.0.2")
         # The request waits for the start its client caused.
         self.assertNoResult(d)
@@ -392,7 +357,7 @@ class ReuseScopeTests(PoolTestCase):
         pool = self.reuse_pool()
         seat = self.successResultOf(pool.acquire(10, "10.0.0.1"))
         pool.release(seat)
-        self.auto_ready = False
+        self.spawner.auto_ready = False
         d = pool.acquire(10, "10.0.0.2")
         failing = self.spawned[-1]
         failing.alive = False
@@ -426,7 +391,7 @@ class StopTests(PoolTestCase):
         self.assertFalse(any(w.stopped for w in self.spawned))
 
     def test_no_replacement_while_closing(self) -> None:
-        pool = self.make_pool(Config(num_workers=1))
+        pool = self.make_pool(pool_config(num_workers=1))
         seat = self.successResultOf(pool.acquire(10))
         pool.closing = True
         pool.release(seat, retire="crashed")
@@ -445,7 +410,7 @@ class StopTests(PoolTestCase):
             return worker
 
         pool = WorkerPool(
-            Config(device="gpu", gpus=(0, 1)),
+            pool_config(device="gpu", gpus=(0, 1)),
             self.reactor,
             None,
             FakeSandbox(),
@@ -455,3 +420,190 @@ class StopTests(PoolTestCase):
         pool.spawn_worker = spawn  # type: ignore[assignment]
         failure = self.failureResultOf(Deferred.fromCoroutine(pool.start()), RuntimeError)
         self.assertTrue(str(failure.value).startswith("a pool serves one target"))
+
+
+def _job(timeout: float = 10.0) -> Job:
+    return Job(
+        request_id="req-1",
+        program_text="{}",
+        program=None,  # type: ignore[arg-type]
+        blobs={},
+        timeout_seconds=timeout,
+        output_limit=1024,
+        max_response_bytes=1 << 20,
+    )
+
+
+class SeatTests(PoolTestCase):
+    """L{WorkerPool.seat}: one request's seat, from the queue to its release."""
+
+    def use_seat(
+        self,
+        pool: WorkerPool,
+        job: Job | None = None,
+        gpu_count: int | None = None,
+        error: Exception | None = None,
+    ) -> Deferred[Any]:
+        self.uses: list[SeatUse] = []
+
+        async def go() -> JobResult:
+            async with pool.seat("req-1", gpu_count) as use:
+                self.uses.append(use)
+                if error is not None:
+                    raise error
+                return await use.run(job or _job())
+
+        return Deferred.fromCoroutine(go())
+
+    def test_cancelled_run_replaces_worker(self) -> None:
+        """
+        A request cancelled while its program runs (its client left) retires
+        the worker as C{abandoned}: it is killed and replaced, not reused
+        while still running the program (issue 18, item 4).
+        """
+        pool = self.make_pool(pool_config(num_workers=1, max_requests_per_worker=0))
+        worker = self.spawned[0]
+        running: Deferred[JobResult] = Deferred()
+        worker.run = lambda job: running  # type: ignore[method-assign]
+        d = self.use_seat(pool)
+        d.cancel()
+        self.failureResultOf(d, CancelledError)
+        self.assertEqual(self.uses[0].retire_reason(), "abandoned")
+        self.assertTrue(worker.killed)
+        self.assertEqual(len(self.spawned), 2)
+        self.assertEqual(pool.seats[0].status, "idle")
+
+    def test_cancelled_wait_leaves_the_line(self) -> None:
+        """A queued request that is cancelled leaves the line at once."""
+        pool = self.make_pool(pool_config(num_workers=1))
+        held = self.successResultOf(pool.acquire(10))
+        d = self.use_seat(pool)
+        self.assertEqual(pool.queue_length, 1)
+        d.cancel()
+        self.failureResultOf(d, CancelledError)
+        self.assertEqual(pool.queue_length, 0)
+        self.assertEqual(self.uses, [])
+        pool.release(held)
+
+    def test_runs_in_the_workspace_and_reuses(self) -> None:
+        """
+        The job runs in the seat's workspace as the worker sees it; without
+        a request limit the seat is cleared and offered again.
+        """
+        pool = self.make_pool(pool_config(num_workers=1, max_requests_per_worker=0))
+        result = self.successResultOf(self.use_seat(pool))
+        self.assertEqual(result.ending, "outcome")
+        worker = self.spawned[0]
+        seat = pool.seats[0]
+        self.assertEqual(worker.jobs[0].workspace, str(seat.work_dir))
+        self.assertEqual(self.uses[0].worker_id, "cpu/w0")
+        self.assertIsNone(self.uses[0].retire_reason())
+        # Without a sandbox: emptied before the answer, and again for reuse.
+        self.assertEqual(self.sandbox.cleared, [seat.work_dir, seat.work_dir])
+        self.assertEqual(seat.status, "idle")
+        self.assertEqual(len(self.spawned), 1)
+
+    def test_sandboxed_workspace_emptied_on_reuse_only(self) -> None:
+        """Under a sandbox the workspace is emptied once, when the seat is reused."""
+        pool = self.make_pool(pool_config(num_workers=1, max_requests_per_worker=0))
+        self.sandbox.name = "bubblewrap"  # type: ignore[misc]
+        self.successResultOf(self.use_seat(pool))
+        self.assertEqual(self.sandbox.cleared, [pool.seats[0].work_dir])
+
+    def test_unemptied_workspace_retires(self) -> None:
+        """Without a sandbox, a workspace that cannot be emptied retires its worker."""
+        pool = self.make_pool(pool_config(num_workers=1, max_requests_per_worker=0))
+
+        def refuse(work_dir: Path) -> None:
+            raise OSError("busy")
+
+        self.sandbox.clear_workspace = refuse  # type: ignore[method-assign]
+        self.successResultOf(self.use_seat(pool))
+        self.assertTrue(self.spawned[0].killed)
+        self.assertEqual(len(self.spawned), 2)
+
+    def test_request_limit_retires(self) -> None:
+        """At the request limit the seat's worker is replaced."""
+        pool = self.make_pool(pool_config(num_workers=1, max_requests_per_worker=1))
+        self.successResultOf(self.use_seat(pool))
+        self.assertEqual(self.uses[0].retire_reason(), "request_limit")
+        self.spawned[0].exit(0)
+        self.assertEqual(len(self.spawned), 2)
+        self.assertEqual(pool.seats[0].generation, 2)
+
+    def test_worker_asks_to_retire(self) -> None:
+        """An outcome that names a retire reason retires the worker."""
+        pool = self.make_pool(pool_config(num_workers=1, max_requests_per_worker=0))
+        self.spawned[0].result = JobResult(
+            "outcome", outcome=Outcome(status="FAILED", retire="poisoned_context")
+        )
+        self.successResultOf(self.use_seat(pool))
+        self.assertEqual(self.uses[0].retire_reason(), "poisoned_context")
+        self.assertTrue(self.spawned[0].killed)
+
+    def test_timeout_and_crash_retire(self) -> None:
+        """A timed-out, crashed or channel-breaking job retires its worker."""
+        expected = {"timeout": "timeout", "crashed": "crashed", "invalid": "channel_violation"}
+        for ending, reason in expected.items():
+            pool = self.make_pool(pool_config(num_workers=1, max_requests_per_worker=0))
+            self.spawned[0].result = JobResult(ending)
+            self.successResultOf(self.use_seat(pool))
+            self.assertEqual(self.uses[0].retire_reason(), reason)
+            # Without a sandbox the worker is stopped before its workspace is emptied.
+            self.assertTrue(self.spawned[0].killed)
+
+    def test_failure_before_run_keeps_a_healthy_worker(self) -> None:
+        """A request that fails before it runs gives its seat back for reuse."""
+        pool = self.make_pool(pool_config(num_workers=1, max_requests_per_worker=0))
+        self.failureResultOf(self.use_seat(pool, error=ValueError("boom")), ValueError)
+        self.assertEqual(pool.seats[0].status, "idle")
+        self.assertEqual(pool.active, 0)
+
+    def test_busy_reports_queue_time(self) -> None:
+        """A request that waited in vain learns how long it waited."""
+        pool = self.make_pool(pool_config(num_workers=1, worker_wait_timeout_seconds=2.0))
+        self.successResultOf(pool.acquire(10))
+        d = self.use_seat(pool)
+        self.reactor.advance(2.0)
+        failure = self.failureResultOf(d, PoolBusy)
+        self.assertEqual(failure.value.queue_ms, 2000.0)
+
+    def test_multi_gpu_worker(self) -> None:
+        """
+        With a GPU count, the request runs on a one-request worker that sees
+        the least busy GPUs; afterwards it is removed.
+        """
+        pool = self.make_pool(
+            pool_config(device="gpu", gpus=(0, 1), max_requests_per_worker=0),
+            leases=lambda reactor: LeaseArbiter((0, 1), reactor),
+        )
+        result = self.successResultOf(self.use_seat(pool, gpu_count=2))
+        self.assertEqual(result.ending, "outcome")
+        use = self.uses[0]
+        transient = self.spawned[-1]
+        self.assertEqual(transient.gpus, (0, 1))
+        self.assertEqual(use.gpus, (0, 1))
+        self.assertTrue(use.multi_gpu)
+        self.assertEqual(use.generation, 0)
+        self.assertEqual(use.placement.gpus, (0, 1))
+        self.assertEqual(len(transient.jobs), 1)
+        self.assertTrue(transient.killed)
+        # The worker takes the GPUs' lease itself; the request holds none.
+        self.assertIsNone(pool.leases.holder_of(0))
+        self.assertIsNone(pool.leases.holder_of(1))
+        self.assertEqual(pool.active, 0)
+
+    def test_multi_gpu_startup_spends_the_budget(self) -> None:
+        """A multi-GPU worker that starts slower than the budget never runs."""
+        pool = self.make_pool(
+            pool_config(device="gpu", gpus=(0, 1), max_requests_per_worker=0),
+            leases=lambda reactor: LeaseArbiter((0, 1), reactor),
+        )
+        self.spawner.auto_ready = False
+        d = self.use_seat(pool, job=_job(timeout=1.0), gpu_count=2)
+        self.reactor.advance(2.0)
+        self.spawned[-1].come_up()
+        self.failureResultOf(d, BudgetSpent)
+        self.assertEqual(self.spawned[-1].jobs, [])
+        self.assertTrue(self.spawned[-1].killed)
+        self.assertEqual(pool.active, 0)

@@ -223,15 +223,37 @@ class BubblewrapCommandTests(_TempMixin, SynchronousTestCase):
 
     def test_package_root(self) -> None:
         """
-        The directory holding C{kcoral} is bound and first on C{PYTHONPATH};
-        under C{/work} it is bound at L{PACKAGE_MOUNT} instead.
+        Only the C{kcoral} package directory is bound (not the checkout
+        around it), and its parent is first on C{PYTHONPATH}; under C{/work}
+        it is bound below L{PACKAGE_MOUNT} instead.
         """
         _, argv, env = self.command(BubblewrapSandbox([]))
         root = package_root()
         dest = PACKAGE_MOUNT if root == "/work" or root.startswith("/work/") else root
-        self.assertIn((root, dest), _pairs(argv, "--ro-bind"))
+        binds = _pairs(argv, "--ro-bind")
+        self.assertIn((os.path.join(root, "kcoral"), os.path.join(dest, "kcoral")), binds)
+        self.assertNotIn((root, dest), binds)
         setenv = dict(_pairs(argv, "--setenv"))
         self.assertEqual(setenv["PYTHONPATH"].split(":")[0], dest)
+
+    def test_server_paths_under_a_mount_are_masked(self) -> None:
+        """
+        A log directory inside a bound directory (a virtualenv, a --target
+        directory) is covered by an empty read-only tmpfs.
+        """
+        base = self.make_dir()
+        logs = base / "logs"
+        logs.mkdir()
+        outside = self.make_dir()
+        sandbox = BubblewrapSandbox([base], hidden_paths=[logs, outside])
+        _, argv, _ = self.command(sandbox)
+        i = argv.index(str(logs))
+        self.assertEqual(
+            argv[i - 3 : i + 3], ["--size", "4096", "--tmpfs", str(logs), "--remount-ro", str(logs)]
+        )
+        # After the mount that would show it.
+        self.assertLess(argv.index(str(base)), i)
+        self.assertNotIn(str(outside), argv)
 
     def test_readonly_symlink_resolved(self) -> None:
         """An extra read-only path that is a link is bound from its target at its own name."""

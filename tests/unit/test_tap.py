@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import importlib
 import re
+import shutil
 import sys
+import tempfile
 import types
 from pathlib import Path
 from typing import Any
@@ -62,7 +64,7 @@ class DefaultsTests(SynchronousTestCase):
         """
         The HTTP port defaults to 127.0.0.1:8000.
         """
-        self.assertEqual(parse([]).endpoint, "tcp:port=8000:interface=127.0.0.1")
+        self.assertEqual(parse([]).endpoint, "tcp:port=8000:interface=127.0.0.1:backlog=1024")
 
 
 class FlagTests(SynchronousTestCase):
@@ -131,7 +133,7 @@ class FlagTests(SynchronousTestCase):
                 tensor_api="pycuda",
             ),
         )
-        self.assertEqual(options.endpoint, "tcp:port=8001:interface=0.0.0.0")
+        self.assertEqual(options.endpoint, "tcp:port=8001:interface=0.0.0.0:backlog=1024")
         self.assertEqual(options["port"], 8001)
 
     def test_cpu_mode(self) -> None:
@@ -173,7 +175,7 @@ class FlagTests(SynchronousTestCase):
         which strports parses back to the same interface.
         """
         options = parse(["--host", "::1", "--port", "9000"])
-        self.assertEqual(options.endpoint, r"tcp:port=9000:interface=\:\:1")
+        self.assertEqual(options.endpoint, r"tcp:port=9000:interface=\:\:1:backlog=1024")
         reactor = MemoryReactor()
         serverFromString(reactor, options.endpoint).listen(Factory())
         port, _, _, interface = reactor.tcpServers[0]
@@ -218,7 +220,7 @@ class EnvironmentTests(SynchronousTestCase):
         self.check("KCORAL_SERVER_HOST", "0.0.0.0", ["--host", "10.0.0.1"], lambda o: o.endpoint)
         self.assertEqual(
             parse([], {"KCORAL_SERVER_HOST": "0.0.0.0"}).endpoint,
-            "tcp:port=8000:interface=0.0.0.0",
+            "tcp:port=8000:interface=0.0.0.0:backlog=1024",
         )
 
     def test_port(self) -> None:
@@ -275,7 +277,7 @@ class EnvironmentTests(SynchronousTestCase):
                 "KCORAL_SERVER_GPUS": "",
             },
         )
-        self.assertEqual(options.endpoint, "tcp:port=8000:interface=127.0.0.1")
+        self.assertEqual(options.endpoint, "tcp:port=8000:interface=127.0.0.1:backlog=1024")
         self.assertEqual((options.config.device, options.config.gpus), ("gpu", (0,)))
 
     def test_env_read_at_construction(self) -> None:
@@ -382,7 +384,8 @@ class ValidationTests(SynchronousTestCase):
         """
         self.assertUsageError(["--device", "tpu"], "--device must be 'cpu' or 'gpu', got 'tpu'")
         self.assertUsageError(
-            ["--sandbox", "docker"], "--sandbox must be 'none' or 'bubblewrap', got 'docker'"
+            ["--sandbox", "docker"],
+            "--sandbox must be 'none', 'bubblewrap' or 'auto', got 'docker'",
         )
         self.assertUsageError(
             ["--tensor-api", "jax"], "--tensor-api must be one of auto, torch, pycuda, got 'jax'"
@@ -511,7 +514,7 @@ class MakeServiceTests(SynchronousTestCase):
         options = parse(["--port", "8123", "--device", "cpu"])
         self.assertIs(tap.makeService(options), sentinel)
         self.assertIs(tap.makeService(options, console_mirror=True), sentinel)
-        endpoint = "tcp:port=8123:interface=127.0.0.1"
+        endpoint = ("tcp:port=8123:interface=127.0.0.1:backlog=1024",)
         # Under plain twistd, twistd's own observer prints every event: no
         # mirror, so nothing prints twice.  `kcoral server` asks for it.
         self.assertEqual(
@@ -522,6 +525,79 @@ class MakeServiceTests(SynchronousTestCase):
             ],
         )
         self.assertTrue(options.config.log_console)
+
+
+class BoundaryFlagTests(SynchronousTestCase):
+    """
+    The network boundary's flags (issue 18): endpoints, backlog, tokens,
+    deadlines and the connection cap.
+    """
+
+    def test_listen_repeatable(self) -> None:
+        """C{--listen} replaces --host/--port; TCP and SSL ports get the backlog."""
+        options = parse(
+            [
+                "--listen",
+                "tcp:8000:interface=127.0.0.2",
+                "--listen=unix:/run/kcoral.sock",
+                "--listen",
+                "ssl:8443:privateKey=k.pem:certKey=c.pem:backlog=7",
+                "--listen-backlog",
+                "2048",
+            ]
+        )
+        self.assertEqual(
+            options.endpoints,
+            (
+                "tcp:8000:interface=127.0.0.2:backlog=2048",
+                "unix:/run/kcoral.sock",
+                "ssl:8443:privateKey=k.pem:certKey=c.pem:backlog=7",
+            ),
+        )
+        self.assertEqual(options.endpoint, options.endpoints[0])
+
+    def test_listen_empty_rejected(self) -> None:
+        """An empty endpoint description is a usage error."""
+        self.assertRaises(usage.UsageError, parse, ["--listen", ""])
+
+    def test_backlog_at_least_one(self) -> None:
+        """A zero backlog is a usage error."""
+        self.assertRaises(usage.UsageError, parse, ["--listen-backlog", "0"])
+
+    def test_limits(self) -> None:
+        """Deadlines, the connection cap and --public-metrics reach the config."""
+        config = parse(
+            [
+                "--header-timeout-seconds=5",
+                "--body-timeout-seconds=60",
+                "--max-connections=10",
+                "--public-metrics",
+            ]
+        ).config
+        self.assertEqual(
+            (
+                config.header_timeout_seconds,
+                config.body_timeout_seconds,
+                config.max_connections,
+                config.public_metrics,
+            ),
+            (5.0, 60.0, 10, True),
+        )
+
+    def test_token_file_checked(self) -> None:
+        """A token file is read while parsing, so a bad one is a usage error."""
+        directory = Path(tempfile.mkdtemp())
+        self.addCleanup(shutil.rmtree, directory)
+        good = directory / "good"
+        good.write_text("alice 0123456789abcdef0123\n")
+        config = parse(["--auth-token-file", str(good)]).config
+        self.assertEqual(config.auth_token_file, good)
+        bad = directory / "bad"
+        bad.write_text("alice short\n")
+        error = self.assertRaises(usage.UsageError, parse, ["--auth-token-file", str(bad)])
+        self.assertIn("shorter than 16", str(error))
+        missing = str(directory / "missing")
+        self.assertRaises(usage.UsageError, parse, ["--auth-token-file", missing])
 
 
 class PluginTests(SynchronousTestCase):

@@ -21,7 +21,7 @@ from kcoral.wire.errors import (
 
 
 def test_vocabularies() -> None:
-    """The eight instruction kinds and the six request kinds of §9."""
+    """The eight instruction kinds, the six request kinds of §9, and the HTTP layer's own."""
     assert len(INSTRUCTION_KINDS) == 8
     assert REQUEST_KINDS == {
         "parse": 400,
@@ -30,6 +30,12 @@ def test_vocabularies() -> None:
         "timeout": 504,
         "engine": 500,
         "response_too_large": 500,
+        "unauthorized": 401,
+        "not_found": 404,
+        "method_not_allowed": 405,
+        "request_timeout": 408,
+        "uri_too_long": 414,
+        "header_too_large": 431,
     }
     assert REQUEST_KIND_HEADERS["busy"] == {"Retry-After": "1"}
     assert http_status("busy") == 503

@@ -600,3 +600,20 @@ def test_clamp_options() -> None:
         1 << 24,
     )  # type: ignore[arg-type]
     assert clamp_options(Options(timeout_seconds=0.5, output_limit_bytes=0), **kw) == (0.5, 0)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"instructions": [{"op": {"run": 1}, "id": "a"}]}',
+        b'{"instructions": [{"op": ["run"], "id": "a"}]}',
+        b'{"instructions": [{"op": "return", "key": "k", "value": ' + b"9" * 5000 + b"}]}",
+        b'{"instructions": [{"op": "return", "key": "k", "value": 1}], '
+        b'"options": {"timeout_seconds": ' + b"9" * 4000 + b"}}",
+    ],
+    ids=["op-object", "op-array", "int-5000-digits", "timeout-4000-digits"],
+)
+def test_hostile_values_are_validation_errors(body: bytes) -> None:
+    """Values that once raised TypeError/ValueError/OverflowError (a 500) are 400s."""
+    with pytest.raises(ValidationError):
+        parse_program(body)

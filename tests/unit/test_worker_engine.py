@@ -24,29 +24,12 @@ import psutil
 import pytest
 
 from kcoral.errors import ExecutionError
+from kcoral.testing.fakes import RecordingLease
 from kcoral.wire.channel import ChannelMessage, Execute, Instruction, Outcome, Returned, encode
 from kcoral.worker.builtins import cpu_builtins
 from kcoral.worker.devices import CpuBackend, make_backend
 from kcoral.worker.engine import Engine
 from kcoral.worker.lease import NullLease
-
-
-@attrs.define
-class RecordingLease:
-    """A no-op lease that records C{acquire}/C{release} calls that changed state."""
-
-    held: bool = False
-    events: list[str] = attrs.field(factory=list)
-
-    def acquire(self) -> None:
-        if not self.held:
-            self.events.append("acquire")
-        self.held = True
-
-    def release(self) -> None:
-        if self.held:
-            self.events.append("release")
-        self.held = False
 
 
 @attrs.define(slots=False)

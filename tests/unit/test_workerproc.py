@@ -11,11 +11,9 @@ from typing import Any
 import attrs
 from twisted.internet.error import ProcessDone, ProcessTerminated
 from twisted.internet.interfaces import IReactorProcess
-from twisted.internet.testing import MemoryReactorClock
 from twisted.logger import capturedLogs
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
-from zope.interface import implementer
 from zope.interface.verify import verifyObject
 
 from kcoral.server.lease import LeaseArbiter
@@ -27,78 +25,19 @@ from kcoral.server.workerproc import (
     WorkerProcess,
     WorkerStartError,
 )
+from kcoral.testing.fakes import FakeTransport, ProcessReactor
 from kcoral.wire.channel import (
     ChannelMessage,
     Failed,
     Instruction,
     LeaseAcquire,
     LeaseRelease,
-    MessageDecoder,
     Outcome,
     Ready,
     Returned,
     encode,
     encode_frame,
 )
-
-
-class FakeTransport:
-    """The process transport a worker writes to and signals."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.written: dict[int, bytes] = {}
-        self.signals: list[str] = []
-        self.stdin_closed = False
-
-    def writeToChild(self, fd: int, data: bytes) -> None:
-        self.written[fd] = self.written.get(fd, b"") + data
-
-    def closeStdin(self) -> None:
-        self.stdin_closed = True
-
-    def signalProcess(self, signal: str) -> None:
-        self.signals.append(signal)
-
-    def messages(self) -> list[ChannelMessage]:
-        return MessageDecoder().feed(self.written.get(TO_WORKER_FD, b""))
-
-
-@implementer(IReactorProcess)
-class ProcessReactor(MemoryReactorClock):
-    """A memory reactor that records spawnProcess calls."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.spawned: list[dict[str, Any]] = []
-
-    def spawnProcess(  # type: ignore[override]
-        self,
-        processProtocol: Any,
-        executable: Any,
-        args: Any = (),
-        env: Any = None,
-        path: Any = None,
-        uid: Any = None,
-        gid: Any = None,
-        usePTY: Any = False,
-        childFDs: Any = None,
-    ) -> FakeTransport:
-        # Above Linux's largest pid_max (2**22): signalling it can never hit
-        # a real process or process group.
-        transport = FakeTransport(pid=2**22 + 1000 + len(self.spawned))
-        self.spawned.append(
-            {
-                "protocol": processProtocol,
-                "executable": executable,
-                "args": list(args),
-                "env": env,
-                "childFDs": childFDs,
-                "transport": transport,
-            }
-        )
-        processProtocol.makeConnection(transport)
-        return transport
 
 
 @attrs.frozen
@@ -635,6 +574,30 @@ class GpuChannelDistrustTests(WorkerTestCase):
         self.assertEqual(self.successResultOf(d).ending, "invalid")
         self.end(worker, -9)
         self.assertIsNone(self.leases.holder_of(0))
+
+    def test_outcome_holding_the_lease(self) -> None:
+        """
+        A forged outcome while the worker holds its GPU: it would keep the
+        GPU between requests, so the worker is poisoned and the lease freed.
+        """
+        worker = self.ready_worker()
+        d = worker.run(self.job())
+        self.deliver(worker, LeaseAcquire())
+        self.deliver(worker, Outcome(status="COMPLETED"))
+        result: JobResult = self.successResultOf(d)
+        self.assertEqual(result.ending, "invalid")
+        self.assertIn("holding its GPU lease", result.detail)
+        self.end(worker, -9)
+        self.assertIsNone(self.leases.holder_of(0))
+
+    def test_retiring_outcome_may_hold_the_lease(self) -> None:
+        """A retiring worker exits under its lease (it destroys its context)."""
+        worker = self.ready_worker()
+        d = worker.run(self.job())
+        self.deliver(worker, LeaseAcquire())
+        self.deliver(worker, Outcome(status="COMPLETED", retire="request_limit"))
+        self.assertEqual(self.successResultOf(d).ending, "outcome")
+        self.assertEqual(self.transport.signals, [])
 
     def test_startup_release_may_arrive_during_first_job(self) -> None:
         worker = self.spawn()

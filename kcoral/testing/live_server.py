@@ -1,3 +1,4 @@
+# -*- test-case-name: tests.integration.test_server -*-
 """
 Helpers for tests and benchmarks that drive a real kcoral server.
 
@@ -127,7 +128,8 @@ class ServerProcess:
 
     def start(self, timeout: float = 60.0) -> ServerProcess:
         env = dict(os.environ if self.env is None else self.env)
-        root = str(Path(__file__).resolve().parent.parent)
+        # The checkout (or site-packages) that holds the kcoral package.
+        root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         argv = [
             sys.executable,

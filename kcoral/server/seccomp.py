@@ -1,0 +1,104 @@
+# -*- test-case-name: tests.unit.test_seccomp -*-
+"""
+The seccomp filter bubblewrap loads before it starts a worker.
+
+A benchmark never needs to mount filesystems, trace processes, load BPF
+programs or kernel modules, boot another kernel or make namespaces, and
+each of those widens what a kernel bug can give a hostile program.  The
+filter allows everything else (it is a deny list of what a benchmark never
+needs, not a profile of what it does) and fails the denied calls with
+C{EPERM}; C{clone3}, whose flags a filter cannot see, fails with C{ENOSYS},
+so the C library falls back to C{clone}, whose namespace flags are checked.
+
+The program is compiled by libseccomp through the C{pyseccomp} bindings and
+handed to C{bwrap --seccomp FD}.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import tempfile
+
+#: System calls a worker may not make (those this architecture lacks are skipped).
+DENIED = (
+    # mounts
+    "mount",
+    "umount",
+    "umount2",
+    "pivot_root",
+    "move_mount",
+    "open_tree",
+    "fsopen",
+    "fsmount",
+    "fsconfig",
+    "fspick",
+    "mount_setattr",
+    # tracing other processes
+    "ptrace",
+    "process_vm_readv",
+    "process_vm_writev",
+    # BPF programs
+    "bpf",
+    # another kernel, kernel modules
+    "kexec_load",
+    "kexec_file_load",
+    "init_module",
+    "finit_module",
+    "delete_module",
+    # namespaces
+    "unshare",
+    "setns",
+)
+
+#: C{clone} flags that make a namespace.
+NAMESPACE_FLAGS = {
+    "CLONE_NEWNS": 0x00020000,
+    "CLONE_NEWCGROUP": 0x02000000,
+    "CLONE_NEWUTS": 0x04000000,
+    "CLONE_NEWIPC": 0x08000000,
+    "CLONE_NEWUSER": 0x10000000,
+    "CLONE_NEWPID": 0x20000000,
+    "CLONE_NEWNET": 0x40000000,
+    "CLONE_NEWTIME": 0x00000080,
+}
+
+
+class SeccompUnavailable(Exception):
+    """The filter cannot be built here (no libseccomp or bindings)."""
+
+
+def build_filter() -> bytes:
+    """
+    BLOCKING: the filter as a BPF program for C{bwrap --seccomp}.
+
+    @raise SeccompUnavailable: libseccomp or its bindings are missing.
+    """
+    try:
+        import pyseccomp as sc
+    except (ImportError, OSError) as e:  # no module, or no libseccomp.so
+        raise SeccompUnavailable(f"{type(e).__name__}: {e}") from None
+    deny = sc.ERRNO(errno.EPERM)
+    rules = sc.SyscallFilter(sc.ALLOW)
+    for name in DENIED:
+        if sc.resolve_syscall(sc.Arch.NATIVE, name) < 0:
+            continue
+        rules.add_rule(deny, name)
+    for flag in NAMESPACE_FLAGS.values():
+        rules.add_rule(deny, "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
+    if sc.resolve_syscall(sc.Arch.NATIVE, "clone3") >= 0:
+        rules.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
+    with tempfile.TemporaryFile() as f:
+        rules.export_bpf(f)
+        f.seek(0)
+        return f.read()
+
+
+def write_filter(directory: str | os.PathLike[str]) -> str:
+    """BLOCKING: write the filter to C{directory}/seccomp.bpf (0600); return its path."""
+    program = build_filter()
+    path = os.path.join(os.fspath(directory), "seccomp.bpf")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(program)
+    return path

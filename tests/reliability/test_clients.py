@@ -1,0 +1,239 @@
+"""
+Hostile and careless clients against a real CPU server (issue 18): slow
+clients, too many connections, clients that leave, and a load of 2,000
+requests from 64 clients.  Loopback only.  The programs are ordinary (they
+sleep or add), so the server runs without a sandbox for speed.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kcoral.testing.live_server import ServerProcess, multipart_body, post_program
+from tests.reliability.conftest import body_of, run_program
+
+pytestmark = [pytest.mark.integration]
+
+SLEEP = "import time\n\ndef f(s):\n    time.sleep(s)\n    return s\n"
+ADD = "def f(a, b):\n    return a + b\n"
+
+
+def events(log_dir: Path) -> list[dict[str, Any]]:
+    (run,) = list((log_dir / "runs").iterdir())
+    return [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+
+
+def wait_for(log_dir: Path, predicate: Any, timeout: float = 60.0) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + timeout
+    while True:
+        found = [e for e in events(log_dir) if predicate(e)]
+        if found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.05)
+
+
+def raw_post(port: int, program: dict[str, Any], request_id: str) -> socket.socket:
+    """Send a whole /execute request and return the socket, unread."""
+    content_type, body = multipart_body(program)
+    head = (
+        f"POST /execute HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {content_type}\r\n"
+        f"Content-Length: {len(body)}\r\nX-Request-ID: {request_id}\r\n\r\n"
+    ).encode()
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    sock.sendall(head + body)
+    return sock
+
+
+def read_all(sock: socket.socket) -> bytes:
+    chunks = []
+    while True:
+        try:
+            data = sock.recv(65536)
+        except ConnectionResetError:
+            break
+        if not data:
+            break
+        chunks.append(data)
+    return b"".join(chunks)
+
+
+def split_response(raw: bytes) -> tuple[int, dict[str, str], bytes]:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    return int(lines[0].split()[1]), headers, body
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, Path]]:
+    logs = tmp_path_factory.mktemp("client-logs")
+    args = [
+        "--device", "cpu", "--sandbox", "none", "--num-workers", "2",
+        "--max-requests-per-worker", "0", "--log-dir", str(logs),
+        "--header-timeout-seconds", "2", "--body-timeout-seconds", "3",
+        "--max-connections", "100",
+    ]  # fmt: skip
+    with ServerProcess(args) as process:
+        yield process, logs
+
+
+def test_slowloris_head_gets_408(server: tuple[ServerProcess, Path]) -> None:
+    """
+    A request head trickled a byte every 0.3 s is cut off at the head
+    deadline with a JSON 408, though each byte arrives well within any idle
+    timeout.
+    """
+    process, _ = server
+    sock = socket.create_connection(("127.0.0.1", process.port), timeout=30)
+    sent = 0
+    head = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Padding: " + b"a" * 200
+    try:
+        for byte in head:
+            sock.sendall(bytes([byte]))
+            sent += 1
+            time.sleep(0.3)
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    status, headers, body = split_response(read_all(sock))
+    sock.close()
+    assert sent < len(head)
+    assert status == 408
+    assert headers["content-type"] == "application/json"
+    assert json.loads(body)["error"]["kind"] == "request_timeout"
+
+
+def test_slow_body_gets_408(server: tuple[ServerProcess, Path]) -> None:
+    """A body trickled after a prompt head is cut off at the body deadline."""
+    process, _ = server
+    sock = socket.create_connection(("127.0.0.1", process.port), timeout=30)
+    sock.sendall(
+        b"POST /execute HTTP/1.1\r\nHost: x\r\nContent-Type: multipart/form-data; "
+        b"boundary=b\r\nContent-Length: 100000\r\n\r\n"
+    )
+    try:
+        for _ in range(100):
+            sock.sendall(b"x")
+            time.sleep(0.2)
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    status, _, body = split_response(read_all(sock))
+    sock.close()
+    assert status == 408
+    assert json.loads(body)["status"] == "ERROR"
+
+
+def test_connection_cap_refuses_cleanly(server: tuple[ServerProcess, Path]) -> None:
+    """Past --max-connections a connection gets a JSON 503 with Retry-After; then all is well."""
+    process, _ = server
+    idle = [socket.create_connection(("127.0.0.1", process.port), timeout=30) for _ in range(100)]
+    try:
+        time.sleep(0.5)  # let the server accept them all
+        extra = socket.create_connection(("127.0.0.1", process.port), timeout=30)
+        status, headers, body = split_response(read_all(extra))
+        extra.close()
+        assert status == 503
+        assert headers["retry-after"] == "1"
+        assert json.loads(body)["error"]["kind"] == "busy"
+    finally:
+        for sock in idle:
+            sock.close()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            if process.health()["status"] == "ok":
+                break
+        except Exception:
+            time.sleep(0.1)
+    assert process.health()["status"] == "ok"
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2)")
+def test_listen_backlog(server: tuple[ServerProcess, Path]) -> None:
+    """The listening socket's queue is 1,024 (or the kernel's cap), not Twisted's 50."""
+    process, _ = server
+    out = subprocess.run(
+        ["ss", "-Hltn", f"sport = :{process.port}"], capture_output=True, text=True, check=True
+    ).stdout.split()
+    somaxconn = int(Path("/proc/sys/net/core/somaxconn").read_text())
+    assert int(out[2]) == min(1024, somaxconn)
+
+
+def test_disconnected_clients_work_is_dropped(server: tuple[ServerProcess, Path]) -> None:
+    """
+    Clients that leave: the queued request leaves the line at once and the
+    running programs' workers are replaced, so a new short program runs at
+    once rather than behind 600 s of abandoned sleeps.
+    """
+    process, logs = server
+    sleeper = run_program(SLEEP, "f", 600, options={"timeout_seconds": 900})
+    running = [str(uuid.uuid4()) for _ in range(2)]
+    queued = str(uuid.uuid4())
+    sockets = [raw_post(process.port, sleeper, rid) for rid in running]
+    for rid in running:
+        assert wait_for(
+            logs, lambda e, r=rid: e["event"] == "request_routed" and e["request_id"] == r
+        )
+    waiting = raw_post(process.port, sleeper, queued)
+    assert wait_for(logs, lambda e: e["event"] == "request_accepted" and e["request_id"] == queued)
+    waiting.close()
+    for sock in sockets:
+        sock.close()
+    for rid in [*running, queued]:
+        (finished,) = wait_for(
+            logs, lambda e, r=rid: e["event"] == "request_finished" and e["request_id"] == r
+        )
+        assert finished["finish_reason"] == "abandoned"
+    retired = wait_for(
+        logs, lambda e: e["event"] == "worker_retired" and e.get("reason") == "abandoned"
+    )
+    assert len(retired) == 2
+    response = process.execute(run_program(ADD, "f", 2, 3), timeout=120)
+    assert response.status == 200
+    assert body_of(response)["results"]["out"]["value"] == 5
+
+
+def test_load_nothing_lost(server: tuple[ServerProcess, Path]) -> None:
+    """2,000 requests from 64 concurrent clients: every one answered, correctly."""
+    process, _ = server
+    total, clients = 2000, 64
+    results: list[tuple[int, int, Any]] = []
+    lock = threading.Lock()
+    counter = iter(range(total))
+
+    def client() -> None:
+        while True:
+            with lock:
+                n = next(counter, None)
+            if n is None:
+                return
+            try:
+                response = post_program(process.port, run_program(ADD, "f", n, 1), timeout=600)
+                value = body_of(response).get("results", {}).get("out", {}).get("value")
+                outcome: tuple[int, int, Any] = (n, response.status, value)
+            except Exception as e:  # pragma: no cover - reported below
+                outcome = (n, -1, repr(e))
+            with lock:
+                results.append(outcome)
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wrong = [r for r in results if r[1] != 200 or r[2] != r[0] + 1]
+    assert len(results) == total
+    assert wrong == []

@@ -1,0 +1,276 @@
+"""
+Tests for L{kcoral.server.http}: every refusal of the HTTP layer is the
+protocol's JSON ERROR body with the right status, and request heads and
+bodies have deadlines that trickling cannot extend.  In memory: a
+L{StringTransport} and a L{Clock}, no sockets.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from klein import Klein
+from twisted.internet.address import IPv4Address
+from twisted.internet.task import Clock
+from twisted.internet.testing import StringTransport
+from twisted.trial.unittest import SynchronousTestCase
+from twisted.web.iweb import IRequest
+
+from kcoral.server.http import KcoralSite, raw_error_response
+
+
+class _Routes:
+    app = Klein()
+
+    @app.route("/hello", methods=["GET"])
+    def hello(self, request: IRequest) -> bytes:
+        request.setHeader(b"Content-Type", b"application/json")
+        return b'{"ok": true}'
+
+    @app.route("/boom", methods=["GET"])
+    def boom(self, request: IRequest) -> bytes:
+        raise RuntimeError("a bug")
+
+    @app.route("/upload", methods=["POST"])
+    def upload(self, request: IRequest) -> bytes:
+        request.setHeader(b"Content-Type", b"application/json")
+        return b'{"read": %d}' % len(request.content.read())
+
+
+def parse_responses(data: bytes) -> list[tuple[int, dict[bytes, bytes], bytes]]:
+    """Split raw HTTP/1.1 responses (Content-Length or chunked bodies)."""
+    responses = []
+    while data:
+        head, _, rest = data.partition(b"\r\n\r\n")
+        lines = head.split(b"\r\n")
+        status = int(lines[0].split(b" ")[1])
+        headers = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(b":")
+            headers[name.strip().lower()] = value.strip()
+        if headers.get(b"transfer-encoding") == b"chunked":
+            body = b""
+            while True:
+                size_line, _, rest = rest.partition(b"\r\n")
+                size = int(size_line, 16)
+                body, rest = body + rest[:size], rest[size + 2 :]
+                if size == 0:
+                    break
+            responses.append((status, headers, body))
+            data = rest
+            continue
+        length = int(headers.get(b"content-length", b"0"))
+        responses.append((status, headers, rest[:length]))
+        data = rest[length:]
+    return responses
+
+
+class Harness:
+    def __init__(self, **site_options: Any) -> None:
+        self.clock = Clock()
+        self.site = KcoralSite(
+            _Routes().app.resource(),
+            max_request_bytes=1024,
+            reactor=self.clock,
+            **site_options,
+        )
+
+    def connect(self) -> tuple[Any, StringTransport]:
+        channel = self.site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 40000))
+        transport = StringTransport(peerAddress=IPv4Address("TCP", "127.0.0.1", 40000))
+        channel.makeConnection(transport)
+        return channel, transport
+
+    def exchange(self, data: bytes) -> tuple[int, dict[bytes, bytes], bytes, StringTransport]:
+        channel, transport = self.connect()
+        channel.dataReceived(data)
+        responses = parse_responses(transport.value())
+        assert len(responses) == 1, transport.value()
+        return (*responses[0], transport)
+
+
+def assert_error(
+    case: SynchronousTestCase, status: int, headers: dict[bytes, bytes], body: bytes, kind: str
+) -> dict[str, Any]:
+    case.assertEqual(headers[b"content-type"], b"application/json")
+    document = json.loads(body)
+    case.assertEqual(set(document), {"status", "request_id", "error"})
+    case.assertEqual(document["status"], "ERROR")
+    case.assertEqual(set(document["error"]), {"kind", "message"})
+    case.assertEqual(document["error"]["kind"], kind)
+    case.assertEqual(headers[b"x-request-id"].decode(), document["request_id"])
+    return document
+
+
+class JsonErrorTests(SynchronousTestCase):
+    """Klein's and Twisted's own error answers become ERROR bodies."""
+
+    def test_ok_untouched(self) -> None:
+        """A successful response passes through unchanged."""
+        status, headers, body, _ = Harness().exchange(b"GET /hello HTTP/1.1\r\nHost: x\r\n\r\n")
+        self.assertEqual((status, body), (200, b'{"ok": true}'))
+
+    def test_not_found(self) -> None:
+        """An unknown path is a JSON 404, not Klein's HTML page."""
+        status, headers, body, _ = Harness().exchange(b"GET /nope HTTP/1.1\r\nHost: x\r\n\r\n")
+        self.assertEqual(status, 404)
+        assert_error(self, status, headers, body, "not_found")
+
+    def test_method_not_allowed(self) -> None:
+        """A wrong method is a JSON 405 that keeps the Allow header."""
+        status, headers, body, _ = Harness().exchange(b"DELETE /hello HTTP/1.1\r\nHost: x\r\n\r\n")
+        self.assertEqual(status, 405)
+        assert_error(self, status, headers, body, "method_not_allowed")
+        self.assertIn(b"GET", headers[b"allow"])
+
+    def test_unhandled_exception(self) -> None:
+        """A bug in a handler is a JSON 500 engine error, with no traceback."""
+        status, headers, body, _ = Harness().exchange(b"GET /boom HTTP/1.1\r\nHost: x\r\n\r\n")
+        self.assertEqual(status, 500)
+        document = assert_error(self, status, headers, body, "engine")
+        self.assertNotIn("a bug", json.dumps(document))
+        self.flushLoggedErrors(RuntimeError)
+
+    def test_client_request_id_kept(self) -> None:
+        """A valid X-Request-ID sent by the client names the error body."""
+        rid = "6d1f0b9e-5a4c-4f1e-9b7a-2c3d4e5f6a7b"
+        status, headers, body, _ = Harness().exchange(
+            b"GET /nope HTTP/1.1\r\nHost: x\r\nX-Request-ID: " + rid.encode() + b"\r\n\r\n"
+        )
+        self.assertEqual(json.loads(body)["request_id"], rid)
+
+    def test_bad_content_length(self) -> None:
+        """A non-numeric Content-Length is a JSON 400 and the connection closes."""
+        status, headers, body, transport = Harness().exchange(
+            b"POST /upload HTTP/1.1\r\nHost: x\r\nContent-Length: ten\r\n\r\n"
+        )
+        self.assertEqual(status, 400)
+        assert_error(self, status, headers, body, "parse")
+        self.assertTrue(transport.disconnecting)
+
+    def test_bad_chunking(self) -> None:
+        """A malformed chunk size is a JSON 400."""
+        status, headers, body, _ = Harness().exchange(
+            b"POST /upload HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"
+        )
+        self.assertEqual(status, 400)
+        assert_error(self, status, headers, body, "parse")
+
+    def test_http09(self) -> None:
+        """A request line without a version (HTTP/0.9) is a JSON 400."""
+        status, headers, body, _ = Harness().exchange(b"GET /hello\r\n\r\n")
+        self.assertEqual(status, 400)
+        assert_error(self, status, headers, body, "parse")
+
+    def test_too_many_headers(self) -> None:
+        """More headers than allowed is a JSON 431."""
+        headers_block = b"".join(b"X-H%d: v\r\n" % i for i in range(600))
+        status, headers, body, _ = Harness().exchange(
+            b"GET /hello HTTP/1.1\r\nHost: x\r\n" + headers_block + b"\r\n"
+        )
+        self.assertEqual(status, 431)
+        assert_error(self, status, headers, body, "header_too_large")
+
+    def test_huge_header(self) -> None:
+        """A 200 KB header is a JSON 431, not a silently closed connection."""
+        status, headers, body, transport = Harness().exchange(
+            b"GET /hello HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 200_000 + b"\r\n\r\n"
+        )
+        self.assertEqual(status, 431)
+        assert_error(self, status, headers, body, "header_too_large")
+        self.assertTrue(transport.disconnecting)
+
+    def test_headers_over_total(self) -> None:
+        """Headers that are each short but together too large are a JSON 431."""
+        headers_block = b"".join(b"X-H%d: %s\r\n" % (i, b"v" * 1000) for i in range(20))
+        status, headers, body, _ = Harness().exchange(
+            b"GET /hello HTTP/1.1\r\nHost: x\r\n" + headers_block + b"\r\n"
+        )
+        self.assertEqual(status, 431)
+
+    def test_long_request_line(self) -> None:
+        """A request line longer than a line may be is a JSON 414."""
+        status, headers, body, _ = Harness().exchange(
+            b"GET /" + b"a" * 20_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n"
+        )
+        self.assertEqual(status, 414)
+        assert_error(self, status, headers, body, "uri_too_long")
+
+    def test_raw_busy_has_retry_after(self) -> None:
+        """The raw 503 carries Retry-After like every busy answer."""
+        ((status, headers, body),) = parse_responses(raw_error_response(503))
+        self.assertEqual(status, 503)
+        self.assertEqual(headers[b"retry-after"], b"1")
+        assert_error(self, status, headers, body, "busy")
+
+
+class DeadlineTests(SynchronousTestCase):
+    """Request heads and bodies must arrive in time, however they trickle."""
+
+    def test_trickled_head_times_out(self) -> None:
+        """One byte every few seconds does not extend the head deadline: 408."""
+        harness = Harness(header_timeout=10)
+        channel, transport = harness.connect()
+        for byte in b"GET /hello HTTP/1.1\r\nHost":
+            channel.dataReceived(bytes([byte]))
+            harness.clock.advance(0.5)
+            if transport.disconnecting:
+                break
+        self.assertTrue(transport.disconnecting)
+        ((status, headers, body),) = parse_responses(transport.value())
+        self.assertEqual(status, 408)
+        assert_error(self, status, headers, body, "request_timeout")
+
+    def test_idle_connection_closed_quietly(self) -> None:
+        """A connection that never sends a byte is closed without a response."""
+        harness = Harness(header_timeout=10)
+        channel, transport = harness.connect()
+        harness.clock.advance(10)
+        self.assertTrue(transport.disconnecting)
+        self.assertEqual(transport.value(), b"")
+
+    def test_trickled_body_times_out(self) -> None:
+        """A body that arrives too slowly is answered 408."""
+        harness = Harness(header_timeout=10, body_timeout=20)
+        channel, transport = harness.connect()
+        channel.dataReceived(b"POST /upload HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n")
+        for _ in range(30):
+            channel.dataReceived(b"a")
+            harness.clock.advance(1)
+        ((status, headers, body),) = parse_responses(transport.value())
+        self.assertEqual(status, 408)
+        self.assertTrue(transport.disconnecting)
+
+    def test_keep_alive_gets_new_deadline(self) -> None:
+        """After a response, the next request has a fresh head deadline."""
+        harness = Harness(header_timeout=10)
+        channel, transport = harness.connect()
+        harness.clock.advance(9)
+        channel.dataReceived(b"GET /hello HTTP/1.1\r\nHost: x\r\n\r\n")
+        harness.clock.advance(9)
+        channel.dataReceived(b"GET /hello HTTP/1.1\r\nHost: x\r\n\r\n")
+        self.assertEqual([r[0] for r in parse_responses(transport.value())], [200, 200])
+        self.assertFalse(transport.disconnecting)
+        channel.connectionLost(None)
+        self.assertEqual(harness.clock.getDelayedCalls(), [])
+
+
+class ConnectionCapTests(SynchronousTestCase):
+    """Past the connection cap, new connections get a 503 and are closed."""
+
+    def test_cap(self) -> None:
+        """The connection over the cap is refused cleanly; a freed slot is reused."""
+        harness = Harness(max_connections=2)
+        first, _ = harness.connect()
+        harness.connect()
+        refused, transport = harness.connect()
+        ((status, headers, body),) = parse_responses(transport.value())
+        self.assertEqual(status, 503)
+        assert_error(self, status, headers, body, "busy")
+        self.assertTrue(transport.disconnecting)
+        self.assertEqual(harness.site.refused_connections, 1)
+        first.connectionLost(None)
+        self.assertEqual(harness.site.open_connections, 1)
+        _, transport = harness.connect()
+        self.assertEqual(transport.value(), b"")

@@ -1,0 +1,135 @@
+"""
+Tests for L{kcoral.server.service.KCoralService}: the service tree and the
+order its children start and stop in, without starting a real child.
+"""
+
+from __future__ import annotations
+
+from twisted.application import service
+from twisted.internet.testing import MemoryReactorClock
+from twisted.trial.unittest import SynchronousTestCase
+from twisted.web.resource import Resource
+from twisted.web.server import Site
+
+from kcoral.config import ServerConfig
+from kcoral.server.service import KCoralService, ListeningPortService, create_app, makeService
+from kcoral.testing.fakes import RecordingService, SyncReactor, SyncThreadPool
+
+
+def _config() -> ServerConfig:
+    return ServerConfig(device="cpu", num_workers=1, log_dir=None, disk_cache_dir=None)
+
+
+class TreeTests(SynchronousTestCase):
+    def test_children(self) -> None:
+        """The root is a MultiService of named parts, the port last."""
+        root = makeService(
+            _config(), "tcp:port=0:interface=127.0.0.1", reactor=MemoryReactorClock()
+        )
+        self.assertIsInstance(root, service.MultiService)
+        self.assertEqual(
+            [child.name for child in root], ["threads", "logs", "caches", "workers", "http"]
+        )
+        self.assertFalse(any(child.running for child in root))
+
+    def test_app_has_no_port(self) -> None:
+        """C{create_app}'s service serves no port of its own."""
+        app = create_app(_config(), reactor=MemoryReactorClock())
+        root = app.kcoral_service  # type: ignore[attr-defined]
+        self.assertEqual([child.name for child in root], ["threads", "logs", "caches", "workers"])
+
+
+class OrderTests(SynchronousTestCase):
+    def make(self) -> tuple[KCoralService, list[RecordingService], list[str]]:
+        root = KCoralService(_config(), reactor=MemoryReactorClock())
+        for child in list(root):
+            child.disownServiceParent()
+        calls: list[str] = []
+        children = [RecordingService(name, calls) for name in ("a", "b", "c")]
+        for child in children:
+            child.setServiceParent(root)
+        return root, children, calls
+
+    def test_start_in_sequence(self) -> None:
+        """Each child starts once the one before it has; then C{ready} fires."""
+        root, (a, b, c), calls = self.make()
+        root.startService()
+        self.assertEqual(calls, ["start a"])
+        a.started.callback(None)
+        self.assertEqual(calls, ["start a", "start b"])
+        b.started.callback(None)
+        self.assertNoResult(root.ready)
+        c.started.callback(None)
+        self.assertIsNone(self.successResultOf(root.ready))
+
+    def test_failed_start(self) -> None:
+        """A child that fails stops the start: C{ready} fails, the rest never start."""
+        root, (a, b, c), calls = self.make()
+        root.startService()
+        a.started.errback(RuntimeError("no port"))
+        self.failureResultOf(root.ready, RuntimeError)
+        self.assertEqual(root.start_failure, "RuntimeError: no port")
+        self.assertEqual(calls, ["start a"])
+        self.assertEqual(len(self.flushLoggedErrors()), 0)
+        # Stopping then stops only what started.
+        a.stopped.callback(None)
+        self.successResultOf(root.stopService())
+        self.assertEqual(calls, ["start a", "stop a"])
+
+    def test_stop_in_reverse_sequence(self) -> None:
+        """
+        Children stop last to first, each once the one after it has, and
+        C{stopService} fires only when the first child has stopped.
+        """
+        root, (a, b, c), calls = self.make()
+        for child in (a, b, c):
+            child.started.callback(None)
+        root.startService()
+        del calls[:]
+        d = root.stopService()
+        self.assertEqual(calls, ["stop c"])
+        c.stopped.callback(None)
+        self.assertEqual(calls, ["stop c", "stop b"])
+        b.stopped.callback(None)
+        self.assertNoResult(d)
+        a.stopped.callback(None)
+        self.successResultOf(d)
+        self.assertEqual(calls, ["stop c", "stop b", "stop a"])
+
+
+class ChildTests(SynchronousTestCase):
+    def test_port_listens_and_stops(self) -> None:
+        """The http child listens when it starts and stops listening when it stops."""
+        reactor = MemoryReactorClock()
+        port = ListeningPortService(reactor, "tcp:port=8123:interface=127.0.0.1", Site(Resource()))
+        self.successResultOf(port.startService())
+        self.assertEqual([(p, i) for p, _, _, i in reactor.tcpServers], [(8123, "127.0.0.1")])
+        self.assertIsNotNone(port.port)
+        self.successResultOf(port.stopService())
+        self.assertIsNone(port.port)
+        self.assertFalse(port.running)
+
+    def test_workers_stop_waits_for_requests(self) -> None:
+        """
+        The workers child refuses queued requests and closes the leases at
+        once, but stops the pool only when no request is in flight.
+        """
+        root = KCoralService(_config(), reactor=SyncReactor())
+        root.threadpool = SyncThreadPool()
+        workers = root.getServiceNamed("workers")
+        workers.running = True
+        root.api.in_flight = 1
+        d = workers.stopService()
+        self.assertTrue(root.pool.closing)
+        self.assertTrue(root.leases.closed)
+        self.assertNoResult(d)
+
+    def test_workers_stop(self) -> None:
+        """With nothing in flight the workers child stops the pool at once."""
+        root = KCoralService(_config(), reactor=SyncReactor())
+        root.threadpool = SyncThreadPool()
+        workers = root.getServiceNamed("workers")
+        workers.running = True
+        self.successResultOf(workers.stopService())
+        self.assertEqual(root.pool.capacity, 0)
+        self.assertFalse(workers.running)

@@ -573,6 +573,10 @@ class WorkerPool:
             return self._fit_for(seat, client)
         if timeout <= 0:
             return _failed(PoolBusy("server saturated"))
+        cap = getattr(self.config, "max_queued_requests", 0)
+        if cap and len(self._waiters) >= cap:
+            # A bounded line: each waiter holds its request's blobs.
+            return _failed(PoolBusy("server saturated"))
 
         def cancel(d: Deferred[Seat]) -> None:
             self._drop_waiter(waiter)

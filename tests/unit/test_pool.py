@@ -473,6 +473,19 @@ class SeatTests(PoolTestCase):
         self.assertEqual(len(self.spawned), 2)
         self.assertEqual(pool.seats[0].status, "idle")
 
+    def test_queue_is_capped(self) -> None:
+        """Past --max-queued-requests a request is refused at once (a 503)."""
+        pool = self.make_pool(pool_config(num_workers=1, max_queued_requests=2))
+        held = self.successResultOf(pool.acquire(10))
+        first, second = pool.acquire(10), pool.acquire(10)
+        self.failureResultOf(pool.acquire(10), PoolBusy)
+        self.assertEqual(pool.queue_length, 2)
+        pool.release(held)
+        self.assertIs(self.successResultOf(first), held)
+        self.assertNoResult(second)
+        second.cancel()
+        self.failureResultOf(second)
+
     def test_cancelled_wait_leaves_the_line(self) -> None:
         """A queued request that is cancelled leaves the line at once."""
         pool = self.make_pool(pool_config(num_workers=1))

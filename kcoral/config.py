@@ -78,6 +78,28 @@ def _default_disk_cache_dir() -> Path | None:
     return default_disk_cache_dir()
 
 
+#: The share of the machine's memory the memory cache may hold by default.
+CACHE_MEMORY_SHARE = 8
+
+
+def default_cache_capacity() -> int:
+    """
+    The memory cache's default capacity: an eighth of the machine's RAM
+    (psutil, else C{sysconf}), or 16 GiB where neither can tell.
+    """
+    total = 0
+    try:
+        import psutil
+
+        total = int(psutil.virtual_memory().total)
+    except Exception:
+        try:
+            total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (AttributeError, ValueError, OSError):
+            total = 0
+    return total // CACHE_MEMORY_SHARE if total > 0 else 16 * _GIB
+
+
 def _to_gpus(value: Iterable[int]) -> tuple[int, ...]:
     if isinstance(value, int):
         return (value,)
@@ -172,7 +194,8 @@ class ServerConfig:
         disables file logging.
     @ivar log_console: mirror log events to the console.
     @ivar log_programs: save each accepted program under the run directory.
-    @ivar cache_capacity_bytes: memory blob cache capacity.
+    @ivar cache_capacity_bytes: memory blob cache capacity; by default an
+        eighth of the machine's RAM (L{default_cache_capacity}).
     @ivar disk_cache_dir: disk file cache directory; C{None} disables it.
     @ivar disk_cache_capacity_mbytes: disk file cache capacity in MiB;
         C{0} disables it.
@@ -219,6 +242,12 @@ class ServerConfig:
         once its head arrived; C{0} sets none.
     @ivar max_connections: open HTTP connections served at once; more are
         answered 503 and closed; C{0} sets no cap.
+    @ivar max_queued_requests: requests that may wait for a worker at once;
+        one more is answered 503 at once; C{0} sets no cap.
+    @ivar max_bytes_in_flight: request body bytes the server holds at once
+        (declared or received, until the answer is sent); a request that
+        would pass it is answered 503 without its body being kept; C{0}
+        sets no cap.
     @ivar finish_abandoned: run a program to its end when its client
         disconnects; by default a queued request leaves the line at once and
         a running program's worker is replaced.
@@ -228,7 +257,7 @@ class ServerConfig:
     log_dir: Path | None = field(default=None, converter=_to_optional_path)
     log_console: bool = field(default=True, validator=_boolean)
     log_programs: bool = field(default=True, validator=_boolean)
-    cache_capacity_bytes: int = field(default=16 * _GIB, validator=_INT)
+    cache_capacity_bytes: int = field(factory=default_cache_capacity, validator=_INT)
     disk_cache_dir: Path | None = field(
         factory=_default_disk_cache_dir, converter=_to_optional_path
     )
@@ -273,6 +302,8 @@ class ServerConfig:
     )
     max_connections: int = field(default=4096, validator=_INT)
     finish_abandoned: bool = field(default=False, validator=_boolean)
+    max_queued_requests: int = field(default=1024, validator=_INT)
+    max_bytes_in_flight: int = field(default=2 * _GIB, validator=_INT)
 
     def __attrs_post_init__(self) -> None:
         """Check the rules that involve more than one field."""

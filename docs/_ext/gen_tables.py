@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "configuration.md"
 
 #: Flags whose command-line default depends on the machine.
-_MACHINE_DEFAULTS = {"disk-cache-dir": "see below"}
+_MACHINE_DEFAULTS = {"disk-cache-dir": "see below", "cache-capacity-bytes": "RAM / 8"}
 
 #: Flags that set a field by their absence (C{--no-X} clears field X).
 _NEGATED = {"no-log-console": "log_console", "no-log-programs": "log_programs"}

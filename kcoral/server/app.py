@@ -380,6 +380,9 @@ class KcoralAPI:
         """The request's program and blobs, parsed in the thread pool when large."""
         if getattr(request, "too_large", False):
             raise RequestTooLarge()
+        if getattr(request, "over_capacity", False):
+            # Too many request bytes already in flight (--max-bytes-in-flight).
+            raise PoolBusy("server saturated")
         arguments = (
             request.content,
             _header(request, b"content-type"),

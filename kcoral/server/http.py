@@ -97,36 +97,75 @@ class LimitedRequest(Request):
     """
 
     too_large = False
+    #: The server already holds C{max_bytes_in_flight} of request bodies:
+    #: this body is discarded and the request answered 503.
+    over_capacity = False
     body_bytes = 0
     client_name: str | None = None
     _error_body_written = False
+    _reserved = 0
+    _reserved_at: Any = None
+
+    def _site(self) -> Any:
+        return getattr(self.channel, "site", None)
 
     def _limit(self) -> int | None:
-        site = getattr(self.channel, "site", None)
-        return getattr(site, "max_request_bytes", None)
+        return getattr(self._site(), "max_request_bytes", None)
+
+    def _reserve(self, size: int) -> bool:
+        """Count C{size} more body bytes against the site's bytes in flight."""
+        site = self._site()
+        reserve = getattr(site, "reserve_bytes", None)
+        if reserve is None:
+            return True
+        if self._reserved_at is None:
+            # The channel is gone by the time the request has finished.
+            self._reserved_at = site
+            self.notifyFinish().addBoth(self._release)
+        if not reserve(size, self._reserved):
+            return False
+        self._reserved += size
+        return True
+
+    def _release(self, result: object = None) -> None:
+        reserved, self._reserved = self._reserved, 0
+        if reserved and self._reserved_at is not None:
+            self._reserved_at.bytes_in_flight -= reserved
+
+    def _skip_body(self) -> None:
+        channel = self.channel
+        if channel is not None:
+            # Answer now instead of waiting for a body that is never read:
+            # the channel treats the request as complete once its headers
+            # end, and closes the connection after the response so the
+            # unread body cannot be taken for the next request.
+            channel.length = 0
+            channel.persistent = False
 
     def gotLength(self, length: int | None) -> None:
         limit = self._limit()
         if length is not None and limit is not None and length > limit:
             self.too_large = True
             length = 0
-            channel = self.channel
-            if channel is not None:
-                # Answer now instead of waiting for a body that is never read:
-                # the channel treats the request as complete once its headers
-                # end, and closes the connection after the response so the
-                # unread body cannot be taken for the next request.
-                channel.length = 0
-                channel.persistent = False
+            self._skip_body()
+        elif length and not self._reserve(length):
+            self.over_capacity = True
+            length = 0
+            self._skip_body()
         super().gotLength(length)
 
     def handleContentChunk(self, data: bytes) -> None:
-        if self.too_large:
+        if self.too_large or self.over_capacity:
             return
         self.body_bytes += len(data)
         limit = self._limit()
         if limit is not None and self.body_bytes > limit:
             self.too_large = True
+            self._drop_body()
+            return
+        if self.body_bytes > self._reserved and not self._reserve(self.body_bytes - self._reserved):
+            # A chunked body (no declared length) grew past what is left.
+            self.over_capacity = True
             self._drop_body()
             return
         super().handleContentChunk(data)
@@ -352,6 +391,7 @@ class KcoralSite(Site):
         header_timeout: float = DEFAULT_HEADER_TIMEOUT,
         body_timeout: float = DEFAULT_BODY_TIMEOUT,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        max_bytes_in_flight: int = 0,
         **kwargs: Any,
     ) -> None:
         try:
@@ -364,7 +404,22 @@ class KcoralSite(Site):
         self.max_connections = max_connections
         self.open_connections = 0
         self.refused_connections = 0
+        self.max_bytes_in_flight = max_bytes_in_flight
+        self.bytes_in_flight = 0
         self.displayTracebacks = False
+
+    def reserve_bytes(self, size: int, held: int) -> bool:
+        """
+        Take C{size} more bytes of request body in flight for a request that
+        already holds C{held}; C{False} when that would pass the cap.  A
+        request alone is always let in, so no body within the size limit is
+        refused forever.
+        """
+        cap = self.max_bytes_in_flight
+        if cap and self.bytes_in_flight + size > cap and self.bytes_in_flight > held:
+            return False
+        self.bytes_in_flight += size
+        return True
 
     def buildProtocol(self, addr: Any) -> Any:
         if self.max_connections and self.open_connections >= self.max_connections:
@@ -396,6 +451,7 @@ def make_site(resource: Any, config: Any, tokens: Any = None, **kwargs: Any) -> 
         header_timeout=config.header_timeout_seconds,
         body_timeout=config.body_timeout_seconds,
         max_connections=config.max_connections,
+        max_bytes_in_flight=config.max_bytes_in_flight,
         **kwargs,
     )
 

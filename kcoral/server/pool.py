@@ -257,6 +257,7 @@ class WorkerPool:
     #: Runs workers' compiles for the shared compile cache (L{kcoral.server.compiles}).
     compiler: Any = None
     _transients: int = 0
+    _transient_workers: set[WorkerHandle] = attrs.field(factory=set)
     target: dict[str, str] = attrs.field(factory=dict)
     versions: dict[str, str] = attrs.field(factory=dict)
     spawn_worker: Callable[..., WorkerHandle] = WorkerProcess.spawn
@@ -406,6 +407,13 @@ class WorkerPool:
         directory = self.root_dir / f"{_safe_name(seat.worker_id)}-multi{self._transients}"
         work_dir = await self._run_blocking(self.sandbox.prepare_seat, directory)
         worker = self._spawn(seat.worker_id, 0, gpus, work_dir, 1)
+        self._transient_workers.add(worker)
+
+        def forget(result: int | None) -> int | None:
+            self._transient_workers.discard(worker)
+            return result
+
+        worker.ended.addBoth(forget)
         try:
             await worker.ready
         except BaseException:
@@ -446,6 +454,22 @@ class WorkerPool:
             if waiter.timer is not None and waiter.timer.active():
                 waiter.timer.cancel()
             waiter.deferred.errback(PoolBusy("server shutting down"))
+
+    def kill_now(self) -> int:
+        """
+        Refuse new work and SIGKILL every worker at once (a second stop
+        signal): their requests end as crashed, nothing waits for a grace.
+        Returns how many workers were killed.
+        """
+        self.stop_waiters()
+        workers = [seat.worker for seat in self.seats if seat.worker is not None]
+        workers += list(self._transient_workers)
+        killed = 0
+        for worker in workers:
+            if worker.alive:
+                worker.kill_now()
+                killed += 1
+        return killed
 
     async def stop(self) -> None:
         """Refuse new work, fail waiters, and stop every worker."""
@@ -577,6 +601,10 @@ class WorkerPool:
         if seat is not None:
             return self._fit_for(seat, client)
         if timeout <= 0:
+            return _failed(PoolBusy("server saturated"))
+        cap = getattr(self.config, "max_queued_requests", 0)
+        if cap and len(self._waiters) >= cap:
+            # A bounded line: each waiter holds its request's blobs.
             return _failed(PoolBusy("server saturated"))
 
         def cancel(d: Deferred[Seat]) -> None:

@@ -400,6 +400,7 @@ class KCoralService(service.MultiService):
             self.api.status_page = STATUS_PAGE
         self.ready: Deferred[None] = Deferred()
         self.start_failure: str | None = None
+        self._restore_signals: Any = None
         #: The process's exit status when the server fails to start under
         #: twistd; C{None} leaves the exit status to the caller.
         self.exit_status_on_failure: int | None = None
@@ -531,7 +532,32 @@ class KCoralService(service.MultiService):
             kcoral_event="shutdown_started",
             remaining=self.api.in_flight,
         )
-        return Deferred.fromCoroutine(self._stop_children())
+        self._restore_signals = install_second_signal(self._reactor, self.stop_now)
+        d = Deferred.fromCoroutine(self._stop_children())
+
+        def restore(result: object) -> object:
+            restore_signals, self._restore_signals = self._restore_signals, None
+            if restore_signals is not None:
+                restore_signals()
+            return result
+
+        return d.addBoth(restore)
+
+    def stop_now(self) -> None:
+        """
+        A second SIGTERM or SIGINT during a graceful stop: kill every worker
+        now.  Their requests are answered at once (FAILED C{runtime} inside an
+        instruction, else 500 C{worker crashed});
+        queued ones already had their 503; the stop then completes without
+        waiting for any budget or grace.
+        """
+        killed = self.pool.kill_now()
+        self.log.warn(
+            "second stop signal: killed {killed} worker(s), failing {remaining} request(s)",
+            kcoral_event="shutdown_forced",
+            killed=killed,
+            remaining=self.api.in_flight,
+        )
 
     async def _stop_children(self) -> None:
         # Whatever fails, the children before it still stop: the logs close
@@ -603,6 +629,38 @@ def _observability(server: KCoralService) -> tuple[Metrics | None, RecentRequest
         None if Metrics is None else Metrics(state),
         None if RecentRequests is None else RecentRequests(),
     )
+
+
+def install_second_signal(reactor: Reactor, stop_now: Callable[[], None]) -> Any:
+    """
+    Route the next SIGTERM or SIGINT to C{stop_now} (in the reactor thread)
+    while a graceful stop runs; returns a callable that puts the previous
+    handlers back.  Off the main thread (tests) nothing is installed.
+    """
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    previous: dict[int, Any] = {}
+
+    def handler(signum: int, frame: Any) -> None:
+        reactor.callFromThread(stop_now)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        try:
+            previous[signum] = signal.signal(signum, handler)
+        except (ValueError, OSError):
+            pass
+
+    def restore() -> None:
+        for signum, old in previous.items():
+            try:
+                signal.signal(signum, old)
+            except (ValueError, OSError, TypeError):
+                pass
+
+    return restore
 
 
 def makeService(

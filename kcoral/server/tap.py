@@ -127,6 +127,8 @@ _FIELD_FLAGS: Mapping[str, str] = {
     "body_timeout_seconds": "body-timeout-seconds",
     "max_connections": "max-connections",
     "finish_abandoned": "finish-abandoned",
+    "max_queued_requests": "max-queued-requests",
+    "max_bytes_in_flight": "max-bytes-in-flight",
 }
 
 _FIELD_RE = re.compile(r"\b(" + "|".join(_FIELD_FLAGS) + r")\b(?![=_])")
@@ -309,6 +311,17 @@ class Options(usage.Options):
             "body-timeout-seconds",
             _DEFAULTS.body_timeout_seconds,
             "Seconds a client has to send a request body after its head (408 after); 0 sets none.",
+        ),
+        _int_param(
+            "max-queued-requests",
+            _DEFAULTS.max_queued_requests,
+            "Requests that may wait for a worker at once; more get a 503 at once. 0: no cap.",
+        ),
+        _int_param(
+            "max-bytes-in-flight",
+            _DEFAULTS.max_bytes_in_flight,
+            "Request body bytes held at once, from their headers to their answers; a "
+            "request over it gets a 503 and its body is discarded. 0: no cap.",
         ),
         _int_param(
             "max-connections",
@@ -516,6 +529,8 @@ class Options(usage.Options):
                 body_timeout_seconds=self["body-timeout-seconds"],
                 max_connections=self["max-connections"],
                 finish_abandoned=bool(self["finish-abandoned"]),
+                max_queued_requests=self["max-queued-requests"],
+                max_bytes_in_flight=self["max-bytes-in-flight"],
             )
         except ValueError as e:
             raise usage.UsageError(_flag_message(str(e))) from None

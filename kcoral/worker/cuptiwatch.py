@@ -18,6 +18,7 @@ falls back to L{kcoral.worker.gpuwatch}'s Python-level traps.
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
 import traceback
 from collections.abc import Iterator
@@ -27,7 +28,7 @@ import attrs
 
 from kcoral.errors import GPUAccessViolation
 
-__all__ = ["HARMLESS_DRIVER_CALLS", "DriverWatch", "driver_watch"]
+__all__ = ["HARMLESS_DRIVER_CALLS", "RELEASE_PREFIXES", "DriverWatch", "driver_watch"]
 
 #: Driver calls that only ask questions or look up entry points: libraries
 #: make them when they load, and they do not touch a device.
@@ -56,6 +57,20 @@ HARMLESS_DRIVER_CALLS = frozenset(
         "cuCtxGetApiVersion",
         "cuModuleGetLoadingMode",
     }
+)
+
+
+#: Calls that release what earlier, leased instructions made (memory,
+#: modules, events, streams): the garbage collector may make them during a
+#: cpu_only run for objects the program no longer holds.
+RELEASE_PREFIXES = (
+    "cuMemFree",
+    "cuMemHostUnregister",
+    "cuModuleUnload",
+    "cuLibraryUnload",
+    "cuEventDestroy",
+    "cuStreamDestroy",
+    "cuDevicePrimaryCtxRelease",
 )
 
 
@@ -93,7 +108,7 @@ class DriverWatch:
         if cbdata.callback_site != self.cupti.ApiCallbackSite.API_ENTER:
             return
         name = str(cbdata.function_name)
-        if name in HARMLESS_DRIVER_CALLS:
+        if name in HARMLESS_DRIVER_CALLS or name.startswith(RELEASE_PREFIXES):
             return
         stack = traceback.extract_stack()[:-1]
         with self._lock:
@@ -111,6 +126,9 @@ class DriverWatch:
         L{GPUAccessViolation} when the block ends.
         """
         domain = self.cupti.CallbackDomain.DRIVER_API
+        # Device objects that are already garbage are freed now, not by a
+        # collection in the middle of the run.
+        gc.collect()
         self._first = None
         self._active = True
         self.cupti.enable_domain(1, self._subscriber, domain)

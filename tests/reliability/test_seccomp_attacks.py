@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import pytest
 
-from kcoral.testing import ServerProcess
+from kcoral.testing.live_server import ServerProcess
 from tests.reliability.conftest import assert_serves, body_of, requires_bwrap, run_program
 
 pytestmark = [pytest.mark.integration, requires_bwrap]

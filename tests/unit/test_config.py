@@ -10,7 +10,7 @@ from pathlib import Path
 import attrs
 from twisted.trial.unittest import SynchronousTestCase
 
-from kcoral.config import ServerConfig, default_disk_cache_dir
+from kcoral.config import ServerConfig, default_cache_capacity, default_disk_cache_dir
 
 
 class DefaultsTests(SynchronousTestCase):
@@ -29,7 +29,7 @@ class DefaultsTests(SynchronousTestCase):
             "log_dir": None,
             "log_console": True,
             "log_programs": True,
-            "cache_capacity_bytes": 16 * 1024**3,
+            "cache_capacity_bytes": default_cache_capacity(),
             "disk_cache_dir": None,
             "disk_cache_capacity_mbytes": 16384,
             "default_timeout_seconds": 300.0,
@@ -58,6 +58,8 @@ class DefaultsTests(SynchronousTestCase):
             "body_timeout_seconds": 300.0,
             "max_connections": 4096,
             "finish_abandoned": False,
+            "max_queued_requests": 1024,
+            "max_bytes_in_flight": 2 * 1024**3,
         }
         self.assertEqual(attrs.asdict(config, recurse=False), expected)
 

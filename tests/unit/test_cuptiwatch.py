@@ -77,6 +77,14 @@ def test_harmless_calls_pass() -> None:
         uploaded(cupti, "cuInit", "cuDriverGetVersion", "cuGetProcAddress_v2")()
 
 
+def test_releases_pass() -> None:
+    """Freeing what earlier instructions made (often the garbage collector) is not reported."""
+    cupti = FakeCupti()
+    watch = DriverWatch(cupti)
+    with watch.watching():
+        uploaded(cupti, "cuMemFree_v2", "cuEventDestroy_v2", "cuModuleUnload")()
+
+
 def test_outside_the_run_nothing_is_reported() -> None:
     """Driver calls before and after a cpu_only run are the worker's own."""
     cupti = FakeCupti()

@@ -12,8 +12,11 @@ from typing import Any
 
 from klein import Klein
 from twisted.internet.address import IPv4Address
+from twisted.internet.defer import Deferred
+from twisted.internet.error import ConnectionDone
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
+from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.iweb import IRequest
 
@@ -31,6 +34,20 @@ class _Routes:
     @app.route("/boom", methods=["GET"])
     def boom(self, request: IRequest) -> bytes:
         raise RuntimeError("a bug")
+
+    held: list[Deferred[bytes]] = []
+
+    @app.route("/hold", methods=["POST"])
+    def hold(self, request: IRequest) -> Deferred[bytes]:
+        d: Deferred[bytes] = Deferred()
+        _Routes.held.append(d)
+        return d
+
+    @app.route("/flag", methods=["POST"])
+    def flag(self, request: IRequest) -> bytes:
+        request.setHeader(b"Content-Type", b"application/json")
+        over = getattr(request, "over_capacity", False)
+        return json.dumps({"over": over, "read": len(request.content.read())}).encode()
 
     @app.route("/upload", methods=["POST"])
     def upload(self, request: IRequest) -> bytes:
@@ -274,3 +291,45 @@ class ConnectionCapTests(SynchronousTestCase):
         self.assertEqual(harness.site.open_connections, 1)
         _, transport = harness.connect()
         self.assertEqual(transport.value(), b"")
+
+
+class BytesInFlightTests(SynchronousTestCase):
+    """Request bodies held at once are capped (--max-bytes-in-flight)."""
+
+    def test_cap(self) -> None:
+        """
+        A body that would pass the cap is not read and the request is flagged
+        (the API answers 503); bytes are returned when a request finishes or
+        its client leaves.
+        """
+        _Routes.held.clear()
+        harness = Harness(max_bytes_in_flight=1500)
+        first, first_transport = harness.connect()
+        first.dataReceived(
+            b"POST /hold HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n" + b"a" * 1000
+        )
+        self.assertEqual(harness.site.bytes_in_flight, 1000)
+        status, _, body, transport = harness.exchange(
+            b"POST /flag HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n" + b"b" * 1000
+        )
+        self.assertEqual(json.loads(body), {"over": True, "read": 0})
+        self.assertTrue(transport.disconnecting)
+        status, _, body, _ = harness.exchange(
+            b"POST /flag HTTP/1.1\r\nHost: x\r\nContent-Length: 400\r\n\r\n" + b"c" * 400
+        )
+        self.assertEqual(json.loads(body), {"over": False, "read": 400})
+        self.assertEqual(harness.site.bytes_in_flight, 1000)
+        _Routes.held[0].callback(b"{}")
+        self.assertEqual(harness.site.bytes_in_flight, 0)
+
+    def test_client_leaving_returns_bytes(self) -> None:
+        """A client that disconnects while its request is held gives its bytes back."""
+        _Routes.held.clear()
+        harness = Harness(max_bytes_in_flight=1500)
+        channel, _ = harness.connect()
+        channel.dataReceived(
+            b"POST /hold HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n" + b"a" * 10
+        )
+        self.assertEqual(harness.site.bytes_in_flight, 10)
+        channel.connectionLost(Failure(ConnectionDone()))
+        self.assertEqual(harness.site.bytes_in_flight, 0)

@@ -367,6 +367,18 @@ class ReuseScopeTests(PoolTestCase):
 
 
 class StopTests(PoolTestCase):
+    def test_kill_now(self) -> None:
+        """A second stop signal SIGKILLs every worker and fails the line at once."""
+        pool = self.make_pool(pool_config(num_workers=2))
+        held = self.successResultOf(pool.acquire(10))
+        self.successResultOf(pool.acquire(10))
+        waiter = pool.acquire(10)
+        self.assertEqual(pool.kill_now(), 2)
+        self.failureResultOf(waiter, PoolBusy)
+        self.assertTrue(all(worker.killed_now for worker in self.spawned))
+        self.assertFalse(held.worker.alive)  # type: ignore[union-attr]
+        self.assertEqual(pool.kill_now(), 0)
+
     def test_stop_fails_waiters(self) -> None:
         pool = self.make_pool()
         pool.acquire(10)
@@ -472,6 +484,19 @@ class SeatTests(PoolTestCase):
         self.assertTrue(worker.killed)
         self.assertEqual(len(self.spawned), 2)
         self.assertEqual(pool.seats[0].status, "idle")
+
+    def test_queue_is_capped(self) -> None:
+        """Past --max-queued-requests a request is refused at once (a 503)."""
+        pool = self.make_pool(pool_config(num_workers=1, max_queued_requests=2))
+        held = self.successResultOf(pool.acquire(10))
+        first, second = pool.acquire(10), pool.acquire(10)
+        self.failureResultOf(pool.acquire(10), PoolBusy)
+        self.assertEqual(pool.queue_length, 2)
+        pool.release(held)
+        self.assertIs(self.successResultOf(first), held)
+        self.assertNoResult(second)
+        second.cancel()
+        self.failureResultOf(second)
 
     def test_cancelled_wait_leaves_the_line(self) -> None:
         """A queued request that is cancelled leaves the line at once."""

@@ -24,7 +24,7 @@ from twisted.python import usage
 from twisted.trial.unittest import SynchronousTestCase
 from zope.interface.verify import verifyObject
 
-from kcoral.config import ServerConfig, default_disk_cache_dir
+from kcoral.config import ServerConfig, default_cache_capacity, default_disk_cache_dir
 from kcoral.server import tap
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -458,7 +458,7 @@ class HelpTests(SynchronousTestCase):
             "max-response-bytes": "268435456",
             "output-limit-bytes": "1048576",
             "max-output-limit-bytes": "16777216",
-            "cache-capacity-bytes": "17179869184",
+            "cache-capacity-bytes": str(default_cache_capacity()),
             "disk-cache-dir": str(cache),
             "disk-cache-capacity-mbytes": "16384",
             "log-dir": "logs",

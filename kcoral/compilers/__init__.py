@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from kcoral.compilers.cache import CompileCache, cache_key
@@ -159,6 +160,28 @@ def _cache_for(cache_dir: str | None) -> CompileCache | None:
         return cache
 
 
+#: Set (to C{1}) in a worker's environment when the server compiles its
+#: cacheable sources (L{configure_remote}, C{kcoral.server.compiles}).
+COMPILE_IN_PARENT_ENV = "KCORAL_COMPILE_IN_PARENT"
+
+#: Compiles into the shared cache done elsewhere (a sandboxed worker asks
+#: its parent, L{configure_remote}); C{None} compiles here.
+_remote: Callable[[str, str, tuple[str, ...], str, float], tuple[str, float]] | None = None
+
+
+def configure_remote(
+    remote: Callable[[str, str, tuple[str, ...], str, float], tuple[str, float]] | None,
+) -> None:
+    """
+    Compile cacheable sources through C{remote(source, arch, flags, backend,
+    timeout)}, which returns the key the image was stored under in the
+    (read-only here) cache and the compile seconds, or raises
+    L{kcoral.errors.ExecutionError}.  C{None} compiles in this process.
+    """
+    global _remote
+    _remote = remote
+
+
 def _cacheable(flags: tuple[str, ...]) -> bool:
     # Headers from -I directories are not part of the key: skip the cache.
     return not any(f.startswith(("-I", "--include-path")) for f in flags)
@@ -220,6 +243,17 @@ def compile_binary(
         with _lock:
             _stats["uncached"] += 1
 
+    if cache is not None and _remote is not None:
+        try:
+            return _compile_remotely(cache, source, arch, flags, impl.name, float(timeout))
+        except ExecutionError as e:
+            if e.kind != "unavailable":
+                with _lock:
+                    _stats["failures"] += 1
+                raise
+        # The parent cannot compile with this backend (its sandbox lacks
+        # what it needs): compile here, for this process only.
+        cache = None
     started = time.monotonic()
     try:
         image = bytes(impl.compile(source, arch, flags, float(timeout)))
@@ -234,6 +268,28 @@ def compile_binary(
     if cache is not None and key is not None:
         cache.put(key, image, elapsed)
     return image
+
+
+def _compile_remotely(
+    cache: CompileCache,
+    source: str,
+    arch: str,
+    flags: tuple[str, ...],
+    backend: str,
+    timeout: float,
+) -> bytes:
+    """Have the parent compile into the shared cache, then read the entry back."""
+    from kcoral.errors import ExecutionError
+
+    assert _remote is not None
+    key, seconds = _remote(source, arch, flags, backend, timeout)
+    entry = cache.read(key)
+    if entry is None:
+        raise ExecutionError("engine", "the compiled image is missing from the compile cache")
+    with _lock:
+        _stats["compiles"] += 1
+        _stats["compile_seconds"] += seconds
+    return entry[0]
 
 
 def compile_stats() -> dict[str, Any]:
@@ -264,9 +320,10 @@ def compile_stats() -> dict[str, Any]:
 
 def _reset_for_tests() -> None:
     """Forget discovered backends, caches and counters."""
-    global _known, _default_cache
+    global _known, _default_cache, _remote
     with _lock:
         _known = None
+        _remote = None
         _caches.clear()
         _default_cache = None
         for k in _stats:

@@ -5,9 +5,9 @@ determines the output.
 
 Layout: one file per entry, C{<directory>/<sha256 hex>.bin}, written
 atomically (temporary file + C{os.replace}) with mode 0600 in a 0700
-directory. Each file starts with a small header (magic and the seconds the
-original compile took, so a hit can report the time it saved) followed by
-the image. Eviction is least-recently-used by mtime: a hit touches the file,
+directory. Each file starts with a small header (magic, the seconds the
+original compile took, so a hit can report the time it saved, and the
+image's sha256, checked on every read) followed by the image. Eviction is least-recently-used by mtime: a hit touches the file,
 and after each C{put} the oldest files go until the total fits
 C{capacity_bytes}. Several processes may share a directory.
 """
@@ -26,8 +26,8 @@ import attrs
 
 __all__ = ["CompileCache", "cache_key"]
 
-_MAGIC = b"KCC1"
-_HEADER = struct.Struct("<4sd")  # magic, compile seconds
+_MAGIC = b"KCC2"
+_HEADER = struct.Struct("<4sd32s")  # magic, compile seconds, sha256 of the image
 _SUFFIX = ".bin"
 
 
@@ -87,21 +87,37 @@ class CompileCache:
             raise ValueError(f"not a cache key: {key!r}")
         return os.path.join(self.directory, key + _SUFFIX)
 
-    def get(self, key: str) -> bytes | None:
+    def read(self, key: str) -> tuple[bytes, float] | None:
         """
-        @return: the image stored under C{key}, or C{None}; counts a hit or a miss.
+        The image stored under C{key} and its compile seconds, when the entry
+        is whole: its header's sha256 matches the image (a torn or altered
+        entry reads as missing).  Counts nothing.
         """
         path = self._path(key)
         try:
             with open(path, "rb") as f:
                 data = f.read()
         except OSError:
-            data = b""
+            return None
         if len(data) < _HEADER.size or data[:4] != _MAGIC:
+            return None
+        _, seconds, digest = _HEADER.unpack_from(data)
+        image = data[_HEADER.size :]
+        if hashlib.sha256(image).digest() != digest:
+            return None
+        return image, seconds
+
+    def get(self, key: str) -> bytes | None:
+        """
+        @return: the image stored under C{key}, or C{None}; counts a hit or a miss.
+        """
+        path = self._path(key)
+        entry = self.read(key)
+        if entry is None:
             with self._lock:
                 self.misses += 1
             return None
-        _, seconds = _HEADER.unpack_from(data)
+        image, seconds = entry
         try:
             os.utime(path)  # most recently used
         except OSError:
@@ -109,7 +125,7 @@ class CompileCache:
         with self._lock:
             self.hits += 1
             self.saved_seconds += seconds
-        return data[_HEADER.size :]
+        return image
 
     def put(self, key: str, image: bytes, compile_seconds: float = 0.0) -> None:
         """
@@ -117,7 +133,9 @@ class CompileCache:
         Errors writing the cache are swallowed: it is only a cache.
         """
         path = self._path(key)
-        payload = _HEADER.pack(_MAGIC, float(compile_seconds)) + bytes(image)
+        image = bytes(image)
+        digest = hashlib.sha256(image).digest()
+        payload = _HEADER.pack(_MAGIC, float(compile_seconds), digest) + image
         if len(payload) > self.capacity_bytes:
             return
         try:

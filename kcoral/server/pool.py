@@ -254,6 +254,8 @@ class WorkerPool:
     active: int = 0
     #: Extra environment variables for every worker (e.g. the compile cache).
     worker_env: dict[str, str] = attrs.field(factory=dict)
+    #: Runs workers' compiles for the shared compile cache (L{kcoral.server.compiles}).
+    compiler: Any = None
     _transients: int = 0
     _transient_workers: set[WorkerHandle] = attrs.field(factory=set)
     target: dict[str, str] = attrs.field(factory=dict)
@@ -376,7 +378,7 @@ class WorkerPool:
             # CUDA device i is gpus[i], whatever the front end was given.
             isolated = bool(getattr(self.sandbox, "isolates_devices", False))
             env.update(cuda_environment(devices, isolated=isolated))
-        return self.spawn_worker(
+        worker = self.spawn_worker(
             self._reactor,
             seat=worker_id,
             generation=generation,
@@ -387,6 +389,9 @@ class WorkerPool:
             env=env,
             grace_seconds=self.config.worker_termination_grace_seconds,
         )
+        if self.compiler is not None:
+            worker.compiler = self.compiler  # type: ignore[attr-defined]
+        return worker
 
     async def start_transient(self, seat: Seat, gpus: tuple[int, ...]) -> tuple[WorkerHandle, Path]:
         """

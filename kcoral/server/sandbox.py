@@ -540,7 +540,9 @@ class BubblewrapSandbox:
         if not gpu_devices:
             argv += ["--remount-ro", "/proc"]
         if self.compile_cache is not None:
-            argv += ["--bind", self.compile_cache, COMPILE_CACHE]
+            # Read-only: the parent writes every entry (compiles run in a
+            # sandbox of their own, kcoral.server.compiles).
+            argv += ["--ro-bind", self.compile_cache, COMPILE_CACHE]
         if self.capture_bytes is not None:
             # Captured output stays in the sandbox's memory, bounded: a
             # program printing without end fills this, not the host's disk.
@@ -596,6 +598,10 @@ class BubblewrapSandbox:
             "PYTHONPATH": ":".join(pythonpath),
             "PYTHONNOUSERSITE": "1",
         }
+
+    def run_command(self, tail: list[str], work_dir: Path) -> tuple[str, list[str], dict[str, str]]:
+        """The command line that runs C{tail} (no GPUs) in this sandbox at C{work_dir}."""
+        return self._command(tail, work_dir, [])
 
     def probe_command(self, work_dir: Path, gpu_devices: list[str]) -> list[str]:
         """The startup probe's argv for one device configuration."""
@@ -725,8 +731,8 @@ def _prepare_probe(sandbox: BubblewrapSandbox) -> tuple[str, Path, Path]:
     return os.path.abspath(found), seat, work
 
 
-def _remove_seat(seat: Path) -> None:
-    """BLOCKING: remove a probe seat, read-only leftovers included."""
+def remove_seat(seat: Path) -> None:
+    """BLOCKING: remove a sandbox seat, read-only leftovers included."""
     empty_directory(seat)
     os.rmdir(seat)
 
@@ -788,7 +794,7 @@ async def probe_sandbox(
                     break
     finally:
         try:
-            await deferToThreadPool(reactor, pool, _remove_seat, seat)
+            await deferToThreadPool(reactor, pool, remove_seat, seat)
         except OSError as e:
             if error is None:
                 error = f"could not remove the bubblewrap probe workspace: {e}"

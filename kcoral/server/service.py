@@ -214,8 +214,17 @@ class WorkerPoolService(AsyncService):
             from kcoral.server.sandbox import COMPILE_CACHE, BubblewrapSandbox
 
             if isinstance(sandbox, BubblewrapSandbox):
+                from kcoral.compilers import COMPILE_IN_PARENT_ENV
+                from kcoral.server.compiles import IsolatedCompiles
+
+                # Read-only for workers: the parent compiles into it, in a
+                # sandbox where no uploaded code runs (docs/security.md).
                 sandbox.compile_cache = str(compile_cache)
                 pool.worker_env["KCORAL_COMPILE_CACHE_DIR"] = COMPILE_CACHE
+                pool.worker_env[COMPILE_IN_PARENT_ENV] = "1"
+                pool.compiler = IsolatedCompiles(
+                    self._reactor, sandbox, str(compile_cache), self._root_dir, self._run_blocking
+                )
             else:
                 pool.worker_env["KCORAL_COMPILE_CACHE_DIR"] = str(compile_cache)
         await pool.start()

@@ -38,6 +38,8 @@ from kcoral.wire.channel import (
     Blob,
     ChannelError,
     ChannelMessage,
+    CompileDone,
+    CompileRequest,
     Execute,
     Exit,
     Failed,
@@ -283,6 +285,9 @@ class WorkerProcess:
     _ready_timer: IDelayedCall | None = None
     _kill_timer: IDelayedCall | None = None
     _killing: bool = False
+    #: Runs this worker's L{CompileRequest}s (L{kcoral.server.compiles}), or
+    #: C{None}: they are answered C{unavailable}.
+    compiler: Any = None
     #: The lease a GPU worker takes to warm up: C{None} (not asked),
     #: C{"pending"}, C{"held"} or C{"released"}.
     _startup_lease_state: str | None = None
@@ -615,6 +620,8 @@ class _RunningJob:
     _held_since: float | None = None
     #: C{"none"}, C{"pending"} (asked, not granted yet) or C{"held"}.
     _lease_state: str = "none"
+    #: A L{CompileRequest} runs in the parent: the worker waits for it.
+    _compiling: bool = False
     #: What C{returned} messages brought so far.
     returned: dict[str, Any] = attrs.field(factory=dict)
     returned_parts: list[bytes] = attrs.field(factory=list)
@@ -661,6 +668,10 @@ class _RunningJob:
             return
         if self._lease_state == "pending":
             self._violation(f"a {message.TYPE!r} message while its lease request waits")
+        elif self._compiling:
+            self._violation(f"a {message.TYPE!r} message while its compile runs")
+        elif isinstance(message, CompileRequest):
+            self._compile(message)
         elif isinstance(message, Instruction):
             self._instruction(message.index)
         elif isinstance(message, LeaseAcquire):
@@ -698,6 +709,30 @@ class _RunningJob:
 
     def _violation(self, reason: str) -> None:
         self.worker.protocol.violation(reason)
+
+    def _compile(self, request: CompileRequest) -> None:
+        """Have the parent compile into the shared cache; the budget keeps running."""
+        compiler = self.worker.compiler
+        if compiler is None:
+            self.worker.send(
+                CompileDone(kind="unavailable", error="this server compiles for no shared cache")
+            )
+            return
+        self._compiling = True
+        left = self.remaining
+        if self._budget_started is not None:
+            left -= self._clock() - self._budget_started
+        timeout = max(1.0, min(float(request.timeout), left))
+        d: Deferred[CompileDone] = Deferred.fromCoroutine(compiler.compile(request, timeout))
+
+        def answer(done: CompileDone) -> None:
+            self._compiling = False
+            if not self.done.called:
+                self.worker.send(done)
+
+        d.addCallbacks(
+            answer, lambda f: answer(CompileDone(kind="engine", error=f.getErrorMessage()))
+        )
 
     def _returned(self, message: Returned) -> None:
         """

@@ -164,7 +164,7 @@ def job_limits(max_response_bytes: int, output_limit: int) -> FrameLimits:
         + OUTCOME_SLACK_BYTES,
         max_payload_bytes=max(0, max_response_bytes),
         max_control_bytes=CONTROL_FRAME_BYTES,
-        bulk_types=frozenset({"outcome", "returned"}),
+        bulk_types=frozenset({"outcome", "returned", "compile_request"}),
     )
 
 
@@ -423,6 +423,20 @@ class LeaseGranted(ChannelMessage):
     """The answer to L{LeaseAcquire}: this worker now holds its GPUs."""
 
 
+@_message("compile_done")
+@attrs.frozen
+class CompileDone(ChannelMessage):
+    """
+    The answer to L{CompileRequest}: the shared compile cache now holds the
+    image under C{key}, or the compile failed with C{kind} and C{error}.
+    """
+
+    key: str = attrs.field(default="", validator=_json(str))
+    seconds: float = attrs.field(default=0.0, validator=_json(int, float))
+    kind: str | None = attrs.field(default=None, validator=_json(str, optional=True))
+    error: str | None = attrs.field(default=None, validator=_json(str, optional=True))
+
+
 @_message("exit")
 @attrs.frozen
 class Exit(ChannelMessage):
@@ -461,6 +475,26 @@ class LeaseAcquire(ChannelMessage):
 @attrs.frozen
 class LeaseRelease(ChannelMessage):
     """Give the lease back (no answer)."""
+
+
+@_message("compile_request")
+@attrs.frozen
+class CompileRequest(ChannelMessage):
+    """
+    Compile C{source} into the shared compile cache: the parent compiles it
+    in a sandbox of its own, where no uploaded code runs, and writes the
+    entry; the worker waits for L{CompileDone} and reads it back.
+    """
+
+    source: str = attrs.field(validator=_json(str))
+    arch: str = attrs.field(validator=_json(str))
+    options: list[str] = attrs.field(
+        validator=attrs.validators.deep_iterable(
+            attrs.validators.instance_of(str), attrs.validators.instance_of(list)
+        )
+    )
+    backend: str = attrs.field(validator=_json(str))
+    timeout: float = attrs.field(validator=_json(int, float))
 
 
 @_message("instruction")

@@ -37,6 +37,7 @@ from kcoral.worker.builtins import registry_for
 from kcoral.worker.devices import make_backend, prepare_backend
 from kcoral.worker.engine import Engine
 from kcoral.worker.lease import LeaseClient, NullLease
+from kcoral.worker.remote_compile import COMPILE_IN_PARENT_ENV, RemoteCompiler
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -91,6 +92,10 @@ def serve(
     if not backend.uses_lease:
         lease.release()
         lease = NullLease()
+    if os.environ.get(COMPILE_IN_PARENT_ENV) == "1":
+        from kcoral.compilers import configure_remote
+
+        configure_remote(RemoteCompiler(inbox, outbox))
     engine = Engine(
         backend,
         lease,

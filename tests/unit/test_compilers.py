@@ -435,6 +435,68 @@ class CompileBinaryTests(SynchronousTestCase):
         stats = compile_stats()
         self.assertEqual((stats["compiles"], stats["uncached"], stats["cache_hits"]), (1, 1, 0))
 
+    def test_remote_compile_reads_the_parents_entry(self):
+        """
+        With a remote compiler (a sandboxed worker's parent), the image comes
+        from the entry the remote stored, not from a local compile.
+        """
+        fake = FakeCompilerBackend()
+        d = _mktemp(self)
+        asked = []
+
+        def remote(source, arch, flags, backend, timeout):
+            asked.append((arch, flags, backend))
+            key = cache_key(source, arch, flags, backend, {"parent": "1"})
+            CompileCache(d).put(key, b"IMAGE-FROM-PARENT", 2.0)
+            return key, 2.0
+
+        compilers.configure_remote(remote)
+        image = compile_binary(SOURCE, "sm_90a", ("-O3",), backend=fake, cache_dir=d)
+        self.assertEqual(image, b"IMAGE-FROM-PARENT")
+        self.assertEqual(asked, [("sm_90a", ("-O3",), "fake")])
+        self.assertEqual(fake.calls, [])
+        self.assertEqual(compile_stats()["compiles"], 1)
+
+    def test_remote_unavailable_compiles_here_uncached(self):
+        """A backend the parent cannot run is compiled here, and nothing is cached."""
+        fake = FakeCompilerBackend()
+        d = _mktemp(self)
+
+        def remote(source, arch, flags, backend, timeout):
+            raise ExecutionError("unavailable", "no such backend in the parent")
+
+        compilers.configure_remote(remote)
+        image = compile_binary(SOURCE, "sm_90a", (), backend=fake, cache_dir=d)
+        self.assertTrue(image.startswith(FAKE_MAGIC))
+        self.assertEqual(CompileCache(d).entries(), [])
+
+    def test_remote_compile_error(self):
+        """A compile error from the parent is the request's compile error."""
+        d = _mktemp(self)
+
+        def remote(source, arch, flags, backend, timeout):
+            raise ExecutionError("compile", "k.cu(1): error")
+
+        compilers.configure_remote(remote)
+        with self.assertRaises(ExecutionError) as caught:
+            compile_binary(SOURCE, "sm_90a", (), backend=FakeCompilerBackend(), cache_dir=d)
+        self.assertEqual(caught.exception.kind, "compile")
+
+    def test_tampered_entry_is_a_miss(self):
+        """Every read checks the image against the sha256 in its header."""
+        d = _mktemp(self)
+        cache = CompileCache(d)
+        key = "ab" * 32
+        cache.put(key, b"good image", 1.0)
+        path = os.path.join(d, key + ".bin")
+        data = bytearray(open(path, "rb").read())
+        data[-1] ^= 0xFF
+        with open(path, "wb") as f:
+            f.write(data)
+        self.assertIsNone(cache.read(key))
+        self.assertIsNone(cache.get(key))
+        self.assertEqual(cache.misses, 1)
+
     def test_cacheHit(self):
         """A resubmitted compile is served from the cache without calling the backend."""
         fake = FakeCompilerBackend()

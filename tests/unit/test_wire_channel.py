@@ -20,6 +20,8 @@ from kcoral.wire.channel import (
     Blob,
     ChannelError,
     ChannelMessage,
+    CompileDone,
+    CompileRequest,
     Execute,
     Exit,
     Failed,
@@ -143,6 +145,8 @@ EXAMPLES: list[ChannelMessage] = [
         streamed_parts=2,
     ),
     Returned("t", {"type": "bytes", "part": "return:0", "sha256": "x"}, (b"ab", b"")),
+    CompileRequest("__global__ void k() {}", "sm_90a", ["-O3"], "nvcc", 30.0),
+    CompileDone(key="ab" * 32, seconds=1.25),
 ]
 
 
@@ -152,9 +156,9 @@ def test_fds_are_three_and_four() -> None:
 
 
 def test_every_type_has_an_example() -> None:
-    """The examples cover the registry: eleven message types, each named once."""
+    """The examples cover the registry: thirteen message types, each named once."""
     assert sorted(m.TYPE for m in EXAMPLES) == sorted(MESSAGE_TYPES)
-    assert len(MESSAGE_TYPES) == 11
+    assert len(MESSAGE_TYPES) == 13
     for name, cls in MESSAGE_TYPES.items():
         assert cls.TYPE == name
 

@@ -9,6 +9,7 @@ import struct
 from typing import Any
 
 import attrs
+from twisted.internet.defer import Deferred
 from twisted.internet.error import ProcessDone, ProcessTerminated
 from twisted.internet.interfaces import IReactorProcess
 from twisted.logger import capturedLogs
@@ -28,6 +29,8 @@ from kcoral.server.workerproc import (
 from kcoral.testing.fakes import FakeTransport, ProcessReactor
 from kcoral.wire.channel import (
     ChannelMessage,
+    CompileDone,
+    CompileRequest,
     Failed,
     Instruction,
     LeaseAcquire,
@@ -545,6 +548,56 @@ class ChannelDistrustTests(WorkerTestCase):
         self.transport.closeChildFD = closed.append  # type: ignore[attr-defined]
         worker.protocol.childDataReceived(FROM_WORKER_FD, b"\xff" * 64)
         self.assertEqual(closed, [FROM_WORKER_FD])
+
+
+class _Compiler:
+    """A parent-side compiler that answers when told to."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[Any, float]] = []
+        self.pending: Deferred[CompileDone] = Deferred()
+
+    async def compile(self, request: Any, timeout: float) -> CompileDone:
+        self.requests.append((request, timeout))
+        return await self.pending
+
+
+class CompileRequestTests(WorkerTestCase):
+    """Compiles for the shared cache run in the parent (issue 13, item 6)."""
+
+    def request(self) -> CompileRequest:
+        return CompileRequest("__global__ void k() {}", "sm_90a", [], "nvcc", 30.0)
+
+    def test_compile_answered(self) -> None:
+        worker = self.ready_worker()
+        worker.compiler = _Compiler()
+        d = worker.run(self.job(timeout=10.0))
+        self.reactor.advance(4.0)
+        self.deliver(worker, self.request())
+        # The compile may use what is left of the request's budget.
+        self.assertEqual(worker.compiler.requests[0][1], 6.0)
+        worker.compiler.pending.callback(CompileDone(key="ab" * 32, seconds=1.0))
+        self.assertEqual(self.transport.messages()[-1], CompileDone(key="ab" * 32, seconds=1.0))
+        self.deliver(worker, Outcome(status="COMPLETED"))
+        self.assertEqual(self.successResultOf(d).ending, "outcome")
+
+    def test_message_while_compiling_poisons(self) -> None:
+        worker = self.ready_worker()
+        worker.compiler = _Compiler()
+        d = worker.run(self.job())
+        self.deliver(worker, self.request())
+        self.deliver(worker, self.request())
+        result: JobResult = self.successResultOf(d)
+        self.assertEqual(result.ending, "invalid")
+        self.assertIn("while its compile runs", result.detail)
+
+    def test_without_compiler_unavailable(self) -> None:
+        worker = self.ready_worker()
+        worker.run(self.job())
+        self.deliver(worker, self.request())
+        answer = self.transport.messages()[-1]
+        assert isinstance(answer, CompileDone)
+        self.assertEqual(answer.kind, "unavailable")
 
 
 class GpuChannelDistrustTests(WorkerTestCase):

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from twisted.internet.threads import deferToThread
 
 from kcoral import Client, Program
 from kcoral.testing.live_server import ServerProcess, free_port
@@ -220,13 +219,13 @@ def test_cache_miss_after_restart(tmp_path: Path) -> None:
             if attempt.number != 1:
                 return None
 
-            def restart() -> None:
-                instances.append(server.health()["instance_id"])
-                server.stop()
-                server.start()
-                instances.append(server.health()["instance_id"])
-
-            return deferToThread(restart)
+            # Observers run on the blocking client's own reactor thread, which
+            # waits for them; restarting right here holds the retry back.
+            instances.append(server.health()["instance_id"])
+            server.stop()
+            server.start()
+            instances.append(server.health()["instance_id"])
+            return None
 
         client.attempt_observers.append(restart_once)
         result = client.execute(program)

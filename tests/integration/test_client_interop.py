@@ -18,8 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from twisted.internet.threads import deferToThreadPool
 
 from kcoral import Client, Program
+from kcoral.client import blocking
 from kcoral.testing.live_server import ServerProcess, free_port
 from kcoral.wire.multipart import parse_request_body
 from kcoral.wire.program import BLOB_KINDS
@@ -219,13 +221,18 @@ def test_cache_miss_after_restart(tmp_path: Path) -> None:
             if attempt.number != 1:
                 return None
 
-            # Observers run on the blocking client's own reactor thread, which
-            # waits for them; restarting right here holds the retry back.
-            instances.append(server.health()["instance_id"])
-            server.stop()
-            server.start()
-            instances.append(server.health()["instance_id"])
-            return None
+            def restart() -> None:
+                instances.append(server.health()["instance_id"])
+                server.stop()
+                server.start()
+                instances.append(server.health()["instance_id"])
+
+            # Observers run on the blocking client's private reactor (never the
+            # global one); the restart runs in a thread of that reactor, so the
+            # reactor sees the old connection close while it waits.
+            return deferToThreadPool(
+                blocking._loop_reactor, blocking._loop_reactor.getThreadPool(), restart
+            )
 
         client.attempt_observers.append(restart_once)
         result = client.execute(program)

@@ -440,35 +440,9 @@ class NvccBackend:
                 out,
                 src,
             ]
-            try:
-                proc = subprocess.Popen(
-                    argv,
-                    cwd=tmp,
-                    env=self._environment(nvcc, tmp),
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,  # own process group, killed as a whole
-                )
-            except OSError as e:
-                raise ExecutionError("unavailable", f"cannot run nvcc: {e}") from None
-            try:
-                output, _ = proc.communicate(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                _kill_group(proc)
-                proc.communicate()
-                raise ExecutionError("compile", f"nvcc timed out after {timeout:g}s") from None
-            except BaseException:
-                _kill_group(proc)
-                proc.communicate()
-                raise
-            text = output.decode("utf-8", "replace").replace(tmp + os.sep, "").replace(tmp, ".")
-            if proc.returncode != 0:
-                raise ExecutionError(
-                    "compile",
-                    f"nvcc failed for {arch} (exit status {proc.returncode}):\n"
-                    + (shorten(text) or "(no diagnostics)"),
-                )
+            text = run_nvcc(
+                argv, cwd=tmp, env=self._environment(nvcc, tmp), arch=arch, timeout=timeout
+            )
             try:
                 with open(out, "rb") as f:
                     return f.read()
@@ -476,3 +450,43 @@ class NvccBackend:
                 raise ExecutionError(
                     "compile", "nvcc succeeded but wrote no module image:\n" + shorten(text)
                 ) from None
+
+
+def run_nvcc(argv: list[str], *, cwd: str, env: dict[str, str], arch: str, timeout: float) -> str:
+    """
+    BLOCKING: run nvcc in C{cwd} in its own process group (killed as a whole
+    on timeout or interruption), and turn a failure into an L{ExecutionError}
+    whose message has C{cwd} stripped from the compiler's diagnostics.
+
+    @return: the diagnostics of a successful run, C{cwd} stripped likewise.
+    """
+    try:
+        proc = subprocess.Popen(
+            argv,
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    except OSError as e:
+        raise ExecutionError("unavailable", f"cannot run nvcc: {e}") from None
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        proc.communicate()
+        raise ExecutionError("compile", f"nvcc timed out after {timeout:g}s") from None
+    except BaseException:
+        _kill_group(proc)
+        proc.communicate()
+        raise
+    text = output.decode("utf-8", "replace").replace(cwd + os.sep, "").replace(cwd, ".")
+    if proc.returncode != 0:
+        raise ExecutionError(
+            "compile",
+            f"nvcc failed for {arch} (exit status {proc.returncode}):\n"
+            + (shorten(text) or "(no diagnostics)"),
+        )
+    return text

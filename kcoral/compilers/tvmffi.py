@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import tempfile
 from typing import Any
 
@@ -31,7 +30,7 @@ from zope.interface import implementer
 from kcoral.compilers.interfaces import KIND_BINARY, ICompilerBackend
 from kcoral.compilers.nvcc import (
     NvccBackend,
-    _kill_group,
+    run_nvcc,
     shorten,
     validate_arch,
     validate_options,
@@ -172,35 +171,7 @@ class TvmFfiBackend:
 
     def _run(self, argv: list[str], tmp: str, nvcc: str, arch: str, timeout: float) -> None:
         """Run nvcc in its own process group, killed as a whole on timeout."""
-        try:
-            proc = subprocess.Popen(
-                argv,
-                cwd=tmp,
-                env=self._nvcc._environment(nvcc, tmp),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        except OSError as e:
-            raise ExecutionError("unavailable", f"cannot run nvcc: {e}") from None
-        try:
-            output, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            proc.communicate()
-            raise ExecutionError("compile", f"nvcc timed out after {timeout:g}s") from None
-        except BaseException:
-            _kill_group(proc)
-            proc.communicate()
-            raise
-        if proc.returncode != 0:
-            text = output.decode("utf-8", "replace").replace(tmp + os.sep, "").replace(tmp, ".")
-            raise ExecutionError(
-                "compile",
-                f"nvcc failed for {arch} (exit status {proc.returncode}):\n"
-                + (shorten(text) or "(no diagnostics)"),
-            )
+        run_nvcc(argv, cwd=tmp, env=self._nvcc._environment(nvcc, tmp), arch=arch, timeout=timeout)
 
 
 def load_library(image: bytes, directory: str | None = None) -> Any:

@@ -552,21 +552,7 @@ class Outcome(ChannelMessage):
 
     @classmethod
     def _from_fields(cls, fields: dict[str, Any], payload: bytes) -> ChannelMessage:
-        sizes = fields.pop("part_sizes")
-        if not isinstance(sizes, list) or not all(
-            isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in sizes
-        ):
-            raise ChannelError("'part_sizes' must be a list of sizes")
-        if sum(sizes) != len(payload):
-            raise ChannelError(
-                f"'part_sizes' add up to {sum(sizes)} bytes, the payload has {len(payload)}"
-            )
-        view = memoryview(payload)
-        parts, offset = [], 0
-        for size in sizes:
-            parts.append(bytes(view[offset : offset + size]))
-            offset += size
-        return cls(parts=tuple(parts), **fields)
+        return cls(parts=_split_parts(fields.pop("part_sizes"), payload), **fields)
 
 
 @_message("returned")

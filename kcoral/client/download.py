@@ -15,56 +15,11 @@ from typing import Any
 
 from kcoral.client.errors import ProtocolError
 from kcoral.wire.multipart import (
-    _HeaderReader,
-    _parse_part_headers,
+    PartCollector,
     _Scanner,
     boundary_from_content_type,
 )
 from kcoral.wire.program import ValidationError, strict_json_loads
-
-
-class _Parts:
-    """A part handler for the scanner: headers judged, payload chunks kept as they come."""
-
-    def __init__(self) -> None:
-        self.parts: list[tuple[str, str, bytes]] = []
-        self._headers: _HeaderReader | None = None
-        self._head: tuple[str, str] | None = None
-        self._chunks: list[bytes] = []
-        self._error: ValidationError | None = None
-
-    def start_part(self) -> None:
-        self._headers = _HeaderReader()
-        self._head = None
-        self._chunks = []
-        self._error = None
-
-    def part_data(self, data: bytes) -> None:
-        if self._headers is None:
-            self._chunks.append(data)
-            return
-        found = self._headers.add(data)
-        if found is None:
-            return
-        self._headers = None
-        raw, rest = found
-        try:
-            name, media, _ = _parse_part_headers(raw)
-            self._head = (name, media)
-        except ValidationError as e:
-            self._error = e
-        if rest:
-            self._chunks.append(rest)
-
-    def end_part(self) -> None:
-        if self._headers is not None:
-            raise ValidationError("malformed multipart part headers")
-        if self._error is not None:
-            raise self._error
-        assert self._head is not None
-        data = b"".join(self._chunks)
-        self._chunks = []
-        self.parts.append((*self._head, data))
 
 
 class ResponseReader:
@@ -78,7 +33,7 @@ class ResponseReader:
     def __init__(self, content_type: str | None) -> None:
         self._media = (content_type or "").split(";", 1)[0].strip().lower()
         self._chunks: list[bytes] = []
-        self._parts = _Parts()
+        self._parts = PartCollector()
         self._scanner: _Scanner | None = None
         try:
             if self._media == "multipart/form-data":

@@ -638,25 +638,29 @@ def encode_response(body: Mapping[str, Any], parts: list[bytes]) -> tuple[str, l
     return f"multipart/form-data; boundary={boundary}", chunks
 
 
-class _CollectParts:
-    """Keep every part in memory (responses are decoded whole)."""
+class PartCollector:
+    """
+    A part handler for L{_Scanner} that keeps every part in memory
+    (responses are decoded whole): headers judged as they complete, payload
+    chunks kept as they come and joined once at the part's end.
+    """
 
     def __init__(self) -> None:
         self.parts: list[tuple[str, str, bytes]] = []
         self._headers: _HeaderReader | None = None
         self._head: tuple[str, str] | None = None
-        self._data = bytearray()
+        self._chunks: list[bytes] = []
         self._error: ValidationError | None = None
 
     def start_part(self) -> None:
         self._headers = _HeaderReader()
         self._head = None
-        self._data = bytearray()
+        self._chunks = []
         self._error = None
 
     def part_data(self, data: bytes) -> None:
         if self._headers is None:
-            self._data += data
+            self._chunks.append(bytes(data))
             return
         found = self._headers.add(data)
         if found is None:
@@ -668,7 +672,8 @@ class _CollectParts:
             self._head = (name, media)
         except ValidationError as e:
             self._error = e
-        self._data += rest
+        if rest:
+            self._chunks.append(bytes(rest))
 
     def end_part(self) -> None:
         if self._headers is not None:
@@ -676,7 +681,9 @@ class _CollectParts:
         if self._error is not None:
             raise self._error
         assert self._head is not None
-        self.parts.append((*self._head, bytes(self._data)))
+        data = b"".join(self._chunks)
+        self._chunks = []
+        self.parts.append((*self._head, data))
 
 
 def _media_type(content_type: str | None) -> str:
@@ -697,7 +704,7 @@ def decode_response(
         result = strict_json_loads(body)
         parts: dict[str, bytes] = {}
     elif media == "multipart/form-data":
-        collector = _CollectParts()
+        collector = PartCollector()
         scanner = _Scanner(boundary_from_content_type(content_type).encode("ascii"), collector)
         scanner.feed(body)
         scanner.finish()

@@ -505,9 +505,41 @@ class Instruction(ChannelMessage):
     index: int = attrs.field(validator=_json(int))
 
 
+def _check_parts(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    """attrs validator: binary parts are a tuple of bytes."""
+    if not isinstance(value, tuple) or not all(isinstance(p, bytes) for p in value):
+        raise TypeError("field 'parts' must be a tuple of bytes")
+
+
+class _CarriesParts:
+    """
+    Mixin for messages whose C{parts} travel as the frame's payload, their
+    sizes in the header's C{part_sizes}.
+    """
+
+    parts: tuple[bytes, ...]
+
+    def _header_fields(self) -> dict[str, Any]:
+        fields = attrs.asdict(self, recurse=False)  # type: ignore[arg-type]
+        del fields["parts"]
+        fields["part_sizes"] = [len(part) for part in self.parts]
+        return fields
+
+    def payload(self) -> bytes:
+        return b"".join(self.parts)
+
+    @classmethod
+    def _header_keys(cls) -> frozenset[str]:
+        return (super()._header_keys() - {"parts"}) | {"part_sizes"}  # type: ignore[misc, no-any-return]
+
+    @classmethod
+    def _from_fields(cls, fields: dict[str, Any], payload: bytes) -> Any:
+        return cls(parts=_split_parts(fields.pop("part_sizes"), payload), **fields)  # type: ignore[call-arg]
+
+
 @_message("outcome")
 @attrs.frozen
-class Outcome(ChannelMessage):
+class Outcome(_CarriesParts, ChannelMessage):
     """
     How one program ended.  The header carries C{part_sizes}; the payload is
     the binary parts concatenated in numbering order.
@@ -527,37 +559,15 @@ class Outcome(ChannelMessage):
     #: C{max_response_bytes}: they are left out, so the frame stays within
     #: the limits the parent reads it under.
     oversize: int | None = attrs.field(default=None, validator=_json(int, optional=True))
-    parts: tuple[bytes, ...] = attrs.field(default=(), repr=False)
+    parts: tuple[bytes, ...] = attrs.field(default=(), repr=False, validator=_check_parts)
     #: How many leading binary parts were already sent with L{Returned}
     #: messages; C{parts} holds only the ones after them.
     streamed_parts: int = attrs.field(default=0, validator=_json(int))
 
-    @parts.validator
-    def _check_parts(self, attribute: attrs.Attribute[Any], value: Any) -> None:
-        if not isinstance(value, tuple) or not all(isinstance(p, bytes) for p in value):
-            raise TypeError("field 'parts' must be a tuple of bytes")
-
-    def _header_fields(self) -> dict[str, Any]:
-        fields = attrs.asdict(self, recurse=False)
-        del fields["parts"]
-        fields["part_sizes"] = [len(part) for part in self.parts]
-        return fields
-
-    def payload(self) -> bytes:
-        return b"".join(self.parts)
-
-    @classmethod
-    def _header_keys(cls) -> frozenset[str]:
-        return (super()._header_keys() - {"parts"}) | {"part_sizes"}
-
-    @classmethod
-    def _from_fields(cls, fields: dict[str, Any], payload: bytes) -> ChannelMessage:
-        return cls(parts=_split_parts(fields.pop("part_sizes"), payload), **fields)
-
 
 @_message("returned")
 @attrs.frozen
-class Returned(ChannelMessage):
+class Returned(_CarriesParts, ChannelMessage):
     """
     One C{return} instruction finished: its result and its binary parts,
     sent at once so they survive a later crash of the worker.
@@ -565,27 +575,7 @@ class Returned(ChannelMessage):
 
     key: str = attrs.field(validator=_json(str))
     value: Any = attrs.field()
-    parts: tuple[bytes, ...] = attrs.field(default=(), repr=False)
-
-    @parts.validator
-    def _check_parts(self, attribute: attrs.Attribute[Any], value: Any) -> None:
-        if not isinstance(value, tuple) or not all(isinstance(p, bytes) for p in value):
-            raise TypeError("field 'parts' must be a tuple of bytes")
-
-    def _header_fields(self) -> dict[str, Any]:
-        return {"key": self.key, "value": self.value, "part_sizes": [len(p) for p in self.parts]}
-
-    def payload(self) -> bytes:
-        return b"".join(self.parts)
-
-    @classmethod
-    def _header_keys(cls) -> frozenset[str]:
-        return (super()._header_keys() - {"parts"}) | {"part_sizes"}
-
-    @classmethod
-    def _from_fields(cls, fields: dict[str, Any], payload: bytes) -> ChannelMessage:
-        sizes = fields.pop("part_sizes")
-        return cls(parts=_split_parts(sizes, payload), **fields)
+    parts: tuple[bytes, ...] = attrs.field(default=(), repr=False, validator=_check_parts)
 
 
 def _split_parts(sizes: Any, payload: bytes) -> tuple[bytes, ...]:

@@ -27,6 +27,7 @@ from typing import Any
 import attrs
 
 from kcoral.errors import GPUAccessViolation
+from kcoral.worker.gpuwatch import uploaded_location
 
 __all__ = ["HARMLESS_DRIVER_CALLS", "RELEASE_PREFIXES", "DriverWatch", "driver_watch"]
 
@@ -74,17 +75,6 @@ RELEASE_PREFIXES = (
 )
 
 
-def _location(stack: list[traceback.FrameSummary]) -> str:
-    """The innermost uploaded-code frame, else the innermost Python frame."""
-    for frame in reversed(stack):
-        if frame.filename.startswith("<uploaded:"):
-            return f"{frame.filename}:{frame.lineno} in {frame.name}"
-    if not stack:
-        return ""
-    last = stack[-1]
-    return f"{last.filename}:{last.lineno} in {last.name}"
-
-
 @attrs.define(eq=False)
 class DriverWatch:
     """
@@ -115,7 +105,7 @@ class DriverWatch:
             if self._first is None:
                 self._first = (
                     name,
-                    _location(stack),
+                    uploaded_location(stack),
                     "Traceback (most recent call last):\n" + "".join(traceback.format_list(stack)),
                 )
 

@@ -36,7 +36,8 @@ from kcoral.errors import GPUAccessViolation
 _HARMLESS = frozenset({"init", "get_version", "get_driver_version", "Error", "LogicError"})
 
 
-def _uploaded_location(stack: list[traceback.FrameSummary]) -> str:
+def uploaded_location(stack: list[traceback.FrameSummary]) -> str:
+    """The innermost uploaded-code frame, else the innermost Python frame."""
     for frame in reversed(stack):
         if frame.filename.startswith("<uploaded:"):
             return f"{frame.filename}:{frame.lineno} in {frame.name}"
@@ -52,7 +53,7 @@ def _trap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         raise GPUAccessViolation(
             f"cpu_only function called {name} while the worker does not hold the GPU lease",
             cuda_call=name,
-            location=_uploaded_location(stack),
+            location=uploaded_location(stack),
             call_stack="Traceback (most recent call last):\n"
             + "".join(traceback.format_list(stack)),
         )

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -183,3 +183,25 @@ class ServerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def servers_by_flags(base: Sequence[str]) -> Iterator[Callable[..., ServerProcess]]:
+    """
+    A generator for pytest fixtures: yields C{start(*flags)}, which starts
+    (once per distinct flag list) C{kcoral server} with C{base} plus the
+    flags and returns the running L{ServerProcess}; every server started is
+    stopped when the generator is closed.
+    """
+    servers: dict[tuple[str, ...], ServerProcess] = {}
+
+    def start(*args: str) -> ServerProcess:
+        key = tuple(args)
+        if key not in servers:
+            servers[key] = ServerProcess([*base, *args]).start()
+        return servers[key]
+
+    try:
+        yield start
+    finally:
+        for server in servers.values():
+            server.stop()

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from kcoral.testing.live_server import ServerProcess
+from kcoral.testing.live_server import ServerProcess, servers_by_flags
 
 
 @pytest.fixture(scope="module")
@@ -20,17 +20,4 @@ def cpu_server() -> Iterator[Callable[..., ServerProcess]]:
     list) C{kcoral server --device cpu --num-workers 2 --log-dir ''} plus the
     given arguments, and returns the running L{ServerProcess}.
     """
-    servers: dict[tuple[str, ...], ServerProcess] = {}
-
-    def start(*args: str) -> ServerProcess:
-        key = tuple(args)
-        if key not in servers:
-            base = ["--device", "cpu", "--num-workers", "2", "--log-dir", ""]
-            servers[key] = ServerProcess(base + list(args)).start()
-        return servers[key]
-
-    try:
-        yield start
-    finally:
-        for server in servers.values():
-            server.stop()
+    yield from servers_by_flags(["--device", "cpu", "--num-workers", "2", "--log-dir", ""])

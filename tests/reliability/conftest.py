@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from kcoral.testing.live_server import Response, ServerProcess, multipart_body
+from kcoral.testing.live_server import Response, ServerProcess, multipart_body, servers_by_flags
 
 #: Every test here attacks a real server; bubblewrap must be there.
 requires_bwrap = pytest.mark.skipif(
@@ -29,20 +29,7 @@ def attacked_server() -> Iterator[Callable[..., ServerProcess]]:
     A factory of bubblewrap CPU servers living as long as the module:
     C{attacked_server(*flags)} starts one per distinct flag list.
     """
-    servers: dict[tuple[str, ...], ServerProcess] = {}
-
-    def start(*args: str) -> ServerProcess:
-        key = tuple(args)
-        if key not in servers:
-            base = ["--device", "cpu", "--sandbox", "bubblewrap", "--log-dir", ""]
-            servers[key] = ServerProcess(base + list(args)).start()
-        return servers[key]
-
-    try:
-        yield start
-    finally:
-        for server in servers.values():
-            server.stop()
+    yield from servers_by_flags(["--device", "cpu", "--sandbox", "bubblewrap", "--log-dir", ""])
 
 
 def run_program(source: str, fn: str, *args: Any, **extra: Any) -> dict[str, Any]:

@@ -110,11 +110,52 @@ def _phase(kids, op: bytes, windows: list, name: str) -> None:
     windows.append({"phase": name, "start": t0, "end": time.time(), "children": len(kids)})
 
 
+def _bound(children: int, rounds: int) -> dict:
+    """The replacement bound on an idle GPU: contexts made and destroyed per second.
+
+    Serial: one child at a time creates its context, then tears it down (what a
+    one-at-a-time replacement costs).  Batched: C{children} children create
+    together, then tear down together (what a maintenance batch costs).
+    """
+    result = {}
+    for mode, size in (("serial", 1), ("batched", children)):
+        created = torn = 0.0
+        t_all = time.time()
+        total = 0
+        for _ in range(rounds):
+            kids = _spawn_children(size)
+            windows: list = []
+            _phase(kids, b"i", windows, "init")
+            _phase(kids, b"c", windows, "create")
+            _phase(kids, b"d", windows, "detach")
+            _phase(kids, b"x", windows, "exit")
+            created += windows[1]["end"] - windows[1]["start"]
+            torn += windows[2]["end"] - windows[2]["start"]
+            total += size
+        wall = time.time() - t_all
+        result[mode] = {
+            "contexts": total,
+            "create_ms_each": created / total * 1000,
+            "teardown_ms_each": torn / total * 1000,
+            "gpu_side_per_s": total / (created + torn),
+            "wall_per_s": total / wall,
+        }
+        print(
+            f"bound {mode:8} x{size}: create {created / total * 1000:.1f} ms, "
+            f"teardown {torn / total * 1000:.1f} ms per context; "
+            f"{total / (created + torn):.2f} contexts/s on the GPU side, {total / wall:.2f}/s wall"
+        )
+    return result
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--output", default="bench/results/context_probe.json")
     parser.add_argument("--children", type=int, default=CHILDREN)
     parser.add_argument("--torch", action="store_true", help="import torch in the template first")
+    parser.add_argument(
+        "--bound-rounds", type=int, default=3, help="rounds of the idle-GPU bound (0: skip)"
+    )
     args = parser.parse_args()
     t_imp = time.time()
     import pycuda.driver  # noqa: F401  (imported, never initialised)
@@ -123,6 +164,7 @@ def main() -> int:
         import torch  # noqa: F401
     imports_s = time.time() - t_imp
 
+    bound = _bound(args.children, args.bound_rounds) if args.bound_rounds else {}
     stop_r, stop_w = os.pipe()
     out_r, out_w = os.pipe()
     ready_r, ready_w = os.pipe()
@@ -164,7 +206,7 @@ def main() -> int:
         data += chunk
     os.waitpid(mpid, 0)
     samples = json.loads(data)
-    report = {"imports_s": imports_s, "torch": args.torch, "phases": []}
+    report = {"imports_s": imports_s, "torch": args.torch, "bound": bound, "phases": []}
     print(f"template imports: {imports_s:.2f} s (torch={args.torch})")
     print(f"{'phase':34} {'dur ms':>8} {'copies':>6} {'median ms':>10} {'CV %':>6} {'max ms':>8}")
     for w in windows:

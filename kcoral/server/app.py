@@ -30,7 +30,7 @@ from werkzeug.exceptions import HTTPException
 
 from kcoral.config import ServerConfig
 from kcoral.server.cache import Resolution
-from kcoral.server.lease import LeaseArbiter
+from kcoral.server.lease import PURPOSES, LeaseArbiter
 from kcoral.server.logs import event_level_for_finish_reason
 from kcoral.server.pool import BudgetSpent, PoolBusy, WorkerPool, WorkerStartFailed
 from kcoral.server.streaming import BodyProducer, body_length, shared_bytes
@@ -594,7 +594,9 @@ def _single_other_request(labels: set[str | None], request_id: str) -> str | Non
     others = {
         label
         for label in labels
-        if isinstance(label, str) and label != request_id and not label.startswith("warmup:")
+        if isinstance(label, str)
+        and label != request_id
+        and not (":" in label and label.partition(":")[0] in PURPOSES)
     }
     return others.pop() if len(others) == 1 else None
 

@@ -9,6 +9,18 @@ waited for.  Requests for a set of GPUs are all-or-nothing, granted in arrival
 order, and a waiting request reserves its GPUs against younger requests, so no
 one holds part of a set while waiting for the rest (no deadlock, no
 starvation).
+
+Two modes share the list.  An C{exclusive} hold is a request's (or a worker's
+start-up's) GPU work: nobody else holds the GPU meanwhile.  A C{maintenance}
+hold is a CUDA context creation or teardown: several of them may hold a GPU
+together (the driver serialises them anyway, and batching them shortens the
+time the GPU is closed to requests), but never together with an exclusive
+holder, so no context is made or destroyed beside a measurement.  Requests go
+first when both wait: a maintenance waiter is placed in the line as if it
+had arrived L{LeaseArbiter.maintenance_patience} seconds later than it did,
+which also bounds how long requests can keep spares and teardowns waiting.
+A maintenance batch admits every maintenance waiter that is due when it is
+granted, and later ones while no exclusive waiter is in line ahead of them.
 """
 
 from __future__ import annotations
@@ -21,6 +33,15 @@ import attrs
 from twisted.internet.defer import CancelledError, Deferred, succeed
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
+
+#: The lease modes (see the module docstring).
+EXCLUSIVE = "exclusive"
+MAINTENANCE = "maintenance"
+MODES = (EXCLUSIVE, MAINTENANCE)
+
+#: Label prefixes (C{"warmup:gpu0/w1"}) that name what a hold is for other
+#: than a request; a hold labelled otherwise is a request's (its id).
+PURPOSES = ("warmup", "context_create", "context_teardown")
 
 
 class LeaseUnavailable(Exception):
@@ -35,6 +56,7 @@ class Grant:
     gpus: tuple[int, ...]
     requested_at: float
     granted_at: float
+    mode: str = EXCLUSIVE
 
     @property
     def wait_seconds(self) -> float:
@@ -50,6 +72,7 @@ class HoldInterval:
     label: str | None
     start: float
     end: float
+    mode: str = EXCLUSIVE
 
 
 @attrs.define(eq=False)
@@ -58,6 +81,9 @@ class _Waiter:
     gpus: tuple[int, ...]
     requested_at: float
     deferred: Deferred[Grant]
+    mode: str = EXCLUSIVE
+    #: Arrival order, the tie-break between equal places in line.
+    serial: int = 0
 
 
 @attrs.define
@@ -66,12 +92,20 @@ class LeaseArbiter:
     One lease per configured GPU.
 
     @ivar history: the last C{history_size} closed hold intervals per GPU.
+    @ivar maintenance_patience: how far back in line a maintenance waiter
+        is placed (seconds): exclusive requests that arrive up to this long
+        after it go first; older ones never wait for it.
     """
 
     gpus: tuple[int, ...]
     _clock: IReactorTime
     history_size: int = 256
+    maintenance_patience: float = 1.0
+    #: The exclusive holder of each held GPU.
     _holders: dict[int, Hashable] = attrs.field(factory=dict)
+    #: The maintenance holders of each GPU in maintenance (never empty sets).
+    _maintainers: dict[int, set[Hashable]] = attrs.field(factory=dict)
+    _serial: int = 0
     _labels: dict[Hashable, str | None] = attrs.field(factory=dict)
     _grants: dict[Hashable, Grant] = attrs.field(factory=dict)
     _waiters: deque[_Waiter] = attrs.field(factory=deque)
@@ -83,35 +117,54 @@ class LeaseArbiter:
 
     def _event(self, name: str, holder: Hashable, gpus: tuple[int, ...], **fields: Any) -> None:
         label = self._labels.get(holder)
-        warmup = isinstance(label, str) and label.startswith("warmup:")
+        purpose = "request"
+        if isinstance(label, str):
+            prefix = label.partition(":")[0]
+            if prefix in PURPOSES and ":" in label:
+                purpose = prefix
         self.log.info(
             "{kcoral_event} GPU(s) {gpu_ids} for {holder}",
             kcoral_event=name,
             gpu_ids=list(gpus),
             holder=getattr(holder, "seat", None) or getattr(holder, "request_id", None),
-            request_id=None if warmup or not isinstance(label, str) else label,
-            purpose="warmup" if warmup else "request",
+            pid=getattr(holder, "pid", None),
+            request_id=None if purpose != "request" or not isinstance(label, str) else label,
+            purpose=purpose,
             **fields,
         )
 
     def acquire(
-        self, holder: Hashable, gpus: tuple[int, ...], label: str | None = None
+        self,
+        holder: Hashable,
+        gpus: tuple[int, ...],
+        label: str | None = None,
+        mode: str = EXCLUSIVE,
     ) -> Deferred[Grant]:
         """
         Ask for every GPU in C{gpus} at once.
 
         Re-entrant: a holder that already holds them gets its grant back at
-        once.  Cancelling the returned Deferred withdraws the request.
+        once (an exclusive hold also serves a maintenance request: it is the
+        stronger of the two).  Cancelling the returned Deferred withdraws the
+        request.
 
         @param label: recorded with the hold (the request id), so a report
             can name the request that held a GPU at some moment.
+        @param mode: L{EXCLUSIVE} (GPU work) or L{MAINTENANCE} (a context
+            creation or teardown; see the module docstring).
         """
+        if mode not in MODES:
+            raise ValueError(f"unknown lease mode {mode!r}")
         gpus = tuple(sorted(set(gpus)))
         unknown = set(gpus) - set(self.gpus)
         if unknown:
             raise ValueError(f"unknown GPU id(s): {sorted(unknown)}")
         existing = self._grants.get(holder)
-        if existing is not None and set(gpus) <= set(existing.gpus):
+        if (
+            existing is not None
+            and set(gpus) <= set(existing.gpus)
+            and (existing.mode == mode or existing.mode == EXCLUSIVE)
+        ):
             return succeed(existing)
         if existing is not None:
             raise RuntimeError(f"{holder!r} already holds GPUs {existing.gpus}")
@@ -125,7 +178,10 @@ class LeaseArbiter:
             self._waiters.remove(waiter)
             self._dispatch()
 
-        waiter = _Waiter(holder, gpus, self._clock.seconds(), Deferred(cancel))
+        self._serial += 1
+        waiter = _Waiter(
+            holder, gpus, self._clock.seconds(), Deferred(cancel), mode=mode, serial=self._serial
+        )
         self._waiters.append(waiter)
         self._dispatch()
         return waiter.deferred
@@ -140,12 +196,24 @@ class LeaseArbiter:
         if grant is None:
             return None
         now = self._clock.seconds()
-        self._event("lease_released", holder, grant.gpus, held_ms=(now - grant.granted_at) * 1000.0)
+        self._event(
+            "lease_released",
+            holder,
+            grant.gpus,
+            mode=grant.mode,
+            held_ms=(now - grant.granted_at) * 1000.0,
+        )
         label = self._labels.pop(holder, None)
         for gpu in grant.gpus:
-            del self._holders[gpu]
+            if grant.mode == EXCLUSIVE:
+                del self._holders[gpu]
+            else:
+                maintainers = self._maintainers[gpu]
+                maintainers.discard(holder)
+                if not maintainers:
+                    del self._maintainers[gpu]
             intervals = self.history.setdefault(gpu, deque(maxlen=self.history_size))
-            intervals.append(HoldInterval(gpu, holder, label, grant.granted_at, now))
+            intervals.append(HoldInterval(gpu, holder, label, grant.granted_at, now, grant.mode))
         self._dispatch()
         return grant
 
@@ -171,9 +239,17 @@ class LeaseArbiter:
         """Refuse new requests (shutdown); grants and waiters already queued stand."""
         self.closed = True
 
+    def holds(self, holder: Hashable) -> bool:
+        """Whether C{holder} holds a grant now (either mode)."""
+        return holder in self._grants
+
     def holder_of(self, gpu: int) -> Hashable | None:
-        """Who holds C{gpu} now."""
+        """Who holds C{gpu} exclusively now."""
         return self._holders.get(gpu)
+
+    def maintainers_of(self, gpu: int) -> frozenset[Hashable]:
+        """Who holds C{gpu} for a context creation or teardown now."""
+        return frozenset(self._maintainers.get(gpu, ()))
 
     def label_of(self, holder: Hashable) -> str | None:
         """The label C{holder} acquired with."""
@@ -195,9 +271,13 @@ class LeaseArbiter:
         return labels
 
     def depth(self, gpu: int) -> int:
-        """Waiters that want C{gpu}, plus one if it is held (the /health C{lease_depth})."""
+        """
+        Waiters that want C{gpu}, plus one if it is held (the /health
+        C{lease_depth}); a maintenance batch counts as one holder.
+        """
         waiting = sum(1 for w in self._waiters if gpu in w.gpus)
-        return waiting + (1 if gpu in self._holders else 0)
+        held = gpu in self._holders or gpu in self._maintainers
+        return waiting + (1 if held else 0)
 
     def least_busy(self, count: int) -> tuple[int, ...]:
         """
@@ -215,24 +295,61 @@ class LeaseArbiter:
         chosen = sorted(usable, key=lambda gpu: (self.depth(gpu), self.gpus.index(gpu)))[:count]
         return tuple(sorted(chosen))
 
+    def _place(self, waiter: _Waiter) -> tuple[float, int]:
+        """A waiter's place in line: a maintenance waiter stands back."""
+        delay = self.maintenance_patience if waiter.mode == MAINTENANCE else 0.0
+        return (waiter.requested_at + delay, waiter.serial)
+
     def _dispatch(self) -> None:
-        """Grant, oldest first, every request whose GPUs are all free and unreserved."""
+        """
+        Grant, in line order (L{_place}), every request whose GPUs are free
+        for its mode and not reserved by a waiter ahead of it.
+
+        A waiting exclusive request reserves its GPUs against everyone behind
+        it; a waiting maintenance request only against exclusive requests
+        behind it (maintenance waiters behind it may still join a batch).
+        """
         reserved: set[int] = set()
+        reserved_by_maintenance: set[int] = set()
         granted: list[tuple[_Waiter, Grant]] = []
-        for waiter in self._waiters:
+        for waiter in sorted(self._waiters, key=self._place):
             wanted = set(waiter.gpus)
-            if wanted & reserved or any(g in self._holders for g in wanted):
-                reserved |= wanted
-                continue
-            grant = Grant(waiter.holder, waiter.gpus, waiter.requested_at, self._clock.seconds())
+            if waiter.mode == EXCLUSIVE:
+                blocked = (
+                    bool(wanted & (reserved | reserved_by_maintenance))
+                    or any(g in self._holders for g in wanted)
+                    or any(g in self._maintainers for g in wanted)
+                )
+                if blocked:
+                    reserved |= wanted
+                    continue
+            else:
+                blocked = bool(wanted & reserved) or any(g in self._holders for g in wanted)
+                if blocked:
+                    reserved_by_maintenance |= wanted
+                    continue
+            grant = Grant(
+                waiter.holder,
+                waiter.gpus,
+                waiter.requested_at,
+                self._clock.seconds(),
+                waiter.mode,
+            )
             for gpu in waiter.gpus:
-                self._holders[gpu] = waiter.holder
+                if waiter.mode == EXCLUSIVE:
+                    self._holders[gpu] = waiter.holder
+                else:
+                    self._maintainers.setdefault(gpu, set()).add(waiter.holder)
             self._grants[waiter.holder] = grant
             granted.append((waiter, grant))
         for waiter, _grant in granted:
             self._waiters.remove(waiter)
         for waiter, grant in granted:
             self._event(
-                "lease_granted", waiter.holder, grant.gpus, wait_ms=grant.wait_seconds * 1000.0
+                "lease_granted",
+                waiter.holder,
+                grant.gpus,
+                mode=grant.mode,
+                wait_ms=grant.wait_seconds * 1000.0,
             )
             waiter.deferred.callback(grant)

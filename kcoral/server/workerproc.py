@@ -31,6 +31,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.python.runtime import platform
 
+from kcoral.server.lease import MAINTENANCE
 from kcoral.wire.channel import (
     CONTROL_LIMITS,
     FROM_WORKER_FD,
@@ -54,6 +55,8 @@ from kcoral.wire.channel import (
     Outcome,
     Ready,
     Returned,
+    Teardown,
+    TornDown,
     decode,
     encode,
     job_limits,
@@ -321,6 +324,12 @@ class WorkerProcess:
     #: The lease a GPU worker takes to warm up: C{None} (not asked),
     #: C{"pending"}, C{"held"} or C{"released"}.
     _startup_lease_state: str | None = None
+    #: A context creation or teardown in progress: its kind (C{"create"} or
+    #: C{"teardown"}) and when it started (reactor time).
+    _context_op: tuple[str, float] | None = None
+    #: The orderly teardown: C{None}, C{"waiting"} (for the maintenance
+    #: lease), C{"sent"} (L{Teardown} sent) or C{"done"} (L{TornDown} came).
+    _teardown_state: str | None = None
 
     log = Logger()
 
@@ -365,6 +374,125 @@ class WorkerProcess:
         )
         return worker
 
+    # -- context creation and teardown on the lease -----------------------
+
+    def _event(self, event: str, **fields: Any) -> None:
+        """Log context event C{event} of this worker."""
+        self.log.info(
+            "{kcoral_event} on GPU(s) {gpu_ids} for {worker_id}",
+            kcoral_event=event,
+            worker_id=self.seat,
+            generation=self.generation,
+            pid=self.pid,
+            gpu_ids=list(self.gpus),
+            **fields,
+        )
+
+    def _context_begin(self, kind: str) -> None:
+        """A context creation or teardown starts (under the lease)."""
+        if not self.gpus or self._context_op is not None:
+            return
+        self._context_op = (kind, float(self._reactor.seconds()))
+        if kind == "create":
+            self._event("context_create_started")
+        else:
+            self._event("context_teardown_started")
+
+    def _context_end(self, how: str) -> None:
+        """The context creation or teardown in progress ended, C{how}."""
+        op, self._context_op = self._context_op, None
+        if op is None:
+            return
+        kind, started = op
+        ms = (float(self._reactor.seconds()) - started) * 1000.0
+        if kind == "create":
+            self._event("context_create_finished", duration_ms=ms, how=how)
+        else:
+            self._event("context_teardown_finished", duration_ms=ms, how=how)
+
+    def retire(self) -> Deferred[int | None]:
+        """
+        Let a worker go that answered a retiring outcome (it waits for this).
+
+        A CPU worker exits by itself.  A GPU worker's contexts are destroyed
+        while the parent holds its GPUs' maintenance lease (shared with other
+        creations and teardowns, never with a measurement): whatever it kept
+        through its outcome is given back, the maintenance lease is taken,
+        L{Teardown} is sent, and the lease is given back when L{TornDown}
+        says the contexts are gone, or else when the process is.  A worker
+        that does not answer within the grace is killed under the lease.
+        The process then exits off the lease.  Fires when it has ended.
+        """
+        if not self.alive:
+            return succeed(self.exit_code)
+        if not self.gpus:
+            if self._kill_timer is None and not self._killing:
+                self._kill_timer = self._reactor.callLater(self._grace_seconds, self.kill_now)
+            return self._ended_copy()
+        if self._teardown_state is not None or self._killing:
+            return self._ended_copy()
+        self._teardown_state = "waiting"
+        self._leases.release(self)
+        d = self._leases.acquire(
+            self, self.gpus, label=f"context_teardown:{self.seat}", mode=MAINTENANCE
+        )
+
+        def granted(_: object) -> None:
+            if not self.alive or self._teardown_state != "waiting":
+                return
+            self._teardown_state = "sent"
+            self._context_begin("teardown")
+            self.send(Teardown())
+            self._kill_timer = self._reactor.callLater(self._grace_seconds, self.kill_now)
+
+        def failed(f: Failure) -> None:
+            if not f.check(CancelledError):
+                # The GPU is quarantined or the server is stopping: no lease
+                # will come, so the worker goes at once.
+                self.kill_now()
+
+        d.addCallbacks(granted, failed)
+        return self._ended_copy()
+
+    def _torn_down(self, message: TornDown) -> None:
+        self._teardown_state = "done"
+        if message.destroyed:
+            self._context_end("destroyed")
+            self._leases.release(self)
+        # Else the contexts go with the process: the lease is held until
+        # it is gone (L{_process_ended}).  Either way it exits by itself
+        # now; the grace timer set at L{Teardown} still stands.
+
+    def _under_lease(self, kill: Callable[[], None]) -> None:
+        """
+        Run C{kill} so the context teardown it causes overlaps no
+        measurement: at once when this worker holds its GPUs (any mode) or
+        has none; otherwise freeze its tree (SIGSTOP: it does nothing more),
+        give up whatever it waits for, and kill once the maintenance lease
+        is granted (at once if none can be).
+        """
+        if not self.gpus or self._leases.holds(self):
+            self._context_begin("teardown")
+            kill()
+            return
+        self._killing = True
+        _signal_all(self._tree(), signal.SIGSTOP)
+        self._leases.abandon(self)
+        d = self._leases.acquire(
+            self, self.gpus, label=f"context_teardown:{self.seat}", mode=MAINTENANCE
+        )
+
+        def granted(_: object) -> None:
+            if self.alive:
+                self._context_begin("teardown")
+                self._kill_hard(self._tree())
+
+        def failed(f: Failure) -> None:
+            if self.alive:
+                self._kill_hard(self._tree())
+
+        d.addCallbacks(granted, failed)
+
     # -- lifecycle ---------------------------------------------------------
 
     def _ready_timed_out(self, timeout: float) -> None:
@@ -401,6 +529,7 @@ class WorkerProcess:
         job = self._job
         if job is not None:
             job.process_ended(self.exit_code, self.protocol.output_tail())
+        self._context_end("exited")
         self._leases.abandon(self)
         self.ended.callback(self.exit_code)
 
@@ -427,7 +556,11 @@ class WorkerProcess:
         if isinstance(message, LeaseRelease) and self._startup_lease_state == "held":
             # Sent right after Ready: it may arrive once a job has started.
             self._startup_lease_state = "released"
+            self._context_end("ready")
             self._leases.release(self)
+            return
+        if isinstance(message, TornDown) and self._teardown_state == "sent":
+            self._torn_down(message)
             return
         if self._job is not None:
             self._job.message_received(message)
@@ -461,12 +594,17 @@ class WorkerProcess:
         def granted(_: object) -> None:
             if self._startup_lease_state == "pending":
                 self._startup_lease_state = "held"
+                self._context_begin("create")
             self.send(LeaseGranted())
 
         if not self.gpus:
             granted(None)
             return
-        d = self._leases.acquire(self, self.gpus, label=f"warmup:{self.seat}")
+        # Context creations share the GPU with each other (batched), never
+        # with a measurement (kcoral.server.lease, maintenance mode).
+        d = self._leases.acquire(
+            self, self.gpus, label=f"context_create:{self.seat}", mode=MAINTENANCE
+        )
         d.addCallbacks(
             granted,
             lambda f: None if f.check(CancelledError) else self.kill(),
@@ -538,7 +676,24 @@ class WorkerProcess:
         return self._ended_copy()
 
     def kill_now(self) -> None:
-        """SIGKILL the worker's whole tree at once (its grace is spent)."""
+        """
+        SIGKILL the worker's whole tree at once (its grace is spent); a GPU
+        worker not holding its GPUs is frozen at once and killed under the
+        maintenance lease (L{_under_lease}).
+        """
+        if not self.alive:
+            return
+        if self._kill_timer is not None and self._kill_timer.active():
+            self._kill_timer.cancel()
+        if self._killing and self._context_op is None and self.gpus:
+            # Frozen, waiting for the maintenance lease: that kill stands.
+            if not self._leases.holds(self):
+                return
+        self._killing = True
+        self._under_lease(lambda: self._kill_hard(self._tree()))
+
+    def kill_at_once(self) -> None:
+        """SIGKILL the whole tree without waiting for any lease (a forced shutdown)."""
         if not self.alive:
             return
         if self._kill_timer is not None and self._kill_timer.active():
@@ -547,17 +702,25 @@ class WorkerProcess:
         self._kill_hard(self._tree())
 
     def kill(self) -> Deferred[int | None]:
-        """SIGTERM the worker's whole tree, SIGKILL whatever is left after the grace."""
+        """
+        SIGTERM the worker's whole tree, SIGKILL whatever is left after the
+        grace; a GPU worker not holding its GPUs is killed under the
+        maintenance lease instead (L{_under_lease}).
+        """
         if not self.alive:
             return succeed(self.exit_code)
         if not self._killing:
-            victims = self._tree()
-            _signal_all(victims, signal.SIGTERM)
-            if self._kill_timer is not None and self._kill_timer.active():
-                self._kill_timer.cancel()
-            self._kill_timer = self._reactor.callLater(
-                self._grace_seconds, self._kill_hard, victims
-            )
+
+            def terminate() -> None:
+                victims = self._tree()
+                _signal_all(victims, signal.SIGTERM)
+                if self._kill_timer is not None and self._kill_timer.active():
+                    self._kill_timer.cancel()
+                self._kill_timer = self._reactor.callLater(
+                    self._grace_seconds, self._kill_hard, victims
+                )
+
+            self._under_lease(terminate)
             self._killing = True
         return self._ended_copy()
 

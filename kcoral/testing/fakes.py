@@ -130,6 +130,7 @@ class FakeWorker:
         self.started_at = 0.0
         self.killed = False
         self.killed_now = False
+        self.retired = False
         self.stopped = False
         self.busy = False
         self.result = result or JobResult("outcome", outcome=Outcome(status="COMPLETED"))
@@ -159,6 +160,23 @@ class FakeWorker:
         self.killed_now = True
         if self.alive:
             self.exit(-9)
+
+    def kill_at_once(self) -> None:
+        self.kill_now()
+
+    def retire(self) -> Deferred[int | None]:
+        """Asked to go after a retiring outcome: it exits when the test says."""
+        self.retired = True
+        if not self.alive:
+            return succeed(0)
+        d: Deferred[int | None] = Deferred()
+
+        def fire(code: int | None) -> int | None:
+            d.callback(code)
+            return code
+
+        self.ended.addBoth(fire)
+        return d
 
     def stop(self) -> Deferred[int | None]:
         self.stopped = True

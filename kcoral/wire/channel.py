@@ -519,6 +519,16 @@ class Exit(ChannelMessage):
     """Exit in an orderly way."""
 
 
+@_message("teardown")
+@attrs.frozen
+class Teardown(ChannelMessage):
+    """
+    Sent to a GPU worker that answered a retiring L{Outcome}, once the parent
+    holds its GPUs' maintenance lease: destroy the CUDA context(s) now,
+    answer L{TornDown}, then exit (off the lease).
+    """
+
+
 # -- worker to parent ---------------------------------------------------------
 
 
@@ -551,6 +561,20 @@ class LeaseAcquire(ChannelMessage):
 @attrs.frozen
 class LeaseRelease(ChannelMessage):
     """Give the lease back (no answer)."""
+
+
+@_message("torn_down")
+@attrs.frozen
+class TornDown(ChannelMessage):
+    """
+    The answer to L{Teardown}.  With C{destroyed} false the context could
+    not be destroyed in place, so it goes with the process: the parent
+    keeps the lease until the process is gone.
+    """
+
+    destroyed: bool = attrs.field(validator=_json(bool))
+    #: How long the teardown took in the worker.
+    seconds: float = attrs.field(default=0.0, validator=_json(int, float))
 
 
 @_message("compile_request")

@@ -16,6 +16,7 @@ import os
 import signal
 import socket
 import sys
+import time
 import traceback
 from collections.abc import Sequence
 from typing import IO, Any
@@ -32,6 +33,8 @@ from kcoral.wire.channel import (
     Failed,
     Outcome,
     Ready,
+    Teardown,
+    TornDown,
     read_message,
     write_message,
 )
@@ -141,9 +144,33 @@ def serve(
                 # message or a key): nothing was written yet; send it mended.
                 write_message(outbox, _mended(outcome), descriptors)
             if outcome.retire is not None:
-                return 0
+                return _retire(inbox, outbox, backend)
         else:
             print(f"kcoral worker: ignoring message {message.TYPE!r}", file=sys.stderr, flush=True)
+
+
+def _retire(inbox: IO[bytes], outbox: IO[bytes], backend: Any) -> int:
+    """
+    Leave after a retiring outcome.  A GPU worker waits for L{Teardown}
+    (the parent then holds its GPUs' maintenance lease), destroys its
+    contexts, answers L{TornDown} and leaves at once with C{os._exit}, so
+    nothing touches CUDA after the answer; L{Exit} or the end of the
+    channel (the parent is stopping) leave normally.
+    """
+    if not backend.uses_lease:
+        return 0
+    while True:
+        message = read_message(inbox)
+        if message is None or isinstance(message, Exit):
+            return 0
+        if isinstance(message, Teardown):
+            started = time.monotonic()
+            destroy = getattr(backend, "destroy_context", None)
+            destroyed = bool(destroy()) if destroy is not None else False
+            write_message(outbox, TornDown(destroyed=destroyed, seconds=time.monotonic() - started))
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
 
 
 def _mend(value: Any) -> Any:

@@ -8,7 +8,7 @@ from twisted.internet.defer import CancelledError
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from kcoral.server.lease import LeaseArbiter, LeaseUnavailable
+from kcoral.server.lease import MAINTENANCE, LeaseArbiter, LeaseUnavailable
 
 
 class LeaseArbiterTests(SynchronousTestCase):
@@ -203,3 +203,126 @@ class LeaseEventTests(SynchronousTestCase):
         )
         self.assertEqual(mine[1]["held_ms"], 2000.0)
         self.assertEqual(mine[2]["wait_ms"], 2000.0)
+
+
+class MaintenanceModeTests(SynchronousTestCase):
+    """
+    Context creations and teardowns (maintenance holds) share a GPU with each
+    other, never with an exclusive holder; requests go first, within patience.
+    """
+
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.leases = LeaseArbiter((0, 1), self.clock, maintenance_patience=1.0)
+
+    def test_maintenance_holds_share(self) -> None:
+        """Several maintenance requests hold one GPU together."""
+        a = self.successResultOf(self.leases.acquire("a", (0,), mode=MAINTENANCE))
+        b = self.successResultOf(self.leases.acquire("b", (0,), mode=MAINTENANCE))
+        self.assertEqual((a.mode, b.mode), (MAINTENANCE, MAINTENANCE))
+        self.assertEqual(self.leases.maintainers_of(0), {"a", "b"})
+        self.assertIsNone(self.leases.holder_of(0))
+        self.assertEqual(self.leases.depth(0), 1)
+
+    def test_never_with_an_exclusive_holder(self) -> None:
+        """Maintenance waits for an exclusive holder, and an exclusive request for the batch."""
+        self.successResultOf(self.leases.acquire("x", (0,)))
+        m = self.leases.acquire("m", (0,), mode=MAINTENANCE)
+        self.assertNoResult(m)
+        self.leases.release("x")
+        self.successResultOf(m)
+        y = self.leases.acquire("y", (0,))
+        self.assertNoResult(y)
+        self.leases.release("m")
+        self.successResultOf(y)
+
+    def test_requests_first_when_both_wait(self) -> None:
+        """An exclusive request that arrives after a maintenance one, within patience, goes first."""
+        self.successResultOf(self.leases.acquire("x", (0,)))
+        m = self.leases.acquire("m", (0,), mode=MAINTENANCE)
+        self.clock.advance(0.5)
+        r = self.leases.acquire("r", (0,))
+        self.leases.release("x")
+        self.successResultOf(r)
+        self.assertNoResult(m)
+        self.leases.release("r")
+        self.successResultOf(m)
+
+    def test_patience_bounds_the_wait(self) -> None:
+        """Requests younger than a maintenance waiter's patience do not overtake it."""
+        self.successResultOf(self.leases.acquire("x", (0,)))
+        m = self.leases.acquire("m", (0,), mode=MAINTENANCE)
+        self.clock.advance(1.5)
+        r = self.leases.acquire("r", (0,))
+        self.leases.release("x")
+        self.successResultOf(m)
+        self.assertNoResult(r)
+        self.leases.release("m")
+        self.successResultOf(r)
+
+    def test_batch_admits_everything_due(self) -> None:
+        """Every maintenance waiter due when the GPU frees is granted at once."""
+        self.successResultOf(self.leases.acquire("x", (0,)))
+        waits = [self.leases.acquire(name, (0,), mode=MAINTENANCE) for name in "abc"]
+        for d in waits:
+            self.assertNoResult(d)
+        self.leases.release("x")
+        for d in waits:
+            self.successResultOf(d)
+        self.assertEqual(self.leases.maintainers_of(0), {"a", "b", "c"})
+
+    def test_late_maintenance_waits_behind_a_waiting_request(self) -> None:
+        """
+        While an exclusive request waits for a batch, a new maintenance
+        request does not join the batch (requests are not starved).
+        """
+        self.successResultOf(self.leases.acquire("a", (0,), mode=MAINTENANCE))
+        r = self.leases.acquire("r", (0,))
+        late = self.leases.acquire("late", (0,), mode=MAINTENANCE)
+        self.assertNoResult(r)
+        self.assertNoResult(late)
+        self.leases.release("a")
+        self.successResultOf(r)
+        self.assertNoResult(late)
+        self.leases.release("r")
+        self.successResultOf(late)
+
+    def test_late_maintenance_joins_when_nobody_waits(self) -> None:
+        """With no exclusive request in line, a new maintenance request joins the batch."""
+        self.successResultOf(self.leases.acquire("a", (0,), mode=MAINTENANCE))
+        self.successResultOf(self.leases.acquire("b", (0,), mode=MAINTENANCE))
+
+    def test_other_gpu_unaffected(self) -> None:
+        """Maintenance of one GPU does not hold up requests on another."""
+        self.successResultOf(self.leases.acquire("a", (0,), mode=MAINTENANCE))
+        self.successResultOf(self.leases.acquire("r", (1,)))
+
+    def test_exclusive_hold_serves_maintenance(self) -> None:
+        """A holder of the exclusive lease needs no maintenance lease on top."""
+        grant = self.successResultOf(self.leases.acquire("a", (0,)))
+        self.assertIs(self.successResultOf(self.leases.acquire("a", (0,), mode=MAINTENANCE)), grant)
+
+    def test_abandon_and_quarantine(self) -> None:
+        """A dead maintainer's hold is dropped; quarantine fails maintenance waiters."""
+        self.successResultOf(self.leases.acquire("a", (0,), mode=MAINTENANCE))
+        r = self.leases.acquire("r", (0,))
+        self.leases.abandon("a")
+        self.successResultOf(r)
+        m = self.leases.acquire("m", (0,), mode=MAINTENANCE)
+        self.leases.quarantine((0,))
+        self.failureResultOf(m, LeaseUnavailable)
+        self.assertEqual(self.leases.maintainers_of(0), frozenset())
+
+    def test_history_records_the_mode(self) -> None:
+        """Closed maintenance holds are kept with their mode."""
+        self.successResultOf(
+            self.leases.acquire("a", (0,), label="context_create:gpu0/s0", mode=MAINTENANCE)
+        )
+        self.clock.advance(0.2)
+        self.leases.release("a")
+        (interval,) = self.leases.history[0]
+        self.assertEqual((interval.mode, interval.end - interval.start), (MAINTENANCE, 0.2))
+
+    def test_unknown_mode(self) -> None:
+        """Only the two modes exist."""
+        self.assertRaises(ValueError, self.leases.acquire, "a", (0,), None, "shared")

@@ -1,0 +1,242 @@
+"""Probe what CUDA context creation and teardown cost, and what they disturb.
+
+Run on the GPU machine (the parent never initialises CUDA; every CUDA user is
+a forked child, as a worker of the template is):
+
+    python3 bench/context_probe.py --output bench/results/context_probe.json
+
+A measuring child copies 1 GiB device to device in a loop, timing each copy
+with CUDA events.  Beside it, batches of forked children go through the
+phases of a worker's life one phase at a time: cuInit only, primary context
+creation, explicit context teardown (pop + detach), and creation followed by
+process exit without teardown.  For each phase window the probe reports the
+median and coefficient of variation of the measuring child's copies, and the
+phase's own duration, so the scheduling of creation and teardown on the
+lease rests on numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+CHILDREN = 8
+
+
+def _measure(stop_r: int, out_w: int, ready_w: int) -> None:
+    import pycuda.driver as cuda
+
+    cuda.init()
+    ctx = cuda.Device(0).retain_primary_context()
+    ctx.push()
+    n = 1 << 30
+    a = cuda.mem_alloc(n)
+    b = cuda.mem_alloc(n)
+    start, end = cuda.Event(), cuda.Event()
+    samples = []
+    os.set_blocking(stop_r, False)
+    os.write(ready_w, b"r")
+    while True:
+        try:
+            if os.read(stop_r, 1):
+                break
+        except BlockingIOError:
+            pass
+        t = time.time()
+        start.record()
+        cuda.memcpy_dtod(b, a, n)
+        end.record()
+        end.synchronize()
+        samples.append((t, end.time_since(start)))
+    ctx.pop()
+    os.write(out_w, json.dumps(samples).encode())
+    os.close(out_w)
+    os._exit(0)
+
+
+def _child(cmd_r: int, ack_w: int) -> None:
+    """A worker-like child: waits for phase commands, acknowledges each."""
+    import pycuda.driver as cuda
+
+    ctx = None
+    f = os.fdopen(cmd_r, "rb", buffering=0)
+    while True:
+        op = f.read(1)
+        if op == b"i":
+            cuda.init()
+        elif op == b"c":
+            ctx = cuda.Device(0).retain_primary_context()
+            ctx.push()
+            cuda.mem_alloc(1 << 20)
+        elif op == b"d":
+            ctx.pop()
+            ctx.detach()
+            ctx = None
+        elif op in (b"x", b""):
+            os.write(ack_w, b"k")
+            os._exit(0)
+        os.write(ack_w, b"k")
+
+
+def _spawn_children(count: int) -> list[tuple[int, int, int]]:
+    kids = []
+    for _ in range(count):
+        cmd_r, cmd_w = os.pipe()
+        ack_r, ack_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(cmd_w)
+            os.close(ack_r)
+            _child(cmd_r, ack_w)
+        os.close(cmd_r)
+        os.close(ack_w)
+        kids.append((pid, cmd_w, ack_r))
+    return kids
+
+
+def _phase(kids, op: bytes, windows: list, name: str) -> None:
+    t0 = time.time()
+    for _, cmd_w, _ in kids:
+        os.write(cmd_w, op)
+    for _, _, ack_r in kids:
+        os.read(ack_r, 1)
+    if op == b"x":
+        for pid, _, _ in kids:
+            os.waitpid(pid, 0)
+    windows.append({"phase": name, "start": t0, "end": time.time(), "children": len(kids)})
+
+
+def _bound(children: int, rounds: int) -> dict:
+    """The replacement bound on an idle GPU: contexts made and destroyed per second.
+
+    Serial: one child at a time creates its context, then tears it down (what a
+    one-at-a-time replacement costs).  Batched: C{children} children create
+    together, then tear down together (what a maintenance batch costs).
+    """
+    result = {}
+    for mode, size in (("serial", 1), ("batched", children)):
+        created = torn = 0.0
+        t_all = time.time()
+        total = 0
+        for _ in range(rounds):
+            kids = _spawn_children(size)
+            windows: list = []
+            _phase(kids, b"i", windows, "init")
+            _phase(kids, b"c", windows, "create")
+            _phase(kids, b"d", windows, "detach")
+            _phase(kids, b"x", windows, "exit")
+            created += windows[1]["end"] - windows[1]["start"]
+            torn += windows[2]["end"] - windows[2]["start"]
+            total += size
+        wall = time.time() - t_all
+        result[mode] = {
+            "contexts": total,
+            "create_ms_each": created / total * 1000,
+            "teardown_ms_each": torn / total * 1000,
+            "gpu_side_per_s": total / (created + torn),
+            "wall_per_s": total / wall,
+        }
+        print(
+            f"bound {mode:8} x{size}: create {created / total * 1000:.1f} ms, "
+            f"teardown {torn / total * 1000:.1f} ms per context; "
+            f"{total / (created + torn):.2f} contexts/s on the GPU side, {total / wall:.2f}/s wall"
+        )
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--output", default="bench/results/context_probe.json")
+    parser.add_argument("--children", type=int, default=CHILDREN)
+    parser.add_argument("--torch", action="store_true", help="import torch in the template first")
+    parser.add_argument(
+        "--bound-rounds", type=int, default=3, help="rounds of the idle-GPU bound (0: skip)"
+    )
+    args = parser.parse_args()
+    t_imp = time.time()
+    import pycuda.driver  # noqa: F401  (imported, never initialised)
+
+    if args.torch:
+        import torch  # noqa: F401
+    imports_s = time.time() - t_imp
+
+    bound = _bound(args.children, args.bound_rounds) if args.bound_rounds else {}
+    stop_r, stop_w = os.pipe()
+    out_r, out_w = os.pipe()
+    ready_r, ready_w = os.pipe()
+    mpid = os.fork()
+    if mpid == 0:
+        _measure(stop_r, out_w, ready_w)
+    os.close(out_w)
+    os.read(ready_r, 1)
+    windows: list = []
+    time.sleep(1.0)
+    windows.append({"phase": "idle", "start": time.time(), "end": time.time() + 1.5, "children": 0})
+    time.sleep(1.5)
+
+    for size in (1, args.children):
+        t_fork = time.time()
+        kids = _spawn_children(size)
+        fork_s = (time.time() - t_fork) / size
+        time.sleep(0.5)
+        _phase(kids, b"i", windows, f"cuInit x{size}")
+        time.sleep(0.5)
+        _phase(kids, b"c", windows, f"context create x{size}")
+        time.sleep(0.5)
+        _phase(kids, b"d", windows, f"context detach x{size}")
+        time.sleep(0.5)
+        _phase(kids, b"c", windows, f"context re-create x{size}")
+        time.sleep(0.5)
+        _phase(kids, b"x", windows, f"exit with live context x{size}")
+        time.sleep(0.5)
+        windows.append(
+            {"phase": f"fork per child x{size}", "start": 0, "end": fork_s, "children": size}
+        )
+    windows.append(
+        {"phase": "idle again", "start": time.time(), "end": time.time() + 1.5, "children": 0}
+    )
+    time.sleep(1.5)
+    os.write(stop_w, b"s")
+    data = b""
+    while chunk := os.read(out_r, 1 << 20):
+        data += chunk
+    os.waitpid(mpid, 0)
+    samples = json.loads(data)
+    report = {"imports_s": imports_s, "torch": args.torch, "bound": bound, "phases": []}
+    print(f"template imports: {imports_s:.2f} s (torch={args.torch})")
+    print(f"{'phase':34} {'dur ms':>8} {'copies':>6} {'median ms':>10} {'CV %':>6} {'max ms':>8}")
+    for w in windows:
+        if w["start"] == 0:
+            print(f"{w['phase']:34} {w['end'] * 1000:8.3f}")
+            report["phases"].append({"phase": w["phase"], "ms": w["end"] * 1000})
+            continue
+        inside = [ms for t, ms in samples if w["start"] <= t <= w["end"]]
+        row = {
+            "phase": w["phase"],
+            "duration_ms": (w["end"] - w["start"]) * 1000,
+            "copies": len(inside),
+        }
+        if len(inside) >= 2:
+            med = statistics.median(inside)
+            cv = statistics.stdev(inside) / statistics.mean(inside) * 100
+            row.update(
+                median_ms=med, cv_percent=cv, max_ms=max(inside), gbps=2 * (1 << 30) / med / 1e6
+            )
+            print(
+                f"{w['phase']:34} {row['duration_ms']:8.1f} {len(inside):6d} {med:10.4f} {cv:6.2f} {max(inside):8.4f}"
+            )
+        else:
+            print(f"{w['phase']:34} {row['duration_ms']:8.1f} {len(inside):6d}")
+        report["phases"].append(row)
+    os.makedirs(os.path.dirname(args.output) or ".", exist_ok=True)
+    with open(args.output, "w") as f:
+        json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

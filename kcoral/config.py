@@ -185,6 +185,15 @@ def _gpu_ids(instance: Any, attribute: attrs.Attribute[Any], value: tuple[int, .
 
 
 _INT = [_strict_int, _non_negative]
+
+
+def _optional_int(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    """C{None}, or a non-negative integer."""
+    if value is not None:
+        for check in _INT:
+            check(instance, attribute, value)
+
+
 _FLOAT_POSITIVE = [_number, _positive]
 _FLOAT_NON_NEGATIVE = [_number, _non_negative]
 
@@ -287,9 +296,7 @@ class ServerConfig:
     )
     workers_per_gpu: int = field(default=8, validator=[_strict_int, _at_least_one])
     max_requests_per_worker: int = field(default=1, validator=_INT)
-    spare_workers_per_gpu: int | None = field(
-        default=None, validator=attrs.validators.optional(_INT)
-    )
+    spare_workers_per_gpu: int | None = field(default=None, validator=_optional_int)
     reuse_scope: str = field(default="address", validator=_choice(*REUSE_SCOPES))
     sandbox: str = field(default="bubblewrap", validator=_choice(*SANDBOXES))
     sandbox_readonly_paths: tuple[Path, ...] = field(default=(), converter=_to_paths)

@@ -24,7 +24,9 @@ parsed by L{kcoral.wire.multipart} in a thread).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import io
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 from twisted.internet.endpoints import serverFromString
@@ -37,6 +39,7 @@ from twisted.web.server import Request, Site
 
 from kcoral.wire.errors import REQUEST_KIND_HEADERS, choose_request_id, error_body, status_error
 from kcoral.wire.jsontext import json_dumps
+from kcoral.wire.multipart import StreamedBody
 
 #: Seconds a client has to send a complete request head, counted from the
 #: connection (or the previous response) and never reset by trickled bytes.
@@ -158,6 +161,9 @@ class LimitedRequest(Request):
     #: The server already holds C{max_bytes_in_flight} of request bodies:
     #: this body is discarded and the request answered 503.
     over_capacity = False
+    #: The multipart body parsed as it arrives (L{StreamedBody}), when the
+    #: site streams bodies: nothing is spooled, C{content} stays empty.
+    body_parser: StreamedBody | None = None
     body_bytes = 0
     client_name: str | None = None
     _error_body_written = False
@@ -171,8 +177,11 @@ class LimitedRequest(Request):
     def _limit(self) -> int | None:
         return getattr(self._site(), "max_request_bytes", None)
 
-    def _reserve(self, size: int) -> bool:
-        """Count C{size} more body bytes against the site's bytes in flight."""
+    def _reserve(self, size: int, force: bool = False) -> bool:
+        """
+        Count C{size} more bytes against the site's bytes in flight; with
+        C{force}, whatever the cap (bytes that already exist).
+        """
         site = self._site()
         reserve = getattr(site, "reserve_bytes", None)
         if reserve is None:
@@ -181,15 +190,29 @@ class LimitedRequest(Request):
             # The channel is gone by the time the request has finished.
             self._reserved_at = site
             self.notifyFinish().addBoth(self._release)
-        if not reserve(size, self._reserved):
+        if force:
+            site.bytes_in_flight += size
+        elif not reserve(size, self._reserved):
             return False
         self._reserved += size
         return True
+
+    def hold_bytes(self, size: int) -> None:
+        """
+        Count a response's C{size} bytes of shared result buffers against
+        the bytes in flight until the request finishes: while large results
+        stream out, new bodies past the cap are answered 503.
+        """
+        if size:
+            self._reserve(size, force=True)
 
     def _release(self, result: object = None) -> None:
         reserved, self._reserved = self._reserved, 0
         if reserved and self._reserved_at is not None:
             self._reserved_at.bytes_in_flight -= reserved
+        parser, self.body_parser = self.body_parser, None
+        if parser is not None:
+            parser.abort()
 
     def _skip_body(self) -> None:
         channel = self.channel
@@ -212,6 +235,20 @@ class LimitedRequest(Request):
             length = 0
             self._skip_body()
         super().gotLength(length)
+        if not (self.too_large or self.over_capacity):
+            self._stream_body()
+
+    def _stream_body(self) -> None:
+        """Parse a multipart body as it arrives, when the site does so."""
+        make = getattr(self._site(), "streamed_body", None)
+        if make is None:
+            return
+        values = self.requestHeaders.getRawHeaders(b"content-type")
+        content_type = values[-1].decode("latin-1") if values else None
+        parser = make(content_type)
+        if parser is not None:
+            self.body_parser = parser
+            self.content = io.BytesIO()
 
     def handleContentChunk(self, data: bytes) -> None:
         if self.too_large or self.over_capacity:
@@ -227,9 +264,15 @@ class LimitedRequest(Request):
             self.over_capacity = True
             self._drop_body()
             return
+        if self.body_parser is not None:
+            self.body_parser.feed(data)
+            return
         super().handleContentChunk(data)
 
     def _drop_body(self) -> None:
+        parser, self.body_parser = self.body_parser, None
+        if parser is not None:
+            parser.abort()
         content = getattr(self, "content", None)
         if content is not None:
             try:
@@ -482,6 +525,7 @@ class KcoralSite(Site):
         body_timeout: float = DEFAULT_BODY_TIMEOUT,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         max_bytes_in_flight: int = 0,
+        stream_bodies: bool = True,
         **kwargs: Any,
     ) -> None:
         try:
@@ -497,6 +541,13 @@ class KcoralSite(Site):
         self.max_bytes_in_flight = max_bytes_in_flight
         self.bytes_in_flight = 0
         self.displayTracebacks = False
+        #: Makes the L{StreamedBody} a multipart request body streams into,
+        #: or C{None}: bodies are spooled by Twisted and parsed afterwards.
+        self.streamed_body: Callable[[str | None], StreamedBody | None] | None = (
+            partial(StreamedBody.for_content_type, max_bytes=max_request_bytes)
+            if stream_bodies
+            else None
+        )
 
     def reserve_bytes(self, size: int, held: int) -> bool:
         """

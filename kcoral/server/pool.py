@@ -59,6 +59,8 @@ class WorkerHandle(Protocol):
     def run(self, job: Job) -> Deferred[JobResult]: ...
     def kill(self) -> Deferred[int | None]: ...
     def kill_now(self) -> None: ...
+    def kill_at_once(self) -> None: ...
+    def retire(self) -> Deferred[int | None]: ...
     def stop(self) -> Deferred[int | None]: ...
 
 
@@ -467,7 +469,7 @@ class WorkerPool:
         killed = 0
         for worker in workers:
             if worker.alive:
-                worker.kill_now()
+                worker.kill_at_once()
                 killed += 1
         return killed
 
@@ -778,15 +780,10 @@ class WorkerPool:
         old_dir = seat.seat_dir
         if old is not None and old.alive:
             if reason == "request_limit":
-                # The worker exits by itself after answering; give it the grace.
-                # One grace in all: SIGKILL when it is spent, not SIGTERM
-                # and a second grace.
-                timer = self._reactor.callLater(
-                    self.config.worker_termination_grace_seconds, old.kill_now
-                )
-                await old.ended
-                if timer.active():
-                    timer.cancel()
+                # The worker goes by itself after answering: a GPU worker
+                # destroys its context under the maintenance lease first.
+                # One grace in all (the worker's): SIGKILL when it is spent.
+                await old.retire()
             else:
                 await old.kill()
         if old_dir is not None:

@@ -188,17 +188,19 @@ class ReplacementTests(PoolTestCase):
         self.assertEqual(pool.capacity, 3)
         self.assertEqual(seat.status, "idle")
 
-    def test_request_limit_grace_kill(self) -> None:
+    def test_request_limit_retires_the_worker(self) -> None:
+        """
+        At its request limit the worker is asked to retire (it owns the one
+        grace and the context teardown on the lease: test_workerproc), not
+        killed.
+        """
         pool = self.make_pool(pool_config(num_workers=1))
         seat = self.successResultOf(pool.acquire(10))
         old = seat.worker
         pool.release(seat, retire="request_limit")
-        self.assertFalse(old.killed_now)  # type: ignore[union-attr]
-        self.reactor.advance(5.0)
-        # One grace in all (issue 17, item 10): SIGKILL, not a SIGTERM and
-        # a second grace.
-        self.assertTrue(old.killed_now)  # type: ignore[union-attr]
+        self.assertTrue(old.retired)  # type: ignore[union-attr]
         self.assertFalse(old.killed)  # type: ignore[union-attr]
+        old.exit(0)  # type: ignore[union-attr]
         self.assertEqual(seat.generation, 2)
         self.assertEqual(seat.status, "idle")
 

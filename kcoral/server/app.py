@@ -230,10 +230,21 @@ class KcoralAPI:
                     "gpu_id": gpu,
                     "lease_depth": self.leases.depth(gpu),
                     "holder": _holder_name(self.leases.holder_of(gpu)),
+                    # Context creations/teardowns holding it now (never
+                    # beside a holder).
+                    "maintenance": len(self.leases.maintainers_of(gpu)),
+                    "spares_ready": sum(
+                        1
+                        for spare in pool.spare_status(now)
+                        if spare["gpu_id"] == gpu and spare["state"] == "ready"
+                    ),
                 }
                 for gpu in gpus
             ],
             "workers": pool.worker_status(now),
+            # Warm workers that refill seats; they take no request themselves,
+            # so they are not in request_capacity.
+            "spares": pool.spare_status(now),
             "sandbox": self.sandbox_name,
         }
 

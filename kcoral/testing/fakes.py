@@ -218,13 +218,15 @@ class FakeSpawner:
 def pool_config(**changes: Any) -> ServerConfig:
     """
     A L{ServerConfig} for pool tests: two CPU workers, each retired after
-    one request, no logs or disk cache; C{changes} override any field.
+    one request, no spares, no logs or disk cache; C{changes} override any
+    field.
     """
     defaults: dict[str, Any] = {
         "device": "cpu",
         "num_workers": 2,
         "workers_per_gpu": 1,
         "max_requests_per_worker": 1,
+        "spare_workers_per_gpu": 0,
         "worker_termination_grace_seconds": 5.0,
         "worker_wait_timeout_seconds": 10.0,
         "log_dir": None,

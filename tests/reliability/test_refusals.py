@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import socket
 import time
+import uuid
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,7 +43,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerPro
         "--log-dir", str(logs), "--auth-token-file", str(work / "tokens"),
         "--header-timeout-seconds", "2", "--body-timeout-seconds", "3",
         "--max-connections", "8", "--max-request-bytes", "65536",
-        "--max-bytes-in-flight", "4096", "--worker-wait-timeout-seconds", "0",
+        "--max-bytes-in-flight", "4096", "--max-queued-requests", "1",
     ]  # fmt: skip
     with ServerProcess(args) as process:
         yield process, logs
@@ -85,11 +86,12 @@ def dechunked(headers: dict[str, str], data: bytes) -> bytes:
         body, data = body + data[:size], data[size + 2 :]
 
 
-def post_head(content_type: str, length: int, auth: bool = True) -> bytes:
+def post_head(content_type: str, length: int, request_id: str = "") -> bytes:
+    named = f"X-Request-ID: {request_id}\r\n" if request_id else ""
     return (
         b"POST /execute HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-        + (AUTH if auth else b"")
-        + f"Content-Type: {content_type}\r\nContent-Length: {length}\r\n\r\n".encode()
+        + AUTH
+        + f"{named}Content-Type: {content_type}\r\nContent-Length: {length}\r\n\r\n".encode()
     )
 
 
@@ -138,18 +140,27 @@ def test_every_refusal_is_counted(server: tuple[ServerProcess, Path]) -> None:
             sock.close()
     time.sleep(0.3)
 
-    # A 3 s program holds the one worker and its body's bytes in flight.
-    content_type, body = multipart_body(run_program(SLEEP, "f", 3))
+    # A 5 s program holds the one worker and its body's bytes in flight.
+    content_type, body = multipart_body(run_program(SLEEP, "f", 5))
     sleeper = socket.create_connection(("127.0.0.1", port), timeout=30)
     sleeper.sendall(post_head(content_type, len(body)) + body)
     assert wait_for(logs, lambda e: e["event"] == "request_routed")
     content_type, small = multipart_body(run_program(SLEEP, "f", 0))
     padding = b"p" * (4096 - len(body))
     refused("bytes_in_flight", post_head(content_type, len(small) + len(padding)) + small + padding)
+    # One request waits for the worker (--max-queued-requests 1); the next is refused.
+    queued_id = str(uuid.uuid4())
+    queued = socket.create_connection(("127.0.0.1", port), timeout=60)
+    queued.sendall(post_head(content_type, len(small), queued_id) + small)
+    assert wait_for(
+        logs, lambda e: e["event"] == "request_accepted" and e["request_id"] == queued_id
+    )
+    time.sleep(0.2)
     refused("busy", post_head(content_type, len(small)) + small)
-    status, _, _ = split_response(read_all(sleeper))
-    sleeper.close()
-    assert status == 200
+    for sock in (sleeper, queued):
+        status, _, _ = split_response(read_all(sock))
+        sock.close()
+        assert status == 200
 
     for reason, status, headers, data in answers:
         assert status == REFUSALS[reason], (reason, status, data[:200])
@@ -157,6 +168,10 @@ def test_every_refusal_is_counted(server: tuple[ServerProcess, Path]) -> None:
         document = json.loads(dechunked(headers, data))
         assert document["status"] == "ERROR", reason
         assert document["request_id"] == headers["x-request-id"], reason
+        if status == 503:
+            assert headers["retry-after"] == "1", reason
+        if status == 401:
+            assert headers["www-authenticate"] == 'Bearer realm="kcoral"'
 
     expected = Counter((REFUSALS[reason], reason) for reason in REFUSALS)
     assert scrape(port) == expected

@@ -8,6 +8,7 @@ L{StringTransport} and a L{Clock}, no sockets.
 from __future__ import annotations
 
 import json
+import resource
 from typing import Any
 
 from klein import Klein
@@ -18,11 +19,11 @@ from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 from twisted.logger import capturedLogs
 from twisted.python.failure import Failure
-from twisted.trial.unittest import SynchronousTestCase
+from twisted.trial.unittest import SkipTest, SynchronousTestCase
 from twisted.web.iweb import IRequest
 
 from kcoral.server.auth import TokenGuard, parse_tokens
-from kcoral.server.http import REFUSALS, KcoralSite, raw_error_response
+from kcoral.server.http import REFUSALS, KcoralSite, raise_fd_limit, raw_error_response
 
 
 class _Routes:
@@ -461,3 +462,26 @@ class RefusalEventTests(SynchronousTestCase):
             harness,
         )
         _Routes.held[0].callback(b"{}")
+
+
+class FdLimitTests(SynchronousTestCase):
+    """L{raise_fd_limit} lifts the soft limit on open files to the hard limit."""
+
+    def test_raised_to_hard(self) -> None:
+        """A soft limit of 256 (below the hard one) is raised to the hard limit."""
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        self.addCleanup(resource.setrlimit, resource.RLIMIT_NOFILE, (soft, hard))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+        old, new = raise_fd_limit() or (None, None)
+        target = hard if hard != resource.RLIM_INFINITY else 1 << 20
+        self.assertEqual((old, new), (256, target))
+        self.assertEqual(resource.getrlimit(resource.RLIMIT_NOFILE), (target, hard))
+
+    def test_already_at_hard(self) -> None:
+        """At the hard limit already: nothing changes, old and new are equal."""
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        self.addCleanup(resource.setrlimit, resource.RLIMIT_NOFILE, (soft, hard))
+        if hard == resource.RLIM_INFINITY:
+            raise SkipTest("no finite hard limit to sit at")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        self.assertEqual(raise_fd_limit(), (hard, hard))

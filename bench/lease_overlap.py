@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,28 @@ _CONTEXT_FINISHED = {"context_create_finished": "create", "context_teardown_fini
 
 def _who(event: dict[str, Any], key: str) -> tuple[Any, Any]:
     return (event.get(key), event.get("pid"))
+
+
+def _seconds(timestamp: Any) -> float | None:
+    """An event's time in seconds: events.jsonl has UTC ISO-8601 text (ms)."""
+    if isinstance(timestamp, (int, float)):
+        return float(timestamp)
+    if isinstance(timestamp, str):
+        try:
+            return datetime.fromisoformat(timestamp.replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            return None
+    return None
+
+
+def _median(values: list[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    if len(ordered) % 2:
+        return round(ordered[middle], 3)
+    return round((ordered[middle - 1] + ordered[middle]) / 2, 3)
 
 
 def _name(who: tuple[Any, Any]) -> Any:
@@ -60,6 +83,14 @@ class _Gpu:
         self.requests: set[str] = set()
         self.created = 0
         self.torn_down = 0
+        #: Seconds with at least one creation (teardown) in progress, and
+        #: since when the current such stretch runs.
+        self.busy = {"create": 0.0, "teardown": 0.0}
+        self.busy_since: dict[str, float | None] = {"create": None, "teardown": None}
+        self.durations: dict[str, list[float]] = {"create": [], "teardown": []}
+
+    def running(self, kind: str) -> int:
+        return sum(1 for k in self.contexts.values() if k == kind)
 
 
 def check(paths: list[Path]) -> dict[str, Any]:
@@ -114,13 +145,24 @@ def check(paths: list[Path]) -> dict[str, Any]:
                     state.exclusive = who
                 elif name in _CONTEXT_STARTED:
                     who = _who(event, "worker_id")
+                    kind = _CONTEXT_STARTED[name]
                     if state.exclusive is not None and state.exclusive != who:
                         overlap("context", gpu, state.exclusive, who, event)
-                    state.contexts[who] = _CONTEXT_STARTED[name]
+                    if not state.running(kind):
+                        state.busy_since[kind] = _seconds(event.get("timestamp"))
+                    state.contexts[who] = kind
                 elif name in _CONTEXT_FINISHED:
                     who = _who(event, "worker_id")
+                    kind = _CONTEXT_FINISHED[name]
                     state.contexts.pop(who, None)
-                    if _CONTEXT_FINISHED[name] == "create":
+                    since = state.busy_since[kind]
+                    now = _seconds(event.get("timestamp"))
+                    if not state.running(kind) and since is not None and now is not None:
+                        state.busy[kind] += now - since
+                        state.busy_since[kind] = None
+                    if isinstance(event.get("duration_ms"), (int, float)):
+                        state.durations[kind].append(float(event["duration_ms"]))
+                    if kind == "create":
                         state.created += 1
                     else:
                         state.torn_down += 1
@@ -133,6 +175,15 @@ def check(paths: list[Path]) -> dict[str, Any]:
                 "maintenance_grants": state.maintenance_grants,
                 "contexts_created": state.created,
                 "contexts_torn_down": state.torn_down,
+                # The measured bound: contexts made per second of the time
+                # the GPU spent creating (batches count once).
+                "create_busy_s": round(state.busy["create"], 3),
+                "creates_per_busy_s": round(state.created / state.busy["create"], 2)
+                if state.busy["create"] > 0
+                else None,
+                "teardown_busy_s": round(state.busy["teardown"], 3),
+                "create_ms_median": _median(state.durations["create"]),
+                "teardown_ms_median": _median(state.durations["teardown"]),
             }
             for gpu, state in sorted(gpus.items())
         },
@@ -151,7 +202,9 @@ def main() -> int:
             f"GPU {gpu}: {facts['grants']} exclusive grants for {facts['requests']} requests, "
             f"{facts['maintenance_grants']} maintenance grants, "
             f"{facts['contexts_created']} contexts created, "
-            f"{facts['contexts_torn_down']} torn down"
+            f"{facts['contexts_torn_down']} torn down; creating {facts['create_busy_s']} s "
+            f"({facts['creates_per_busy_s']} contexts/s), median create "
+            f"{facts['create_ms_median']} ms, teardown {facts['teardown_ms_median']} ms"
         )
     print(f"overlaps: {len(report['overlaps'])}")
     for found in report["overlaps"][:10]:

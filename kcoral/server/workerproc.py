@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +37,7 @@ from kcoral.wire.channel import (
     FROM_WORKER_FD,
     OUTCOME_SLACK_BYTES,
     TO_WORKER_FD,
+    WORKER_CHANNEL_FDS,
     Blob,
     ChannelError,
     ChannelMessage,
@@ -60,6 +62,14 @@ from kcoral.wire.channel import (
     job_limits,
 )
 from kcoral.wire.program import Program
+from kcoral.wire.shared import (
+    SharedBuffer,
+    SharedMemoryError,
+    drain_descriptors,
+    receive_descriptors,
+    send_descriptors,
+    socket_pair,
+)
 
 #: Bytes of each of the worker's own stdout/stderr kept for diagnostics.
 TAIL_BYTES = 8192
@@ -82,7 +92,7 @@ class Job:
     request_id: str
     program_text: str
     program: Program
-    blobs: dict[str, bytes]
+    blobs: dict[str, bytes | SharedBuffer]
     timeout_seconds: float
     output_limit: int
     max_response_bytes: int
@@ -134,7 +144,7 @@ class JobResult:
     #: Returns the worker finished before it crashed (C{returned} messages):
     #: their results and binary parts, kept for the answer.
     results: dict[str, Any] = attrs.field(factory=dict)
-    parts: tuple[bytes, ...] = ()
+    parts: tuple[bytes | SharedBuffer, ...] = ()
 
 
 class _Tail:
@@ -169,10 +179,14 @@ class WorkerProtocol(ProcessProtocol):
         self,
         on_message: Callable[[ChannelMessage], None],
         on_violation: Callable[[str], None],
+        descriptors: socket.socket | None = None,
     ) -> None:
         self._on_message = on_message
         self._on_violation = on_violation
         self._decoder = FrameDecoder(CONTROL_LIMITS)
+        #: The parent's end of the descriptor socket (non-blocking), or
+        #: C{None}: a frame naming descriptors is then a violation.
+        self.descriptors = descriptors
         self.stdout_tail = _Tail()
         self.stderr_tail = _Tail()
         self.ended: Deferred[BaseException] = Deferred()
@@ -200,7 +214,7 @@ class WorkerProtocol(ProcessProtocol):
                 return
             for frame in frames:
                 try:
-                    message = decode(frame)
+                    message = decode(frame, self._take, self._decoder.limits.max_payload_bytes)
                 except ChannelError as e:
                     self.violation(str(e))
                     return
@@ -212,6 +226,22 @@ class WorkerProtocol(ProcessProtocol):
             self.stdout_tail.add(data)
         elif childFD == 2:
             self.stderr_tail.add(data)
+
+    def _take(self, count: int) -> list[int]:
+        """The descriptors of the frame being decoded (sent before it)."""
+        if self.descriptors is None:
+            raise SharedMemoryError("this worker has no descriptor socket")
+        return receive_descriptors(self.descriptors, count)
+
+    def drain(self) -> int:
+        """Close whatever descriptors wait unclaimed; how many messages held them."""
+        return 0 if self.descriptors is None else drain_descriptors(self.descriptors)
+
+    def close_descriptors(self) -> None:
+        """Close the descriptor socket (the worker is gone)."""
+        sock, self.descriptors = self.descriptors, None
+        if sock is not None:
+            sock.close()
 
     def violation(self, reason: str) -> None:
         """
@@ -320,17 +350,20 @@ class WorkerProcess:
     ) -> WorkerProcess:
         """Start the process; see C{ready} for when it can take a job."""
         worker = cls(seat, generation, gpus, reactor, leases, grace_seconds)
-        worker.protocol = WorkerProtocol(worker._message_received, worker._poisoned)
+        ours, theirs = socket_pair()
+        ours.setblocking(False)
+        worker.protocol = WorkerProtocol(worker._message_received, worker._poisoned, ours)
         worker.protocol.ended.addCallback(worker._process_ended)
         worker.started_at = reactor.seconds()
-        transport = _spawn(
-            reactor,
-            worker.protocol,
-            executable,
-            args,
-            env,
-            {0: "w", 1: "r", 2: "r", TO_WORKER_FD: "w", FROM_WORKER_FD: "r"},
-        )
+        try:
+            transport = _spawn(
+                reactor, worker.protocol, executable, args, env, worker_child_fds(theirs)
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
         worker.pid = transport.pid
         try:
             transport.closeStdin()
@@ -492,6 +525,7 @@ class WorkerProcess:
                     + (f": {tail}" if tail else "")
                 )
             )
+        self.protocol.close_descriptors()
         job = self._job
         if job is not None:
             job.process_ended(self.exit_code, self.protocol.output_tail())
@@ -577,7 +611,10 @@ class WorkerProcess:
         )
 
     def send(self, message: ChannelMessage) -> None:
-        """Write one message to the worker (buffered by the transport)."""
+        """
+        Write one message to the worker (buffered by the transport); the
+        descriptors of its shared buffers go first, on the descriptor socket.
+        """
         transport = self.protocol.transport
         if not self.alive or transport is None:
             return
@@ -585,6 +622,17 @@ class WorkerProcess:
             # The worker closed its end (it is exiting; the end is not
             # reaped yet): nothing can reach it any more.
             return
+        shared = message.descriptors()
+        if shared:
+            sock = self.protocol.descriptors
+            try:
+                if sock is None:
+                    raise OSError("the worker has no descriptor socket")
+                send_descriptors(sock, [buffer.fileno() for buffer in shared])
+            except OSError as e:
+                # Full (a worker that does not read it) or closed.
+                self.protocol.violation(f"cannot pass descriptors to the worker: {e}")
+                return
         transport.writeToChild(TO_WORKER_FD, encode(message))
 
     def run(
@@ -609,6 +657,10 @@ class WorkerProcess:
         self._job = None
         # After its outcome a worker has nothing to say until the next job.
         self.protocol.set_limits(CONTROL_LIMITS)
+        if self.alive and self.protocol.drain():
+            # Descriptors sent after the outcome (a thread the program left
+            # running), to be taken for the next request's parts.
+            self.protocol.violation("sent descriptors that no message named")
         return result
 
     def stop(self) -> Deferred[int | None]:
@@ -787,7 +839,7 @@ class _RunningJob:
     _compiling: bool = False
     #: What C{returned} messages brought so far.
     returned: dict[str, Any] = attrs.field(factory=dict)
-    returned_parts: list[bytes] = attrs.field(factory=list)
+    returned_parts: list[bytes | SharedBuffer] = attrs.field(factory=list)
     returned_bytes: int = 0
 
     def start(self) -> None:
@@ -855,6 +907,11 @@ class _RunningJob:
                 # only a retiring one exits holding it.
                 self._violation("answered holding its GPU lease without retiring")
                 return
+            if self.worker.protocol.drain():
+                # The outcome is the last message and every descriptor goes
+                # before its frame: these were left for the next request.
+                self._violation("sent descriptors that no message named")
+                return
             if message.streamed_parts != len(self.returned_parts):
                 self._violation(
                     f"outcome counts {message.streamed_parts} parts sent ahead, "
@@ -907,6 +964,7 @@ class _RunningJob:
             self._violation(f"returned {message.key!r} twice")
             return
         self.returned_bytes += self.worker.protocol.frame_bytes
+        self.returned_bytes += sum(len(buffer) for buffer in message.descriptors())
         allowed = self.job.max_response_bytes + OUTCOME_SLACK_BYTES
         if self.returned_bytes > allowed:
             self._violation(
@@ -1049,6 +1107,19 @@ def _instruction_count(job: Job) -> int | None:
 def _op_of(job: Job, index: int) -> str | None:
     instructions = getattr(job.program, "instructions", ())
     return instructions[index].op if 0 <= index < len(instructions) else None
+
+
+def worker_child_fds(descriptors: socket.socket) -> dict[int, Any]:
+    """
+    What a worker's fds are, for C{spawnProcess}'s C{childFDs}: stdin (closed
+    at once), stdout and stderr (read for diagnostics), and the control
+    channel's fds (L{kcoral.wire.channel.WORKER_CHANNEL_FDS}), the descriptor
+    socket being the worker's end C{descriptors}.
+    """
+    fds: dict[int, Any] = {0: "w", 1: "r", 2: "r"}
+    for fd, role in WORKER_CHANNEL_FDS.items():
+        fds[fd] = descriptors.fileno() if role == "socket" else role
+    return fds
 
 
 def worker_command_args(device: str, *, max_requests: int, tensor_api: str) -> list[str]:

@@ -226,7 +226,7 @@ class GpuBackend:
             tensor = tensor.view(torch_dtype)
         return tensor
 
-    def tensor_parts(self, value: Any) -> tuple[str, tuple[int, ...], bytes] | None:
+    def tensor_parts(self, value: Any) -> tuple[str, tuple[int, ...], bytes | memoryview] | None:
         """
         C{(dtype, shape, bytes)} of a GPUArray, torch tensor (CUDA or CPU),
         cupy array, other C{__cuda_array_interface__} exporter or numpy

@@ -158,3 +158,25 @@ def test_other_gpu_does_not_count(tmp_path: Path) -> None:
         _context("context_create_started", "gpu1/w0", 11, gpu=1),
     ]
     assert _kinds(tmp_path, events) == []
+
+
+def test_creation_bound_from_the_log(tmp_path: Path) -> None:
+    """Batched creations count their common time once: the contexts/s bound."""
+    events = [
+        {**_context("context_create_started", "gpu0/s1", 11), "timestamp": 10.0},
+        {**_context("context_create_started", "gpu0/s2", 12), "timestamp": 10.1},
+        {
+            **_context("context_create_finished", "gpu0/s1", 11),
+            "timestamp": 10.3,
+            "duration_ms": 300.0,
+        },
+        {
+            **_context("context_create_finished", "gpu0/s2", 12),
+            "timestamp": 10.5,
+            "duration_ms": 400.0,
+        },
+    ]
+    facts = _tool().check([_write(tmp_path, events)])["gpus"]["0"]
+    assert facts["create_busy_s"] == 0.5
+    assert facts["creates_per_busy_s"] == 4.0
+    assert facts["create_ms_median"] == 350.0

@@ -671,8 +671,8 @@ class WorkerProcess:
         # After its outcome a worker has nothing to say until the next job.
         self.protocol.set_limits(CONTROL_LIMITS)
         if self.alive and self.protocol.drain():
-            # Descriptors no frame named: left to be taken for the next
-            # request's parts.  Never trust this worker again.
+            # Descriptors sent after the outcome (a thread the program left
+            # running), to be taken for the next request's parts.
             self.protocol.violation("sent descriptors that no message named")
         return result
 
@@ -919,6 +919,11 @@ class _RunningJob:
                 # A worker that stays gives its GPU back before it answers;
                 # only a retiring one exits holding it.
                 self._violation("answered holding its GPU lease without retiring")
+                return
+            if self.worker.protocol.drain():
+                # The outcome is the last message and every descriptor goes
+                # before its frame: these were left for the next request.
+                self._violation("sent descriptors that no message named")
                 return
             if message.streamed_parts != len(self.returned_parts):
                 self._violation(

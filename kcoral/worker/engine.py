@@ -149,6 +149,49 @@ def _is_host_value(value: Any, depth: int = 0) -> bool:
     return module == "numpy" or module.startswith("numpy.")
 
 
+class _Copies:
+    """Host copies of a value's device tensors, by the identity of each tensor."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, Any] = {}
+
+    def get(self, candidate: Any) -> Any:
+        found = self._by_id.get(id(candidate))
+        if isinstance(found, BaseException):
+            raise found
+        return found
+
+
+def _host_copies(value: Any, tensor_parts: Callable[[Any], Any]) -> _Copies | None:
+    """
+    Export every tensor in C{value} now (device tensors are copied to the
+    host), walking it as the encoder will; C{None} when it cannot be walked
+    (nested too deeply: the encoder then reports it, under the lease).
+    """
+    copies = _Copies()
+
+    def walk(item: Any) -> None:
+        if isinstance(item, _HOST_SCALARS):
+            return
+        if isinstance(item, list | tuple):
+            for child in item:
+                walk(child)
+        elif isinstance(item, dict):
+            for child in item.values():
+                walk(child)
+        else:
+            try:
+                copies._by_id[id(item)] = tensor_parts(item)
+            except Exception as e:
+                copies._by_id[id(item)] = e
+
+    try:
+        walk(value)
+    except RecursionError:
+        return None
+    return copies
+
+
 def encode_value(
     value: Any,
     parts: PartCollector,
@@ -354,6 +397,7 @@ class _ProgramRun:
         self.error: dict[str, Any] | None = None
         self.last: Any = None
         self.position = 0
+        self.lazy_module_lease = False
         self.module_ids: set[str] = set()
         self.static_cpu_only: set[str] = set()
         self.later_needs: list[bool] = [False]
@@ -362,6 +406,7 @@ class _ProgramRun:
 
     def execute(self) -> None:
         instructions = self.program.instructions
+        self.lazy_module_lease = self._lazy_lease() is not None
         # What the program's text alone says about its handles.
         self.module_ids = {
             i.id
@@ -381,8 +426,9 @@ class _ProgramRun:
             self.position = position
             self.engine.send(Instruction(instruction.index))
             try:
-                self._place(instruction)
-                self._dispatch(instruction)
+                around = self._place(instruction)
+                with around if around is not None else contextlib.nullcontext():
+                    self._dispatch(instruction)
             except _Failure as failure:
                 self.error = self._error(instruction, failure)
                 return
@@ -479,6 +525,8 @@ class _ProgramRun:
         (value returns depend on their value, so they never count here).
         """
         if isinstance(instruction, Upload):
+            if instruction.kind == "module" and self.lazy_module_lease:
+                return False
             return instruction.kind in ("module", "tensor", "library")
         if isinstance(instruction, GetFunction):
             return not self._is_python_module(instruction.module)
@@ -520,7 +568,28 @@ class _ProgramRun:
             return False
         return True
 
-    def _place(self, instruction: Any) -> None:
+    def _lazy_lease(self) -> Any:
+        """The backend's L{lazy_lease} context for this lease, or C{None}."""
+        make = getattr(self.backend, "lazy_lease", None)
+        return None if make is None else make(self.lease.acquire)
+
+    def _place(self, instruction: Any) -> Any:
+        """
+        Place the lease for C{instruction}; return a context manager to run
+        it in, or C{None}.
+        """
+        if (
+            isinstance(instruction, Upload)
+            and instruction.kind == "module"
+            and instruction.language != "cuda"
+            and not self.lease.held
+        ):
+            # Module top-level code may touch CUDA: where the driver can be
+            # watched, the import runs off the lease and its first device
+            # call takes it; elsewhere the lease is taken now.
+            around = self._lazy_lease()
+            if around is not None:
+                return around
         need = self._needs_lease(instruction)
         if need is None and self.lease.held and not self.later_needs[self.position + 1]:
             # Nothing after this needs the GPU for sure: the last GPU
@@ -531,6 +600,7 @@ class _ProgramRun:
             self.lease.acquire()
         elif need is False:
             self._release()
+        return None
 
     # -- instructions ---------------------------------------------------
 
@@ -707,8 +777,16 @@ class _ProgramRun:
         if instruction.kind is None:
             assert instruction.value is not None
             value = self.handles.values[instruction.value.target]
+            tensor_parts = self.backend.tensor_parts
+            if self.lease.held and not self.later_needs[self.position + 1]:
+                # The last GPU work of the program: copy its tensors to the
+                # host under the lease, end the hold, then hash and encode.
+                copies = _host_copies(value, tensor_parts)
+                if copies is not None:
+                    self._release()
+                    tensor_parts = copies.get
             try:
-                return encode_value(value, self.parts, self.backend.tensor_parts)
+                return encode_value(value, self.parts, tensor_parts)
             except SerializationError as e:
                 raise _Failure("serialization", str(e), e) from None
         kind = instruction.kind

@@ -669,6 +669,7 @@ def test_device_value_returned_under_the_lease(harness: Harness) -> None:
         "#2",
         "#3",
         "acquire",
+        "drain",
         "release",
     ]
 
@@ -1059,3 +1060,124 @@ def test_streamed_returns_stop_at_the_response_limit(harness: Harness) -> None:
     assert [m.key for m in returned] == ["k0", "k1"]
     # The outcome carries the rest (the server answers response_too_large).
     assert sorted(outcome.results) == ["k0", "k1", "k2", "k3"]
+
+
+class _LazyBackend(CpuBackend):
+    """A backend whose driver can be watched: module imports run off the lease."""
+
+    def __init__(self, log: list[str]) -> None:
+        super().__init__()
+        self.log = log
+
+    def drain(self) -> None:
+        self.log.append("drain")
+
+    def lazy_lease(self, acquire: Any) -> Any:
+        import contextlib
+
+        log = self.log
+
+        @contextlib.contextmanager
+        def leasing() -> Any:
+            # Uploaded code "touches the device" by calling this module's hook.
+            hook = sys.modules[__name__]
+            hook._device_call = acquire  # type: ignore[attr-defined]
+            log.append("lazy")
+            try:
+                yield
+            finally:
+                hook._device_call = None  # type: ignore[attr-defined]
+
+        return leasing()
+
+
+_device_call: Any = None
+
+
+def _lazy(harness: Harness) -> _OrderedLease:
+    lease = _OrderedLease()
+    harness.lease = lease
+    harness.engine = Engine(
+        _LazyBackend(lease.events),
+        lease,
+        cpu_builtins(),
+        send=lambda m: lease.events.append(f"#{m.index}") if isinstance(m, Instruction) else None,
+    )
+    return lease
+
+
+def test_module_import_off_the_lease(harness: Harness) -> None:
+    """
+    Where the driver can be watched, a module upload takes no lease; a
+    cpu_only run and its host return follow without one, and the program
+    never holds the GPU.
+    """
+    lease = _lazy(harness)
+    outcome = harness.run(
+        [ADD, get("f", "m", "add", cpu_only=True), run("r", "f", 2, 3), ret("out", "r")]
+    )
+    assert outcome.status == "COMPLETED", outcome.error
+    assert lease.events == ["#0", "lazy", "#1", "#2", "#3"]
+    assert not lease.held
+
+
+def test_module_touching_the_device_takes_the_lease_then(harness: Harness) -> None:
+    """A module whose top level touches the device gets the lease at that moment."""
+    lease = _lazy(harness)
+    source = f"""
+    import sys
+    before = True
+    sys.modules[{__name__!r}]._device_call()
+    def add(a, b):
+        return a + b
+    """
+    outcome = harness.run(
+        [module("m", source), get("f", "m", "add"), run("r", "f", 2, 3), ret("out", "r")]
+    )
+    assert outcome.status == "COMPLETED", outcome.error
+    assert lease.events == ["#0", "lazy", "acquire", "#1", "#2", "#3", "drain", "release"]
+
+
+def test_device_tensors_copied_under_the_lease_encoded_off_it(harness: Harness) -> None:
+    """
+    Returning the last GPU work's tensors: they are copied to the host under
+    the lease, then the drain and release come, then the encoding (hashing).
+    """
+    lease = _OrderedLease()
+    harness.lease = lease
+
+    class Backend(CpuBackend):
+        def drain(self) -> None:
+            lease.events.append("drain")
+
+        def tensor_parts(self, value: Any) -> Any:
+            if type(value).__name__ == "Dev":
+                lease.events.append(f"copy held={lease.held}")
+                return ("float32", (1,), b"\0\0\x80\x3f")
+            return super().tensor_parts(value)
+
+    harness.engine = Engine(
+        Backend(),
+        lease,
+        cpu_builtins(),
+        send=lambda m: lease.events.append(f"#{m.index}") if isinstance(m, Instruction) else None,
+    )
+    source = "class Dev:\n    pass\ndef make():\n    return [Dev(), 2, {'d': Dev()}]\n"
+    outcome = harness.run(
+        [module("m", source), get("f", "m", "make"), run("r", "f"), ret("out", "r")]
+    )
+    assert outcome.status == "COMPLETED", outcome.error
+    assert lease.events == [
+        "#0",
+        "acquire",
+        "#1",
+        "#2",
+        "#3",
+        "copy held=True",
+        "copy held=True",
+        "drain",
+        "release",
+    ]
+    node = outcome.results["out"]
+    assert node["type"] == "array"
+    assert [v["type"] for v in node["value"]] == ["tensor", "integer", "object"]

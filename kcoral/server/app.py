@@ -222,6 +222,8 @@ class KcoralAPI:
             ],
             "workers": pool.worker_status(now),
             "sandbox": self.sandbox_name,
+            "worker_start": pool.worker_start,
+            "templates": {t.name: t.state for t in pool.templates.values()},
         }
 
     @app.route("/health", methods=["GET"])

@@ -61,6 +61,10 @@ from kcoral.wire.program import Program
 #: Bytes of each of the worker's own stdout/stderr kept for diagnostics.
 TAIL_BYTES = 8192
 
+#: A worker's descriptors: stdin (closed at once), stdout and stderr
+#: (diagnostics), and the two control channel pipes.
+CHILD_FDS = {0: "w", 1: "r", 2: "r", TO_WORKER_FD: "w", FROM_WORKER_FD: "r"}
+
 #: How long a worker may take to report ready.
 SPAWN_TIMEOUT_SECONDS = 60.0
 
@@ -288,6 +292,8 @@ class WorkerProcess:
     #: Runs this worker's L{CompileRequest}s (L{kcoral.server.compiles}), or
     #: C{None}: they are answered C{unavailable}.
     compiler: Any = None
+    #: How the process was made: C{"spawn"} or C{"fork"} (by a template).
+    made: str = "spawn"
     #: The lease a GPU worker takes to warm up: C{None} (not asked),
     #: C{"pending"}, C{"held"} or C{"released"}.
     _startup_lease_state: str | None = None
@@ -311,18 +317,66 @@ class WorkerProcess:
     ) -> WorkerProcess:
         """Start the process; see C{ready} for when it can take a job."""
         worker = cls(seat, generation, gpus, reactor, leases, grace_seconds)
-        worker.protocol = WorkerProtocol(worker._message_received, worker._poisoned)
-        worker.protocol.ended.addCallback(worker._process_ended)
-        worker.started_at = reactor.seconds()
-        transport = _spawn(
-            reactor,
-            worker.protocol,
-            executable,
-            args,
-            env,
-            {0: "w", 1: "r", 2: "r", TO_WORKER_FD: "w", FROM_WORKER_FD: "r"},
-        )
+        worker._begin(reactor)
+        transport = _spawn(reactor, worker.protocol, executable, args, env, CHILD_FDS)
         worker.pid = transport.pid
+        worker._started(transport, spawn_timeout)
+        return worker
+
+    @classmethod
+    def fork(
+        cls,
+        reactor: Any,
+        *,
+        seat: str,
+        generation: int,
+        gpus: tuple[int, ...],
+        leases: Any,
+        template: Any,
+        args: list[str],
+        env: dict[str, str],
+        cwd: str,
+        workspace: str | None,
+        capture_bytes: int | None,
+        grace_seconds: float,
+        spawn_timeout: float = SPAWN_TIMEOUT_SECONDS,
+    ) -> WorkerProcess:
+        """
+        Fork the worker from C{template} (a L{kcoral.server.template.WorkerTemplate});
+        otherwise as L{spawn}.  C{pid} is set once the template reports the fork.
+
+        @raise kcoral.server.template.TemplateError: the template cannot fork now.
+        """
+        worker = cls(seat, generation, gpus, reactor, leases, grace_seconds)
+        worker.made = "fork"
+        worker._begin(reactor)
+        transport = template.fork_transport(
+            worker.protocol,
+            CHILD_FDS,
+            argv=args,
+            env=env,
+            cwd=cwd,
+            workspace=workspace,
+            capture_bytes=capture_bytes,
+            reader_factory=_WideReader if isinstance(reactor, PosixReactorBase) else None,
+        )
+
+        def forked(pid: int | None) -> None:
+            if pid is not None and worker.alive:
+                worker.pid = pid
+
+        transport.started.addCallback(forked)
+        worker._started(transport, spawn_timeout)
+        return worker
+
+    def _begin(self, reactor: Any) -> None:
+        self.protocol = WorkerProtocol(self._message_received, self._poisoned)
+        self.protocol.ended.addCallback(self._process_ended)
+        self.started_at = reactor.seconds()
+
+    def _started(self, transport: Any, spawn_timeout: float) -> None:
+        worker = self
+        reactor = self._reactor
         try:
             transport.closeStdin()
         except Exception:  # a fake transport may not support it
@@ -330,7 +384,6 @@ class WorkerProcess:
         worker._ready_timer = IReactorTime(reactor).callLater(
             spawn_timeout, worker._ready_timed_out, spawn_timeout
         )
-        return worker
 
     # -- lifecycle ---------------------------------------------------------
 

@@ -1,13 +1,29 @@
 """
-Prove from a server's own log that no two holders ever held one GPU at once.
+Prove from a server's own log that no GPU work overlapped another holder's.
 
     python bench/lease_overlap.py logs/runs/<run>/events.jsonl [more files...]
 
 The lease arbiter logs every grant (`lease_granted`) and release
-(`lease_released`) in the order it makes them, with the GPU ids and the
-holder.  Replaying those events per GPU, a grant of a GPU that is still held
-is an overlap.  Prints a summary per GPU and writes
-bench/results/lease_overlap.json; exits 1 when an overlap is found.
+(`lease_released`) in the order it makes them, with the GPU ids, the holder,
+its pid and the lease `mode`; workers log every CUDA context creation and
+teardown (`context_create_started`/`_finished`,
+`context_teardown_started`/`_finished`).  All are logged on the reactor
+thread, so the file's line order is the order they happened in.  Replaying
+them per GPU, each of these is an overlap:
+
+- `exclusive`: an exclusive grant of a GPU another holder holds exclusively
+  (two measurements at once);
+- `maintenance`: an exclusive grant while maintenance holds (context
+  creations/teardowns) are open, or a maintenance grant while another holder
+  holds the GPU exclusively;
+- `context`: a context creation or teardown that starts while another
+  holder holds the GPU exclusively, or an exclusive grant to another holder
+  while one is in progress.
+
+A holder is its worker id and pid (a seat's worker id outlives its
+processes).  Logs without `mode` (older servers) are read as exclusive.
+Prints a summary per GPU and writes bench/results/lease_overlap.json; exits 1
+when an overlap is found.
 """
 
 from __future__ import annotations
@@ -15,45 +31,161 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+_CONTEXT_STARTED = {"context_create_started": "create", "context_teardown_started": "teardown"}
+_CONTEXT_FINISHED = {"context_create_finished": "create", "context_teardown_finished": "teardown"}
+
+
+def _who(event: dict[str, Any], key: str) -> tuple[Any, Any]:
+    return (event.get(key), event.get("pid"))
+
+
+def _seconds(timestamp: Any) -> float | None:
+    """An event's time in seconds: events.jsonl has UTC ISO-8601 text (ms)."""
+    if isinstance(timestamp, (int, float)):
+        return float(timestamp)
+    if isinstance(timestamp, str):
+        try:
+            return datetime.fromisoformat(timestamp.replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            return None
+    return None
+
+
+def _median(values: list[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    if len(ordered) % 2:
+        return round(ordered[middle], 3)
+    return round((ordered[middle - 1] + ordered[middle]) / 2, 3)
+
+
+def _name(who: tuple[Any, Any]) -> Any:
+    name, pid = who
+    return name if pid is None else f"{name} (pid {pid})"
+
+
+class _Gpu:
+    """One GPU's replayed state and counts."""
+
+    def __init__(self) -> None:
+        self.exclusive: tuple[Any, Any] | None = None
+        self.maintainers: set[tuple[Any, Any]] = set()
+        #: Context operations in progress: worker -> kind.
+        self.contexts: dict[tuple[Any, Any], str] = {}
+        self.grants = 0
+        self.maintenance_grants = 0
+        self.requests: set[str] = set()
+        self.created = 0
+        self.torn_down = 0
+        #: Seconds with at least one creation (teardown) in progress, and
+        #: since when the current such stretch runs.
+        self.busy = {"create": 0.0, "teardown": 0.0}
+        self.busy_since: dict[str, float | None] = {"create": None, "teardown": None}
+        self.durations: dict[str, list[float]] = {"create": [], "teardown": []}
+
+    def running(self, kind: str) -> int:
+        return sum(1 for k in self.contexts.values() if k == kind)
+
 
 def check(paths: list[Path]) -> dict[str, Any]:
-    """Replay the lease events of C{paths} (in order) and report overlaps."""
-    holders: dict[int, Any] = {}
-    grants: dict[int, int] = {}
-    requests: dict[int, set[str]] = {}
+    """Replay the lease and context events of C{paths} (in order) and report overlaps."""
+    gpus: dict[int, _Gpu] = {}
     overlaps: list[dict[str, Any]] = []
+
+    def overlap(kind: str, gpu: int, held_by: Any, by: Any, event: dict[str, Any]) -> None:
+        overlaps.append(
+            {
+                "kind": kind,
+                "gpu": gpu,
+                "held_by": _name(held_by),
+                "granted_to": _name(by),
+                "event": event.get("event"),
+                "timestamp": event.get("timestamp"),
+            }
+        )
+
     for path in paths:
         for line in path.read_text().splitlines():
             event = json.loads(line)
             name = event.get("event")
-            if name not in ("lease_granted", "lease_released"):
-                continue
-            holder = event.get("holder")
-            for gpu in event.get("gpu_ids", []):
-                if name == "lease_granted":
-                    if gpu in holders:
-                        overlaps.append(
-                            {
-                                "gpu": gpu,
-                                "held_by": holders[gpu],
-                                "granted_to": holder,
-                                "timestamp": event.get("timestamp"),
-                            }
-                        )
-                    holders[gpu] = holder
-                    grants[gpu] = grants.get(gpu, 0) + 1
+            for gpu in event.get("gpu_ids") or []:
+                state = gpus.setdefault(gpu, _Gpu())
+                if name in ("lease_granted", "lease_released"):
+                    who = _who(event, "holder")
+                    maintenance = event.get("mode") == "maintenance"
+                    if name == "lease_released":
+                        if maintenance:
+                            state.maintainers.discard(who)
+                        elif state.exclusive == who:
+                            state.exclusive = None
+                        continue
+                    if maintenance:
+                        state.maintenance_grants += 1
+                        if state.exclusive is not None and state.exclusive != who:
+                            overlap("maintenance", gpu, state.exclusive, who, event)
+                        state.maintainers.add(who)
+                        continue
+                    state.grants += 1
                     if event.get("request_id"):
-                        requests.setdefault(gpu, set()).add(event["request_id"])
-                else:
-                    holders.pop(gpu, None)
+                        state.requests.add(event["request_id"])
+                    if state.exclusive is not None:
+                        overlap("exclusive", gpu, state.exclusive, who, event)
+                    others = state.maintainers - {who}
+                    if others:
+                        overlap("maintenance", gpu, sorted(others, key=str)[0], who, event)
+                    busy = [w for w in state.contexts if w != who]
+                    if busy:
+                        overlap("context", gpu, busy[0], who, event)
+                    state.exclusive = who
+                elif name in _CONTEXT_STARTED:
+                    who = _who(event, "worker_id")
+                    kind = _CONTEXT_STARTED[name]
+                    if state.exclusive is not None and state.exclusive != who:
+                        overlap("context", gpu, state.exclusive, who, event)
+                    if not state.running(kind):
+                        state.busy_since[kind] = _seconds(event.get("timestamp"))
+                    state.contexts[who] = kind
+                elif name in _CONTEXT_FINISHED:
+                    who = _who(event, "worker_id")
+                    kind = _CONTEXT_FINISHED[name]
+                    state.contexts.pop(who, None)
+                    since = state.busy_since[kind]
+                    now = _seconds(event.get("timestamp"))
+                    if not state.running(kind) and since is not None and now is not None:
+                        state.busy[kind] += now - since
+                        state.busy_since[kind] = None
+                    if isinstance(event.get("duration_ms"), (int, float)):
+                        state.durations[kind].append(float(event["duration_ms"]))
+                    if kind == "create":
+                        state.created += 1
+                    else:
+                        state.torn_down += 1
     return {
         "files": [str(p) for p in paths],
         "gpus": {
-            str(gpu): {"grants": count, "requests": len(requests.get(gpu, ()))}
-            for gpu, count in sorted(grants.items())
+            str(gpu): {
+                "grants": state.grants,
+                "requests": len(state.requests),
+                "maintenance_grants": state.maintenance_grants,
+                "contexts_created": state.created,
+                "contexts_torn_down": state.torn_down,
+                # The measured bound: contexts made per second of the time
+                # the GPU spent creating (batches count once).
+                "create_busy_s": round(state.busy["create"], 3),
+                "creates_per_busy_s": round(state.created / state.busy["create"], 2)
+                if state.busy["create"] > 0
+                else None,
+                "teardown_busy_s": round(state.busy["teardown"], 3),
+                "create_ms_median": _median(state.durations["create"]),
+                "teardown_ms_median": _median(state.durations["teardown"]),
+            }
+            for gpu, state in sorted(gpus.items())
         },
         "overlaps": overlaps,
     }
@@ -66,10 +198,17 @@ def main() -> int:
     args = parser.parse_args()
     report = check(args.events)
     for gpu, facts in report["gpus"].items():
-        print(f"GPU {gpu}: {facts['grants']} grants for {facts['requests']} requests")
+        print(
+            f"GPU {gpu}: {facts['grants']} exclusive grants for {facts['requests']} requests, "
+            f"{facts['maintenance_grants']} maintenance grants, "
+            f"{facts['contexts_created']} contexts created, "
+            f"{facts['contexts_torn_down']} torn down; creating {facts['create_busy_s']} s "
+            f"({facts['creates_per_busy_s']} contexts/s), median create "
+            f"{facts['create_ms_median']} ms, teardown {facts['teardown_ms_median']} ms"
+        )
     print(f"overlaps: {len(report['overlaps'])}")
-    for overlap in report["overlaps"][:10]:
-        print(f"  {overlap}")
+    for found in report["overlaps"][:10]:
+        print(f"  {found}")
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2))
     return 1 if report["overlaps"] else 0

@@ -33,24 +33,8 @@ BATCH_BUDGET=${BATCH_BUDGET:-450}
 SERVER_PID=""
 FAILED=()
 
-free_port() {
-    "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
-}
-
-stop_server() {
-    if [ -n "$SERVER_PID" ] && kill -0 "$SERVER_PID" 2>/dev/null; then
-        kill -TERM "$SERVER_PID"
-        for _ in $(seq 1 60); do
-            kill -0 "$SERVER_PID" 2>/dev/null || break
-            sleep 0.5
-        done
-        kill -0 "$SERVER_PID" 2>/dev/null && kill -KILL "$SERVER_PID"
-        wait "$SERVER_PID" 2>/dev/null
-    fi
-    SERVER_PID=""
-}
-trap stop_server EXIT
-trap 'stop_server; exit 130' INT TERM
+# shellcheck source=bench/server_lib.sh
+. bench/server_lib.sh
 
 # start_server NAME MAX_REQUESTS: sets PORT and SERVER_PID, waits for /health
 start_server() {

@@ -24,6 +24,7 @@ import attrs
 from attrs import field
 
 __all__ = [
+    "DEFAULT_SPARE_WORKERS_PER_GPU",
     "DEVICES",
     "LOG_LEVELS",
     "REUSE_SCOPES",
@@ -51,6 +52,14 @@ WORKER_STARTS = ("fork", "spawn")
 
 #: Accepted values of L{ServerConfig.log_level} (L{twisted.logger.LogLevel} names).
 LOG_LEVELS = ("debug", "info", "warn", "error", "critical")
+
+#: Warm spares per GPU by default.  One GPU creates CUDA contexts one at a
+#: time, 0.12-0.15 s each (shared gpu/README.md), so a spare taken is
+#: replaced within about one context creation plus the maintenance lease's
+#: patience (1 s) when requests keep the GPU busy: four spares cover that
+#: refill time at 3-4 requests/s, and cost four contexts' device memory and
+#: four idle processes per GPU.
+DEFAULT_SPARE_WORKERS_PER_GPU = 4
 
 _KIB = 1024
 _MIB = 1024**2
@@ -180,6 +189,15 @@ def _gpu_ids(instance: Any, attribute: attrs.Attribute[Any], value: tuple[int, .
 
 
 _INT = [_strict_int, _non_negative]
+
+
+def _optional_int(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    """C{None}, or a non-negative integer."""
+    if value is not None:
+        for check in _INT:
+            check(instance, attribute, value)
+
+
 _FLOAT_POSITIVE = [_number, _positive]
 _FLOAT_NON_NEGATIVE = [_number, _non_negative]
 
@@ -210,6 +228,11 @@ class ServerConfig:
     @ivar workers_per_gpu: workers per GPU in GPU mode.
     @ivar max_requests_per_worker: requests a worker serves before it is
         replaced; C{0} reuses workers without limit.
+    @ivar spare_workers_per_gpu: warm workers kept ready beside the seats,
+        per GPU (CPU mode: for the pool), so a seat whose worker retires is
+        refilled at once and no request waits for a worker to start;
+        C{None} means L{DEFAULT_SPARE_WORKERS_PER_GPU} in GPU mode and none
+        in CPU mode (L{spares_per_group}).
     @ivar reuse_scope: which requests a reused worker may serve (one
         interpreter runs them one after another, so a program can read or
         answer for the next): C{"address"}, only requests from the client
@@ -282,6 +305,7 @@ class ServerConfig:
     )
     workers_per_gpu: int = field(default=8, validator=[_strict_int, _at_least_one])
     max_requests_per_worker: int = field(default=1, validator=_INT)
+    spare_workers_per_gpu: int | None = field(default=None, validator=_optional_int)
     reuse_scope: str = field(default="address", validator=_choice(*REUSE_SCOPES))
     sandbox: str = field(default="bubblewrap", validator=_choice(*SANDBOXES))
     sandbox_readonly_paths: tuple[Path, ...] = field(default=(), converter=_to_paths)
@@ -352,6 +376,17 @@ class ServerConfig:
         if self.cpu_mode:
             return ()
         return tuple(dict.fromkeys(self.gpus))
+
+    @property
+    def spares_per_group(self) -> int:
+        """
+        Warm spares kept per GPU (CPU mode: for the pool): the configured
+        number, or by default L{DEFAULT_SPARE_WORKERS_PER_GPU} in GPU mode
+        and none in CPU mode.
+        """
+        if self.spare_workers_per_gpu is not None:
+            return self.spare_workers_per_gpu
+        return 0 if self.cpu_mode else DEFAULT_SPARE_WORKERS_PER_GPU
 
     def worker_ids(self) -> list[str]:
         """

@@ -30,9 +30,10 @@ from werkzeug.exceptions import HTTPException
 
 from kcoral.config import ServerConfig
 from kcoral.server.cache import Resolution
-from kcoral.server.lease import LeaseArbiter
+from kcoral.server.lease import PURPOSES, LeaseArbiter
 from kcoral.server.logs import event_level_for_finish_reason
 from kcoral.server.pool import BudgetSpent, PoolBusy, WorkerPool, WorkerStartFailed
+from kcoral.server.streaming import BodyProducer, body_length, shared_bytes
 from kcoral.server.workerproc import Job, JobResult
 from kcoral.wire.errors import (
     BUSY_MESSAGE,
@@ -43,6 +44,7 @@ from kcoral.wire.errors import (
 )
 from kcoral.wire.jsontext import json_dumps
 from kcoral.wire.multipart import (
+    ParsedRequest,
     RequestBodyParser,
     RequestTooLarge,
     boundary_from_content_type,
@@ -64,6 +66,7 @@ from kcoral.wire.render import (
     render_cache_miss,
     render_result,
 )
+from kcoral.wire.shared import SharedBuffer
 
 if TYPE_CHECKING:
     from kcoral.server.metrics import Metrics
@@ -84,7 +87,10 @@ READ_CHUNK = 256 * 1024
 class Parsed:
     program: Program
     program_bytes: bytes
-    blobs: dict[str, bytes]
+    #: Supplied blobs by digest: bytes when small, else the sealed shared
+    #: buffer the body streamed into (it goes to the cache and the worker
+    #: as it is).
+    blobs: dict[str, bytes | SharedBuffer]
     request_bytes: int
 
 
@@ -110,12 +116,17 @@ def _parse_body(content: IO[bytes], content_type: str | None, max_bytes: int) ->
     except BaseException:
         _close_parser(parser)
         raise
-    blobs = {}
+    return _finish_parse(parsed, total)
+
+
+def _finish_parse(parsed: ParsedRequest, total: int) -> Parsed:
+    """Validate a parsed body's program and blobs (any thread)."""
+    blobs: dict[str, bytes | SharedBuffer] = {}
     try:
         program = parse_program(parsed.program, builtin_names=BUILTIN_NAMES)
         check_blob_references(program, parsed.blobs)
         for digest, blob in parsed.blobs.items():
-            blobs[digest] = blob.read()
+            blobs[digest] = blob.shared if blob.shared is not None else blob.read()
         check_tensor_lengths(program, {d: len(b) for d, b in blobs.items()})
     finally:
         for blob in parsed.blobs.values():
@@ -157,7 +168,9 @@ class BlobResolver(Protocol):
     """Finds a request's blobs (L{kcoral.server.cache.BlobStore}, or a fake)."""
 
     def resolve(
-        self, program_blobs: Mapping[str, frozenset[str]], supplied: Mapping[str, bytes]
+        self,
+        program_blobs: Mapping[str, frozenset[str]],
+        supplied: Mapping[str, bytes | SharedBuffer],
     ) -> Awaitable[Resolution]:
         """Cache the supplied blobs and look up the rest."""
 
@@ -217,10 +230,21 @@ class KcoralAPI:
                     "gpu_id": gpu,
                     "lease_depth": self.leases.depth(gpu),
                     "holder": _holder_name(self.leases.holder_of(gpu)),
+                    # Context creations/teardowns holding it now (never
+                    # beside a holder).
+                    "maintenance": len(self.leases.maintainers_of(gpu)),
+                    "spares_ready": sum(
+                        1
+                        for spare in pool.spare_status(now)
+                        if spare["gpu_id"] == gpu and spare["state"] == "ready"
+                    ),
                 }
                 for gpu in gpus
             ],
             "workers": pool.worker_status(now),
+            # Warm workers that refill seats; they take no request themselves,
+            # so they are not in request_capacity.
+            "spares": pool.spare_status(now),
             "sandbox": self.sandbox_name,
             "worker_start": pool.worker_start,
             "templates": {t.name: t.state for t in pool.templates.values()},
@@ -286,9 +310,23 @@ class KcoralAPI:
         if isinstance(body, list):
             # A multipart body: write its chunks as they are (binary parts
             # can be hundreds of MiB; joining them would copy them again).
-            request.setHeader(b"Content-Length", str(sum(len(c) for c in body)).encode())
-            for chunk in body:
-                request.write(chunk)
+            request.setHeader(b"Content-Length", str(body_length(body)).encode())
+            if all(isinstance(chunk, bytes) for chunk in body):
+                for chunk in body:
+                    request.write(chunk)
+                return b""
+            # Large parts are the worker's sealed buffers: stream them a
+            # slice at a time, counted as bytes in flight meanwhile.
+            hold = getattr(request, "hold_bytes", None)
+            if hold is not None:
+                hold(shared_bytes(body))
+            producer = BodyProducer(request, body)
+            del rendered, body
+            try:
+                await producer.start()
+            except CancelledError:
+                producer.stop()
+                raise
             return b""
         return body
 
@@ -385,6 +423,20 @@ class KcoralAPI:
         if getattr(request, "over_capacity", False):
             # Too many request bytes already in flight (--max-bytes-in-flight).
             raise PoolBusy("server saturated")
+        streamed = getattr(request, "body_parser", None)
+        if streamed is not None:
+            # The body was parsed and hashed as it arrived (kcoral.server.http).
+            parsed_body = streamed.result()
+            if len(parsed_body.program) <= INLINE_PARSE_BYTES:
+                return _finish_parse(parsed_body, streamed.received)
+            finished: Parsed = await deferToThreadPool(
+                IReactorFromThreads(self._reactor),
+                self._threadpool,
+                _finish_parse,
+                parsed_body,
+                streamed.received,
+            )
+            return finished
         arguments = (
             request.content,
             _header(request, b"content-type"),
@@ -555,7 +607,9 @@ def _single_other_request(labels: set[str | None], request_id: str) -> str | Non
     others = {
         label
         for label in labels
-        if isinstance(label, str) and label != request_id and not label.startswith("warmup:")
+        if isinstance(label, str)
+        and label != request_id
+        and not (":" in label and label.partition(":")[0] in PURPOSES)
     }
     return others.pop() if len(others) == 1 else None
 

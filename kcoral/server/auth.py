@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-from twisted.logger import Logger
 from twisted.web.iweb import IRequest
 from twisted.web.resource import Resource
 
@@ -117,7 +116,6 @@ class TokenGuard(Resource):
     """
 
     isLeaf = True
-    log = Logger()
 
     def __init__(self, inner: Any, tokens: Tokens, *, public_metrics: bool = False) -> None:
         super().__init__()
@@ -134,15 +132,9 @@ class TokenGuard(Resource):
         return self._inner.render(request)
 
     def _unauthorized(self, request: IRequest) -> bytes:
+        # The refusal is logged (request_refused, reason "unauthorized") by
+        # the request when the 401 is sent (kcoral.server.http).
         request_id = choose_request_id(_raw(request, b"x-request-id"))
-        client = request.getClientAddress()
-        self.log.warn(
-            "request {request_id} refused: no valid token",
-            kcoral_event="request_unauthorized",
-            request_id=request_id,
-            client=getattr(client, "host", None),
-            path=request.path.decode("latin-1"),
-        )
         request.setResponseCode(401)
         request.setHeader(b"Content-Type", b"application/json")
         request.setHeader(b"X-Request-ID", request_id.encode("ascii"))

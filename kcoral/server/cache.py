@@ -41,6 +41,7 @@ from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 
 from kcoral.wire.program import MEMORY_KINDS, is_digest
+from kcoral.wire.shared import SharedBuffer
 
 #: Upload kind whose blobs live in the disk cache.
 FILE_KIND = "file"
@@ -135,9 +136,9 @@ class MemoryBlobCache:
         self.capacity_bytes = capacity_bytes
         self._on_event = on_event
         # Unpinned entries, oldest first.
-        self._lru: OrderedDict[str, bytes] = OrderedDict()
+        self._lru: OrderedDict[str, bytes | SharedBuffer] = OrderedDict()
         # Pinned entries: digest -> (data, reference count).
-        self._pinned: dict[str, tuple[bytes, int]] = {}
+        self._pinned: dict[str, tuple[bytes | SharedBuffer, int]] = {}
         self._size = 0
         self.hits = 0
         self.misses = 0
@@ -166,7 +167,7 @@ class MemoryBlobCache:
         """Presence test; does not touch recency or the counters."""
         return digest in self._lru or digest in self._pinned
 
-    def get(self, digest: str) -> bytes | None:
+    def get(self, digest: str) -> bytes | SharedBuffer | None:
         """
         The bytes stored under C{digest}, or C{None}.  A hit makes the entry
         the most recently used.
@@ -185,7 +186,7 @@ class MemoryBlobCache:
         self._on_event("cache_hit", cache="memory", digest=digest, size=len(data))
         return data
 
-    def put(self, digest: str, data: bytes) -> bool:
+    def put(self, digest: str, data: bytes | SharedBuffer) -> bool:
         """
         Store C{data} under C{digest} (the caller has checked the digest
         matches).  An entry already present just becomes the most recently
@@ -203,7 +204,10 @@ class MemoryBlobCache:
             return True
         if len(data) > self.max_object_bytes:
             return False
-        data = bytes(data)
+        if not isinstance(data, SharedBuffer):
+            # A sealed shared buffer is kept as it is: workers get its
+            # descriptor, no copy; its bytes can never change.
+            data = bytes(data)
         self._lru[digest] = data
         self._size += len(data)
         self.stored_bytes += len(data)
@@ -694,7 +698,7 @@ class Resolution:
         C{missing} is not empty.
     """
 
-    found: dict[str, bytes]
+    found: dict[str, bytes | SharedBuffer]
     missing: list[str]
     pin: Pin
 
@@ -724,7 +728,7 @@ class BlobStore:
     async def resolve(
         self,
         program_blobs: Mapping[str, frozenset[str]],
-        supplied: Mapping[str, bytes],
+        supplied: Mapping[str, bytes | SharedBuffer],
     ) -> Resolution:
         """
         Cache the supplied blobs and look up the rest.
@@ -736,7 +740,7 @@ class BlobStore:
             L{unreferenced}) are ignored.
         """
         # Step 3: offer the supplied blobs to the cache of each category.
-        to_disk: list[tuple[str, bytes]] = []
+        to_disk: list[tuple[str, bytes | SharedBuffer]] = []
         for digest, payload in supplied.items():
             kinds = program_blobs.get(digest)
             if not kinds:
@@ -750,7 +754,7 @@ class BlobStore:
             for digest, kinds in program_blobs.items()
             if digest not in supplied and FILE_KIND in kinds
         ]
-        from_disk: dict[str, bytes] = {}
+        from_disk: dict[str, bytes | SharedBuffer] = {}
         if self.disk.enabled and (to_disk or disk_wanted):
             try:
                 from_disk = await deferToThreadPool(
@@ -761,10 +765,10 @@ class BlobStore:
                 self.log.failure("disk cache job failed; treating as misses")
 
         # Step 4: supplied bytes, then the disk cache, then the memory cache.
-        found: dict[str, bytes] = {}
+        found: dict[str, bytes | SharedBuffer] = {}
         missing: list[str] = []
         for digest, kinds in program_blobs.items():
-            data = supplied.get(digest)
+            data: bytes | SharedBuffer | None = supplied.get(digest)
             if data is None:
                 data = from_disk.get(digest)
             if data is None and kinds & MEMORY_KINDS:
@@ -780,13 +784,16 @@ class BlobStore:
         memory_digests = [d for d, kinds in program_blobs.items() if kinds & MEMORY_KINDS]
         return Resolution(found=found, missing=missing, pin=self.memory.pin(memory_digests))
 
-    def _disk_job(self, to_store: list[tuple[str, bytes]], wanted: list[str]) -> dict[str, bytes]:
+    def _disk_job(
+        self, to_store: list[tuple[str, bytes | SharedBuffer]], wanted: list[str]
+    ) -> dict[str, bytes | SharedBuffer]:
         """Thread pool: store a write batch, evict, then read C{wanted}."""
         if to_store:
             for digest, data in to_store:
-                self.disk.put(digest, data)
+                # A shared buffer is copied from its descriptor, not read whole.
+                self.disk.put(digest, data.path() if isinstance(data, SharedBuffer) else data)
             self.disk.evict()
-        found = {}
+        found: dict[str, bytes | SharedBuffer] = {}
         for digest in wanted:
             cached = self.disk.get(digest)
             if cached is not None:

@@ -12,25 +12,34 @@ The HTTP boundary: everything between the socket and the Klein resource.
     trickling bytes cannot extend (slowloris).
   - L{KcoralSite} caps the number of open connections (503 past the cap).
 
+Every refusal, wherever it is made (here, in the token guard, or by the API
+when a body is too large or no worker can be had), is logged once as a
+C{request_refused} event by L{log_refusal}, with one of the L{REFUSALS}
+reasons: C{/metrics} counts them by status and reason and C{/status} shows
+the last ones.
+
 Twisted's own form parsing is turned off (the program's multipart body is
 parsed by L{kcoral.wire.multipart} in a thread).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import io
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 from twisted.internet.endpoints import serverFromString
 from twisted.internet.interfaces import IDelayedCall
 from twisted.internet.protocol import Protocol, connectionDone
-from twisted.logger import Logger
+from twisted.logger import Logger, LogLevel
 from twisted.python.failure import Failure
 from twisted.web.http import HTTPChannel
 from twisted.web.server import Request, Site
 
 from kcoral.wire.errors import REQUEST_KIND_HEADERS, choose_request_id, error_body, status_error
 from kcoral.wire.jsontext import json_dumps
+from kcoral.wire.multipart import StreamedBody
 
 #: Seconds a client has to send a complete request head, counted from the
 #: connection (or the previous response) and never reset by trickled bytes.
@@ -41,6 +50,58 @@ DEFAULT_BODY_TIMEOUT = 300.0
 
 #: Open connections served at once; more are answered 503 and closed.
 DEFAULT_MAX_CONNECTIONS = 4096
+
+#: Why a request was refused (the C{reason} of C{request_refused}), with the
+#: HTTP status it was answered with.
+REFUSALS: dict[str, int] = {
+    "malformed": 400,
+    "unauthorized": 401,
+    "head_timeout": 408,
+    "body_timeout": 408,
+    "body_too_large": 413,
+    "uri_too_long": 414,
+    "header_too_large": 431,
+    "too_many_headers": 431,
+    "connection_cap": 503,
+    "bytes_in_flight": 503,
+    "busy": 503,
+}
+
+#: The longest C{path} a refusal event carries.
+REFUSAL_PATH_LIMIT = 200
+
+_refusal_log = Logger(namespace="kcoral.server.refusals")
+
+
+def log_refusal(
+    reason: str, *, client: str | None, request_id: str | None, path: bytes | None = None
+) -> None:
+    """
+    Log the C{request_refused} event of a refusal: C{status} and C{reason}
+    (one of L{REFUSALS}), the C{client}'s address, the C{request_id} of the
+    answer (its C{X-Request-ID}) and the C{path} asked for when it was read.
+    A server refusing service (503) or a request without a valid token (401)
+    is a warning; a client's own fault is information.
+    """
+    status = REFUSALS[reason]
+    _refusal_log.emit(
+        LogLevel.warn if status in (401, 503) else LogLevel.info,
+        "refused a request from {client}: {status} {reason}",
+        kcoral_event="request_refused",
+        status=status,
+        reason=reason,
+        client=client,
+        request_id=request_id,
+        path=None if path is None else path[:REFUSAL_PATH_LIMIT].decode("latin-1"),
+    )
+
+
+def peer_host(transport: Any) -> str | None:
+    """The client's IP address on C{transport} (C{None} for a UNIX socket)."""
+    peer = getattr(transport, "getPeer", None)
+    host = getattr(peer(), "host", None) if peer is not None else None
+    return host if isinstance(host, str) else None
+
 
 _REASONS = {
     400: b"Bad Request",
@@ -100,9 +161,13 @@ class LimitedRequest(Request):
     #: The server already holds C{max_bytes_in_flight} of request bodies:
     #: this body is discarded and the request answered 503.
     over_capacity = False
+    #: The multipart body parsed as it arrives (L{StreamedBody}), when the
+    #: site streams bodies: nothing is spooled, C{content} stays empty.
+    body_parser: StreamedBody | None = None
     body_bytes = 0
     client_name: str | None = None
     _error_body_written = False
+    _refusal_logged = False
     _reserved = 0
     _reserved_at: Any = None
 
@@ -112,8 +177,11 @@ class LimitedRequest(Request):
     def _limit(self) -> int | None:
         return getattr(self._site(), "max_request_bytes", None)
 
-    def _reserve(self, size: int) -> bool:
-        """Count C{size} more body bytes against the site's bytes in flight."""
+    def _reserve(self, size: int, force: bool = False) -> bool:
+        """
+        Count C{size} more bytes against the site's bytes in flight; with
+        C{force}, whatever the cap (bytes that already exist).
+        """
         site = self._site()
         reserve = getattr(site, "reserve_bytes", None)
         if reserve is None:
@@ -122,15 +190,29 @@ class LimitedRequest(Request):
             # The channel is gone by the time the request has finished.
             self._reserved_at = site
             self.notifyFinish().addBoth(self._release)
-        if not reserve(size, self._reserved):
+        if force:
+            site.bytes_in_flight += size
+        elif not reserve(size, self._reserved):
             return False
         self._reserved += size
         return True
+
+    def hold_bytes(self, size: int) -> None:
+        """
+        Count a response's C{size} bytes of shared result buffers against
+        the bytes in flight until the request finishes: while large results
+        stream out, new bodies past the cap are answered 503.
+        """
+        if size:
+            self._reserve(size, force=True)
 
     def _release(self, result: object = None) -> None:
         reserved, self._reserved = self._reserved, 0
         if reserved and self._reserved_at is not None:
             self._reserved_at.bytes_in_flight -= reserved
+        parser, self.body_parser = self.body_parser, None
+        if parser is not None:
+            parser.abort()
 
     def _skip_body(self) -> None:
         channel = self.channel
@@ -153,6 +235,20 @@ class LimitedRequest(Request):
             length = 0
             self._skip_body()
         super().gotLength(length)
+        if not (self.too_large or self.over_capacity):
+            self._stream_body()
+
+    def _stream_body(self) -> None:
+        """Parse a multipart body as it arrives, when the site does so."""
+        make = getattr(self._site(), "streamed_body", None)
+        if make is None:
+            return
+        values = self.requestHeaders.getRawHeaders(b"content-type")
+        content_type = values[-1].decode("latin-1") if values else None
+        parser = make(content_type)
+        if parser is not None:
+            self.body_parser = parser
+            self.content = io.BytesIO()
 
     def handleContentChunk(self, data: bytes) -> None:
         if self.too_large or self.over_capacity:
@@ -168,9 +264,15 @@ class LimitedRequest(Request):
             self.over_capacity = True
             self._drop_body()
             return
+        if self.body_parser is not None:
+            self.body_parser.feed(data)
+            return
         super().handleContentChunk(data)
 
     def _drop_body(self) -> None:
+        parser, self.body_parser = self.body_parser, None
+        if parser is not None:
+            parser.abort()
         content = getattr(self, "content", None)
         if content is not None:
             try:
@@ -215,7 +317,36 @@ class LimitedRequest(Request):
     def finish(self) -> None:
         if not self._error_body_written and self._needs_json_error() and not self._disconnected:
             self._write_json_error()
+        self._log_refusal()
         super().finish()
+
+    def _refusal_reason(self) -> str | None:
+        """
+        The L{REFUSALS} reason of this response, if it is a refusal made
+        above the channel: the token guard's 401, the API's 413, or its 503
+        (over C{max_bytes_in_flight}, or no worker: the queue is full, the
+        wait ran out, or the server is stopping).
+        """
+        if self.code == 401:
+            return "unauthorized"
+        if self.code == 413:
+            return "body_too_large"
+        if self.code == 503:
+            return "bytes_in_flight" if self.over_capacity else "busy"
+        return None
+
+    def _log_refusal(self) -> None:
+        reason = self._refusal_reason()
+        if reason is None or self._refusal_logged:
+            return
+        self._refusal_logged = True
+        ids = self.responseHeaders.getRawHeaders(b"x-request-id")
+        log_refusal(
+            reason,
+            client=peer_host(self.channel.transport if self.channel else None),
+            request_id=ids[0].decode("ascii", "replace") if ids else None,
+            path=self.path,
+        )
 
 
 class KcoralChannel(HTTPChannel):
@@ -229,7 +360,6 @@ class KcoralChannel(HTTPChannel):
     request is simply closed.
     """
 
-    log = Logger()
     #: Set by L{Site.buildProtocol}.
     site: Any
 
@@ -237,6 +367,9 @@ class KcoralChannel(HTTPChannel):
     _deadline: IDelayedCall | None = None
     _partial_head = False
     _counted = False
+    #: The path of the request whose body is being read (Twisted forgets
+    #: it once the head is in), for the body deadline's refusal event.
+    _body_path: bytes | None = None
 
     def _site_setting(self, name: str, default: float) -> float:
         value = getattr(getattr(self, "site", None), name, default)
@@ -244,35 +377,45 @@ class KcoralChannel(HTTPChannel):
 
     # -- refusals -----------------------------------------------------------
 
-    def refuse(self, status: int, message: str | None = None) -> None:
-        """Answer C{status} with an ERROR body once, and close."""
+    def refuse(self, reason: str, message: str | None = None) -> None:
+        """
+        Answer the status of C{reason} (one of L{REFUSALS}) with an ERROR
+        body once, log the refusal, and close.
+        """
         if self._refused or self.transport is None:
             return
         self._refused = True
         self._cancel_deadline()
-        self.transport.write(raw_error_response(status, message))
+        request_id = choose_request_id(None)
+        self.transport.write(raw_error_response(REFUSALS[reason], message, request_id))
+        log_refusal(
+            reason,
+            client=peer_host(self.transport),
+            request_id=request_id,
+            path=getattr(self, "_path", None) or self._body_path,
+        )
         self.loseConnection()
 
     def _respondToBadRequestAndDisconnect(self) -> None:
         # Bad Content-Length or Transfer-Encoding, bad chunking, a request
         # line without three parts (HTTP/0.9), a malformed header line.
-        self.refuse(400)
+        self.refuse("malformed")
 
     def lineLengthExceeded(self, line: bytes) -> None:
         if getattr(self, "_HTTPChannel__first_line", 0):
-            self.refuse(414)
+            self.refuse("uri_too_long")
         else:
-            self.refuse(431)
+            self.refuse("header_too_large")
 
     def lineReceived(self, line: bytes) -> None:
         if self._receivedHeaderSize + len(line) > self.totalHeadersSize:
-            self.refuse(431)
+            self.refuse("header_too_large")
             return
         super().lineReceived(line)
 
     def headerReceived(self, line: bytes) -> bool:
         if self._receivedHeaderCount >= self.maxHeaders:
-            self.refuse(431)
+            self.refuse("too_many_headers")
             return False
         return bool(super().headerReceived(line))
 
@@ -297,25 +440,13 @@ class KcoralChannel(HTTPChannel):
     def _head_expired(self) -> None:
         self._deadline = None
         if self._partial_head:
-            self.log.info(
-                "client {peer} did not send a request head in time",
-                kcoral_event="client_too_slow",
-                peer=str(self.transport.getPeer()) if self.transport else None,
-                phase="head",
-            )
-            self.refuse(408)
+            self.refuse("head_timeout")
         else:
             self.loseConnection()
 
     def _body_expired(self) -> None:
         self._deadline = None
-        self.log.info(
-            "client {peer} did not send its request body in time",
-            kcoral_event="client_too_slow",
-            peer=str(self.transport.getPeer()) if self.transport else None,
-            phase="body",
-        )
-        self.refuse(408)
+        self.refuse("body_timeout")
 
     def connectionMade(self) -> None:
         super().connectionMade()
@@ -333,6 +464,7 @@ class KcoralChannel(HTTPChannel):
         super().dataReceived(data)
 
     def allHeadersReceived(self) -> None:
+        self._body_path = getattr(self, "_path", None)
         super().allHeadersReceived()
         if self._refused:
             return
@@ -346,6 +478,7 @@ class KcoralChannel(HTTPChannel):
     def allContentReceived(self) -> None:
         self._cancel_deadline()
         self._partial_head = False
+        self._body_path = None
         super().allContentReceived()
 
     def requestDone(self, request: Any) -> None:
@@ -368,7 +501,9 @@ class _Refusal(Protocol):
 
     def connectionMade(self) -> None:
         assert self.transport is not None
-        self.transport.write(raw_error_response(503, "too many open connections"))
+        request_id = choose_request_id(None)
+        self.transport.write(raw_error_response(503, "too many open connections", request_id))
+        log_refusal("connection_cap", client=peer_host(self.transport), request_id=request_id)
         self.transport.loseConnection()
 
 
@@ -380,8 +515,6 @@ class KcoralSite(Site):
 
     protocol = KcoralChannel  # type: ignore[assignment]
     requestFactory = LimitedRequest
-    # Not C{log}: L{Site.log} is the access-log method.
-    _events = Logger()
 
     def __init__(
         self,
@@ -392,6 +525,7 @@ class KcoralSite(Site):
         body_timeout: float = DEFAULT_BODY_TIMEOUT,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         max_bytes_in_flight: int = 0,
+        stream_bodies: bool = True,
         **kwargs: Any,
     ) -> None:
         try:
@@ -407,6 +541,13 @@ class KcoralSite(Site):
         self.max_bytes_in_flight = max_bytes_in_flight
         self.bytes_in_flight = 0
         self.displayTracebacks = False
+        #: Makes the L{StreamedBody} a multipart request body streams into,
+        #: or C{None}: bodies are spooled by Twisted and parsed afterwards.
+        self.streamed_body: Callable[[str | None], StreamedBody | None] | None = (
+            partial(StreamedBody.for_content_type, max_bytes=max_request_bytes)
+            if stream_bodies
+            else None
+        )
 
     def reserve_bytes(self, size: int, held: int) -> bool:
         """
@@ -424,12 +565,6 @@ class KcoralSite(Site):
     def buildProtocol(self, addr: Any) -> Any:
         if self.max_connections and self.open_connections >= self.max_connections:
             self.refused_connections += 1
-            self._events.warn(
-                "refused a connection from {peer}: {open} connections open",
-                kcoral_event="connection_refused",
-                peer=str(addr),
-                open=self.open_connections,
-            )
             refusal = _Refusal()
             refusal.factory = self
             return refusal

@@ -239,6 +239,10 @@ class LeaseArbiter:
         """Refuse new requests (shutdown); grants and waiters already queued stand."""
         self.closed = True
 
+    def holds(self, holder: Hashable) -> bool:
+        """Whether C{holder} holds a grant now (either mode)."""
+        return holder in self._grants
+
     def holder_of(self, gpu: int) -> Hashable | None:
         """Who holds C{gpu} exclusively now."""
         return self._holders.get(gpu)

@@ -19,6 +19,9 @@ Counters and histograms (from events):
   - C{kcoral_lease_wait_seconds{gpu}}, C{kcoral_lease_held_seconds{gpu}}:
     C{request_finished}'s C{lease_wait_ms} / C{lease_held_ms} when it has a
     C{gpu_id}.
+  - C{kcoral_refusals_total{status, reason}}: C{request_refused} by its
+    C{status} and C{reason} (every L{REFUSALS} pair is exported from the
+    start, at zero): requests and connections the server would not take.
   - C{kcoral_cache_hits_total{cache}}, C{kcoral_cache_misses_total{cache}},
     C{kcoral_cache_evictions_total{cache}}: C{cache_hit}, C{cache_miss},
     C{cache_evicted} with C{cache} = C{memory} or C{disk} and an optional
@@ -46,6 +49,8 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 from twisted.logger import ILogObserver, Logger
 from zope.interface import implementer
+
+from kcoral.server.http import REFUSALS
 
 __all__ = ["FINISH_REASONS", "LEASE_BUCKETS", "Metrics", "StateCallable"]
 
@@ -250,6 +255,14 @@ class Metrics:
             ["cache"],
             registry=self.registry,
         )
+        self.refusals = Counter(
+            "kcoral_refusals",
+            "Requests and connections refused before reaching a worker, by status and reason.",
+            ["status", "reason"],
+            registry=self.registry,
+        )
+        for reason, status in REFUSALS.items():
+            self.refusals.labels(status=str(status), reason=reason)
         for reason in FINISH_REASONS:
             self.requests.labels(outcome=reason)
         for cache in _CACHES:
@@ -294,6 +307,10 @@ class Metrics:
                 held = _number(event.get("lease_held_ms"))
                 if held is not None:
                     self.lease_held.labels(gpu=str(gpu)).observe(held / 1000.0)
+        elif name == "request_refused":
+            status = event.get("status")
+            reason = str(event.get("reason") or "unknown")
+            self.refusals.labels(status=str(status), reason=reason).inc()
         elif name == "worker_retired":
             self.worker_replacements.labels(reason=str(event.get("reason") or "unknown")).inc()
         elif name in self._cache_counters:

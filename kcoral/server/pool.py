@@ -43,6 +43,11 @@ class WorkerHandle(Protocol):
     L{WorkerProcess}, or a fake in tests.
     """
 
+    #: The name it answers to in logs and leases: its seat's (a spare's
+    #: until a seat adopts it), and that seat's generation.
+    seat: str
+    generation: int
+
     @property
     def pid(self) -> int | None: ...
     @property
@@ -61,6 +66,8 @@ class WorkerHandle(Protocol):
     def run(self, job: Job) -> Deferred[JobResult]: ...
     def kill(self) -> Deferred[int | None]: ...
     def kill_now(self) -> None: ...
+    def kill_at_once(self) -> None: ...
+    def retire(self) -> Deferred[int | None]: ...
     def stop(self) -> Deferred[int | None]: ...
 
 
@@ -106,6 +113,28 @@ class Seat:
     #: When the next replacement is tried (reactor seconds), while backing off.
     respawn_at: float | None = None
     _respawn_call: Any = None
+
+    @property
+    def gpus(self) -> tuple[int, ...]:
+        return () if self.gpu_id is None else (self.gpu_id,)
+
+
+@attrs.define(eq=False)
+class Spare:
+    """
+    A warm worker kept beside the seats of its GPU (C{None}: the CPU pool),
+    started and ready (its context created under the maintenance lease),
+    waiting to refill a seat whose worker retires.
+    """
+
+    spare_id: str
+    gpu_id: int | None
+    worker: WorkerHandle | None = None
+    seat_dir: Path | None = None
+    work_dir: Path | None = None
+    #: C{starting} or C{ready}.
+    status: str = "starting"
+    ready_at: float | None = None
 
     @property
     def gpus(self) -> tuple[int, ...]:
@@ -274,6 +303,12 @@ class WorkerPool:
     #: The configured GPUs by id (discovered at start; an id missing here
     #: stands for itself: node C{/dev/nvidia<id>}, no UUID).
     gpu_devices: dict[int, GpuDevice] = attrs.field(factory=dict)
+    #: Warm spares, starting or ready, of every GPU (L{Spare}).
+    spares: list[Spare] = attrs.field(factory=list)
+    _spare_serial: int = 0
+    #: Spare starts that failed in a row, per GPU, and the backoff timer.
+    _spare_failures: dict[int | None, int] = attrs.field(factory=dict)
+    _spare_retry: dict[int | None, Any] = attrs.field(factory=dict)
 
     log = Logger()
 
@@ -321,6 +356,8 @@ class WorkerPool:
         for seat in self.seats:
             seat.status = "idle"
         self._idle = list(reversed(self.seats))
+        for gpu in self._groups():
+            self._fill_spares(gpu)
 
     async def start_templates(self) -> None:
         """
@@ -560,6 +597,10 @@ class WorkerPool:
             call, seat._respawn_call, seat.respawn_at = seat._respawn_call, None, None
             if call is not None and call.active():
                 call.cancel()
+        for call in self._spare_retry.values():
+            if call.active():
+                call.cancel()
+        self._spare_retry.clear()
         while self._waiters:
             waiter = self._waiters.popleft()
             if waiter.timer is not None and waiter.timer.active():
@@ -575,23 +616,32 @@ class WorkerPool:
         self.stop_waiters()
         workers = [seat.worker for seat in self.seats if seat.worker is not None]
         workers += list(self._transient_workers)
+        workers += [spare.worker for spare in self.spares if spare.worker is not None]
         killed = 0
         for worker in workers:
             if worker.alive:
-                worker.kill_now()
+                worker.kill_at_once()
                 killed += 1
         return killed
 
     async def stop(self) -> None:
         """Refuse new work, fail waiters, and stop every worker."""
         self.stop_waiters()
+        spares, self.spares = self.spares, []
+        # A spare still starting cannot read Exit yet: it goes at once.
+        ends = [
+            spare.worker.stop() if spare.status == "ready" else spare.worker.kill()
+            for spare in spares
+            if spare.worker is not None
+        ]
         pending = list(self._pending)
         if pending:
             await DeferredList(pending, consumeErrors=True)
         stops = [seat.worker.stop() for seat in self.seats if seat.worker is not None]
-        await DeferredList(stops, consumeErrors=True)
+        await DeferredList(stops + ends, consumeErrors=True)
         await self.stop_templates()
         dirs = [seat.seat_dir for seat in self.seats if seat.seat_dir is not None]
+        dirs += [spare.seat_dir for spare in spares if spare.seat_dir is not None]
         await self._run_blocking(_remove_trees, dirs)
 
     # -- one request's seat ----------------------------------------------------
@@ -791,6 +841,13 @@ class WorkerPool:
             pid=None if old is None else old.pid,
             reason="reuse_scope",
         )
+        spare = self._ready_spare(seat.gpu_id)
+        if spare is not None and not self.closing:
+            # The request that caused the replacement need not wait for it.
+            self._adopt(seat, spare, old, "reuse_scope", offer=False)
+            seat.status = "busy"
+            seat.owner = client if client is not None else "?"
+            return seat
         if old is not None and old.alive:
             await old.kill()
         if seat.seat_dir is not None:
@@ -845,6 +902,11 @@ class WorkerPool:
             pid=None if worker is None else worker.pid,
             reason=reason,
         )
+        spare = self._ready_spare(seat.gpu_id)
+        if spare is not None and not self.closing:
+            self._replacing.discard(seat)
+            self._adopt(seat, spare, worker, reason)
+            return
         d = Deferred.fromCoroutine(self._replace_worker(seat, worker, reason))
         self._pending.add(d)
 
@@ -887,25 +949,210 @@ class WorkerPool:
         self._offer(seat)
 
     async def _replace_worker(self, seat: Seat, old: WorkerHandle | None, reason: str) -> None:
-        old_dir = seat.seat_dir
+        await self._dispose(old, seat.seat_dir, reason)
+        if self.closing:
+            return
+        await self._start_seat(seat, "respawn")
+
+    async def _dispose(self, old: WorkerHandle | None, old_dir: Path | None, reason: str) -> None:
+        """Let a retired worker go, then delete its directory."""
         if old is not None and old.alive:
             if reason == "request_limit":
-                # The worker exits by itself after answering; give it the grace.
-                # One grace in all: SIGKILL when it is spent, not SIGTERM
-                # and a second grace.
-                timer = self._reactor.callLater(
-                    self.config.worker_termination_grace_seconds, old.kill_now
-                )
-                await old.ended
-                if timer.active():
-                    timer.cancel()
+                # The worker goes by itself after answering: a GPU worker
+                # destroys its context under the maintenance lease first.
+                # One grace in all (the worker's): SIGKILL when it is spent.
+                await old.retire()
             else:
                 await old.kill()
         if old_dir is not None:
             await self._run_blocking(_remove_trees, [old_dir])
-        if self.closing:
+
+    # -- warm spares ------------------------------------------------------------
+
+    def _groups(self) -> list[int | None]:
+        """The GPUs that keep spares (C{None}: the CPU pool), in configured order."""
+        return list(dict.fromkeys(seat.gpu_id for seat in self.seats))
+
+    @property
+    def spares_wanted(self) -> int:
+        return int(getattr(self.config, "spares_per_group", 0) or 0)
+
+    def _ready_spare(self, gpu: int | None) -> Spare | None:
+        """The spare of C{gpu} that has been ready longest, if any."""
+        ready = [s for s in self.spares if s.gpu_id == gpu and s.status == "ready"]
+        return min(ready, key=lambda s: s.ready_at or 0.0) if ready else None
+
+    def _fill_spares(self, gpu: int | None) -> None:
+        """Start spares of C{gpu} until it has as many as configured."""
+        if self.closing or gpu in self._spare_retry:
             return
-        await self._start_seat(seat, "respawn")
+        while sum(1 for s in self.spares if s.gpu_id == gpu) < self.spares_wanted:
+            self._spare_serial += 1
+            prefix = "cpu" if gpu is None else f"gpu{gpu}"
+            spare = Spare(f"{prefix}/s{self._spare_serial}", gpu)
+            self.spares.append(spare)
+            d = Deferred.fromCoroutine(self._start_spare(spare))
+            self._pending.add(d)
+            d.addBoth(self._spare_started, d)
+
+    def _spare_started(self, result: object, d: Deferred[None]) -> None:
+        self._pending.discard(d)
+        if isinstance(result, Failure):
+            self.log.failure("starting a spare failed", result)
+
+    async def _start_spare(self, spare: Spare) -> None:
+        """Start one spare; on failure, back off before the GPU's next try."""
+        spare.seat_dir = self.root_dir / _safe_name(spare.spare_id)
+        try:
+            spare.work_dir = await self._run_blocking(self.sandbox.prepare_seat, spare.seat_dir)
+            if self.closing:
+                raise PoolBusy("server shutting down")
+            worker = self._spawn(
+                spare.spare_id,
+                0,
+                spare.gpus,
+                spare.work_dir,
+                self.config.max_requests_per_worker,
+            )
+            spare.worker = worker
+            worker.ended.addCallback(self._spare_ended, spare, worker)
+            info = await worker.ready
+        except Exception as e:
+            if spare in self.spares:
+                self.spares.remove(spare)
+            if spare.worker is not None and spare.worker.alive:
+                await spare.worker.kill()
+            await self._run_blocking(_remove_trees, [spare.seat_dir])
+            if self.closing:
+                return
+            failures = self._spare_failures.get(spare.gpu_id, 0) + 1
+            self._spare_failures[spare.gpu_id] = failures
+            delay = min(
+                self.respawn_backoff_initial * 2 ** (failures - 1), self.respawn_backoff_max
+            )
+            self.log.error(
+                "spare {spare_id} failed to start: {error}",
+                kcoral_event="spare_failed",
+                spare_id=spare.spare_id,
+                gpu_id=spare.gpu_id,
+                error=str(e),
+                failures=failures,
+                retry_in_seconds=delay,
+            )
+            if spare.gpu_id not in self._spare_retry:
+                self._spare_retry[spare.gpu_id] = self._reactor.callLater(
+                    delay, self._retry_spares, spare.gpu_id
+                )
+            return
+        self._spare_failures.pop(spare.gpu_id, None)
+        if spare not in self.spares:
+            return
+        spare.status = "ready"
+        spare.ready_at = self._reactor.seconds()
+        self.log.info(
+            "spare {spare_id} ready (pid {pid})",
+            kcoral_event="spare_ready",
+            spare_id=spare.spare_id,
+            gpu_id=spare.gpu_id,
+            pid=worker.pid,
+            startup_ms=(spare.ready_at - worker.started_at) * 1000.0,
+            arch=info.get("target", {}).get("arch"),
+        )
+        # A seat being replaced in place right now keeps its own start;
+        # the spare waits for the next retirement.
+
+    def _retry_spares(self, gpu: int | None) -> None:
+        self._spare_retry.pop(gpu, None)
+        self._fill_spares(gpu)
+
+    def _spare_ended(self, code: int | None, spare: Spare, worker: WorkerHandle) -> int | None:
+        """A ready spare died on its own: drop it and start another."""
+        if spare in self.spares and spare.worker is worker and spare.status == "ready":
+            self.spares.remove(spare)
+            self.log.warn(
+                "spare {spare_id} exited (code {code})",
+                kcoral_event="spare_exited",
+                spare_id=spare.spare_id,
+                gpu_id=spare.gpu_id,
+                pid=worker.pid,
+                code=code,
+            )
+            if spare.seat_dir is not None:
+                self._run_blocking(_remove_trees, [spare.seat_dir]).addErrback(
+                    lambda f: self.log.failure("removing a spare's directory failed", f)
+                )
+            self._fill_spares(spare.gpu_id)
+        return code
+
+    def _adopt(
+        self,
+        seat: Seat,
+        spare: Spare,
+        old: WorkerHandle | None,
+        reason: str,
+        offer: bool = True,
+    ) -> None:
+        """
+        Refill C{seat} with a ready spare at once (and offer it, unless a
+        request holds it already: C{offer} false): the retired worker goes in
+        the background (its context torn down on the lease, its directory
+        removed) and a new spare starts.
+        """
+        assert spare.worker is not None
+        self.spares.remove(spare)
+        old_dir = seat.seat_dir
+        seat.generation += 1
+        worker = spare.worker
+        # The process now answers to its seat's name in logs and leases.
+        worker.seat = seat.worker_id
+        worker.generation = seat.generation
+        seat.worker = worker
+        seat.seat_dir, seat.work_dir = spare.seat_dir, spare.work_dir
+        seat.served = 0
+        seat.owner = None
+        seat.respawn_failures = 0
+        seat.respawn_error = None
+        worker.ended.addCallback(self._worker_ended, seat, worker)
+        now = self._reactor.seconds()
+        self.log.info(
+            "worker {worker_id} refilled from spare {spare_id} (pid {pid})",
+            kcoral_event="spare_adopted",
+            worker_id=seat.worker_id,
+            gpu_id=seat.gpu_id,
+            generation=seat.generation,
+            pid=worker.pid,
+            spare_id=spare.spare_id,
+            ready_ms=(now - (spare.ready_at or now)) * 1000.0,
+        )
+        d = Deferred.fromCoroutine(self._dispose(old, old_dir, reason))
+        self._pending.add(d)
+
+        def done(result: object) -> None:
+            self._pending.discard(d)
+            if isinstance(result, Failure):
+                self.log.failure(
+                    "retiring worker {worker_id} failed", result, worker_id=seat.worker_id
+                )
+
+        d.addBoth(done)
+        if offer:
+            self._offer(seat)
+        self._fill_spares(seat.gpu_id)
+
+    def spare_status(self, now: float) -> list[dict[str, Any]]:
+        """Per-spare status for /health and /status (spares take no requests)."""
+        return [
+            {
+                "spare_id": spare.spare_id,
+                "gpu_id": spare.gpu_id,
+                "state": spare.status,
+                "pid": None if spare.worker is None else spare.worker.pid,
+                "uptime_seconds": 0.0
+                if spare.worker is None or not spare.worker.alive
+                else round(now - spare.worker.started_at, 3),
+            }
+            for spare in self.spares
+        ]
 
     def _offer(self, seat: Seat) -> None:
         if self.closing:
@@ -988,6 +1235,7 @@ __all__ = [
     "PoolBusy",
     "Seat",
     "SeatUse",
+    "Spare",
     "WorkerHandle",
     "WorkerPool",
     "WorkerStartFailed",

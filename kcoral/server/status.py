@@ -6,7 +6,9 @@ The operator status page: C{GET /status} and C{GET /status.json}.
     flight (from C{request_routed}), the last finished ones (from
     C{request_finished}) and, apart from those so that a busy server does
     not scroll them away, the last failures (L{FAILURE_REASONS} and the
-    worker and start-up events in L{FAILURE_EVENTS}).
+    worker and start-up events in L{FAILURE_EVENTS}) and the last refusals
+    (C{request_refused}) with a count of every refusal since start by status
+    and reason.
   - L{status_snapshot} merges the C{/health} dictionary and those requests
     into the JSON the page reads.
   - L{STATUS_PAGE} is one self-contained HTML page (no framework, no
@@ -18,7 +20,7 @@ The operator status page: C{GET /status} and C{GET /status.json}.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Mapping
 from typing import Any
 
@@ -57,15 +59,24 @@ class RecentRequests:
     C{worker_id}, C{gpu_id}, C{queue_ms}, C{time} (when it was routed).
     """
 
-    def __init__(self, maxlen: int = 50, max_in_flight: int = 1000, max_failures: int = 20) -> None:
+    def __init__(
+        self,
+        maxlen: int = 50,
+        max_in_flight: int = 1000,
+        max_failures: int = 20,
+        max_refusals: int = 20,
+    ) -> None:
         """
         @param maxlen: finished requests kept.
         @param max_in_flight: in-flight entries kept; the oldest are dropped
             beyond this (a request whose server died never finishes).
         @param max_failures: failures kept.
+        @param max_refusals: refusals kept.
         """
         self._finished: deque[dict[str, Any]] = deque(maxlen=maxlen)
         self._failures: deque[dict[str, Any]] = deque(maxlen=max_failures)
+        self._refusals: deque[dict[str, Any]] = deque(maxlen=max_refusals)
+        self._refusal_counts: Counter[tuple[int, str]] = Counter()
         self._in_flight: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._max_in_flight = max_in_flight
 
@@ -77,8 +88,26 @@ class RecentRequests:
             self._finished_event(event)
             if event.get("finish_reason") in FAILURE_REASONS:
                 self._failure(event, str(event.get("finish_reason")))
+        elif name == "request_refused":
+            self._refused(event)
         elif name in FAILURE_EVENTS:
             self._failure(event, str(event.get("phase") or event.get("reason") or name))
+
+    def _refused(self, event: Mapping[str, Any]) -> None:
+        status, reason = event.get("status"), event.get("reason")
+        if not isinstance(status, int) or not isinstance(reason, str):
+            return
+        self._refusal_counts[(status, reason)] += 1
+        self._refusals.append(
+            {
+                "time": format_timestamp(event.get("log_time")),
+                "status": status,
+                "reason": reason,
+                "client": event.get("client"),
+                "request_id": event.get("request_id"),
+                "path": _short(event.get("path"), 100),
+            }
+        )
 
     def _failure(self, event: Mapping[str, Any], reason: str) -> None:
         message = event.get("error_message") or event.get("error") or event.get("message")
@@ -137,6 +166,22 @@ class RecentRequests:
         """
         return [dict(entry) for entry in reversed(self._failures)]
 
+    def refusals(self) -> list[dict[str, Any]]:
+        """
+        The recent refusals, newest first (copies).
+        """
+        return [dict(entry) for entry in reversed(self._refusals)]
+
+    def refusal_counts(self) -> list[dict[str, Any]]:
+        """
+        Every refusal since start, as C{{status, reason, count}} by status
+        then reason.
+        """
+        return [
+            {"status": status, "reason": reason, "count": count}
+            for (status, reason), count in sorted(self._refusal_counts.items())
+        ]
+
     def in_flight(self) -> list[dict[str, Any]]:
         """
         The routed, unfinished requests, oldest first (copies).
@@ -165,7 +210,9 @@ def status_snapshot(health: Mapping[str, Any], recent: RecentRequests) -> dict[s
     @return: a JSON-ready dictionary: C{status}, C{instance_id},
         C{started_at}, C{target}, C{load}, C{queue_length},
         C{active_requests}, C{request_capacity}, C{workers}, C{gpus},
-        C{in_flight}, C{recent} and C{failures} (newest first), and
+        C{in_flight}, C{recent}, C{failures} and C{refusals} (newest
+        first), C{refusal_counts} (every refusal since start by status and
+        reason), and
         C{sandbox} (the worker isolation in use: C{bubblewrap} or C{none}).
     """
     workers = [
@@ -202,6 +249,8 @@ def status_snapshot(health: Mapping[str, Any], recent: RecentRequests) -> dict[s
         "in_flight": recent.in_flight(),
         "recent": recent.recent(),
         "failures": recent.failures(),
+        "refusals": recent.refusals(),
+        "refusal_counts": recent.refusal_counts(),
     }
 
 
@@ -245,6 +294,12 @@ td.num { text-align: right; font-variant-numeric: tabular-nums; }
 <h2>Recent failures</h2>
 <table id="failures"><thead><tr><th>time</th><th>event</th><th>reason</th><th>request_id</th>
 <th>worker_id</th><th>http_status</th><th>error</th></tr></thead><tbody></tbody></table>
+<h2>Refusals</h2>
+<table id="refusal_counts"><thead><tr><th>status</th><th>reason</th><th>since start</th></tr>
+</thead><tbody></tbody></table>
+<h2>Recent refusals</h2>
+<table id="refusals"><thead><tr><th>time</th><th>status</th><th>reason</th><th>client</th>
+<th>request_id</th><th>path</th></tr></thead><tbody></tbody></table>
 <script>
 "use strict";
 function text(v) { return v === null || v === undefined ? "" : String(v); }
@@ -297,6 +352,13 @@ function render(s) {
     return [text(f.time), text(f.event), [text(f.reason), "bad"], text(f.request_id),
             text(f.worker_id), text(f.http_status),
             text(f.error_kind ? f.error_kind + ": " + text(f.message) : f.message)];
+  });
+  fill("refusal_counts", s.refusal_counts, function (c) {
+    return [text(c.status), text(c.reason), [text(c.count), "num"]];
+  });
+  fill("refusals", s.refusals, function (r) {
+    return [text(r.time), text(r.status), [text(r.reason), r.status === 503 ? "warn" : ""],
+            text(r.client), text(r.request_id), text(r.path)];
   });
   var state = document.getElementById("state");
   state.className = "";

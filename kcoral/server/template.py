@@ -82,7 +82,9 @@ class ForkedTransport(process.Process):
     """
     A Twisted process transport for a worker forked by a template: the
     same pipes as a spawned process (made here, the child's ends sent to
-    the template), no reaping of its own (the template reaps and reports).
+    the template) and the same passed descriptors (an C{int} in
+    C{child_fds}, as C{spawnProcess} takes them), no reaping of its own
+    (the template reaps and reports).
 
     @ivar started: fires with the host pid once the template forked.
     """
@@ -93,7 +95,7 @@ class ForkedTransport(process.Process):
         self,
         reactor: Any,
         proto: ProcessProtocol,
-        child_fds: Mapping[int, str],
+        child_fds: Mapping[int, Any],
         start: Callable[[dict[int, int]], None],
         reader_factory: Any = None,
     ) -> None:
@@ -109,6 +111,9 @@ class ForkedTransport(process.Process):
         opened: list[int] = []
         try:
             for child_fd, target in child_fds.items():
+                if isinstance(target, int):
+                    fdmap[child_fd] = target  # passed as it is; the caller owns it
+                    continue
                 r, w = os.pipe()
                 opened += [r, w]
                 if target == "r":
@@ -395,7 +400,7 @@ class WorkerTemplate:
     def fork_transport(
         self,
         proto: ProcessProtocol,
-        child_fds: Mapping[int, str],
+        child_fds: Mapping[int, Any],
         *,
         argv: list[str],
         env: Mapping[str, str],
@@ -405,8 +410,10 @@ class WorkerTemplate:
         reader_factory: Any = None,
     ) -> ForkedTransport:
         """
-        Fork a worker running C{python -m kcoral.worker *argv}; its pipes
-        as C{child_fds} says (C{"r"}: the parent reads, C{"w"}: it writes).
+        Fork a worker running C{python -m kcoral.worker *argv}; its
+        descriptors as C{child_fds} says (C{"r"}: a pipe the parent reads,
+        C{"w"}: one it writes, an C{int}: that descriptor of ours, as
+        C{spawnProcess} takes them).
 
         @raise TemplateError: the template cannot fork now.
         """

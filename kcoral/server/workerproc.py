@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -30,11 +31,13 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.python.runtime import platform
 
+from kcoral.server.lease import MAINTENANCE
 from kcoral.wire.channel import (
     CONTROL_LIMITS,
     FROM_WORKER_FD,
     OUTCOME_SLACK_BYTES,
     TO_WORKER_FD,
+    WORKER_CHANNEL_FDS,
     Blob,
     ChannelError,
     ChannelMessage,
@@ -52,21 +55,31 @@ from kcoral.wire.channel import (
     Outcome,
     Ready,
     Returned,
+    Teardown,
+    TornDown,
     decode,
     encode,
     job_limits,
 )
 from kcoral.wire.program import Program
+from kcoral.wire.shared import (
+    SharedBuffer,
+    SharedMemoryError,
+    drain_descriptors,
+    receive_descriptors,
+    send_descriptors,
+    socket_pair,
+)
 
 #: Bytes of each of the worker's own stdout/stderr kept for diagnostics.
 TAIL_BYTES = 8192
 
-#: A worker's descriptors: stdin (closed at once), stdout and stderr
-#: (diagnostics), and the two control channel pipes.
-CHILD_FDS = {0: "w", 1: "r", 2: "r", TO_WORKER_FD: "w", FROM_WORKER_FD: "r"}
-
 #: How long a worker may take to report ready.
 SPAWN_TIMEOUT_SECONDS = 60.0
+
+#: How long a worker may take to exit once it answered L{TornDown} (it
+#: leaves with C{os._exit}; its maintenance lease is held meanwhile).
+EXIT_AFTER_TEARDOWN_SECONDS = 1.0
 
 
 class WorkerStartError(Exception):
@@ -83,7 +96,7 @@ class Job:
     request_id: str
     program_text: str
     program: Program
-    blobs: dict[str, bytes]
+    blobs: dict[str, bytes | SharedBuffer]
     timeout_seconds: float
     output_limit: int
     max_response_bytes: int
@@ -135,7 +148,7 @@ class JobResult:
     #: Returns the worker finished before it crashed (C{returned} messages):
     #: their results and binary parts, kept for the answer.
     results: dict[str, Any] = attrs.field(factory=dict)
-    parts: tuple[bytes, ...] = ()
+    parts: tuple[bytes | SharedBuffer, ...] = ()
 
 
 class _Tail:
@@ -170,10 +183,14 @@ class WorkerProtocol(ProcessProtocol):
         self,
         on_message: Callable[[ChannelMessage], None],
         on_violation: Callable[[str], None],
+        descriptors: socket.socket | None = None,
     ) -> None:
         self._on_message = on_message
         self._on_violation = on_violation
         self._decoder = FrameDecoder(CONTROL_LIMITS)
+        #: The parent's end of the descriptor socket (non-blocking), or
+        #: C{None}: a frame naming descriptors is then a violation.
+        self.descriptors = descriptors
         self.stdout_tail = _Tail()
         self.stderr_tail = _Tail()
         self.ended: Deferred[BaseException] = Deferred()
@@ -201,7 +218,7 @@ class WorkerProtocol(ProcessProtocol):
                 return
             for frame in frames:
                 try:
-                    message = decode(frame)
+                    message = decode(frame, self._take, self._decoder.limits.max_payload_bytes)
                 except ChannelError as e:
                     self.violation(str(e))
                     return
@@ -213,6 +230,22 @@ class WorkerProtocol(ProcessProtocol):
             self.stdout_tail.add(data)
         elif childFD == 2:
             self.stderr_tail.add(data)
+
+    def _take(self, count: int) -> list[int]:
+        """The descriptors of the frame being decoded (sent before it)."""
+        if self.descriptors is None:
+            raise SharedMemoryError("this worker has no descriptor socket")
+        return receive_descriptors(self.descriptors, count)
+
+    def drain(self) -> int:
+        """Close whatever descriptors wait unclaimed; how many messages held them."""
+        return 0 if self.descriptors is None else drain_descriptors(self.descriptors)
+
+    def close_descriptors(self) -> None:
+        """Close the descriptor socket (the worker is gone)."""
+        sock, self.descriptors = self.descriptors, None
+        if sock is not None:
+            sock.close()
 
     def violation(self, reason: str) -> None:
         """
@@ -297,6 +330,12 @@ class WorkerProcess:
     #: The lease a GPU worker takes to warm up: C{None} (not asked),
     #: C{"pending"}, C{"held"} or C{"released"}.
     _startup_lease_state: str | None = None
+    #: A context creation or teardown in progress: its kind (C{"create"} or
+    #: C{"teardown"}) and when it started (reactor time).
+    _context_op: tuple[str, float] | None = None
+    #: The orderly teardown: C{None}, C{"waiting"} (for the maintenance
+    #: lease), C{"sent"} (L{Teardown} sent) or C{"done"} (L{TornDown} came).
+    _teardown_state: str | None = None
 
     log = Logger()
 
@@ -317,8 +356,16 @@ class WorkerProcess:
     ) -> WorkerProcess:
         """Start the process; see C{ready} for when it can take a job."""
         worker = cls(seat, generation, gpus, reactor, leases, grace_seconds)
-        worker._begin(reactor)
-        transport = _spawn(reactor, worker.protocol, executable, args, env, CHILD_FDS)
+        theirs = worker._begin(reactor)
+        try:
+            transport = _spawn(
+                reactor, worker.protocol, executable, args, env, worker_child_fds(theirs)
+            )
+        except BaseException:
+            worker._close_descriptors()
+            raise
+        finally:
+            theirs.close()
         worker.pid = transport.pid
         worker._started(transport, spawn_timeout)
         return worker
@@ -349,17 +396,23 @@ class WorkerProcess:
         """
         worker = cls(seat, generation, gpus, reactor, leases, grace_seconds)
         worker.made = "fork"
-        worker._begin(reactor)
-        transport = template.fork_transport(
-            worker.protocol,
-            CHILD_FDS,
-            argv=args,
-            env=env,
-            cwd=cwd,
-            workspace=workspace,
-            capture_bytes=capture_bytes,
-            reader_factory=_WideReader if isinstance(reactor, PosixReactorBase) else None,
-        )
+        theirs = worker._begin(reactor)
+        try:
+            transport = template.fork_transport(
+                worker.protocol,
+                worker_child_fds(theirs),
+                argv=args,
+                env=env,
+                cwd=cwd,
+                workspace=workspace,
+                capture_bytes=capture_bytes,
+                reader_factory=_WideReader if isinstance(reactor, PosixReactorBase) else None,
+            )
+        except BaseException:
+            worker._close_descriptors()
+            raise
+        finally:
+            theirs.close()
 
         def forked(pid: int | None) -> None:
             if pid is not None and worker.alive:
@@ -369,10 +422,18 @@ class WorkerProcess:
         worker._started(transport, spawn_timeout)
         return worker
 
-    def _begin(self, reactor: Any) -> None:
-        self.protocol = WorkerProtocol(self._message_received, self._poisoned)
+    def _close_descriptors(self) -> None:
+        if self.protocol.descriptors is not None:
+            self.protocol.descriptors.close()
+
+    def _begin(self, reactor: Any) -> socket.socket:
+        """The protocol, with our end of the descriptor socket; returns the worker's end."""
+        ours, theirs = socket_pair()
+        ours.setblocking(False)
+        self.protocol = WorkerProtocol(self._message_received, self._poisoned, ours)
         self.protocol.ended.addCallback(self._process_ended)
         self.started_at = reactor.seconds()
+        return theirs
 
     def _started(self, transport: Any, spawn_timeout: float) -> None:
         worker = self
@@ -384,6 +445,134 @@ class WorkerProcess:
         worker._ready_timer = IReactorTime(reactor).callLater(
             spawn_timeout, worker._ready_timed_out, spawn_timeout
         )
+
+    # -- context creation and teardown on the lease -----------------------
+
+    def _event(self, event: str, **fields: Any) -> None:
+        """Log context event C{event} of this worker."""
+        self.log.info(
+            "{kcoral_event} on GPU(s) {gpu_ids} for {worker_id}",
+            kcoral_event=event,
+            worker_id=self.seat,
+            generation=self.generation,
+            pid=self.pid,
+            gpu_ids=list(self.gpus),
+            **fields,
+        )
+
+    def _context_begin(self, kind: str) -> None:
+        """A context creation or teardown starts (under the lease)."""
+        if not self.gpus or self._context_op is not None:
+            return
+        self._context_op = (kind, float(self._reactor.seconds()))
+        if kind == "create":
+            self._event("context_create_started")
+        else:
+            self._event("context_teardown_started")
+
+    def _context_end(self, how: str) -> None:
+        """The context creation or teardown in progress ended, C{how}."""
+        op, self._context_op = self._context_op, None
+        if op is None:
+            return
+        kind, started = op
+        ms = (float(self._reactor.seconds()) - started) * 1000.0
+        if kind == "create":
+            self._event("context_create_finished", duration_ms=ms, how=how)
+        else:
+            self._event("context_teardown_finished", duration_ms=ms, how=how)
+
+    def retire(self) -> Deferred[int | None]:
+        """
+        Let a worker go that answered a retiring outcome (it waits for this).
+
+        A CPU worker exits by itself.  A GPU worker's contexts are destroyed
+        while the parent holds its GPUs' maintenance lease (shared with other
+        creations and teardowns, never with a measurement): it is frozen
+        (SIGSTOP: a thread its program left behind runs nothing while others
+        hold the GPU), whatever it kept through its outcome is given back,
+        the maintenance lease is taken, the worker thawed and sent
+        L{Teardown}.  It answers L{TornDown} and exits.  The process ran a
+        program, so its word is not trusted: the lease is held until the
+        process is gone (L{EXIT_AFTER_TEARDOWN_SECONDS} after the answer,
+        the grace without one, then SIGKILL under the lease); the parent's
+        cleanup runs after, off the lease.  Fires when it has ended.
+        """
+        if not self.alive:
+            return succeed(self.exit_code)
+        if not self.gpus:
+            if self._kill_timer is None and not self._killing:
+                self._kill_timer = self._reactor.callLater(self._grace_seconds, self.kill_now)
+            return self._ended_copy()
+        if self._teardown_state is not None or self._killing:
+            return self._ended_copy()
+        self._teardown_state = "waiting"
+        _signal_all(self._tree(), signal.SIGSTOP)
+        self._leases.release(self)
+        d = self._leases.acquire(
+            self, self.gpus, label=f"context_teardown:{self.seat}", mode=MAINTENANCE
+        )
+
+        def granted(_: object) -> None:
+            if not self.alive or self._teardown_state != "waiting":
+                return
+            self._teardown_state = "sent"
+            self._context_begin("teardown")
+            _signal_all(self._tree(), signal.SIGCONT)
+            self.send(Teardown())
+            self._kill_timer = self._reactor.callLater(self._grace_seconds, self.kill_now)
+
+        def failed(f: Failure) -> None:
+            if not f.check(CancelledError):
+                # The GPU is quarantined or the server is stopping: no lease
+                # will come, so the worker goes at once.
+                self.kill_now()
+
+        d.addCallbacks(granted, failed)
+        return self._ended_copy()
+
+    def _torn_down(self, message: TornDown) -> None:
+        """
+        The worker says its contexts are gone (C{destroyed}) or go with the
+        process; either way the lease stays held until the process is gone,
+        which may take only a moment now.
+        """
+        self._teardown_state = "done"
+        if message.destroyed:
+            self._context_end("destroyed")
+        if self._kill_timer is not None and self._kill_timer.active():
+            self._kill_timer.cancel()
+        self._kill_timer = self._reactor.callLater(EXIT_AFTER_TEARDOWN_SECONDS, self.kill_now)
+
+    def _under_lease(self, kill: Callable[[], None]) -> None:
+        """
+        Run C{kill} so the context teardown it causes overlaps no
+        measurement: at once when this worker holds its GPUs (any mode) or
+        has none; otherwise freeze its tree (SIGSTOP: it does nothing more),
+        give up whatever it waits for, and kill once the maintenance lease
+        is granted (at once if none can be).
+        """
+        if not self.gpus or self._leases.holds(self):
+            self._context_begin("teardown")
+            kill()
+            return
+        self._killing = True
+        _signal_all(self._tree(), signal.SIGSTOP)
+        self._leases.abandon(self)
+        d = self._leases.acquire(
+            self, self.gpus, label=f"context_teardown:{self.seat}", mode=MAINTENANCE
+        )
+
+        def granted(_: object) -> None:
+            if self.alive:
+                self._context_begin("teardown")
+                self._kill_hard(self._tree())
+
+        def failed(f: Failure) -> None:
+            if self.alive:
+                self._kill_hard(self._tree())
+
+        d.addCallbacks(granted, failed)
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -417,9 +606,11 @@ class WorkerProcess:
                     + (f": {tail}" if tail else "")
                 )
             )
+        self.protocol.close_descriptors()
         job = self._job
         if job is not None:
             job.process_ended(self.exit_code, self.protocol.output_tail())
+        self._context_end("exited")
         self._leases.abandon(self)
         self.ended.callback(self.exit_code)
 
@@ -446,7 +637,11 @@ class WorkerProcess:
         if isinstance(message, LeaseRelease) and self._startup_lease_state == "held":
             # Sent right after Ready: it may arrive once a job has started.
             self._startup_lease_state = "released"
+            self._context_end("ready")
             self._leases.release(self)
+            return
+        if isinstance(message, TornDown) and self._teardown_state == "sent":
+            self._torn_down(message)
             return
         if self._job is not None:
             self._job.message_received(message)
@@ -480,19 +675,27 @@ class WorkerProcess:
         def granted(_: object) -> None:
             if self._startup_lease_state == "pending":
                 self._startup_lease_state = "held"
+                self._context_begin("create")
             self.send(LeaseGranted())
 
         if not self.gpus:
             granted(None)
             return
-        d = self._leases.acquire(self, self.gpus, label=f"warmup:{self.seat}")
+        # Context creations share the GPU with each other (batched), never
+        # with a measurement (kcoral.server.lease, maintenance mode).
+        d = self._leases.acquire(
+            self, self.gpus, label=f"context_create:{self.seat}", mode=MAINTENANCE
+        )
         d.addCallbacks(
             granted,
             lambda f: None if f.check(CancelledError) else self.kill(),
         )
 
     def send(self, message: ChannelMessage) -> None:
-        """Write one message to the worker (buffered by the transport)."""
+        """
+        Write one message to the worker (buffered by the transport); the
+        descriptors of its shared buffers go first, on the descriptor socket.
+        """
         transport = self.protocol.transport
         if not self.alive or transport is None:
             return
@@ -500,6 +703,17 @@ class WorkerProcess:
             # The worker closed its end (it is exiting; the end is not
             # reaped yet): nothing can reach it any more.
             return
+        shared = message.descriptors()
+        if shared:
+            sock = self.protocol.descriptors
+            try:
+                if sock is None:
+                    raise OSError("the worker has no descriptor socket")
+                send_descriptors(sock, [buffer.fileno() for buffer in shared])
+            except OSError as e:
+                # Full (a worker that does not read it) or closed.
+                self.protocol.violation(f"cannot pass descriptors to the worker: {e}")
+                return
         transport.writeToChild(TO_WORKER_FD, encode(message))
 
     def run(
@@ -524,6 +738,10 @@ class WorkerProcess:
         self._job = None
         # After its outcome a worker has nothing to say until the next job.
         self.protocol.set_limits(CONTROL_LIMITS)
+        if self.alive and self.protocol.drain():
+            # Descriptors sent after the outcome (a thread the program left
+            # running), to be taken for the next request's parts.
+            self.protocol.violation("sent descriptors that no message named")
         return result
 
     def stop(self) -> Deferred[int | None]:
@@ -539,7 +757,24 @@ class WorkerProcess:
         return self._ended_copy()
 
     def kill_now(self) -> None:
-        """SIGKILL the worker's whole tree at once (its grace is spent)."""
+        """
+        SIGKILL the worker's whole tree at once (its grace is spent); a GPU
+        worker not holding its GPUs is frozen at once and killed under the
+        maintenance lease (L{_under_lease}).
+        """
+        if not self.alive:
+            return
+        if self._kill_timer is not None and self._kill_timer.active():
+            self._kill_timer.cancel()
+        if self._killing and self._context_op is None and self.gpus:
+            # Frozen, waiting for the maintenance lease: that kill stands.
+            if not self._leases.holds(self):
+                return
+        self._killing = True
+        self._under_lease(lambda: self._kill_hard(self._tree()))
+
+    def kill_at_once(self) -> None:
+        """SIGKILL the whole tree without waiting for any lease (a forced shutdown)."""
         if not self.alive:
             return
         if self._kill_timer is not None and self._kill_timer.active():
@@ -548,17 +783,25 @@ class WorkerProcess:
         self._kill_hard(self._tree())
 
     def kill(self) -> Deferred[int | None]:
-        """SIGTERM the worker's whole tree, SIGKILL whatever is left after the grace."""
+        """
+        SIGTERM the worker's whole tree, SIGKILL whatever is left after the
+        grace; a GPU worker not holding its GPUs is killed under the
+        maintenance lease instead (L{_under_lease}).
+        """
         if not self.alive:
             return succeed(self.exit_code)
         if not self._killing:
-            victims = self._tree()
-            _signal_all(victims, signal.SIGTERM)
-            if self._kill_timer is not None and self._kill_timer.active():
-                self._kill_timer.cancel()
-            self._kill_timer = self._reactor.callLater(
-                self._grace_seconds, self._kill_hard, victims
-            )
+
+            def terminate() -> None:
+                victims = self._tree()
+                _signal_all(victims, signal.SIGTERM)
+                if self._kill_timer is not None and self._kill_timer.active():
+                    self._kill_timer.cancel()
+                self._kill_timer = self._reactor.callLater(
+                    self._grace_seconds, self._kill_hard, victims
+                )
+
+            self._under_lease(terminate)
             self._killing = True
         return self._ended_copy()
 
@@ -677,7 +920,7 @@ class _RunningJob:
     _compiling: bool = False
     #: What C{returned} messages brought so far.
     returned: dict[str, Any] = attrs.field(factory=dict)
-    returned_parts: list[bytes] = attrs.field(factory=list)
+    returned_parts: list[bytes | SharedBuffer] = attrs.field(factory=list)
     returned_bytes: int = 0
 
     def start(self) -> None:
@@ -745,6 +988,11 @@ class _RunningJob:
                 # only a retiring one exits holding it.
                 self._violation("answered holding its GPU lease without retiring")
                 return
+            if self.worker.protocol.drain():
+                # The outcome is the last message and every descriptor goes
+                # before its frame: these were left for the next request.
+                self._violation("sent descriptors that no message named")
+                return
             if message.streamed_parts != len(self.returned_parts):
                 self._violation(
                     f"outcome counts {message.streamed_parts} parts sent ahead, "
@@ -797,6 +1045,7 @@ class _RunningJob:
             self._violation(f"returned {message.key!r} twice")
             return
         self.returned_bytes += self.worker.protocol.frame_bytes
+        self.returned_bytes += sum(len(buffer) for buffer in message.descriptors())
         allowed = self.job.max_response_bytes + OUTCOME_SLACK_BYTES
         if self.returned_bytes > allowed:
             self._violation(
@@ -939,6 +1188,19 @@ def _instruction_count(job: Job) -> int | None:
 def _op_of(job: Job, index: int) -> str | None:
     instructions = getattr(job.program, "instructions", ())
     return instructions[index].op if 0 <= index < len(instructions) else None
+
+
+def worker_child_fds(descriptors: socket.socket) -> dict[int, Any]:
+    """
+    What a worker's fds are, for C{spawnProcess}'s C{childFDs}: stdin (closed
+    at once), stdout and stderr (read for diagnostics), and the control
+    channel's fds (L{kcoral.wire.channel.WORKER_CHANNEL_FDS}), the descriptor
+    socket being the worker's end C{descriptors}.
+    """
+    fds: dict[int, Any] = {0: "w", 1: "r", 2: "r"}
+    for fd, role in WORKER_CHANNEL_FDS.items():
+        fds[fd] = descriptors.fileno() if role == "socket" else role
+    return fds
 
 
 def worker_command_args(device: str, *, max_requests: int, tensor_api: str) -> list[str]:

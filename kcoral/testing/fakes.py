@@ -63,6 +63,7 @@ from kcoral.server.sandbox import ISandbox
 from kcoral.server.workerproc import Job, JobResult
 from kcoral.wire.channel import TO_WORKER_FD, ChannelMessage, MessageDecoder, Outcome
 from kcoral.wire.multipart import encode_response, parse_request_body
+from kcoral.wire.shared import SharedBuffer
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -129,6 +130,7 @@ class FakeWorker:
         self.started_at = 0.0
         self.killed = False
         self.killed_now = False
+        self.retired = False
         self.stopped = False
         self.busy = False
         self.result = result or JobResult("outcome", outcome=Outcome(status="COMPLETED"))
@@ -158,6 +160,23 @@ class FakeWorker:
         self.killed_now = True
         if self.alive:
             self.exit(-9)
+
+    def kill_at_once(self) -> None:
+        self.kill_now()
+
+    def retire(self) -> Deferred[int | None]:
+        """Asked to go after a retiring outcome: it exits when the test says."""
+        self.retired = True
+        if not self.alive:
+            return succeed(0)
+        d: Deferred[int | None] = Deferred()
+
+        def fire(code: int | None) -> int | None:
+            d.callback(code)
+            return code
+
+        self.ended.addBoth(fire)
+        return d
 
     def stop(self) -> Deferred[int | None]:
         self.stopped = True
@@ -199,13 +218,15 @@ class FakeSpawner:
 def pool_config(**changes: Any) -> ServerConfig:
     """
     A L{ServerConfig} for pool tests: two CPU workers, each retired after
-    one request, no logs or disk cache; C{changes} override any field.
+    one request, no spares, no logs or disk cache; C{changes} override any
+    field.
     """
     defaults: dict[str, Any] = {
         "device": "cpu",
         "num_workers": 2,
         "workers_per_gpu": 1,
         "max_requests_per_worker": 1,
+        "spare_workers_per_gpu": 0,
         "worker_termination_grace_seconds": 5.0,
         "worker_wait_timeout_seconds": 10.0,
         "log_dir": None,
@@ -318,9 +339,12 @@ class FakeBlobs:
     cached: dict[str, bytes] = attrs.field(factory=dict)
 
     def resolve(
-        self, program_blobs: Mapping[str, frozenset[str]], supplied: Mapping[str, bytes]
+        self,
+        program_blobs: Mapping[str, frozenset[str]],
+        supplied: Mapping[str, bytes | SharedBuffer],
     ) -> Deferred[Resolution]:
-        found, missing = {}, []
+        found: dict[str, bytes | SharedBuffer] = {}
+        missing = []
         for digest in program_blobs:
             if digest in supplied:
                 found[digest] = supplied[digest]
@@ -553,7 +577,8 @@ def json_reply(body: dict[str, Any], code: int = 200, **headers: str) -> Reply:
 
 def result_reply(body: dict[str, Any], parts: list[bytes]) -> Reply:
     content_type, chunks = encode_response(body, parts)
-    return 200, {"Content-Type": content_type, "X-Request-ID": body["request_id"]}, b"".join(chunks)
+    data = b"".join(c if isinstance(c, bytes) else c.tobytes() for c in chunks)
+    return 200, {"Content-Type": content_type, "X-Request-ID": body["request_id"]}, data
 
 
 def completed(results: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:

@@ -21,18 +21,43 @@ uses the blocking L{read_message} and L{write_message}.
 from __future__ import annotations
 
 import json
+import os
 import struct
 from collections.abc import Callable
+from functools import partial
 from typing import IO, Any, ClassVar, TypeVar
 
 import attrs
 
 from kcoral.wire.jsontext import json_dumps
+from kcoral.wire.shared import (
+    MAX_DESCRIPTORS,
+    SharedBuffer,
+    SharedMemoryError,
+    adopt,
+    receive_descriptors,
+    send_descriptors,
+)
 
 #: The worker reads the parent's messages on this fd ...
 TO_WORKER_FD = 3
 #: ... and writes its own on this one.  Fds 1 and 2 never carry channel bytes.
 FROM_WORKER_FD = 4
+#: Both sides pass descriptors on this one, a C{SOCK_SEQPACKET} unix socket
+#: (L{kcoral.wire.shared}): the sealed memfds of blobs and of large returned
+#: parts.  Each message's descriptors are sent just before the frame that
+#: names them (a frame's C{shared_parts}, a blob's C{size}), so the reader
+#: takes them when it decodes that frame.
+DESCRIPTOR_FD = 5
+
+#: The channel's fds in a worker, each with who writes it (C{"w"}: the
+#: parent writes, C{"r"}: the parent reads, C{"socket"}: both, passing
+#: descriptors).  Whatever starts a worker hands it exactly these.
+WORKER_CHANNEL_FDS: dict[int, str] = {
+    TO_WORKER_FD: "w",
+    FROM_WORKER_FD: "r",
+    DESCRIPTOR_FD: "socket",
+}
 
 _PREFIX = struct.Struct(">IQ")
 
@@ -358,12 +383,33 @@ class ChannelMessage:
         """The frame payload (none by default)."""
         return b""
 
+    def descriptors(self) -> list[SharedBuffer]:
+        """The buffers whose descriptors travel with this message (none by default)."""
+        return []
+
     @classmethod
     def _header_keys(cls) -> frozenset[str]:
         return frozenset(a.name for a in attrs.fields(cls))
 
     @classmethod
-    def _from_fields(cls, fields: dict[str, Any], payload: bytes) -> ChannelMessage:
+    def _optional_keys(cls) -> frozenset[str]:
+        """Header keys a frame may leave out."""
+        return frozenset()
+
+    @classmethod
+    def _shared_sizes(cls, fields: dict[str, Any]) -> list[int]:
+        """
+        The sizes of the buffers a frame with header C{fields} carries as
+        descriptors, in sending order.
+
+        @raise ValueError: the header's description of them is malformed.
+        """
+        return []
+
+    @classmethod
+    def _from_fields(
+        cls, fields: dict[str, Any], payload: bytes, shared: list[SharedBuffer]
+    ) -> ChannelMessage:
         if payload:
             raise ChannelError(f"a {cls.TYPE!r} message carries no payload")
         return cls(**fields)
@@ -372,28 +418,58 @@ class ChannelMessage:
 # -- parent to worker ---------------------------------------------------------
 
 
+def _size(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError("a size must be a non-negative integer")
+    return value
+
+
 @_message("blob")
 @attrs.frozen
 class Blob(ChannelMessage):
-    """A blob's bytes, sent before the L{Execute} that references it."""
+    """
+    A blob's bytes, sent before the L{Execute} that references it: in the
+    payload, or (a L{SharedBuffer}) as a descriptor, the header's C{size}
+    giving its length.
+    """
 
     digest: str = attrs.field(validator=_json(str))
-    data: bytes = attrs.field(
-        default=b"", repr=False, validator=attrs.validators.instance_of(bytes)
+    data: bytes | SharedBuffer = attrs.field(
+        default=b"", repr=False, validator=attrs.validators.instance_of((bytes, SharedBuffer))
     )
 
     def _header_fields(self) -> dict[str, Any]:
+        if isinstance(self.data, SharedBuffer):
+            return {"digest": self.digest, "size": len(self.data)}
         return {"digest": self.digest}
 
     def payload(self) -> bytes:
-        return self.data
+        return self.data if isinstance(self.data, bytes) else b""
+
+    def descriptors(self) -> list[SharedBuffer]:
+        return [self.data] if isinstance(self.data, SharedBuffer) else []
 
     @classmethod
     def _header_keys(cls) -> frozenset[str]:
         return frozenset({"digest"})
 
     @classmethod
-    def _from_fields(cls, fields: dict[str, Any], payload: bytes) -> ChannelMessage:
+    def _optional_keys(cls) -> frozenset[str]:
+        return frozenset({"size"})
+
+    @classmethod
+    def _shared_sizes(cls, fields: dict[str, Any]) -> list[int]:
+        return [] if "size" not in fields else [_size(fields["size"])]
+
+    @classmethod
+    def _from_fields(
+        cls, fields: dict[str, Any], payload: bytes, shared: list[SharedBuffer]
+    ) -> ChannelMessage:
+        if shared:
+            if payload:
+                raise ChannelError("a shared blob carries no payload")
+            del fields["size"]
+            return cls(data=shared[0], **fields)
         return cls(data=payload, **fields)
 
 
@@ -443,6 +519,16 @@ class Exit(ChannelMessage):
     """Exit in an orderly way."""
 
 
+@_message("teardown")
+@attrs.frozen
+class Teardown(ChannelMessage):
+    """
+    Sent to a GPU worker that answered a retiring L{Outcome}, once the parent
+    holds its GPUs' maintenance lease: destroy the CUDA context(s) now,
+    answer L{TornDown}, then exit (off the lease).
+    """
+
+
 # -- worker to parent ---------------------------------------------------------
 
 
@@ -477,6 +563,20 @@ class LeaseRelease(ChannelMessage):
     """Give the lease back (no answer)."""
 
 
+@_message("torn_down")
+@attrs.frozen
+class TornDown(ChannelMessage):
+    """
+    The answer to L{Teardown}.  With C{destroyed} false the context could
+    not be destroyed in place, so it goes with the process: the parent
+    keeps the lease until the process is gone.
+    """
+
+    destroyed: bool = attrs.field(validator=_json(bool))
+    #: How long the teardown took in the worker.
+    seconds: float = attrs.field(default=0.0, validator=_json(int, float))
+
+
 @_message("compile_request")
 @attrs.frozen
 class CompileRequest(ChannelMessage):
@@ -505,36 +605,66 @@ class Instruction(ChannelMessage):
     index: int = attrs.field(validator=_json(int))
 
 
+#: A binary part: bytes in the frame's payload, or a sealed shared buffer
+#: whose descriptor travels beside the frame.
+Part = bytes | SharedBuffer
+
+
 def _check_parts(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    """attrs validator: binary parts are a tuple of bytes."""
-    if not isinstance(value, tuple) or not all(isinstance(p, bytes) for p in value):
+    """attrs validator: binary parts are a tuple of bytes or shared buffers."""
+    if not isinstance(value, tuple) or not all(isinstance(p, bytes | SharedBuffer) for p in value):
         raise TypeError("field 'parts' must be a tuple of bytes")
 
 
 class _CarriesParts:
     """
     Mixin for messages whose C{parts} travel as the frame's payload, their
-    sizes in the header's C{part_sizes}.
+    sizes in the header's C{part_sizes}; the indices of those carried as
+    descriptors (L{SharedBuffer}s) are in C{shared_parts}, and the payload
+    holds only the others.
     """
 
-    parts: tuple[bytes, ...]
+    parts: tuple[Part, ...]
 
     def _header_fields(self) -> dict[str, Any]:
         fields = attrs.asdict(self, recurse=False)  # type: ignore[arg-type]
         del fields["parts"]
         fields["part_sizes"] = [len(part) for part in self.parts]
+        shared = [i for i, part in enumerate(self.parts) if isinstance(part, SharedBuffer)]
+        if shared:
+            fields["shared_parts"] = shared
         return fields
 
     def payload(self) -> bytes:
-        return b"".join(self.parts)
+        return b"".join(part for part in self.parts if isinstance(part, bytes))
+
+    def descriptors(self) -> list[SharedBuffer]:
+        return [part for part in self.parts if isinstance(part, SharedBuffer)]
 
     @classmethod
     def _header_keys(cls) -> frozenset[str]:
         return (super()._header_keys() - {"parts"}) | {"part_sizes"}  # type: ignore[misc, no-any-return]
 
     @classmethod
-    def _from_fields(cls, fields: dict[str, Any], payload: bytes) -> Any:
-        return cls(parts=_split_parts(fields.pop("part_sizes"), payload), **fields)  # type: ignore[call-arg]
+    def _optional_keys(cls) -> frozenset[str]:
+        return frozenset({"shared_parts"})
+
+    @classmethod
+    def _shared_sizes(cls, fields: dict[str, Any]) -> list[int]:
+        sizes = fields.get("part_sizes")
+        if not isinstance(sizes, list):
+            raise ValueError("'part_sizes' must be a list of sizes")
+        indices = _shared_indices(fields.get("shared_parts", []), len(sizes))
+        return [_size(sizes[i]) for i in indices]
+
+    @classmethod
+    def _from_fields(
+        cls, fields: dict[str, Any], payload: bytes, shared: list[SharedBuffer]
+    ) -> Any:
+        sizes = fields.pop("part_sizes")
+        indices = fields.pop("shared_parts", [])
+        parts = _split_parts(sizes, payload, dict(zip(indices, shared, strict=True)))
+        return cls(parts=parts, **fields)  # type: ignore[call-arg]
 
 
 @_message("outcome")
@@ -559,7 +689,7 @@ class Outcome(_CarriesParts, ChannelMessage):
     #: C{max_response_bytes}: they are left out, so the frame stays within
     #: the limits the parent reads it under.
     oversize: int | None = attrs.field(default=None, validator=_json(int, optional=True))
-    parts: tuple[bytes, ...] = attrs.field(default=(), repr=False, validator=_check_parts)
+    parts: tuple[Part, ...] = attrs.field(default=(), repr=False, validator=_check_parts)
     #: How many leading binary parts were already sent with L{Returned}
     #: messages; C{parts} holds only the ones after them.
     streamed_parts: int = attrs.field(default=0, validator=_json(int))
@@ -575,22 +705,44 @@ class Returned(_CarriesParts, ChannelMessage):
 
     key: str = attrs.field(validator=_json(str))
     value: Any = attrs.field()
-    parts: tuple[bytes, ...] = attrs.field(default=(), repr=False, validator=_check_parts)
+    parts: tuple[Part, ...] = attrs.field(default=(), repr=False, validator=_check_parts)
 
 
-def _split_parts(sizes: Any, payload: bytes) -> tuple[bytes, ...]:
-    """Cut C{payload} into parts of C{sizes} (a header's C{part_sizes})."""
+def _shared_indices(value: Any, count: int) -> list[int]:
+    """A header's C{shared_parts}: increasing indices of its C{count} parts."""
+    if not isinstance(value, list) or len(value) > MAX_DESCRIPTORS:
+        raise ValueError(f"'shared_parts' must be a list of at most {MAX_DESCRIPTORS} indices")
+    previous = -1
+    for index in value:
+        if isinstance(index, bool) or not isinstance(index, int) or not previous < index < count:
+            raise ValueError("'shared_parts' must be increasing indices of 'part_sizes'")
+        previous = index
+    return value
+
+
+def _split_parts(
+    sizes: Any, payload: bytes, shared: dict[int, SharedBuffer] | None = None
+) -> tuple[Part, ...]:
+    """
+    Cut C{payload} into parts of C{sizes} (a header's C{part_sizes}); the
+    parts at the indices of C{shared} are those buffers instead.
+    """
+    shared = shared or {}
     if not isinstance(sizes, list) or not all(
         isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in sizes
     ):
         raise ChannelError("'part_sizes' must be a list of sizes")
-    if sum(sizes) != len(payload):
-        raise ChannelError(
-            f"'part_sizes' add up to {sum(sizes)} bytes, the payload has {len(payload)}"
-        )
+    inline = sum(size for i, size in enumerate(sizes) if i not in shared)
+    if inline != len(payload):
+        raise ChannelError(f"'part_sizes' add up to {inline} bytes, the payload has {len(payload)}")
     view = memoryview(payload)
-    parts, offset = [], 0
-    for size in sizes:
+    parts: list[Part] = []
+    offset = 0
+    for index, size in enumerate(sizes):
+        buffer = shared.get(index)
+        if buffer is not None:
+            parts.append(buffer)
+            continue
         parts.append(bytes(view[offset : offset + size]))
         offset += size
     return tuple(parts)
@@ -605,12 +757,25 @@ def encode(message: ChannelMessage) -> bytes:
     return encode_frame(message.header(), message.payload())
 
 
-def decode(frame: Frame) -> ChannelMessage:
+#: Takes the next message's descriptors from the descriptor socket:
+#: C{take(count)} returns exactly C{count} fds or raises L{SharedMemoryError}.
+TakeDescriptors = Callable[[int], list[int]]
+
+
+def decode(
+    frame: Frame,
+    take: TakeDescriptors | None = None,
+    max_shared_bytes: int | None = None,
+) -> ChannelMessage:
     """
-    The message a frame carries.
+    The message a frame carries, with the buffers it names taken from the
+    descriptor socket through C{take}, each checked (L{adopt}: a sealed
+    memfd of exactly its declared size).
 
     @raise ChannelError: unknown type, a missing or extra field, a field of
-        the wrong type or value, or a payload where none belongs.
+        the wrong type or value, a payload where none belongs, or shared
+        buffers that are absent, not sealed buffers, of another size, or
+        over C{max_shared_bytes} in all.
     """
     fields = dict(frame.header)
     name = fields.pop("type", None)
@@ -618,30 +783,89 @@ def decode(frame: Frame) -> ChannelMessage:
     if cls is None:
         raise ChannelError(f"unknown message type {name!r}")
     expected = cls._header_keys()
-    missing, extra = expected - fields.keys(), fields.keys() - expected
+    missing = expected - fields.keys()
+    extra = fields.keys() - expected - cls._optional_keys()
     if missing or extra:
         raise ChannelError(
             f"bad {name!r} message: missing fields {sorted(missing)}, unknown fields {sorted(extra)}"
         )
     try:
-        return cls._from_fields(fields, frame.payload)
+        sizes = cls._shared_sizes(fields)
     except (TypeError, ValueError) as e:
+        raise ChannelError(f"bad {name!r} message: {e}") from None
+    shared = _take_shared(name, sizes, take, max_shared_bytes) if sizes else []
+    try:
+        return cls._from_fields(fields, frame.payload, shared)
+    except (TypeError, ValueError, ChannelError) as e:
+        for buffer in shared:
+            buffer.close()
         raise ChannelError(f"bad {name!r} message: {e}") from None
 
 
-def read_message(stream: IO[bytes], limits: FrameLimits = DEFAULT_LIMITS) -> ChannelMessage | None:
+def _take_shared(
+    name: str, sizes: list[int], take: TakeDescriptors | None, max_shared_bytes: int | None
+) -> list[SharedBuffer]:
+    if take is None:
+        raise ChannelError(f"a {name!r} message names descriptors this channel does not pass")
+    total = sum(sizes)
+    if max_shared_bytes is not None and total > max_shared_bytes:
+        raise ChannelError(
+            f"a {name!r} message shares {total} bytes, over the limit of {max_shared_bytes}"
+        )
+    try:
+        fds = take(len(sizes))
+    except SharedMemoryError as e:
+        raise ChannelError(f"bad {name!r} message: {e}") from None
+    shared: list[SharedBuffer] = []
+    try:
+        for index, (fd, size) in enumerate(zip(fds, sizes, strict=True)):
+            try:
+                shared.append(adopt(fd, size))
+            except SharedMemoryError:
+                for rest in fds[index + 1 :]:
+                    os.close(rest)
+                raise
+    except SharedMemoryError as e:
+        for buffer in shared:
+            buffer.close()
+        raise ChannelError(f"bad {name!r} message: {e}") from None
+    return shared
+
+
+def read_message(
+    stream: IO[bytes], limits: FrameLimits = DEFAULT_LIMITS, descriptors: Any = None
+) -> ChannelMessage | None:
     """
-    Blocking read of one message; C{None} at a clean end of stream.
+    Blocking read of one message; C{None} at a clean end of stream.  Its
+    shared buffers come from the socket C{descriptors} (blocking).
 
     @raise ChannelError: on a truncated, malformed or invalid frame.
     """
     frame = read_frame(stream, limits)
-    return None if frame is None else decode(frame)
+    if frame is None:
+        return None
+    take = None if descriptors is None else partial(receive_descriptors, descriptors)
+    return decode(frame, take, limits.max_payload_bytes)
 
 
-def write_message(stream: IO[bytes], message: ChannelMessage) -> None:
-    """Blocking write of one message, flushed; a large payload is not copied."""
-    write_frame(stream, message.header(), message.payload())
+def write_message(stream: IO[bytes], message: ChannelMessage, descriptors: Any = None) -> None:
+    """
+    Blocking write of one message, flushed; a large payload is not copied.
+    Its shared buffers' descriptors go first, on the socket C{descriptors}.
+    """
+    payload = message.payload()
+    # Encoded before anything is sent: a header without a JSON form fails
+    # with nothing written.
+    head = _prefix_and_header(message.header(), len(payload))
+    shared = message.descriptors()
+    if shared:
+        if descriptors is None:
+            raise ValueError(f"a {message.TYPE!r} message with shared buffers needs a socket")
+        send_descriptors(descriptors, [buffer.fileno() for buffer in shared])
+    stream.write(head)
+    if payload:
+        stream.write(payload)
+    stream.flush()
 
 
 @attrs.define

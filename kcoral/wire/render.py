@@ -28,9 +28,10 @@ from kcoral.wire.errors import (
 from kcoral.wire.jsontext import json_dumps
 from kcoral.wire.multipart import encode_response
 from kcoral.wire.program import Program
+from kcoral.wire.shared import SharedBuffer
 
 #: A response body: bytes, or the chunks of a multipart body.
-Body = Union[bytes, list[bytes]]
+Body = Union[bytes, list[Union[bytes, SharedBuffer]]]
 
 #: Log fields longer than this are cut (error messages, exception text).
 FIELD_LIMIT = 2048
@@ -80,7 +81,7 @@ class Ending(Protocol):
     @property
     def results(self) -> dict[str, Any]: ...
     @property
-    def parts(self) -> tuple[bytes, ...]: ...
+    def parts(self) -> tuple[bytes | SharedBuffer, ...]: ...
     @property
     def lease_wait_seconds(self) -> float: ...
     @property
@@ -239,7 +240,7 @@ def render_result(
             instruction_op=error.get("instruction_op"),
             instruction_id=error.get("instruction_id"),
         )
-    out: Body = chunks[0] if len(chunks) == 1 else chunks
+    out: Body = chunks[0] if len(chunks) == 1 and isinstance(chunks[0], bytes) else chunks
     return Rendered(200, content_type, out, reason, fields)
 
 

@@ -19,13 +19,14 @@ from typing import Any
 import attrs
 
 from kcoral.wire.program import DTYPES, ValidationError, normalize_path, tensor_nbytes
+from kcoral.wire.shared import SHARE_THRESHOLD, SharedBuffer
 
 #: One encoded node: a JSON object with a C{type} member.
 Node = dict[str, Any]
 
 #: Given a value, return C{(dtype, shape, little-endian C-contiguous bytes)}
 #: when it is a tensor, else C{None}.
-TensorParts = Callable[[object], "tuple[str, Sequence[int], bytes] | None"]
+TensorParts = Callable[[object], "tuple[str, Sequence[int], bytes | memoryview] | None"]
 
 
 class SerializationError(Exception):
@@ -100,20 +101,34 @@ class PartCollector:
     numbering stays contiguous.
     """
 
-    def __init__(self) -> None:
-        self.parts: list[bytes] = []
+    def __init__(self, share: Callable[[memoryview], SharedBuffer] | None = None) -> None:
+        self.parts: list[bytes | SharedBuffer] = []
         self.total_bytes = 0
+        #: Makes a sealed shared buffer of a part's bytes (a worker's
+        #: L{kcoral.wire.shared.share}): parts of L{SHARE_THRESHOLD} bytes or
+        #: more are copied into one at once and cross to the parent as a
+        #: descriptor; C{None} keeps every part as bytes.
+        self._share = share
 
     def __len__(self) -> int:
         return len(self.parts)
 
     def add(self, data: bytes | bytearray | memoryview) -> tuple[str, str]:
-        """Register a part; return its name and SHA-256."""
-        payload = bytes(data)
+        """
+        Register a part (copied now: C{data} may be a view of the program's
+        own array); return its name and SHA-256.
+        """
+        view = memoryview(data).cast("B")
+        digest = hashlib.sha256(view).hexdigest()
+        payload: bytes | SharedBuffer
+        if self._share is not None and view.nbytes >= SHARE_THRESHOLD:
+            payload = self._share(view)
+        else:
+            payload = view.tobytes()
         name = f"return:{len(self.parts)}"
         self.parts.append(payload)
         self.total_bytes += len(payload)
-        return name, hashlib.sha256(payload).hexdigest()
+        return name, digest
 
     def mark(self) -> int:
         """A point to L{rewind} to."""
@@ -126,7 +141,9 @@ class PartCollector:
         del self.parts[mark:]
 
 
-def _encode_tensor(exported: tuple[str, Sequence[int], bytes], collector: PartCollector) -> Node:
+def _encode_tensor(
+    exported: tuple[str, Sequence[int], bytes | memoryview], collector: PartCollector
+) -> Node:
     dtype, shape, data = exported
     if not isinstance(dtype, str) or dtype not in DTYPES:
         raise SerializationError(f"cannot return tensor dtype {dtype}")
@@ -197,7 +214,7 @@ def encode_plain(
         raise
 
 
-def numpy_tensor_parts(value: object) -> tuple[str, Sequence[int], bytes] | None:
+def numpy_tensor_parts(value: object) -> tuple[str, Sequence[int], bytes | memoryview] | None:
     """
     A C{tensor_parts} callback for NumPy arrays (an extension §7.1 allows):
     little-endian, C-contiguous bytes; unsupported dtypes are refused.
@@ -209,8 +226,9 @@ def numpy_tensor_parts(value: object) -> tuple[str, Sequence[int], bytes] | None
     name = value.dtype.name
     if name not in DTYPES:
         raise SerializationError(f"cannot return tensor dtype {name}")
-    data = np.ascontiguousarray(value, dtype=value.dtype.newbyteorder("<")).tobytes()
-    return name, list(value.shape), data
+    # A view, not a copy: the part collector copies it once, into its part.
+    array = np.ascontiguousarray(value, dtype=value.dtype.newbyteorder("<"))
+    return name, list(value.shape), array.reshape(-1).view(np.uint8).data
 
 
 def numpy_dtype(name: str) -> Any:

@@ -14,7 +14,9 @@ import argparse
 import gc
 import os
 import signal
+import socket
 import sys
+import time
 import traceback
 from collections.abc import Sequence
 from typing import IO, Any
@@ -22,7 +24,9 @@ from typing import IO, Any
 import attrs
 
 from kcoral.wire.channel import (
+    DESCRIPTOR_FD,
     FROM_WORKER_FD,
+    RETIRE_REQUEST_LIMIT,
     TO_WORKER_FD,
     Blob,
     Execute,
@@ -30,9 +34,13 @@ from kcoral.wire.channel import (
     Failed,
     Outcome,
     Ready,
+    Teardown,
+    TornDown,
     read_message,
     write_message,
 )
+from kcoral.wire.shared import SharedBuffer
+from kcoral.wire.shared import available as shared_memory_available
 from kcoral.worker.builtins import registry_for
 from kcoral.worker.devices import make_backend, prepare_backend
 from kcoral.worker.engine import Engine
@@ -69,9 +77,15 @@ def serve(
     outbox: IO[bytes],
     device: str,
     max_requests: int = 1,
+    descriptors: socket.socket | None = None,
     **backend_options: Any,
 ) -> int:
-    """Handshake, then run programs until told to exit; return the exit status."""
+    """
+    Handshake, then run programs until told to exit; return the exit status.
+
+    With C{descriptors} (the channel's descriptor socket), blobs may arrive
+    and large returned parts leave as sealed shared buffers.
+    """
     # A GPU worker creates its CUDA context while holding its GPU's lease,
     # so warming a new worker never overlaps another worker's measurement.
     lease: Any = LeaseClient(inbox, outbox) if device != "cpu" else NullLease()
@@ -100,17 +114,19 @@ def serve(
         backend,
         lease,
         registry_for(backend),
-        send=lambda message: write_message(outbox, message),
+        send=lambda message: write_message(outbox, message, descriptors),
         stream_returns=True,
+        share_parts=descriptors is not None and shared_memory_available(),
     )
     write_message(
         outbox, Ready(pid=os.getpid(), target=target, versions=versions, device=backend.name)
     )
     lease.release()
     served = 0
-    blobs: dict[str, bytes] = {}
+    socket_identity = None if descriptors is None else _identity(descriptors)
+    blobs: dict[str, bytes | SharedBuffer] = {}
     while True:
-        message = read_message(inbox)
+        message = read_message(inbox, descriptors=descriptors)
         if message is None or isinstance(message, Exit):
             return 0
         if isinstance(message, Blob):
@@ -119,17 +135,73 @@ def serve(
             served += 1
             retiring = max_requests > 0 and served >= max_requests
             outcome = engine.run(message, blobs, retiring=retiring)
+            for blob in blobs.values():
+                if isinstance(blob, SharedBuffer):
+                    blob.close()
             blobs = {}
+            if descriptors is not None and not _same_socket(descriptors, socket_identity):
+                # The program closed or replaced the descriptor socket: send
+                # the parts inline, and retire (the next request could not
+                # get its blobs).
+                print("kcoral worker: retiring, the descriptor socket was changed", file=sys.stderr)
+                outcome = attrs.evolve(
+                    outcome,
+                    parts=tuple(_inline(part) for part in outcome.parts),
+                    retire=outcome.retire or RETIRE_REQUEST_LIMIT,
+                )
+                descriptors.detach()  # fd 5 may be another file now: never close it
+                descriptors = None
             try:
-                write_message(outbox, outcome)
+                write_message(outbox, outcome, descriptors)
             except ValueError:
                 # Text without a UTF-8 form (a lone surrogate in an error
                 # message or a key): nothing was written yet; send it mended.
-                write_message(outbox, _mended(outcome))
+                write_message(outbox, _mended(outcome), descriptors)
             if outcome.retire is not None:
-                return 0
+                return _retire(inbox, outbox, backend)
         else:
             print(f"kcoral worker: ignoring message {message.TYPE!r}", file=sys.stderr, flush=True)
+
+
+def _identity(sock: socket.socket) -> tuple[int, int] | None:
+    """The device and inode behind C{sock}'s fd (C{None}: it is closed)."""
+    try:
+        info = os.fstat(sock.fileno())
+    except (OSError, ValueError):
+        return None
+    return (info.st_dev, info.st_ino)
+
+
+def _same_socket(sock: socket.socket, identity: tuple[int, int] | None) -> bool:
+    return identity is not None and _identity(sock) == identity
+
+
+def _inline(part: bytes | SharedBuffer) -> bytes:
+    return part if isinstance(part, bytes) else part.tobytes()
+
+
+def _retire(inbox: IO[bytes], outbox: IO[bytes], backend: Any) -> int:
+    """
+    Leave after a retiring outcome.  A GPU worker waits for L{Teardown}
+    (the parent then holds its GPUs' maintenance lease), destroys its
+    contexts, answers L{TornDown} and leaves at once with C{os._exit}, so
+    nothing touches CUDA after the answer; L{Exit} or the end of the
+    channel (the parent is stopping) leave normally.
+    """
+    if not backend.uses_lease:
+        return 0
+    while True:
+        message = read_message(inbox)
+        if message is None or isinstance(message, Exit):
+            return 0
+        if isinstance(message, Teardown):
+            started = time.monotonic()
+            destroy = getattr(backend, "destroy_context", None)
+            destroyed = bool(destroy()) if destroy is not None else False
+            write_message(outbox, TornDown(destroyed=destroyed, seconds=time.monotonic() - started))
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
 
 
 def _mend(value: Any) -> Any:
@@ -164,6 +236,16 @@ def _widen_pipe(fd: int, size: int = 1 << 20) -> None:
         pass  # not a pipe, or over the system's limit: the default works too
 
 
+def _descriptor_socket() -> socket.socket | None:
+    """The channel's descriptor socket, when the parent gave us one."""
+    try:
+        sock = socket.socket(fileno=DESCRIPTOR_FD)
+    except OSError:
+        return None  # started without one (by hand, or an older parent)
+    os.set_inheritable(DESCRIPTOR_FD, False)
+    return sock
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     _detach()
@@ -172,11 +254,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         _widen_pipe(fd)
     inbox = os.fdopen(TO_WORKER_FD, "rb", buffering=1 << 16)
     outbox = os.fdopen(FROM_WORKER_FD, "wb", buffering=1 << 16)
+    descriptors = _descriptor_socket()
     options: dict[str, Any] = {}
     if args.device == "gpu":
         options = {"gpu_ordinal": args.gpu_ordinal, "tensor_api": args.tensor_api}
     try:
-        return serve(inbox, outbox, args.device, args.max_requests, **options)
+        return serve(inbox, outbox, args.device, args.max_requests, descriptors, **options)
     except BrokenPipeError:
         return 1
     finally:

@@ -59,7 +59,7 @@ class CpuBackend:
     def load_library(self, data: bytes) -> Any:
         raise ExecutionError("unavailable", "library uploads require a GPU worker")
 
-    def tensor_parts(self, value: Any) -> tuple[str, Sequence[int], bytes] | None:
+    def tensor_parts(self, value: Any) -> tuple[str, Sequence[int], bytes | memoryview] | None:
         return numpy_tensor_parts(value)
 
     def drain(self) -> None:

@@ -55,6 +55,7 @@ from kcoral.wire.program import (
     normalize_path,
     parse_program,
 )
+from kcoral.wire.shared import SharedBuffer, share
 from kcoral.wire.values import (
     PartCollector,
     SerializationError,
@@ -190,6 +191,9 @@ class Engine:
     #: parent keeps it if the worker crashes later; the outcome then carries
     #: only the parts not sent yet.
     stream_returns: bool = False
+    #: Make large binary parts sealed shared buffers (L{kcoral.wire.shared}),
+    #: whose descriptors cross to the parent instead of their bytes.
+    share_parts: bool = False
 
     def __attrs_post_init__(self) -> None:
         runtime.install(self.backend, self.lease, self.builtins)
@@ -197,7 +201,7 @@ class Engine:
     def run(
         self,
         request: Execute,
-        blobs: Mapping[str, bytes] | None = None,
+        blobs: Mapping[str, bytes | SharedBuffer] | None = None,
         *,
         retiring: bool = False,
     ) -> Outcome:
@@ -301,7 +305,11 @@ class _ProgramRun:
     """The state of one program while it runs."""
 
     def __init__(
-        self, engine: Engine, request: Execute, blobs: dict[str, bytes], program: Program
+        self,
+        engine: Engine,
+        request: Execute,
+        blobs: dict[str, bytes | SharedBuffer],
+        program: Program,
     ) -> None:
         self.engine = engine
         self.blobs = blobs
@@ -310,7 +318,7 @@ class _ProgramRun:
         self.request = request
         self.program = program
         self.handles = _Handles()
-        self.parts = PartCollector()
+        self.parts = PartCollector(share if engine.share_parts else None)
         #: Parts already sent with L{Returned} messages.
         self.streamed = 0
         self.streamed_bytes = 0
@@ -443,7 +451,7 @@ class _ProgramRun:
                 raise
             self.results[instruction.key] = result
             if self.engine.stream_returns and self.streaming:
-                new_parts = tuple(bytes(p) for p in self.parts.parts[self.streamed :])
+                new_parts = tuple(self.parts.parts[self.streamed :])
                 # What this return adds to the frames sent ahead: the parent
                 # accepts no more than max_response_bytes of them in all.
                 size = encoded + 6 * len(instruction.key) + RETURNED_OVERHEAD
@@ -462,11 +470,16 @@ class _ProgramRun:
         else:  # pragma: no cover - the parser admits nothing else
             raise _Failure("engine", f"unknown instruction {instruction!r}")
 
-    def _blob(self, digest: str | None) -> bytes:
+    def _blob(self, digest: str | None) -> bytes | memoryview:
+        """
+        A blob's bytes: a shared buffer is mapped read-only, not copied
+        (its seals keep every byte as the parent hashed it).
+        """
         try:
-            return self.blobs[digest or ""]
+            data = self.blobs[digest or ""]
         except KeyError:
             raise _Failure("engine", f"blob {digest} was not sent to the worker") from None
+        return data.map() if isinstance(data, SharedBuffer) else data
 
     def _upload_module(self, instruction: Upload) -> Any:
         source = instruction.source or ""
@@ -502,10 +515,11 @@ class _ProgramRun:
             raise _user_failure(e) from None
 
     def _upload_bytes(self, instruction: Upload) -> bytes:
-        return self._blob(instruction.blob)
+        data = self._blob(instruction.blob)
+        return data if isinstance(data, bytes) else data.tobytes()
 
     def _upload_library(self, instruction: Upload) -> Any:
-        data = self._blob(instruction.blob)
+        data = bytes(self._blob(instruction.blob))
         library = _library_call(
             lambda: self.backend.load_library(data),
             lambda e: f"cannot load the uploaded library: {_describe(e)}",

@@ -44,7 +44,7 @@ def _open_parent(workspace: str, components: list[str], create: bool) -> Iterato
         os.close(fd)
 
 
-def materialize_file(workspace: str, path: str, data: bytes) -> None:
+def materialize_file(workspace: str, path: str, data: bytes | memoryview) -> None:
     """Create C{path} (normalized) below C{workspace} exclusively, mode 0600."""
     *parents, name = path.split("/")
     with _open_parent(workspace, parents, create=True) as parent:

@@ -226,7 +226,7 @@ class GpuBackend:
             tensor = tensor.view(torch_dtype)
         return tensor
 
-    def tensor_parts(self, value: Any) -> tuple[str, tuple[int, ...], bytes] | None:
+    def tensor_parts(self, value: Any) -> tuple[str, tuple[int, ...], bytes | memoryview] | None:
         """
         C{(dtype, shape, bytes)} of a GPUArray, torch tensor (CUDA or CPU),
         cupy array, other C{__cuda_array_interface__} exporter or numpy
@@ -339,6 +339,33 @@ class GpuBackend:
             except _pycuda_error_types():
                 self._spin = None
         return None if self._spin is None else self._spin[1]
+
+    def destroy_context(self) -> bool:
+        """
+        Destroy this process's CUDA contexts now (a retiring worker, under
+        its GPUs' maintenance lease; docs/architecture.md, "The GPU lease"):
+        pop ours, then reset every device's primary context through the
+        driver API, which destroys it whoever else (torch) retained it.
+        Returns C{False} when the driver call is not available or fails:
+        the contexts then go when the process exits.  Nothing may use CUDA
+        afterwards; the worker leaves with C{os._exit}.
+        """
+        import ctypes
+
+        try:
+            self.close()
+            # Already loaded by PyCUDA: dlopen hands back the same library
+            # (no search, no helper process, nothing the sandbox forbids).
+            libcuda = ctypes.CDLL("libcuda.so.1")
+            reset = libcuda.cuDevicePrimaryCtxReset_v2
+            reset.argtypes = [ctypes.c_int]
+            reset.restype = ctypes.c_int
+            for ordinal in range(self._drv.Device.count()):
+                if reset(ordinal) != 0:
+                    return False
+        except Exception:
+            return False
+        return True
 
     def close(self) -> None:
         """Synchronize and pop the primary context (at worker exit)."""

@@ -42,7 +42,7 @@ class IDeviceBackend(Interface):
         @raise kcoral.errors.ExecutionError: C{unavailable} on CPU, C{compile} on a bad image.
         """
 
-    def tensor_parts(value: Any) -> tuple[str, Sequence[int], bytes] | None:
+    def tensor_parts(value: Any) -> tuple[str, Sequence[int], bytes | memoryview] | None:
         """
         If C{value} is a tensor this backend knows, its C{(dtype, shape,
         little-endian C-contiguous bytes)}; else C{None}.

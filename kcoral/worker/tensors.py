@@ -67,13 +67,21 @@ def check_shape(shape: Any) -> tuple[int, ...]:
     return tuple(out)
 
 
-def numpy_parts(array: np.ndarray) -> tuple[str, tuple[int, ...], bytes]:
-    """C{(dtype, shape, little-endian C-contiguous bytes)} of a host array."""
+def numpy_parts(array: np.ndarray) -> tuple[str, tuple[int, ...], memoryview]:
+    """
+    C{(dtype, shape, little-endian C-contiguous bytes)} of a host array; the
+    bytes are a view (the part collector copies them once, into the part).
+    """
     name = dtype_name(array.dtype)
     dtype = array.dtype
     if dtype.byteorder == ">":
         array = array.astype(dtype.newbyteorder("<"))
-    return name, tuple(int(d) for d in array.shape), np.ascontiguousarray(array).tobytes()
+    contiguous = np.ascontiguousarray(array)
+    return (
+        name,
+        tuple(int(d) for d in array.shape),
+        contiguous.reshape(-1).view(np.uint8).data,
+    )
 
 
 def is_torch_tensor(value: Any) -> bool:

@@ -26,7 +26,7 @@ from kcoral.testing.live_server import ServerProcess, free_port
 from kcoral.wire.multipart import parse_request_body
 from kcoral.wire.program import BLOB_KINDS
 
-from .refclient import RefClientUnavailable, ensure_venv, run_client, run_our_client
+from .refclient import run_client, run_our_client
 
 pytestmark = pytest.mark.integration
 
@@ -91,14 +91,6 @@ def capture() -> Iterator[tuple[str, type[_Capture]]]:
     finally:
         server.shutdown()
         server.server_close()
-
-
-@pytest.fixture(scope="module")
-def refclient() -> Path:
-    try:
-        return ensure_venv()
-    except RefClientUnavailable as e:  # pragma: no cover - needs PyPI
-        pytest.skip(str(e))
 
 
 _PROGRAM = r"""

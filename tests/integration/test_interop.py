@@ -30,8 +30,6 @@ import pytest
 from kcoral.testing.live_server import ServerProcess, multipart_body, post_program, request, sha256
 
 from .refclient import (
-    RefClientUnavailable,
-    ensure_venv,
     kcoral_cli,
     our_kcoral_cli,
     run_client,
@@ -126,14 +124,6 @@ _EPILOGUE = f"""
 out.setdefault("attempts", ATTEMPTS)
 print({_MARK!r} + json.dumps(out))
 """
-
-
-@pytest.fixture(scope="module")
-def refclient() -> Path:
-    try:
-        return ensure_venv()
-    except RefClientUnavailable as e:  # pragma: no cover - needs PyPI
-        pytest.skip(str(e))
 
 
 @pytest.fixture(params=["reference", "ours"])

@@ -7,7 +7,9 @@ sleep or add), so the server runs without a sandbox for speed.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import resource
 import shutil
 import socket
 import subprocess
@@ -237,3 +239,74 @@ def test_load_nothing_lost(server: tuple[ServerProcess, Path]) -> None:
     wrong = [r for r in results if r[1] != 200 or r[2] != r[0] + 1]
     assert len(results) == total
     assert wrong == []
+
+
+@contextlib.contextmanager
+def soft_fd_limit(soft: int) -> Iterator[None]:
+    """Lower this process's soft limit on open files (what a child inherits)."""
+    old = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, old[1]), old[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, old)
+
+
+@pytest.fixture(scope="module")
+def finishing_server(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[ServerProcess, Path]]:
+    """A server started with systemd's soft fd limit (1,024) and --finish-abandoned."""
+    logs = tmp_path_factory.mktemp("finishing-logs")
+    args = [
+        "--device", "cpu", "--sandbox", "none", "--num-workers", "1",
+        "--log-dir", str(logs), "--finish-abandoned",
+    ]  # fmt: skip
+    with soft_fd_limit(1024):
+        process = ServerProcess(args).start()
+    try:
+        yield process, logs
+    finally:
+        process.stop()
+
+
+def test_fd_limit_raised(finishing_server: tuple[ServerProcess, Path]) -> None:
+    """
+    Started with a soft limit of 1,024 open files, the server raises it to
+    the hard limit and says so (C{fd_limit_raised}).
+    """
+    process, logs = finishing_server
+    assert process.process is not None
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard <= 1024:
+        pytest.skip("the hard limit leaves nothing to raise")
+    limits = Path(f"/proc/{process.process.pid}/limits").read_text()
+    (line,) = [row for row in limits.splitlines() if row.startswith("Max open files")]
+    soft_now = int(line.split()[3])
+    target = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    assert soft_now == target
+    (raised,) = wait_for(logs, lambda e: e["event"] == "fd_limit_raised")
+    assert (raised["old"], raised["new"]) == (1024, target)
+
+
+def test_finish_abandoned_keeps_work(finishing_server: tuple[ServerProcess, Path]) -> None:
+    """
+    With --finish-abandoned the operator chose to finish abandoned work: a
+    running and a queued program whose clients left both run to completion
+    and no worker is replaced for it.
+    """
+    process, logs = finishing_server
+    sleeper = run_program(SLEEP, "f", 2)
+    running, queued = str(uuid.uuid4()), str(uuid.uuid4())
+    first = raw_post(process.port, sleeper, running)
+    assert wait_for(logs, lambda e: e["event"] == "request_routed" and e["request_id"] == running)
+    second = raw_post(process.port, sleeper, queued)
+    assert wait_for(logs, lambda e: e["event"] == "request_accepted" and e["request_id"] == queued)
+    first.close()
+    second.close()
+    for rid in (running, queued):
+        (finished,) = wait_for(
+            logs, lambda e, r=rid: e["event"] == "request_finished" and e["request_id"] == r
+        )
+        assert finished["finish_reason"] == "completed", finished
+    assert not [e for e in events(logs) if e.get("reason") == "abandoned"]

@@ -72,26 +72,33 @@ def test_one_sigterm_drains(tmp_path: Path) -> None:
     assert body_of(answer)["results"]["out"]["value"] == 3
 
 
-def test_second_sigterm_stops_at_once(tmp_path: Path) -> None:
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+def test_second_sigterm_stops_at_once(tmp_path: Path, signum: signal.Signals) -> None:
     """
-    A second SIGTERM during the drain kills the workers: the 600 s programs
-    are answered (FAILED, the worker exited) and the server exits, leaving no
-    process behind.
+    A second SIGTERM (or SIGINT) during the drain kills the workers: the
+    600 s programs are answered (FAILED, the worker exited), the request
+    queued behind them was answered 503 by the first signal, and the server
+    exits, leaving no process behind.
     """
     server = start(tmp_path)
     assert server.process is not None
     running = [in_background(server, 600) for _ in range(2)]
     wait_for(tmp_path, "request_routed", count=2)
-    children = psutil.Process(server.process.pid).children(recursive=True)
+    waiting = in_background(server, 600)
+    wait_for(tmp_path, "request_accepted", count=3)
+    children = set(psutil.Process(server.process.pid).children(recursive=True))
     assert children
-    server.process.send_signal(signal.SIGTERM)
+    server.process.send_signal(signum)
     wait_for(tmp_path, "shutdown_started")
     time.sleep(0.5)
     assert server.process.poll() is None  # still draining
-    server.process.send_signal(signal.SIGTERM)
-    for thread, _ in running:
-        thread.join(120)
+    children |= set(psutil.Process(server.process.pid).children(recursive=True))
+    second = time.monotonic()
+    server.process.send_signal(signum)
     assert server.process.wait(120) == 0
+    print(f"exited {time.monotonic() - second:.2f} s after the second signal")
+    for thread, _ in [*running, waiting]:
+        thread.join(120)
     for _, answers in running:
         (answer,) = answers
         assert isinstance(answer, Response), answer
@@ -102,6 +109,9 @@ def test_second_sigterm_stops_at_once(tmp_path: Path) -> None:
         assert body["status"] == "FAILED"
         assert body["error"]["kind"] == "runtime"
         assert body["error"]["message"] == "worker exited while executing the instruction"
+    (answer,) = waiting[1]
+    assert isinstance(answer, Response), answer
+    assert (answer.status, body_of(answer)["error"]["kind"]) == (503, "busy")
     assert [e for e in events(tmp_path) if e["event"] == "shutdown_forced"]
-    gone, alive = psutil.wait_procs(children, timeout=30)
+    gone, alive = psutil.wait_procs(list(children), timeout=30)
     assert alive == []

@@ -10,7 +10,12 @@ from pathlib import Path
 import attrs
 from twisted.trial.unittest import SynchronousTestCase
 
-from kcoral.config import ServerConfig, default_cache_capacity, default_disk_cache_dir
+from kcoral.config import (
+    DEFAULT_SPARE_WORKERS_PER_GPU,
+    ServerConfig,
+    default_cache_capacity,
+    default_disk_cache_dir,
+)
 
 
 class DefaultsTests(SynchronousTestCase):
@@ -37,6 +42,7 @@ class DefaultsTests(SynchronousTestCase):
             "worker_wait_timeout_seconds": 1800.0,
             "workers_per_gpu": 8,
             "max_requests_per_worker": 1,
+            "spare_workers_per_gpu": None,
             "reuse_scope": "address",
             "sandbox": "bubblewrap",
             "sandbox_readonly_paths": (),
@@ -376,3 +382,18 @@ class HelperTests(SynchronousTestCase):
         self.assertEqual(record["sandbox_readonly_paths"], ["/opt/a"])
         self.assertEqual(record["gpus"], [0])
         self.assertIsNone(ServerConfig(disk_cache_dir=None).as_log_dict()["disk_cache_dir"])
+
+
+class SparesTests(SynchronousTestCase):
+    """C{spare_workers_per_gpu}: by default some per GPU, none in CPU mode."""
+
+    def test_defaults_by_mode(self) -> None:
+        self.assertEqual(ServerConfig(device="gpu").spares_per_group, DEFAULT_SPARE_WORKERS_PER_GPU)
+        self.assertEqual(ServerConfig(device="cpu").spares_per_group, 0)
+
+    def test_explicit(self) -> None:
+        self.assertEqual(ServerConfig(device="cpu", spare_workers_per_gpu=2).spares_per_group, 2)
+        self.assertEqual(ServerConfig(spare_workers_per_gpu=0).spares_per_group, 0)
+
+    def test_invalid(self) -> None:
+        self.assertRaises(ValueError, ServerConfig, spare_workers_per_gpu=-1)

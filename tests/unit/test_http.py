@@ -8,6 +8,7 @@ L{StringTransport} and a L{Clock}, no sockets.
 from __future__ import annotations
 
 import json
+import resource
 from typing import Any
 
 from klein import Klein
@@ -16,11 +17,13 @@ from twisted.internet.defer import Deferred
 from twisted.internet.error import ConnectionDone
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
+from twisted.logger import capturedLogs
 from twisted.python.failure import Failure
-from twisted.trial.unittest import SynchronousTestCase
+from twisted.trial.unittest import SkipTest, SynchronousTestCase
 from twisted.web.iweb import IRequest
 
-from kcoral.server.http import KcoralSite, raw_error_response
+from kcoral.server.auth import TokenGuard, parse_tokens
+from kcoral.server.http import REFUSALS, KcoralSite, raise_fd_limit, raw_error_response
 
 
 class _Routes:
@@ -48,6 +51,15 @@ class _Routes:
         request.setHeader(b"Content-Type", b"application/json")
         over = getattr(request, "over_capacity", False)
         return json.dumps({"over": over, "read": len(request.content.read())}).encode()
+
+    @app.route("/answer/<int:code>", methods=["GET", "POST"])
+    def answer(self, request: IRequest, code: int) -> bytes:
+        # What the API does for its own refusals (413, 503): a status, the
+        # request's id, a JSON body.
+        request.setResponseCode(code)
+        request.setHeader(b"Content-Type", b"application/json")
+        request.setHeader(b"X-Request-ID", b"answer-%d" % (code,))
+        return b"{}"
 
     @app.route("/upload", methods=["POST"])
     def upload(self, request: IRequest) -> bytes:
@@ -84,10 +96,10 @@ def parse_responses(data: bytes) -> list[tuple[int, dict[bytes, bytes], bytes]]:
 
 
 class Harness:
-    def __init__(self, **site_options: Any) -> None:
+    def __init__(self, resource: Any = None, **site_options: Any) -> None:
         self.clock = Clock()
         self.site = KcoralSite(
-            _Routes().app.resource(),
+            resource if resource is not None else _Routes().app.resource(),
             max_request_bytes=1024,
             reactor=self.clock,
             **site_options,
@@ -333,3 +345,143 @@ class BytesInFlightTests(SynchronousTestCase):
         self.assertEqual(harness.site.bytes_in_flight, 10)
         channel.connectionLost(Failure(ConnectionDone()))
         self.assertEqual(harness.site.bytes_in_flight, 0)
+
+
+def refusals(events: list[dict[str, Any]]) -> list[tuple[int, str]]:
+    """The (status, reason) of each C{request_refused} event."""
+    return [
+        (e["status"], e["reason"]) for e in events if e.get("kcoral_event") == "request_refused"
+    ]
+
+
+class RefusalEventTests(SynchronousTestCase):
+    """
+    Every refusal logs one C{request_refused} event whose status is the one
+    answered and whose C{request_id} is the answer's C{X-Request-ID}.
+    """
+
+    def refused(
+        self, data: bytes, status: int, reason: str, harness: Harness | None = None
+    ) -> dict[str, Any]:
+        with capturedLogs() as events:
+            got, headers, _, _ = (harness or Harness()).exchange(data)
+        self.assertEqual(got, status)
+        self.assertEqual(refusals(events), [(status, reason)])
+        (event,) = [e for e in events if e.get("kcoral_event") == "request_refused"]
+        self.assertEqual(event["request_id"], headers[b"x-request-id"].decode())
+        self.assertEqual(event["client"], "127.0.0.1")
+        self.assertEqual(REFUSALS[reason], status)
+        return event
+
+    def test_malformed(self) -> None:
+        """A bad Content-Length, bad chunking and HTTP/0.9 are refusals of reason malformed."""
+        for data in (
+            b"POST /upload HTTP/1.1\r\nHost: x\r\nContent-Length: ten\r\n\r\n",
+            b"POST /upload HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+            b"GET /hello\r\n\r\n",
+        ):
+            self.refused(data, 400, "malformed")
+
+    def test_headers(self) -> None:
+        """431 for a huge header, headers over the total, or too many; 414 for a long line."""
+        self.refused(
+            b"GET /hello HTTP/1.1\r\nX-Big: " + b"a" * 200_000 + b"\r\n\r\n",
+            431,
+            "header_too_large",
+        )
+        block = b"".join(b"X-H%d: %s\r\n" % (i, b"v" * 1000) for i in range(20))
+        event = self.refused(b"GET /hello HTTP/1.1\r\n" + block + b"\r\n", 431, "header_too_large")
+        self.assertEqual(event["path"], "/hello")
+        block = b"".join(b"X-H%d: v\r\n" % i for i in range(600))
+        self.refused(b"GET /hello HTTP/1.1\r\n" + block + b"\r\n", 431, "too_many_headers")
+        event = self.refused(b"GET /" + b"a" * 20_000 + b" HTTP/1.1\r\n\r\n", 414, "uri_too_long")
+        self.assertIsNone(event["path"])
+
+    def test_deadlines(self) -> None:
+        """A late head and a late body are refusals of their own reasons; an idle close is not."""
+        harness = Harness(header_timeout=10, body_timeout=20)
+        with capturedLogs() as events:
+            channel, _ = harness.connect()
+            channel.dataReceived(b"GET /hel")
+            harness.clock.advance(10)
+            channel, _ = harness.connect()
+            channel.dataReceived(b"POST /upload HTTP/1.1\r\nHost: x\r\nContent-Length: 9\r\n\r\n")
+            harness.clock.advance(20)
+            harness.connect()
+            harness.clock.advance(10)
+        self.assertEqual(refusals(events), [(408, "head_timeout"), (408, "body_timeout")])
+        body_event = [e for e in events if e.get("reason") == "body_timeout"][0]
+        self.assertEqual(body_event["path"], "/upload")
+
+    def test_connection_cap(self) -> None:
+        """A connection past the cap is a 503 connection_cap refusal."""
+        harness = Harness(max_connections=1)
+        harness.connect()
+        with capturedLogs() as events:
+            _, transport = harness.connect()
+        ((status, headers, _),) = parse_responses(transport.value())
+        self.assertEqual(refusals(events), [(503, "connection_cap")])
+        self.assertEqual(events[-1]["request_id"], headers[b"x-request-id"].decode())
+
+    def test_unauthorized(self) -> None:
+        """The token guard's 401 is an unauthorized refusal with the path asked for."""
+        tokens = parse_tokens("alice alice-0123456789abcdef\n")
+        harness = Harness(TokenGuard(_Routes().app.resource(), tokens))
+        event = self.refused(
+            b"GET /hello HTTP/1.1\r\nHost: x\r\n\r\n", 401, "unauthorized", harness
+        )
+        self.assertEqual(event["path"], "/hello")
+        with capturedLogs() as events:
+            status, *_ = harness.exchange(
+                b"GET /hello HTTP/1.1\r\nHost: x\r\n"
+                b"Authorization: Bearer alice-0123456789abcdef\r\n\r\n"
+            )
+        self.assertEqual((status, refusals(events)), (200, []))
+
+    def test_api_refusals(self) -> None:
+        """The API's 413 and 503 answers are refusals; its other answers are not."""
+        self.refused(b"GET /answer/413 HTTP/1.1\r\nHost: x\r\n\r\n", 413, "body_too_large")
+        self.refused(b"GET /answer/503 HTTP/1.1\r\nHost: x\r\n\r\n", 503, "busy")
+        for code in (200, 400, 404, 500, 504):
+            with capturedLogs() as events:
+                Harness().exchange(b"GET /answer/%d HTTP/1.1\r\nHost: x\r\n\r\n" % (code,))
+            self.assertEqual(refusals(events), [])
+
+    def test_bytes_in_flight(self) -> None:
+        """A 503 for a body over the bytes in flight is a bytes_in_flight refusal."""
+        _Routes.held.clear()
+        harness = Harness(max_bytes_in_flight=1500)
+        channel, _ = harness.connect()
+        channel.dataReceived(
+            b"POST /hold HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n" + b"a" * 1000
+        )
+        self.refused(
+            b"POST /answer/503 HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n",
+            503,
+            "bytes_in_flight",
+            harness,
+        )
+        _Routes.held[0].callback(b"{}")
+
+
+class FdLimitTests(SynchronousTestCase):
+    """L{raise_fd_limit} lifts the soft limit on open files to the hard limit."""
+
+    def test_raised_to_hard(self) -> None:
+        """A soft limit of 256 (below the hard one) is raised to the hard limit."""
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        self.addCleanup(resource.setrlimit, resource.RLIMIT_NOFILE, (soft, hard))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+        old, new = raise_fd_limit() or (None, None)
+        target = hard if hard != resource.RLIM_INFINITY else 1 << 20
+        self.assertEqual((old, new), (256, target))
+        self.assertEqual(resource.getrlimit(resource.RLIMIT_NOFILE), (target, hard))
+
+    def test_already_at_hard(self) -> None:
+        """At the hard limit already: nothing changes, old and new are equal."""
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        self.addCleanup(resource.setrlimit, resource.RLIMIT_NOFILE, (soft, hard))
+        if hard == resource.RLIM_INFINITY:
+            raise SkipTest("no finite hard limit to sit at")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        self.assertEqual(raise_fd_limit(), (hard, hard))

@@ -40,7 +40,8 @@ def test_clean_log_has_no_overlap(tmp_path: Path) -> None:
     )
     report = _tool().check([path])
     assert report["overlaps"] == []
-    assert report["gpus"] == {"0": {"grants": 2, "requests": 2}, "1": {"grants": 1, "requests": 1}}
+    counts = {gpu: (f["grants"], f["requests"]) for gpu, f in report["gpus"].items()}
+    assert counts == {"0": (2, 2), "1": (1, 1)}
 
 
 def test_grant_of_a_held_gpu_is_an_overlap(tmp_path: Path) -> None:
@@ -54,3 +55,128 @@ def test_grant_of_a_held_gpu_is_an_overlap(tmp_path: Path) -> None:
     )
     (overlap,) = _tool().check([path])["overlaps"]
     assert (overlap["gpu"], overlap["held_by"], overlap["granted_to"]) == (1, "x", "y")
+
+
+def _lease(name: str, holder: str, pid: int, mode: str = "exclusive", gpu: int = 0) -> dict:
+    event = {"event": name, "gpu_ids": [gpu], "holder": holder, "pid": pid, "mode": mode}
+    if mode == "exclusive":
+        event["request_id"] = f"r-{holder}"
+    return event
+
+
+def _context(name: str, worker: str, pid: int, gpu: int = 0) -> dict:
+    return {"event": name, "gpu_ids": [gpu], "worker_id": worker, "pid": pid}
+
+
+def _kinds(tmp_path: Path, events: list[dict]) -> list[str]:
+    return [o["kind"] for o in _tool().check([_write(tmp_path, events)])["overlaps"]]
+
+
+def test_batched_contexts_between_requests_are_clean(tmp_path: Path) -> None:
+    """Creations and teardowns batched under maintenance holds, between requests: no overlap."""
+    events = [
+        _lease("lease_granted", "gpu0/w0", 10),
+        _lease("lease_released", "gpu0/w0", 10),
+        _lease("lease_granted", "gpu0/s1", 11, "maintenance"),
+        _context("context_create_started", "gpu0/s1", 11),
+        _lease("lease_granted", "gpu0/w0", 10, "maintenance"),
+        _context("context_teardown_started", "gpu0/w0", 10),
+        _context("context_teardown_finished", "gpu0/w0", 10),
+        _lease("lease_released", "gpu0/w0", 10, "maintenance"),
+        _context("context_create_finished", "gpu0/s1", 11),
+        _lease("lease_released", "gpu0/s1", 11, "maintenance"),
+        _lease("lease_granted", "gpu0/w0", 12),
+        _lease("lease_released", "gpu0/w0", 12),
+    ]
+    report = _tool().check([_write(tmp_path, events)])
+    assert report["overlaps"] == []
+    facts = report["gpus"]["0"]
+    assert (facts["contexts_created"], facts["contexts_torn_down"]) == (1, 1)
+    assert facts["maintenance_grants"] == 2
+
+
+def test_own_exclusive_hold_covers_its_teardown(tmp_path: Path) -> None:
+    """A worker killed while holding its GPU tears down under its own hold."""
+    events = [
+        _lease("lease_granted", "gpu0/w0", 10),
+        _context("context_teardown_started", "gpu0/w0", 10),
+        _context("context_teardown_finished", "gpu0/w0", 10),
+        _lease("lease_released", "gpu0/w0", 10),
+    ]
+    assert _kinds(tmp_path, events) == []
+
+
+def test_context_beside_a_measurement(tmp_path: Path) -> None:
+    """A creation that starts while another worker holds the GPU is an overlap."""
+    events = [
+        _lease("lease_granted", "gpu0/w0", 10),
+        _context("context_create_started", "gpu0/w1", 11),
+    ]
+    assert _kinds(tmp_path, events) == ["context"]
+
+
+def test_measurement_during_a_teardown(tmp_path: Path) -> None:
+    """An exclusive grant while another worker's teardown is in progress is an overlap."""
+    events = [
+        _context("context_teardown_started", "gpu0/w1", 11),
+        _lease("lease_granted", "gpu0/w0", 10),
+    ]
+    assert _kinds(tmp_path, events) == ["context"]
+
+
+def test_same_seat_other_process(tmp_path: Path) -> None:
+    """A seat's new process is another holder than its old one (told apart by pid)."""
+    events = [
+        _lease("lease_granted", "gpu0/w0", 10),
+        _context("context_create_started", "gpu0/w0", 20),
+    ]
+    assert _kinds(tmp_path, events) == ["context"]
+
+
+def test_maintenance_and_exclusive_mixed(tmp_path: Path) -> None:
+    """Maintenance granted beside an exclusive holder, and the reverse, are overlaps."""
+    assert _kinds(
+        tmp_path,
+        [
+            _lease("lease_granted", "gpu0/w0", 10),
+            _lease("lease_granted", "gpu0/s1", 11, "maintenance"),
+        ],
+    ) == ["maintenance"]
+    assert _kinds(
+        tmp_path,
+        [
+            _lease("lease_granted", "gpu0/s1", 11, "maintenance"),
+            _lease("lease_granted", "gpu0/w0", 10),
+        ],
+    ) == ["maintenance"]
+
+
+def test_other_gpu_does_not_count(tmp_path: Path) -> None:
+    """A creation on GPU 1 beside a measurement on GPU 0 is fine."""
+    events = [
+        _lease("lease_granted", "gpu0/w0", 10),
+        _context("context_create_started", "gpu1/w0", 11, gpu=1),
+    ]
+    assert _kinds(tmp_path, events) == []
+
+
+def test_creation_bound_from_the_log(tmp_path: Path) -> None:
+    """Batched creations count their common time once: the contexts/s bound."""
+    events = [
+        {**_context("context_create_started", "gpu0/s1", 11), "timestamp": 10.0},
+        {**_context("context_create_started", "gpu0/s2", 12), "timestamp": 10.1},
+        {
+            **_context("context_create_finished", "gpu0/s1", 11),
+            "timestamp": 10.3,
+            "duration_ms": 300.0,
+        },
+        {
+            **_context("context_create_finished", "gpu0/s2", 12),
+            "timestamp": 10.5,
+            "duration_ms": 400.0,
+        },
+    ]
+    facts = _tool().check([_write(tmp_path, events)])["gpus"]["0"]
+    assert facts["create_busy_s"] == 0.5
+    assert facts["creates_per_busy_s"] == 4.0
+    assert facts["create_ms_median"] == 350.0

@@ -11,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from twisted.logger import Logger, LogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
+from kcoral.server.http import REFUSALS
 from kcoral.server.metrics import Metrics
 
 
@@ -360,3 +361,27 @@ class MissingPrometheusTests(SynchronousTestCase):
         self.assertEqual(server.unavailable, {})
         self.assertIsNotNone(server.metrics)
         self.assertIsNotNone(server.recent)
+
+
+class RefusalTests(SynchronousTestCase):
+    """C{kcoral_refusals_total} counts C{request_refused} by status and reason."""
+
+    def test_refusals_by_status_and_reason(self) -> None:
+        """Every known pair starts at zero; each event adds one to its pair."""
+        metrics = Metrics()
+        log = Logger(namespace="kcoral.test", observer=LogPublisher(metrics))
+        for status, reason in [(408, "head_timeout"), (408, "head_timeout"), (503, "busy")]:
+            log.info(
+                "refused",
+                kcoral_event="request_refused",
+                status=status,
+                reason=reason,
+                client="127.0.0.1",
+                request_id="r",
+                path=None,
+            )
+        found = samples(metrics)
+        for reason, status in REFUSALS.items():
+            key = ("kcoral_refusals_total", (("reason", reason), ("status", str(status))))
+            expected = {"head_timeout": 2.0, "busy": 1.0}.get(reason, 0.0)
+            self.assertEqual(found[key], expected, reason)

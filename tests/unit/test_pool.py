@@ -188,17 +188,19 @@ class ReplacementTests(PoolTestCase):
         self.assertEqual(pool.capacity, 3)
         self.assertEqual(seat.status, "idle")
 
-    def test_request_limit_grace_kill(self) -> None:
+    def test_request_limit_retires_the_worker(self) -> None:
+        """
+        At its request limit the worker is asked to retire (it owns the one
+        grace and the context teardown on the lease: test_workerproc), not
+        killed.
+        """
         pool = self.make_pool(pool_config(num_workers=1))
         seat = self.successResultOf(pool.acquire(10))
         old = seat.worker
         pool.release(seat, retire="request_limit")
-        self.assertFalse(old.killed_now)  # type: ignore[union-attr]
-        self.reactor.advance(5.0)
-        # One grace in all (issue 17, item 10): SIGKILL, not a SIGTERM and
-        # a second grace.
-        self.assertTrue(old.killed_now)  # type: ignore[union-attr]
+        self.assertTrue(old.retired)  # type: ignore[union-attr]
         self.assertFalse(old.killed)  # type: ignore[union-attr]
+        old.exit(0)  # type: ignore[union-attr]
         self.assertEqual(seat.generation, 2)
         self.assertEqual(seat.status, "idle")
 
@@ -318,6 +320,24 @@ class ReuseScopeTests(PoolTestCase):
         self.assertEqual(seat.owner, "10.0.0.2")
         self.assertEqual(seat.status, "busy")
         self.assertEqual(pool.active, 1)
+
+    def test_other_client_takes_a_ready_spare(self) -> None:
+        """With a spare ready, the other client's request does not wait for a start."""
+        pool = self.make_pool(
+            pool_config(num_workers=1, max_requests_per_worker=0, spare_workers_per_gpu=1)
+        )
+        seat = self.successResultOf(pool.acquire(10, "10.0.0.1"))
+        first = seat.worker
+        spare_worker = pool.spares[0].worker
+        pool.release(seat)
+        self.spawner.auto_ready = False
+        taken = self.successResultOf(pool.acquire(10, "10.0.0.2"))
+        self.assertIs(taken, seat)
+        self.assertIs(seat.worker, spare_worker)
+        self.assertTrue(first.killed)  # type: ignore[union-attr]
+        self.assertEqual((seat.owner, seat.status, seat.generation), ("10.0.0.2", "busy", 2))
+        self.assertEqual(pool.active, 1)
+        self.assertEqual([s.status for s in pool.spares], ["starting"])
 
     def test_waiter_of_other_client_gets_a_fresh_worker(self) -> None:
         pool = self.reuse_pool()
@@ -632,3 +652,129 @@ class SeatTests(PoolTestCase):
         self.assertEqual(self.spawned[-1].jobs, [])
         self.assertTrue(self.spawned[-1].killed)
         self.assertEqual(pool.active, 0)
+
+
+class SpareTests(PoolTestCase):
+    """
+    Warm spares: started beside the seats, a retiring worker's seat is
+    refilled from them at once, and they are replenished in the background.
+    """
+
+    def spare_pool(self, **changes: Any) -> WorkerPool:
+        config = pool_config(num_workers=1, spare_workers_per_gpu=2, **changes)
+        return self.make_pool(config)
+
+    def test_spares_start_after_the_seats(self) -> None:
+        """Spares start once the seats are ready; they add no request capacity."""
+        pool = self.spare_pool()
+        self.assertEqual(len(self.spawned), 3)
+        self.assertEqual([s["state"] for s in pool.spare_status(0.0)], ["ready", "ready"])
+        self.assertEqual([s.spare_id for s in pool.spares], ["cpu/s1", "cpu/s2"])
+        self.assertEqual(pool.capacity, 1)
+
+    def test_no_spares(self) -> None:
+        """With no spares configured the pool starts only its seats."""
+        pool = self.make_pool(pool_config(num_workers=1))
+        self.assertEqual((len(self.spawned), pool.spares), (1, []))
+
+    def test_retired_seat_refilled_at_once(self) -> None:
+        """
+        A request that finds a spare ready never waits for a replacement:
+        the seat is idle again at once with the spare's worker, the old
+        worker is asked to retire, and a new spare starts.
+        """
+        pool = self.spare_pool()
+        seat = self.successResultOf(pool.acquire(10))
+        old = seat.worker
+        spare_worker = pool.spares[0].worker
+        waiting = pool.acquire(10)
+        self.spawner.auto_ready = False
+        pool.release(seat, retire="request_limit")
+        self.assertIs(self.successResultOf(waiting), seat)
+        self.assertIs(seat.worker, spare_worker)
+        self.assertEqual(seat.worker.seat, "cpu/w0")  # type: ignore[union-attr]
+        self.assertEqual(seat.generation, 2)
+        self.assertTrue(old.retired)  # type: ignore[union-attr]
+        self.assertEqual(pool.capacity, 1)
+        # The replenishing spare is starting.
+        self.assertEqual([s.status for s in pool.spares], ["ready", "starting"])
+        self.spawned[-1].come_up()
+        self.assertEqual([s.status for s in pool.spares], ["ready", "ready"])
+
+    def test_crashed_worker_refilled_from_a_spare(self) -> None:
+        """A crash retires through the spares too; the old worker is killed."""
+        pool = self.spare_pool()
+        seat = self.successResultOf(pool.acquire(10))
+        old = seat.worker
+        pool.release(seat, retire="timeout")
+        self.assertTrue(old.killed)  # type: ignore[union-attr]
+        self.assertEqual(seat.status, "idle")
+        self.assertEqual(len(pool.spares), 2)
+
+    def test_without_a_ready_spare_replaced_in_place(self) -> None:
+        """Spares still starting: the seat is replaced as before."""
+        pool = self.spare_pool()
+        for spare in list(pool.spares):
+            spare.status = "starting"
+        seat = self.successResultOf(pool.acquire(10))
+        old = seat.worker
+        assert isinstance(old, FakeWorker)
+        self.spawner.auto_ready = False
+        pool.release(seat, retire="request_limit")
+        self.assertEqual(seat.status, "replacing")
+        self.assertEqual(pool.capacity, 0)
+        old.exit(0)
+        self.spawned[-1].come_up()
+        self.assertEqual(seat.status, "idle")
+
+    def test_idle_spare_death_replenished(self) -> None:
+        """A ready spare that dies is dropped and another started."""
+        pool = self.spare_pool()
+        first = pool.spares[0].worker
+        assert isinstance(first, FakeWorker)
+        first.exit(1)
+        self.assertEqual(len(pool.spares), 2)
+        self.assertNotIn(first, [s.worker for s in pool.spares])
+        self.assertEqual(len(self.spawned), 4)
+
+    def test_failed_spare_backs_off(self) -> None:
+        """A spare that cannot start is retried after a backoff, not in a loop."""
+        pool = self.make_pool(pool_config(num_workers=1, spare_workers_per_gpu=1))
+        seat = self.successResultOf(pool.acquire(10))
+        self.spawner.auto_ready = False
+        pool.release(seat, retire="request_limit")
+        # The spare went to the seat; the new one fails to start.
+        failing = self.spawned[-1]
+        failing.ready.errback(RuntimeError("no memory"))
+        self.assertEqual(pool.spares, [])
+        spawned = len(self.spawned)
+        self.reactor.advance(0.4)
+        self.assertEqual(len(self.spawned), spawned)
+        self.reactor.advance(0.2)
+        self.assertEqual(len(self.spawned), spawned + 1)
+        self.assertEqual(len(pool.spares), 1)
+
+    def test_stop_and_kill_reach_spares(self) -> None:
+        """Stopping the pool stops its spares; a forced stop kills them."""
+        pool = self.spare_pool()
+        workers = [s.worker for s in pool.spares]
+        self.successResultOf(Deferred.fromCoroutine(pool.stop()))
+        self.assertTrue(all(w.stopped for w in workers))  # type: ignore[union-attr]
+        pool = self.spare_pool()
+        workers = [s.worker for s in pool.spares]
+        self.assertEqual(pool.kill_now(), 3)
+        self.assertTrue(all(w.killed_now for w in workers))  # type: ignore[union-attr]
+        self.assertEqual(self.reactor.getDelayedCalls(), [])
+
+    def test_gpu_spares_per_gpu(self) -> None:
+        """In GPU mode each GPU keeps its own spares, refilling its own seats."""
+        config = pool_config(device="gpu", gpus=(0, 1), workers_per_gpu=1, spare_workers_per_gpu=1)
+        pool = self.make_pool(config)
+        self.assertEqual(sorted(s.gpu_id for s in pool.spares), [0, 1])
+        seat = next(s for s in pool.seats if s.gpu_id == 1)
+        gpu1_spare = next(s for s in pool.spares if s.gpu_id == 1)
+        pool._idle.remove(seat)
+        pool.active += 1
+        pool._assigned[1] += 1
+        pool.release(seat, retire="request_limit")
+        self.assertIs(seat.worker, gpu1_spare.worker)

@@ -279,6 +279,17 @@ class StatusPageTests(SynchronousTestCase):
                 "log_time": 1.0e9 + 1,
             }
         )
+        recent(
+            {
+                "kcoral_event": "request_refused",
+                "status": 503,
+                "reason": "connection_cap",
+                "client": "127.0.0.9",
+                "request_id": "refused-req-5",
+                "path": None,
+                "log_time": 1.0e9 + 2,
+            }
+        )
         (work / "page.html").write_bytes(STATUS_PAGE)
         health = {**HEALTH, "sandbox": "bubblewrap"}
         (work / "status.json").write_text(json.dumps(status_snapshot(health, recent)))
@@ -340,6 +351,9 @@ class StatusPageTests(SynchronousTestCase):
         self.assertIn('<div id="state" class="">ok ', dom)
         self.assertIn("sandbox bubblewrap", dom)
         self.assertIn('<td class="bad">crashed</td>', dom)
+        self.assertIn("<td>refused-req-5</td>", dom)
+        self.assertIn('<td class="warn">connection_cap</td>', dom)
+        self.assertIn('<td class="num">1</td>', dom)
 
 
 class FailureTests(SynchronousTestCase):
@@ -390,3 +404,47 @@ class FailureTests(SynchronousTestCase):
         self.assertEqual(failures[1]["request_id"], "t1")
         self.assertEqual(failures[1]["http_status"], 504)
         self.assertEqual(len(snapshot["recent"]), 2)
+
+
+class RefusalStatusTests(SynchronousTestCase):
+    """/status shows the refusals: the last ones and a count by status and reason."""
+
+    def test_refusals(self) -> None:
+        recent = RecentRequests(max_refusals=2)
+        log = Logger(namespace="kcoral.test", observer=LogPublisher(recent))
+        for n, (status, reason) in enumerate(
+            [(401, "unauthorized"), (408, "head_timeout"), (401, "unauthorized")]
+        ):
+            log.info(
+                "refused",
+                kcoral_event="request_refused",
+                status=status,
+                reason=reason,
+                client="127.0.0.1",
+                request_id=f"r{n}",
+                path="/execute",
+            )
+        recent({"kcoral_event": "request_refused", "status": "odd", "reason": 3})
+        snapshot = status_snapshot({}, recent)
+        json.dumps(snapshot, allow_nan=False)
+        self.assertEqual([r["request_id"] for r in snapshot["refusals"]], ["r2", "r1"])
+        self.assertEqual(
+            snapshot["refusals"][0],
+            {
+                "time": snapshot["refusals"][0]["time"],
+                "status": 401,
+                "reason": "unauthorized",
+                "client": "127.0.0.1",
+                "request_id": "r2",
+                "path": "/execute",
+            },
+        )
+        self.assertEqual(
+            snapshot["refusal_counts"],
+            [
+                {"status": 401, "reason": "unauthorized", "count": 2},
+                {"status": 408, "reason": "head_timeout", "count": 1},
+            ],
+        )
+        self.assertIn(b'id="refusals"', STATUS_PAGE)
+        self.assertIn(b'id="refusal_counts"', STATUS_PAGE)

@@ -300,6 +300,20 @@ class EnvironmentTests(SynchronousTestCase):
         self.assertEqual(str(cm.exception), "KCORAL_SERVER_PORT must be an integer, got 'http'")
         self.assertEqual(parse(["--port", "1"], {"KCORAL_SERVER_PORT": "http"})["port"], 1)
 
+    def test_spare_workers(self) -> None:
+        """
+        C{--spare-workers-per-gpu} and C{KCORAL_SPARE_WORKERS_PER_GPU} set
+        the spares; unset, the config's mode default applies; a flag wins.
+        """
+        self.assertIsNone(parse([], {}).config.spare_workers_per_gpu)
+        env = {"KCORAL_SPARE_WORKERS_PER_GPU": "2"}
+        self.assertEqual(parse([], env).config.spare_workers_per_gpu, 2)
+        flag = ["--spare-workers-per-gpu", "0"]
+        self.assertEqual(parse(flag, env).config.spare_workers_per_gpu, 0)
+        with self.assertRaises(usage.UsageError) as cm:
+            parse([], {"KCORAL_SPARE_WORKERS_PER_GPU": "many"})
+        self.assertIn("KCORAL_SPARE_WORKERS_PER_GPU must be an integer", str(cm.exception))
+
     def test_bad_device_env(self) -> None:
         """
         An unknown C{KCORAL_SERVER_DEVICE} is rejected like the flag.

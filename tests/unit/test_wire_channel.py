@@ -36,6 +36,8 @@ from kcoral.wire.channel import (
     Outcome,
     Ready,
     Returned,
+    Teardown,
+    TornDown,
     decode,
     encode,
     encode_frame,
@@ -131,6 +133,8 @@ EXAMPLES: list[ChannelMessage] = [
     Failed("RuntimeError: no device"),
     LeaseAcquire(),
     LeaseRelease(),
+    Teardown(),
+    TornDown(destroyed=True, seconds=0.05),
     Instruction(3),
     Outcome(
         status="FAILED",
@@ -158,7 +162,7 @@ def test_fds_are_three_and_four() -> None:
 def test_every_type_has_an_example() -> None:
     """The examples cover the registry: thirteen message types, each named once."""
     assert sorted(m.TYPE for m in EXAMPLES) == sorted(MESSAGE_TYPES)
-    assert len(MESSAGE_TYPES) == 13
+    assert len(MESSAGE_TYPES) == 15
     for name, cls in MESSAGE_TYPES.items():
         assert cls.TYPE == name
 
@@ -343,3 +347,25 @@ def test_read_frame_checks_type_limits() -> None:
     frame = encode_frame({"type": "instruction"}, b"x" * 70_000)
     with pytest.raises(ChannelError):
         read_frame(io.BytesIO(frame), job_limits(1 << 20, 10))
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        {"type": "torn_down"},
+        {"type": "torn_down", "destroyed": 1, "seconds": 0.1},
+        {"type": "torn_down", "destroyed": True, "seconds": "0.1"},
+        {"type": "torn_down", "destroyed": True, "seconds": 0.1, "extra": 1},
+        {"type": "teardown", "now": True},
+    ],
+)
+def test_teardown_pair_is_strict(header: dict[str, object]) -> None:
+    """The teardown pair decodes only with exactly its fields, of their types."""
+    with pytest.raises(ChannelError):
+        decode(Frame(header))
+
+
+def test_teardown_carries_no_payload() -> None:
+    """A payload on a teardown message is refused."""
+    with pytest.raises(ChannelError, match="carries no payload"):
+        decode(Frame({"type": "teardown"}, b"x"))

@@ -5,6 +5,7 @@ L{IReactorProcess}: no processes, no sleeps.
 
 from __future__ import annotations
 
+import signal
 import struct
 from typing import Any
 
@@ -17,6 +18,7 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 from zope.interface.verify import verifyObject
 
+from kcoral.server import workerproc
 from kcoral.server.lease import LeaseArbiter
 from kcoral.server.workerproc import (
     FROM_WORKER_FD,
@@ -34,10 +36,13 @@ from kcoral.wire.channel import (
     Failed,
     Instruction,
     LeaseAcquire,
+    LeaseGranted,
     LeaseRelease,
     Outcome,
     Ready,
     Returned,
+    Teardown,
+    TornDown,
     encode,
     encode_frame,
 )
@@ -644,7 +649,7 @@ class GpuChannelDistrustTests(WorkerTestCase):
         self.assertIsNone(self.leases.holder_of(0))
 
     def test_retiring_outcome_may_hold_the_lease(self) -> None:
-        """A retiring worker exits under its lease (it destroys its context)."""
+        """A retiring worker may answer holding its lease (kept until L{WorkerProcess.retire})."""
         worker = self.ready_worker()
         d = worker.run(self.job())
         self.deliver(worker, LeaseAcquire())
@@ -655,11 +660,203 @@ class GpuChannelDistrustTests(WorkerTestCase):
     def test_startup_release_may_arrive_during_first_job(self) -> None:
         worker = self.spawn()
         self.deliver(worker, LeaseAcquire())
-        self.assertIs(self.leases.holder_of(0), worker)
+        self.assertEqual(self.leases.maintainers_of(0), {worker})
         self.deliver(worker, Ready(pid=77, target={}, versions={}, device="gpu"))
         d = worker.run(self.job())
         self.deliver(worker, LeaseRelease())
-        self.assertIsNone(self.leases.holder_of(0))
+        self.assertEqual(self.leases.maintainers_of(0), frozenset())
         self.deliver(worker, Outcome(status="COMPLETED"))
         self.assertEqual(self.successResultOf(d).ending, "outcome")
         self.assertEqual(self.transport.signals, [])
+
+
+class ContextOnTheLeaseTests(WorkerTestCase):
+    """
+    A GPU worker's context is created and destroyed under its GPU's
+    maintenance lease, never beside an exclusive holder, and logged.
+    """
+
+    gpus = (0,)
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.hard_kills: list[WorkerProcess] = []
+        self.patch(
+            WorkerProcess, "_kill_hard", lambda worker, victims: self.hard_kills.append(worker)
+        )
+
+    def events(self, captured: list[dict[str, Any]]) -> list[tuple[str, str | None]]:
+        return [
+            (e["kcoral_event"], e.get("how"))
+            for e in captured
+            if str(e.get("kcoral_event", "")).startswith("context_")
+        ]
+
+    def retiring_worker(self) -> WorkerProcess:
+        worker = self.spawn()
+        self.deliver(worker, LeaseAcquire())
+        self.deliver(worker, Ready(pid=77, target={}, versions={}, device="gpu"))
+        self.deliver(worker, LeaseRelease())
+        d = worker.run(self.job())
+        self.deliver(worker, LeaseAcquire())
+        self.deliver(worker, Outcome(status="COMPLETED", retire="request_limit"))
+        self.successResultOf(d)
+        return worker
+
+    def test_creation_waits_for_a_measurement(self) -> None:
+        """A new worker's context creation waits for an exclusive holder, then is logged."""
+        self.successResultOf(self.leases.acquire("measuring", (0,)))
+        with capturedLogs() as captured:
+            worker = self.spawn()
+            self.deliver(worker, LeaseAcquire())
+            self.assertEqual(self.transport.messages(), [])
+            self.leases.release("measuring")
+            self.assertEqual(self.transport.messages(), [LeaseGranted()])
+            self.reactor.advance(0.2)
+            self.deliver(worker, Ready(pid=77, target={}, versions={}, device="gpu"))
+            self.deliver(worker, LeaseRelease())
+        self.assertEqual(
+            self.events(captured),
+            [("context_create_started", None), ("context_create_finished", "ready")],
+        )
+        finished = [e for e in captured if e.get("kcoral_event") == "context_create_finished"]
+        self.assertAlmostEqual(finished[0]["duration_ms"], 200.0)
+        self.assertEqual(self.leases.maintainers_of(0), frozenset())
+
+    def test_creations_batch(self) -> None:
+        """Two workers create their contexts together."""
+        first, second = self.spawn(), self.spawn()
+        self.deliver(first, LeaseAcquire())
+        self.deliver(second, LeaseAcquire())
+        self.assertEqual(self.leases.maintainers_of(0), {first, second})
+
+    def test_orderly_teardown(self) -> None:
+        """
+        retire(): the exclusive hold kept through the outcome is given back,
+        the maintenance lease taken, Teardown sent; after TornDown the lease
+        is held until the process is gone (its word is not trusted).
+        """
+        worker = self.retiring_worker()
+        self.assertIs(self.leases.holder_of(0), worker)
+        with capturedLogs() as captured:
+            ended = worker.retire()
+            self.assertIsNone(self.leases.holder_of(0))
+            self.assertEqual(self.leases.maintainers_of(0), {worker})
+            self.assertEqual(self.transport.messages()[-1], Teardown())
+            self.deliver(worker, TornDown(destroyed=True, seconds=0.01))
+            self.assertEqual(self.leases.maintainers_of(0), {worker})
+            self.end(worker, 0)
+            self.assertEqual(self.leases.maintainers_of(0), frozenset())
+        self.assertEqual(self.successResultOf(ended), 0)
+        self.assertEqual(
+            self.events(captured),
+            [("context_teardown_started", None), ("context_teardown_finished", "destroyed")],
+        )
+        self.assertEqual(self.hard_kills, [])
+
+    def test_teardown_waits_for_a_measurement(self) -> None:
+        """A teardown never starts while another worker holds the GPU."""
+        worker = self.retiring_worker()
+        self.leases.release(worker)
+        self.successResultOf(self.leases.acquire("measuring", (0,)))
+        worker.retire()
+        self.assertNotIn(Teardown(), self.transport.messages())
+        self.leases.release("measuring")
+        self.assertEqual(self.transport.messages()[-1], Teardown())
+
+    def test_not_destroyed_holds_until_gone(self) -> None:
+        """TornDown(destroyed=False): the lease is held until the process is gone."""
+        worker = self.retiring_worker()
+        worker.retire()
+        self.deliver(worker, TornDown(destroyed=False, seconds=0.0))
+        self.assertEqual(self.leases.maintainers_of(0), {worker})
+        self.end(worker, 0)
+        self.assertEqual(self.leases.maintainers_of(0), frozenset())
+
+    def test_slow_exit_after_answer_killed(self) -> None:
+        """A worker that answers but does not exit is killed soon, under the lease."""
+        worker = self.retiring_worker()
+        worker.retire()
+        self.deliver(worker, TornDown(destroyed=True, seconds=0.01))
+        self.reactor.advance(0.9)
+        self.assertEqual(self.hard_kills, [])
+        self.reactor.advance(0.2)
+        self.assertEqual(self.hard_kills, [worker])
+        self.assertEqual(self.leases.maintainers_of(0), {worker})
+
+    def test_frozen_while_waiting_for_the_lease(self) -> None:
+        """
+        A retiring worker is frozen while it waits for the maintenance lease
+        (a thread its program left runs nothing beside a measurement), and
+        thawed when the lease is granted.
+        """
+        signals: list[int] = []
+        self.patch(workerproc, "_signal_all", lambda victims, signum: signals.append(signum))
+        worker = self.retiring_worker()
+        self.leases.release(worker)
+        self.successResultOf(self.leases.acquire("measuring", (0,)))
+        worker.retire()
+        self.assertEqual(signals, [signal.SIGSTOP])
+        self.leases.release("measuring")
+        self.assertEqual(signals, [signal.SIGSTOP, signal.SIGCONT])
+        self.assertEqual(self.transport.messages()[-1], Teardown())
+
+    def test_silent_worker_killed_under_the_lease(self) -> None:
+        """No answer within the grace: killed while the maintenance lease is held."""
+        worker = self.retiring_worker()
+        worker.retire()
+        self.reactor.advance(5.0)
+        self.assertEqual(self.hard_kills, [worker])
+        self.assertEqual(self.leases.maintainers_of(0), {worker})
+        self.end(worker, -9)
+        self.assertEqual(self.leases.maintainers_of(0), frozenset())
+
+    def test_kill_waits_for_the_lease(self) -> None:
+        """
+        A worker killed while another holds the GPU is frozen at once and
+        killed only once the maintenance lease is granted; it is held until
+        the process is gone.
+        """
+        worker = self.spawn()
+        self.deliver(worker, LeaseAcquire())
+        self.deliver(worker, Ready(pid=77, target={}, versions={}, device="gpu"))
+        self.deliver(worker, LeaseRelease())
+        self.successResultOf(self.leases.acquire("measuring", (0,)))
+        with capturedLogs() as captured:
+            ended = worker.kill()
+            worker.kill_now()
+            self.assertEqual(self.hard_kills, [])
+            self.leases.release("measuring")
+            self.assertEqual(self.hard_kills, [worker])
+            self.assertEqual(self.leases.maintainers_of(0), {worker})
+            self.end(worker, -9)
+        self.assertEqual(self.successResultOf(ended), -9)
+        self.assertEqual(self.leases.maintainers_of(0), frozenset())
+        self.assertEqual(
+            self.events(captured),
+            [("context_teardown_started", None), ("context_teardown_finished", "exited")],
+        )
+
+    def test_kill_when_no_lease_can_come(self) -> None:
+        """A quarantined GPU grants nothing: the worker is killed at once."""
+        worker = self.ready_worker()
+        self.successResultOf(self.leases.acquire("measuring", (0,)))
+        self.leases.quarantine((0,))
+        worker.kill_now()
+        self.assertEqual(self.hard_kills, [worker])
+
+    def test_holder_killed_at_once(self) -> None:
+        """A worker that holds its GPU is killed under its own hold, at once."""
+        worker = self.ready_worker()
+        worker.run(self.job())
+        self.deliver(worker, LeaseAcquire())
+        worker.kill_now()
+        self.assertEqual(self.hard_kills, [worker])
+
+    def test_cpu_worker_retires_by_itself(self) -> None:
+        """A CPU worker exits on its own after retiring; killed after the grace if not."""
+        worker = self.ready_worker(gpus=())
+        worker.retire()
+        self.assertNotIn(Teardown(), self.transport.messages())
+        self.reactor.advance(5.0)
+        self.assertEqual(self.hard_kills, [worker])

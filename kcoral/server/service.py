@@ -135,7 +135,7 @@ class LogWriterService(AsyncService):
         from kcoral.server.logs import install_observers
 
         self.log_setup = await self._run_blocking(
-            install_observers, self._config, extra_observers=self._observers
+            install_observers, self._config, extra_observers=self._observers, background=True
         )
         self._on_ready(self.log_setup)
 

@@ -77,6 +77,10 @@ TAIL_BYTES = 8192
 #: How long a worker may take to report ready.
 SPAWN_TIMEOUT_SECONDS = 60.0
 
+#: How long a worker may take to exit once it answered L{TornDown} (it
+#: leaves with C{os._exit}; its maintenance lease is held meanwhile).
+EXIT_AFTER_TEARDOWN_SECONDS = 1.0
+
 
 class WorkerStartError(Exception):
     """The worker failed or timed out before reporting ready."""
@@ -416,12 +420,15 @@ class WorkerProcess:
 
         A CPU worker exits by itself.  A GPU worker's contexts are destroyed
         while the parent holds its GPUs' maintenance lease (shared with other
-        creations and teardowns, never with a measurement): whatever it kept
-        through its outcome is given back, the maintenance lease is taken,
-        L{Teardown} is sent, and the lease is given back when L{TornDown}
-        says the contexts are gone, or else when the process is.  A worker
-        that does not answer within the grace is killed under the lease.
-        The process then exits off the lease.  Fires when it has ended.
+        creations and teardowns, never with a measurement): it is frozen
+        (SIGSTOP: a thread its program left behind runs nothing while others
+        hold the GPU), whatever it kept through its outcome is given back,
+        the maintenance lease is taken, the worker thawed and sent
+        L{Teardown}.  It answers L{TornDown} and exits.  The process ran a
+        program, so its word is not trusted: the lease is held until the
+        process is gone (L{EXIT_AFTER_TEARDOWN_SECONDS} after the answer,
+        the grace without one, then SIGKILL under the lease); the parent's
+        cleanup runs after, off the lease.  Fires when it has ended.
         """
         if not self.alive:
             return succeed(self.exit_code)
@@ -432,6 +439,7 @@ class WorkerProcess:
         if self._teardown_state is not None or self._killing:
             return self._ended_copy()
         self._teardown_state = "waiting"
+        _signal_all(self._tree(), signal.SIGSTOP)
         self._leases.release(self)
         d = self._leases.acquire(
             self, self.gpus, label=f"context_teardown:{self.seat}", mode=MAINTENANCE
@@ -442,6 +450,7 @@ class WorkerProcess:
                 return
             self._teardown_state = "sent"
             self._context_begin("teardown")
+            _signal_all(self._tree(), signal.SIGCONT)
             self.send(Teardown())
             self._kill_timer = self._reactor.callLater(self._grace_seconds, self.kill_now)
 
@@ -455,13 +464,17 @@ class WorkerProcess:
         return self._ended_copy()
 
     def _torn_down(self, message: TornDown) -> None:
+        """
+        The worker says its contexts are gone (C{destroyed}) or go with the
+        process; either way the lease stays held until the process is gone,
+        which may take only a moment now.
+        """
         self._teardown_state = "done"
         if message.destroyed:
             self._context_end("destroyed")
-            self._leases.release(self)
-        # Else the contexts go with the process: the lease is held until
-        # it is gone (L{_process_ended}).  Either way it exits by itself
-        # now; the grace timer set at L{Teardown} still stands.
+        if self._kill_timer is not None and self._kill_timer.active():
+            self._kill_timer.cancel()
+        self._kill_timer = self._reactor.callLater(EXIT_AFTER_TEARDOWN_SECONDS, self.kill_now)
 
     def _under_lease(self, kill: Callable[[], None]) -> None:
         """

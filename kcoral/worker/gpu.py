@@ -351,11 +351,12 @@ class GpuBackend:
         afterwards; the worker leaves with C{os._exit}.
         """
         import ctypes
-        import ctypes.util
 
         try:
             self.close()
-            libcuda = ctypes.CDLL(ctypes.util.find_library("cuda") or "libcuda.so.1")
+            # Already loaded by PyCUDA: dlopen hands back the same library
+            # (no search, no helper process, nothing the sandbox forbids).
+            libcuda = ctypes.CDLL("libcuda.so.1")
             reset = libcuda.cuDevicePrimaryCtxReset_v2
             reset.argtypes = [ctypes.c_int]
             reset.restype = ctypes.c_int

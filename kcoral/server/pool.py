@@ -729,6 +729,13 @@ class WorkerPool:
             pid=None if old is None else old.pid,
             reason="reuse_scope",
         )
+        spare = self._ready_spare(seat.gpu_id)
+        if spare is not None and not self.closing:
+            # The request that caused the replacement need not wait for it.
+            self._adopt(seat, spare, old, "reuse_scope", offer=False)
+            seat.status = "busy"
+            seat.owner = client if client is not None else "?"
+            return seat
         if old is not None and old.alive:
             await old.kill()
         if seat.seat_dir is not None:
@@ -965,9 +972,17 @@ class WorkerPool:
             self._fill_spares(spare.gpu_id)
         return code
 
-    def _adopt(self, seat: Seat, spare: Spare, old: WorkerHandle | None, reason: str) -> None:
+    def _adopt(
+        self,
+        seat: Seat,
+        spare: Spare,
+        old: WorkerHandle | None,
+        reason: str,
+        offer: bool = True,
+    ) -> None:
         """
-        Refill C{seat} with a ready spare at once: the retired worker goes in
+        Refill C{seat} with a ready spare at once (and offer it, unless a
+        request holds it already: C{offer} false): the retired worker goes in
         the background (its context torn down on the lease, its directory
         removed) and a new spare starts.
         """
@@ -1008,7 +1023,8 @@ class WorkerPool:
                 )
 
         d.addBoth(done)
-        self._offer(seat)
+        if offer:
+            self._offer(seat)
         self._fill_spares(seat.gpu_id)
 
     def spare_status(self, now: float) -> list[dict[str, Any]]:

@@ -17,7 +17,7 @@ with a sealed shared buffer (L{kcoral.wire.shared}):
    memfd, unmapped and sealed afterwards.
 
 Part 2, through our server (C{--device gpu}, workers reused, C{--sandbox
-none}, its logs under bench/results/): the reference client's flow for a
+none}, its logs beside the JSON output): the reference client's flow for a
 fresh tensor each time (C{CACHE_MISS}, then the request with the blob), the
 tensor returned unchanged and checked byte for byte.  "At the server": up =
 size / C{body_ms} of the blob request's C{request_received} event (end of
@@ -158,9 +158,11 @@ def events(log_dir: Path) -> list[dict[str, Any]]:
     return found
 
 
-def server_round_trips(size_mib: int, iterations: int, workers: int, cpu: bool) -> dict[str, Any]:
-    common.RESULTS.mkdir(parents=True, exist_ok=True)
-    log_dir = Path(tempfile.mkdtemp(prefix="gpu-tensor-path-", dir=common.RESULTS))
+def server_round_trips(
+    size_mib: int, iterations: int, workers: int, cpu: bool, results: Path
+) -> dict[str, Any]:
+    results.mkdir(parents=True, exist_ok=True)
+    log_dir = Path(tempfile.mkdtemp(prefix="gpu-tensor-path-", dir=results))
     device = ["--device", "cpu", "--num-workers", "2"] if cpu else [
         "--device", "gpu", "--gpus", "0", "--workers-per-gpu", str(workers),
     ]  # fmt: skip
@@ -272,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
             f"== our server, {args.size_mib} MiB float32, client flow (CACHE_MISS, then the blob)"
         )
         result["server"] = server_round_trips(
-            args.size_mib, args.iterations, args.workers, args.cpu
+            args.size_mib, args.iterations, args.workers, args.cpu, Path(args.output).parent
         )
     common.write_result(args.output, result)
     return 0

@@ -325,6 +325,8 @@ class WorkerProcess:
     #: Runs this worker's L{CompileRequest}s (L{kcoral.server.compiles}), or
     #: C{None}: they are answered C{unavailable}.
     compiler: Any = None
+    #: How the process was made: C{"spawn"} or C{"fork"} (by a template).
+    made: str = "spawn"
     #: The lease a GPU worker takes to warm up: C{None} (not asked),
     #: C{"pending"}, C{"held"} or C{"released"}.
     _startup_lease_state: str | None = None
@@ -354,21 +356,88 @@ class WorkerProcess:
     ) -> WorkerProcess:
         """Start the process; see C{ready} for when it can take a job."""
         worker = cls(seat, generation, gpus, reactor, leases, grace_seconds)
-        ours, theirs = socket_pair()
-        ours.setblocking(False)
-        worker.protocol = WorkerProtocol(worker._message_received, worker._poisoned, ours)
-        worker.protocol.ended.addCallback(worker._process_ended)
-        worker.started_at = reactor.seconds()
+        theirs = worker._begin(reactor)
         try:
             transport = _spawn(
                 reactor, worker.protocol, executable, args, env, worker_child_fds(theirs)
             )
         except BaseException:
-            ours.close()
+            worker._close_descriptors()
             raise
         finally:
             theirs.close()
         worker.pid = transport.pid
+        worker._started(transport, spawn_timeout)
+        return worker
+
+    @classmethod
+    def fork(
+        cls,
+        reactor: Any,
+        *,
+        seat: str,
+        generation: int,
+        gpus: tuple[int, ...],
+        leases: Any,
+        template: Any,
+        args: list[str],
+        env: dict[str, str],
+        cwd: str,
+        workspace: str | None,
+        capture_bytes: int | None,
+        grace_seconds: float,
+        spawn_timeout: float = SPAWN_TIMEOUT_SECONDS,
+    ) -> WorkerProcess:
+        """
+        Fork the worker from C{template} (a L{kcoral.server.template.WorkerTemplate});
+        otherwise as L{spawn}.  C{pid} is set once the template reports the fork.
+
+        @raise kcoral.server.template.TemplateError: the template cannot fork now.
+        """
+        worker = cls(seat, generation, gpus, reactor, leases, grace_seconds)
+        worker.made = "fork"
+        theirs = worker._begin(reactor)
+        try:
+            transport = template.fork_transport(
+                worker.protocol,
+                worker_child_fds(theirs),
+                argv=args,
+                env=env,
+                cwd=cwd,
+                workspace=workspace,
+                capture_bytes=capture_bytes,
+                reader_factory=_WideReader if isinstance(reactor, PosixReactorBase) else None,
+            )
+        except BaseException:
+            worker._close_descriptors()
+            raise
+        finally:
+            theirs.close()
+
+        def forked(pid: int | None) -> None:
+            if pid is not None and worker.alive:
+                worker.pid = pid
+
+        transport.started.addCallback(forked)
+        worker._started(transport, spawn_timeout)
+        return worker
+
+    def _close_descriptors(self) -> None:
+        if self.protocol.descriptors is not None:
+            self.protocol.descriptors.close()
+
+    def _begin(self, reactor: Any) -> socket.socket:
+        """The protocol, with our end of the descriptor socket; returns the worker's end."""
+        ours, theirs = socket_pair()
+        ours.setblocking(False)
+        self.protocol = WorkerProtocol(self._message_received, self._poisoned, ours)
+        self.protocol.ended.addCallback(self._process_ended)
+        self.started_at = reactor.seconds()
+        return theirs
+
+    def _started(self, transport: Any, spawn_timeout: float) -> None:
+        worker = self
+        reactor = self._reactor
         try:
             transport.closeStdin()
         except Exception:  # a fake transport may not support it
@@ -376,7 +445,6 @@ class WorkerProcess:
         worker._ready_timer = IReactorTime(reactor).callLater(
             spawn_timeout, worker._ready_timed_out, spawn_timeout
         )
-        return worker
 
     # -- context creation and teardown on the lease -----------------------
 

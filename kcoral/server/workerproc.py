@@ -331,8 +331,9 @@ class WorkerProcess:
     #: C{"pending"}, C{"held"} or C{"released"}.
     _startup_lease_state: str | None = None
     #: A context creation or teardown in progress: its kind (C{"create"} or
-    #: C{"teardown"}) and when it started (reactor time).
-    _context_op: tuple[str, float] | None = None
+    #: C{"teardown"}), when it started (reactor time) and the pid it was
+    #: logged with (its end is logged with the same one).
+    _context_op: tuple[str, float, int | None] | None = None
     #: The orderly teardown: C{None}, C{"waiting"} (for the maintenance
     #: lease), C{"sent"} (L{Teardown} sent) or C{"done"} (L{TornDown} came).
     _teardown_state: str | None = None
@@ -448,14 +449,14 @@ class WorkerProcess:
 
     # -- context creation and teardown on the lease -----------------------
 
-    def _event(self, event: str, **fields: Any) -> None:
+    def _event(self, event: str, pid: int | None, **fields: Any) -> None:
         """Log context event C{event} of this worker."""
         self.log.info(
             "{kcoral_event} on GPU(s) {gpu_ids} for {worker_id}",
             kcoral_event=event,
             worker_id=self.seat,
             generation=self.generation,
-            pid=self.pid,
+            pid=pid,
             gpu_ids=list(self.gpus),
             **fields,
         )
@@ -464,23 +465,25 @@ class WorkerProcess:
         """A context creation or teardown starts (under the lease)."""
         if not self.gpus or self._context_op is not None:
             return
-        self._context_op = (kind, float(self._reactor.seconds()))
+        grant = self._leases.grant_of(self)
+        pid = grant.pid if grant is not None else self.pid
+        self._context_op = (kind, float(self._reactor.seconds()), pid)
         if kind == "create":
-            self._event("context_create_started")
+            self._event("context_create_started", pid)
         else:
-            self._event("context_teardown_started")
+            self._event("context_teardown_started", pid)
 
     def _context_end(self, how: str) -> None:
         """The context creation or teardown in progress ended, C{how}."""
         op, self._context_op = self._context_op, None
         if op is None:
             return
-        kind, started = op
+        kind, started, pid = op
         ms = (float(self._reactor.seconds()) - started) * 1000.0
         if kind == "create":
-            self._event("context_create_finished", duration_ms=ms, how=how)
+            self._event("context_create_finished", pid, duration_ms=ms, how=how)
         else:
-            self._event("context_teardown_finished", duration_ms=ms, how=how)
+            self._event("context_teardown_finished", pid, duration_ms=ms, how=how)
 
     def retire(self) -> Deferred[int | None]:
         """

@@ -30,6 +30,7 @@ __all__ = [
     "REUSE_SCOPES",
     "SANDBOXES",
     "TENSOR_APIS",
+    "WORKER_STARTS",
     "ServerConfig",
     "default_disk_cache_dir",
 ]
@@ -45,6 +46,9 @@ REUSE_SCOPES = ("address", "any")
 
 #: Accepted values of L{ServerConfig.tensor_api}.
 TENSOR_APIS = ("auto", "torch", "pycuda")
+
+#: Accepted values of L{ServerConfig.worker_start}.
+WORKER_STARTS = ("fork", "spawn")
 
 #: Accepted values of L{ServerConfig.log_level} (L{twisted.logger.LogLevel} names).
 LOG_LEVELS = ("debug", "info", "warn", "error", "critical")
@@ -250,6 +254,11 @@ class ServerConfig:
     @ivar num_workers: number of workers in CPU mode.
     @ivar tensor_api: what Python functions in GPU workers receive as
         tensors: C{"auto"}, C{"torch"} or C{"pycuda"}.
+    @ivar worker_start: how a new worker process is made: C{"fork"}, from
+        a template process per device kind that did every import once
+        (L{kcoral.server.template}; the server falls back to C{"spawn"},
+        loudly, when a template cannot start), or C{"spawn"}, a new
+        interpreter per worker.
     @ivar log_level: the least severe level written to C{events.jsonl} and
         the console: one of L{LOG_LEVELS}.
     @ivar log_retention_days: run directories under C{log_dir} (events and
@@ -311,6 +320,7 @@ class ServerConfig:
     device: str = field(default="gpu", validator=_choice(*DEVICES))
     num_workers: int = field(default=1, validator=[_strict_int, _at_least_one])
     tensor_api: str = field(default="auto", validator=_choice(*TENSOR_APIS))
+    worker_start: str = field(default="fork", validator=_choice(*WORKER_STARTS))
     log_level: str = field(default="info", validator=_choice(*LOG_LEVELS))
     log_retention_days: float = field(
         default=30.0, converter=_to_float, validator=_FLOAT_NON_NEGATIVE

@@ -166,6 +166,11 @@ class LimitedRequest(Request):
     body_parser: StreamedBody | None = None
     body_bytes = 0
     client_name: str | None = None
+    #: Reactor seconds from the end of the request head to the last body
+    #: byte (C{None} until the body is complete): the upload as the server
+    #: sees it.
+    body_seconds: float | None = None
+    _body_started: float | None = None
     _error_body_written = False
     _refusal_logged = False
     _reserved = 0
@@ -235,8 +240,19 @@ class LimitedRequest(Request):
             length = 0
             self._skip_body()
         super().gotLength(length)
+        self._body_started = self._now()
         if not (self.too_large or self.over_capacity):
             self._stream_body()
+
+    def _now(self) -> float | None:
+        reactor = getattr(self._site(), "reactor", None)
+        return None if reactor is None else float(reactor.seconds())
+
+    def requestReceived(self, command: bytes, path: bytes, version: bytes) -> None:
+        started, now = self._body_started, self._now()
+        if started is not None and now is not None:
+            self.body_seconds = now - started
+        super().requestReceived(command, path, version)
 
     def _stream_body(self) -> None:
         """Parse a multipart body as it arrives, when the site does so."""

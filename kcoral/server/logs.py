@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import sys
 from collections.abc import Iterable, Mapping
@@ -54,6 +55,8 @@ from twisted.logger import (
 )
 from twisted.python.logfile import BaseLogFile, LogFile
 from zope.interface import implementer
+
+from kcoral.server.logwriter import BackgroundWriter
 
 __all__ = [
     "CONSOLE_SKIPPED_KEYS",
@@ -185,10 +188,28 @@ def format_timestamp(log_time: float | None) -> str:
         C{None} uses the current time.
     """
     if log_time is None:
-        moment = datetime.now(timezone.utc)
-    else:
-        moment = datetime.fromtimestamp(log_time, timezone.utc)
-    return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
+        log_time = datetime.now(timezone.utc).timestamp()
+    # Rounded to the microsecond as datetime.fromtimestamp does, then cut.
+    second = math.floor(log_time)
+    micros = round((log_time - second) * 1e6)
+    if micros >= 1_000_000:
+        second, micros = second + 1, 0
+    millis = micros // 1000
+    cached = _second_prefix
+    if cached[0] != second:
+        # One strftime a second, not one an event: events come in dozens a request.
+        moment = datetime.fromtimestamp(second, timezone.utc)
+        cached = (second, moment.strftime("%Y-%m-%dT%H:%M:%S."))
+        _set_second_prefix(cached)
+    return f"{cached[1]}{millis:03d}Z"
+
+
+_second_prefix: tuple[float, str] = (math.nan, "")
+
+
+def _set_second_prefix(value: tuple[float, str]) -> None:
+    global _second_prefix
+    _second_prefix = value
 
 
 def _is_legacy_artifact(key: str, value: Any, event: Mapping[str, Any]) -> bool:
@@ -256,6 +277,9 @@ def _safe_repr(value: Any) -> str:
 
 
 def _is_binary(stream: Any) -> bool:
+    wrapped = getattr(stream, "wrapped", None)
+    if wrapped is not None:
+        return _is_binary(wrapped)
     if isinstance(stream, (BaseLogFile, io.RawIOBase, io.BufferedIOBase)):
         return True
     mode = getattr(stream, "mode", None)
@@ -549,6 +573,7 @@ class LogSetup:
     observers: list[Any]
     publisher: LogPublisher
     events_file: Any = None
+    writers: list[Any] = attrs.Factory(list)
     _closed: bool = False
 
     def close(self) -> None:
@@ -560,6 +585,8 @@ class LogSetup:
         self._closed = True
         for observer in self.observers:
             self.publisher.removeObserver(observer)
+        for writer in self.writers:
+            writer.close()
         if self.events_file is not None:
             try:
                 self.events_file.close()
@@ -577,6 +604,7 @@ def install_observers(
     rotate_length: int = DEFAULT_ROTATE_LENGTH,
     max_rotated_files: int = DEFAULT_MAX_ROTATED_FILES,
     extra_observers: Iterable[Any] = (),
+    background: bool = False,
 ) -> LogSetup:
     """
     Create the run directory and add the observers the configuration asks
@@ -608,12 +636,16 @@ def install_observers(
     @param rotate_length: size in bytes at which C{events.jsonl} rotates.
     @param max_rotated_files: rotated files kept.
     @param extra_observers: more observers to add and remove with these.
+    @param background: write C{events.jsonl} and the console through
+        L{BackgroundWriter}s, so the reactor only queues lines (the server
+        does; tests that read what was written at once leave it off).
     @raise LogDirectoryError: when the run directory cannot be created.
     """
     if publisher is None:
         publisher = globalLogPublisher
     level = LogLevel.levelWithName(getattr(config, "log_level", "info"))
     observers: list[Any] = []
+    writers: list[BackgroundWriter] = []
     run_dir = None
     recorder = None
     events_file = None
@@ -633,11 +665,18 @@ def install_observers(
             maxRotatedFiles=max_rotated_files,
             defaultMode=0o600,
         )
-        observers.append(JsonEventObserver(events_file, min_level=level))
+        events_stream: Any = events_file
+        if background:
+            events_stream = BackgroundWriter(events_file, "kcoral-events-writer")
+            writers.append(events_stream)
+        observers.append(JsonEventObserver(events_stream, min_level=level))
         if config.log_programs:
             recorder = ProgramRecorder(run_dir.programs_dir)
     if config.log_console:
         console = ConsoleObserver(console_stream, min_level=level)
+        if background:
+            console.stream = BackgroundWriter(console.stream, "kcoral-console-writer")
+            writers.append(console.stream)
         observers.append(console)
         # Twisted's own events: warnings and worse, or fewer at a higher level.
         twisted_level = max(level, LogLevel.warn)
@@ -654,4 +693,5 @@ def install_observers(
         observers=observers,
         publisher=publisher,
         events_file=events_file,
+        writers=writers,
     )

@@ -77,6 +77,10 @@ TAIL_BYTES = 8192
 #: How long a worker may take to report ready.
 SPAWN_TIMEOUT_SECONDS = 60.0
 
+#: How long a worker may take to exit once it answered L{TornDown} (it
+#: leaves with C{os._exit}; its maintenance lease is held meanwhile).
+EXIT_AFTER_TEARDOWN_SECONDS = 1.0
+
 
 class WorkerStartError(Exception):
     """The worker failed or timed out before reporting ready."""
@@ -321,12 +325,15 @@ class WorkerProcess:
     #: Runs this worker's L{CompileRequest}s (L{kcoral.server.compiles}), or
     #: C{None}: they are answered C{unavailable}.
     compiler: Any = None
+    #: How the process was made: C{"spawn"} or C{"fork"} (by a template).
+    made: str = "spawn"
     #: The lease a GPU worker takes to warm up: C{None} (not asked),
     #: C{"pending"}, C{"held"} or C{"released"}.
     _startup_lease_state: str | None = None
     #: A context creation or teardown in progress: its kind (C{"create"} or
-    #: C{"teardown"}) and when it started (reactor time).
-    _context_op: tuple[str, float] | None = None
+    #: C{"teardown"}), when it started (reactor time) and the pid it was
+    #: logged with (its end is logged with the same one).
+    _context_op: tuple[str, float, int | None] | None = None
     #: The orderly teardown: C{None}, C{"waiting"} (for the maintenance
     #: lease), C{"sent"} (L{Teardown} sent) or C{"done"} (L{TornDown} came).
     _teardown_state: str | None = None
@@ -350,21 +357,88 @@ class WorkerProcess:
     ) -> WorkerProcess:
         """Start the process; see C{ready} for when it can take a job."""
         worker = cls(seat, generation, gpus, reactor, leases, grace_seconds)
-        ours, theirs = socket_pair()
-        ours.setblocking(False)
-        worker.protocol = WorkerProtocol(worker._message_received, worker._poisoned, ours)
-        worker.protocol.ended.addCallback(worker._process_ended)
-        worker.started_at = reactor.seconds()
+        theirs = worker._begin(reactor)
         try:
             transport = _spawn(
                 reactor, worker.protocol, executable, args, env, worker_child_fds(theirs)
             )
         except BaseException:
-            ours.close()
+            worker._close_descriptors()
             raise
         finally:
             theirs.close()
         worker.pid = transport.pid
+        worker._started(transport, spawn_timeout)
+        return worker
+
+    @classmethod
+    def fork(
+        cls,
+        reactor: Any,
+        *,
+        seat: str,
+        generation: int,
+        gpus: tuple[int, ...],
+        leases: Any,
+        template: Any,
+        args: list[str],
+        env: dict[str, str],
+        cwd: str,
+        workspace: str | None,
+        capture_bytes: int | None,
+        grace_seconds: float,
+        spawn_timeout: float = SPAWN_TIMEOUT_SECONDS,
+    ) -> WorkerProcess:
+        """
+        Fork the worker from C{template} (a L{kcoral.server.template.WorkerTemplate});
+        otherwise as L{spawn}.  C{pid} is set once the template reports the fork.
+
+        @raise kcoral.server.template.TemplateError: the template cannot fork now.
+        """
+        worker = cls(seat, generation, gpus, reactor, leases, grace_seconds)
+        worker.made = "fork"
+        theirs = worker._begin(reactor)
+        try:
+            transport = template.fork_transport(
+                worker.protocol,
+                worker_child_fds(theirs),
+                argv=args,
+                env=env,
+                cwd=cwd,
+                workspace=workspace,
+                capture_bytes=capture_bytes,
+                reader_factory=_WideReader if isinstance(reactor, PosixReactorBase) else None,
+            )
+        except BaseException:
+            worker._close_descriptors()
+            raise
+        finally:
+            theirs.close()
+
+        def forked(pid: int | None) -> None:
+            if pid is not None and worker.alive:
+                worker.pid = pid
+
+        transport.started.addCallback(forked)
+        worker._started(transport, spawn_timeout)
+        return worker
+
+    def _close_descriptors(self) -> None:
+        if self.protocol.descriptors is not None:
+            self.protocol.descriptors.close()
+
+    def _begin(self, reactor: Any) -> socket.socket:
+        """The protocol, with our end of the descriptor socket; returns the worker's end."""
+        ours, theirs = socket_pair()
+        ours.setblocking(False)
+        self.protocol = WorkerProtocol(self._message_received, self._poisoned, ours)
+        self.protocol.ended.addCallback(self._process_ended)
+        self.started_at = reactor.seconds()
+        return theirs
+
+    def _started(self, transport: Any, spawn_timeout: float) -> None:
+        worker = self
+        reactor = self._reactor
         try:
             transport.closeStdin()
         except Exception:  # a fake transport may not support it
@@ -372,18 +446,17 @@ class WorkerProcess:
         worker._ready_timer = IReactorTime(reactor).callLater(
             spawn_timeout, worker._ready_timed_out, spawn_timeout
         )
-        return worker
 
     # -- context creation and teardown on the lease -----------------------
 
-    def _event(self, event: str, **fields: Any) -> None:
+    def _event(self, event: str, pid: int | None, **fields: Any) -> None:
         """Log context event C{event} of this worker."""
         self.log.info(
             "{kcoral_event} on GPU(s) {gpu_ids} for {worker_id}",
             kcoral_event=event,
             worker_id=self.seat,
             generation=self.generation,
-            pid=self.pid,
+            pid=pid,
             gpu_ids=list(self.gpus),
             **fields,
         )
@@ -392,23 +465,25 @@ class WorkerProcess:
         """A context creation or teardown starts (under the lease)."""
         if not self.gpus or self._context_op is not None:
             return
-        self._context_op = (kind, float(self._reactor.seconds()))
+        grant = self._leases.grant_of(self)
+        pid = grant.pid if grant is not None else self.pid
+        self._context_op = (kind, float(self._reactor.seconds()), pid)
         if kind == "create":
-            self._event("context_create_started")
+            self._event("context_create_started", pid)
         else:
-            self._event("context_teardown_started")
+            self._event("context_teardown_started", pid)
 
     def _context_end(self, how: str) -> None:
         """The context creation or teardown in progress ended, C{how}."""
         op, self._context_op = self._context_op, None
         if op is None:
             return
-        kind, started = op
+        kind, started, pid = op
         ms = (float(self._reactor.seconds()) - started) * 1000.0
         if kind == "create":
-            self._event("context_create_finished", duration_ms=ms, how=how)
+            self._event("context_create_finished", pid, duration_ms=ms, how=how)
         else:
-            self._event("context_teardown_finished", duration_ms=ms, how=how)
+            self._event("context_teardown_finished", pid, duration_ms=ms, how=how)
 
     def retire(self) -> Deferred[int | None]:
         """
@@ -416,12 +491,15 @@ class WorkerProcess:
 
         A CPU worker exits by itself.  A GPU worker's contexts are destroyed
         while the parent holds its GPUs' maintenance lease (shared with other
-        creations and teardowns, never with a measurement): whatever it kept
-        through its outcome is given back, the maintenance lease is taken,
-        L{Teardown} is sent, and the lease is given back when L{TornDown}
-        says the contexts are gone, or else when the process is.  A worker
-        that does not answer within the grace is killed under the lease.
-        The process then exits off the lease.  Fires when it has ended.
+        creations and teardowns, never with a measurement): it is frozen
+        (SIGSTOP: a thread its program left behind runs nothing while others
+        hold the GPU), whatever it kept through its outcome is given back,
+        the maintenance lease is taken, the worker thawed and sent
+        L{Teardown}.  It answers L{TornDown} and exits.  The process ran a
+        program, so its word is not trusted: the lease is held until the
+        process is gone (L{EXIT_AFTER_TEARDOWN_SECONDS} after the answer,
+        the grace without one, then SIGKILL under the lease); the parent's
+        cleanup runs after, off the lease.  Fires when it has ended.
         """
         if not self.alive:
             return succeed(self.exit_code)
@@ -432,6 +510,7 @@ class WorkerProcess:
         if self._teardown_state is not None or self._killing:
             return self._ended_copy()
         self._teardown_state = "waiting"
+        _signal_all(self._tree(), signal.SIGSTOP)
         self._leases.release(self)
         d = self._leases.acquire(
             self, self.gpus, label=f"context_teardown:{self.seat}", mode=MAINTENANCE
@@ -442,6 +521,7 @@ class WorkerProcess:
                 return
             self._teardown_state = "sent"
             self._context_begin("teardown")
+            _signal_all(self._tree(), signal.SIGCONT)
             self.send(Teardown())
             self._kill_timer = self._reactor.callLater(self._grace_seconds, self.kill_now)
 
@@ -455,13 +535,17 @@ class WorkerProcess:
         return self._ended_copy()
 
     def _torn_down(self, message: TornDown) -> None:
+        """
+        The worker says its contexts are gone (C{destroyed}) or go with the
+        process; either way the lease stays held until the process is gone,
+        which may take only a moment now.
+        """
         self._teardown_state = "done"
         if message.destroyed:
             self._context_end("destroyed")
-            self._leases.release(self)
-        # Else the contexts go with the process: the lease is held until
-        # it is gone (L{_process_ended}).  Either way it exits by itself
-        # now; the grace timer set at L{Teardown} still stands.
+        if self._kill_timer is not None and self._kill_timer.active():
+            self._kill_timer.cancel()
+        self._kill_timer = self._reactor.callLater(EXIT_AFTER_TEARDOWN_SECONDS, self.kill_now)
 
     def _under_lease(self, kill: Callable[[], None]) -> None:
         """
@@ -658,8 +742,8 @@ class WorkerProcess:
         # After its outcome a worker has nothing to say until the next job.
         self.protocol.set_limits(CONTROL_LIMITS)
         if self.alive and self.protocol.drain():
-            # Descriptors no frame named: left to be taken for the next
-            # request's parts.  Never trust this worker again.
+            # Descriptors sent after the outcome (a thread the program left
+            # running), to be taken for the next request's parts.
             self.protocol.violation("sent descriptors that no message named")
         return result
 
@@ -906,6 +990,11 @@ class _RunningJob:
                 # A worker that stays gives its GPU back before it answers;
                 # only a retiring one exits holding it.
                 self._violation("answered holding its GPU lease without retiring")
+                return
+            if self.worker.protocol.drain():
+                # The outcome is the last message and every descriptor goes
+                # before its frame: these were left for the next request.
+                self._violation("sent descriptors that no message named")
                 return
             if message.streamed_parts != len(self.returned_parts):
                 self._violation(

@@ -26,6 +26,7 @@ import attrs
 from kcoral.wire.channel import (
     DESCRIPTOR_FD,
     FROM_WORKER_FD,
+    RETIRE_REQUEST_LIMIT,
     TO_WORKER_FD,
     Blob,
     Execute,
@@ -122,6 +123,7 @@ def serve(
     )
     lease.release()
     served = 0
+    socket_identity = None if descriptors is None else _identity(descriptors)
     blobs: dict[str, bytes | SharedBuffer] = {}
     while True:
         message = read_message(inbox, descriptors=descriptors)
@@ -137,6 +139,18 @@ def serve(
                 if isinstance(blob, SharedBuffer):
                     blob.close()
             blobs = {}
+            if descriptors is not None and not _same_socket(descriptors, socket_identity):
+                # The program closed or replaced the descriptor socket: send
+                # the parts inline, and retire (the next request could not
+                # get its blobs).
+                print("kcoral worker: retiring, the descriptor socket was changed", file=sys.stderr)
+                outcome = attrs.evolve(
+                    outcome,
+                    parts=tuple(_inline(part) for part in outcome.parts),
+                    retire=outcome.retire or RETIRE_REQUEST_LIMIT,
+                )
+                descriptors.detach()  # fd 5 may be another file now: never close it
+                descriptors = None
             try:
                 write_message(outbox, outcome, descriptors)
             except ValueError:
@@ -147,6 +161,23 @@ def serve(
                 return _retire(inbox, outbox, backend)
         else:
             print(f"kcoral worker: ignoring message {message.TYPE!r}", file=sys.stderr, flush=True)
+
+
+def _identity(sock: socket.socket) -> tuple[int, int] | None:
+    """The device and inode behind C{sock}'s fd (C{None}: it is closed)."""
+    try:
+        info = os.fstat(sock.fileno())
+    except (OSError, ValueError):
+        return None
+    return (info.st_dev, info.st_ino)
+
+
+def _same_socket(sock: socket.socket, identity: tuple[int, int] | None) -> bool:
+    return identity is not None and _identity(sock) == identity
+
+
+def _inline(part: bytes | SharedBuffer) -> bytes:
+    return part if isinstance(part, bytes) else part.tobytes()
 
 
 def _retire(inbox: IO[bytes], outbox: IO[bytes], backend: Any) -> int:

@@ -55,6 +55,7 @@ class DefaultsTests(SynchronousTestCase):
             "device": "gpu",
             "num_workers": 1,
             "tensor_api": "auto",
+            "worker_start": "fork",
             "log_level": "info",
             "log_retention_days": 30.0,
             "log_retention_mbytes": 10240,

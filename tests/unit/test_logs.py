@@ -698,3 +698,56 @@ class InstallObserversTests(SynchronousTestCase):
             self.log.info("x", kcoral_event="request_received", request_id=f"r{i}")
         names = sorted(p.name for p in setup.run_dir.path.glob("events.jsonl*"))
         self.assertEqual(names, ["events.jsonl", "events.jsonl.1"])
+
+
+class TestBackgroundWriter:
+    """Lines written through a L{BackgroundWriter} arrive in order, all of them by close()."""
+
+    def test_order_and_close(self) -> None:
+        import io
+
+        from kcoral.server.logwriter import BackgroundWriter
+
+        target = io.StringIO()
+        writer = BackgroundWriter(target)
+        for i in range(1000):
+            writer.write(f"{i}\n")
+        writer.flush()
+        writer.close()
+        assert target.getvalue() == "".join(f"{i}\n" for i in range(1000))
+        writer.write("after\n")
+        writer.close()
+        assert "after" not in target.getvalue()
+
+    def test_binary_and_broken_streams(self) -> None:
+        import io
+
+        from kcoral.server.logs import JsonEventObserver
+        from kcoral.server.logwriter import BackgroundWriter
+
+        target = io.BytesIO()
+        writer = BackgroundWriter(target)
+        observer = JsonEventObserver(writer)
+        observer({"kcoral_event": "pool_ready", "log_time": 0.0, "workers": 2})
+        writer.close()
+        assert target.getvalue().startswith(b'{"timestamp":"1970-01-01T00:00:00.000Z"')
+
+        class Broken(io.StringIO):
+            def write(self, data: str) -> int:
+                raise OSError("disk full")
+
+        broken = BackgroundWriter(Broken())
+        broken.write("x\n")
+        broken.close()  # the error is swallowed, the thread ends
+
+
+def test_timestamps_match_datetime() -> None:
+    """The per-second cache formats exactly as datetime does, edges included."""
+    from datetime import datetime, timezone
+
+    from kcoral.server.logs import format_timestamp
+
+    for t in (0.0, 1.9995, 1767225599.001, 1767225599.9999995, 1767225600.0005, 1.0009995):
+        moment = datetime.fromtimestamp(t, timezone.utc)
+        expected = moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
+        assert format_timestamp(t) == expected

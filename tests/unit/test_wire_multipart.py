@@ -398,3 +398,37 @@ def test_decode_response_rejects(content_type: str | None, data: bytes) -> None:
     """Responses the 0.1.1 client would refuse raise L{ValidationError}."""
     with pytest.raises(ValidationError):
         decode_response(content_type, data)
+
+
+class TestRememberedVerdicts:
+    """The fast paths give the email parser's verdicts, every time."""
+
+    def test_simple_boundary_as_the_email_parser(self) -> None:
+        from kcoral.wire import multipart
+
+        for value in (
+            "multipart/form-data; boundary=0123456789abcdef0123456789abcdef",
+            "multipart/form-data; boundary=kcoral-" + "a" * 32,
+            "multipart/form-data; boundary=A_b-C",
+        ):
+            fast = multipart.boundary_from_content_type(value)
+            # The same value with a trailing space leaves the fast path.
+            slow = multipart.boundary_from_content_type(value + " ")
+            assert fast == slow
+
+    def test_part_verdicts_repeat(self) -> None:
+        from kcoral.wire import multipart
+        from kcoral.wire.program import ValidationError
+
+        good = b'Content-Disposition: form-data; name="program"\r\nContent-Type: application/json\r\n\r\n'
+        bad = b'Content-Disposition: form-data; name="program"\r\n\r\n'
+        for _ in range(3):
+            assert multipart._parse_part_headers(good) == ("program", "application/json")
+            with pytest.raises(ValidationError, match="one Content-Type"):
+                multipart._parse_part_headers(bad)
+        long = (
+            b'Content-Disposition: form-data; name="'
+            + b"x" * 2000
+            + b'"\r\nContent-Type: application/octet-stream\r\n\r\n'
+        )
+        assert multipart._parse_part_headers(long) == ("x" * 2000, "application/octet-stream")

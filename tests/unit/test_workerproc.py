@@ -5,6 +5,7 @@ L{IReactorProcess}: no processes, no sleeps.
 
 from __future__ import annotations
 
+import signal
 import struct
 from typing import Any
 
@@ -17,6 +18,7 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 from zope.interface.verify import verifyObject
 
+from kcoral.server import workerproc
 from kcoral.server.lease import LeaseArbiter
 from kcoral.server.workerproc import (
     FROM_WORKER_FD,
@@ -731,8 +733,8 @@ class ContextOnTheLeaseTests(WorkerTestCase):
     def test_orderly_teardown(self) -> None:
         """
         retire(): the exclusive hold kept through the outcome is given back,
-        the maintenance lease taken, Teardown sent; TornDown frees the GPU
-        and the process exits off the lease.
+        the maintenance lease taken, Teardown sent; after TornDown the lease
+        is held until the process is gone (its word is not trusted).
         """
         worker = self.retiring_worker()
         self.assertIs(self.leases.holder_of(0), worker)
@@ -742,8 +744,9 @@ class ContextOnTheLeaseTests(WorkerTestCase):
             self.assertEqual(self.leases.maintainers_of(0), {worker})
             self.assertEqual(self.transport.messages()[-1], Teardown())
             self.deliver(worker, TornDown(destroyed=True, seconds=0.01))
-            self.assertEqual(self.leases.maintainers_of(0), frozenset())
+            self.assertEqual(self.leases.maintainers_of(0), {worker})
             self.end(worker, 0)
+            self.assertEqual(self.leases.maintainers_of(0), frozenset())
         self.assertEqual(self.successResultOf(ended), 0)
         self.assertEqual(
             self.events(captured),
@@ -769,6 +772,34 @@ class ContextOnTheLeaseTests(WorkerTestCase):
         self.assertEqual(self.leases.maintainers_of(0), {worker})
         self.end(worker, 0)
         self.assertEqual(self.leases.maintainers_of(0), frozenset())
+
+    def test_slow_exit_after_answer_killed(self) -> None:
+        """A worker that answers but does not exit is killed soon, under the lease."""
+        worker = self.retiring_worker()
+        worker.retire()
+        self.deliver(worker, TornDown(destroyed=True, seconds=0.01))
+        self.reactor.advance(0.9)
+        self.assertEqual(self.hard_kills, [])
+        self.reactor.advance(0.2)
+        self.assertEqual(self.hard_kills, [worker])
+        self.assertEqual(self.leases.maintainers_of(0), {worker})
+
+    def test_frozen_while_waiting_for_the_lease(self) -> None:
+        """
+        A retiring worker is frozen while it waits for the maintenance lease
+        (a thread its program left runs nothing beside a measurement), and
+        thawed when the lease is granted.
+        """
+        signals: list[int] = []
+        self.patch(workerproc, "_signal_all", lambda victims, signum: signals.append(signum))
+        worker = self.retiring_worker()
+        self.leases.release(worker)
+        self.successResultOf(self.leases.acquire("measuring", (0,)))
+        worker.retire()
+        self.assertEqual(signals, [signal.SIGSTOP])
+        self.leases.release("measuring")
+        self.assertEqual(signals, [signal.SIGSTOP, signal.SIGCONT])
+        self.assertEqual(self.transport.messages()[-1], Teardown())
 
     def test_silent_worker_killed_under_the_lease(self) -> None:
         """No answer within the grace: killed while the maintenance lease is held."""

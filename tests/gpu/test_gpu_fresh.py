@@ -1,0 +1,122 @@
+"""
+Fresh workers on a real GPU (issue 14): contexts are created and destroyed
+on the maintenance lease, seats are refilled from warm spares, and the run's
+own log proves no context operation overlapped another holder's lease.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kcoral.testing.live_server import ServerProcess
+
+from .test_gpu_server import _ok, _readonly_flags
+
+pytestmark = [pytest.mark.gpu, pytest.mark.integration]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+COPY = """
+def f():
+    import torch
+    x = torch.ones(1 << 24, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(20):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    return float(y.sum().item())
+"""
+
+
+def _program(source: str) -> dict[str, Any]:
+    return {
+        "instructions": [
+            {"op": "upload", "kind": "module", "id": "m", "source": source},
+            {"op": "get_function", "id": "f", "module": {"$ref": "m"}, "name": "f"},
+            {"op": "run", "id": "r", "fn": {"$ref": "f"}, "args": []},
+            {"op": "return", "key": "r", "value": {"$ref": "r"}},
+        ]
+    }
+
+
+def _events(logs: Path) -> list[dict[str, Any]]:
+    events = []
+    for path in sorted(logs.rglob("events.jsonl")):
+        events += [json.loads(line) for line in path.read_text().splitlines()]
+    return events
+
+
+def _overlap_tool() -> Any:
+    spec = importlib.util.spec_from_file_location(
+        "lease_overlap", ROOT / "bench" / "lease_overlap.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("sandbox", ["none", "bubblewrap"])
+def test_fresh_workers_on_the_lease(tmp_path: Path, sandbox: str) -> None:
+    """
+    Fresh mode with two spares: every request runs in a new process, its
+    seat refilled from a spare; contexts are created and torn down (the
+    worker answers torn_down) under maintenance holds that never overlap an
+    exclusive one.
+    """
+    logs = tmp_path / "logs"
+    server = ServerProcess(
+        [
+            "--device",
+            "gpu",
+            "--gpus",
+            "0",
+            "--workers-per-gpu",
+            "2",
+            "--spare-workers-per-gpu",
+            "2",
+            "--max-requests-per-worker",
+            "1",
+            "--sandbox",
+            sandbox,
+            "--log-dir",
+            str(logs),
+            *_readonly_flags(),
+        ],
+        log_path=tmp_path / "server.out",
+    )
+    server.start(timeout=240)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            spares = server.health()["spares"]
+            if len(spares) == 2 and all(s["state"] == "ready" for s in spares):
+                break
+            time.sleep(0.5)
+        for _ in range(6):
+            _body, results = _ok(server.execute(_program(COPY)))
+            assert results["r"] == float(1 << 24)
+        health = server.health()
+        assert health["load"]["request_capacity"] == 2
+        pids = {w["pid"] for w in health["workers"]}
+        assert len(pids) == 2
+    finally:
+        assert server.stop() == 0
+    events = _events(logs)
+    names = [e.get("event") for e in events]
+    assert names.count("spare_adopted") >= 4
+    teardowns = [e for e in events if e.get("event") == "context_teardown_finished"]
+    assert len(teardowns) >= 4
+    assert {e["how"] for e in teardowns} <= {"destroyed", "exited"}
+    assert any(e["how"] == "destroyed" for e in teardowns), teardowns
+    creations = [e for e in events if e.get("event") == "context_create_finished"]
+    assert len(creations) >= 8 and all(e["how"] == "ready" for e in creations)
+    report = _overlap_tool().check(sorted(logs.rglob("events.jsonl")))
+    assert report["overlaps"] == []
+    assert report["gpus"]["0"]["contexts_created"] == len(creations)

@@ -246,6 +246,8 @@ class KcoralAPI:
             # so they are not in request_capacity.
             "spares": pool.spare_status(now),
             "sandbox": self.sandbox_name,
+            "worker_start": pool.worker_start,
+            "templates": {t.name: t.state for t in pool.templates.values()},
         }
 
     @app.route("/health", methods=["GET"])

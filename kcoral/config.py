@@ -231,8 +231,9 @@ class ServerConfig:
     @ivar spare_workers_per_gpu: warm workers kept ready beside the seats,
         per GPU (CPU mode: for the pool), so a seat whose worker retires is
         refilled at once and no request waits for a worker to start;
-        C{None} means L{DEFAULT_SPARE_WORKERS_PER_GPU} in GPU mode and none
-        in CPU mode (L{spares_per_group}).
+        C{None} means L{DEFAULT_SPARE_WORKERS_PER_GPU} in GPU mode when
+        workers are replaced after a number of requests, and none in CPU
+        mode or with workers reused without limit (L{spares_per_group}).
     @ivar reuse_scope: which requests a reused worker may serve (one
         interpreter runs them one after another, so a program can read or
         answer for the next): C{"address"}, only requests from the client
@@ -382,11 +383,16 @@ class ServerConfig:
         """
         Warm spares kept per GPU (CPU mode: for the pool): the configured
         number, or by default L{DEFAULT_SPARE_WORKERS_PER_GPU} in GPU mode
-        and none in CPU mode.
+        with C{max_requests_per_worker} set (fresh workers: every request
+        retires one), and none in CPU mode or when workers are reused
+        without limit (a replacement is then rare, and spares would only
+        hold device memory).
         """
         if self.spare_workers_per_gpu is not None:
             return self.spare_workers_per_gpu
-        return 0 if self.cpu_mode else DEFAULT_SPARE_WORKERS_PER_GPU
+        if self.cpu_mode or self.max_requests_per_worker == 0:
+            return 0
+        return DEFAULT_SPARE_WORKERS_PER_GPU
 
     def worker_ids(self) -> list[str]:
         """

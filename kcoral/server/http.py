@@ -48,6 +48,10 @@ DEFAULT_HEADER_TIMEOUT = 30.0
 #: Seconds a client has to send a request body, counted from its head.
 DEFAULT_BODY_TIMEOUT = 300.0
 
+#: Bytes a connection reads per reactor wakeup, and sends per write.
+TRANSPORT_READ_BYTES = 256 * 1024
+TRANSPORT_SEND_BYTES = 1 << 20
+
 #: Open connections served at once; more are answered 503 and closed.
 DEFAULT_MAX_CONNECTIONS = 4096
 
@@ -466,6 +470,13 @@ class KcoralChannel(HTTPChannel):
 
     def connectionMade(self) -> None:
         super().connectionMade()
+        transport: Any = self.transport
+        if transport is not None:
+            # Tensors come and go in MiBs: fewer, larger reads and sends
+            # (Twisted's defaults, 64 KiB and 128 KiB, mean a reactor
+            # iteration per 64 KiB of a 64 MiB upload).
+            transport.bufferSize = TRANSPORT_READ_BYTES
+            transport.SEND_LIMIT = TRANSPORT_SEND_BYTES
         site = getattr(self, "site", None)
         if site is not None and hasattr(site, "open_connections"):
             site.open_connections += 1

@@ -418,7 +418,7 @@ class WorkerPool:
         except Exception as e:
             template.broken(f"no command line: {e}")
             await template.ready
-        template.start(executable, args, {**env, **self.worker_env})
+        template.start(executable, args, {**env, **self.worker_env}, path=str(work_dir))
         await template.ready
 
     async def stop_templates(self) -> None:

@@ -219,7 +219,8 @@ class Options(usage.Options):
             "worker's seat is refilled at once; default "
             f"{DEFAULT_SPARE_WORKERS_PER_GPU} in GPU mode (a GPU creates a context in "
             "0.12-0.15 s, one at a time: four cover the refill time at 3-4 requests/s), "
-            "0 in CPU mode (env KCORAL_SPARE_WORKERS_PER_GPU).",
+            "0 in CPU mode and with --max-requests-per-worker 0 "
+            "(env KCORAL_SPARE_WORKERS_PER_GPU).",
             _integer("spare-workers-per-gpu"),
         ],
         _float_param(

@@ -259,16 +259,18 @@ class WorkerTemplate:
         env: dict[str, str],
         *,
         timeout: float = TEMPLATE_START_TIMEOUT,
-        extra_fds: Mapping[int, int] | None = None,
+        path: str | None = None,
     ) -> Deferred[None]:
-        """Start the template process; C{ready} fires once it can fork."""
+        """
+        Start the template process in directory C{path}; C{ready} fires
+        once it can fork.
+        """
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._process = _TemplateProcess()
             fds: dict[int, Any] = {0: "w", 1: "r", 2: "r", TEMPLATE_FD: theirs.fileno()}
-            fds.update(extra_fds or {})
             self._transport = self._reactor.spawnProcess(
-                self._process, executable, args, env=env, childFDs=fds
+                self._process, executable, args, env=env, path=path, childFDs=fds
             )
         except BaseException:
             ours.close()

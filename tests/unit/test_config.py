@@ -390,6 +390,10 @@ class SparesTests(SynchronousTestCase):
     def test_defaults_by_mode(self) -> None:
         self.assertEqual(ServerConfig(device="gpu").spares_per_group, DEFAULT_SPARE_WORKERS_PER_GPU)
         self.assertEqual(ServerConfig(device="cpu").spares_per_group, 0)
+        reuse = ServerConfig(device="gpu", max_requests_per_worker=0)
+        self.assertEqual(reuse.spares_per_group, 0)
+        limited = ServerConfig(device="gpu", max_requests_per_worker=100)
+        self.assertEqual(limited.spares_per_group, DEFAULT_SPARE_WORKERS_PER_GPU)
 
     def test_explicit(self) -> None:
         self.assertEqual(ServerConfig(device="cpu", spare_workers_per_gpu=2).spares_per_group, 2)

@@ -203,7 +203,9 @@ def test_disconnected_clients_work_is_dropped(server: tuple[ServerProcess, Path]
         logs, lambda e: e["event"] == "worker_retired" and e.get("reason") == "abandoned"
     )
     assert len(retired) == 2
+    started = time.monotonic()
     response = process.execute(run_program(ADD, "f", 2, 3), timeout=120)
+    print(f"disconnect: the next program answered in {time.monotonic() - started:.2f} s")
     assert response.status == 200
     assert body_of(response)["results"]["out"]["value"] == 5
 
@@ -232,11 +234,16 @@ def test_load_nothing_lost(server: tuple[ServerProcess, Path]) -> None:
                 results.append(outcome)
 
     threads = [threading.Thread(target=client) for _ in range(clients)]
+    started = time.monotonic()
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
     wrong = [r for r in results if r[1] != 200 or r[2] != r[0] + 1]
+    print(
+        f"load: {len(results)} of {total} answered from {clients} clients in "
+        f"{time.monotonic() - started:.1f} s, {len(wrong)} wrong or refused"
+    )
     assert len(results) == total
     assert wrong == []
 

@@ -401,3 +401,13 @@ class SparesTests(SynchronousTestCase):
 
     def test_invalid(self) -> None:
         self.assertRaises(ValueError, ServerConfig, spare_workers_per_gpu=-1)
+
+
+class DefaultCacheCapacityTests(SynchronousTestCase):
+    """The memory cache defaults to a share of the machine's RAM (issue 18), not 16 GiB."""
+
+    def test_an_eighth_of_ram(self) -> None:
+        import psutil
+
+        self.assertEqual(default_cache_capacity(), psutil.virtual_memory().total // 8)
+        self.assertEqual(ServerConfig().cache_capacity_bytes, default_cache_capacity())

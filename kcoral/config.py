@@ -30,6 +30,7 @@ __all__ = [
     "REUSE_SCOPES",
     "SANDBOXES",
     "TENSOR_APIS",
+    "WORKER_STARTS",
     "ServerConfig",
     "default_disk_cache_dir",
 ]
@@ -45,6 +46,9 @@ REUSE_SCOPES = ("address", "any")
 
 #: Accepted values of L{ServerConfig.tensor_api}.
 TENSOR_APIS = ("auto", "torch", "pycuda")
+
+#: Accepted values of L{ServerConfig.worker_start}.
+WORKER_STARTS = ("fork", "spawn")
 
 #: Accepted values of L{ServerConfig.log_level} (L{twisted.logger.LogLevel} names).
 LOG_LEVELS = ("debug", "info", "warn", "error", "critical")
@@ -227,8 +231,9 @@ class ServerConfig:
     @ivar spare_workers_per_gpu: warm workers kept ready beside the seats,
         per GPU (CPU mode: for the pool), so a seat whose worker retires is
         refilled at once and no request waits for a worker to start;
-        C{None} means L{DEFAULT_SPARE_WORKERS_PER_GPU} in GPU mode and none
-        in CPU mode (L{spares_per_group}).
+        C{None} means L{DEFAULT_SPARE_WORKERS_PER_GPU} in GPU mode when
+        workers are replaced after a number of requests, and none in CPU
+        mode or with workers reused without limit (L{spares_per_group}).
     @ivar reuse_scope: which requests a reused worker may serve (one
         interpreter runs them one after another, so a program can read or
         answer for the next): C{"address"}, only requests from the client
@@ -250,6 +255,11 @@ class ServerConfig:
     @ivar num_workers: number of workers in CPU mode.
     @ivar tensor_api: what Python functions in GPU workers receive as
         tensors: C{"auto"}, C{"torch"} or C{"pycuda"}.
+    @ivar worker_start: how a new worker process is made: C{"fork"}, from
+        a template process per device kind that did every import once
+        (L{kcoral.server.template}; the server falls back to C{"spawn"},
+        loudly, when a template cannot start), or C{"spawn"}, a new
+        interpreter per worker.
     @ivar log_level: the least severe level written to C{events.jsonl} and
         the console: one of L{LOG_LEVELS}.
     @ivar log_retention_days: run directories under C{log_dir} (events and
@@ -311,6 +321,7 @@ class ServerConfig:
     device: str = field(default="gpu", validator=_choice(*DEVICES))
     num_workers: int = field(default=1, validator=[_strict_int, _at_least_one])
     tensor_api: str = field(default="auto", validator=_choice(*TENSOR_APIS))
+    worker_start: str = field(default="fork", validator=_choice(*WORKER_STARTS))
     log_level: str = field(default="info", validator=_choice(*LOG_LEVELS))
     log_retention_days: float = field(
         default=30.0, converter=_to_float, validator=_FLOAT_NON_NEGATIVE
@@ -372,11 +383,16 @@ class ServerConfig:
         """
         Warm spares kept per GPU (CPU mode: for the pool): the configured
         number, or by default L{DEFAULT_SPARE_WORKERS_PER_GPU} in GPU mode
-        and none in CPU mode.
+        with C{max_requests_per_worker} set (fresh workers: every request
+        retires one), and none in CPU mode or when workers are reused
+        without limit (a replacement is then rare, and spares would only
+        hold device memory).
         """
         if self.spare_workers_per_gpu is not None:
             return self.spare_workers_per_gpu
-        return 0 if self.cpu_mode else DEFAULT_SPARE_WORKERS_PER_GPU
+        if self.cpu_mode or self.max_requests_per_worker == 0:
+            return 0
+        return DEFAULT_SPARE_WORKERS_PER_GPU
 
     def worker_ids(self) -> list[str]:
         """

@@ -246,6 +246,8 @@ class KcoralAPI:
             # so they are not in request_capacity.
             "spares": pool.spare_status(now),
             "sandbox": self.sandbox_name,
+            "worker_start": pool.worker_start,
+            "templates": {t.name: t.state for t in pool.templates.values()},
         }
 
     @app.route("/health", methods=["GET"])
@@ -319,12 +321,22 @@ class KcoralAPI:
             if hold is not None:
                 hold(shared_bytes(body))
             producer = BodyProducer(request, body)
+            total, shared = body_length(body), shared_bytes(body)
             del rendered, body
+            started = self._reactor.seconds()
             try:
                 await producer.start()
             except CancelledError:
                 producer.stop()
                 raise
+            self.log.info(
+                "request {request_id}: {bytes} response bytes streamed",
+                kcoral_event="response_streamed",
+                request_id=request_id,
+                bytes=total,
+                shared_bytes=shared,
+                elapsed_ms=(self._reactor.seconds() - started) * 1000.0,
+            )
             return b""
         return body
 
@@ -409,6 +421,7 @@ class KcoralAPI:
             client=getattr(client, "host", None),
             client_name=getattr(request, "client_name", None),
             content_length=_header(request, b"content-length"),
+            body_ms=_ms(getattr(request, "body_seconds", None)),
         )
         rendered = await self._admit_and_run(request, request_id)
         self._finished(request_id, rendered.status, rendered.finish_reason, **rendered.fields)
@@ -617,6 +630,10 @@ def _header(request: IRequest, name: bytes) -> str | None:
     if value is None:
         return None
     return value.decode("latin-1") if isinstance(value, bytes) else str(value)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000.0, 3)
 
 
 def _holder_name(holder: Hashable | None) -> str | None:

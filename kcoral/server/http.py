@@ -48,6 +48,10 @@ DEFAULT_HEADER_TIMEOUT = 30.0
 #: Seconds a client has to send a request body, counted from its head.
 DEFAULT_BODY_TIMEOUT = 300.0
 
+#: Bytes a connection reads per reactor wakeup, and sends per write.
+TRANSPORT_READ_BYTES = 256 * 1024
+TRANSPORT_SEND_BYTES = 1 << 20
+
 #: Open connections served at once; more are answered 503 and closed.
 DEFAULT_MAX_CONNECTIONS = 4096
 
@@ -166,6 +170,11 @@ class LimitedRequest(Request):
     body_parser: StreamedBody | None = None
     body_bytes = 0
     client_name: str | None = None
+    #: Reactor seconds from the end of the request head to the last body
+    #: byte (C{None} until the body is complete): the upload as the server
+    #: sees it.
+    body_seconds: float | None = None
+    _body_started: float | None = None
     _error_body_written = False
     _refusal_logged = False
     _reserved = 0
@@ -234,21 +243,37 @@ class LimitedRequest(Request):
             self.over_capacity = True
             length = 0
             self._skip_body()
-        super().gotLength(length)
-        if not (self.too_large or self.over_capacity):
-            self._stream_body()
+        self._body_started = self._now()
+        if self.too_large or self.over_capacity or not self._stream_body():
+            # Twisted's own content file: a temporary file on disk past 100 kB.
+            super().gotLength(length)
 
-    def _stream_body(self) -> None:
-        """Parse a multipart body as it arrives, when the site does so."""
+    def _now(self) -> float | None:
+        reactor = getattr(self._site(), "reactor", None)
+        return None if reactor is None else float(reactor.seconds())
+
+    def requestReceived(self, command: bytes, path: bytes, version: bytes) -> None:
+        started, now = self._body_started, self._now()
+        if started is not None and now is not None:
+            self.body_seconds = now - started
+        super().requestReceived(command, path, version)
+
+    def _stream_body(self) -> bool:
+        """
+        Parse a multipart body as it arrives, when the site does so (then
+        nothing is spooled: C{content} stays empty); whether it does.
+        """
         make = getattr(self._site(), "streamed_body", None)
         if make is None:
-            return
+            return False
         values = self.requestHeaders.getRawHeaders(b"content-type")
         content_type = values[-1].decode("latin-1") if values else None
         parser = make(content_type)
-        if parser is not None:
-            self.body_parser = parser
-            self.content = io.BytesIO()
+        if parser is None:
+            return False
+        self.body_parser = parser
+        self.content = io.BytesIO()
+        return True
 
     def handleContentChunk(self, data: bytes) -> None:
         if self.too_large or self.over_capacity:
@@ -450,6 +475,13 @@ class KcoralChannel(HTTPChannel):
 
     def connectionMade(self) -> None:
         super().connectionMade()
+        transport: Any = self.transport
+        if transport is not None:
+            # Tensors come and go in MiBs: fewer, larger reads and sends
+            # (Twisted's defaults, 64 KiB and 128 KiB, mean a reactor
+            # iteration per 64 KiB of a 64 MiB upload).
+            transport.bufferSize = TRANSPORT_READ_BYTES
+            transport.SEND_LIMIT = TRANSPORT_SEND_BYTES
         site = getattr(self, "site", None)
         if site is not None and hasattr(site, "open_connections"):
             site.open_connections += 1

@@ -57,6 +57,10 @@ class Grant:
     requested_at: float
     granted_at: float
     mode: str = EXCLUSIVE
+    #: The holder's process id when granted (a worker forked by a template
+    #: learns its pid a moment after it starts): the grant and its release
+    #: are logged with this one, so a log reader can pair them.
+    pid: int | None = None
 
     @property
     def wait_seconds(self) -> float:
@@ -127,7 +131,6 @@ class LeaseArbiter:
             kcoral_event=name,
             gpu_ids=list(gpus),
             holder=getattr(holder, "seat", None) or getattr(holder, "request_id", None),
-            pid=getattr(holder, "pid", None),
             request_id=None if purpose != "request" or not isinstance(label, str) else label,
             purpose=purpose,
             **fields,
@@ -201,6 +204,7 @@ class LeaseArbiter:
             holder,
             grant.gpus,
             mode=grant.mode,
+            pid=grant.pid,
             held_ms=(now - grant.granted_at) * 1000.0,
         )
         label = self._labels.pop(holder, None)
@@ -242,6 +246,10 @@ class LeaseArbiter:
     def holds(self, holder: Hashable) -> bool:
         """Whether C{holder} holds a grant now (either mode)."""
         return holder in self._grants
+
+    def grant_of(self, holder: Hashable) -> Grant | None:
+        """What C{holder} holds now, if anything."""
+        return self._grants.get(holder)
 
     def holder_of(self, gpu: int) -> Hashable | None:
         """Who holds C{gpu} exclusively now."""
@@ -334,6 +342,7 @@ class LeaseArbiter:
                 waiter.requested_at,
                 self._clock.seconds(),
                 waiter.mode,
+                getattr(waiter.holder, "pid", None),
             )
             for gpu in waiter.gpus:
                 if waiter.mode == EXCLUSIVE:
@@ -350,6 +359,7 @@ class LeaseArbiter:
                 waiter.holder,
                 grant.gpus,
                 mode=grant.mode,
+                pid=grant.pid,
                 wait_ms=grant.wait_seconds * 1000.0,
             )
             waiter.deferred.callback(grant)

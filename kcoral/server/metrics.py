@@ -29,7 +29,7 @@ Counters and histograms (from events):
 
 Gauges (from C{state()}): C{kcoral_queue_length}, C{kcoral_active_requests},
 C{kcoral_request_capacity}, C{kcoral_cache_bytes{cache}},
-C{kcoral_lease_depth{gpu}}.
+C{kcoral_lease_depth{gpu}}, C{kcoral_spare_workers{gpu,state}}.
 
 C{kcoral_build_info{version, python, twisted}} is always 1; its labels
 name what is running.
@@ -154,6 +154,11 @@ class _StateCollector(Collector):
                 "GPU lease holder plus waiters, per GPU.",
                 labels=["gpu"],
             ),
+            "spare_workers": GaugeMetricFamily(
+                "kcoral_spare_workers",
+                "Warm spare workers per GPU (cpu in CPU mode), starting or ready.",
+                labels=["gpu", "state"],
+            ),
         }
 
     def describe(self) -> Iterator[Metric]:
@@ -182,6 +187,12 @@ class _StateCollector(Collector):
             value = _number(depth)
             if value is not None:
                 families["lease_depth"].add_metric([str(gpu)], value)
+        for (gpu, spare_state), count in sorted(
+            (state.get("spare_workers") or {}).items(), key=lambda i: (str(i[0][0]), i[0][1])
+        ):
+            value = _number(count)
+            if value is not None:
+                families["spare_workers"].add_metric([str(gpu), str(spare_state)], value)
         yield from families.values()
 
 
@@ -197,7 +208,8 @@ class Metrics:
         """
         @param state: called at each scrape; returns C{{"queue_length": n,
             "active_requests": n, "request_capacity": n, "cache_bytes":
-            {"memory": n, "disk": n}, "lease_depth": {gpu_id: n}}}.  Missing
+            {"memory": n, "disk": n}, "lease_depth": {gpu_id: n},
+            "spare_workers": {(gpu_id or "cpu", state): n}}}.  Missing
             keys are left out of the output; C{None} exports no gauges.
         """
         self.registry = CollectorRegistry()

@@ -12,6 +12,7 @@ ready, so no request ever waits for a process start it did not cause.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import sys
@@ -31,6 +32,7 @@ from kcoral.config import ServerConfig
 from kcoral.server.gpus import GpuDevice, cuda_environment
 from kcoral.server.lease import LeaseArbiter, LeaseUnavailable
 from kcoral.server.sandbox import ISandbox
+from kcoral.server.template import TemplateError, WorkerTemplate
 from kcoral.server.workerproc import Job, JobResult, WorkerProcess, worker_command_args
 from kcoral.wire.render import Placement
 
@@ -290,6 +292,14 @@ class WorkerPool:
     target: dict[str, str] = attrs.field(factory=dict)
     versions: dict[str, str] = attrs.field(factory=dict)
     spawn_worker: Callable[..., WorkerHandle] = WorkerProcess.spawn
+    fork_worker: Callable[..., WorkerHandle] = WorkerProcess.fork
+    #: The worker templates by GPU id (C{None}: the CPU template), once
+    #: L{start_templates} started them; a seat whose template is missing or
+    #: failed spawns its workers instead.
+    templates: dict[int | None, WorkerTemplate] = attrs.field(factory=dict)
+    #: How workers are being made: C{"fork"} or C{"spawn"} (the
+    #: configuration's choice, or C{"spawn"} after a template failed).
+    worker_start: str = "spawn"
     #: The configured GPUs by id (discovered at start; an id missing here
     #: stands for itself: node C{/dev/nvidia<id>}, no UUID).
     gpu_devices: dict[int, GpuDevice] = attrs.field(factory=dict)
@@ -319,6 +329,8 @@ class WorkerPool:
 
     async def start(self) -> None:
         """Start every seat's worker; fail if any cannot start or targets differ."""
+        if getattr(self.config, "worker_start", "spawn") == "fork":
+            await self.start_templates()
         results = await DeferredList(
             [Deferred.fromCoroutine(self._start_seat(seat, "startup")) for seat in self.seats],
             consumeErrors=True,
@@ -346,6 +358,82 @@ class WorkerPool:
         self._idle = list(reversed(self.seats))
         for gpu in self._groups():
             self._fill_spares(gpu)
+
+    async def start_templates(self) -> None:
+        """
+        Start a worker template per device kind (one per GPU, one for CPU
+        workers) and wait until each is ready; any that fails is logged
+        (C{template_failed}) and its workers are spawned instead
+        (C{worker_start_fallback}).
+        """
+        make = getattr(self.sandbox, "template_command", None)
+        if make is None:
+            return  # a sandbox that cannot run templates (a test's fake)
+        keys: list[int | None] = list(dict.fromkeys(seat.gpu_id for seat in self.seats))
+        starting = []
+        for key in keys:
+            name = "cpu" if key is None else f"gpu{key}"
+            template = WorkerTemplate(name, self._reactor)
+            self.templates[key] = template
+            starting.append(Deferred.fromCoroutine(self._start_template(template, key, make)))
+        results = await DeferredList(starting, consumeErrors=True)
+        failed = [
+            name
+            for (ok, _), name in zip(
+                results, [t.name for t in self.templates.values()], strict=True
+            )
+            if not ok
+        ]
+        self.worker_start = "fork" if not failed else "spawn"
+        if failed:
+            self.log.error(
+                "worker templates {templates} did not start: new workers are spawned, "
+                "each paying its imports",
+                kcoral_event="worker_start_fallback",
+                templates=failed,
+                errors=[t.error for t in self.templates.values() if t.state == "failed"],
+            )
+
+    async def _start_template(
+        self, template: WorkerTemplate, gpu_id: int | None, make: Any
+    ) -> None:
+        directory = self.root_dir / f"template-{template.name}"
+        work_dir = await self._run_blocking(self.sandbox.prepare_seat, directory)
+        devices = (
+            [] if gpu_id is None else [self.gpu_devices.get(gpu_id) or GpuDevice(gpu_id, gpu_id)]
+        )
+        try:
+            executable, args, env = make(
+                python=sys.executable,
+                template_args=[
+                    "--device",
+                    "cpu" if gpu_id is None else "gpu",
+                    "--tensor-api",
+                    getattr(self.config, "tensor_api", "auto"),
+                ],
+                template_dir=work_dir,
+                spaces_dir=self.root_dir,
+                gpu_devices=[str(device.minor) for device in devices],
+            )
+        except Exception as e:
+            template.broken(f"no command line: {e}")
+            await template.ready
+        template.start(executable, args, {**env, **self.worker_env}, path=str(work_dir))
+        await template.ready
+
+    async def stop_templates(self) -> None:
+        """Stop every template (after their workers)."""
+        templates, self.templates = list(self.templates.values()), {}
+        await DeferredList([t.stop() for t in templates], consumeErrors=True)
+
+    def _template_for(self, gpus: tuple[int, ...]) -> WorkerTemplate | None:
+        """The ready template that can fork a worker for C{gpus}, if any."""
+        if len(gpus) > 1:
+            return None  # multi-GPU one-request workers are spawned
+        template = self.templates.get(gpus[0] if gpus else None)
+        if template is None or template.state != "ready":
+            return None
+        return template
 
     async def _start_seat(self, seat: Seat, phase: str) -> None:
         seat.generation += 1
@@ -388,6 +476,8 @@ class WorkerPool:
             pid=worker.pid,
             device=None if seat.gpu_id is None else str(seat.gpu_id),
             arch=info.get("target", {}).get("arch"),
+            made=getattr(worker, "made", "spawn"),
+            start_ms=(self._reactor.seconds() - worker.started_at) * 1000.0,
         )
 
     def _spawn(
@@ -400,13 +490,14 @@ class WorkerPool:
     ) -> WorkerHandle:
         """Start a worker process that sees exactly C{gpus} (none: a CPU worker)."""
         devices = [self.gpu_devices.get(gpu) or GpuDevice(gpu, gpu) for gpu in gpus]
+        worker_args = worker_command_args(
+            "gpu" if gpus else "cpu",
+            max_requests=max_requests,
+            tensor_api=getattr(self.config, "tensor_api", "auto"),
+        )
         executable, args, env = self.sandbox.command(
             python=sys.executable,
-            worker_args=worker_command_args(
-                "gpu" if gpus else "cpu",
-                max_requests=max_requests,
-                tensor_api=getattr(self.config, "tensor_api", "auto"),
-            ),
+            worker_args=worker_args,
             work_dir=work_dir,
             gpu_devices=[str(device.minor) for device in devices],
         )
@@ -415,17 +506,37 @@ class WorkerPool:
             # CUDA device i is gpus[i], whatever the front end was given.
             isolated = bool(getattr(self.sandbox, "isolates_devices", False))
             env.update(cuda_environment(devices, isolated=isolated))
-        worker = self.spawn_worker(
-            self._reactor,
-            seat=worker_id,
-            generation=generation,
-            gpus=gpus,
-            leases=self.leases,
-            executable=executable,
-            args=args,
-            env=env,
-            grace_seconds=self.config.worker_termination_grace_seconds,
-        )
+        template = self._template_for(gpus)
+        worker: WorkerHandle | None = None
+        common: dict[str, Any] = {
+            "seat": worker_id,
+            "generation": generation,
+            "gpus": gpus,
+            "leases": self.leases,
+            "env": env,
+            "grace_seconds": self.config.worker_termination_grace_seconds,
+        }
+        if template is not None:
+            try:
+                worker = self.fork_worker(
+                    self._reactor,
+                    template=template,
+                    args=worker_args,
+                    cwd=self.sandbox.worker_path(work_dir),
+                    workspace=_relative(work_dir, self.root_dir),
+                    capture_bytes=getattr(self.sandbox, "capture_bytes", None),
+                    **common,
+                )
+            except TemplateError as e:
+                self.log.warn(
+                    "worker {worker_id} spawned: its template cannot fork ({error})",
+                    kcoral_event="template_fork_failed",
+                    worker_id=worker_id,
+                    template=template.name,
+                    error=str(e),
+                )
+        if worker is None:
+            worker = self.spawn_worker(self._reactor, executable=executable, args=args, **common)
         if self.compiler is not None:
             worker.compiler = self.compiler  # type: ignore[attr-defined]
         return worker
@@ -528,6 +639,7 @@ class WorkerPool:
             await DeferredList(pending, consumeErrors=True)
         stops = [seat.worker.stop() for seat in self.seats if seat.worker is not None]
         await DeferredList(stops + ends, consumeErrors=True)
+        await self.stop_templates()
         dirs = [seat.seat_dir for seat in self.seats if seat.seat_dir is not None]
         dirs += [spare.seat_dir for spare in spares if spare.seat_dir is not None]
         await self._run_blocking(_remove_trees, dirs)
@@ -729,6 +841,13 @@ class WorkerPool:
             pid=None if old is None else old.pid,
             reason="reuse_scope",
         )
+        spare = self._ready_spare(seat.gpu_id)
+        if spare is not None and not self.closing:
+            # The request that caused the replacement need not wait for it.
+            self._adopt(seat, spare, old, "reuse_scope", offer=False)
+            seat.status = "busy"
+            seat.owner = client if client is not None else "?"
+            return seat
         if old is not None and old.alive:
             await old.kill()
         if seat.seat_dir is not None:
@@ -965,9 +1084,17 @@ class WorkerPool:
             self._fill_spares(spare.gpu_id)
         return code
 
-    def _adopt(self, seat: Seat, spare: Spare, old: WorkerHandle | None, reason: str) -> None:
+    def _adopt(
+        self,
+        seat: Seat,
+        spare: Spare,
+        old: WorkerHandle | None,
+        reason: str,
+        offer: bool = True,
+    ) -> None:
         """
-        Refill C{seat} with a ready spare at once: the retired worker goes in
+        Refill C{seat} with a ready spare at once (and offer it, unless a
+        request holds it already: C{offer} false): the retired worker goes in
         the background (its context torn down on the lease, its directory
         removed) and a new spare starts.
         """
@@ -1008,7 +1135,8 @@ class WorkerPool:
                 )
 
         d.addBoth(done)
-        self._offer(seat)
+        if offer:
+            self._offer(seat)
         self._fill_spares(seat.gpu_id)
 
     def spare_status(self, now: float) -> list[dict[str, Any]]:
@@ -1112,3 +1240,9 @@ __all__ = [
     "WorkerPool",
     "WorkerStartFailed",
 ]
+
+
+def _relative(work_dir: Path, root: Path) -> str | None:
+    """C{work_dir} relative to C{root} (how a template child finds it), if below it."""
+    relative = os.path.relpath(os.path.realpath(work_dir), os.path.realpath(root))
+    return None if relative == ".." or relative.startswith("../") else relative

@@ -60,6 +60,16 @@ CAPTURE_DIR_ENV = "KCORAL_CAPTURE_DIR"
 SECCOMP_FD = 9
 SHELL = "/bin/sh"
 
+#: The fd on which a worker template reads the worker seccomp filter.
+WORKER_FILTER_FD = 8  # one digit: sh redirects only fds 0-9
+
+#: Where a worker template's sandbox sees every workspace (the pool's
+#: root; L{kcoral.worker.template.SPACES}).
+TEMPLATE_SPACES = "/run/kcoral/spaces"
+
+#: Capabilities a worker template keeps inside its own user namespace.
+TEMPLATE_CAPABILITIES = ("CAP_SYS_ADMIN", "CAP_NET_ADMIN", "CAP_SETPCAP", "CAP_SYS_RESOURCE")
+
 #: The reserved top-level directory of a workspace.
 RESERVED = ".kcoral"
 
@@ -183,6 +193,23 @@ class ISandbox(Interface):
 
     def worker_path(work_dir: Path) -> str:
         """The path under which the worker sees C{work_dir}."""
+
+    def template_command(
+        *,
+        python: str,
+        template_args: list[str],
+        template_dir: Path,
+        spaces_dir: Path,
+        gpu_devices: list[str],
+    ) -> tuple[str, list[str], dict[str, str]]:
+        """
+        The C{(executable, argv, env)} of a worker template
+        (C{python -m kcoral.worker.template *template_args}) whose children
+        are workers seeing C{gpu_devices}, each with its own workspace below
+        C{spaces_dir}; the template's own (unused) workspace is C{template_dir}.
+
+        @raise SandboxError: the command line would be unsafe or cannot be built.
+        """
 
 
 # -- helpers ---------------------------------------------------------------
@@ -358,6 +385,9 @@ class BubblewrapSandbox:
     #: The compiled seccomp filter (L{kcoral.server.seccomp}) bwrap loads
     #: before it starts the worker, or C{None} for none.
     seccomp_path: str | None = attrs.field(default=None, kw_only=True)
+    #: The filter of worker templates' sandboxes (the worker filter less
+    #: L{kcoral.server.seccomp.TEMPLATE_ALLOWED}), or C{None} for none.
+    template_seccomp_path: str | None = attrs.field(default=None, kw_only=True)
     #: Bytes of the worker's private tmpfs at L{CAPTURE_DIR} that holds its
     #: captured stdout and stderr (C{None}: capture into the workspace).
     capture_bytes: int | None = attrs.field(default=None, kw_only=True)
@@ -404,6 +434,31 @@ class BubblewrapSandbox:
         return self._command(
             [python, "-m", "kcoral.worker", *worker_args], work_dir, list(gpu_devices)
         )
+
+    def template_command(
+        self,
+        *,
+        python: str,
+        template_args: list[str],
+        template_dir: Path,
+        spaces_dir: Path,
+        gpu_devices: list[str],
+    ) -> tuple[str, list[str], dict[str, str]]:
+        """
+        The template's sandbox: a worker's, plus L{TEMPLATE_CAPABILITIES}
+        inside its own user namespace
+        (each child uses them to make its own namespaces and mounts, then
+        drops them), every workspace at L{TEMPLATE_SPACES}, the template
+        seccomp filter, and the worker filter on L{WORKER_FILTER_FD} for the
+        children to load themselves.
+        """
+        tail = [python, "-m", "kcoral.worker.template", *template_args]
+        tail += ["--isolation", "namespaces", "--workspace", WORKSPACE]
+        if self.capture_bytes is not None:
+            tail += ["--capture-dir", CAPTURE_DIR]
+        if self.seccomp_path is not None:
+            tail += ["--seccomp-fd", str(WORKER_FILTER_FD)]
+        return self._command(tail, template_dir, list(gpu_devices), spaces=spaces_dir)
 
     # building the command line
 
@@ -486,7 +541,11 @@ class BubblewrapSandbox:
         return nodes
 
     def _command(
-        self, tail: list[str], work_dir: Path, gpu_devices: list[str]
+        self,
+        tail: list[str],
+        work_dir: Path,
+        gpu_devices: list[str],
+        spaces: Path | None = None,
     ) -> tuple[str, list[str], dict[str, str]]:
         mounts = self.resolve_mounts()
         host_work = os.path.abspath(os.fspath(work_dir))
@@ -498,7 +557,13 @@ class BubblewrapSandbox:
         executable = self.executable or self.bwrap
         argv = [executable, "--unshare-all", "--unshare-user", "--die-with-parent"]
         argv += ["--new-session", "--cap-drop", "ALL"]
-        if self.disable_userns:
+        if spaces is not None:
+            for cap in TEMPLATE_CAPABILITIES:
+                argv += ["--cap-add", cap]
+        if self.disable_userns and spaces is None:
+            # (A template cannot take it: its children could not mount a
+            # fresh /proc in the nested user namespace it makes; the
+            # template sets the same limit itself, L{kcoral.worker.isolate}.)
             argv.append("--disable-userns")
         private_tmp = os.path.join(resolved_work, RESERVED, "tmp")
         covered = [
@@ -516,6 +581,8 @@ class BubblewrapSandbox:
             # virtualenv or a --target directory): an empty tmpfs over them.
             argv += ["--size", "4096", "--tmpfs", path, "--remount-ro", path]
         argv += ["--bind", resolved_work, WORKSPACE]
+        if spaces is not None:
+            argv += ["--bind", os.path.realpath(os.fspath(spaces)), TEMPLATE_SPACES]
         argv += ["--proc", "/proc", "--dir", "/dev"]
         for dev in PSEUDO_DEVICES:
             argv += ["--dev-bind", dev, dev]
@@ -537,7 +604,9 @@ class BubblewrapSandbox:
             argv += ["--setenv", key, value]
         env = {k: v for k, v in os.environ.items() if isinstance(v, str)}
         env.update(overrides)
-        if not gpu_devices:
+        if not gpu_devices and spaces is None:
+            # (A template's children each mount a /proc of their own,
+            # read-only for CPU workers too.)
             argv += ["--remount-ro", "/proc"]
         if self.compile_cache is not None:
             # Read-only: the parent writes every entry (compiles run in a
@@ -550,7 +619,16 @@ class BubblewrapSandbox:
             argv += ["--setenv", CAPTURE_DIR_ENV, CAPTURE_DIR]
             env[CAPTURE_DIR_ENV] = CAPTURE_DIR
         argv += ["--chdir", WORKSPACE, "--remount-ro", "/", "--", *tail]
-        if self.seccomp_path is not None:
+        if spaces is not None and self.seccomp_path is not None:
+            # The template's own filter lets its children mount and unshare;
+            # each child loads the worker filter (read from this fd) itself.
+            script = f'exec "$0" "$@" {WORKER_FILTER_FD}<{shlex.quote(self.seccomp_path)}'
+            if self.template_seccomp_path is not None:
+                script += f" {SECCOMP_FD}<{shlex.quote(self.template_seccomp_path)}"
+                argv = [argv[0], "--seccomp", str(SECCOMP_FD), *argv[1:]]
+            argv = [SHELL, "-c", script, *argv]
+            executable = SHELL
+        elif self.seccomp_path is not None:
             # bwrap reads the filter from an fd: a shell opens the file on
             # SECCOMP_FD and execs bwrap (same pid), so the fd exists only
             # for bwrap, which closes it before the worker starts.
@@ -639,6 +717,22 @@ class NoSandbox:
         existing = [p for p in env.get("PYTHONPATH", "").split(":") if p]
         env["PYTHONPATH"] = ":".join([pkg, *(p for p in existing if p != pkg)])
         return python, [python, "-m", "kcoral.worker", *worker_args], env
+
+    def template_command(
+        self,
+        *,
+        python: str,
+        template_args: list[str],
+        template_dir: Path,
+        spaces_dir: Path,
+        gpu_devices: list[str],
+    ) -> tuple[str, list[str], dict[str, str]]:
+        """The template runs unsandboxed; its children get fresh directories only."""
+        _, _, env = self.command(
+            python=python, worker_args=[], work_dir=template_dir, gpu_devices=gpu_devices
+        )
+        argv = [python, "-m", "kcoral.worker.template", *template_args, "--isolation", "none"]
+        return python, argv, env
 
 
 # -- startup probe -----------------------------------------------------------
@@ -849,11 +943,19 @@ async def _choose_sandbox(
         hidden_paths=_server_paths(config),
     )
     if scratch is not None:
-        from kcoral.server.seccomp import SeccompUnavailable, write_filter
+        from kcoral.server.seccomp import TEMPLATE_ALLOWED, SeccompUnavailable, write_filter
 
         try:
             sandbox.seccomp_path = await deferToThreadPool(
                 reactor, reactor.getThreadPool(), write_filter, scratch
+            )
+            sandbox.template_seccomp_path = await deferToThreadPool(
+                reactor,
+                reactor.getThreadPool(),
+                write_filter,
+                scratch,
+                "template-seccomp.bpf",
+                TEMPLATE_ALLOWED,
             )
         except (SeccompUnavailable, OSError) as e:
             log.warn(

@@ -19,6 +19,7 @@ from __future__ import annotations
 import errno
 import os
 import tempfile
+from typing import Any
 
 #: System calls a worker may not make (those this architecture lacks are skipped).
 DENIED = (
@@ -68,10 +69,18 @@ class SeccompUnavailable(Exception):
     """The filter cannot be built here (no libseccomp or bindings)."""
 
 
-def build_filter() -> bytes:
-    """
-    BLOCKING: the filter as a BPF program for C{bwrap --seccomp}.
+#: What the worker template's own sandbox filter allows beyond a worker's:
+#: each forked child makes its namespaces and mounts before it loads the
+#: worker filter (L{kcoral.worker.isolate}).
+TEMPLATE_ALLOWED = ("mount", "umount", "umount2", "unshare")
 
+
+def build_rules(allow: tuple[str, ...] = ()) -> object:
+    """
+    BLOCKING: the filter as a C{pyseccomp.SyscallFilter}, ready to
+    C{load()} in the calling process or to export.
+
+    @param allow: names of L{DENIED} to leave allowed (L{TEMPLATE_ALLOWED}).
     @raise SeccompUnavailable: libseccomp or its bindings are missing.
     """
     try:
@@ -81,23 +90,35 @@ def build_filter() -> bytes:
     deny = sc.ERRNO(errno.EPERM)
     rules = sc.SyscallFilter(sc.ALLOW)
     for name in DENIED:
-        if sc.resolve_syscall(sc.Arch.NATIVE, name) < 0:
+        if name in allow or sc.resolve_syscall(sc.Arch.NATIVE, name) < 0:
             continue
         rules.add_rule(deny, name)
     for flag in NAMESPACE_FLAGS.values():
         rules.add_rule(deny, "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
     if sc.resolve_syscall(sc.Arch.NATIVE, "clone3") >= 0:
         rules.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
+    return rules
+
+
+def build_filter(allow: tuple[str, ...] = ()) -> bytes:
+    """
+    BLOCKING: the filter as a BPF program for C{bwrap --seccomp}.
+
+    @raise SeccompUnavailable: libseccomp or its bindings are missing.
+    """
+    rules: Any = build_rules(allow)
     with tempfile.TemporaryFile() as f:
         rules.export_bpf(f)
         f.seek(0)
         return f.read()
 
 
-def write_filter(directory: str | os.PathLike[str]) -> str:
-    """BLOCKING: write the filter to C{directory}/seccomp.bpf (0600); return its path."""
-    program = build_filter()
-    path = os.path.join(os.fspath(directory), "seccomp.bpf")
+def write_filter(
+    directory: str | os.PathLike[str], name: str = "seccomp.bpf", allow: tuple[str, ...] = ()
+) -> str:
+    """BLOCKING: write the filter to C{directory}/C{name} (0600); return its path."""
+    program = build_filter(allow)
+    path = os.path.join(os.fspath(directory), name)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(program)

@@ -623,12 +623,22 @@ def _observability(server: KCoralService) -> tuple[Metrics | None, RecentRequest
                 "disk": server.disk_cache.tally_bytes or 0,
             },
             "lease_depth": {gpu: server.leases.depth(gpu) for gpu in server.leases.gpus},
+            "spare_workers": _spare_counts(pool.spares),
         }
 
     return (
         None if Metrics is None else Metrics(state),
         None if RecentRequests is None else RecentRequests(),
     )
+
+
+def _spare_counts(spares: list[Any]) -> dict[tuple[Any, str], int]:
+    """Spares by (GPU, or C{cpu}; state), for the C{kcoral_spare_workers} gauge."""
+    counts: dict[tuple[Any, str], int] = {}
+    for spare in spares:
+        key = ("cpu" if spare.gpu_id is None else spare.gpu_id, spare.status)
+        counts[key] = counts.get(key, 0) + 1
+    return counts
 
 
 def install_second_signal(reactor: Reactor, stop_now: Callable[[], None]) -> Any:

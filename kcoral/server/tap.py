@@ -36,6 +36,7 @@ from kcoral.config import (
     REUSE_SCOPES,
     SANDBOXES,
     TENSOR_APIS,
+    WORKER_STARTS,
     ServerConfig,
     default_disk_cache_dir,
 )
@@ -121,6 +122,7 @@ _FIELD_FLAGS: Mapping[str, str] = {
     "device": "device",
     "num_workers": "num-workers",
     "tensor_api": "tensor-api",
+    "worker_start": "worker-start",
     "log_level": "log-level",
     "log_retention_days": "log-retention-days",
     "log_retention_mbytes": "log-retention-mbytes",
@@ -217,7 +219,8 @@ class Options(usage.Options):
             "worker's seat is refilled at once; default "
             f"{DEFAULT_SPARE_WORKERS_PER_GPU} in GPU mode (a GPU creates a context in "
             "0.12-0.15 s, one at a time: four cover the refill time at 3-4 requests/s), "
-            "0 in CPU mode (env KCORAL_SPARE_WORKERS_PER_GPU).",
+            "0 in CPU mode and with --max-requests-per-worker 0 "
+            "(env KCORAL_SPARE_WORKERS_PER_GPU).",
             _integer("spare-workers-per-gpu"),
         ],
         _float_param(
@@ -358,6 +361,14 @@ class Options(usage.Options):
             _DEFAULTS.tensor_api,
             f"Tensor type Python functions receive in GPU workers, {_choices(TENSOR_APIS)}.",
         ],
+        [
+            "worker-start",
+            None,
+            _DEFAULTS.worker_start,
+            f"How new workers are made, {_choices(WORKER_STARTS)}: 'fork' from a template "
+            "process that did every import once (falls back to 'spawn' when it cannot "
+            "start), 'spawn' a new interpreter each.",
+        ],
     ]
 
     def __init__(self, environ: Mapping[str, str] | None = None) -> None:
@@ -481,6 +492,11 @@ class Options(usage.Options):
             raise usage.UsageError(
                 f"--tensor-api must be one of {', '.join(TENSOR_APIS)}, got {tensor_api!r}"
             )
+        worker_start = self["worker-start"]
+        if worker_start not in WORKER_STARTS:
+            raise usage.UsageError(
+                f"--worker-start must be one of {', '.join(WORKER_STARTS)}, got {worker_start!r}"
+            )
         log_level = self["log-level"]
         if log_level not in LOG_LEVELS:
             raise usage.UsageError(
@@ -544,6 +560,7 @@ class Options(usage.Options):
                 device=device,
                 num_workers=self["num-workers"],
                 tensor_api=tensor_api,
+                worker_start=worker_start,
                 log_level=log_level,
                 log_retention_days=self["log-retention-days"],
                 log_retention_mbytes=self["log-retention-mbytes"],

@@ -325,12 +325,15 @@ class WorkerProcess:
     #: Runs this worker's L{CompileRequest}s (L{kcoral.server.compiles}), or
     #: C{None}: they are answered C{unavailable}.
     compiler: Any = None
+    #: How the process was made: C{"spawn"} or C{"fork"} (by a template).
+    made: str = "spawn"
     #: The lease a GPU worker takes to warm up: C{None} (not asked),
     #: C{"pending"}, C{"held"} or C{"released"}.
     _startup_lease_state: str | None = None
     #: A context creation or teardown in progress: its kind (C{"create"} or
-    #: C{"teardown"}) and when it started (reactor time).
-    _context_op: tuple[str, float] | None = None
+    #: C{"teardown"}), when it started (reactor time) and the pid it was
+    #: logged with (its end is logged with the same one).
+    _context_op: tuple[str, float, int | None] | None = None
     #: The orderly teardown: C{None}, C{"waiting"} (for the maintenance
     #: lease), C{"sent"} (L{Teardown} sent) or C{"done"} (L{TornDown} came).
     _teardown_state: str | None = None
@@ -354,21 +357,88 @@ class WorkerProcess:
     ) -> WorkerProcess:
         """Start the process; see C{ready} for when it can take a job."""
         worker = cls(seat, generation, gpus, reactor, leases, grace_seconds)
-        ours, theirs = socket_pair()
-        ours.setblocking(False)
-        worker.protocol = WorkerProtocol(worker._message_received, worker._poisoned, ours)
-        worker.protocol.ended.addCallback(worker._process_ended)
-        worker.started_at = reactor.seconds()
+        theirs = worker._begin(reactor)
         try:
             transport = _spawn(
                 reactor, worker.protocol, executable, args, env, worker_child_fds(theirs)
             )
         except BaseException:
-            ours.close()
+            worker._close_descriptors()
             raise
         finally:
             theirs.close()
         worker.pid = transport.pid
+        worker._started(transport, spawn_timeout)
+        return worker
+
+    @classmethod
+    def fork(
+        cls,
+        reactor: Any,
+        *,
+        seat: str,
+        generation: int,
+        gpus: tuple[int, ...],
+        leases: Any,
+        template: Any,
+        args: list[str],
+        env: dict[str, str],
+        cwd: str,
+        workspace: str | None,
+        capture_bytes: int | None,
+        grace_seconds: float,
+        spawn_timeout: float = SPAWN_TIMEOUT_SECONDS,
+    ) -> WorkerProcess:
+        """
+        Fork the worker from C{template} (a L{kcoral.server.template.WorkerTemplate});
+        otherwise as L{spawn}.  C{pid} is set once the template reports the fork.
+
+        @raise kcoral.server.template.TemplateError: the template cannot fork now.
+        """
+        worker = cls(seat, generation, gpus, reactor, leases, grace_seconds)
+        worker.made = "fork"
+        theirs = worker._begin(reactor)
+        try:
+            transport = template.fork_transport(
+                worker.protocol,
+                worker_child_fds(theirs),
+                argv=args,
+                env=env,
+                cwd=cwd,
+                workspace=workspace,
+                capture_bytes=capture_bytes,
+                reader_factory=_WideReader if isinstance(reactor, PosixReactorBase) else None,
+            )
+        except BaseException:
+            worker._close_descriptors()
+            raise
+        finally:
+            theirs.close()
+
+        def forked(pid: int | None) -> None:
+            if pid is not None and worker.alive:
+                worker.pid = pid
+
+        transport.started.addCallback(forked)
+        worker._started(transport, spawn_timeout)
+        return worker
+
+    def _close_descriptors(self) -> None:
+        if self.protocol.descriptors is not None:
+            self.protocol.descriptors.close()
+
+    def _begin(self, reactor: Any) -> socket.socket:
+        """The protocol, with our end of the descriptor socket; returns the worker's end."""
+        ours, theirs = socket_pair()
+        ours.setblocking(False)
+        self.protocol = WorkerProtocol(self._message_received, self._poisoned, ours)
+        self.protocol.ended.addCallback(self._process_ended)
+        self.started_at = reactor.seconds()
+        return theirs
+
+    def _started(self, transport: Any, spawn_timeout: float) -> None:
+        worker = self
+        reactor = self._reactor
         try:
             transport.closeStdin()
         except Exception:  # a fake transport may not support it
@@ -376,18 +446,17 @@ class WorkerProcess:
         worker._ready_timer = IReactorTime(reactor).callLater(
             spawn_timeout, worker._ready_timed_out, spawn_timeout
         )
-        return worker
 
     # -- context creation and teardown on the lease -----------------------
 
-    def _event(self, event: str, **fields: Any) -> None:
+    def _event(self, event: str, pid: int | None, **fields: Any) -> None:
         """Log context event C{event} of this worker."""
         self.log.info(
             "{kcoral_event} on GPU(s) {gpu_ids} for {worker_id}",
             kcoral_event=event,
             worker_id=self.seat,
             generation=self.generation,
-            pid=self.pid,
+            pid=pid,
             gpu_ids=list(self.gpus),
             **fields,
         )
@@ -396,23 +465,25 @@ class WorkerProcess:
         """A context creation or teardown starts (under the lease)."""
         if not self.gpus or self._context_op is not None:
             return
-        self._context_op = (kind, float(self._reactor.seconds()))
+        grant = self._leases.grant_of(self)
+        pid = grant.pid if grant is not None else self.pid
+        self._context_op = (kind, float(self._reactor.seconds()), pid)
         if kind == "create":
-            self._event("context_create_started")
+            self._event("context_create_started", pid)
         else:
-            self._event("context_teardown_started")
+            self._event("context_teardown_started", pid)
 
     def _context_end(self, how: str) -> None:
         """The context creation or teardown in progress ended, C{how}."""
         op, self._context_op = self._context_op, None
         if op is None:
             return
-        kind, started = op
+        kind, started, pid = op
         ms = (float(self._reactor.seconds()) - started) * 1000.0
         if kind == "create":
-            self._event("context_create_finished", duration_ms=ms, how=how)
+            self._event("context_create_finished", pid, duration_ms=ms, how=how)
         else:
-            self._event("context_teardown_finished", duration_ms=ms, how=how)
+            self._event("context_teardown_finished", pid, duration_ms=ms, how=how)
 
     def retire(self) -> Deferred[int | None]:
         """

@@ -231,6 +231,7 @@ def pool_config(**changes: Any) -> ServerConfig:
         "worker_wait_timeout_seconds": 10.0,
         "log_dir": None,
         "disk_cache_dir": None,
+        "worker_start": "spawn",
     }
     return ServerConfig(**{**defaults, **changes})
 
@@ -269,6 +270,19 @@ class FakeSandbox:
 
     def worker_path(self, work_dir: Path) -> str:
         return str(work_dir)
+
+    def template_command(
+        self,
+        *,
+        python: str,
+        template_args: list[str],
+        template_dir: Path,
+        spaces_dir: Path,
+        gpu_devices: list[str],
+    ) -> tuple[str, list[str], dict[str, str]]:
+        self.nodes.append(list(gpu_devices))
+        argv = [python, "-m", "kcoral.worker.template", *template_args, "--isolation", "none"]
+        return python, argv, dict(self.env)
 
 
 @attrs.define(eq=False)

@@ -156,7 +156,7 @@ def _judge_part_headers(raw: bytes) -> tuple[str, str]:
 class _PartHandler(Protocol):
     def start_part(self) -> None: ...
 
-    def part_data(self, data: bytes) -> None: ...
+    def part_data(self, data: bytes | memoryview) -> None: ...
 
     def end_part(self) -> None: ...
 
@@ -207,7 +207,10 @@ class _Scanner:
         if cut <= 0:
             return
         if self._state == "part":
-            self._handler.part_data(bytes(self._buf[:cut]))
+            # A view, not a copy: handlers consume it before returning
+            # (hash, write, or copy), so the buffer can shrink after.
+            with memoryview(self._buf) as view, view[:cut] as data:
+                self._handler.part_data(data)
         del self._buf[:cut]
         self._pos = max(0, self._pos - cut)
         if self._cand is not None:
@@ -250,7 +253,8 @@ class _Scanner:
                 if end > 0 and buf[end - 1] == 13:
                     end -= 1
                 if end > 0:
-                    self._handler.part_data(bytes(buf[:end]))
+                    with memoryview(buf) as view, view[:end] as data:
+                        self._handler.part_data(data)
                 self._handler.end_part()
             del buf[:after]
             self._pos = 0
@@ -376,7 +380,7 @@ class _BlobWriter:
         self._share = shared
         self.size = 0
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes | memoryview) -> None:
         self._hash.update(data)
         self.size += len(data)
         if self._memory is not None:
@@ -446,7 +450,7 @@ class _HeaderReader:
         self._buf = bytearray()
         self._scan = 0
 
-    def add(self, data: bytes) -> tuple[bytes, bytes] | None:
+    def add(self, data: bytes | memoryview) -> tuple[bytes, bytes] | None:
         """Return (header bytes, payload start) once the blank line is seen."""
         self._buf += data
         buf = self._buf
@@ -560,7 +564,7 @@ class RequestBodyParser:
         self._part_error = None
         self._sink = None
 
-    def part_data(self, data: bytes) -> None:
+    def part_data(self, data: bytes | memoryview) -> None:
         if self._headers is None:
             self._write(data)
             return
@@ -594,7 +598,7 @@ class RequestBodyParser:
             else:
                 self._blobs[blob.digest] = blob
 
-    def _write(self, data: bytes) -> None:
+    def _write(self, data: bytes | memoryview) -> None:
         if self._sink is not None:
             if isinstance(self._sink, bytearray):
                 self._sink += data
@@ -808,7 +812,7 @@ class PartCollector:
         self._chunks = []
         self._error = None
 
-    def part_data(self, data: bytes) -> None:
+    def part_data(self, data: bytes | memoryview) -> None:
         if self._headers is None:
             self._chunks.append(bytes(data))
             return

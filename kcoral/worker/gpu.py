@@ -398,11 +398,24 @@ def prepare_gpu_backend(tensor_api: str = "auto", **_: Any) -> None:
     worker does this slow part before it asks for the GPU lease and holds
     the lease only to create its context.
     """
-    import pycuda.compiler  # noqa: F401
     import pycuda.driver
+
+    import_gpu_modules(tensor_api)
+    pycuda.driver.init()  # loads the driver; creates no context
+
+
+def import_gpu_modules(tensor_api: str = "auto") -> None:
+    """
+    Import PyCUDA (and torch, for C{tensor_api} C{torch} or C{auto} when
+    it is installed) without initialising CUDA: what the worker template
+    (L{kcoral.worker.template}) does once, so that every worker it forks
+    starts with them imported.  CUDA does not survive a fork once
+    initialised, so nothing here may call C{cuInit}.
+    """
+    import pycuda.compiler  # noqa: F401
+    import pycuda.driver  # noqa: F401
     import pycuda.gpuarray  # noqa: F401
 
-    pycuda.driver.init()  # loads the driver; creates no context
     if tensor_api in ("auto", "torch"):
         try:
             import torch  # noqa: F401

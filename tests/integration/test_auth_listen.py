@@ -1,15 +1,17 @@
 """
 A real server behind bearer tokens, on several C{--listen} endpoints (TCP,
 TLS and a UNIX socket), driven with curl and with L{kcoral.Client}.  Loopback
-addresses only; "beyond loopback" is a wildcard bind that receives traffic
-only on 127.0.0.1.
+addresses only; "beyond loopback" is a wildcard bind inside a network
+namespace of the test's own (C{unshare -rn}), which nothing outside can reach.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -191,13 +193,38 @@ def test_no_warning_on_other_loopback_address(tmp_path: Path) -> None:
         assert wait_for(tmp_path, "unauthenticated_exposure", timeout=0) == []
 
 
+def _can_unshare() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    done = subprocess.run(["unshare", "-rn", "true"], capture_output=True)
+    return done.returncode == 0
+
+
+@pytest.mark.skipif(not _can_unshare(), reason="needs unshare -rn (user and network namespaces)")
 def test_warning_beyond_loopback(tmp_path: Path) -> None:
-    """A wildcard bind without a token is announced loudly (traffic stays on 127.0.0.1)."""
-    server = ServerProcess(
-        ["--device", "cpu", "--num-workers", "1", "--sandbox", "none", "--log-dir", str(tmp_path)]
-    )
-    server.args += ["--listen", f"tcp:{server.port}:interface=0.0.0.0"]
-    with server:
-        (warning,) = wait_for(tmp_path, "unauthenticated_exposure")
+    """
+    A wildcard bind without a token is announced loudly.  The server runs in
+    a network namespace of its own, so its 0.0.0.0 is reachable from nowhere.
+    """
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    argv = [
+        "unshare", "-rn", sys.executable, "-m", "kcoral", "server",
+        "--listen", "tcp:8000:interface=0.0.0.0", "--device", "cpu", "--num-workers", "1",
+        "--sandbox", "none", "--log-dir", str(tmp_path),
+    ]  # fmt: skip
+    process = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        found: list[dict[str, Any]] = []
+        while not found and time.monotonic() < deadline and process.poll() is None:
+            time.sleep(0.1)
+            if (tmp_path / "runs").is_dir() and list((tmp_path / "runs").iterdir()):
+                found = wait_for(tmp_path, "unauthenticated_exposure", timeout=0)
+    finally:
+        process.terminate()
+        process.wait(60)
+    (warning,) = found
     assert warning["level"] == "CRITICAL"
     assert warning["addresses"] == ["0.0.0.0"]

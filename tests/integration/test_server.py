@@ -63,7 +63,11 @@ def result_value(response: Any, key: str = "r") -> Any:
 
 
 def kcoral_workers(pid: int) -> list[psutil.Process]:
-    """Live C{kcoral.worker} descendants of C{pid}."""
+    """
+    Live C{kcoral.worker} descendants of C{pid}: spawned, or forked by a
+    worker template (which is not one, nor is a forked child that only
+    waits for its worker in a sandbox of its own).
+    """
     try:
         children = psutil.Process(pid).children(recursive=True)
     except psutil.Error:
@@ -71,6 +75,8 @@ def kcoral_workers(pid: int) -> list[psutil.Process]:
     found = []
     for child in children:
         try:
+            if child.name() in ("kcoral-template", "kcoral-sandbox"):
+                continue
             if "kcoral.worker" in " ".join(child.cmdline()):
                 found.append(child)
         except psutil.Error:

@@ -18,18 +18,24 @@ from .test_server import BASE_ARGS, PID, gone, program, result_value, wait_for
 
 pytestmark = pytest.mark.integration
 
+#: A value only this process has (pids repeat in a sandbox's PID namespace).
+TOKEN = (
+    "import sys, uuid\n"
+    "def f():\n"
+    "    return sys.__dict__.setdefault('_kcoral_test_token', uuid.uuid4().hex)\n"
+)
+
 
 def _ready_spares(health: dict[str, Any]) -> list[dict[str, Any]]:
     return [s for s in health.get("spares", []) if s["state"] == "ready"]
 
 
-@pytest.fixture
-def spare_server(tmp_path: Path) -> Iterator[ServerProcess]:
-    """One CPU worker, fresh per request, two spares."""
-    with ServerProcess(
-        [*BASE_ARGS, "--num-workers", "1", "--spare-workers-per-gpu", "2"],
-        log_path=tmp_path / "server.log",
-    ) as s:
+@pytest.fixture(params=["none", "bubblewrap"])
+def spare_server(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
+    """One CPU worker, fresh per request, two spares; without a sandbox and in bubblewrap."""
+    args = [*BASE_ARGS, "--num-workers", "1", "--spare-workers-per-gpu", "2"]
+    args[args.index("--sandbox") + 1] = request.param
+    with ServerProcess(args, log_path=tmp_path / "server.log") as s:
         yield s
 
 
@@ -47,18 +53,22 @@ def test_spares_on_health(spare_server: ServerProcess) -> None:
 def test_fresh_requests_use_spares(spare_server: ServerProcess) -> None:
     """
     Each request runs in a new process, which was a ready spare: the seat
-    is refilled at once (capacity stays 1) and the spares are replenished.
+    is refilled at once (capacity stays 1), the old process goes, and the
+    spares are replenished.
     """
     wait_for(lambda: len(_ready_spares(spare_server.health())) == 2)
-    spare_pids = {s["pid"] for s in spare_server.health()["spares"]}
-    first = result_value(spare_server.execute(program(PID)))
+    health = spare_server.health()
+    spare_pids = {s["pid"] for s in health["spares"]}
+    first_pid = health["workers"][0]["pid"]
+    first = result_value(spare_server.execute(program(TOKEN)))
     health = spare_server.health()
     # The seat's new worker is a former spare, ready at once.
-    assert health["workers"][0]["pid"] in spare_pids
+    second_pid = health["workers"][0]["pid"]
+    assert second_pid in spare_pids
     assert health["load"]["request_capacity"] == 1
-    second = result_value(spare_server.execute(program(PID)))
+    second = result_value(spare_server.execute(program(TOKEN)))
     assert second != first
-    assert gone([first])
+    assert gone([first_pid, second_pid])
     wait_for(lambda: len(_ready_spares(spare_server.health())) == 2)
 
 

@@ -55,6 +55,7 @@ class DefaultsTests(SynchronousTestCase):
             "device": "gpu",
             "num_workers": 1,
             "tensor_api": "auto",
+            "worker_start": "fork",
             "log_level": "info",
             "log_retention_days": 30.0,
             "log_retention_mbytes": 10240,
@@ -389,6 +390,10 @@ class SparesTests(SynchronousTestCase):
     def test_defaults_by_mode(self) -> None:
         self.assertEqual(ServerConfig(device="gpu").spares_per_group, DEFAULT_SPARE_WORKERS_PER_GPU)
         self.assertEqual(ServerConfig(device="cpu").spares_per_group, 0)
+        reuse = ServerConfig(device="gpu", max_requests_per_worker=0)
+        self.assertEqual(reuse.spares_per_group, 0)
+        limited = ServerConfig(device="gpu", max_requests_per_worker=100)
+        self.assertEqual(limited.spares_per_group, DEFAULT_SPARE_WORKERS_PER_GPU)
 
     def test_explicit(self) -> None:
         self.assertEqual(ServerConfig(device="cpu", spare_workers_per_gpu=2).spares_per_group, 2)
@@ -396,3 +401,13 @@ class SparesTests(SynchronousTestCase):
 
     def test_invalid(self) -> None:
         self.assertRaises(ValueError, ServerConfig, spare_workers_per_gpu=-1)
+
+
+class DefaultCacheCapacityTests(SynchronousTestCase):
+    """The memory cache defaults to a share of the machine's RAM (issue 18), not 16 GiB."""
+
+    def test_an_eighth_of_ram(self) -> None:
+        import psutil
+
+        self.assertEqual(default_cache_capacity(), psutil.virtual_memory().total // 8)
+        self.assertEqual(ServerConfig().cache_capacity_bytes, default_cache_capacity())

@@ -7,7 +7,9 @@ L{StringTransport} and a L{Clock}, no sockets.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import resource
 from typing import Any
 
@@ -24,6 +26,9 @@ from twisted.web.iweb import IRequest
 
 from kcoral.server.auth import TokenGuard, parse_tokens
 from kcoral.server.http import REFUSALS, KcoralSite, raise_fd_limit, raw_error_response
+from kcoral.testing.live_server import multipart_body
+from kcoral.wire import shared
+from kcoral.wire.program import ValidationError
 
 
 class _Routes:
@@ -61,6 +66,36 @@ class _Routes:
         request.setHeader(b"X-Request-ID", b"answer-%d" % (code,))
         return b"{}"
 
+    @app.route("/result", methods=["POST"])
+    def result(self, request: IRequest) -> Deferred[bytes]:
+        # What the API does while it streams large result parts.
+        request.hold_bytes(1200)  # type: ignore[attr-defined]
+        d: Deferred[bytes] = Deferred()
+        _Routes.held.append(d)
+        return d
+
+    @app.route("/parts", methods=["POST"])
+    def parts(self, request: IRequest) -> bytes:
+        request.setHeader(b"Content-Type", b"application/json")
+        streamed = request.body_parser  # type: ignore[attr-defined]
+        try:
+            parsed = streamed.result()
+        except ValidationError as e:
+            return json.dumps({"error": e.message, "received": streamed.received}).encode()
+        blobs = {
+            digest: "shared" if blob.shared is not None else "bytes"
+            for digest, blob in parsed.blobs.items()
+        }
+        return json.dumps(
+            {
+                "program": parsed.program.decode(),
+                "blobs": blobs,
+                "spooled": len(request.content.read()),
+                "content": type(request.content).__name__,
+                "body_seconds": request.body_seconds,  # type: ignore[attr-defined]
+            }
+        ).encode()
+
     @app.route("/upload", methods=["POST"])
     def upload(self, request: IRequest) -> bytes:
         request.setHeader(b"Content-Type", b"application/json")
@@ -96,11 +131,13 @@ def parse_responses(data: bytes) -> list[tuple[int, dict[bytes, bytes], bytes]]:
 
 
 class Harness:
-    def __init__(self, resource: Any = None, **site_options: Any) -> None:
+    def __init__(
+        self, resource: Any = None, max_request_bytes: int = 1024, **site_options: Any
+    ) -> None:
         self.clock = Clock()
         self.site = KcoralSite(
             resource if resource is not None else _Routes().app.resource(),
-            max_request_bytes=1024,
+            max_request_bytes=max_request_bytes,
             reactor=self.clock,
             **site_options,
         )
@@ -345,6 +382,82 @@ class BytesInFlightTests(SynchronousTestCase):
         self.assertEqual(harness.site.bytes_in_flight, 10)
         channel.connectionLost(Failure(ConnectionDone()))
         self.assertEqual(harness.site.bytes_in_flight, 0)
+
+    def test_held_results_count(self) -> None:
+        """
+        Shared result bytes being streamed count against the cap until their
+        response finishes: a body past it meanwhile is not read.
+        """
+        _Routes.held.clear()
+        harness = Harness(max_bytes_in_flight=1500)
+        first, _ = harness.connect()
+        first.dataReceived(b"POST /result HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+        self.assertEqual(harness.site.bytes_in_flight, 1200)
+        _, _, body, _ = harness.exchange(
+            b"POST /flag HTTP/1.1\r\nHost: x\r\nContent-Length: 400\r\n\r\n" + b"c" * 400
+        )
+        self.assertEqual(json.loads(body), {"over": True, "read": 0})
+        _Routes.held[0].callback(b"{}")
+        self.assertEqual(harness.site.bytes_in_flight, 0)
+
+
+class StreamedBodyTests(SynchronousTestCase):
+    """A multipart body is parsed as it arrives; large blobs land in sealed buffers."""
+
+    def setUp(self) -> None:
+        if not shared.available():
+            raise SkipTest("no sealed memfds here")
+
+    def test_parsed_while_arriving(self) -> None:
+        small, large = b"s" * 100, os.urandom(200_000)
+        content_type, body = multipart_body({"instructions": []}, [small, large])
+        harness = Harness(max_request_bytes=1 << 20)
+        channel, transport = harness.connect()
+        head = (
+            b"POST /parts HTTP/1.1\r\nHost: x\r\nContent-Type: "
+            + content_type.encode()
+            + b"\r\nContent-Length: %d\r\n\r\n" % len(body)
+        )
+        channel.dataReceived(head)
+        for offset in range(0, len(body), 65536):
+            harness.clock.advance(0.01)
+            channel.dataReceived(body[offset : offset + 65536])
+        ((status, _, answer),) = parse_responses(transport.value())
+        self.assertEqual(status, 200)
+        document = json.loads(answer)
+        self.assertEqual(document["program"], '{"instructions":[]}')
+        self.assertEqual(
+            document["blobs"],
+            {
+                hashlib.sha256(small).hexdigest(): "bytes",
+                hashlib.sha256(large).hexdigest(): "shared",
+            },
+        )
+        # Nothing spooled (no temporary file either: Twisted makes one for
+        # bodies over 100 kB); the upload took the four 10 ms steps of the clock.
+        self.assertEqual((document["spooled"], document["content"]), (0, "BytesIO"))
+        self.assertAlmostEqual(document["body_seconds"], 0.04)
+
+    def test_bad_body_reported_at_the_end(self) -> None:
+        """A malformed body is read to its end and its error kept for the API."""
+        content_type, body = multipart_body({"instructions": []}, [b"x" * 100])
+        body = body.replace(b"Content-Type: application/octet-stream", b"Content-Type: text/x")
+        harness = Harness(max_request_bytes=1 << 20)
+        status, _, answer, _ = harness.exchange(
+            b"POST /parts HTTP/1.1\r\nHost: x\r\nContent-Type: "
+            + content_type.encode()
+            + b"\r\nContent-Length: %d\r\n\r\n" % len(body)
+            + body
+        )
+        self.assertEqual(status, 200)
+        self.assertEqual(
+            json.loads(answer),
+            {
+                "error": f"blob part {hashlib.sha256(b'x' * 100).hexdigest()} "
+                "must use application/octet-stream",
+                "received": len(body),
+            },
+        )
 
 
 def refusals(events: list[dict[str, Any]]) -> list[tuple[int, str]]:

@@ -326,3 +326,22 @@ class MaintenanceModeTests(SynchronousTestCase):
     def test_unknown_mode(self) -> None:
         """Only the two modes exist."""
         self.assertRaises(ValueError, self.leases.acquire, "a", (0,), None, "shared")
+
+    def test_grant_and_release_logged_with_one_pid(self) -> None:
+        """
+        A holder whose pid becomes known after its grant (a forked worker)
+        is logged with the grant's pid at release too, so the pair matches.
+        """
+        from twisted.logger import capturedLogs
+
+        class Holder:
+            seat = "gpu0/w0"
+            pid: int | None = None
+
+        holder = Holder()
+        with capturedLogs() as events:
+            self.successResultOf(self.leases.acquire(holder, (0,), mode=MAINTENANCE))
+            holder.pid = 1234
+            self.leases.release(holder)
+        logged = [(e["kcoral_event"], e["pid"]) for e in events if "kcoral_event" in e]
+        self.assertEqual(logged, [("lease_granted", None), ("lease_released", None)])

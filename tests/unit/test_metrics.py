@@ -39,6 +39,7 @@ class MetricsTests(SynchronousTestCase):
             "request_capacity": 8,
             "cache_bytes": {"memory": 1024, "disk": 4096},
             "lease_depth": {0: 2, 1: 0},
+            "spare_workers": {(0, "ready"): 3, (0, "starting"): 1},
         }
         self.metrics = Metrics(lambda: self.state)
         self.log = Logger(namespace="kcoral.test", observer=LogPublisher(self.metrics))
@@ -170,6 +171,8 @@ class MetricsTests(SynchronousTestCase):
         self.assertEqual(found[("kcoral_cache_bytes", (("cache", "disk"),))], 4096)
         self.assertEqual(found[("kcoral_lease_depth", (("gpu", "0"),))], 2)
         self.assertEqual(found[("kcoral_lease_depth", (("gpu", "1"),))], 0)
+        spares = (("gpu", "0"), ("state", "ready"))
+        self.assertEqual(found[("kcoral_spare_workers", spares)], 3)
         self.state["queue_length"] = 0
         self.state["lease_depth"] = {0: 1}
         found = samples(self.metrics)

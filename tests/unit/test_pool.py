@@ -321,6 +321,24 @@ class ReuseScopeTests(PoolTestCase):
         self.assertEqual(seat.status, "busy")
         self.assertEqual(pool.active, 1)
 
+    def test_other_client_takes_a_ready_spare(self) -> None:
+        """With a spare ready, the other client's request does not wait for a start."""
+        pool = self.make_pool(
+            pool_config(num_workers=1, max_requests_per_worker=0, spare_workers_per_gpu=1)
+        )
+        seat = self.successResultOf(pool.acquire(10, "10.0.0.1"))
+        first = seat.worker
+        spare_worker = pool.spares[0].worker
+        pool.release(seat)
+        self.spawner.auto_ready = False
+        taken = self.successResultOf(pool.acquire(10, "10.0.0.2"))
+        self.assertIs(taken, seat)
+        self.assertIs(seat.worker, spare_worker)
+        self.assertTrue(first.killed)  # type: ignore[union-attr]
+        self.assertEqual((seat.owner, seat.status, seat.generation), ("10.0.0.2", "busy", 2))
+        self.assertEqual(pool.active, 1)
+        self.assertEqual([s.status for s in pool.spares], ["starting"])
+
     def test_waiter_of_other_client_gets_a_fresh_worker(self) -> None:
         pool = self.reuse_pool()
         seat = self.successResultOf(pool.acquire(10, "10.0.0.1"))

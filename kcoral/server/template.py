@@ -1,0 +1,448 @@
+# -*- test-case-name: tests.unit.test_template,tests.integration.test_template -*-
+"""
+The parent's side of a worker template (L{kcoral.worker.template}).
+
+L{WorkerTemplate} starts the template process (inside the sandbox's
+command line, like a worker), waits for it to report ready, and forks
+workers through it: L{WorkerTemplate.fork_transport} makes the worker's
+pipes, sends the child's ends over the template's Unix socket
+(C{SCM_RIGHTS}) and returns a L{ForkedTransport}, a Twisted process
+transport whose pid arrives when the template reports the fork and whose
+end arrives when the template reports the child's C{waitpid} status.  A
+L{kcoral.server.workerproc.WorkerProcess} runs on it exactly as on a
+spawned process, so the pool does not care how a worker was made.
+
+Pids come back as the template sees them; inside a bubblewrap sandbox that
+is its own PID namespace, and L{host_pid} finds the host pid (the C{NSpid}
+line of C{/proc/<pid>/status}) for psutil's kills and orphan checks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+import psutil
+from twisted.internet import process
+from twisted.internet.defer import Deferred, succeed
+from twisted.internet.error import ProcessExitedAlready
+from twisted.internet.interfaces import IReactorSocket
+from twisted.internet.protocol import ProcessProtocol, ServerFactory
+from twisted.logger import Logger
+from twisted.protocols.basic import LineOnlyReceiver
+from twisted.python.failure import Failure
+
+#: The template's end of its socket (L{kcoral.worker.template.TEMPLATE_FD}).
+TEMPLATE_FD = 3
+
+#: How long a template may take to import everything and report ready
+#: (torch alone costs seconds of CPU).
+TEMPLATE_START_TIMEOUT = 120.0
+
+#: The C{waitpid} status reported for a child whose template died first.
+LOST_STATUS = 9  # killed by SIGKILL
+
+#: Bytes of the template's stdout/stderr kept for diagnostics.
+TAIL_BYTES = 8192
+
+
+class TemplateError(Exception):
+    """The template cannot fork a worker (not started, gone, or its socket is full)."""
+
+
+def host_pid(root: int, template_pid: int) -> int | None:
+    """
+    BLOCKING (a few C{/proc} reads): the host pid of the process that the
+    template's PID namespace calls C{template_pid}, searched below C{root}
+    (the sandbox's outermost process); C{None} when it is gone.
+    """
+    try:
+        below = psutil.Process(root).children(recursive=True)
+    except psutil.Error:
+        return None
+    for candidate in below:
+        try:
+            with open(f"/proc/{candidate.pid}/status", encoding="ascii") as f:
+                for line in f:
+                    if line.startswith("NSpid:"):
+                        ids = line.split()[1:]
+                        if len(ids) >= 2 and int(ids[1]) == template_pid:
+                            return candidate.pid
+                        break
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+class ForkedTransport(process.Process):
+    """
+    A Twisted process transport for a worker forked by a template: the
+    same pipes as a spawned process (made here, the child's ends sent to
+    the template) and the same passed descriptors (an C{int} in
+    C{child_fds}, as C{spawnProcess} takes them), no reaping of its own
+    (the template reaps and reports).
+
+    @ivar started: fires with the host pid once the template forked.
+    """
+
+    processReaderFactory = process.ProcessReader
+
+    def __init__(
+        self,
+        reactor: Any,
+        proto: ProcessProtocol,
+        child_fds: Mapping[int, Any],
+        start: Callable[[dict[int, int]], None],
+        reader_factory: Any = None,
+    ) -> None:
+        self._reactor = reactor
+        process._BaseProcess.__init__(self, proto)
+        if reader_factory is not None:
+            self.processReaderFactory = reader_factory
+        self.pipes: dict[int, Any] = {}
+        self.started: Deferred[int | None] = Deferred()
+        self._pending_signals: list[Any] = []
+        fdmap: dict[int, int] = {}
+        helpers: dict[int, int] = {}
+        opened: list[int] = []
+        try:
+            for child_fd, target in child_fds.items():
+                if isinstance(target, int):
+                    fdmap[child_fd] = target  # passed as it is; the caller owns it
+                    continue
+                r, w = os.pipe()
+                opened += [r, w]
+                if target == "r":
+                    fdmap[child_fd], helpers[child_fd] = w, r
+                else:
+                    fdmap[child_fd], helpers[child_fd] = r, w
+            start(fdmap)
+        except BaseException:
+            for fd in opened:
+                os.close(fd)
+            raise
+        self.proto = proto
+        for child_fd, parent_fd in helpers.items():
+            os.close(fdmap[child_fd])
+            if child_fds[child_fd] == "r":
+                self.pipes[child_fd] = self.processReaderFactory(reactor, self, child_fd, parent_fd)
+            else:
+                self.pipes[child_fd] = self.processWriterFactory(
+                    reactor, self, child_fd, parent_fd, forceReadHack=True
+                )
+        proto.makeConnection(self)
+
+    def forked(self, pid: int | None) -> None:
+        """The template forked the child: host pid C{pid} (C{None}: already gone)."""
+        if self.lostProcess:
+            return
+        self.pid = pid
+        pending, self._pending_signals = self._pending_signals, []
+        for signal_id in pending:
+            try:
+                self.signalProcess(signal_id)
+            except ProcessExitedAlready:
+                pass
+        if not self.started.called:
+            self.started.callback(pid)
+
+    def exited(self, status: int) -> None:
+        """The template reaped the child with C{waitpid} status C{status}."""
+        if self.lostProcess:
+            return
+        if not self.started.called:
+            self.started.callback(None)
+        self.processEnded(status)
+
+    def reapProcess(self) -> None:
+        """The template reaps its children; nothing to do here."""
+
+    def signalProcess(self, signalID: Any) -> None:
+        if self.pid is None and not self.lostProcess and not self.started.called:
+            # Not forked yet: deliver once the pid is known.
+            self._pending_signals.append(signalID)
+            return
+        super().signalProcess(signalID)
+
+
+class _TemplateConnection(LineOnlyReceiver):
+    """The parent's end of the template socket: one JSON object per line."""
+
+    delimiter = b"\n"
+    MAX_LENGTH = 1 << 16
+
+    def __init__(self, template: WorkerTemplate) -> None:
+        self.template = template
+
+    def lineReceived(self, line: bytes) -> None:
+        try:
+            message = json.loads(line)
+            if not isinstance(message, dict):
+                raise ValueError("not an object")
+        except ValueError as e:
+            self.template.broken(f"unreadable message: {e}")
+            return
+        self.template.message(message)
+
+    def lineLengthExceeded(self, line: bytes) -> None:
+        self.template.broken("message over the length limit")
+
+    def connectionLost(self, reason: Failure = Failure(ConnectionError())) -> None:
+        self.template.broken("socket closed")
+
+
+class _ConnectionFactory(ServerFactory):
+    """Builds the one L{_TemplateConnection} of a template."""
+
+    def __init__(self, template: WorkerTemplate) -> None:
+        self.template = template
+
+    def buildProtocol(self, addr: Any) -> Any:
+        return _TemplateConnection(self.template)
+
+
+class _TemplateProcess(ProcessProtocol):
+    """The template process itself: its output tail and its end."""
+
+    def __init__(self) -> None:
+        self.tail = bytearray()
+        self.ended: Deferred[None] = Deferred()
+
+    def childDataReceived(self, childFD: int, data: bytes) -> None:
+        self.tail += data
+        del self.tail[:-TAIL_BYTES]
+
+    def processEnded(self, reason: Failure) -> None:
+        self.ended.callback(None)
+
+
+@attrs.define(eq=False)
+class WorkerTemplate:
+    """
+    One template process and the workers forked through it.
+
+    @ivar name: what logs call it (C{cpu}, C{gpu0}).
+    @ivar state: C{"starting"}, C{"ready"} or C{"failed"} (C{error} says why).
+    """
+
+    name: str
+    _reactor: Any
+    state: str = "starting"
+    error: str | None = None
+    pid: int | None = None
+    template_pid: int | None = None
+    ready: Deferred[None] = attrs.field(factory=Deferred)
+    _send: Callable[[bytes, list[int]], object] | None = None
+    _transport: Any = None
+    _process: _TemplateProcess | None = None
+    _next_id: int = 0
+    _children: dict[int, ForkedTransport] = attrs.field(factory=dict)
+    _socket: socket.socket | None = None
+    _timer: Any = None
+    #: Maps a template pid to a host pid (L{host_pid} in a thread-free
+    #: call: a few C{/proc} reads); C{None}: the template shares our PID
+    #: namespace.
+    map_pid: Callable[[int], int | None] | None = None
+
+    log = Logger()
+
+    # -- starting and stopping ---------------------------------------------
+
+    def start(
+        self,
+        executable: str,
+        args: list[str],
+        env: dict[str, str],
+        *,
+        timeout: float = TEMPLATE_START_TIMEOUT,
+        path: str | None = None,
+    ) -> Deferred[None]:
+        """
+        Start the template process in directory C{path}; C{ready} fires
+        once it can fork.
+        """
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._process = _TemplateProcess()
+            fds: dict[int, Any] = {0: "w", 1: "r", 2: "r", TEMPLATE_FD: theirs.fileno()}
+            self._transport = self._reactor.spawnProcess(
+                self._process, executable, args, env=env, path=path, childFDs=fds
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self.pid = self._transport.pid
+        try:
+            self._transport.closeStdin()
+        except Exception:
+            pass
+        self._process.ended.addCallback(lambda _: self.broken("template process exited"))
+        ours.setblocking(False)
+        self._socket = ours
+        self.connect(lambda data, fds: socket.send_fds(ours, [data], fds))
+        IReactorSocket(self._reactor).adoptStreamConnection(
+            ours.fileno(), socket.AF_UNIX, _ConnectionFactory(self)
+        )
+        self._timer = self._reactor.callLater(timeout, self._start_timed_out, timeout)
+        return self.ready
+
+    def connect(self, send: Callable[[bytes, list[int]], object]) -> None:
+        """Send requests with C{send(data, fds)} (L{start} uses the socket)."""
+        self._send = send
+
+    def _start_timed_out(self, timeout: float) -> None:
+        self._timer = None
+        if self.state == "starting":
+            self.broken(f"not ready after {timeout:.0f}s")
+
+    def stop(self) -> Deferred[None]:
+        """End the template (its sandbox and every child it still has go with it)."""
+        if self.state != "failed":
+            self.state = "stopped"
+        self._end()
+        if self._transport is not None and self._process is not None:
+            d: Deferred[None] = Deferred()
+            self._process.ended.addBoth(lambda _: d.callback(None))
+            return d
+        return succeed(None)
+
+    def _end(self) -> None:
+        """No more forks: close the socket, kill the process, count the children as killed."""
+        if self._timer is not None and self._timer.active():
+            self._timer.cancel()
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None
+        if self._transport is not None and self._process is not None:
+            if not self._process.ended.called:
+                try:
+                    self._transport.signalProcess("KILL")
+                except ProcessExitedAlready:
+                    pass
+        children, self._children = self._children, {}
+        for child in children.values():
+            child.exited(LOST_STATUS)
+
+    def output_tail(self) -> str:
+        """The template's own output, last few KiB."""
+        return bytes(self._process.tail if self._process else b"").decode("utf-8", "replace")
+
+    # -- messages from the template -----------------------------------------
+
+    def message(self, message: dict[str, Any]) -> None:
+        op = message.get("op")
+        if op == "ready" and self.state == "starting":
+            self.state = "ready"
+            self.template_pid = message.get("pid")
+            if self.map_pid is None and self.pid is not None and self.template_pid != self.pid:
+                # The template has a PID namespace of its own (bubblewrap).
+                root = self.pid
+                self.map_pid = lambda pid: host_pid(root, pid)
+            if self._timer is not None and self._timer.active():
+                self._timer.cancel()
+            self.log.info(
+                "worker template {template} ready (pid {pid})",
+                kcoral_event="template_ready",
+                template=self.name,
+                pid=self.pid,
+            )
+            self.ready.callback(None)
+            return
+        child = self._children.get(message.get("id", -1))
+        if child is None:
+            self.broken(f"a {op!r} message for no request")
+        elif op == "forked":
+            pid = message.get("pid")
+            if not isinstance(pid, int):
+                self.broken("a fork without a pid")
+                return
+            child.forked(self.map_pid(pid) if self.map_pid is not None else pid)
+        elif op == "exited":
+            del self._children[message["id"]]
+            status = message.get("status")
+            child.exited(status if isinstance(status, int) else LOST_STATUS)
+        elif op == "failed":
+            del self._children[message["id"]]
+            self.log.warn(
+                "worker template {template} could not fork: {error}",
+                kcoral_event="template_fork_failed",
+                template=self.name,
+                error=str(message.get("error")),
+            )
+            child.exited(LOST_STATUS)
+        else:
+            self.broken(f"unexpected {op!r} message")
+
+    def broken(self, reason: str) -> None:
+        """The template is gone or misbehaved: no more forks; its children count as killed."""
+        if self.state in ("failed", "stopped"):
+            return
+        was_ready = self.state == "ready"
+        self.state = "failed"
+        self.error = reason
+        self._end()
+        tail = self.output_tail()
+        self.log.error(
+            "worker template {template} failed: {reason}",
+            kcoral_event="template_failed",
+            template=self.name,
+            reason=reason + (f": {tail[-2048:]}" if tail and not was_ready else ""),
+        )
+        if not self.ready.called:
+            self.ready.errback(TemplateError(f"worker template {self.name}: {reason}"))
+
+    # -- forking --------------------------------------------------------------
+
+    def fork_transport(
+        self,
+        proto: ProcessProtocol,
+        child_fds: Mapping[int, Any],
+        *,
+        argv: list[str],
+        env: Mapping[str, str],
+        cwd: str,
+        workspace: str | None = None,
+        capture_bytes: int | None = None,
+        reader_factory: Any = None,
+    ) -> ForkedTransport:
+        """
+        Fork a worker running C{python -m kcoral.worker *argv}; its
+        descriptors as C{child_fds} says (C{"r"}: a pipe the parent reads,
+        C{"w"}: one it writes, an C{int}: that descriptor of ours, as
+        C{spawnProcess} takes them).
+
+        @raise TemplateError: the template cannot fork now.
+        """
+        if self.state != "ready" or self._send is None:
+            raise TemplateError(f"worker template {self.name} is {self.state}")
+        self._next_id += 1
+        request_id = self._next_id
+        send = self._send
+
+        def start(fdmap: dict[int, int]) -> None:
+            numbers = sorted(fdmap)
+            request = {
+                "op": "fork",
+                "id": request_id,
+                "fds": numbers,
+                "argv": list(argv),
+                "env": dict(env),
+                "cwd": cwd,
+                "workspace": workspace,
+                "capture_bytes": capture_bytes,
+            }
+            try:
+                send(json.dumps(request).encode() + b"\n", [fdmap[n] for n in numbers])
+            except OSError as e:
+                # A full socket or a dead template: this worker cannot start.
+                raise TemplateError(f"worker template {self.name}: {e}") from None
+
+        transport = ForkedTransport(self._reactor, proto, child_fds, start, reader_factory)
+        self._children[request_id] = transport
+        return transport

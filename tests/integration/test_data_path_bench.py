@@ -1,0 +1,99 @@
+"""
+The data-path benchmarks in CI form, on a CPU server for a few seconds
+each: C{bench/tensor_roundtrip.py} (every flow, bytes compared),
+C{bench/gpu_tensor_path.py --cpu} (the client flow with the server's own
+up and down figures) and C{bench/result_memory.py} (the server's peak RSS
+while it returns a result).
+
+No time is asserted.  What is asserted is what a regression of the data
+path would break: the bytes come back identical, large parts leave the
+server from shared buffers (C{response_streamed.shared_bytes}), and the
+server's peak RSS while it returns a 32 MiB result grows by less than half
+the result (it held two or three copies before results were streamed).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kcoral.wire import shared
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(not shared.available(), reason="no sealed memfds here"),
+]
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "bench"
+SPAWN = "--device cpu --num-workers 1 --log-dir '' --sandbox none --max-requests-per-worker 0"
+
+
+def run_bench(script: str, *args: str) -> None:
+    completed = subprocess.run(
+        [sys.executable, str(BENCH / script), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    print(completed.stdout)
+    assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
+
+
+def test_tensor_roundtrip(tmp_path: Path) -> None:
+    output = tmp_path / "tensor_roundtrip.json"
+    run_bench(
+        "tensor_roundtrip.py",
+        "--spawn",
+        SPAWN,
+        "--size-mib",
+        "4",
+        "--iterations",
+        "2",
+        "--output",
+        str(output),
+    )
+    result = json.loads(output.read_text())
+    assert set(result["flows"]) == {"direct", "client_flow", "cached"}
+    for flow in result["flows"].values():
+        assert flow["bytes_verified"] is True
+
+
+def test_server_side_figures(tmp_path: Path) -> None:
+    output = tmp_path / "gpu_tensor_path.json"
+    run_bench(
+        "gpu_tensor_path.py",
+        "--cpu",
+        "--size-mib",
+        "4",
+        "--iterations",
+        "2",
+        "--output",
+        str(output),
+    )
+    result = json.loads(output.read_text())
+    samples = result["server"]["samples"]
+    assert len(samples) == 2
+    for sample in samples:
+        assert sample["server_up_ms"] is not None
+        assert sample["server_down_ms"] is not None
+    # The 4 MiB part left the server from the worker's sealed buffer.
+    events = [
+        json.loads(line)
+        for path in Path(result["server"]["log_dir"]).rglob("events.jsonl*")
+        for line in path.read_text().splitlines()
+    ]
+    streamed = [e for e in events if e.get("event") == "response_streamed"]
+    assert streamed and all(e["shared_bytes"] == 4 << 20 for e in streamed)
+
+
+def test_result_memory(tmp_path: Path) -> None:
+    output = tmp_path / "result_memory.json"
+    run_bench("result_memory.py", "--size-mib", "32", "--repeat", "2", "--output", str(output))
+    result = json.loads(output.read_text())
+    assert result["peak_over_before_mib"] < 16, result

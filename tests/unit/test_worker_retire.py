@@ -1,0 +1,79 @@
+"""
+Tests for the worker's side of a retirement (L{kcoral.worker.__main__._retire}):
+a GPU worker waits for C{teardown}, destroys its contexts, answers
+C{torn_down} and leaves at once; a CPU worker leaves at once.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import pytest
+
+from kcoral.wire.channel import Exit, Teardown, TornDown, read_message, write_message
+from kcoral.worker import __main__ as worker_main
+
+
+class _Backend:
+    def __init__(self, uses_lease: bool, destroyed: bool = True) -> None:
+        self.uses_lease = uses_lease
+        self.destroyed = destroyed
+        self.calls = 0
+
+    def destroy_context(self) -> bool:
+        self.calls += 1
+        return self.destroyed
+
+
+class _Exited(Exception):
+    pass
+
+
+def _inbox(*messages: Any) -> io.BytesIO:
+    stream = io.BytesIO()
+    for message in messages:
+        write_message(stream, message)
+    stream.seek(0)
+    return stream
+
+
+@pytest.fixture
+def exits(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    codes: list[int] = []
+
+    def fake_exit(code: int) -> None:
+        codes.append(code)
+        raise _Exited()
+
+    monkeypatch.setattr(worker_main.os, "_exit", fake_exit)
+    return codes
+
+
+def test_cpu_worker_leaves_at_once(exits: list[int]) -> None:
+    """A CPU worker has no context: it returns without reading anything."""
+    outbox = io.BytesIO()
+    assert worker_main._retire(_inbox(), outbox, _Backend(uses_lease=False)) == 0
+    assert outbox.getvalue() == b"" and exits == []
+
+
+@pytest.mark.parametrize("destroyed", [True, False])
+def test_gpu_worker_tears_down_then_exits(exits: list[int], destroyed: bool) -> None:
+    """On teardown: contexts destroyed, torn_down answered, then os._exit(0)."""
+    backend = _Backend(uses_lease=True, destroyed=destroyed)
+    outbox = io.BytesIO()
+    with pytest.raises(_Exited):
+        worker_main._retire(_inbox(Teardown()), outbox, backend)
+    assert exits == [0] and backend.calls == 1
+    outbox.seek(0)
+    answer = read_message(outbox)
+    assert isinstance(answer, TornDown) and answer.destroyed is destroyed
+    assert answer.seconds >= 0
+
+
+def test_gpu_worker_exit_or_end_leaves_normally(exits: list[int]) -> None:
+    """Exit (or the channel's end) while waiting: a normal exit, nothing destroyed."""
+    backend = _Backend(uses_lease=True)
+    assert worker_main._retire(_inbox(Exit()), io.BytesIO(), backend) == 0
+    assert worker_main._retire(_inbox(), io.BytesIO(), backend) == 0
+    assert backend.calls == 0 and exits == []

@@ -47,35 +47,9 @@ rm -rf "$RESULTS"/fresh_*
 # shellcheck source=bench/server_lib.sh
 . bench/server_lib.sh
 
-# wait_ready NAME WANT_CAPACITY LIMIT_S: /health answers with that capacity.
+# wait_ready NAME WANT_CAPACITY LIMIT_S (bench/server_lib.sh's wait_capacity)
 wait_ready() {
-    local name=$1 want=$2 limit=$3 started capacity
-    started=$(date +%s)
-    while true; do
-        if ! kill -0 "$SERVER_PID" 2>/dev/null; then
-            echo "!! $name exited during start; last log lines:"
-            tail -n 30 "$RESULTS/fresh_$name.log"
-            SERVER_PID=""
-            return 1
-        fi
-        capacity=$("$PY" - "$PORT" <<'EOF' 2>/dev/null
-import http.client, json, sys
-c = http.client.HTTPConnection("127.0.0.1", int(sys.argv[1]), timeout=2)
-c.request("GET", "/health")
-r = c.getresponse()
-print(json.loads(r.read())["load"]["request_capacity"] if r.status == 200 else -1)
-EOF
-)
-        if [ -n "$capacity" ] && [ "$capacity" -ge "$want" ]; then
-            echo "   $name ready after $(( $(date +%s) - started )) s"
-            return 0
-        fi
-        if [ $(( $(date +%s) - started )) -ge "$limit" ]; then
-            echo "   ($name: capacity '$capacity' after $limit s; going on)"
-            return 0
-        fi
-        sleep 1
-    done
+    wait_capacity "$1" "$2" "$3" "$RESULTS/fresh_$1.log"
 }
 
 # drive NAME [extra fresh_load args]

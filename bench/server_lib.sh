@@ -1,5 +1,6 @@
 # Sourced by the bench/*.sh batches: a free port and stopping the server
-# they started ($SERVER_PID), with the traps that stop it on exit.  Needs $PY.
+# they started ($SERVER_PID), with the traps that stop it on exit, and waiting
+# for a server's capacity.  Needs $PY.
 
 free_port() {
     "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
@@ -17,6 +18,39 @@ stop_server() {
         wait "$SERVER_PID" 2>/dev/null
     fi
     SERVER_PID=""
+}
+
+# wait_capacity NAME WANT_CAPACITY LIMIT_S LOG: the server ($SERVER_PID on
+# $PORT) answers /health offering at least WANT_CAPACITY requests; after
+# LIMIT_S it goes on anyway; returns 1 (with LOG's tail) if it exited.
+wait_capacity() {
+    local name=$1 want=$2 limit=$3 log=$4 started capacity
+    started=$(date +%s)
+    while true; do
+        if ! kill -0 "$SERVER_PID" 2>/dev/null; then
+            echo "!! $name exited during start; last log lines:"
+            tail -n 30 "$log"
+            SERVER_PID=""
+            return 1
+        fi
+        capacity=$("$PY" - "$PORT" <<'EOF' 2>/dev/null
+import http.client, json, sys
+c = http.client.HTTPConnection("127.0.0.1", int(sys.argv[1]), timeout=2)
+c.request("GET", "/health")
+r = c.getresponse()
+print(json.loads(r.read())["load"]["request_capacity"] if r.status == 200 else -1)
+EOF
+)
+        if [ -n "$capacity" ] && [ "$capacity" -ge "$want" ]; then
+            echo "   $name ready after $(( $(date +%s) - started )) s"
+            return 0
+        fi
+        if [ $(( $(date +%s) - started )) -ge "$limit" ]; then
+            echo "   ($name: capacity '$capacity' after $limit s; going on)"
+            return 0
+        fi
+        sleep 1
+    done
 }
 
 SERVER_PID=""

@@ -6,7 +6,6 @@ own log proves no context operation overlapped another holder's lease.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import time
 from pathlib import Path
@@ -16,6 +15,7 @@ import pytest
 
 from kcoral.testing.live_server import ServerProcess
 
+from ..unit.test_lease_overlap_tool import _tool
 from .test_gpu_server import _ok, _readonly_flags
 
 pytestmark = [pytest.mark.gpu, pytest.mark.integration]
@@ -50,16 +50,6 @@ def _events(logs: Path) -> list[dict[str, Any]]:
     for path in sorted(logs.rglob("events.jsonl")):
         events += [json.loads(line) for line in path.read_text().splitlines()]
     return events
-
-
-def _overlap_tool() -> Any:
-    spec = importlib.util.spec_from_file_location(
-        "lease_overlap", ROOT / "bench" / "lease_overlap.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize("sandbox", ["none", "bubblewrap"])
@@ -117,6 +107,6 @@ def test_fresh_workers_on_the_lease(tmp_path: Path, sandbox: str) -> None:
     assert any(e["how"] == "destroyed" for e in teardowns), teardowns
     creations = [e for e in events if e.get("event") == "context_create_finished"]
     assert len(creations) >= 8 and all(e["how"] == "ready" for e in creations)
-    report = _overlap_tool().check(sorted(logs.rglob("events.jsonl")))
+    report = _tool().check(sorted(logs.rglob("events.jsonl")))
     assert report["overlaps"] == []
     assert report["gpus"]["0"]["contexts_created"] == len(creations)

@@ -263,11 +263,14 @@ def soft_fd_limit(soft: int) -> Iterator[None]:
 def finishing_server(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[ServerProcess, Path]]:
-    """A server started with systemd's soft fd limit (1,024) and --finish-abandoned."""
+    """
+    A server started with systemd's soft fd limit (1,024), --finish-abandoned
+    and a 2 s head deadline (the default connection cap, 4,096).
+    """
     logs = tmp_path_factory.mktemp("finishing-logs")
     args = [
         "--device", "cpu", "--sandbox", "none", "--num-workers", "1",
-        "--log-dir", str(logs), "--finish-abandoned",
+        "--log-dir", str(logs), "--finish-abandoned", "--header-timeout-seconds", "2",
     ]  # fmt: skip
     with soft_fd_limit(1024):
         process = ServerProcess(args).start()
@@ -317,3 +320,72 @@ def test_finish_abandoned_keeps_work(finishing_server: tuple[ServerProcess, Path
         )
         assert finished["finish_reason"] == "completed", finished
     assert not [e for e in events(logs) if e.get("reason") == "abandoned"]
+
+
+def test_slowloris_flood(finishing_server: tuple[ServerProcess, Path]) -> None:
+    """
+    Issue 18's flood: 1,100 connections trickling request heads against a
+    server started at a 1,024-descriptor soft limit.  /health keeps
+    answering throughout, and every slow connection gets its 408 at the head
+    deadline instead of holding a descriptor forever.
+    """
+    process, _ = finishing_server
+    count = 1100
+    opened = time.monotonic()
+    slow = []
+    for _ in range(count):
+        sock = socket.create_connection(("127.0.0.1", process.port), timeout=30)
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: a")
+        slow.append(sock)
+    probes = []
+    while time.monotonic() - opened < 1.5 or len(probes) < 3:
+        for sock in slow[:: max(1, count // 50)]:
+            with contextlib.suppress(OSError):
+                sock.sendall(b"a")
+        started = time.monotonic()
+        probes.append((process.health()["status"], time.monotonic() - started))
+        time.sleep(0.1)
+    statuses: dict[int, int] = {}
+    for sock in slow:
+        status, _, _ = split_response(read_all(sock))
+        sock.close()
+        statuses[status] = statuses.get(status, 0) + 1
+    print(
+        f"flood: {count} slow connections; {len(probes)} /health probes all "
+        f"{sorted({p[0] for p in probes})}, slowest {max(p[1] for p in probes) * 1e3:.0f} ms; "
+        f"answers {statuses} within {time.monotonic() - opened:.1f} s"
+    )
+    assert {p[0] for p in probes} == {"ok"}
+    assert statuses == {408: count}
+    assert process.health()["status"] == "ok"
+
+
+def test_simultaneous_connections_not_reset(finishing_server: tuple[ServerProcess, Path]) -> None:
+    """
+    200 clients connecting at the same instant (issue 18 saw 12-15 of them
+    reset with Twisted's backlog of 50): every one is answered.
+    """
+    process, _ = finishing_server
+    count = 200
+    barrier = threading.Barrier(count)
+    outcomes: list[Any] = []
+    lock = threading.Lock()
+
+    def client() -> None:
+        barrier.wait()
+        try:
+            outcome: Any = process.health()["status"]
+        except Exception as e:  # pragma: no cover - reported below
+            outcome = repr(e)
+        with lock:
+            outcomes.append(outcome)
+
+    threads = [threading.Thread(target=client) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    failed = [o for o in outcomes if o != "ok"]
+    print(f"simultaneous: {len(outcomes) - len(failed)} of {count} answered, {failed[:3]}")
+    assert failed == []
+    assert len(outcomes) == count

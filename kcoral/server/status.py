@@ -204,12 +204,14 @@ def status_snapshot(health: Mapping[str, Any], recent: RecentRequests) -> dict[s
 
     @param health: the server's C{/health} dictionary, with the extra keys
         C{workers} (C{[{worker_id, gpu_id, status, uptime_seconds,
-        generation, pid}]}), C{gpus} (C{[{gpu_id, lease_depth, holder}]}),
-        C{queue_length} and C{active_requests}; missing ones are empty.
+        generation, pid}]}), C{spares} (C{[{spare_id, gpu_id, state, pid,
+        uptime_seconds}]}), C{gpus} (C{[{gpu_id, lease_depth, holder,
+        maintenance}]}), C{queue_length} and C{active_requests}; missing
+        ones are empty.
     @param recent: the request observer.
     @return: a JSON-ready dictionary: C{status}, C{instance_id},
         C{started_at}, C{target}, C{load}, C{queue_length},
-        C{active_requests}, C{request_capacity}, C{workers}, C{gpus},
+        C{active_requests}, C{request_capacity}, C{workers}, C{spares}, C{gpus},
         C{in_flight}, C{recent}, C{failures} and C{refusals} (newest
         first), C{refusal_counts} (every refusal since start by status and
         reason), and
@@ -231,8 +233,19 @@ def status_snapshot(health: Mapping[str, Any], recent: RecentRequests) -> dict[s
             "gpu_id": g.get("gpu_id"),
             "lease_depth": g.get("lease_depth"),
             "holder": g.get("holder"),
+            "maintenance": g.get("maintenance"),
         }
         for g in health.get("gpus") or ()
+    ]
+    spares = [
+        {
+            "spare_id": s.get("spare_id"),
+            "gpu_id": s.get("gpu_id"),
+            "state": s.get("state"),
+            "pid": s.get("pid"),
+            "uptime_seconds": s.get("uptime_seconds"),
+        }
+        for s in health.get("spares") or ()
     ]
     return {
         "status": health.get("status"),
@@ -245,6 +258,7 @@ def status_snapshot(health: Mapping[str, Any], recent: RecentRequests) -> dict[s
         "active_requests": _load_value(health, "active_requests", "requests_in_progress"),
         "request_capacity": _load_value(health, "request_capacity", "request_capacity"),
         "workers": workers,
+        "spares": spares,
         "gpus": gpus,
         "in_flight": recent.in_flight(),
         "recent": recent.recent(),
@@ -281,9 +295,12 @@ td.num { text-align: right; font-variant-numeric: tabular-nums; }
 <h2>Workers</h2>
 <table id="workers"><thead><tr><th>worker_id</th><th>gpu_id</th><th>status</th>
 <th>generation</th><th>pid</th><th>uptime</th></tr></thead><tbody></tbody></table>
+<h2>Warm spares</h2>
+<table id="spares"><thead><tr><th>spare_id</th><th>gpu_id</th><th>state</th><th>pid</th>
+<th>uptime</th></tr></thead><tbody></tbody></table>
 <h2>GPU leases</h2>
-<table id="leases"><thead><tr><th>gpu</th><th>lease_depth</th><th>holder</th></tr></thead>
-<tbody></tbody></table>
+<table id="leases"><thead><tr><th>gpu</th><th>lease_depth</th><th>holder</th>
+<th>maintenance</th></tr></thead><tbody></tbody></table>
 <h2>In flight</h2>
 <table id="in_flight"><thead><tr><th>request_id</th><th>worker_id</th><th>gpu_id</th>
 <th>queue_ms</th><th>routed at</th></tr></thead><tbody></tbody></table>
@@ -336,8 +353,13 @@ function render(s) {
     return [text(w.worker_id), text(w.gpu_id), text(w.state || w.status), text(w.generation),
             text(w.pid), [uptime(w.uptime_seconds), "num"]];
   });
+  fill("spares", s.spares, function (w) {
+    return [text(w.spare_id), text(w.gpu_id), text(w.state), text(w.pid),
+            [uptime(w.uptime_seconds), "num"]];
+  });
   fill("leases", s.gpus, function (g) {
-    return [text(g.gpu_id), [text(g.lease_depth), "num"], text(g.holder)];
+    return [text(g.gpu_id), [text(g.lease_depth), "num"], text(g.holder),
+            [text(g.maintenance), "num"]];
   });
   fill("in_flight", s.in_flight, function (r) {
     return [text(r.request_id), text(r.worker_id), text(r.gpu_id), [ms(r.queue_ms), "num"],

@@ -13,6 +13,10 @@ C{gpu_access} naming that call and the uploaded-code line when it returns.
 
 Without cupti-python (or without a CUPTI the driver accepts) the worker
 falls back to L{kcoral.worker.gpuwatch}'s Python-level traps.
+
+The same subscription lets a module upload run off the lease
+(L{DriverWatch.leasing}): its top-level code may touch CUDA, so the first
+driver call that does blocks, on entry, until the worker holds the lease.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import contextlib
 import gc
 import threading
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import attrs
@@ -87,18 +91,38 @@ class DriverWatch:
     _subscriber: Any = None
     _first: tuple[str, str, str] | None = None
     _active: bool = False
+    #: While L{leasing}: what takes the lease at the first device call,
+    #: and the event the other threads' calls wait on meanwhile.
+    _acquire: Callable[[], None] | None = None
+    _granted: threading.Event | None = None
     _lock: threading.Lock = attrs.field(factory=threading.Lock)
 
     def __attrs_post_init__(self) -> None:
         self._subscriber = self.cupti.subscribe(self._callback, None)
 
     def _callback(self, userdata: Any, domain: Any, callback_id: Any, cbdata: Any) -> None:
-        if not self._active or self._first is not None:
+        granted = self._granted
+        if not self._active and granted is None:
             return
         if cbdata.callback_site != self.cupti.ApiCallbackSite.API_ENTER:
             return
         name = str(cbdata.function_name)
         if name in HARMLESS_DRIVER_CALLS or name.startswith(RELEASE_PREFIXES):
+            return
+        if granted is not None:
+            # Called on entry, before the driver does the work: the call
+            # waits here until this worker holds the lease.
+            with self._lock:
+                acquire, self._acquire = self._acquire, None
+            if acquire is None:
+                granted.wait()
+                return
+            try:
+                acquire()
+            finally:
+                granted.set()
+            return
+        if self._first is not None:
             return
         stack = traceback.extract_stack()[:-1]
         with self._lock:
@@ -137,6 +161,25 @@ class DriverWatch:
                     location=location,
                     call_stack=stack,
                 )
+
+    @contextlib.contextmanager
+    def leasing(self, acquire: Callable[[], None]) -> Iterator[None]:
+        """
+        Run a block off the lease and take it (C{acquire()}, blocking) at the
+        block's first device-touching driver call, before the driver does
+        that call; a call from another thread meanwhile waits for the grant
+        too.  Whether it was taken is the lease's own C{held}.
+        """
+        domain = self.cupti.CallbackDomain.DRIVER_API
+        self._acquire = acquire
+        self._granted = threading.Event()
+        self.cupti.enable_domain(1, self._subscriber, domain)
+        try:
+            yield
+        finally:
+            self.cupti.enable_domain(0, self._subscriber, domain)
+            self._acquire = None
+            self._granted = None
 
 
 _watch: list[DriverWatch | None] = []

@@ -7,7 +7,8 @@ returns an L{Outcome} message (both from L{kcoral.wire.channel}).  It
 follows protocol §6: instructions run in order in the request's workspace,
 each handle binds the value its instruction produced, the first failure stops
 the program, and completed returns survive a later failure.  Around every
-instruction it places the GPU lease as spec/server.md §4.3 says, and it
+instruction it places the GPU lease as spec/server.md §4.3 says, narrowed
+to GPU work (docs/worker.md, "Lease placement"), and it
 announces each instruction to the parent before running it so that a crash
 can be attributed.  Workspace file I/O is in L{kcoral.worker.files}, the
 checks of a reused worker in L{kcoral.worker.reuse}.
@@ -124,6 +125,71 @@ def _library_call(call: Callable[[], Any], message: Callable[[Exception], str]) 
 
 # ---------------------------------------------------------------------------
 # Value encoding (protocol §7)
+
+
+#: Values that live in host memory whatever they hold.
+_HOST_SCALARS = (type(None), bool, int, float, str, bytes, bytearray, memoryview)
+
+
+def _is_host_value(value: Any, depth: int = 0) -> bool:
+    """
+    Whether encoding C{value} cannot touch the GPU: plain values, NumPy
+    arrays and scalars, and lists, tuples and dicts of them.  Anything else
+    (a torch or PyCUDA tensor, an unknown object) may live on the device.
+    """
+    if isinstance(value, _HOST_SCALARS):
+        return True
+    if depth > 32:
+        return False
+    if isinstance(value, (list, tuple)):
+        return all(_is_host_value(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return all(_is_host_value(v, depth + 1) for v in value.values())
+    module = type(value).__module__
+    return module == "numpy" or module.startswith("numpy.")
+
+
+class _Copies:
+    """Host copies of a value's device tensors, by the identity of each tensor."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, Any] = {}
+
+    def get(self, candidate: Any) -> Any:
+        found = self._by_id.get(id(candidate))
+        if isinstance(found, BaseException):
+            raise found
+        return found
+
+
+def _host_copies(value: Any, tensor_parts: Callable[[Any], Any]) -> _Copies | None:
+    """
+    Export every tensor in C{value} now (device tensors are copied to the
+    host), walking it as the encoder will; C{None} when it cannot be walked
+    (nested too deeply: the encoder then reports it, under the lease).
+    """
+    copies = _Copies()
+
+    def walk(item: Any) -> None:
+        if isinstance(item, _HOST_SCALARS):
+            return
+        if isinstance(item, list | tuple):
+            for child in item:
+                walk(child)
+        elif isinstance(item, dict):
+            for child in item.values():
+                walk(child)
+        else:
+            try:
+                copies._by_id[id(item)] = tensor_parts(item)
+            except Exception as e:
+                copies._by_id[id(item)] = e
+
+    try:
+        walk(value)
+    except RecursionError:
+        return None
+    return copies
 
 
 def encode_value(
@@ -245,9 +311,13 @@ class Engine:
         del run
         if retire is None and retiring:
             retire = RETIRE_REQUEST_LIMIT
+        if retire is not None:
+            # A retiring worker exits (destroys its context) under the lease.
+            self.lease.acquire()
         if retire is None:
-            # The device is clean (cleanup ran under the lease): give the GPU
-            # to the next worker now and restore host state off the lease.
+            # The device is clean (cleanup drained it, or it was drained when
+            # the lease was given back): give the GPU to the next worker now
+            # and restore host state off the lease.
             self.lease.release()
             leftovers = state.leftovers(request.workspace, children=leftover_pids)
             state.restore(request.workspace)
@@ -326,16 +396,39 @@ class _ProgramRun:
         self.results: dict[str, Any] = {}
         self.error: dict[str, Any] | None = None
         self.last: Any = None
+        self.position = 0
+        self.lazy_module_lease = False
+        self.module_ids: set[str] = set()
+        self.static_cpu_only: set[str] = set()
+        self.later_needs: list[bool] = [False]
 
     # -- driving --------------------------------------------------------
 
     def execute(self) -> None:
-        for instruction in self.program.instructions:
+        instructions = self.program.instructions
+        self.lazy_module_lease = self._lazy_lease() is not None
+        # What the program's text alone says about its handles.
+        self.module_ids = {
+            i.id
+            for i in instructions
+            if isinstance(i, Upload) and i.kind == "module" and i.language != "cuda" and i.id
+        }
+        self.static_cpu_only = {
+            i.id for i in instructions if isinstance(i, GetFunction) and i.cpu_only
+        }
+        # From the end: whether an instruction at or after each index
+        # certainly needs the lease (see _surely_leased).
+        self.later_needs = [False] * (len(instructions) + 1)
+        for i in range(len(instructions) - 1, -1, -1):
+            self.later_needs[i] = self.later_needs[i + 1] or self._surely_leased(instructions[i])
+        for position, instruction in enumerate(instructions):
             self.last = instruction
+            self.position = position
             self.engine.send(Instruction(instruction.index))
             try:
-                self._place(instruction)
-                self._dispatch(instruction)
+                around = self._place(instruction)
+                with around if around is not None else contextlib.nullcontext():
+                    self._dispatch(instruction)
             except _Failure as failure:
                 self.error = self._error(instruction, failure)
                 return
@@ -367,10 +460,19 @@ class _ProgramRun:
         return error
 
     def cleanup(self) -> str | None:
-        """End-of-program cleanup under the lease; return a retire reason or C{None}."""
+        """
+        End-of-program cleanup; return a retire reason or C{None}.
+
+        It runs under the lease when the program still holds it (its last
+        instructions used the GPU, or it failed in one).  Otherwise the
+        device was drained when the lease was given back and nothing has
+        touched it since (a C{cpu_only} run that did is reported as
+        C{gpu_access}), so dropping the handles and resetting (which frees
+        memory, like a garbage collection in a C{cpu_only} run) needs no
+        second hold.
+        """
         retire = None
         try:
-            self.lease.acquire()
             pending = self.backend.cleanup()
             self.handles = _Handles()
             self.backend.reset()
@@ -413,20 +515,92 @@ class _ProgramRun:
             self.backend.drain()
         self.lease.release()
 
-    def _place(self, instruction: Any) -> None:
+    def _is_python_module(self, ref: Ref) -> bool:
+        """Whether C{ref} names an uploaded Python module (a namespace, no device)."""
+        return ref.target in self.handles.python_modules or ref.target in self.module_ids
+
+    def _surely_leased(self, instruction: Any) -> bool:
+        """
+        Whether C{instruction} takes the lease whatever the values it meets
+        (value returns depend on their value, so they never count here).
+        """
+        if isinstance(instruction, Upload):
+            if instruction.kind == "module" and self.lazy_module_lease:
+                return False
+            return instruction.kind in ("module", "tensor", "library")
+        if isinstance(instruction, GetFunction):
+            return not self._is_python_module(instruction.module)
+        if isinstance(instruction, Run):
+            fn = instruction.fn
+            if isinstance(fn, BuiltinName):
+                entry = self.engine.builtins.get(fn.name)
+                return not (entry and entry[1])
+            return fn.target not in self.static_cpu_only
+        return False
+
+    def _needs_lease(self, instruction: Any) -> bool | None:
+        """
+        The lease an instruction needs (spec/server.md §4.3, narrowed to GPU
+        work): C{True} it must hold it, C{False} it must not (the device is
+        drained first), C{None} either will do.
+        """
         if isinstance(instruction, Upload):
             if instruction.kind == "bytes":
-                return
+                return None
             if instruction.kind == "file":
-                self._release()
-                return
+                return False
+            # Module top-level code may touch CUDA; tensors and libraries do.
+            return True
+        if isinstance(instruction, Return):
+            if instruction.kind is not None:
+                return False
+            assert instruction.value is not None
+            # Host values are encoded off the lease; device tensors are
+            # copied to the host under it (see _return).
+            return (
+                None if _is_host_value(self.handles.values.get(instruction.value.target)) else True
+            )
+        if isinstance(instruction, GetFunction):
+            # Selecting a name from an uploaded module's namespace is a
+            # dictionary lookup; a library's function is a driver call.
+            return None if self._is_python_module(instruction.module) else True
+        if isinstance(instruction, Run) and self._is_cpu_only_run(instruction):
+            return False
+        return True
+
+    def _lazy_lease(self) -> Any:
+        """The backend's L{lazy_lease} context for this lease, or C{None}."""
+        make = getattr(self.backend, "lazy_lease", None)
+        return None if make is None else make(self.lease.acquire)
+
+    def _place(self, instruction: Any) -> Any:
+        """
+        Place the lease for C{instruction}; return a context manager to run
+        it in, or C{None}.
+        """
+        if (
+            isinstance(instruction, Upload)
+            and instruction.kind == "module"
+            and instruction.language != "cuda"
+            and not self.lease.held
+        ):
+            # Module top-level code may touch CUDA: where the driver can be
+            # watched, the import runs off the lease and its first device
+            # call takes it; elsewhere the lease is taken now.
+            around = self._lazy_lease()
+            if around is not None:
+                return around
+        need = self._needs_lease(instruction)
+        if need is None and self.lease.held and not self.later_needs[self.position + 1]:
+            # Nothing after this needs the GPU for sure: the last GPU
+            # instruction's synchronize ends the hold now, and the rest of
+            # the program (host returns, file returns, cleanup) runs off it.
+            need = False
+        if need is True:
             self.lease.acquire()
-        elif isinstance(instruction, Return) and instruction.kind is not None:
+        elif need is False:
             self._release()
-        elif isinstance(instruction, Run) and self._is_cpu_only_run(instruction):
-            self._release()
-        else:
-            self.lease.acquire()
+        return None
 
     # -- instructions ---------------------------------------------------
 
@@ -603,8 +777,16 @@ class _ProgramRun:
         if instruction.kind is None:
             assert instruction.value is not None
             value = self.handles.values[instruction.value.target]
+            tensor_parts = self.backend.tensor_parts
+            if self.lease.held and not self.later_needs[self.position + 1]:
+                # The last GPU work of the program: copy its tensors to the
+                # host under the lease, end the hold, then hash and encode.
+                copies = _host_copies(value, tensor_parts)
+                if copies is not None:
+                    self._release()
+                    tensor_parts = copies.get
             try:
-                return encode_value(value, self.parts, self.backend.tensor_parts)
+                return encode_value(value, self.parts, tensor_parts)
             except SerializationError as e:
                 raise _Failure("serialization", str(e), e) from None
         kind = instruction.kind

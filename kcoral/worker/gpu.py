@@ -272,6 +272,18 @@ class GpuBackend:
         stack.enter_context(cpu_only_watch())
         return stack
 
+    def lazy_lease(self, acquire: Any) -> Any:
+        """
+        A context manager that runs a block off the lease and calls
+        C{acquire} at its first device-touching driver call (CUPTI,
+        L{kcoral.worker.cuptiwatch.DriverWatch.leasing}); C{None} when the
+        driver cannot be watched here, and the lease must be taken up front.
+        """
+        from kcoral.worker.cuptiwatch import driver_watch
+
+        watch = driver_watch()
+        return None if watch is None else watch.leasing(acquire)
+
     def builtins(self) -> dict[str, tuple[Any, bool]]:
         """The GPU builtin table, C{name -> (callable, cpu_only)}."""
         return dict(GPU_BUILTINS)

@@ -105,3 +105,68 @@ def test_violation_beats_the_run_error() -> None:
     with pytest.raises(GPUAccessViolation), watch.watching():
         user()
         raise RuntimeError("the library failed afterwards")
+
+
+# -- leasing: a module import off the lease ----------------------------------
+
+
+def test_leasing_takes_the_lease_at_the_first_device_call() -> None:
+    """Queries pass; the first device call waits for acquire(), which runs once."""
+    cupti = FakeCupti()
+    watch = DriverWatch(cupti)
+    log: list[str] = []
+    original = cupti.driver_call
+
+    def driver_call(name: str) -> None:
+        original(name)
+        log.append(name)
+
+    cupti.driver_call = driver_call  # type: ignore[method-assign]
+    user = uploaded(cupti, "cuInit", "cuMemFree_v2", "cuMemAlloc_v2", "cuLaunchKernel")
+    with watch.leasing(lambda: log.append("acquire")):
+        user()
+    assert log == ["cuInit", "cuMemFree_v2", "acquire", "cuMemAlloc_v2", "cuLaunchKernel"]
+    assert cupti.enabled == [1, 0]
+    # Off once the block is over: nothing more is taken.
+    user()
+    assert log.count("acquire") == 1
+
+
+def test_leasing_without_device_calls_takes_nothing() -> None:
+    cupti = FakeCupti()
+    watch = DriverWatch(cupti)
+    taken: list[int] = []
+    with watch.leasing(lambda: taken.append(1)):
+        uploaded(cupti, "cuInit", "cuDeviceGetCount")()
+    assert taken == []
+
+
+def test_leasing_other_threads_wait_for_the_grant() -> None:
+    """A second thread's device call waits until the first caller holds the lease."""
+    import threading
+
+    cupti = FakeCupti()
+    watch = DriverWatch(cupti)
+    release = threading.Event()
+    order: list[str] = []
+
+    def acquire() -> None:
+        order.append("acquiring")
+        release.wait(5)
+        order.append("granted")
+
+    with watch.leasing(acquire):
+        first = threading.Thread(target=cupti.driver_call, args=("cuMemAlloc_v2",))
+        first.start()
+        while not order:
+            pass
+        second = threading.Thread(
+            target=lambda: (cupti.driver_call("cuLaunchKernel"), order.append("second ran"))
+        )
+        second.start()
+        second.join(0.2)
+        assert order == ["acquiring"]
+        release.set()
+        first.join(5)
+        second.join(5)
+    assert order == ["acquiring", "granted", "second ran"]

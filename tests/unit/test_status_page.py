@@ -45,7 +45,10 @@ HEALTH: dict[str, Any] = {
             "pid": 4243,
         },
     ],
-    "gpus": [{"gpu_id": 0, "lease_depth": 1, "holder": "gpu0/w0"}],
+    "spares": [
+        {"spare_id": "gpu0/s1", "gpu_id": 0, "state": "ready", "pid": 4250, "uptime_seconds": 2.0}
+    ],
+    "gpus": [{"gpu_id": 0, "lease_depth": 1, "holder": "gpu0/w0", "maintenance": 0}],
     "queue_length": 3,
     "active_requests": 1,
 }
@@ -200,6 +203,7 @@ class StatusSnapshotTests(SynchronousTestCase):
         json.dumps(snapshot, allow_nan=False)
         self.assertEqual([w["worker_id"] for w in snapshot["workers"]], ["gpu0/w0", "gpu0/w1"])
         self.assertEqual(snapshot["gpus"], HEALTH["gpus"])
+        self.assertEqual(snapshot["spares"], HEALTH["spares"])
         self.assertEqual(snapshot["queue_length"], 3)
         self.assertEqual(snapshot["active_requests"], 1)
         self.assertEqual(snapshot["request_capacity"], 2)

@@ -577,29 +577,121 @@ def test_file_return_budget(harness: Harness) -> None:
 
 
 def test_lease_placement(harness: Harness) -> None:
-    """Leases follow spec/server.md §4.3, with a final acquire and a release on reuse."""
+    """
+    Leases follow spec/server.md §4.3 narrowed to GPU work: instructions
+    that need no device (a name from a module, a cpu_only run, a host value's
+    return) take no lease, and a program that ends off the lease is cleaned
+    up without a second hold.
+    """
     digest = harness.blob(b"x")
     harness.run(
         [
             {"op": "upload", "kind": "bytes", "id": "b", "blob": digest},  # unchanged
             ADD,  # acquire
             {"op": "upload", "kind": "file", "id": "p", "blob": digest, "path": "p"},  # release
-            get("f", "m", "add", cpu_only=True),  # acquire
-            run("r", "f", 1, 2),  # cpu_only: release
-            ret("r", "r"),  # acquire
-            {"op": "return", "key": "p", "kind": "file", "path": "p"},  # release
+            get("f", "m", "add", cpu_only=True),  # a dictionary lookup: unchanged
+            run("r", "f", 1, 2),  # cpu_only: release (not held)
+            ret("r", "r"),  # a host value: unchanged
+            {"op": "return", "key": "p", "kind": "file", "path": "p"},  # release (not held)
         ]
     )
-    assert harness.lease.events == [
+    assert harness.lease.events == ["acquire", "release"]
+
+
+@attrs.define
+class _OrderedLease(RecordingLease):
+    """Records lease changes, drains and instruction starts in one list."""
+
+    def drained(self) -> None:
+        self.events.append("drain")
+
+
+def _ordered(harness: Harness) -> _OrderedLease:
+    lease = _OrderedLease()
+    harness.lease = lease
+
+    class Backend(CpuBackend):
+        def drain(self) -> None:
+            lease.drained()
+
+    backend = Backend()
+    harness.engine = Engine(
+        backend,
+        lease,
+        cpu_builtins(),
+        send=lambda m: lease.events.append(f"#{m.index}") if isinstance(m, Instruction) else None,
+    )
+    return lease
+
+
+def test_last_gpu_instruction_ends_the_hold(harness: Harness) -> None:
+    """
+    After the last instruction that needs the GPU, the drain and the release
+    come before the host value is returned; cleanup takes no second hold.
+    """
+    lease = _ordered(harness)
+    outcome = harness.run([ADD, get("f", "m", "add"), run("r", "f", 2, 3), ret("out", "r")])
+    assert outcome.status == "COMPLETED", outcome.error
+    assert lease.events == ["#0", "acquire", "#1", "#2", "#3", "drain", "release"]
+    assert not lease.held
+
+
+def test_hold_kept_for_a_later_gpu_instruction(harness: Harness) -> None:
+    """A host return between two GPU runs does not give the lease back and take it again."""
+    lease = _ordered(harness)
+    outcome = harness.run(
+        [ADD, get("f", "m", "add"), run("r", "f", 2, 3), ret("a", "r"), run("s", "f", 1, 1)]
+    )
+    assert outcome.status == "COMPLETED", outcome.error
+    # Cleanup runs under the hold the last run left, then the reused worker releases.
+    assert lease.events == ["#0", "acquire", "#1", "#2", "#3", "#4", "release"]
+
+
+def test_device_value_returned_under_the_lease(harness: Harness) -> None:
+    """A value that may live on the device (not a host value) is returned under the lease."""
+    lease = _ordered(harness)
+    source = "class T:\n    pass\ndef make():\n    return T()\n"
+    outcome = harness.run(
+        [
+            module("m", source),
+            get("f", "m", "make", cpu_only=True),  # no GPU work follows for sure: drain, release
+            run("r", "f"),  # cpu_only
+            ret("out", "r"),  # not a host value: acquire
+        ]
+    )
+    assert outcome.status == "FAILED"  # a CPU server cannot encode it
+    assert lease.events == [
+        "#0",
         "acquire",
+        "#1",
+        "drain",
         "release",
+        "#2",
+        "#3",
         "acquire",
+        "drain",
         "release",
-        "acquire",
-        "release",
-        "acquire",  # cleanup
-        "release",  # reused worker
     ]
+
+
+def test_retiring_after_an_unleased_end_keeps_lease(harness: Harness) -> None:
+    """A retiring worker exits under the lease even when its program ended off it."""
+    workspace = harness.root / "solo-off"
+    workspace.mkdir()
+    digest = harness.blob(b"x")
+    program = json.dumps(
+        {
+            "instructions": [
+                ADD,
+                {"op": "upload", "kind": "file", "id": "p", "blob": digest, "path": "p"},
+            ]
+        }
+    )
+    outcome = harness.engine.run(
+        Execute(program, str(workspace)), dict(harness.blobs), retiring=True
+    )
+    assert outcome.retire == "request_limit"
+    assert harness.lease.held
 
 
 def test_retiring_keeps_lease(harness: Harness) -> None:
@@ -968,3 +1060,124 @@ def test_streamed_returns_stop_at_the_response_limit(harness: Harness) -> None:
     assert [m.key for m in returned] == ["k0", "k1"]
     # The outcome carries the rest (the server answers response_too_large).
     assert sorted(outcome.results) == ["k0", "k1", "k2", "k3"]
+
+
+class _LazyBackend(CpuBackend):
+    """A backend whose driver can be watched: module imports run off the lease."""
+
+    def __init__(self, log: list[str]) -> None:
+        super().__init__()
+        self.log = log
+
+    def drain(self) -> None:
+        self.log.append("drain")
+
+    def lazy_lease(self, acquire: Any) -> Any:
+        import contextlib
+
+        log = self.log
+
+        @contextlib.contextmanager
+        def leasing() -> Any:
+            # Uploaded code "touches the device" by calling this module's hook.
+            hook = sys.modules[__name__]
+            hook._device_call = acquire  # type: ignore[attr-defined]
+            log.append("lazy")
+            try:
+                yield
+            finally:
+                hook._device_call = None  # type: ignore[attr-defined]
+
+        return leasing()
+
+
+_device_call: Any = None
+
+
+def _lazy(harness: Harness) -> _OrderedLease:
+    lease = _OrderedLease()
+    harness.lease = lease
+    harness.engine = Engine(
+        _LazyBackend(lease.events),
+        lease,
+        cpu_builtins(),
+        send=lambda m: lease.events.append(f"#{m.index}") if isinstance(m, Instruction) else None,
+    )
+    return lease
+
+
+def test_module_import_off_the_lease(harness: Harness) -> None:
+    """
+    Where the driver can be watched, a module upload takes no lease; a
+    cpu_only run and its host return follow without one, and the program
+    never holds the GPU.
+    """
+    lease = _lazy(harness)
+    outcome = harness.run(
+        [ADD, get("f", "m", "add", cpu_only=True), run("r", "f", 2, 3), ret("out", "r")]
+    )
+    assert outcome.status == "COMPLETED", outcome.error
+    assert lease.events == ["#0", "lazy", "#1", "#2", "#3"]
+    assert not lease.held
+
+
+def test_module_touching_the_device_takes_the_lease_then(harness: Harness) -> None:
+    """A module whose top level touches the device gets the lease at that moment."""
+    lease = _lazy(harness)
+    source = f"""
+    import sys
+    before = True
+    sys.modules[{__name__!r}]._device_call()
+    def add(a, b):
+        return a + b
+    """
+    outcome = harness.run(
+        [module("m", source), get("f", "m", "add"), run("r", "f", 2, 3), ret("out", "r")]
+    )
+    assert outcome.status == "COMPLETED", outcome.error
+    assert lease.events == ["#0", "lazy", "acquire", "#1", "#2", "#3", "drain", "release"]
+
+
+def test_device_tensors_copied_under_the_lease_encoded_off_it(harness: Harness) -> None:
+    """
+    Returning the last GPU work's tensors: they are copied to the host under
+    the lease, then the drain and release come, then the encoding (hashing).
+    """
+    lease = _OrderedLease()
+    harness.lease = lease
+
+    class Backend(CpuBackend):
+        def drain(self) -> None:
+            lease.events.append("drain")
+
+        def tensor_parts(self, value: Any) -> Any:
+            if type(value).__name__ == "Dev":
+                lease.events.append(f"copy held={lease.held}")
+                return ("float32", (1,), b"\0\0\x80\x3f")
+            return super().tensor_parts(value)
+
+    harness.engine = Engine(
+        Backend(),
+        lease,
+        cpu_builtins(),
+        send=lambda m: lease.events.append(f"#{m.index}") if isinstance(m, Instruction) else None,
+    )
+    source = "class Dev:\n    pass\ndef make():\n    return [Dev(), 2, {'d': Dev()}]\n"
+    outcome = harness.run(
+        [module("m", source), get("f", "m", "make"), run("r", "f"), ret("out", "r")]
+    )
+    assert outcome.status == "COMPLETED", outcome.error
+    assert lease.events == [
+        "#0",
+        "acquire",
+        "#1",
+        "#2",
+        "#3",
+        "copy held=True",
+        "copy held=True",
+        "drain",
+        "release",
+    ]
+    node = outcome.results["out"]
+    assert node["type"] == "array"
+    assert [v["type"] for v in node["value"]] == ["tensor", "integer", "object"]

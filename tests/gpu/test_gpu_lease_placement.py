@@ -1,0 +1,147 @@
+"""
+The lease only while instructions use the GPU (issue 15), on a real GPU: a
+module import runs off the lease and takes it at its first device call
+(CUPTI), a program of cpu_only work never holds the GPU, and the drain after
+the last GPU instruction ends the hold before host values are encoded.
+
+The server's own log is the witness: each request's C{lease_granted} events,
+read after the server has stopped (its log lines are written by a thread).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kcoral.testing.live_server import ServerProcess
+
+from .test_gpu_server import _ok, _readonly_flags
+
+pytestmark = [pytest.mark.gpu, pytest.mark.integration]
+
+
+def _program(source: str, *calls: tuple[str, bool]) -> dict[str, Any]:
+    instructions: list[dict[str, Any]] = [
+        {"op": "upload", "kind": "module", "id": "m", "source": source}
+    ]
+    for i, (name, cpu_only) in enumerate(calls):
+        instructions.append(
+            {
+                "op": "get_function",
+                "id": f"f{i}",
+                "module": {"$ref": "m"},
+                "name": name,
+                "cpu_only": cpu_only,
+            }
+        )
+        instructions.append({"op": "run", "id": f"r{i}", "fn": {"$ref": f"f{i}"}, "args": []})
+    instructions.append({"op": "return", "key": "r", "value": {"$ref": f"r{len(calls) - 1}"}})
+    return {"instructions": instructions}
+
+
+SOURCE = """
+def host():
+    return sum(range(1000))
+
+def has_cupti():
+    # Made by the cpu_only watch this very run, when CUPTI works here.
+    from kcoral.worker.cuptiwatch import _watch
+    return bool(_watch) and _watch[0] is not None
+
+def gpu():
+    import torch
+    x = torch.ones(1 << 20, device="cuda")
+    torch.cuda._sleep(1000)
+    return float(x.sum().item())
+
+def gpu_then_big_host_value():
+    import torch
+    torch.ones(1024, device="cuda").sum().item()
+    # Encoding a million numbers takes the worker a good while: off the lease.
+    return [0.5] * 1_000_000
+"""
+
+TOUCHING = """
+import torch
+X = torch.full((1024,), 2.0, device="cuda")
+
+def f():
+    return float(X.sum().item())
+"""
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("lease-logs")
+
+
+@pytest.fixture(scope="module")
+def server(logs: Path) -> Any:
+    server = ServerProcess(
+        [
+            "--device",
+            "gpu",
+            "--gpus",
+            "0",
+            "--workers-per-gpu",
+            "2",
+            "--max-requests-per-worker",
+            "0",
+            "--log-dir",
+            str(logs),
+            *_readonly_flags(),
+        ],
+        log_path=logs / "server.out",
+    )
+    server.start(timeout=180)
+    yield server
+    server.stop()
+
+
+def _grants(logs: Path, request_id: str) -> list[dict[str, Any]]:
+    events = []
+    for path in sorted(logs.rglob("events.jsonl")):
+        events += [json.loads(line) for line in path.read_text().splitlines()]
+    return [
+        e for e in events if e.get("event") == "lease_granted" and e.get("request_id") == request_id
+    ]
+
+
+def test_lease_placement_on_the_gpu(server: ServerProcess, logs: Path) -> None:
+    # Warm both workers (torch imported, CUDA initialised).
+    for _ in range(4):
+        _ok(server.execute(_program(SOURCE, ("gpu", False))))
+
+    _, probe = _ok(server.execute(_program(SOURCE, ("has_cupti", True))))
+    cpu_body, cpu_results = _ok(server.execute(_program(SOURCE, ("host", True))))
+    assert cpu_results["r"] == sum(range(1000))
+
+    gpu_body, gpu_results = _ok(server.execute(_program(SOURCE, ("gpu", False))))
+    assert gpu_results["r"] == float(1 << 20)
+
+    big_body, big_results = _ok(
+        server.execute(_program(SOURCE, ("gpu_then_big_host_value", False)))
+    )
+    assert big_results["r"] == [0.5] * 1_000_000
+
+    touch_body, touch_results = _ok(server.execute(_program(TOUCHING, ("f", False))))
+    assert touch_results["r"] == 2048.0
+
+    server.stop()
+    # cpu_only work only: the module import ran off the lease (CUPTI watched
+    # it) and nothing took the GPU, cleanup included.  Without CUPTI the
+    # import takes the lease up front (one hold).
+    assert len(_grants(logs, cpu_body["request_id"])) == (0 if probe["r"] else 1)
+    if probe["r"]:
+        assert cpu_body["lease_held_ms"] == 0
+    # One GPU run: one hold.
+    assert len(_grants(logs, gpu_body["request_id"])) == 1
+    # The million-number return is encoded after the hold ended.
+    assert len(_grants(logs, big_body["request_id"])) == 1
+    assert big_body["lease_held_ms"] < big_body["elapsed_ms"] / 2
+    # A module whose top level touches the device got the lease for it.
+    assert len(_grants(logs, touch_body["request_id"])) == 1
+    assert touch_body["lease_held_ms"] > 0

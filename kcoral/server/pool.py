@@ -297,9 +297,6 @@ class WorkerPool:
     #: L{start_templates} started them; a seat whose template is missing or
     #: failed spawns its workers instead.
     templates: dict[int | None, WorkerTemplate] = attrs.field(factory=dict)
-    #: How workers are being made: C{"fork"} or C{"spawn"} (the
-    #: configuration's choice, or C{"spawn"} after a template failed).
-    worker_start: str = "spawn"
     #: The configured GPUs by id (discovered at start; an id missing here
     #: stands for itself: node C{/dev/nvidia<id>}, no UUID).
     gpu_devices: dict[int, GpuDevice] = attrs.field(factory=dict)
@@ -384,7 +381,6 @@ class WorkerPool:
             )
             if not ok
         ]
-        self.worker_start = "fork" if not failed else "spawn"
         if failed:
             self.log.error(
                 "worker templates {templates} did not start: new workers are spawned, "
@@ -420,6 +416,18 @@ class WorkerPool:
             await template.ready
         template.start(executable, args, {**env, **self.worker_env}, path=str(work_dir))
         await template.ready
+
+    @property
+    def worker_start(self) -> str:
+        """
+        How new workers are made now: C{"fork"} when every template is
+        ready, else C{"spawn"} (configured so, or a template failed: its
+        seats spawn).
+        """
+        templates = list(self.templates.values())
+        if templates and all(t.state == "ready" for t in templates):
+            return "fork"
+        return "spawn"
 
     async def stop_templates(self) -> None:
         """Stop every template (after their workers)."""

@@ -26,7 +26,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
-import psutil
 from twisted.internet import process
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.error import ProcessExitedAlready
@@ -54,27 +53,47 @@ class TemplateError(Exception):
     """The template cannot fork a worker (not started, gone, or its socket is full)."""
 
 
+def _children(pid: int) -> list[int]:
+    """The children of C{pid}, from C{/proc/<pid>/task/*/children} (no scan of every process)."""
+    found: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children", encoding="ascii") as f:
+                found.extend(int(child) for child in f.read().split())
+        except (OSError, ValueError):
+            continue
+    return found
+
+
 def host_pid(root: int, template_pid: int) -> int | None:
     """
-    BLOCKING (a few C{/proc} reads): the host pid of the process that the
-    template's PID namespace calls C{template_pid}, searched below C{root}
-    (the sandbox's outermost process); C{None} when it is gone.
+    BLOCKING (a few C{/proc} reads of the sandbox's own processes): the host
+    pid of the process that the template's PID namespace calls
+    C{template_pid}, searched below C{root} (the sandbox's outermost
+    process); C{None} when it is gone.
     """
-    try:
-        below = psutil.Process(root).children(recursive=True)
-    except psutil.Error:
-        return None
-    for candidate in below:
+    pending = _children(root)
+    seen: set[int] = set()
+    while pending:
+        candidate = pending.pop()
+        if candidate in seen:
+            continue
+        seen.add(candidate)
         try:
-            with open(f"/proc/{candidate.pid}/status", encoding="ascii") as f:
+            with open(f"/proc/{candidate}/status", encoding="ascii") as f:
                 for line in f:
                     if line.startswith("NSpid:"):
                         ids = line.split()[1:]
                         if len(ids) >= 2 and int(ids[1]) == template_pid:
-                            return candidate.pid
+                            return candidate
                         break
         except (OSError, ValueError):
             continue
+        pending.extend(_children(candidate))
     return None
 
 
@@ -134,12 +153,24 @@ class ForkedTransport(process.Process):
                 self.pipes[child_fd] = self.processWriterFactory(
                     reactor, self, child_fd, parent_fd, forceReadHack=True
                 )
+        # Nothing the child says is read before its pid is known, so every
+        # message (a lease request, say) is handled with the worker's pid.
+        self._paused = [pipe for pipe in self.pipes.values() if child_fds_role(pipe) == "r"]
+        for pipe in self._paused:
+            pipe.stopReading()
         proto.makeConnection(self)
+
+    def _resume(self) -> None:
+        paused, self._paused = self._paused, []
+        for pipe in paused:
+            if not pipe.disconnected:
+                pipe.startReading()
 
     def forked(self, pid: int | None) -> None:
         """The template forked the child: host pid C{pid} (C{None}: already gone)."""
         if self.lostProcess:
             return
+        self._resume()
         self.pid = pid
         pending, self._pending_signals = self._pending_signals, []
         for signal_id in pending:
@@ -154,6 +185,7 @@ class ForkedTransport(process.Process):
         """The template reaped the child with C{waitpid} status C{status}."""
         if self.lostProcess:
             return
+        self._resume()  # what it wrote before it ended is still read
         if not self.started.called:
             self.started.callback(None)
         self.processEnded(status)
@@ -167,6 +199,11 @@ class ForkedTransport(process.Process):
             self._pending_signals.append(signalID)
             return
         super().signalProcess(signalID)
+
+
+def child_fds_role(pipe: Any) -> str:
+    """C{"r"} for a pipe the parent reads, C{"w"} for one it writes."""
+    return "r" if isinstance(pipe, process.ProcessReader) else "w"
 
 
 class _TemplateConnection(LineOnlyReceiver):

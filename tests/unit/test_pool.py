@@ -778,3 +778,69 @@ class SpareTests(PoolTestCase):
         pool._assigned[1] += 1
         pool.release(seat, retire="request_limit")
         self.assertIs(seat.worker, gpu1_spare.worker)
+
+
+class TemplateTests(PoolTestCase):
+    """Workers forked by templates (C{--worker-start fork}), and the fallback."""
+
+    def test_fallback_when_no_template_starts(self) -> None:
+        """A template that cannot start leaves its seats spawning, loudly."""
+        from kcoral.server.sandbox import SandboxError
+
+        def broken(**kw: Any) -> Any:
+            raise SandboxError("no template here")
+
+        self.reactor = MemoryReactorClock()
+        sandbox = FakeSandbox()
+        sandbox.template_command = broken  # type: ignore[method-assign]
+        spawner = FakeSpawner()
+        pool = WorkerPool(
+            pool_config(worker_start="fork"),
+            self.reactor,
+            None,
+            sandbox,
+            lambda f, *a, **k: maybeDeferred(f, *a, **k),
+            Path("/nonexistent-kcoral-root"),
+        )
+        pool.spawn_worker = spawner
+        self.successResultOf(Deferred.fromCoroutine(pool.start()))
+        self.assertEqual(len(spawner.spawned), 2)
+        self.assertEqual(pool.worker_start, "spawn")
+        [template] = pool.templates.values()
+        self.assertEqual(template.state, "failed")
+        self.assertIn("no template here", template.error or "")
+
+    def test_forks_from_ready_template(self) -> None:
+        """A seat whose template is ready forks its replacement through it."""
+        from kcoral.server.template import WorkerTemplate
+
+        pool = self.make_pool()
+        template = WorkerTemplate("cpu", self.reactor)
+        template.connect(lambda data, fds: None)
+        template.message({"op": "ready", "pid": 1})
+        pool.templates = {None: template}
+        self.assertEqual(pool.worker_start, "fork")
+        forked: list[dict[str, Any]] = []
+
+        def fork(reactor: Any, **kw: Any) -> FakeWorker:
+            forked.append(kw)
+            worker = FakeWorker(kw["seat"], kw["generation"], kw["gpus"], env=kw["env"])
+            worker.come_up()
+            return worker
+
+        pool.fork_worker = fork
+        seat = self.successResultOf(pool.acquire(10))
+        pool.release(seat, retire="request_limit")
+        old = seat.worker
+        assert isinstance(old, FakeWorker)
+        old.exit(0)
+        [call] = forked
+        self.assertIs(call["template"], template)
+        self.assertEqual(call["seat"], seat.worker_id)
+        self.assertEqual(call["args"][:2], ["--device", "cpu"])
+        self.assertEqual(seat.status, "idle")
+
+    def test_multi_gpu_workers_spawn(self) -> None:
+        """No template serves a set of GPUs: a multi-GPU worker is spawned."""
+        pool = self.make_pool()
+        self.assertIsNone(pool._template_for((0, 1)))

@@ -127,6 +127,15 @@ class WorkerTemplateTests(SynchronousTestCase):
         [reason] = proto.ended
         self.assertEqual(reason.value.exitCode, 3)
 
+    def test_nothing_read_before_pid(self) -> None:
+        """The child's output is read only once its pid is known."""
+        self.ready()
+        transport = self.fork()
+        readers = [transport.pipes[1], transport.pipes[2]]
+        self.assertFalse(any(r in self.reactor.getReaders() for r in readers))
+        self.template.message({"op": "forked", "id": self.sent.messages[0]["id"], "pid": 5})
+        self.assertTrue(all(r in self.reactor.getReaders() for r in readers))
+
     def test_pid_mapped(self) -> None:
         """A template in its own PID namespace has its pids mapped to host pids."""
         self.template.map_pid = lambda pid: pid + 1000

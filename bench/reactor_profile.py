@@ -144,7 +144,17 @@ def main(argv: list[str] | None = None) -> int:
         spy_process = None
         raw_path = Path(args.raw or tempfile.mkstemp(prefix="reactor-profile-", suffix=".txt")[1])
         if args.py_spy:
-            command = [spy, "record", "-p", str(pid), "-r", str(args.rate), "-f", "raw"]
+            command = [
+                spy,
+                "record",
+                "-p",
+                str(pid),
+                "-r",
+                str(args.rate),
+                "-f",
+                "raw",
+                "--nonblocking",
+            ]
             command += ["-o", str(raw_path), "-d", str(int(args.max_seconds) + 5)]
             command += [] if args.no_gil else ["--gil"]
             spy_process = subprocess.Popen(

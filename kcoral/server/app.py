@@ -437,7 +437,10 @@ class KcoralAPI:
         streamed = getattr(request, "body_parser", None)
         if streamed is not None:
             # The body was parsed and hashed as it arrived (kcoral.server.http).
-            parsed_body = streamed.result()
+            try:
+                parsed_body = streamed.result()
+            except OSError as e:
+                raise PoolBusy(f"server cannot hold the request body: {e}") from None
             if len(parsed_body.program) <= INLINE_PARSE_BYTES:
                 return _finish_parse(parsed_body, streamed.received)
             finished: Parsed = await deferToThreadPool(

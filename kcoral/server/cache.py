@@ -132,9 +132,16 @@ class MemoryBlobCache:
     @ivar stored_bytes: total bytes of all new entries ever stored.
     """
 
-    def __init__(self, capacity_bytes: int, on_event: EventCallback = _no_event) -> None:
+    def __init__(
+        self,
+        capacity_bytes: int,
+        on_event: EventCallback = _no_event,
+        max_shared_entries: int | None = None,
+    ) -> None:
         self.capacity_bytes = capacity_bytes
         self._on_event = on_event
+        self._max_shared_entries = max_shared_entries
+        self.shared_entries = 0
         # Unpinned entries, oldest first.
         self._lru: OrderedDict[str, bytes | SharedBuffer] = OrderedDict()
         # Pinned entries: digest -> (data, reference count).
@@ -144,6 +151,19 @@ class MemoryBlobCache:
         self.misses = 0
         self.evictions = 0
         self.stored_bytes = 0
+
+    @property
+    def max_shared_entries(self) -> int:
+        """
+        Entries kept as sealed shared buffers (one descriptor each) at most;
+        past it a newcomer is stored as bytes, so a cache of many small
+        blobs cannot use up the server's descriptors.  By default a quarter
+        of the open-file limit, read at the first store (after start-up
+        raised the limit).
+        """
+        if self._max_shared_entries is None:
+            self._max_shared_entries = _default_shared_entries()
+        return self._max_shared_entries
 
     @property
     def max_object_bytes(self) -> int:
@@ -204,9 +224,13 @@ class MemoryBlobCache:
             return True
         if len(data) > self.max_object_bytes:
             return False
-        if not isinstance(data, SharedBuffer):
+        if isinstance(data, SharedBuffer) and self.shared_entries < self.max_shared_entries:
             # A sealed shared buffer is kept as it is: workers get its
             # descriptor, no copy; its bytes can never change.
+            self.shared_entries += 1
+        elif isinstance(data, SharedBuffer):
+            data = data.tobytes()
+        else:
             data = bytes(data)
         self._lru[digest] = data
         self._size += len(data)
@@ -256,8 +280,23 @@ class MemoryBlobCache:
         while self._size > self.capacity_bytes and self._lru:
             digest, data = self._lru.popitem(last=False)
             self._size -= len(data)
+            if isinstance(data, SharedBuffer):
+                self.shared_entries -= 1
             self.evictions += 1
             self._on_event("cache_evicted", cache="memory", digest=digest, size=len(data))
+
+
+def _default_shared_entries() -> int:
+    """A quarter of the soft limit on open files (a thousand where unknown)."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):
+        return 1024
+    if soft == getattr(resource, "RLIM_INFINITY", -1) or soft <= 0:
+        return 1 << 16
+    return max(16, soft // 4)
 
 
 # ---------------------------------------------------------------------------

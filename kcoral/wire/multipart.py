@@ -45,6 +45,9 @@ from kcoral.wire.program import (
 from kcoral.wire.shared import SharedBuffer, SharedWriter
 from kcoral.wire.shared import available as shared_memory_available
 
+#: Blobs of one request body that may land in sealed shared buffers.
+MAX_SHARED_BLOBS = 64
+
 #: Largest header section of one part we buffer (the reference has no limit;
 #: legitimate headers are a few hundred bytes).
 MAX_PART_HEADER_BYTES = 64 * 1024
@@ -636,7 +639,11 @@ class RequestBodyParser:
         if content_type != "application/octet-stream":
             raise ValidationError(f"blob part {digest} must use application/octet-stream")
         self._blob_name = digest
-        return _BlobWriter(self._threshold, self._spool_dir, self._shared)
+        # A body of many blobs gets memfds for its first few only (each is
+        # a descriptor of the server's); the rest stay in memory, bounded
+        # like every body by the bytes in flight.
+        shared = self._shared and len(self._blobs) < MAX_SHARED_BLOBS
+        return _BlobWriter(self._threshold, self._spool_dir, shared)
 
 
 class StreamedBody:
@@ -678,8 +685,11 @@ class StreamedBody:
             return
         try:
             self._parser.feed(data)
-        except (ValidationError, RequestTooLarge) as e:
+        except (ValidationError, RequestTooLarge, OSError) as e:
+            # OSError: no memfd could be made (descriptors or memory are
+            # short); the API answers it as the server being busy.
             self._error = e
+            self._parser.abort()
 
     def result(self) -> ParsedRequest:
         """
@@ -687,6 +697,7 @@ class StreamedBody:
 
         @raise ValidationError: the body broke a rule of protocol §3.
         @raise RequestTooLarge: it was over the size limit.
+        @raise OSError: the server could not hold it (no memfd could be made).
         """
         if self._error is not None:
             raise self._error

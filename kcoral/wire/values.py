@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -20,6 +21,9 @@ import attrs
 
 from kcoral.wire.program import DTYPES, ValidationError, normalize_path, tensor_nbytes
 from kcoral.wire.shared import SHARE_THRESHOLD, SharedBuffer
+
+#: Parts at least this large are hashed in a thread beside their copy.
+PARALLEL_HASH_BYTES = 4 << 20
 
 #: One encoded node: a JSON object with a C{type} member.
 Node = dict[str, Any]
@@ -119,11 +123,23 @@ class PartCollector:
         own array); return its name and SHA-256.
         """
         view = memoryview(data).cast("B")
-        digest = hashlib.sha256(view).hexdigest()
         payload: bytes | SharedBuffer
-        if self._share is not None and view.nbytes >= SHARE_THRESHOLD:
+        if self._share is not None and view.nbytes >= PARALLEL_HASH_BYTES:
+            # Hash in a thread while the bytes are copied into the shared
+            # buffer: hashlib and the memfd write both release the GIL.
+            hasher = hashlib.sha256()
+            thread = threading.Thread(target=hasher.update, args=(view,), name="kcoral-hash")
+            thread.start()
+            try:
+                payload = self._share(view)
+            finally:
+                thread.join()
+            digest = hasher.hexdigest()
+        elif self._share is not None and view.nbytes >= SHARE_THRESHOLD:
+            digest = hashlib.sha256(view).hexdigest()
             payload = self._share(view)
         else:
+            digest = hashlib.sha256(view).hexdigest()
             payload = view.tobytes()
         name = f"return:{len(self.parts)}"
         self.parts.append(payload)

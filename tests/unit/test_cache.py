@@ -12,7 +12,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from twisted.trial.unittest import SynchronousTestCase
+from twisted.trial.unittest import SkipTest, SynchronousTestCase
 
 from kcoral.server.cache import (
     BlobStore,
@@ -22,6 +22,7 @@ from kcoral.server.cache import (
     Resolution,
 )
 from kcoral.testing.fakes import EventRecorder, QueuedThreadReactor, SyncThreadPool
+from kcoral.wire import shared
 from kcoral.wire.program import is_digest
 
 MiB = 1024 * 1024
@@ -216,6 +217,37 @@ class MemoryBlobCacheTests(SynchronousTestCase):
             ["cache_stored", "cache_hit", "cache_miss"] + ["cache_stored"] * 4 + ["cache_evicted"],
         )
         self.assertEqual(events.events[-1][1], {"cache": "memory", "digest": a[0], "size": 1})
+
+
+class SharedEntriesTests(SynchronousTestCase):
+    """The memory cache keeps sealed shared buffers as they are, a bounded number."""
+
+    def setUp(self) -> None:
+        if not shared.available():
+            raise SkipTest("no sealed memfds here")
+
+    def test_kept_as_shared_buffers_up_to_the_limit(self) -> None:
+        cache = MemoryBlobCache(1 << 20, max_shared_entries=2)
+        blobs = [os.urandom(1000) for _ in range(3)]
+        digests = [hashlib.sha256(b).hexdigest() for b in blobs]
+        for digest, blob in zip(digests, blobs, strict=True):
+            self.assertTrue(cache.put(digest, shared.share(blob)))
+        kinds = [type(cache.get(d)).__name__ for d in digests]
+        # The third is kept as bytes: the cache holds two descriptors at most.
+        self.assertEqual(kinds, ["SharedBuffer", "SharedBuffer", "bytes"])
+        self.assertEqual(cache.get(digests[2]), blobs[2])
+        self.assertEqual(cache.size_bytes, 3000)
+        self.assertEqual(cache.shared_entries, 2)
+
+    def test_eviction_frees_the_descriptor(self) -> None:
+        cache = MemoryBlobCache(4000, max_shared_entries=10)
+        before = len(os.listdir("/proc/self/fd"))
+        for _ in range(6):
+            blob = os.urandom(1000)
+            cache.put(hashlib.sha256(blob).hexdigest(), shared.share(blob))
+        self.assertEqual(len(cache), 4)
+        self.assertEqual(cache.shared_entries, 4)
+        self.assertEqual(len(os.listdir("/proc/self/fd")), before + 4)
 
 
 class DiskFileCacheTests(TempDirMixin, SynchronousTestCase):

@@ -13,10 +13,14 @@ from pathlib import Path
 
 import pytest
 
+from kcoral.testing.live_server import multipart_body
+from kcoral.wire import shared
 from kcoral.wire.multipart import (
+    MAX_SHARED_BLOBS,
     Blob,
     RequestBodyParser,
     RequestTooLarge,
+    StreamedBody,
     boundary_from_content_type,
     check_blob_references,
     check_tensor_lengths,
@@ -432,3 +436,34 @@ class TestRememberedVerdicts:
             + b'"\r\nContent-Type: application/octet-stream\r\n\r\n'
         )
         assert multipart._parse_part_headers(long) == ("x" * 2000, "application/octet-stream")
+
+
+@pytest.mark.skipif(not shared.available(), reason="no sealed memfds here")
+def test_streamed_body_shares_the_first_blobs_only() -> None:
+    """A body of many large blobs gets memfds for MAX_SHARED_BLOBS of them."""
+    blobs = [bytes([i % 256]) * 70_000 + i.to_bytes(4, "big") for i in range(MAX_SHARED_BLOBS + 3)]
+    content_type, body = multipart_body({"instructions": []}, blobs)
+    streamed = StreamedBody.for_content_type(content_type, max_bytes=1 << 30)
+    assert streamed is not None
+    for offset in range(0, len(body), 1 << 16):
+        streamed.feed(body[offset : offset + (1 << 16)])
+    parsed = streamed.result()
+    kinds = [blob.shared is not None for blob in parsed.blobs.values()]
+    assert kinds.count(True) == MAX_SHARED_BLOBS
+    assert [blob.read() for blob in parsed.blobs.values()] == blobs
+
+
+@pytest.mark.skipif(not shared.available(), reason="no sealed memfds here")
+def test_streamed_body_without_memfds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No memfd to be had: the error is kept for the API (which answers 503)."""
+    content_type, body = multipart_body({"instructions": []}, [b"x" * 100_000])
+
+    def no_memfd(*args: object) -> int:
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(os, "memfd_create", no_memfd)
+    streamed = StreamedBody.for_content_type(content_type, max_bytes=1 << 30)
+    assert streamed is not None
+    streamed.feed(body)
+    with pytest.raises(OSError, match="Too many open files"):
+        streamed.result()

@@ -1,0 +1,136 @@
+"""
+Where a worker's time goes: the engine run in this process, no server.
+
+It makes the backend a worker would (C{--device gpu} on the GPU machine,
+C{cpu} elsewhere) and a lease that counts its holds, runs C{--runs} null
+programs and the overlap program's shape (a C{cpu_only} run, then a GPU run)
+through L{kcoral.worker.engine.Engine.run}, and prints the wall time per run,
+the time the lease was held per run, and cProfile's heaviest calls.  The
+parent's side (HTTP, channel, arbiter) is not in these numbers; compare
+with C{null_program.py}'s C{elapsed_ms} to see the channel's share.
+
+    python3 bench/worker_profile.py --device gpu --runs 300
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import io
+import json
+import pstats
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+from kcoral.wire.channel import Execute  # noqa: E402
+from kcoral.worker.builtins import registry_for  # noqa: E402
+from kcoral.worker.devices import make_backend, prepare_backend  # noqa: E402
+from kcoral.worker.engine import Engine  # noqa: E402
+
+NULL = common.module_program("def noop():\n    return None\n", [("noop", [], False)])
+OVERLAP_SOURCE = """
+import time
+
+def cpu_work():
+    end = time.perf_counter() + 0.002
+    while time.perf_counter() < end:
+        pass
+
+def gpu_work():
+    try:
+        import torch
+    except ImportError:
+        return None
+    if torch.cuda.is_available():
+        torch.cuda._sleep(100000)
+        torch.cuda.synchronize()
+    return "done"
+"""
+OVERLAP = common.module_program(OVERLAP_SOURCE, [("cpu_work", [], True), ("gpu_work", [], False)])
+
+
+class TimedLease:
+    """A lease that is always granted at once and adds up how long it is held."""
+
+    def __init__(self) -> None:
+        self.held = False
+        self.holds = 0
+        self.held_s = 0.0
+        self._since = 0.0
+
+    def acquire(self) -> None:
+        if not self.held:
+            self.held = True
+            self.holds += 1
+            self._since = time.perf_counter()
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.held_s += time.perf_counter() - self._since
+
+
+def measure(engine: Engine, lease: TimedLease, program: dict, runs: int) -> dict[str, Any]:
+    text = json.dumps(program)
+    workspace = tempfile.mkdtemp(prefix="kcoral-worker-profile-")
+    for _ in range(10):
+        engine.run(Execute(text, workspace))
+    lease.holds, lease.held_s = 0, 0.0
+    walls = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        outcome = engine.run(Execute(text, workspace))
+        walls.append((time.perf_counter() - started) * 1e3)
+        if outcome.status != "COMPLETED":
+            raise RuntimeError(f"program failed: {outcome.error}")
+    holds, held_s = lease.holds, lease.held_s
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(min(runs, 100)):
+        engine.run(Execute(text, workspace))
+    profiler.disable()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(18)
+    return {
+        "wall_ms": common.describe(walls),
+        "holds_per_run": holds / runs,
+        "held_ms_per_run": held_s * 1e3 / runs,
+        "profile": out.getvalue(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "gpu"])
+    parser.add_argument("--runs", type=int, default=300)
+    parser.add_argument("--label", default="")
+    parser.add_argument("--output", default=str(common.RESULTS / "worker_profile.json"))
+    args = parser.parse_args(argv)
+    prepare_backend(args.device)
+    backend = make_backend(args.device)
+    lease = TimedLease()
+    engine = Engine(backend, lease, registry_for(backend), stream_returns=True)
+    gc.collect()
+    gc.freeze()
+    result: dict[str, Any] = {"benchmark": "worker_profile", "label": args.label}
+    for name, program in (("null", NULL), ("overlap_shape", OVERLAP)):
+        figures = measure(engine, lease, program, args.runs)
+        result[name] = {k: v for k, v in figures.items() if k != "profile"}
+        print(
+            f"{name}: {common.fmt(figures['wall_ms'])}; lease held "
+            f"{figures['held_ms_per_run']:.3f} ms in {figures['holds_per_run']:.2f} holds per run"
+        )
+        print(figures["profile"])
+    common.write_result(args.output, result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

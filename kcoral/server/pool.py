@@ -474,6 +474,20 @@ class WorkerPool:
                 phase=phase,
                 error=str(e),
             )
+            template = self._template_for(seat.gpus)
+            if phase == "startup" and getattr(worker, "made", "spawn") == "fork" and template:
+                # A template whose children cannot start is no template: its
+                # seats spawn from now on (worker_start_fallback), this one too.
+                template.broken(f"a forked worker failed to start: {e}")
+                self.log.error(
+                    "worker template {templates} forks workers that cannot start: "
+                    "new workers are spawned, each paying its imports",
+                    kcoral_event="worker_start_fallback",
+                    templates=[template.name],
+                    errors=[str(e)],
+                )
+                await self._start_seat(seat, phase)
+                return
             raise
         self.log.info(
             "worker {worker_id} ready (generation {generation}, pid {pid})",

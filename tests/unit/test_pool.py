@@ -844,3 +844,41 @@ class TemplateTests(PoolTestCase):
         """No template serves a set of GPUs: a multi-GPU worker is spawned."""
         pool = self.make_pool()
         self.assertIsNone(pool._template_for((0, 1)))
+
+    def test_forked_worker_failing_at_startup_falls_back(self) -> None:
+        """
+        A template whose first worker cannot start is given up at startup:
+        the seat is spawned, and so is every later worker of that template.
+        """
+        from kcoral.server.template import WorkerTemplate
+
+        self.reactor = MemoryReactorClock()
+        spawner = FakeSpawner()
+        pool = WorkerPool(
+            pool_config(num_workers=1),
+            self.reactor,
+            None,
+            FakeSandbox(),
+            lambda f, *a, **k: maybeDeferred(f, *a, **k),
+            Path("/nonexistent-kcoral-root"),
+        )
+        template = WorkerTemplate("cpu", self.reactor)
+        template.connect(lambda data, fds: None)
+        template.message({"op": "ready", "pid": 1})
+        pool.templates = {None: template}
+        forked: list[FakeWorker] = []
+
+        def fork(reactor: Any, **kw: Any) -> FakeWorker:
+            worker = FakeWorker(kw["seat"], kw["generation"], kw["gpus"])
+            worker.made = "fork"  # type: ignore[attr-defined]
+            worker.ready.errback(RuntimeError("cannot mount /proc"))
+            forked.append(worker)
+            return worker
+
+        pool.fork_worker = fork
+        pool.spawn_worker = spawner
+        self.successResultOf(Deferred.fromCoroutine(pool.start()))
+        self.assertEqual(len(forked), 1)
+        self.assertEqual(len(spawner.spawned), 1)
+        self.assertEqual(template.state, "failed")
+        self.assertEqual(pool.worker_start, "spawn")

@@ -100,7 +100,12 @@ def is_gpuarray(value: Any) -> bool:
     return gpuarray is not None and isinstance(value, gpuarray.GPUArray)
 
 
-def torch_parts(tensor: Any) -> tuple[str, tuple[int, ...], bytes]:
+def torch_parts(tensor: Any) -> tuple[str, tuple[int, ...], bytes | memoryview]:
+    """
+    C{(dtype, shape, bytes)} of a torch tensor: a view of its host copy (of
+    the tensor itself when it is a contiguous CPU tensor), which the part
+    collector copies once, into the part.
+    """
     import torch
 
     name = dtype_name(tensor.dtype)
@@ -108,7 +113,7 @@ def torch_parts(tensor: Any) -> tuple[str, tuple[int, ...], bytes]:
     host = tensor.detach().to("cpu").contiguous().reshape(-1)
     if host.numel() == 0:
         return name, shape, b""
-    return name, shape, host.view(torch.uint8).numpy().tobytes()
+    return name, shape, host.view(torch.uint8).numpy().data
 
 
 def to_host(value: Any) -> np.ndarray | None:

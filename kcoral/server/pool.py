@@ -650,12 +650,17 @@ class WorkerPool:
         """Refuse new work, fail waiters, and stop every worker."""
         self.stop_waiters()
         spares, self.spares = self.spares, []
-        # A spare still starting cannot read Exit yet: it goes at once.
-        ends = [
-            spare.worker.stop() if spare.status == "ready" else spare.worker.kill()
-            for spare in spares
-            if spare.worker is not None
-        ]
+        # A spare still starting cannot read Exit yet: it goes at once (no
+        # request runs any more, so no lease is needed to kill it).
+        ends = []
+        for spare in spares:
+            if spare.worker is None:
+                continue
+            if spare.status == "ready":
+                ends.append(spare.worker.stop())
+            else:
+                ends.append(spare.worker.ended)
+                spare.worker.kill_at_once()
         pending = list(self._pending)
         if pending:
             await DeferredList(pending, consumeErrors=True)

@@ -80,6 +80,9 @@ TAIL_BYTES = 8192
 #: How long a worker may take to report ready.
 SPAWN_TIMEOUT_SECONDS = 60.0
 
+#: How often a kill is tried again while a forked worker's pid is unknown.
+KILL_RETRY_SECONDS = 0.05
+
 #: How long a worker may take to exit once it answered L{TornDown} (it
 #: leaves with C{os._exit}; its maintenance lease is held meanwhile).
 EXIT_AFTER_TEARDOWN_SECONDS = 1.0
@@ -827,6 +830,11 @@ class WorkerProcess:
     def _kill_hard(self, victims: list[psutil.Process]) -> None:
         self._kill_timer = None
         _signal_all(victims + self._tree(), signal.SIGKILL)
+        if self.alive and self.pid is None:
+            # Forked by a template that has not told us the pid yet: there
+            # was nothing to signal, so try again until there is (a kill
+            # asked for must happen; nothing else would retry it).
+            self._kill_timer = self._reactor.callLater(KILL_RETRY_SECONDS, self._kill_hard, [])
 
     def _tree(self) -> list[psutil.Process]:
         if self.pid is None:

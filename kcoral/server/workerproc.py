@@ -71,6 +71,9 @@ from kcoral.wire.shared import (
     socket_pair,
 )
 
+#: Blobs of one job passed to the worker as descriptors, at most.
+MAX_SHARED_BLOBS = 64
+
 #: Bytes of each of the worker's own stdout/stderr kept for diagnostics.
 TAIL_BYTES = 8192
 
@@ -107,8 +110,21 @@ class Job:
     reserved: str | None = None
 
     def messages(self) -> list[ChannelMessage]:
-        """The blobs, then the L{Execute} message, in sending order."""
-        blobs: list[ChannelMessage] = [Blob(d, data) for d, data in self.blobs.items()]
+        """
+        The blobs, then the L{Execute} message, in sending order.  At most
+        L{MAX_SHARED_BLOBS} blobs go as descriptors (the descriptor socket
+        queues a few hundred messages before the worker reads them); any
+        more travel inline.
+        """
+        blobs: list[ChannelMessage] = []
+        shared = 0
+        for digest, data in self.blobs.items():
+            if isinstance(data, SharedBuffer):
+                if shared >= MAX_SHARED_BLOBS:
+                    data = data.tobytes()
+                else:
+                    shared += 1
+            blobs.append(Blob(digest, data))
         return [
             *blobs,
             Execute(

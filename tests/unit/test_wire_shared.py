@@ -260,3 +260,31 @@ def test_collector_keeps_a_filled_buffer() -> None:
     plain = PartCollector()
     assert plain.add(fill_with_data()) == ("return:0", digest)
     assert plain.parts == [data]
+
+
+def test_more_parts_than_one_message_passes() -> None:
+    """Past MAX_DESCRIPTORS shared parts in one message, the rest go inline."""
+    ours, theirs = socket_pair()
+    parts = tuple(share(bytes([i % 256]) * 10) for i in range(shared.MAX_DESCRIPTORS + 5))
+    stream = io.BytesIO()
+    write_message(stream, Outcome("COMPLETED", parts=parts), theirs)
+    stream.seek(0)
+    received = read_message(stream, descriptors=ours)
+    assert isinstance(received, Outcome)
+    kinds = [isinstance(part, shared.SharedBuffer) for part in received.parts]
+    assert kinds == [True] * shared.MAX_DESCRIPTORS + [False] * 5
+    assert [p if isinstance(p, bytes) else p.tobytes() for p in received.parts] == [
+        p.tobytes() for p in parts
+    ]
+    ours.close()
+    theirs.close()
+
+
+def test_a_job_passes_at_most_max_shared_blobs() -> None:
+    from kcoral.server.workerproc import MAX_SHARED_BLOBS, Job
+
+    blobs = {f"{i:064x}": share(b"b" * 100) for i in range(MAX_SHARED_BLOBS + 6)}
+    job = Job("r", "{}", None, blobs, 1.0, 100, 100)  # type: ignore[arg-type]
+    sent = [m for m in job.messages() if isinstance(m, Blob)]
+    assert sum(bool(m.descriptors()) for m in sent) == MAX_SHARED_BLOBS
+    assert all(m.data == b"b" * 100 for m in sent if not m.descriptors())

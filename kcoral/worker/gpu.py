@@ -391,7 +391,12 @@ class GpuBackend:
         import ctypes
 
         try:
-            self.close()
+            # Not close(): its garbage collection (so PyCUDA's objects die
+            # before the context) is moot when the process leaves with
+            # os._exit next, and this runs on the GPU's lease.
+            self._closed = True
+            self._drv.Context.synchronize()
+            self._drv.Context.pop()
             # Already loaded by PyCUDA: dlopen hands back the same library
             # (no search, no helper process, nothing the sandbox forbids).
             libcuda = ctypes.CDLL("libcuda.so.1")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -21,12 +22,17 @@ import attrs
 from kcoral.wire.program import DTYPES, ValidationError, normalize_path, tensor_nbytes
 from kcoral.wire.shared import SHARE_THRESHOLD, SharedBuffer
 
+#: Parts at least this large are hashed in a thread beside their copy.
+PARALLEL_HASH_BYTES = 4 << 20
+
 #: One encoded node: a JSON object with a C{type} member.
 Node = dict[str, Any]
 
 #: Given a value, return C{(dtype, shape, little-endian C-contiguous bytes)}
 #: when it is a tensor, else C{None}.
-TensorParts = Callable[[object], "tuple[str, Sequence[int], bytes | memoryview] | None"]
+TensorParts = Callable[
+    [object], "tuple[str, Sequence[int], bytes | memoryview | SharedBuffer] | None"
+]
 
 
 class SerializationError(Exception):
@@ -113,22 +119,44 @@ class PartCollector:
     def __len__(self) -> int:
         return len(self.parts)
 
-    def add(self, data: bytes | bytearray | memoryview) -> tuple[str, str]:
+    def add(self, data: bytes | bytearray | memoryview | SharedBuffer) -> tuple[str, str]:
         """
         Register a part (copied now: C{data} may be a view of the program's
         own array); return its name and SHA-256.
         """
+        if isinstance(data, SharedBuffer):
+            # Filled in place (a device copy straight into it): kept as it
+            # is when parts are shared, else copied out.
+            if self._share is not None:
+                digest = hashlib.sha256(data.map()).hexdigest()
+                return self._append(data), digest
+            data = data.tobytes()
         view = memoryview(data).cast("B")
-        digest = hashlib.sha256(view).hexdigest()
         payload: bytes | SharedBuffer
-        if self._share is not None and view.nbytes >= SHARE_THRESHOLD:
+        if self._share is not None and view.nbytes >= PARALLEL_HASH_BYTES:
+            # Hash in a thread while the bytes are copied into the shared
+            # buffer: hashlib and the memfd write both release the GIL.
+            hasher = hashlib.sha256()
+            thread = threading.Thread(target=hasher.update, args=(view,), name="kcoral-hash")
+            thread.start()
+            try:
+                payload = self._share(view)
+            finally:
+                thread.join()
+            digest = hasher.hexdigest()
+        elif self._share is not None and view.nbytes >= SHARE_THRESHOLD:
+            digest = hashlib.sha256(view).hexdigest()
             payload = self._share(view)
         else:
+            digest = hashlib.sha256(view).hexdigest()
             payload = view.tobytes()
+        return self._append(payload), digest
+
+    def _append(self, payload: bytes | SharedBuffer) -> str:
         name = f"return:{len(self.parts)}"
         self.parts.append(payload)
         self.total_bytes += len(payload)
-        return name, digest
+        return name
 
     def mark(self) -> int:
         """A point to L{rewind} to."""
@@ -142,7 +170,7 @@ class PartCollector:
 
 
 def _encode_tensor(
-    exported: tuple[str, Sequence[int], bytes | memoryview], collector: PartCollector
+    exported: tuple[str, Sequence[int], bytes | memoryview | SharedBuffer], collector: PartCollector
 ) -> Node:
     dtype, shape, data = exported
     if not isinstance(dtype, str) or dtype not in DTYPES:
@@ -151,7 +179,7 @@ def _encode_tensor(
         isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape
     ):
         raise SerializationError("returned tensor has an invalid shape")
-    if not isinstance(data, bytes | bytearray | memoryview):
+    if not isinstance(data, bytes | bytearray | memoryview | SharedBuffer):
         raise SerializationError("returned tensor data must be bytes")
     expected = tensor_nbytes(dtype, shape)
     if len(data) != expected:

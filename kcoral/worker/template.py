@@ -95,6 +95,8 @@ class Template:
 
     def serve(self) -> int:
         self.selector.register(self.sock, selectors.EVENT_READ)
+        if self.args.isolation == "namespaces":
+            self.probe()
         self.send({"op": "ready", "pid": os.getpid()})
         while True:
             for key, _ in self.selector.select():
@@ -103,6 +105,57 @@ class Template:
                         return 0
                 else:
                     self.reap(key.fd)
+
+    def probe(self) -> None:
+        """
+        Before it says ready: fork one child that isolates itself as a
+        worker's child would (with the template's own workspace), and exit
+        if it cannot, so that the parent falls back to spawning instead of
+        forking workers that all fail.
+        """
+        from kcoral.worker import isolate
+
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                isolate.set_parent_death_signal(signal.SIGKILL)
+                self.isolate(self.args.workspace, None)
+                code = 0
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        if status != 0:
+            raise isolate.IsolationError(
+                f"a test child could not make its sandbox (wait status {status})"
+            )
+
+    def isolate(self, workspace_source: str, capture_bytes: int | None) -> None:
+        """
+        In a child: its own namespaces and mounts, then (as PID 1 of its own
+        PID namespace: the caller's process only waits and mirrors its end)
+        read-only mounts, no capabilities, the worker filter.
+        """
+        from kcoral.worker import isolate
+
+        isolate.enter_namespaces()
+        isolate.mount_private_places(
+            workspace_source=workspace_source,
+            workspace=self.args.workspace,
+            spaces=SPACES,
+            capture_dir=self.args.capture_dir,
+            capture_bytes=capture_bytes,
+        )
+        pid = os.fork()
+        if pid:
+            isolate.set_name("kcoral-sandbox")
+            os._exit(_mirror(pid))
+        isolate.set_parent_death_signal(signal.SIGKILL)
+        writable = (self.args.workspace, *filter(None, [self.args.capture_dir]))
+        isolate.finish_in_pid_namespace(writable=writable, proc_read_only=self.args.device == "cpu")
+        isolate.drop_privileges(self.seccomp)
 
     def read_requests(self) -> bool:
         """Handle complete request lines; C{False} once the parent is gone."""
@@ -174,24 +227,7 @@ class Template:
         _install_fds(fds, request["fds"])
         os.setsid()
         if self.args.isolation == "namespaces":
-            isolate.enter_namespaces()
-            isolate.mount_private_places(
-                workspace_source=os.path.join(SPACES, request["workspace"]),
-                workspace=self.args.workspace,
-                spaces=SPACES,
-                capture_dir=self.args.capture_dir,
-                capture_bytes=request.get("capture_bytes"),
-            )
-            pid = os.fork()
-            if pid:
-                isolate.set_name("kcoral-sandbox")
-                return _mirror(pid)
-            isolate.set_parent_death_signal(signal.SIGKILL)
-            writable = (self.args.workspace, *filter(None, [self.args.capture_dir]))
-            isolate.finish_in_pid_namespace(
-                writable=writable, proc_read_only=self.args.device == "cpu"
-            )
-            isolate.drop_privileges(self.seccomp)
+            self.isolate(os.path.join(SPACES, request["workspace"]), request.get("capture_bytes"))
         isolate.set_name("kcoral-worker")
         os.environ.clear()
         os.environ.update(request["env"])

@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Sequence
 
 import ml_dtypes
 import numpy as np
 import pytest
 
+from kcoral.wire import shared
 from kcoral.wire.errors import json_dumps
 from kcoral.wire.multipart import decode_response, encode_response
 from kcoral.wire.program import DTYPES, ValidationError
+from kcoral.wire.shared import SHARE_THRESHOLD
 from kcoral.wire.values import (
+    PARALLEL_HASH_BYTES,
     DecodedFile,
     DecodedFolder,
     PartCollector,
@@ -259,3 +263,25 @@ def test_decode_rejects(node: dict[str, object], parts: dict[str, bytes]) -> Non
     """Malformed nodes, bad digests and stray parts are refused like the client."""
     with pytest.raises(ValidationError):
         decode_value(node, parts)
+
+
+@pytest.mark.skipif(not shared.available(), reason="no sealed memfds here")
+@pytest.mark.parametrize("size", [100, SHARE_THRESHOLD, PARALLEL_HASH_BYTES + 3])
+def test_parts_shared_and_hashed(size: int) -> None:
+    """
+    With a share function, parts of SHARE_THRESHOLD bytes or more become
+    sealed buffers (hashed in a thread beside the copy past
+    PARALLEL_HASH_BYTES); the digest is the bytes' either way, and the
+    part is a copy: changing the source afterwards changes nothing.
+    """
+    source = bytearray(os.urandom(size))
+    collector = PartCollector(shared.share)
+    name, digest = collector.add(memoryview(source))
+    expected = bytes(source)
+    source[:4] = b"EVIL"
+    (part,) = collector.parts
+    assert name == "return:0"
+    assert digest == hashlib.sha256(expected).hexdigest()
+    assert isinstance(part, shared.SharedBuffer) == (size >= SHARE_THRESHOLD)
+    assert (part if isinstance(part, bytes) else part.tobytes()) == expected
+    assert collector.total_bytes == size

@@ -92,8 +92,10 @@ def test_fresh_workers_on_the_lease(tmp_path: Path, sandbox: str) -> None:
         for _ in range(6):
             _body, results = _ok(server.execute(_program(COPY)))
             assert results["r"] == float(1 << 24)
-        health = server.health()
-        assert health["load"]["request_capacity"] == 2
+        deadline = time.monotonic() + 60
+        while (health := server.health())["load"]["request_capacity"] < 2:
+            assert time.monotonic() < deadline, health
+            time.sleep(0.2)
         pids = {w["pid"] for w in health["workers"]}
         assert len(pids) == 2
     finally:

@@ -276,6 +276,23 @@ def _safe_repr(value: Any) -> str:
         return f"<unrepresentable {type(value).__name__}: {type(e).__name__}>"
 
 
+#: Events after which a L{BackgroundWriter}'s lines are written at once:
+#: a request's lines are on disk before its answer goes out.
+SYNC_EVENTS = frozenset({"request_finished"})
+
+
+def _sync(stream: Any, event: Mapping[str, Any]) -> None:
+    """Write C{stream}'s gathered lines now after a request's last event or a warning."""
+    sync = getattr(stream, "sync", None)
+    if sync is None:
+        return
+    level = event.get("log_level")
+    if event.get(EVENT_KEY) in SYNC_EVENTS or (
+        level is not None and not _below(level, LogLevel.warn)
+    ):
+        sync()
+
+
 def _is_binary(stream: Any) -> bool:
     wrapped = getattr(stream, "wrapped", None)
     if wrapped is not None:
@@ -299,8 +316,9 @@ class JsonEventObserver:
     writing: logging never fails a request.
 
     @ivar stream: where lines go; a text or binary file-like object, usually
-        a rotating L{LogFile}.  Each line is written with one C{write} call
-        and flushed.
+        a rotating L{LogFile}, or a L{BackgroundWriter} in front of one.
+        Each line is written with one C{write} call and flushed (a
+        L{BackgroundWriter} gathers them, see L{SYNC_EVENTS}).
     @ivar min_level: events below this level are not written (they may
         still feed C{/metrics}); C{LogLevel.info} unless given.
     """
@@ -342,6 +360,7 @@ class JsonEventObserver:
             line = self.record(event) + "\n"
             self.stream.write(line.encode("utf-8") if self._binary else line)
             self.stream.flush()
+            _sync(self.stream, event)
         except Exception:
             # Disk full, closed file, ...: never let logging fail the caller.
             pass
@@ -367,7 +386,8 @@ class ConsoleObserver:
     C{traceback}, C{versions}, C{config}, C{ops}, C{uploads} and fields whose
     value is C{None} are skipped; floats print with one decimal; a value
     longer than 120 characters is cut and followed by C{...}.  Each line is
-    flushed.  Write errors are ignored.
+    flushed (through a L{BackgroundWriter}, gathered as for the events
+    file).  Write errors are ignored.
 
     @ivar stream: a text stream; the process's original stderr
         (C{sys.__stderr__}) by default, which stays the terminal even when
@@ -406,6 +426,7 @@ class ConsoleObserver:
         try:
             self.stream.write(self.format(event) + "\n")
             self.stream.flush()
+            _sync(self.stream, event)
         except Exception:
             pass
 

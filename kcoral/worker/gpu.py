@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import os
 import platform
 import re
 import subprocess
@@ -82,6 +83,12 @@ _STORAGE = {
     8: np.dtype(np.int64),
 }
 _TORCH_STORAGE = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
+
+
+#: Set to C{0} in the server's environment to take the lease before every
+#: module upload, as spec/server.md §4.3 says, instead of at its first device
+#: call (a way back should the driver watch misbehave somewhere).
+LAZY_MODULE_LEASE_ENV = "KCORAL_LAZY_MODULE_LEASE"
 
 
 def _pycuda_error_types() -> tuple[type[BaseException], ...]:
@@ -307,6 +314,8 @@ class GpuBackend:
         """
         from kcoral.worker.cuptiwatch import driver_watch
 
+        if os.environ.get(LAZY_MODULE_LEASE_ENV) == "0":
+            return None
         watch = driver_watch()
         return None if watch is None else watch.leasing(acquire)
 

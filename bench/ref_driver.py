@@ -364,20 +364,32 @@ def run_null(args: argparse.Namespace, report: Report, info: dict[str, Any]) -> 
 def open_loop_level(
     url: str, program: Program, rate: float, seconds: float, threads: int
 ) -> dict[str, Any]:
-    """C{rate} arrivals a second for C{seconds}; latency from each scheduled arrival."""
-    arrivals: queue.Queue = queue.Queue()
+    """
+    C{rate} arrivals a second for C{seconds}; latency from each scheduled
+    arrival.  Every sender has its client and its connection open (one
+    C{/health}) before the first arrival, so starting threads and connecting
+    are not counted as the server's latency.
+    """
+    offsets: queue.Queue = queue.Queue()
     latencies: list[float] = []
     errors: list[str] = []
     count = max(1, int(rate * seconds))
-    start = time.perf_counter() + 0.2
     for i in range(count):
-        arrivals.put(start + i / rate)
+        offsets.put(i / rate)
+    ready = threading.Barrier(threads + 1)
+    go = threading.Event()
+    start = [0.0]
 
     def worker() -> None:
         with Client(url) as client:
+            try:
+                client.health()
+            finally:
+                ready.wait()
+            go.wait()
             while True:
                 try:
-                    due = arrivals.get_nowait()
+                    due = start[0] + offsets.get_nowait()
                 except queue.Empty:
                     return
                 wait = due - time.perf_counter()
@@ -393,6 +405,9 @@ def open_loop_level(
     pool = [threading.Thread(target=worker) for _ in range(threads)]
     for t in pool:
         t.start()
+    ready.wait()
+    start[0] = time.perf_counter() + 0.1
+    go.set()
     for t in pool:
         t.join()
     if errors:
@@ -400,7 +415,7 @@ def open_loop_level(
     return {
         "rate": rate,
         "requests": count,
-        "achieved_per_s": count / (time.perf_counter() - start),
+        "achieved_per_s": count / (time.perf_counter() - start[0]),
         "latency_ms": summary(latencies),
     }
 

@@ -12,9 +12,10 @@ with a sealed shared buffer (L{kcoral.wire.shared}):
    (read-only flag), registration and unregistration timed with the copy;
  - C{h2d_staged}: memfd to a pinned staging buffer, then to the device;
  - C{d2h_then_share}: device to a fresh host array, then into a new memfd
-   (what workers do today for a returned tensor);
+   (what workers do for a returned torch tensor or a strided array);
  - C{d2h_into_memfd}: device straight into a writable mapping of a new
-   memfd, unmapped and sealed afterwards.
+   memfd, unmapped and sealed afterwards (what workers do for a
+   contiguous PyCUDA array, L{kcoral.wire.shared.fill}).
 
 Part 2, through our server (C{--device gpu}, workers reused, C{--sandbox
 none}, its logs beside the JSON output): the reference client's flow for a

@@ -46,7 +46,10 @@ DEFAULT_FLAGS = (
 
 #: (row, path fragments): the first row whose fragment is in a frame's file.
 CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
-    ("logging (events, console, access log)", ("twisted/logger/", "kcoral/server/logs.py")),
+    (
+        "logging (events, console, access log)",
+        ("twisted/logger/", "kcoral/server/logs.py", "kcoral/server/logwriter.py"),
+    ),
     ("multipart request parsing", ("kcoral/wire/multipart.py",)),
     ("program JSON and validation", ("kcoral/wire/program.py",)),
     ("response rendering", ("kcoral/wire/render.py", "kcoral/wire/values.py")),

@@ -276,6 +276,23 @@ def _safe_repr(value: Any) -> str:
         return f"<unrepresentable {type(value).__name__}: {type(e).__name__}>"
 
 
+#: Events after which a L{BackgroundWriter}'s lines are written at once:
+#: a request's lines are on disk before its answer goes out.
+SYNC_EVENTS = frozenset({"request_finished"})
+
+
+def _sync(stream: Any, event: Mapping[str, Any]) -> None:
+    """Write C{stream}'s gathered lines now after a request's last event or a warning."""
+    sync = getattr(stream, "sync", None)
+    if sync is None:
+        return
+    level = event.get("log_level")
+    if event.get(EVENT_KEY) in SYNC_EVENTS or (
+        level is not None and not _below(level, LogLevel.warn)
+    ):
+        sync()
+
+
 def _is_binary(stream: Any) -> bool:
     wrapped = getattr(stream, "wrapped", None)
     if wrapped is not None:
@@ -342,6 +359,7 @@ class JsonEventObserver:
             line = self.record(event) + "\n"
             self.stream.write(line.encode("utf-8") if self._binary else line)
             self.stream.flush()
+            _sync(self.stream, event)
         except Exception:
             # Disk full, closed file, ...: never let logging fail the caller.
             pass
@@ -406,6 +424,7 @@ class ConsoleObserver:
         try:
             self.stream.write(self.format(event) + "\n")
             self.stream.flush()
+            _sync(self.stream, event)
         except Exception:
             pass
 

@@ -310,6 +310,8 @@ class WorkerPool:
     #: Spare starts that failed in a row, per GPU, and the backoff timer.
     _spare_failures: dict[int | None, int] = attrs.field(factory=dict)
     _spare_retry: dict[int | None, Any] = attrs.field(factory=dict)
+    #: Retired workers not gone yet (their teardown or exit in progress).
+    _retiring: set[WorkerHandle] = attrs.field(factory=set)
 
     log = Logger()
 
@@ -689,6 +691,7 @@ class WorkerPool:
         workers = [seat.worker for seat in self.seats if seat.worker is not None]
         workers += list(self._transient_workers)
         workers += [spare.worker for spare in self.spares if spare.worker is not None]
+        workers += list(self._retiring)
         killed = 0
         for worker in workers:
             if worker.alive:
@@ -697,20 +700,54 @@ class WorkerPool:
         return killed
 
     async def stop(self) -> None:
-        """Refuse new work, fail waiters, and stop every worker."""
+        """
+        Refuse new work, fail waiters, and stop every worker.
+
+        Bounded: whatever has not ended after L{stop_guard_seconds} (a worker
+        that ignores Exit and a kill alike would otherwise hold the server
+        up for ever) is SIGKILLed at once (C{workers_stop_forced}).
+        """
         self.stop_waiters()
-        spares, self.spares = self.spares, []
-        # A spare still starting cannot read Exit yet: it goes at once.
-        ends = [
-            spare.worker.stop() if spare.status == "ready" else spare.worker.kill()
-            for spare in spares
-            if spare.worker is not None
-        ]
+        guard = self._reactor.callLater(self.stop_guard_seconds, self._force_stop)
+        try:
+            await self._stop_workers()
+        finally:
+            if guard.active():
+                guard.cancel()
+
+    @property
+    def stop_guard_seconds(self) -> float:
+        """How long L{stop} waits before it kills what is left: two graces and 10 s."""
+        return 2 * self.config.worker_termination_grace_seconds + 10.0
+
+    def _force_stop(self) -> None:
+        killed = self.kill_now()
+        self.log.warn(
+            "workers still running after {seconds} s of stopping: {killed} killed",
+            kcoral_event="workers_stop_forced",
+            seconds=self.stop_guard_seconds,
+            killed=killed,
+        )
+
+    async def _stop_workers(self) -> None:
+        spares = list(self.spares)
+        # A spare still starting cannot read Exit yet: it goes at once (no
+        # request runs any more, so no lease is needed to kill it).
+        ends = []
+        for spare in spares:
+            if spare.worker is None:
+                continue
+            if spare.status == "ready":
+                ends.append(spare.worker.stop())
+            else:
+                ends.append(spare.worker.ended)
+                spare.worker.kill_at_once()
         pending = list(self._pending)
         if pending:
             await DeferredList(pending, consumeErrors=True)
         stops = [seat.worker.stop() for seat in self.seats if seat.worker is not None]
         await DeferredList(stops + ends, consumeErrors=True)
+        self.spares = []
         await self.stop_templates()
         dirs = [seat.seat_dir for seat in self.seats if seat.seat_dir is not None]
         dirs += [spare.seat_dir for spare in spares if spare.seat_dir is not None]
@@ -1029,13 +1066,17 @@ class WorkerPool:
     async def _dispose(self, old: WorkerHandle | None, old_dir: Path | None, reason: str) -> None:
         """Let a retired worker go, then delete its directory."""
         if old is not None and old.alive:
-            if reason == "request_limit":
-                # The worker goes by itself after answering: a GPU worker
-                # destroys its context under the maintenance lease first.
-                # One grace in all (the worker's): SIGKILL when it is spent.
-                await old.retire()
-            else:
-                await old.kill()
+            self._retiring.add(old)
+            try:
+                if reason == "request_limit":
+                    # The worker goes by itself after answering: a GPU worker
+                    # destroys its context under the maintenance lease first.
+                    # One grace in all (the worker's): SIGKILL when it is spent.
+                    await old.retire()
+                else:
+                    await old.kill()
+            finally:
+                self._retiring.discard(old)
         if old_dir is not None:
             await self._run_blocking(_remove_trees, [old_dir])
 
@@ -1140,6 +1181,9 @@ class WorkerPool:
     def _spare_ended(self, code: int | None, spare: Spare, worker: WorkerHandle) -> int | None:
         """A ready spare died on its own: drop it and start another."""
         if spare in self.spares and spare.worker is worker and spare.status == "ready":
+            if self.closing:
+                # Stopped with the pool (L{stop} removes its directory).
+                return code
             self.spares.remove(spare)
             self.log.warn(
                 "spare {spare_id} exited (code {code})",

@@ -71,11 +71,17 @@ from kcoral.wire.shared import (
     socket_pair,
 )
 
+#: Blobs of one job passed to the worker as descriptors, at most.
+MAX_SHARED_BLOBS = 64
+
 #: Bytes of each of the worker's own stdout/stderr kept for diagnostics.
 TAIL_BYTES = 8192
 
 #: How long a worker may take to report ready.
 SPAWN_TIMEOUT_SECONDS = 60.0
+
+#: How often a kill is tried again while a forked worker's pid is unknown.
+KILL_RETRY_SECONDS = 0.05
 
 #: How long a worker may take to exit once it answered L{TornDown} (it
 #: leaves with C{os._exit}; its maintenance lease is held meanwhile).
@@ -104,8 +110,21 @@ class Job:
     reserved: str | None = None
 
     def messages(self) -> list[ChannelMessage]:
-        """The blobs, then the L{Execute} message, in sending order."""
-        blobs: list[ChannelMessage] = [Blob(d, data) for d, data in self.blobs.items()]
+        """
+        The blobs, then the L{Execute} message, in sending order.  At most
+        L{MAX_SHARED_BLOBS} blobs go as descriptors (the descriptor socket
+        queues a few hundred messages before the worker reads them); any
+        more travel inline.
+        """
+        blobs: list[ChannelMessage] = []
+        shared = 0
+        for digest, data in self.blobs.items():
+            if isinstance(data, SharedBuffer):
+                if shared >= MAX_SHARED_BLOBS:
+                    data = data.tobytes()
+                else:
+                    shared += 1
+            blobs.append(Blob(digest, data))
         return [
             *blobs,
             Execute(
@@ -811,6 +830,11 @@ class WorkerProcess:
     def _kill_hard(self, victims: list[psutil.Process]) -> None:
         self._kill_timer = None
         _signal_all(victims + self._tree(), signal.SIGKILL)
+        if self.alive and self.pid is None:
+            # Forked by a template that has not told us the pid yet: there
+            # was nothing to signal, so try again until there is (a kill
+            # asked for must happen; nothing else would retry it).
+            self._kill_timer = self._reactor.callLater(KILL_RETRY_SECONDS, self._kill_hard, [])
 
     def _tree(self) -> list[psutil.Process]:
         if self.pid is None:

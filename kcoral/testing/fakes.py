@@ -142,8 +142,12 @@ class FakeWorker:
         self.ready.callback(self.info)
 
     def exit(self, code: int = 0) -> None:
-        """The process ends with C{code}."""
+        """The process ends with C{code} (during start: its start fails, as a real one's)."""
         self.alive = False
+        if not self.ready.called:
+            self.ready.errback(
+                RuntimeError(f"worker {self.seat} exited with code {code} during start")
+            )
         self.ended.callback(code)
 
     def run(self, job: Job) -> Deferred[JobResult]:

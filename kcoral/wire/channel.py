@@ -387,6 +387,10 @@ class ChannelMessage:
         """The buffers whose descriptors travel with this message (none by default)."""
         return []
 
+    def inline_beyond(self, count: int) -> ChannelMessage:
+        """The same message with its shared buffers after the first C{count} inline."""
+        return self
+
     @classmethod
     def _header_keys(cls) -> frozenset[str]:
         return frozenset(a.name for a in attrs.fields(cls))
@@ -641,6 +645,16 @@ class _CarriesParts:
     def descriptors(self) -> list[SharedBuffer]:
         return [part for part in self.parts if isinstance(part, SharedBuffer)]
 
+    def inline_beyond(self, count: int) -> Any:
+        parts: list[Part] = []
+        for part in self.parts:
+            if isinstance(part, SharedBuffer):
+                if count <= 0:
+                    part = part.tobytes()
+                count -= 1
+            parts.append(part)
+        return attrs.evolve(self, parts=tuple(parts))  # type: ignore[misc]
+
     @classmethod
     def _header_keys(cls) -> frozenset[str]:
         return (super()._header_keys() - {"parts"}) | {"part_sizes"}  # type: ignore[misc, no-any-return]
@@ -853,6 +867,9 @@ def write_message(stream: IO[bytes], message: ChannelMessage, descriptors: Any =
     Blocking write of one message, flushed; a large payload is not copied.
     Its shared buffers' descriptors go first, on the socket C{descriptors}.
     """
+    if len(message.descriptors()) > MAX_DESCRIPTORS:
+        # One message passes at most MAX_DESCRIPTORS; the other parts go inline.
+        message = message.inline_beyond(MAX_DESCRIPTORS)
     payload = message.payload()
     # Encoded before anything is sent: a header without a JSON form fails
     # with nothing written.

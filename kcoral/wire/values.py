@@ -30,7 +30,9 @@ Node = dict[str, Any]
 
 #: Given a value, return C{(dtype, shape, little-endian C-contiguous bytes)}
 #: when it is a tensor, else C{None}.
-TensorParts = Callable[[object], "tuple[str, Sequence[int], bytes | memoryview] | None"]
+TensorParts = Callable[
+    [object], "tuple[str, Sequence[int], bytes | memoryview | SharedBuffer] | None"
+]
 
 
 class SerializationError(Exception):
@@ -117,11 +119,18 @@ class PartCollector:
     def __len__(self) -> int:
         return len(self.parts)
 
-    def add(self, data: bytes | bytearray | memoryview) -> tuple[str, str]:
+    def add(self, data: bytes | bytearray | memoryview | SharedBuffer) -> tuple[str, str]:
         """
         Register a part (copied now: C{data} may be a view of the program's
         own array); return its name and SHA-256.
         """
+        if isinstance(data, SharedBuffer):
+            # Filled in place (a device copy straight into it): kept as it
+            # is when parts are shared, else copied out.
+            if self._share is not None:
+                digest = hashlib.sha256(data.map()).hexdigest()
+                return self._append(data), digest
+            data = data.tobytes()
         view = memoryview(data).cast("B")
         payload: bytes | SharedBuffer
         if self._share is not None and view.nbytes >= PARALLEL_HASH_BYTES:
@@ -141,10 +150,13 @@ class PartCollector:
         else:
             digest = hashlib.sha256(view).hexdigest()
             payload = view.tobytes()
+        return self._append(payload), digest
+
+    def _append(self, payload: bytes | SharedBuffer) -> str:
         name = f"return:{len(self.parts)}"
         self.parts.append(payload)
         self.total_bytes += len(payload)
-        return name, digest
+        return name
 
     def mark(self) -> int:
         """A point to L{rewind} to."""
@@ -158,7 +170,7 @@ class PartCollector:
 
 
 def _encode_tensor(
-    exported: tuple[str, Sequence[int], bytes | memoryview], collector: PartCollector
+    exported: tuple[str, Sequence[int], bytes | memoryview | SharedBuffer], collector: PartCollector
 ) -> Node:
     dtype, shape, data = exported
     if not isinstance(dtype, str) or dtype not in DTYPES:
@@ -167,7 +179,7 @@ def _encode_tensor(
         isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape
     ):
         raise SerializationError("returned tensor has an invalid shape")
-    if not isinstance(data, bytes | bytearray | memoryview):
+    if not isinstance(data, bytes | bytearray | memoryview | SharedBuffer):
         raise SerializationError("returned tensor data must be bytes")
     expected = tensor_nbytes(dtype, shape)
     if len(data) != expected:

@@ -131,22 +131,31 @@ def _library_call(call: Callable[[], Any], message: Callable[[Exception], str]) 
 _HOST_SCALARS = (type(None), bool, int, float, str, bytes, bytearray, memoryview)
 
 
-def _is_host_value(value: Any, depth: int = 0) -> bool:
+def _is_host_value(value: Any, budget: int = 10_000) -> bool:
     """
     Whether encoding C{value} cannot touch the GPU: plain values, NumPy
     arrays and scalars, and lists, tuples and dicts of them.  Anything else
-    (a torch or PyCUDA tensor, an unknown object) may live on the device.
+    (a torch or PyCUDA tensor, an unknown object) may live on the device, and
+    so may a value too large to look through within C{budget} nodes (the
+    answer is then the careful one: the return takes the lease).
     """
-    if isinstance(value, _HOST_SCALARS):
-        return True
-    if depth > 32:
-        return False
-    if isinstance(value, (list, tuple)):
-        return all(_is_host_value(v, depth + 1) for v in value)
-    if isinstance(value, dict):
-        return all(_is_host_value(v, depth + 1) for v in value.values())
-    module = type(value).__module__
-    return module == "numpy" or module.startswith("numpy.")
+    stack = [value]
+    while stack:
+        budget -= 1
+        if budget < 0:
+            return False
+        item = stack.pop()
+        if isinstance(item, _HOST_SCALARS):
+            continue
+        if isinstance(item, list | tuple):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        else:
+            module = type(item).__module__
+            if module != "numpy" and not module.startswith("numpy."):
+                return False
+    return True
 
 
 class _Copies:

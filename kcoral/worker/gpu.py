@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import os
 import platform
 import re
 import subprocess
@@ -34,6 +35,7 @@ from zope.interface import implementer
 
 from kcoral.compilers.nvcc import find_nvcc
 from kcoral.errors import ExecutionError
+from kcoral.wire import shared
 from kcoral.wire.program import DTYPES
 from kcoral.wire.values import numpy_dtype
 from kcoral.worker.gpu_builtins import GPU_BUILTINS
@@ -45,9 +47,29 @@ from kcoral.worker.tensors import (
     is_gpuarray,
     is_torch_tensor,
     numpy_parts,
+    shared_copy_to_host,
     to_host,
     torch_parts,
 )
+
+
+def _shared_parts(value: Any, name: str) -> tuple[str, tuple[int, ...], Any] | None:
+    """
+    A large contiguous little-endian C{GPUArray}'s bytes copied from the
+    device straight into a sealed shared buffer; C{None} for anything else,
+    or when that copy fails (the host-array path then runs as before).
+    """
+    if not (shared.available() and is_gpuarray(value) and value.flags.c_contiguous):
+        return None
+    nbytes = int(value.size) * int(value.dtype.itemsize)
+    if nbytes < shared.SHARE_THRESHOLD or value.dtype.byteorder == ">":
+        return None
+    try:
+        data = shared_copy_to_host(int(value.gpudata), nbytes)
+    except Exception:
+        return None
+    return name, tuple(int(d) for d in value.shape), data
+
 
 #: Values of C{--tensor-api}.
 TENSOR_APIS = ("auto", "torch", "pycuda")
@@ -61,6 +83,12 @@ _STORAGE = {
     8: np.dtype(np.int64),
 }
 _TORCH_STORAGE = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
+
+
+#: Set to C{0} in the server's environment to take the lease before every
+#: module upload, as spec/server.md §4.3 says, instead of at its first device
+#: call (a way back should the driver watch misbehave somewhere).
+LAZY_MODULE_LEASE_ENV = "KCORAL_LAZY_MODULE_LEASE"
 
 
 def _pycuda_error_types() -> tuple[type[BaseException], ...]:
@@ -226,7 +254,9 @@ class GpuBackend:
             tensor = tensor.view(torch_dtype)
         return tensor
 
-    def tensor_parts(self, value: Any) -> tuple[str, tuple[int, ...], bytes | memoryview] | None:
+    def tensor_parts(
+        self, value: Any
+    ) -> tuple[str, tuple[int, ...], bytes | memoryview | shared.SharedBuffer] | None:
         """
         C{(dtype, shape, bytes)} of a GPUArray, torch tensor (CUDA or CPU),
         cupy array, other C{__cuda_array_interface__} exporter or numpy
@@ -250,6 +280,9 @@ class GpuBackend:
             return name, tuple(int(d) for d in shape), b""
         if is_torch_tensor(value):
             return torch_parts(value)
+        direct = _shared_parts(value, name)
+        if direct is not None:
+            return direct
         host = to_host(value)
         assert host is not None
         return numpy_parts(host)
@@ -281,6 +314,8 @@ class GpuBackend:
         """
         from kcoral.worker.cuptiwatch import driver_watch
 
+        if os.environ.get(LAZY_MODULE_LEASE_ENV) == "0":
+            return None
         watch = driver_watch()
         return None if watch is None else watch.leasing(acquire)
 
@@ -365,7 +400,12 @@ class GpuBackend:
         import ctypes
 
         try:
-            self.close()
+            # Not close(): its garbage collection (so PyCUDA's objects die
+            # before the context) is moot when the process leaves with
+            # os._exit next, and this runs on the GPU's lease.
+            self._closed = True
+            self._drv.Context.synchronize()
+            self._drv.Context.pop()
             # Already loaded by PyCUDA: dlopen hands back the same library
             # (no search, no helper process, nothing the sandbox forbids).
             libcuda = ctypes.CDLL("libcuda.so.1")

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from kcoral.errors import ExecutionError
+from kcoral.wire import shared
 from kcoral.wire.program import DTYPES
 from kcoral.wire.values import numpy_dtype
 
@@ -99,7 +100,12 @@ def is_gpuarray(value: Any) -> bool:
     return gpuarray is not None and isinstance(value, gpuarray.GPUArray)
 
 
-def torch_parts(tensor: Any) -> tuple[str, tuple[int, ...], bytes]:
+def torch_parts(tensor: Any) -> tuple[str, tuple[int, ...], bytes | memoryview]:
+    """
+    C{(dtype, shape, bytes)} of a torch tensor: a view of its host copy (of
+    the tensor itself when it is a contiguous CPU tensor), which the part
+    collector copies once, into the part.
+    """
     import torch
 
     name = dtype_name(tensor.dtype)
@@ -107,7 +113,7 @@ def torch_parts(tensor: Any) -> tuple[str, tuple[int, ...], bytes]:
     host = tensor.detach().to("cpu").contiguous().reshape(-1)
     if host.numel() == 0:
         return name, shape, b""
-    return name, shape, host.view(torch.uint8).numpy().tobytes()
+    return name, shape, host.view(torch.uint8).numpy().data
 
 
 def to_host(value: Any) -> np.ndarray | None:
@@ -150,6 +156,21 @@ def _copy_to_host(ptr: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarr
     raw = np.empty(math.prod(shape) * dtype.itemsize, dtype=np.uint8)
     drv.memcpy_dtoh(raw, ptr)
     return raw.view(dtype).reshape(shape)
+
+
+def shared_copy_to_host(ptr: int, nbytes: int) -> shared.SharedBuffer:
+    """
+    C{nbytes} of device memory at C{ptr} copied straight into a new sealed
+    buffer (L{kcoral.wire.shared.fill}): the one host copy of a returned
+    tensor, where a host array and then a copy of it into the buffer would
+    be two.  It is hashed later, off the lease (the part collector).
+    """
+    import pycuda.driver as drv
+
+    def copy(view: memoryview) -> None:
+        drv.memcpy_dtoh(view, ptr)
+
+    return shared.fill(nbytes, copy, "kcoral-result")
 
 
 def _cai_to_host(cai: dict[str, Any]) -> np.ndarray:

@@ -112,6 +112,25 @@ class BackendTests(SynchronousTestCase):
                     parts = b.tensor_parts(value)
                     self.assertEqual(parts, (dtype, shape, data), (api, dtype, shape))
 
+    def test_large_tensors_through_shared_buffers(self) -> None:
+        """
+        As a worker moves them: uploaded from a read-only memfd mapping, and
+        a large PyCUDA array back straight into a sealed buffer (torch
+        tensors through a host view); byte-exact either way.
+        """
+        from kcoral.wire import shared
+
+        shape = (512, 1024)
+        for api in ["pycuda"] + (["torch"] if _HAS_TORCH else []):
+            for dtype in ("float32", "bfloat16", "int8"):
+                data = _random_bytes(dtype, shape, seed=3)
+                value = backend(api).upload_tensor(shared.share(data).map(), dtype, shape)
+                name, got_shape, part = backend(api).tensor_parts(value)
+                if api == "pycuda":
+                    self.assertIsInstance(part, shared.SharedBuffer)
+                raw = part.tobytes() if isinstance(part, shared.SharedBuffer) else bytes(part)
+                self.assertEqual((name, got_shape, raw), (dtype, shape, data), (api, dtype))
+
     def test_upload_size_mismatch(self) -> None:
         """Data of the wrong length is C{runtime}."""
         with self.assertRaises(ExecutionError) as e:

@@ -121,6 +121,33 @@ def test_tensor_round_trip(gpu_server: ServerProcess, dtype: str) -> None:
     assert body["lease_wait_ms"] + body["lease_held_ms"] <= body["elapsed_ms"] + 1e-6
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_large_tensor_round_trip(gpu_server: ServerProcess, dtype: str) -> None:
+    """
+    A 4 MiB tensor crosses to the worker and back as sealed shared buffers
+    (issue 15): byte-exact, from the cache too.
+    """
+    data = np.random.default_rng(2).integers(0, 255, size=4 << 20, dtype=np.uint8).tobytes()
+    itemsize = 4 if dtype == "float32" else 2
+    program = {
+        "instructions": [
+            {
+                "op": "upload",
+                "kind": "tensor",
+                "id": "t",
+                "blob": sha256(data),
+                "dtype": dtype,
+                "shape": [len(data) // itemsize],
+            },
+            {"op": "return", "key": "t", "value": {"$ref": "t"}},
+        ]
+    }
+    _, results = _ok(gpu_server.execute(program, [data]))
+    assert results["t"].tobytes() == data
+    _, results = _ok(gpu_server.execute(program))
+    assert results["t"].tobytes() == data
+
+
 def test_builtins_randn_benchmark_check_close(gpu_server: ServerProcess) -> None:
     """Legacy builtin names allocate, compile, launch, benchmark and check on the GPU."""
     n = 1 << 20

@@ -317,3 +317,41 @@ def test_no_descriptor_leaks(server: ServerProcess) -> None:
             assert returned_part(server.execute(echo(digest), [blob])) == blob
             assert returned_part(server.execute(echo(digest))) == blob
     assert_fds_back_to(server, before)
+
+
+def test_many_large_blobs(server: ServerProcess) -> None:
+    """
+    A program with more large blobs than pass as descriptors (64 per body,
+    64 per job) gets every one, supplied and then from the cache.
+    """
+    blobs = [os.urandom(70_000) for _ in range(100)]
+    digests = [hashlib.sha256(blob).hexdigest() for blob in blobs]
+    program = {
+        "instructions": [
+            *[
+                {"op": "upload", "id": f"b{i}", "kind": "bytes", "blob": digest}
+                for i, digest in enumerate(digests)
+            ],
+            {
+                "op": "upload",
+                "id": "m",
+                "kind": "module",
+                "source": "def pack(*a):\n    return list(a)\n",
+            },
+            {"op": "get_function", "id": "f", "module": {"$ref": "m"}, "name": "pack"},
+            {
+                "op": "run",
+                "id": "r",
+                "fn": {"$ref": "f"},
+                "args": [{"$ref": f"b{i}"} for i in range(100)],
+            },
+            {"op": "return", "key": "out", "value": {"$ref": "r"}},
+        ]
+    }
+    for supplied in (blobs, []):
+        response = server.execute(program, supplied)
+        assert response.status == 200, response.body[:2000]
+        result, parts = decode_response(response.headers["content-type"], response.body)
+        assert result["status"] == "COMPLETED", result
+        nodes = result["results"]["out"]["value"]
+        assert [parts[node["part"]] for node in nodes] == blobs

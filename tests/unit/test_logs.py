@@ -751,3 +751,25 @@ def test_timestamps_match_datetime() -> None:
         moment = datetime.fromtimestamp(t, timezone.utc)
         expected = moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
         assert format_timestamp(t) == expected
+
+
+def test_request_lines_written_when_it_finishes() -> None:
+    """Behind a BackgroundWriter, a request's lines are written by its request_finished."""
+    import io
+
+    from twisted.logger import LogLevel
+
+    from kcoral.server.logs import JsonEventObserver
+    from kcoral.server.logwriter import BackgroundWriter
+
+    target = io.StringIO()
+    writer = BackgroundWriter(target, interval=3600)
+    observer = JsonEventObserver(writer)
+    observer({"kcoral_event": "request_routed", "log_time": 0.0, "log_level": LogLevel.info})
+    assert target.getvalue() == ""
+    observer({"kcoral_event": "request_finished", "log_time": 0.0, "log_level": LogLevel.info})
+    lines = target.getvalue().splitlines()
+    assert [json.loads(line)["event"] for line in lines] == ["request_routed", "request_finished"]
+    observer({"kcoral_event": "worker_failed", "log_time": 0.0, "log_level": LogLevel.error})
+    assert len(target.getvalue().splitlines()) == 3
+    writer.close()

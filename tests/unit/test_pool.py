@@ -766,6 +766,32 @@ class SpareTests(PoolTestCase):
         self.assertTrue(all(w.killed_now for w in workers))  # type: ignore[union-attr]
         self.assertEqual(self.reactor.getDelayedCalls(), [])
 
+    def test_stop_kills_starting_spares_at_once(self) -> None:
+        """A spare still starting cannot read Exit: stopping the pool kills it at once."""
+        pool = self.make_pool(pool_config(num_workers=1, spare_workers_per_gpu=1))
+        seat = self.successResultOf(pool.acquire(10))
+        self.spawner.auto_ready = False
+        pool.release(seat, retire="timeout")  # the spare is adopted, another starts
+        starting = pool.spares[0].worker
+        assert isinstance(starting, FakeWorker) and pool.spares[0].status == "starting"
+        d = Deferred.fromCoroutine(pool.stop())
+        self.assertTrue(starting.killed_now)
+        self.successResultOf(d)
+
+    def test_stop_is_bounded(self) -> None:
+        """A worker that ignores Exit is SIGKILLed once the stop guard runs out."""
+        pool = self.spare_pool()
+        stubborn = pool.seats[0].worker
+        assert isinstance(stubborn, FakeWorker)
+        stubborn.stop = lambda: stubborn.ended  # type: ignore[method-assign]
+        d = Deferred.fromCoroutine(pool.stop())
+        self.assertNoResult(d)
+        self.reactor.advance(pool.stop_guard_seconds)
+        self.assertTrue(stubborn.killed_now)
+        self.successResultOf(d)
+        self.assertEqual(pool.spares, [])
+        self.assertEqual(self.reactor.getDelayedCalls(), [])
+
     def test_gpu_spares_per_gpu(self) -> None:
         """In GPU mode each GPU keeps its own spares, refilling its own seats."""
         config = pool_config(device="gpu", gpus=(0, 1), workers_per_gpu=1, spare_workers_per_gpu=1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import hashlib
 import io
 import mmap
 import os
@@ -212,3 +213,78 @@ def test_channel_refuses_malformed_shared_parts(shared_parts: object) -> None:
 
     with pytest.raises(ChannelError):
         decode(Frame(frame_header, b""), lambda n: [])
+
+
+def test_fill_in_place() -> None:
+    """A buffer filled through its writable mapping, then sealed."""
+    data = os.urandom(200_000)
+
+    def write(view: memoryview) -> None:
+        view[:] = data
+
+    buffer = shared.fill(len(data), write)
+    assert buffer.tobytes() == data
+    with pytest.raises(PermissionError):
+        os.pwrite(buffer.fileno(), b"x", 0)
+    assert shared.fill(0, write).tobytes() == b""
+
+
+def test_fill_failure_leaks_nothing() -> None:
+    before = _open_fds()
+
+    def write(view: memoryview) -> None:
+        raise RuntimeError("device copy failed")
+
+    with pytest.raises(RuntimeError):
+        shared.fill(100_000, write)
+    assert _open_fds() == before
+
+
+def test_collector_keeps_a_filled_buffer() -> None:
+    """A part already in a sealed buffer is kept (sharing) or copied out (not)."""
+    from kcoral.wire.values import PartCollector
+
+    data = os.urandom(100_000)
+    digest = hashlib.sha256(data).hexdigest()
+
+    def fill_with_data() -> shared.SharedBuffer:
+        def write(view: memoryview) -> None:
+            view[:] = data
+
+        return shared.fill(len(data), write)
+
+    sharing = PartCollector(shared.share)
+    buffer = fill_with_data()
+    assert sharing.add(buffer) == ("return:0", digest)
+    assert sharing.parts == [buffer]
+    plain = PartCollector()
+    assert plain.add(fill_with_data()) == ("return:0", digest)
+    assert plain.parts == [data]
+
+
+def test_more_parts_than_one_message_passes() -> None:
+    """Past MAX_DESCRIPTORS shared parts in one message, the rest go inline."""
+    ours, theirs = socket_pair()
+    parts = tuple(share(bytes([i % 256]) * 10) for i in range(shared.MAX_DESCRIPTORS + 5))
+    stream = io.BytesIO()
+    write_message(stream, Outcome("COMPLETED", parts=parts), theirs)
+    stream.seek(0)
+    received = read_message(stream, descriptors=ours)
+    assert isinstance(received, Outcome)
+    kinds = [isinstance(part, shared.SharedBuffer) for part in received.parts]
+    assert kinds == [True] * shared.MAX_DESCRIPTORS + [False] * 5
+    assert [p if isinstance(p, bytes) else p.tobytes() for p in received.parts] == [
+        p.tobytes() for p in parts
+    ]
+    ours.close()
+    theirs.close()
+
+
+def test_a_job_passes_at_most_max_shared_blobs() -> None:
+    from kcoral.server.workerproc import MAX_SHARED_BLOBS, Job
+
+    blobs = {f"{i:064x}": share(b"b" * 100) for i in range(MAX_SHARED_BLOBS + 6)}
+    job = Job("r", "{}", None, blobs, 1.0, 100, 100)  # type: ignore[arg-type]
+    sent = [m for m in job.messages() if isinstance(m, Blob)]
+    assert sum(bool(m.descriptors()) for m in sent) == MAX_SHARED_BLOBS
+    assert all(m.data == b"b" * 100 for m in sent if not m.descriptors())

@@ -1181,3 +1181,17 @@ def test_device_tensors_copied_under_the_lease_encoded_off_it(harness: Harness) 
     node = outcome.results["out"]
     assert node["type"] == "array"
     assert [v["type"] for v in node["value"]] == ["tensor", "integer", "object"]
+
+
+def test_host_values() -> None:
+    """Host values are told apart from what may live on the device, within a budget."""
+    from kcoral.worker.engine import _is_host_value
+
+    assert _is_host_value([1, 2.0, "x", b"y", None, {"a": [numpy.zeros(3), numpy.float32(1)]}])
+    assert not _is_host_value([object()])
+    assert _is_host_value([0.5] * 9000)
+    # Too large to look through: the careful answer.
+    assert not _is_host_value([0.5] * 20000)
+    cycle: list[Any] = []
+    cycle.append(cycle)
+    assert not _is_host_value(cycle)

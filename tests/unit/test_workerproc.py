@@ -860,3 +860,32 @@ class ContextOnTheLeaseTests(WorkerTestCase):
         self.assertNotIn(Teardown(), self.transport.messages())
         self.reactor.advance(5.0)
         self.assertEqual(self.hard_kills, [worker])
+
+
+class KillBeforeThePidIsKnownTests(WorkerTestCase):
+    """
+    A worker forked by a template learns its pid a moment after it starts;
+    a kill asked for before that is carried out once the pid is known.
+    """
+
+    gpus = (0,)
+
+    def test_kill_retried_until_the_pid_is_known(self) -> None:
+        signalled: list[tuple[int | None, int]] = []
+        worker = self.spawn()
+        worker.pid = None
+        self.patch(
+            workerproc,
+            "_signal_all",
+            lambda victims, signum: signalled.append((worker.pid, signum)),
+        )
+        self.patch(WorkerProcess, "_tree", lambda w: [] if w.pid is None else [object()])
+        worker.kill_now()
+        self.assertEqual([s for s in signalled if s[0] is not None], [])
+        self.reactor.advance(0.05)
+        self.assertTrue(worker.alive)
+        worker.pid = 4321
+        self.reactor.advance(0.05)
+        self.assertIn((4321, signal.SIGKILL), signalled)
+        self.end(worker, -9)
+        self.assertEqual(self.reactor.getDelayedCalls(), [])

@@ -929,6 +929,7 @@ class TemplateTests(PoolTestCase):
             attempts.append(new)
             if not outcomes.pop(0):
                 new.broken("cannot start")
+                self.failureResultOf(new.ready, TemplateError)
                 raise TemplateError("cannot start")
             new.connect(lambda data, fds: None)
             new.message({"op": "ready", "pid": 2})

@@ -316,8 +316,9 @@ class JsonEventObserver:
     writing: logging never fails a request.
 
     @ivar stream: where lines go; a text or binary file-like object, usually
-        a rotating L{LogFile}.  Each line is written with one C{write} call
-        and flushed.
+        a rotating L{LogFile}, or a L{BackgroundWriter} in front of one.
+        Each line is written with one C{write} call and flushed (a
+        L{BackgroundWriter} gathers them, see L{SYNC_EVENTS}).
     @ivar min_level: events below this level are not written (they may
         still feed C{/metrics}); C{LogLevel.info} unless given.
     """
@@ -385,7 +386,8 @@ class ConsoleObserver:
     C{traceback}, C{versions}, C{config}, C{ops}, C{uploads} and fields whose
     value is C{None} are skipped; floats print with one decimal; a value
     longer than 120 characters is cut and followed by C{...}.  Each line is
-    flushed.  Write errors are ignored.
+    flushed (through a L{BackgroundWriter}, gathered as for the events
+    file).  Write errors are ignored.
 
     @ivar stream: a text stream; the process's original stderr
         (C{sys.__stderr__}) by default, which stays the terminal even when

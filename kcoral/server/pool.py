@@ -722,6 +722,11 @@ class WorkerPool:
 
     def _force_stop(self) -> None:
         killed = self.kill_now()
+        # A forked worker's end is reported by its template: ending the
+        # templates too counts whatever they still hold as gone.
+        Deferred.fromCoroutine(self.stop_templates()).addErrback(
+            lambda f: self.log.failure("stopping the worker templates failed", f)
+        )
         self.log.warn(
             "workers still running after {seconds} s of stopping: {killed} killed",
             kcoral_event="workers_stop_forced",

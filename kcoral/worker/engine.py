@@ -392,6 +392,14 @@ class _ProgramRun:
     ) -> None:
         self.engine = engine
         self.blobs = blobs
+        # Tensor blobs mapped now, before any lease: populating the mapping
+        # of a large buffer takes milliseconds that need not hold the GPU.
+        self.mapped: dict[str, memoryview] = {}
+        for instruction in program.instructions:
+            if isinstance(instruction, Upload) and instruction.kind == "tensor":
+                buffer = blobs.get(instruction.blob or "")
+                if isinstance(buffer, SharedBuffer) and instruction.blob not in self.mapped:
+                    self.mapped[instruction.blob or ""] = buffer.map()
         self.backend = engine.backend
         self.lease = engine.lease
         self.request = request
@@ -658,6 +666,9 @@ class _ProgramRun:
         A blob's bytes: a shared buffer is mapped read-only, not copied
         (its seals keep every byte as the parent hashed it).
         """
+        mapped = self.mapped.get(digest or "")
+        if mapped is not None:
+            return mapped
         try:
             data = self.blobs[digest or ""]
         except KeyError:

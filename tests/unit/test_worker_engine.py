@@ -25,6 +25,7 @@ import pytest
 
 from kcoral.errors import ExecutionError
 from kcoral.testing.fakes import RecordingLease
+from kcoral.wire import shared
 from kcoral.wire.channel import ChannelMessage, Execute, Instruction, Outcome, Returned, encode
 from kcoral.worker.builtins import cpu_builtins
 from kcoral.worker.devices import CpuBackend, make_backend
@@ -1181,6 +1182,45 @@ def test_device_tensors_copied_under_the_lease_encoded_off_it(harness: Harness) 
     node = outcome.results["out"]
     assert node["type"] == "array"
     assert [v["type"] for v in node["value"]] == ["tensor", "integer", "object"]
+
+
+@pytest.mark.skipif(not shared.available(), reason="no sealed memfds here")
+def test_shared_tensor_blob_mapped_before_the_lease(harness: Harness) -> None:
+    """
+    A tensor upload's sealed buffer is mapped (populated) before the lease
+    is taken; the backend copies from that read-only mapping.
+    """
+    lease = _ordered(harness)
+    seen: list[tuple[bool, bool, bytes]] = []
+
+    class Backend(CpuBackend):
+        def upload_tensor(self, data: Any, dtype: str, shape: tuple[int, ...]) -> Any:
+            view = memoryview(data)
+            seen.append((lease.held, view.readonly, view.tobytes()))
+            return numpy.frombuffer(view, dtype=numpy.float32).reshape(shape)
+
+    harness.engine = Engine(Backend(), lease, cpu_builtins())
+    data = numpy.arange(1 << 15, dtype=numpy.float32).tobytes()
+    digest = hashlib.sha256(data).hexdigest()
+    upload = {"op": "upload", "kind": "tensor", "id": "t", "blob": digest}
+    upload.update(dtype="float32", shape=[1 << 15])
+    program = json.dumps({"instructions": [upload]})
+    maps: list[bool] = []
+    buffer = shared.share(data)
+    original = shared.SharedBuffer.map
+
+    def map_and_note(self: shared.SharedBuffer) -> memoryview:
+        maps.append(lease.held)
+        return original(self)
+
+    workspace = harness.root / "mapped"
+    workspace.mkdir()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(shared.SharedBuffer, "map", map_and_note)
+        outcome = harness.engine.run(Execute(program, str(workspace)), {digest: buffer})
+    assert outcome.status == "COMPLETED", outcome.error
+    assert maps == [False]
+    assert seen == [(True, True, data)]
 
 
 def test_host_values() -> None:

@@ -234,10 +234,10 @@ class Template:
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
         _fresh_process_state()
-        from kcoral.worker.__main__ import main
+        import kcoral.worker.__main__ as worker_main
 
-        sys.argv = [sys.argv[0], *request["argv"]]
-        return main(request["argv"])
+        sys.argv = [worker_main.__file__, *request["argv"]]  # as a spawned worker's
+        return worker_main.main(request["argv"])
 
 
 def _install_fds(fds: list[int], targets: list[int]) -> None:

@@ -908,3 +908,42 @@ class TemplateTests(PoolTestCase):
         self.assertEqual(len(spawner.spawned), 1)
         self.assertEqual(template.state, "failed")
         self.assertEqual(pool.worker_start, "spawn")
+
+    def test_failed_template_restarted(self) -> None:
+        """
+        A template that fails while serving is started again after a
+        back-off that doubles while restarts fail; meanwhile its seats spawn.
+        """
+        from kcoral.server.template import TemplateError, WorkerTemplate
+
+        pool = self.make_pool()
+        template = WorkerTemplate("cpu", self.reactor)
+        template.connect(lambda data, fds: None)
+        template.message({"op": "ready", "pid": 1})
+        template.on_failure = pool._template_lost
+        pool.templates = {None: template}
+        attempts: list[WorkerTemplate] = []
+        outcomes = [False, True]
+
+        async def start(_: WorkerPool, new: WorkerTemplate, key: int | None, make: Any) -> None:
+            attempts.append(new)
+            if not outcomes.pop(0):
+                new.broken("cannot start")
+                self.failureResultOf(new.ready, TemplateError)
+                raise TemplateError("cannot start")
+            new.connect(lambda data, fds: None)
+            new.message({"op": "ready", "pid": 2})
+
+        self.patch(WorkerPool, "_start_template", start)
+        template.broken("socket closed")
+        self.assertEqual(pool.worker_start, "spawn")
+        self.reactor.advance(pool.respawn_backoff_initial)
+        self.assertEqual(len(attempts), 1)
+        self.assertEqual(pool.worker_start, "spawn")
+        self.reactor.advance(pool.respawn_backoff_initial)  # the back-off doubled
+        self.assertEqual(len(attempts), 1)
+        self.reactor.advance(pool.respawn_backoff_initial)
+        self.assertEqual(len(attempts), 2)
+        self.assertIs(pool.templates[None], attempts[1])
+        self.assertEqual(pool.worker_start, "fork")
+        self.successResultOf(Deferred.fromCoroutine(pool.stop()))

@@ -23,22 +23,28 @@ from __future__ import annotations
 
 import array
 import errno
-import fcntl
 import mmap
 import os
 import socket
 import stat
 import weakref
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+fcntl: Any
+try:
+    import fcntl
+except ImportError:  # not POSIX: the client still imports the wire package
+    fcntl = None
 
 #: The seals every shared buffer carries before its descriptor is sent
 #: (Linux's values where the platform has none: nothing is shared there).
-REQUIRED_SEALS = (
+REQUIRED_SEALS: int = (
     getattr(fcntl, "F_SEAL_WRITE", 8)
     | getattr(fcntl, "F_SEAL_SHRINK", 2)
     | getattr(fcntl, "F_SEAL_GROW", 4)
 )
-SEALS = REQUIRED_SEALS | getattr(fcntl, "F_SEAL_SEAL", 1)
+SEALS: int = REQUIRED_SEALS | getattr(fcntl, "F_SEAL_SEAL", 1)
 
 #: Binary parts and blobs smaller than this travel inline in a frame's
 #: payload: a descriptor costs a system call or two on each side, more
@@ -58,7 +64,7 @@ class SharedMemoryError(Exception):
 
 def available() -> bool:
     """Whether this platform has sealed memfds (Linux)."""
-    return hasattr(os, "memfd_create") and hasattr(fcntl, "F_ADD_SEALS")
+    return hasattr(os, "memfd_create") and fcntl is not None and hasattr(fcntl, "F_ADD_SEALS")
 
 
 class SharedBuffer:

@@ -709,6 +709,10 @@ class _ProgramRun:
             raise _user_failure(e) from None
 
     def _upload_bytes(self, instruction: Upload) -> bytes:
+        buffer = self.blobs.get(instruction.blob or "")
+        if isinstance(buffer, SharedBuffer):
+            # One read into the program's bytes: no mapping to populate.
+            return buffer.tobytes()
         data = self._blob(instruction.blob)
         return data if isinstance(data, bytes) else data.tobytes()
 

@@ -488,8 +488,10 @@ class WorkerPool:
 
     def _template_for(self, gpus: tuple[int, ...]) -> WorkerTemplate | None:
         """The ready template that can fork a worker for C{gpus}, if any."""
-        if len(gpus) > 1:
-            return None  # multi-GPU one-request workers are spawned
+        if len(gpus) > 1 and getattr(self.sandbox, "isolates_devices", False):
+            # Under bubblewrap a template sees only its own GPU's device
+            # node: multi-GPU one-request workers are spawned.
+            return None
         template = self.templates.get(gpus[0] if gpus else None)
         if template is None or template.state != "ready":
             return None

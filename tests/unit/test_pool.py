@@ -866,10 +866,26 @@ class TemplateTests(PoolTestCase):
         self.assertEqual(call["args"][:2], ["--device", "cpu"])
         self.assertEqual(seat.status, "idle")
 
-    def test_multi_gpu_workers_spawn(self) -> None:
-        """No template serves a set of GPUs: a multi-GPU worker is spawned."""
-        pool = self.make_pool()
+    def test_multi_gpu_workers(self) -> None:
+        """
+        A multi-GPU worker is spawned where each template sees its own GPU
+        only (bubblewrap); without device isolation its first GPU's
+        template forks it (CUDA_VISIBLE_DEVICES names the set).
+        """
+        from kcoral.server.template import WorkerTemplate
+
+        pool = self.make_pool(pool_config(device="gpu", gpus=(0, 1)))
+        templates = {}
+        for gpu in (0, 1):
+            templates[gpu] = WorkerTemplate(f"gpu{gpu}", self.reactor)
+            templates[gpu].connect(lambda data, fds: None)
+            templates[gpu].message({"op": "ready", "pid": 1})
+        pool.templates = dict(templates)
+        self.assertIs(pool._template_for((1,)), templates[1])
+        self.assertIs(pool._template_for((0, 1)), templates[0])
+        self.sandbox.isolates_devices = True
         self.assertIsNone(pool._template_for((0, 1)))
+        self.assertIs(pool._template_for((1,)), templates[1])
 
     def test_forked_worker_failing_at_startup_falls_back(self) -> None:
         """

@@ -28,7 +28,7 @@ import os
 import socket
 import stat
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 fcntl: Any
@@ -211,32 +211,6 @@ def share(data: bytes | bytearray | memoryview, name: str = "kcoral") -> SharedB
         writer.discard()
         raise
     return writer.seal()
-
-
-def fill(size: int, write: Callable[[memoryview], None], name: str = "kcoral") -> SharedBuffer:
-    """
-    A new sealed buffer of C{size} bytes that C{write} fills in place,
-    through a writable mapping (a device-to-host copy straight into it:
-    no host copy in between).  C{write} must keep no reference to the view
-    (the mapping is closed before the buffer is sealed).  Nothing else is
-    done here (no hash): a worker fills buffers under its GPU lease.
-    """
-    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    try:
-        if size:
-            os.ftruncate(fd, size)
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            mapped = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
-            try:
-                with memoryview(mapped) as view:
-                    write(view)
-            finally:
-                mapped.close()
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
-    except BaseException:
-        os.close(fd)
-        raise
-    return SharedBuffer(fd, size)
 
 
 def adopt(fd: int, size: int) -> SharedBuffer:

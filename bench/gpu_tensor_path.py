@@ -12,10 +12,9 @@ with a sealed shared buffer (L{kcoral.wire.shared}):
    (read-only flag), registration and unregistration timed with the copy;
  - C{h2d_staged}: memfd to a pinned staging buffer, then to the device;
  - C{d2h_then_share}: device to a fresh host array, then into a new memfd
-   (what workers do for a returned torch tensor or a strided array);
+   (what workers do for a returned tensor);
  - C{d2h_into_memfd}: device straight into a writable mapping of a new
-   memfd, unmapped and sealed afterwards (what workers do for a
-   contiguous PyCUDA array, L{kcoral.wire.shared.fill}).
+   memfd, unmapped and sealed afterwards (slower on the H200: not used).
 
 Part 2, through our server (C{--device gpu}, workers reused, C{--sandbox
 none}, its logs beside the JSON output): the reference client's flow for a

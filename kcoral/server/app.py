@@ -330,11 +330,13 @@ class KcoralAPI:
                 producer.stop()
                 raise
             self.log.info(
-                "request {request_id}: {bytes} response bytes streamed",
+                "request {request_id}: {written} of {bytes} response bytes streamed",
                 kcoral_event="response_streamed",
                 request_id=request_id,
                 bytes=total,
                 shared_bytes=shared,
+                written=producer.written,
+                complete=producer.written == total,
                 elapsed_ms=(self._reactor.seconds() - started) * 1000.0,
             )
             return b""

@@ -297,6 +297,10 @@ class WorkerPool:
     #: L{start_templates} started them; a seat whose template is missing or
     #: failed spawns its workers instead.
     templates: dict[int | None, WorkerTemplate] = attrs.field(factory=dict)
+    #: Templates that failed while serving, by key: restarts in a row
+    #: that failed, and the pending restart.
+    _template_failures: dict[int | None, int] = attrs.field(factory=dict)
+    _template_restarts: dict[int | None, IDelayedCall] = attrs.field(factory=dict)
     #: The configured GPUs by id (discovered at start; an id missing here
     #: stands for itself: node C{/dev/nvidia<id>}, no UUID).
     gpu_devices: dict[int, GpuDevice] = attrs.field(factory=dict)
@@ -376,6 +380,8 @@ class WorkerPool:
             self.templates[key] = template
             starting.append(Deferred.fromCoroutine(self._start_template(template, key, make)))
         results = await DeferredList(starting, consumeErrors=True)
+        for template in self.templates.values():
+            template.on_failure = self._template_lost
         failed = [
             name
             for (ok, _), name in zip(
@@ -419,6 +425,44 @@ class WorkerPool:
         template.start(executable, args, {**env, **self.worker_env}, path=str(work_dir))
         await template.ready
 
+    def _template_lost(self, template: WorkerTemplate) -> None:
+        """
+        A template failed while serving: its seats spawn meanwhile, and it
+        is started again after a back-off (0.5 s, doubling up to a minute
+        while restarts keep failing).
+        """
+        key = next((k for k, t in self.templates.items() if t is template), None)
+        if self.closing or self.templates.get(key) is not template:
+            return
+        failures = self._template_failures.get(key, 0)
+        delay = min(self.respawn_backoff_initial * 2**failures, self.respawn_backoff_max)
+        self._template_failures[key] = failures + 1
+        pending = self._template_restarts.get(key)
+        if pending is not None and pending.active():
+            return
+        self._template_restarts[key] = self._reactor.callLater(delay, self._restart_template, key)
+
+    def _restart_template(self, key: int | None) -> None:
+        self._template_restarts.pop(key, None)
+        make = getattr(self.sandbox, "template_command", None)
+        if self.closing or make is None:
+            return
+        old = self.templates[key]
+        template = WorkerTemplate(old.name, self._reactor)
+        template.on_failure = self._template_lost
+        self.templates[key] = template
+
+        def started(_: object) -> None:
+            self._template_failures.pop(key, None)
+
+        def failed(failure: Failure) -> None:
+            # template_failed is logged; try again later.
+            if template.on_failure is not None and not self.closing:
+                template.on_failure(template)
+
+        d = Deferred.fromCoroutine(self._start_template(template, key, make))
+        d.addCallbacks(started, failed)
+
     @property
     def worker_start(self) -> str:
         """
@@ -433,13 +477,21 @@ class WorkerPool:
 
     async def stop_templates(self) -> None:
         """Stop every template (after their workers)."""
+        for call in self._template_restarts.values():
+            if call.active():
+                call.cancel()
+        self._template_restarts.clear()
         templates, self.templates = list(self.templates.values()), {}
+        for template in templates:
+            template.on_failure = None
         await DeferredList([t.stop() for t in templates], consumeErrors=True)
 
     def _template_for(self, gpus: tuple[int, ...]) -> WorkerTemplate | None:
         """The ready template that can fork a worker for C{gpus}, if any."""
-        if len(gpus) > 1:
-            return None  # multi-GPU one-request workers are spawned
+        if len(gpus) > 1 and getattr(self.sandbox, "isolates_devices", False):
+            # Under bubblewrap a template sees only its own GPU's device
+            # node: multi-GPU one-request workers are spawned.
+            return None
         template = self.templates.get(gpus[0] if gpus else None)
         if template is None or template.state != "ready":
             return None

@@ -37,7 +37,14 @@ FAILURE_REASONS = frozenset({"crashed", "server_error", "timeout", "no_worker", 
 
 #: Other events shown among the failures.
 FAILURE_EVENTS = frozenset(
-    {"worker_failed", "worker_replace_failed", "server_start_failed", "sandbox_disabled"}
+    {
+        "worker_failed",
+        "worker_replace_failed",
+        "server_start_failed",
+        "sandbox_disabled",
+        "template_failed",
+        "worker_start_fallback",
+    }
 )
 
 
@@ -215,7 +222,8 @@ def status_snapshot(health: Mapping[str, Any], recent: RecentRequests) -> dict[s
         C{in_flight}, C{recent}, C{failures} and C{refusals} (newest
         first), C{refusal_counts} (every refusal since start by status and
         reason), and
-        C{sandbox} (the worker isolation in use: C{bubblewrap} or C{none}).
+        C{sandbox} (the worker isolation in use: C{bubblewrap} or C{none}),
+        C{worker_start} (C{fork} or C{spawn}, L{kcoral.server.template}).
     """
     workers = [
         {
@@ -250,6 +258,7 @@ def status_snapshot(health: Mapping[str, Any], recent: RecentRequests) -> dict[s
     return {
         "status": health.get("status"),
         "sandbox": health.get("sandbox"),
+        "worker_start": health.get("worker_start"),
         "instance_id": health.get("instance_id"),
         "started_at": health.get("started_at"),
         "target": health.get("target"),
@@ -385,6 +394,7 @@ function render(s) {
   var state = document.getElementById("state");
   state.className = "";
   state.textContent = text(s.status) + " \\u00b7 sandbox " + text(s.sandbox) +
+    " \\u00b7 workers by " + text(s.worker_start) +
     " \\u00b7 instance " + text(s.instance_id) +
     " \\u00b7 started " + text(s.started_at) + " \\u00b7 updated " + new Date().toISOString();
 }

@@ -280,6 +280,9 @@ class WorkerTemplate:
     _children: dict[int, ForkedTransport] = attrs.field(factory=dict)
     _socket: socket.socket | None = None
     _timer: Any = None
+    #: Called with this template when it fails after it was ready (the
+    #: pool restarts it).
+    on_failure: Callable[[WorkerTemplate], object] | None = None
     #: Maps a template pid to a host pid (L{host_pid} in a thread-free
     #: call: a few C{/proc} reads); C{None}: the template shares our PID
     #: namespace.
@@ -433,6 +436,8 @@ class WorkerTemplate:
         )
         if not self.ready.called:
             self.ready.errback(TemplateError(f"worker template {self.name}: {reason}"))
+        elif was_ready and self.on_failure is not None:
+            self.on_failure(self)
 
     # -- forking --------------------------------------------------------------
 

@@ -1012,7 +1012,7 @@ class _RunningJob:
         elif isinstance(message, Outcome):
             if self._lease_state == "held" and self.worker.gpus and message.retire is None:
                 # A worker that stays gives its GPU back before it answers;
-                # only a retiring one exits holding it.
+                # only a retiring one may keep it (retire() gives it back).
                 self._violation("answered holding its GPU lease without retiring")
                 return
             if self.worker.protocol.drain():

@@ -23,22 +23,28 @@ from __future__ import annotations
 
 import array
 import errno
-import fcntl
 import mmap
 import os
 import socket
 import stat
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+fcntl: Any
+try:
+    import fcntl
+except ImportError:  # not POSIX: the client still imports the wire package
+    fcntl = None
 
 #: The seals every shared buffer carries before its descriptor is sent
 #: (Linux's values where the platform has none: nothing is shared there).
-REQUIRED_SEALS = (
+REQUIRED_SEALS: int = (
     getattr(fcntl, "F_SEAL_WRITE", 8)
     | getattr(fcntl, "F_SEAL_SHRINK", 2)
     | getattr(fcntl, "F_SEAL_GROW", 4)
 )
-SEALS = REQUIRED_SEALS | getattr(fcntl, "F_SEAL_SEAL", 1)
+SEALS: int = REQUIRED_SEALS | getattr(fcntl, "F_SEAL_SEAL", 1)
 
 #: Binary parts and blobs smaller than this travel inline in a frame's
 #: payload: a descriptor costs a system call or two on each side, more
@@ -58,7 +64,7 @@ class SharedMemoryError(Exception):
 
 def available() -> bool:
     """Whether this platform has sealed memfds (Linux)."""
-    return hasattr(os, "memfd_create") and hasattr(fcntl, "F_ADD_SEALS")
+    return hasattr(os, "memfd_create") and fcntl is not None and hasattr(fcntl, "F_ADD_SEALS")
 
 
 class SharedBuffer:
@@ -113,8 +119,19 @@ class SharedBuffer:
             yield data
 
     def tobytes(self) -> bytes:
-        """A private copy of every byte."""
-        return b"".join(self.read_chunks()) if self.size else b""
+        """A private copy of every byte (one C{pread}: no mapping, one copy)."""
+        data = self.pread(0, self.size)
+        if len(data) < self.size:  # a short read (none is expected from a memfd)
+            data = b"".join([data, *self._rest(len(data))])
+        return data
+
+    def _rest(self, offset: int) -> Iterable[bytes]:
+        while offset < self.size:
+            data = self.pread(offset, READ_CHUNK)
+            if not data:
+                raise SharedMemoryError("shared buffer ended early")
+            offset += len(data)
+            yield data
 
     def map(self) -> memoryview:
         """
@@ -194,32 +211,6 @@ def share(data: bytes | bytearray | memoryview, name: str = "kcoral") -> SharedB
         writer.discard()
         raise
     return writer.seal()
-
-
-def fill(size: int, write: Callable[[memoryview], None], name: str = "kcoral") -> SharedBuffer:
-    """
-    A new sealed buffer of C{size} bytes that C{write} fills in place,
-    through a writable mapping (a device-to-host copy straight into it:
-    no host copy in between).  C{write} must keep no reference to the view
-    (the mapping is closed before the buffer is sealed).  Nothing else is
-    done here (no hash): a worker fills buffers under its GPU lease.
-    """
-    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    try:
-        if size:
-            os.ftruncate(fd, size)
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            mapped = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
-            try:
-                with memoryview(mapped) as view:
-                    write(view)
-            finally:
-                mapped.close()
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
-    except BaseException:
-        os.close(fd)
-        raise
-    return SharedBuffer(fd, size)
 
 
 def adopt(fd: int, size: int) -> SharedBuffer:

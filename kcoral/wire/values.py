@@ -30,9 +30,7 @@ Node = dict[str, Any]
 
 #: Given a value, return C{(dtype, shape, little-endian C-contiguous bytes)}
 #: when it is a tensor, else C{None}.
-TensorParts = Callable[
-    [object], "tuple[str, Sequence[int], bytes | memoryview | SharedBuffer] | None"
-]
+TensorParts = Callable[[object], "tuple[str, Sequence[int], bytes | memoryview] | None"]
 
 
 class SerializationError(Exception):
@@ -119,18 +117,11 @@ class PartCollector:
     def __len__(self) -> int:
         return len(self.parts)
 
-    def add(self, data: bytes | bytearray | memoryview | SharedBuffer) -> tuple[str, str]:
+    def add(self, data: bytes | bytearray | memoryview) -> tuple[str, str]:
         """
         Register a part (copied now: C{data} may be a view of the program's
         own array); return its name and SHA-256.
         """
-        if isinstance(data, SharedBuffer):
-            # Filled in place (a device copy straight into it): kept as it
-            # is when parts are shared, else copied out.
-            if self._share is not None:
-                digest = hashlib.sha256(data.map()).hexdigest()
-                return self._append(data), digest
-            data = data.tobytes()
         view = memoryview(data).cast("B")
         payload: bytes | SharedBuffer
         if self._share is not None and view.nbytes >= PARALLEL_HASH_BYTES:
@@ -170,7 +161,7 @@ class PartCollector:
 
 
 def _encode_tensor(
-    exported: tuple[str, Sequence[int], bytes | memoryview | SharedBuffer], collector: PartCollector
+    exported: tuple[str, Sequence[int], bytes | memoryview], collector: PartCollector
 ) -> Node:
     dtype, shape, data = exported
     if not isinstance(dtype, str) or dtype not in DTYPES:
@@ -179,7 +170,7 @@ def _encode_tensor(
         isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape
     ):
         raise SerializationError("returned tensor has an invalid shape")
-    if not isinstance(data, bytes | bytearray | memoryview | SharedBuffer):
+    if not isinstance(data, bytes | bytearray | memoryview):
         raise SerializationError("returned tensor data must be bytes")
     expected = tensor_nbytes(dtype, shape)
     if len(data) != expected:

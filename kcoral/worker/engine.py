@@ -320,9 +320,10 @@ class Engine:
         del run
         if retire is None and retiring:
             retire = RETIRE_REQUEST_LIMIT
-        if retire is not None:
-            # A retiring worker exits (destroys its context) under the lease.
-            self.lease.acquire()
+        # A retiring worker keeps whatever lease it holds and takes none:
+        # its context is destroyed later under the maintenance lease the
+        # parent takes for it (WorkerProcess.retire, "teardown"), so the
+        # answer never waits for the GPU on its account.
         if retire is None:
             # The device is clean (cleanup drained it, or it was drained when
             # the lease was given back): give the GPU to the next worker now
@@ -338,8 +339,6 @@ class Engine:
                     flush=True,
                 )
                 retire = RETIRE_REQUEST_LIMIT
-                # A retiring worker exits (destroys its context) under the lease.
-                self.lease.acquire()
         return attrs.evolve(outcome, retire=retire)
 
 
@@ -709,6 +708,10 @@ class _ProgramRun:
             raise _user_failure(e) from None
 
     def _upload_bytes(self, instruction: Upload) -> bytes:
+        buffer = self.blobs.get(instruction.blob or "")
+        if isinstance(buffer, SharedBuffer):
+            # One read into the program's bytes: no mapping to populate.
+            return buffer.tobytes()
         data = self._blob(instruction.blob)
         return data if isinstance(data, bytes) else data.tobytes()
 

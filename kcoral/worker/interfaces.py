@@ -14,8 +14,6 @@ from typing import Any
 
 from zope.interface import Attribute, Interface
 
-from kcoral.wire.shared import SharedBuffer
-
 
 class IDeviceBackend(Interface):
     """What a worker can do with tensors, libraries and the device."""
@@ -44,14 +42,11 @@ class IDeviceBackend(Interface):
         @raise kcoral.errors.ExecutionError: C{unavailable} on CPU, C{compile} on a bad image.
         """
 
-    def tensor_parts(
-        value: Any,
-    ) -> tuple[str, Sequence[int], bytes | memoryview | SharedBuffer] | None:
+    def tensor_parts(value: Any) -> tuple[str, Sequence[int], bytes | memoryview] | None:
         """
         If C{value} is a tensor this backend knows, its C{(dtype, shape,
         little-endian C-contiguous bytes)}; else C{None}.  The bytes may be
-        a view (the part collector copies it) or a sealed shared buffer the
-        backend filled itself (kept as the part).
+        a view (the part collector copies it once, into the part).
         """
 
     def drain() -> None:

@@ -33,6 +33,7 @@ own session, descriptors, environment and working directory.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import selectors
@@ -233,10 +234,10 @@ class Template:
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
         _fresh_process_state()
-        from kcoral.worker.__main__ import main
+        import kcoral.worker.__main__ as worker_main
 
-        sys.argv = [sys.argv[0], *request["argv"]]
-        return main(request["argv"])
+        sys.argv = [worker_main.__file__, *request["argv"]]  # as a spawned worker's
+        return worker_main.main(request["argv"])
 
 
 def _install_fds(fds: list[int], targets: list[int]) -> None:
@@ -302,6 +303,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         forbid_user_namespaces()
     preload(args.device, args.tensor_api)
+    # Import-time objects are never garbage: out of every later collection,
+    # so a child's own start-up collection is cheap and never touches (and
+    # so copies) the pages it shares with the template.
+    gc.collect()
+    gc.freeze()
     from kcoral.worker.isolate import set_name
 
     set_name("kcoral-template")

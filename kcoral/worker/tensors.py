@@ -16,7 +16,6 @@ from typing import Any
 import numpy as np
 
 from kcoral.errors import ExecutionError
-from kcoral.wire import shared
 from kcoral.wire.program import DTYPES
 from kcoral.wire.values import numpy_dtype
 
@@ -156,21 +155,6 @@ def _copy_to_host(ptr: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarr
     raw = np.empty(math.prod(shape) * dtype.itemsize, dtype=np.uint8)
     drv.memcpy_dtoh(raw, ptr)
     return raw.view(dtype).reshape(shape)
-
-
-def shared_copy_to_host(ptr: int, nbytes: int) -> shared.SharedBuffer:
-    """
-    C{nbytes} of device memory at C{ptr} copied straight into a new sealed
-    buffer (L{kcoral.wire.shared.fill}): the one host copy of a returned
-    tensor, where a host array and then a copy of it into the buffer would
-    be two.  It is hashed later, off the lease (the part collector).
-    """
-    import pycuda.driver as drv
-
-    def copy(view: memoryview) -> None:
-        drv.memcpy_dtoh(view, ptr)
-
-    return shared.fill(nbytes, copy, "kcoral-result")
 
 
 def _cai_to_host(cai: dict[str, Any]) -> np.ndarray:

@@ -129,7 +129,14 @@ def fresh_server() -> Iterator[Callable[..., ServerProcess]]:
 def templates_of(server: ServerProcess) -> list[psutil.Process]:
     assert server.process is not None
     below = psutil.Process(server.process.pid).children(recursive=True)
-    return [p for p in below if p.name() == "kcoral-template"]
+    found = []
+    for p in below:
+        try:
+            if p.name() == "kcoral-template" and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except psutil.Error:
+            pass
+    return found
 
 
 @pytest.mark.parametrize("sandbox", SANDBOXES)
@@ -199,3 +206,44 @@ def test_child_cannot_reach_template_or_siblings(
     pid, ppid, pids, reached = json.loads(value(server, run(source, "f")))
     assert (pid, ppid) == (1, 0)
     assert pids == [1] and reached == [], (pids, reached)
+
+
+@pytest.mark.parametrize("sandbox", SANDBOXES)
+def test_killed_template_restarts(fresh_server: Callable[..., ServerProcess], sandbox: str) -> None:
+    """
+    A template killed while serving takes its workers with it; requests
+    keep being served (spawned workers meanwhile) and the template comes
+    back.
+    """
+    import signal
+    import time
+
+    server = fresh_server("--sandbox", sandbox, "--worker-termination-grace-seconds", "1")
+    [template] = templates_of(server)
+    health = server.health()
+    before = {w["pid"] for w in health["workers"] + health.get("spares", [])}
+    template.send_signal(signal.SIGKILL)
+    # Its idle workers and spares die with it; the pool replaces them (a
+    # request that took one in between would be answered "worker crashed",
+    # as for any worker killed from outside).
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        health = server.health()
+        workers = health["workers"] + health.get("spares", [])
+        if all(w.get("pid") not in before for w in workers) and all(
+            w["state"] == "idle" for w in health["workers"]
+        ):
+            break
+        time.sleep(0.1)
+    for i in range(3):
+        assert value(server, run("def f(x):\n    return x + 1\n", "f", i)) == i + 1
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        health = server.health()
+        if health["worker_start"] == "fork":
+            break
+        time.sleep(0.2)
+    assert health["templates"] == {"cpu": "ready"}, health
+    [again] = templates_of(server)
+    assert again.pid != template.pid
+    assert value(server, run("def f():\n    return 7\n", "f")) == 7

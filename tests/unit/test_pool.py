@@ -866,10 +866,26 @@ class TemplateTests(PoolTestCase):
         self.assertEqual(call["args"][:2], ["--device", "cpu"])
         self.assertEqual(seat.status, "idle")
 
-    def test_multi_gpu_workers_spawn(self) -> None:
-        """No template serves a set of GPUs: a multi-GPU worker is spawned."""
-        pool = self.make_pool()
+    def test_multi_gpu_workers(self) -> None:
+        """
+        A multi-GPU worker is spawned where each template sees its own GPU
+        only (bubblewrap); without device isolation its first GPU's
+        template forks it (CUDA_VISIBLE_DEVICES names the set).
+        """
+        from kcoral.server.template import WorkerTemplate
+
+        pool = self.make_pool(pool_config(device="gpu", gpus=(0, 1)))
+        templates = {}
+        for gpu in (0, 1):
+            templates[gpu] = WorkerTemplate(f"gpu{gpu}", self.reactor)
+            templates[gpu].connect(lambda data, fds: None)
+            templates[gpu].message({"op": "ready", "pid": 1})
+        pool.templates = dict(templates)
+        self.assertIs(pool._template_for((1,)), templates[1])
+        self.assertIs(pool._template_for((0, 1)), templates[0])
+        self.sandbox.isolates_devices = True
         self.assertIsNone(pool._template_for((0, 1)))
+        self.assertIs(pool._template_for((1,)), templates[1])
 
     def test_forked_worker_failing_at_startup_falls_back(self) -> None:
         """
@@ -908,3 +924,42 @@ class TemplateTests(PoolTestCase):
         self.assertEqual(len(spawner.spawned), 1)
         self.assertEqual(template.state, "failed")
         self.assertEqual(pool.worker_start, "spawn")
+
+    def test_failed_template_restarted(self) -> None:
+        """
+        A template that fails while serving is started again after a
+        back-off that doubles while restarts fail; meanwhile its seats spawn.
+        """
+        from kcoral.server.template import TemplateError, WorkerTemplate
+
+        pool = self.make_pool()
+        template = WorkerTemplate("cpu", self.reactor)
+        template.connect(lambda data, fds: None)
+        template.message({"op": "ready", "pid": 1})
+        template.on_failure = pool._template_lost
+        pool.templates = {None: template}
+        attempts: list[WorkerTemplate] = []
+        outcomes = [False, True]
+
+        async def start(_: WorkerPool, new: WorkerTemplate, key: int | None, make: Any) -> None:
+            attempts.append(new)
+            if not outcomes.pop(0):
+                new.broken("cannot start")
+                self.failureResultOf(new.ready, TemplateError)
+                raise TemplateError("cannot start")
+            new.connect(lambda data, fds: None)
+            new.message({"op": "ready", "pid": 2})
+
+        self.patch(WorkerPool, "_start_template", start)
+        template.broken("socket closed")
+        self.assertEqual(pool.worker_start, "spawn")
+        self.reactor.advance(pool.respawn_backoff_initial)
+        self.assertEqual(len(attempts), 1)
+        self.assertEqual(pool.worker_start, "spawn")
+        self.reactor.advance(pool.respawn_backoff_initial)  # the back-off doubled
+        self.assertEqual(len(attempts), 1)
+        self.reactor.advance(pool.respawn_backoff_initial)
+        self.assertEqual(len(attempts), 2)
+        self.assertIs(pool.templates[None], attempts[1])
+        self.assertEqual(pool.worker_start, "fork")
+        self.successResultOf(Deferred.fromCoroutine(pool.stop()))

@@ -409,6 +409,24 @@ class FailureTests(SynchronousTestCase):
         self.assertEqual(failures[1]["http_status"], 504)
         self.assertEqual(len(snapshot["recent"]), 2)
 
+    def test_template_failure_listed(self) -> None:
+        """A failed worker template is a failure, and how workers start is shown."""
+        recent = RecentRequests()
+        recent(
+            {
+                "kcoral_event": "template_failed",
+                "template": "gpu0",
+                "reason": "socket closed",
+                "log_time": 1.0,
+            }
+        )
+        snapshot = status_snapshot({**HEALTH, "worker_start": "spawn"}, recent)
+        self.assertEqual(snapshot["worker_start"], "spawn")
+        [failure] = snapshot["failures"]
+        self.assertEqual(
+            (failure["event"], failure["reason"]), ("template_failed", "socket closed")
+        )
+
 
 class RefusalStatusTests(SynchronousTestCase):
     """/status shows the refusals: the last ones and a count by status and reason."""

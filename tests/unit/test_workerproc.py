@@ -888,4 +888,5 @@ class KillBeforeThePidIsKnownTests(WorkerTestCase):
         self.reactor.advance(0.05)
         self.assertIn((4321, signal.SIGKILL), signalled)
         self.end(worker, -9)
+        self.failureResultOf(worker.ready, WorkerStartError)
         self.assertEqual(self.reactor.getDelayedCalls(), [])

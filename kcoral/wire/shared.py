@@ -22,13 +22,14 @@ those seals and exactly the declared size.
 from __future__ import annotations
 
 import array
+import contextlib
 import errno
 import mmap
 import os
 import socket
 import stat
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 fcntl: Any
@@ -211,6 +212,41 @@ def share(data: bytes | bytearray | memoryview, name: str = "kcoral") -> SharedB
         writer.discard()
         raise
     return writer.seal()
+
+
+def fill(size: int, write: Callable[[memoryview], None], name: str = "kcoral") -> SharedBuffer:
+    """
+    A new sealed buffer of C{size} bytes that C{write} fills in place through
+    a writable mapping: a GPU worker's device-to-host copy of a returned
+    tensor lands in it directly (page-locked for the copy), where a host
+    array and then a copy of it into a buffer would be two passes.
+
+    C{write} must keep no reference to the view: the mapping is closed
+    before the buffer is sealed (a writable shared mapping would make
+    C{F_SEAL_WRITE} fail).  Nothing is hashed here: a worker fills buffers
+    under its GPU lease and hashes them after it gave the lease back.
+    """
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        if size:
+            os.ftruncate(fd, size)
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            mapped = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
+            try:
+                with memoryview(mapped) as view:
+                    write(view)
+            except BaseException:
+                # The error's traceback may still hold a view of the
+                # mapping: it is unmapped when that is collected.
+                with contextlib.suppress(BufferError):
+                    mapped.close()
+                raise
+            mapped.close()
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
+    return SharedBuffer(fd, size)
 
 
 def adopt(fd: int, size: int) -> SharedBuffer:

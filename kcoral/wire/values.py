@@ -30,7 +30,9 @@ Node = dict[str, Any]
 
 #: Given a value, return C{(dtype, shape, little-endian C-contiguous bytes)}
 #: when it is a tensor, else C{None}.
-TensorParts = Callable[[object], "tuple[str, Sequence[int], bytes | memoryview] | None"]
+TensorParts = Callable[
+    [object], "tuple[str, Sequence[int], bytes | memoryview | SharedBuffer] | None"
+]
 
 
 class SerializationError(Exception):
@@ -117,11 +119,22 @@ class PartCollector:
     def __len__(self) -> int:
         return len(self.parts)
 
-    def add(self, data: bytes | bytearray | memoryview) -> tuple[str, str]:
+    def add(self, data: bytes | bytearray | memoryview | SharedBuffer) -> tuple[str, str]:
         """
         Register a part (copied now: C{data} may be a view of the program's
-        own array); return its name and SHA-256.
+        own array); return its name and SHA-256.  A L{SharedBuffer} (a
+        returned tensor copied from the device straight into one) is kept
+        as it is when parts are shared, else copied out.
         """
+        if isinstance(data, SharedBuffer):
+            if self._share is not None:
+                view = data.map()
+                try:
+                    digest = hashlib.sha256(view).hexdigest()
+                finally:
+                    _unmap(view)
+                return self._append(data), digest
+            data = data.tobytes()
         view = memoryview(data).cast("B")
         payload: bytes | SharedBuffer
         if self._share is not None and view.nbytes >= PARALLEL_HASH_BYTES:
@@ -160,8 +173,17 @@ class PartCollector:
         del self.parts[mark:]
 
 
+def _unmap(view: memoryview) -> None:
+    """Close a L{SharedBuffer.map} view's mapping now, not when it is collected."""
+    mapped = view.obj
+    view.release()
+    if hasattr(mapped, "close"):
+        mapped.close()
+
+
 def _encode_tensor(
-    exported: tuple[str, Sequence[int], bytes | memoryview], collector: PartCollector
+    exported: tuple[str, Sequence[int], bytes | memoryview | SharedBuffer],
+    collector: PartCollector,
 ) -> Node:
     dtype, shape, data = exported
     if not isinstance(dtype, str) or dtype not in DTYPES:
@@ -170,7 +192,7 @@ def _encode_tensor(
         isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape
     ):
         raise SerializationError("returned tensor has an invalid shape")
-    if not isinstance(data, bytes | bytearray | memoryview):
+    if not isinstance(data, bytes | bytearray | memoryview | SharedBuffer):
         raise SerializationError("returned tensor data must be bytes")
     expected = tensor_nbytes(dtype, shape)
     if len(data) != expected:

@@ -157,6 +157,10 @@ def serve(
                 # Text without a UTF-8 form (a lone surrogate in an error
                 # message or a key): nothing was written yet; send it mended.
                 write_message(outbox, _mended(outcome), descriptors)
+            # The backend's notes for the log, written now: during the
+            # program fd 2 was the program's captured stderr.
+            for notice in getattr(backend, "take_notices", list)():
+                print(f"kcoral worker: {notice}", file=sys.stderr, flush=True)
             if outcome.retire is not None:
                 return _retire(inbox, outbox, backend)
         else:

@@ -36,6 +36,7 @@ from zope.interface import implementer
 
 from kcoral.compilers.nvcc import find_nvcc
 from kcoral.errors import ExecutionError
+from kcoral.wire import shared
 from kcoral.wire.program import DTYPES
 from kcoral.wire.values import numpy_dtype
 from kcoral.worker.gpu_builtins import GPU_BUILTINS
@@ -98,6 +99,96 @@ def _copy_htod(drv: Any, destination: Any, view: memoryview) -> None:
     finally:
         if pointer is not None:
             _driver_library().cuMemHostUnregister(pointer)
+
+
+#: C{cuMemHostRegister} flags for a returned tensor's buffer: the device
+#: writes it (no C{READ_ONLY}); 0 is the driver's default.
+CU_MEMHOSTREGISTER_DEFAULT = 0
+
+#: Why page-locking a result buffer was refused, once per worker: set on the
+#: first refusal (later large returns copy pageable without trying again)
+#: and handed to the worker's log once by L{GpuBackend.take_notices}.
+_dtoh_refused: str | None = None
+_notices: list[str] = []
+
+
+def _refuse_dtoh(reason: str) -> None:
+    global _dtoh_refused
+    if _dtoh_refused is None:
+        _dtoh_refused = reason
+        _notices.append(
+            "returned tensors are copied to pageable memory from now on: "
+            f"page-locking a result buffer failed ({reason})"
+        )
+
+
+def _copy_dtoh_shared(drv: Any, source: int, nbytes: int) -> shared.SharedBuffer | None:
+    """
+    C{nbytes} of device memory at C{source} copied into a new sealed buffer
+    (L{kcoral.wire.shared.fill}) whose writable mapping is page-locked for
+    the copy, then unlocked: the result's one host copy, at pinned-memory
+    speed, and the buffer is what the parent streams the response from.
+
+    @return: C{None} when the mapping cannot be page-locked (logged once
+        per worker; the caller copies as before).
+    @raise Exception: the copy itself failed (the caller's copy would too).
+    """
+    if _dtoh_refused is not None or not shared.available():
+        return None
+    refused = False
+
+    def copy(view: memoryview) -> None:
+        nonlocal refused
+        host = np.frombuffer(view, dtype=np.uint8)
+        pointer = int(host.__array_interface__["data"][0])
+        try:
+            library = _driver_library()
+            status = library.cuMemHostRegister_v2(pointer, nbytes, CU_MEMHOSTREGISTER_DEFAULT)
+        except Exception as e:  # no libcuda symbol, say
+            status, error = -1, f"{type(e).__name__}: {e}"
+        else:
+            error = f"cuMemHostRegister returned {status}"
+        if status:
+            refused = True
+            _refuse_dtoh(error)
+            return
+        try:
+            drv.memcpy_dtoh(host, source)
+        finally:
+            library.cuMemHostUnregister(pointer)
+            del host
+
+    try:
+        buffer = shared.fill(nbytes, copy, "kcoral-result")
+    except OSError as e:  # no memfd or no memory for one: the host copy may still fit
+        _refuse_dtoh(f"{type(e).__name__}: {e}")
+        return None
+    if refused:
+        buffer.close()
+        return None
+    return buffer
+
+
+def _device_source(value: Any, torch: Any, ordinal: int) -> tuple[int, int] | None:
+    """
+    C{(device pointer, bytes)} of a C-contiguous GPUArray, or of a
+    contiguous CUDA torch tensor on the backend's device C{ordinal} (its
+    work finished first); C{None} for anything else (copied the general way).
+    """
+    if is_gpuarray(value):
+        if value.flags.c_contiguous and value.size:
+            return int(value.gpudata), int(value.nbytes)
+        return None
+    if torch is not None and is_torch_tensor(value):
+        if (
+            value.is_cuda
+            and value.is_contiguous()
+            and value.numel()
+            and value.get_device() == ordinal
+        ):
+            torch.cuda.synchronize()
+            return int(value.data_ptr()), int(value.numel() * value.element_size())
+    return None
 
 
 #: Values of C{--tensor-api}.
@@ -283,7 +374,9 @@ class GpuBackend:
             tensor = tensor.view(torch_dtype)
         return tensor
 
-    def tensor_parts(self, value: Any) -> tuple[str, tuple[int, ...], bytes | memoryview] | None:
+    def tensor_parts(
+        self, value: Any
+    ) -> tuple[str, tuple[int, ...], bytes | memoryview | shared.SharedBuffer] | None:
         """
         C{(dtype, shape, bytes)} of a GPUArray, torch tensor (CUDA or CPU),
         cupy array, other C{__cuda_array_interface__} exporter or numpy
@@ -292,6 +385,11 @@ class GpuBackend:
         For an element type outside the twelve, the data is not copied and
         C{(name, shape, b"")} is returned: the engine's encoder then fails
         the return with C{serialization} "cannot return tensor dtype X".
+
+        A contiguous device tensor of L{REGISTER_HOST_BYTES} or more is
+        copied straight into a sealed shared buffer, page-locked for the
+        copy (L{_copy_dtoh_shared}), and the bytes are that buffer: the part
+        collector hashes it later, off the lease, and keeps it as the part.
         """
         if is_torch_tensor(value):
             dtype, shape = value.dtype, tuple(value.shape)
@@ -305,11 +403,23 @@ class GpuBackend:
         name = element_type_name(dtype)
         if name not in DTYPES:
             return name, tuple(int(d) for d in shape), b""
+        shape = tuple(int(d) for d in shape)
+        source = _device_source(value, self._torch, self.ordinal)
+        if source is not None and source[1] >= REGISTER_HOST_BYTES:
+            buffer = _copy_dtoh_shared(self._drv, *source)
+            if buffer is not None:
+                return name, shape, buffer
         if is_torch_tensor(value):
             return torch_parts(value)
         host = to_host(value)
         assert host is not None
         return numpy_parts(host)
+
+    def take_notices(self) -> list[str]:
+        """Messages for the worker's log (written between programs, not captured)."""
+        notices = list(_notices)
+        del _notices[:]
+        return notices
 
     def cpu_only_watch(self) -> Any:
         """

@@ -10,9 +10,12 @@ parent's per-GPU lease).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from zope.interface import Attribute, Interface
+
+if TYPE_CHECKING:
+    from kcoral.wire.shared import SharedBuffer
 
 
 class IDeviceBackend(Interface):
@@ -42,11 +45,15 @@ class IDeviceBackend(Interface):
         @raise kcoral.errors.ExecutionError: C{unavailable} on CPU, C{compile} on a bad image.
         """
 
-    def tensor_parts(value: Any) -> tuple[str, Sequence[int], bytes | memoryview] | None:
+    def tensor_parts(
+        value: Any,
+    ) -> tuple[str, Sequence[int], bytes | memoryview | SharedBuffer] | None:
         """
         If C{value} is a tensor this backend knows, its C{(dtype, shape,
         little-endian C-contiguous bytes)}; else C{None}.  The bytes may be
-        a view (the part collector copies it once, into the part).
+        a view (the part collector copies it once, into the part) or a
+        sealed L{kcoral.wire.shared.SharedBuffer} the device copied into
+        (kept as the part).
         """
 
     def drain() -> None:

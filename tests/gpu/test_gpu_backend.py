@@ -72,6 +72,13 @@ def _random_bytes(dtype: str, shape: tuple[int, ...], seed: int = 0) -> bytes:
     return data.tobytes()
 
 
+def _part_bytes(part) -> bytes:
+    """The bytes of a tensor_parts result (a shared buffer for large device tensors)."""
+    from kcoral.wire import shared
+
+    return part.tobytes() if isinstance(part, shared.SharedBuffer) else bytes(part)
+
+
 @pytest.mark.gpu
 class BackendTests(SynchronousTestCase):
     """Facts, transfers and lifecycle."""
@@ -127,6 +134,47 @@ class BackendTests(SynchronousTestCase):
                 value = backend(api).upload_tensor(shared.share(data).map(), dtype, shape)
                 name, got_shape, part = backend(api).tensor_parts(value)
                 self.assertEqual((name, got_shape, bytes(part)), (dtype, shape, data), (api, dtype))
+
+    def test_large_device_tensors_returned_through_page_locked_buffers(self) -> None:
+        """
+        A contiguous device tensor of REGISTER_HOST_BYTES or more comes back
+        as a sealed shared buffer the device copied into (page-locked for
+        the copy): byte-exact at the threshold and at 64 MiB, in both tensor
+        APIs; a non-contiguous one, a CPU one and a smaller one come back as
+        host bytes, also byte-exact.
+        """
+        from kcoral.wire import shared
+        from kcoral.worker import gpu
+
+        threshold = gpu.REGISTER_HOST_BYTES
+        for api in ["pycuda"] + (["torch"] if _HAS_TORCH else []):
+            b = backend(api)
+            for dtype, nbytes in (
+                ("float32", threshold),
+                ("uint8", 64 << 20),
+                ("int8", threshold - 1),
+            ):
+                data = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
+                data = data.tobytes()
+                itemsize = 4 if dtype == "float32" else 1
+                shape = (nbytes // itemsize,)
+                value = b.upload_tensor(shared.share(data).map(), dtype, shape)
+                name, got_shape, part = b.tensor_parts(value)
+                self.assertEqual((name, got_shape), (dtype, shape))
+                self.assertEqual(isinstance(part, shared.SharedBuffer), nbytes >= threshold, api)
+                self.assertEqual(_part_bytes(part), data, (api, dtype, nbytes))
+            self.assertIsNone(gpu._dtoh_refused)
+        if _HAS_TORCH:
+            import torch
+
+            t = torch.arange(2 << 20, dtype=torch.float32, device="cuda").reshape(1024, 2048)
+            name, shape, part = backend("torch").tensor_parts(t.t())  # non-contiguous
+            self.assertNotIsInstance(part, shared.SharedBuffer)
+            self.assertEqual(bytes(part), t.t().contiguous().cpu().numpy().tobytes())
+            computed = t * 2  # fresh work on torch's stream, finished before the copy
+            name, shape, part = backend("torch").tensor_parts(computed)
+            self.assertIsInstance(part, shared.SharedBuffer)
+            self.assertEqual(_part_bytes(part), computed.cpu().numpy().tobytes())
 
     def test_upload_size_mismatch(self) -> None:
         """Data of the wrong length is C{runtime}."""
@@ -237,7 +285,7 @@ class FactoryTests(SynchronousTestCase):
         gpu_builtins.use_backend(backend("pycuda"))
 
     def _bytes(self, value) -> bytes:
-        return backend("pycuda").tensor_parts(value)[2]
+        return _part_bytes(backend("pycuda").tensor_parts(value)[2])
 
     def test_randn_seeded(self) -> None:
         """The same seed gives the same bits; default dtype float16."""

@@ -121,13 +121,14 @@ def test_tensor_round_trip(gpu_server: ServerProcess, dtype: str) -> None:
     assert body["lease_wait_ms"] + body["lease_held_ms"] <= body["elapsed_ms"] + 1e-6
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_large_tensor_round_trip(gpu_server: ServerProcess, dtype: str) -> None:
+@pytest.mark.parametrize(("dtype", "mib"), [("float32", 4), ("bfloat16", 4), ("float32", 64)])
+def test_large_tensor_round_trip(gpu_server: ServerProcess, dtype: str, mib: int) -> None:
     """
-    A 4 MiB tensor crosses to the worker and back as sealed shared buffers
-    (issue 15): byte-exact, from the cache too.
+    A 4 MiB and a 64 MiB tensor cross to the worker and back as sealed
+    shared buffers (issue 15; returned from 4 MiB by a device-to-host copy
+    into a page-locked buffer): byte-exact, from the cache too.
     """
-    data = np.random.default_rng(2).integers(0, 255, size=4 << 20, dtype=np.uint8).tobytes()
+    data = np.random.default_rng(2).integers(0, 255, size=mib << 20, dtype=np.uint8).tobytes()
     itemsize = 4 if dtype == "float32" else 2
     program = {
         "instructions": [

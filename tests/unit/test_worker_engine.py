@@ -1191,6 +1191,52 @@ def test_device_tensors_copied_under_the_lease_encoded_off_it(harness: Harness) 
 
 
 @pytest.mark.skipif(not shared.available(), reason="no sealed memfds here")
+def test_device_copy_into_a_shared_buffer_is_the_part(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """
+    A backend that copies a returned device tensor straight into a sealed
+    buffer (a GPU worker, from 4 MiB): the copy is made under the lease, the
+    buffer is hashed after the release and is the response part itself.
+    """
+    lease = _OrderedLease()
+    harness.lease = lease
+    data = bytes(range(256)) * 512
+    made: list[shared.SharedBuffer] = []
+
+    class Backend(CpuBackend):
+        def drain(self) -> None:
+            lease.events.append("drain")
+
+        def tensor_parts(self, value: Any) -> Any:
+            if type(value).__name__ == "Dev":
+                lease.events.append(f"copy held={lease.held}")
+                made.append(
+                    shared.fill(len(data), lambda view: view.__setitem__(slice(None), data))
+                )
+                return ("uint8", (len(data),), made[-1])
+            return super().tensor_parts(value)
+
+    original = shared.SharedBuffer.map
+
+    def map_and_note(self: shared.SharedBuffer) -> memoryview:
+        lease.events.append(f"hash held={lease.held}")
+        return original(self)
+
+    monkeypatch.setattr(shared.SharedBuffer, "map", map_and_note)
+    harness.engine = Engine(Backend(), lease, cpu_builtins(), share_parts=True)
+    source = "class Dev:\n    pass\ndef make():\n    return Dev()\n"
+    outcome = harness.run(
+        [module("m", source), get("f", "m", "make"), run("r", "f"), ret("out", "r")]
+    )
+    assert outcome.status == "COMPLETED", outcome.error
+    assert lease.events[-4:] == ["copy held=True", "drain", "release", "hash held=False"]
+    node = outcome.results["out"]
+    assert node["sha256"] == hashlib.sha256(data).hexdigest()
+    assert list(outcome.parts) == made
+
+
+@pytest.mark.skipif(not shared.available(), reason="no sealed memfds here")
 def test_shared_tensor_blob_mapped_before_the_lease(harness: Harness) -> None:
     """
     A tensor upload's sealed buffer is mapped (populated) before the lease

@@ -1,0 +1,135 @@
+"""
+A GPU worker copies a large returned device tensor straight into a sealed
+shared buffer whose mapping is page-locked for the copy
+(kcoral.worker.gpu._copy_dtoh_shared), on a machine without a GPU: the
+driver library and PyCUDA's copy are stood in for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kcoral.wire import shared
+from kcoral.wire.values import PartCollector
+from kcoral.worker import gpu
+
+pytestmark = pytest.mark.skipif(not shared.available(), reason="no sealed memfds here")
+
+
+class FakeLibrary:
+    def __init__(self, status: int = 0) -> None:
+        self.status = status
+        self.calls: list[tuple[Any, ...]] = []
+
+    def cuMemHostRegister_v2(self, pointer: int, size: int, flags: int) -> int:
+        self.calls.append(("register", pointer, size, flags))
+        return self.status
+
+    def cuMemHostUnregister(self, pointer: int) -> int:
+        self.calls.append(("unregister", pointer))
+        return 0
+
+
+class FakeDriver:
+    """PyCUDA's memcpy_dtoh, from a dict of "device" byte strings by address."""
+
+    def __init__(self, memory: dict[int, bytes], fail: bool = False) -> None:
+        self.memory = memory
+        self.fail = fail
+        self.copies = 0
+
+    def memcpy_dtoh(self, destination: np.ndarray, source: int) -> None:
+        self.copies += 1
+        if self.fail:
+            raise RuntimeError("cuMemcpyDtoH failed: an illegal memory access")
+        data = self.memory[source]
+        destination[:] = np.frombuffer(data, dtype=np.uint8)
+
+
+@pytest.fixture
+def library(monkeypatch: pytest.MonkeyPatch) -> FakeLibrary:
+    fake = FakeLibrary()
+    monkeypatch.setattr(gpu, "_libcuda", fake)
+    monkeypatch.setattr(gpu, "_dtoh_refused", None)
+    monkeypatch.setattr(gpu, "_notices", [])
+    return fake
+
+
+def device_bytes(size: int) -> bytes:
+    return np.random.default_rng(5).integers(0, 256, size, dtype=np.uint8).tobytes()
+
+
+def memfds() -> int:
+    return sum("memfd:" in os.readlink(f"/proc/self/fd/{fd}") for fd in _fds())
+
+
+def _fds() -> list[str]:
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        found.append(name)
+    return found
+
+
+def test_copied_into_a_sealed_buffer_page_locked_for_the_copy(library: FakeLibrary) -> None:
+    data = device_bytes(gpu.REGISTER_HOST_BYTES)
+    driver = FakeDriver({0x7000: data})
+    buffer = gpu._copy_dtoh_shared(driver, 0x7000, len(data))
+    assert buffer is not None
+    assert buffer.tobytes() == data
+    # Sealed as any shared part: the parent adopts it.
+    shared.adopt(os.dup(buffer.fileno()), len(data)).close()
+    assert [call[0] for call in library.calls] == ["register", "unregister"]
+    register, unregister = library.calls
+    assert register[2:] == (len(data), gpu.CU_MEMHOSTREGISTER_DEFAULT)
+    assert unregister[1] == register[1]
+    assert driver.copies == 1
+
+
+def test_refused_registration_falls_back_and_is_noted_once(library: FakeLibrary) -> None:
+    library.status = 201  # CUDA_ERROR_INVALID_CONTEXT, say
+    data = device_bytes(gpu.REGISTER_HOST_BYTES)
+    driver = FakeDriver({1: data})
+    before = memfds()
+    assert gpu._copy_dtoh_shared(driver, 1, len(data)) is None
+    assert memfds() == before  # the unused buffer is freed
+    assert driver.copies == 0
+    # Not tried again in this worker; one notice for its log.
+    assert gpu._copy_dtoh_shared(driver, 1, len(data)) is None
+    assert [call[0] for call in library.calls] == ["register"]
+    backend = object.__new__(gpu.GpuBackend)
+    notices = backend.take_notices()
+    assert len(notices) == 1 and "cuMemHostRegister returned 201" in notices[0]
+    assert backend.take_notices() == []
+
+
+def test_failed_copy_raises_after_unregistering(library: FakeLibrary) -> None:
+    data = device_bytes(gpu.REGISTER_HOST_BYTES)
+    before = memfds()
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        gpu._copy_dtoh_shared(FakeDriver({1: data}, fail=True), 1, len(data))
+    assert [call[0] for call in library.calls] == ["register", "unregister"]
+    assert memfds() == before
+    assert gpu._dtoh_refused is None  # a copy error is the program's, not the path's
+
+
+def test_part_collector_keeps_the_buffer_and_hashes_it(library: FakeLibrary) -> None:
+    data = device_bytes(gpu.REGISTER_HOST_BYTES)
+    buffer = gpu._copy_dtoh_shared(FakeDriver({1: data}), 1, len(data))
+    assert buffer is not None
+    parts = PartCollector(shared.share)
+    name, digest = parts.add(buffer)
+    assert (name, digest) == ("return:0", hashlib.sha256(data).hexdigest())
+    assert parts.parts == [buffer] and parts.total_bytes == len(data)
+    # Without shared parts (inline frames) the bytes are copied out.
+    inline = PartCollector()
+    assert inline.add(buffer)[1] == digest
+    assert inline.parts == [data]

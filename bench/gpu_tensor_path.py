@@ -14,7 +14,18 @@ with a sealed shared buffer (L{kcoral.wire.shared}):
  - C{d2h_then_share}: device to a fresh host array, then into a new memfd
    (what workers do for a returned tensor);
  - C{d2h_into_memfd}: device straight into a writable mapping of a new
-   memfd, unmapped and sealed afterwards (slower on the H200: not used).
+   memfd, unmapped and sealed afterwards (pageable: slower on the H200);
+ - C{d2h_registered_memfd}: the same with the mapping page-locked for the
+   copy (C{cuMemHostRegister}, then unregistered), through the worker's own
+   code (L{kcoral.worker.gpu._copy_dtoh_shared}: what workers do for a
+   returned device tensor from 4 MiB);
+ - C{register_memfd}: only the page-locking of that path (a new memfd,
+   mapped, registered, unregistered, sealed; no copy): its fixed cost;
+ - C{d2h_pinned_staging}: device to a page-locked staging buffer kept
+   across returns, then into a new memfd (the alternative to registering
+   per return);
+ - C{hash_memfd}: SHA-256 of a result buffer's mapping (the part
+   collector's pass, made after the lease is released).
 
 Part 2, through our server (C{--device gpu}, workers reused, C{--sandbox
 none}, its logs beside the JSON output): the reference client's flow for a
@@ -124,12 +135,65 @@ def copy_paths(size: int, repeat: int) -> dict[str, Any]:
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, shared.SEALS)
         shared.SharedBuffer(fd, size).close()
 
+    from kcoral.worker import gpu
+
+    def d2h_registered_memfd() -> None:
+        result = gpu._copy_dtoh_shared(drv, int(device), size)
+        if result is None:
+            raise RuntimeError(f"page-locking refused: {gpu._dtoh_refused}")
+        result.close()
+
+    def register_memfd() -> None:
+        def register(view: memoryview) -> None:
+            host = np.frombuffer(view, dtype=np.uint8)
+            pointer = host.__array_interface__["data"][0]
+            status = libcuda.cuMemHostRegister_v2(
+                ctypes.c_void_p(pointer), ctypes.c_size_t(size), 0
+            )
+            if status != 0:
+                raise RuntimeError(f"cuMemHostRegister failed: {status}")
+            libcuda.cuMemHostUnregister(ctypes.c_void_p(pointer))
+            del host
+
+        shared.fill(size, register).close()
+
+    staging = drv.pagelocked_empty(size, np.uint8)
+
+    def d2h_pinned_staging() -> None:
+        drv.memcpy_dtoh(staging, device)
+        shared.share(memoryview(staging)).close()
+
+    result_buffer = shared.share(memoryview(data).cast("B"))
+
+    def hash_memfd() -> None:
+        view = result_buffer.map()
+        hashlib.sha256(view).hexdigest()
+        view.release()
+
+    def check_registered_bytes() -> None:
+        drv.memcpy_htod(device, data)
+        result = gpu._copy_dtoh_shared(drv, int(device), size)
+        if result is None or result.tobytes() != data.tobytes():
+            raise RuntimeError("d2h_registered_memfd: bytes differ (or refused)")
+        result.close()
+
+    try:
+        check_registered_bytes()
+        out["d2h_registered_memfd_bytes_exact"] = True
+    except Exception as e:
+        out["d2h_registered_memfd_bytes_exact"] = f"{type(e).__name__}: {e}"
+    print(f"  d2h_registered_memfd byte-exact: {out['d2h_registered_memfd_bytes_exact']}")
+
     for name, fn in [
         ("h2d_mapped", h2d_mapped),
         ("h2d_registered", h2d_registered),
         ("h2d_staged", h2d_staged),
         ("d2h_then_share", d2h_then_share),
         ("d2h_into_memfd", d2h_into_memfd),
+        ("d2h_registered_memfd", d2h_registered_memfd),
+        ("register_memfd", register_memfd),
+        ("d2h_pinned_staging", d2h_pinned_staging),
+        ("hash_memfd", hash_memfd),
     ]:
         try:
             fn()  # warm-up
@@ -143,7 +207,20 @@ def copy_paths(size: int, repeat: int) -> dict[str, Any]:
             if "p50_ms" in result
             else result["error"]
         )
-        print(f"  {name:<16} {shown}")
+        print(f"  {name:<20} {shown}")
+    ways = {
+        "registered": "d2h_registered_memfd",
+        "staging": "d2h_pinned_staging",
+        "pageable": "d2h_then_share",
+    }
+    timed_ways = {how: out[row]["p50_ms"] for how, row in ways.items() if "p50_ms" in out[row]}
+    if timed_ways:
+        best = min(timed_ways, key=timed_ways.__getitem__)
+        out["dtoh_copy_fastest"] = best
+        print(
+            f"  returned tensors: fastest way {best} (KCORAL_DTOH_COPY; workers default to"
+            f" registered): " + ", ".join(f"{how} {ms:.1f} ms" for how, ms in timed_ways.items())
+        )
     return out
 
 

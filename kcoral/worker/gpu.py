@@ -169,6 +169,56 @@ def _copy_dtoh_shared(drv: Any, source: int, nbytes: int) -> shared.SharedBuffer
     return buffer
 
 
+#: How a large returned device tensor reaches its shared buffer, from the
+#: server's environment (bench/gpu_tensor_path.py measures each way):
+#: C{registered} (the default) page-locks the new buffer's mapping for the
+#: copy; C{staging} copies into a page-locked buffer the worker keeps
+#: (grown to the largest return so far, at most L{STAGING_MAX_BYTES}) and
+#: from there into a new buffer; C{pageable} copies through a host array as
+#: smaller tensors do.
+DTOH_COPY_ENV = "KCORAL_DTOH_COPY"
+DTOH_COPIES = ("registered", "staging", "pageable")
+
+#: The largest page-locked staging buffer a worker keeps (larger returns
+#: are registered instead).
+STAGING_MAX_BYTES = 64 << 20
+
+
+def _dtoh_copy() -> str:
+    how = os.environ.get(DTOH_COPY_ENV, "registered")
+    return how if how in DTOH_COPIES else "registered"
+
+
+class _Staging:
+    """A worker's page-locked staging buffer for returned tensors."""
+
+    def __init__(self) -> None:
+        self.buffer: Any = None
+
+    def copy(self, drv: Any, source: int, nbytes: int) -> shared.SharedBuffer | None:
+        """
+        C{nbytes} at C{source} copied to the staging buffer, then into a new
+        sealed buffer (C{None} when no page-locked memory can be had: logged
+        once, the caller copies as before).
+        """
+        if _dtoh_refused is not None or not shared.available():
+            return None
+        if self.buffer is None or self.buffer.nbytes < nbytes:
+            self.buffer = None
+            try:
+                self.buffer = drv.pagelocked_empty(nbytes, np.uint8)
+            except Exception as e:
+                _refuse_dtoh(f"pagelocked_empty: {type(e).__name__}: {e}")
+                return None
+        host = self.buffer[:nbytes]
+        drv.memcpy_dtoh(host, source)
+        try:
+            return shared.share(memoryview(host), "kcoral-result")
+        except OSError as e:
+            _refuse_dtoh(f"{type(e).__name__}: {e}")
+            return None
+
+
 def _device_source(value: Any, torch: Any, ordinal: int) -> tuple[int, int] | None:
     """
     C{(device pointer, bytes)} of a C-contiguous GPUArray, or of a
@@ -267,6 +317,8 @@ class GpuBackend:
         self.tensor_api = "torch" if self._torch is not None else "pycuda"
         self._l2_flush: Any = None
         self._spin: Any = _UNSET
+        self._dtoh_copy = _dtoh_copy()
+        self._staging = _Staging()
 
     # -- facts -------------------------------------------------------------
 
@@ -388,8 +440,9 @@ class GpuBackend:
 
         A contiguous device tensor of L{REGISTER_HOST_BYTES} or more is
         copied straight into a sealed shared buffer, page-locked for the
-        copy (L{_copy_dtoh_shared}), and the bytes are that buffer: the part
-        collector hashes it later, off the lease, and keeps it as the part.
+        copy (L{_copy_dtoh_shared}; or through a staging buffer, see
+        L{DTOH_COPY_ENV}), and the bytes are that buffer: the part collector
+        hashes it later, off the lease, and keeps it as the part.
         """
         if is_torch_tensor(value):
             dtype, shape = value.dtype, tuple(value.shape)
@@ -405,8 +458,15 @@ class GpuBackend:
             return name, tuple(int(d) for d in shape), b""
         shape = tuple(int(d) for d in shape)
         source = _device_source(value, self._torch, self.ordinal)
-        if source is not None and source[1] >= REGISTER_HOST_BYTES:
-            buffer = _copy_dtoh_shared(self._drv, *source)
+        if (
+            source is not None
+            and source[1] >= REGISTER_HOST_BYTES
+            and self._dtoh_copy != "pageable"
+        ):
+            if self._dtoh_copy == "staging" and source[1] <= STAGING_MAX_BYTES:
+                buffer = self._staging.copy(self._drv, *source)
+            else:
+                buffer = _copy_dtoh_shared(self._drv, *source)
             if buffer is not None:
                 return name, shape, buffer
         if is_torch_tensor(value):

@@ -133,3 +133,62 @@ def test_part_collector_keeps_the_buffer_and_hashes_it(library: FakeLibrary) -> 
     inline = PartCollector()
     assert inline.add(buffer)[1] == digest
     assert inline.parts == [data]
+
+
+class StagingDriver(FakeDriver):
+    def __init__(self, memory: dict[int, bytes], refuse: bool = False) -> None:
+        super().__init__(memory)
+        self.refuse = refuse
+        self.allocated: list[int] = []
+
+    def pagelocked_empty(self, size: int, dtype: Any) -> np.ndarray:
+        if self.refuse:
+            raise MemoryError("cuMemHostAlloc failed: out of memory")
+        self.allocated.append(size)
+        return np.empty(size, dtype)
+
+
+def test_staging_buffer_kept_and_grown(library: FakeLibrary) -> None:
+    small, large = device_bytes(gpu.REGISTER_HOST_BYTES), device_bytes(2 * gpu.REGISTER_HOST_BYTES)
+    driver = StagingDriver({1: small, 2: large})
+    staging = gpu._Staging()
+    got = [staging.copy(driver, source, len(driver.memory[source])) for source in (1, 2, 1)]
+    assert [b.tobytes() if b else None for b in got] == [small, large, small]
+    assert driver.allocated == [len(small), len(large)]  # grown once, then kept
+    assert library.calls == []  # nothing registered per return
+
+
+def test_staging_refused_falls_back(library: FakeLibrary) -> None:
+    data = device_bytes(gpu.REGISTER_HOST_BYTES)
+    assert gpu._Staging().copy(StagingDriver({1: data}, refuse=True), 1, len(data)) is None
+    assert "pagelocked_empty" in (gpu._dtoh_refused or "")
+
+
+@pytest.mark.parametrize(
+    ("how", "registered", "staged"),
+    [("registered", 1, 0), ("staging", 0, 1), ("pageable", 0, 0), ("bogus", 1, 0)],
+)
+def test_backend_picks_the_copy_from_the_environment(
+    library: FakeLibrary, monkeypatch: pytest.MonkeyPatch, how: str, registered: int, staged: int
+) -> None:
+    """KCORAL_DTOH_COPY picks the way; small tensors never take one."""
+    monkeypatch.setenv(gpu.DTOH_COPY_ENV, how)
+    data = device_bytes(gpu.REGISTER_HOST_BYTES)
+    backend = object.__new__(gpu.GpuBackend)
+    backend._drv = StagingDriver({9: data})
+    backend._torch = None
+    backend.ordinal = 0
+    backend._dtoh_copy = gpu._dtoh_copy()
+    backend._staging = gpu._Staging()
+    array = np.frombuffer(data, dtype=np.uint8)
+    sources = {id(array): (9, len(data))}
+    monkeypatch.setattr(gpu, "_device_source", lambda value, torch, ordinal: sources.get(id(value)))
+    name, shape, part = backend.tensor_parts(array)
+    assert (name, shape) == ("uint8", (len(data),))
+    assert isinstance(part, shared.SharedBuffer) == bool(registered or staged)
+    assert (part.tobytes() if isinstance(part, shared.SharedBuffer) else bytes(part)) == data
+    assert sum(call[0] == "register" for call in library.calls) == registered
+    assert len(backend._drv.allocated) == staged
+    small = np.zeros(16, np.uint8)
+    sources[id(small)] = (9, 16)
+    assert isinstance(backend.tensor_parts(small)[2], memoryview)

@@ -157,10 +157,7 @@ def serve(
                 # Text without a UTF-8 form (a lone surrogate in an error
                 # message or a key): nothing was written yet; send it mended.
                 write_message(outbox, _mended(outcome), descriptors)
-            # The backend's notes for the log, written now: during the
-            # program fd 2 was the program's captured stderr.
-            for notice in getattr(backend, "take_notices", list)():
-                print(f"kcoral worker: {notice}", file=sys.stderr, flush=True)
+            _log_notices(backend, sys.stderr)
             if outcome.retire is not None:
                 return _retire(inbox, outbox, backend)
         else:
@@ -182,6 +179,16 @@ def _same_socket(sock: socket.socket, identity: tuple[int, int] | None) -> bool:
 
 def _inline(part: bytes | SharedBuffer) -> bytes:
     return part if isinstance(part, bytes) else part.tobytes()
+
+
+def _log_notices(backend: Any, stream: Any) -> None:
+    """
+    Write the backend's notes for the log (a GPU backend's fallback from
+    page-locked returns, say) to the worker's stderr: written between
+    programs, because during one fd 2 is the program's captured stderr.
+    """
+    for notice in getattr(backend, "take_notices", list)():
+        print(f"kcoral worker: {notice}", file=stream, flush=True)
 
 
 def _retire(inbox: IO[bytes], outbox: IO[bytes], backend: Any) -> int:

@@ -77,3 +77,23 @@ def test_gpu_worker_exit_or_end_leaves_normally(exits: list[int]) -> None:
     assert worker_main._retire(_inbox(Exit()), io.BytesIO(), backend) == 0
     assert worker_main._retire(_inbox(), io.BytesIO(), backend) == 0
     assert backend.calls == 0 and exits == []
+
+
+def test_backend_notices_logged_between_programs() -> None:
+    """A backend's notes go to the worker's stderr once; a backend without any is fine."""
+
+    class Noting:
+        notes = ["page-locking a result buffer failed (cuMemHostRegister returned 201)"]
+
+        def take_notices(self) -> list[str]:
+            notes, self.notes = self.notes, []
+            return notes
+
+    stream = io.StringIO()
+    backend = Noting()
+    worker_main._log_notices(backend, stream)
+    worker_main._log_notices(backend, stream)
+    worker_main._log_notices(_Backend(uses_lease=False), stream)
+    assert stream.getvalue() == (
+        "kcoral worker: page-locking a result buffer failed (cuMemHostRegister returned 201)\n"
+    )

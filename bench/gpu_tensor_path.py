@@ -17,13 +17,16 @@ with a sealed shared buffer (L{kcoral.wire.shared}):
    memfd, unmapped and sealed afterwards (pageable: slower on the H200);
  - C{d2h_registered_memfd}: the same with the mapping page-locked for the
    copy (C{cuMemHostRegister}, then unregistered), through the worker's own
-   code (L{kcoral.worker.gpu._copy_dtoh_shared}: what workers do for a
-   returned device tensor from 4 MiB);
+   code (L{kcoral.worker.gpu._copy_dtoh_shared}: C{KCORAL_DTOH_COPY=registered},
+   and returns over 64 MiB);
+ - C{d2h_registered_unpopulated}: the same without C{MAP_POPULATE} (the
+   registration faults the pages in);
  - C{register_memfd}: only the page-locking of that path (a new memfd,
    mapped, registered, unregistered, sealed; no copy): its fixed cost;
  - C{d2h_pinned_staging}: device to a page-locked staging buffer kept
-   across returns, then into a new memfd (the alternative to registering
-   per return);
+   across returns, then into a new memfd through the worker's own code
+   (L{kcoral.worker.gpu._Staging}: what workers do for a returned device
+   tensor from 4 MiB to 64 MiB);
  - C{hash_memfd}: SHA-256 of a result buffer's mapping (the part
    collector's pass, made after the lease is released).
 
@@ -157,11 +160,35 @@ def copy_paths(size: int, repeat: int) -> dict[str, Any]:
 
         shared.fill(size, register).close()
 
-    staging = drv.pagelocked_empty(size, np.uint8)
+    def d2h_registered_unpopulated() -> None:
+        # As d2h_registered_memfd without MAP_POPULATE: the registration
+        # faults the pages in (one walk over them instead of two).
+        import fcntl
+
+        fd = os.memfd_create("kcoral-result", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        os.ftruncate(fd, size)
+        mapped = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        host = np.frombuffer(mapped, dtype=np.uint8)
+        pointer = host.__array_interface__["data"][0]
+        status = libcuda.cuMemHostRegister_v2(ctypes.c_void_p(pointer), ctypes.c_size_t(size), 0)
+        if status != 0:
+            raise RuntimeError(f"cuMemHostRegister failed: {status}")
+        try:
+            drv.memcpy_dtoh(host, device)
+        finally:
+            libcuda.cuMemHostUnregister(ctypes.c_void_p(pointer))
+        del host
+        mapped.close()
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, shared.SEALS)
+        shared.SharedBuffer(fd, size).close()
+
+    staging = gpu._Staging()
 
     def d2h_pinned_staging() -> None:
-        drv.memcpy_dtoh(staging, device)
-        shared.share(memoryview(staging)).close()
+        result = staging.copy(drv, int(device), size)
+        if result is None:
+            raise RuntimeError(f"page-locked staging refused: {gpu._dtoh_refused}")
+        result.close()
 
     result_buffer = shared.share(memoryview(data).cast("B"))
 
@@ -170,19 +197,26 @@ def copy_paths(size: int, repeat: int) -> dict[str, Any]:
         hashlib.sha256(view).hexdigest()
         view.release()
 
-    def check_registered_bytes() -> None:
+    def check_bytes(name: str, copy: Any) -> None:
         drv.memcpy_htod(device, data)
-        result = gpu._copy_dtoh_shared(drv, int(device), size)
-        if result is None or result.tobytes() != data.tobytes():
-            raise RuntimeError("d2h_registered_memfd: bytes differ (or refused)")
-        result.close()
+        try:
+            result = copy(drv, int(device), size)
+            if result is None or result.tobytes() != data.tobytes():
+                raise RuntimeError("bytes differ (or refused)")
+            result.close()
+            out[f"{name}_bytes_exact"] = True
+        except Exception as e:
+            out[f"{name}_bytes_exact"] = f"{type(e).__name__}: {e}"
+        print(f"  {name} byte-exact: {out[f'{name}_bytes_exact']}")
 
+    check_bytes("d2h_registered_memfd", gpu._copy_dtoh_shared)
+    check_bytes("d2h_pinned_staging", gpu._Staging().copy)
     try:
-        check_registered_bytes()
-        out["d2h_registered_memfd_bytes_exact"] = True
-    except Exception as e:
-        out["d2h_registered_memfd_bytes_exact"] = f"{type(e).__name__}: {e}"
-    print(f"  d2h_registered_memfd byte-exact: {out['d2h_registered_memfd_bytes_exact']}")
+        with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
+            out["shmem_hugepages"] = f.read().strip()
+    except OSError:
+        out["shmem_hugepages"] = None
+    print(f"  shmem transparent huge pages: {out['shmem_hugepages']}")
 
     for name, fn in [
         ("h2d_mapped", h2d_mapped),
@@ -191,6 +225,7 @@ def copy_paths(size: int, repeat: int) -> dict[str, Any]:
         ("d2h_then_share", d2h_then_share),
         ("d2h_into_memfd", d2h_into_memfd),
         ("d2h_registered_memfd", d2h_registered_memfd),
+        ("d2h_registered_unpopulated", d2h_registered_unpopulated),
         ("register_memfd", register_memfd),
         ("d2h_pinned_staging", d2h_pinned_staging),
         ("hash_memfd", hash_memfd),
@@ -207,7 +242,7 @@ def copy_paths(size: int, repeat: int) -> dict[str, Any]:
             if "p50_ms" in result
             else result["error"]
         )
-        print(f"  {name:<20} {shown}")
+        print(f"  {name:<26} {shown}")
     ways = {
         "registered": "d2h_registered_memfd",
         "staging": "d2h_pinned_staging",
@@ -219,7 +254,8 @@ def copy_paths(size: int, repeat: int) -> dict[str, Any]:
         out["dtoh_copy_fastest"] = best
         print(
             f"  returned tensors: fastest way {best} (KCORAL_DTOH_COPY; workers default to"
-            f" registered): " + ", ".join(f"{how} {ms:.1f} ms" for how, ms in timed_ways.items())
+            f" {gpu.DTOH_COPIES[0]}): "
+            + ", ".join(f"{how} {ms:.1f} ms" for how, ms in timed_ways.items())
         )
     return out
 

@@ -138,41 +138,48 @@ class BackendTests(SynchronousTestCase):
     def test_large_device_tensors_returned_through_page_locked_buffers(self) -> None:
         """
         A contiguous device tensor of REGISTER_HOST_BYTES or more comes back
-        as a sealed shared buffer the device copied into (page-locked for
-        the copy): byte-exact at the threshold and at 64 MiB, in both tensor
-        APIs; a non-contiguous one, a CPU one and a smaller one come back as
-        host bytes, also byte-exact.
+        as a sealed shared buffer filled at pinned-memory speed, each way
+        (KCORAL_DTOH_COPY: staging, registered; pageable gives host bytes):
+        byte-exact at the threshold and at 64 MiB, in both tensor APIs; a
+        non-contiguous one and a smaller one come back as host bytes.
         """
         from kcoral.wire import shared
         from kcoral.worker import gpu
 
         threshold = gpu.REGISTER_HOST_BYTES
+        cases = (("float32", threshold), ("uint8", 64 << 20), ("int8", threshold - 1))
         for api in ["pycuda"] + (["torch"] if _HAS_TORCH else []):
             b = backend(api)
-            for dtype, nbytes in (
-                ("float32", threshold),
-                ("uint8", 64 << 20),
-                ("int8", threshold - 1),
-            ):
-                data = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
-                data = data.tobytes()
-                itemsize = 4 if dtype == "float32" else 1
-                shape = (nbytes // itemsize,)
-                value = b.upload_tensor(shared.share(data).map(), dtype, shape)
-                name, got_shape, part = b.tensor_parts(value)
-                self.assertEqual((name, got_shape), (dtype, shape))
-                self.assertEqual(isinstance(part, shared.SharedBuffer), nbytes >= threshold, api)
-                self.assertEqual(_part_bytes(part), data, (api, dtype, nbytes))
+            default = b._dtoh_copy
+            try:
+                for how in gpu.DTOH_COPIES:
+                    b._dtoh_copy = how
+                    for dtype, nbytes in cases:
+                        rng = np.random.default_rng(nbytes)
+                        data = rng.integers(0, 256, nbytes, dtype=np.uint8).tobytes()
+                        shape = (nbytes // (4 if dtype == "float32" else 1),)
+                        value = b.upload_tensor(shared.share(data).map(), dtype, shape)
+                        name, got_shape, part = b.tensor_parts(value)
+                        label = (api, how, dtype, nbytes)
+                        self.assertEqual((name, got_shape), (dtype, shape), label)
+                        expect_shared = nbytes >= threshold and how != "pageable"
+                        self.assertEqual(
+                            isinstance(part, shared.SharedBuffer), expect_shared, label
+                        )
+                        self.assertEqual(_part_bytes(part), data, label)
+            finally:
+                b._dtoh_copy = default
             self.assertIsNone(gpu._dtoh_refused)
         if _HAS_TORCH:
             import torch
 
+            b = backend("torch")
             t = torch.arange(2 << 20, dtype=torch.float32, device="cuda").reshape(1024, 2048)
-            name, shape, part = backend("torch").tensor_parts(t.t())  # non-contiguous
+            name, shape, part = b.tensor_parts(t.t())  # non-contiguous
             self.assertNotIsInstance(part, shared.SharedBuffer)
             self.assertEqual(bytes(part), t.t().contiguous().cpu().numpy().tobytes())
             computed = t * 2  # fresh work on torch's stream, finished before the copy
-            name, shape, part = backend("torch").tensor_parts(computed)
+            name, shape, part = b.tensor_parts(computed)
             self.assertIsInstance(part, shared.SharedBuffer)
             self.assertEqual(_part_bytes(part), computed.cpu().numpy().tobytes())
 

@@ -166,13 +166,20 @@ def test_staging_refused_falls_back(library: FakeLibrary) -> None:
 
 @pytest.mark.parametrize(
     ("how", "registered", "staged"),
-    [("registered", 1, 0), ("staging", 0, 1), ("pageable", 0, 0), ("bogus", 1, 0)],
+    [("registered", 1, 0), ("staging", 0, 1), ("pageable", 0, 0), ("bogus", 0, 1), (None, 0, 1)],
 )
 def test_backend_picks_the_copy_from_the_environment(
-    library: FakeLibrary, monkeypatch: pytest.MonkeyPatch, how: str, registered: int, staged: int
+    library: FakeLibrary,
+    monkeypatch: pytest.MonkeyPatch,
+    how: str | None,
+    registered: int,
+    staged: int,
 ) -> None:
-    """KCORAL_DTOH_COPY picks the way; small tensors never take one."""
-    monkeypatch.setenv(gpu.DTOH_COPY_ENV, how)
+    """KCORAL_DTOH_COPY picks the way (staging unless it names another); small tensors never."""
+    if how is None:
+        monkeypatch.delenv(gpu.DTOH_COPY_ENV, raising=False)
+    else:
+        monkeypatch.setenv(gpu.DTOH_COPY_ENV, how)
     data = device_bytes(gpu.REGISTER_HOST_BYTES)
     backend = object.__new__(gpu.GpuBackend)
     backend._drv = StagingDriver({9: data})
@@ -192,3 +199,23 @@ def test_backend_picks_the_copy_from_the_environment(
     small = np.zeros(16, np.uint8)
     sources[id(small)] = (9, 16)
     assert isinstance(backend.tensor_parts(small)[2], memoryview)
+
+
+def test_staging_past_its_limit_registers(
+    library: FakeLibrary, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A return larger than STAGING_MAX_BYTES is registered instead (no pinned buffer that big)."""
+    monkeypatch.delenv(gpu.DTOH_COPY_ENV, raising=False)
+    monkeypatch.setattr(gpu, "STAGING_MAX_BYTES", gpu.REGISTER_HOST_BYTES)
+    data = device_bytes(gpu.REGISTER_HOST_BYTES + 4096)
+    backend = object.__new__(gpu.GpuBackend)
+    backend._drv = StagingDriver({9: data})
+    backend._torch = None
+    backend.ordinal = 0
+    backend._dtoh_copy = gpu._dtoh_copy()
+    backend._staging = gpu._Staging()
+    monkeypatch.setattr(gpu, "_device_source", lambda value, torch, ordinal: (9, len(data)))
+    part = backend.tensor_parts(np.frombuffer(data, dtype=np.uint8))[2]
+    assert isinstance(part, shared.SharedBuffer) and part.tobytes() == data
+    assert backend._drv.allocated == []
+    assert [call[0] for call in library.calls] == ["register", "unregister"]

@@ -624,6 +624,7 @@ class GpuBackend:
             return
         self._closed = True
         self._l2_flush = None
+        self._staging.buffer = None  # page-locked memory freed before its context
         gc.collect()
         try:
             self._drv.Context.synchronize()

@@ -23,12 +23,15 @@ with a sealed shared buffer (L{kcoral.wire.shared}):
    registration faults the pages in);
  - C{register_memfd}: only the page-locking of that path (a new memfd,
    mapped, registered, unregistered, sealed; no copy): its fixed cost;
- - C{d2h_pinned_staging}: device to a page-locked staging buffer kept
-   across returns, then into a new memfd through the worker's own code
-   (L{kcoral.worker.gpu._Staging}: what workers do for a returned device
-   tensor from 4 MiB to 64 MiB);
+ - C{d2h_pinned_staging}: device to the worker's page-locked staging
+   buffer, kept across returns (L{kcoral.worker.gpu._Staging}: what workers
+   do under the lease for a returned device tensor from 4 MiB to 64 MiB;
+   the part collector writes the memfd from it after the lease);
  - C{hash_memfd}: SHA-256 of a result buffer's mapping (the part
-   collector's pass, made after the lease is released).
+   collector's pass, made after the lease is released);
+ - C{return_staging}, C{return_registered}, C{return_pageable}: the whole
+   of a return each way (C{KCORAL_DTOH_COPY}), the copy and the part
+   collector's memfd and hash; the fastest is printed.
 
 Part 2, through our server (C{--device gpu}, workers reused, C{--sandbox
 none}, its logs beside the JSON output): the reference client's flow for a
@@ -70,6 +73,7 @@ import common  # noqa: E402
 from kcoral.testing.live_server import ServerProcess  # noqa: E402
 from kcoral.wire import shared  # noqa: E402
 from kcoral.wire.multipart import decode_response  # noqa: E402
+from kcoral.wire.values import PartCollector  # noqa: E402
 
 #: cuMemHostRegister flags.
 CU_MEMHOSTREGISTER_READ_ONLY = 0x08
@@ -185,10 +189,31 @@ def copy_paths(size: int, repeat: int) -> dict[str, Any]:
     staging = gpu._Staging()
 
     def d2h_pinned_staging() -> None:
-        result = staging.copy(drv, int(device), size)
-        if result is None:
+        # Under the lease: only the copy into the staging buffer.
+        if staging.copy(drv, int(device), size) is None:
             raise RuntimeError(f"page-locked staging refused: {gpu._dtoh_refused}")
-        result.close()
+        staging.release()
+
+    # The whole of a return, the worker's own code: under the lease the copy,
+    # after it the part (the memfd written and hashed by the part collector).
+    def return_staging() -> None:
+        view = staging.copy(drv, int(device), size)
+        if view is None:
+            raise RuntimeError(f"page-locked staging refused: {gpu._dtoh_refused}")
+        PartCollector(shared.share).add(view)
+        staging.release()
+
+    def return_registered() -> None:
+        buffer = gpu._copy_dtoh_shared(drv, int(device), size)
+        if buffer is None:
+            raise RuntimeError(f"page-locking refused: {gpu._dtoh_refused}")
+        PartCollector(shared.share).add(buffer)
+        buffer.close()
+
+    def return_pageable() -> None:
+        host = np.empty(size, np.uint8)
+        drv.memcpy_dtoh(host, device)
+        PartCollector(shared.share).add(memoryview(host))
 
     result_buffer = shared.share(memoryview(data).cast("B"))
 
@@ -209,8 +234,18 @@ def copy_paths(size: int, repeat: int) -> dict[str, Any]:
             out[f"{name}_bytes_exact"] = f"{type(e).__name__}: {e}"
         print(f"  {name} byte-exact: {out[f'{name}_bytes_exact']}")
 
+    def staged_part(drv: Any, source: int, nbytes: int) -> shared.SharedBuffer | None:
+        view = staging.copy(drv, source, nbytes)
+        if view is None:
+            return None
+        parts = PartCollector(shared.share)
+        parts.add(view)
+        staging.release()
+        part = parts.parts[0]
+        return part if isinstance(part, shared.SharedBuffer) else None
+
     check_bytes("d2h_registered_memfd", gpu._copy_dtoh_shared)
-    check_bytes("d2h_pinned_staging", gpu._Staging().copy)
+    check_bytes("d2h_pinned_staging", staged_part)
     try:
         with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
             out["shmem_hugepages"] = f.read().strip()
@@ -229,6 +264,9 @@ def copy_paths(size: int, repeat: int) -> dict[str, Any]:
         ("register_memfd", register_memfd),
         ("d2h_pinned_staging", d2h_pinned_staging),
         ("hash_memfd", hash_memfd),
+        ("return_staging", return_staging),
+        ("return_registered", return_registered),
+        ("return_pageable", return_pageable),
     ]:
         try:
             fn()  # warm-up
@@ -244,9 +282,9 @@ def copy_paths(size: int, repeat: int) -> dict[str, Any]:
         )
         print(f"  {name:<26} {shown}")
     ways = {
-        "registered": "d2h_registered_memfd",
-        "staging": "d2h_pinned_staging",
-        "pageable": "d2h_then_share",
+        "staging": "return_staging",
+        "registered": "return_registered",
+        "pageable": "return_pageable",
     }
     timed_ways = {how: out[row]["p50_ms"] for how, row in ways.items() if "p50_ms" in out[row]}
     if timed_ways:

@@ -812,6 +812,12 @@ class _ProgramRun:
                 return encode_value(value, self.parts, tensor_parts)
             except SerializationError as e:
                 raise _Failure("serialization", str(e), e) from None
+            finally:
+                # The parts are made: host memory the backend lent for them
+                # (a GPU worker's staging buffer) may be reused.
+                returned = getattr(self.backend, "returned", None)
+                if returned is not None:
+                    returned()
         kind = instruction.kind
         try:
             path = instruction.path

@@ -173,9 +173,10 @@ def _copy_dtoh_shared(drv: Any, source: int, nbytes: int) -> shared.SharedBuffer
 #: server's environment (bench/gpu_tensor_path.py measures each way):
 #: C{staging} (the default) copies into a page-locked buffer the worker
 #: keeps (grown to the largest return so far, at most L{STAGING_MAX_BYTES};
-#: larger returns are registered) and from there into a new buffer with
-#: one C{write}; C{registered} page-locks the new buffer's own mapping for
-#: the copy; C{pageable} copies through a host array as smaller tensors do.
+#: larger returns are registered), from which the part collector writes
+#: the part's new buffer after the lease is given back, hashing beside the
+#: C{write}; C{registered} page-locks the new buffer's own mapping for the
+#: copy; C{pageable} copies through a host array as smaller tensors do.
 #: Staging is the default because every result needs fresh shared-memory
 #: pages, and those cost much less filled by C{write} than faulted in
 #: through a mapping: on the dev machine, 64 MiB, 43 ms for a C{write} of
@@ -194,33 +195,45 @@ def _dtoh_copy() -> str:
 
 
 class _Staging:
-    """A worker's page-locked staging buffer for returned tensors."""
+    """
+    A worker's page-locked staging buffer for returned tensors.
+
+    Each large tensor of a return gets its own region of it (the regions
+    follow each other; past L{STAGING_MAX_BYTES} in all, C{copy} declines
+    and the caller registers instead); the engine's encoder copies every
+    region into its part after the lease is given back, and L{release}
+    then makes the whole buffer free for the next return.
+    """
 
     def __init__(self) -> None:
         self.buffer: Any = None
+        self.used = 0
 
-    def copy(self, drv: Any, source: int, nbytes: int) -> shared.SharedBuffer | None:
+    def copy(self, drv: Any, source: int, nbytes: int) -> memoryview | None:
         """
-        C{nbytes} at C{source} copied to the staging buffer, then into a new
-        sealed buffer (C{None} when no page-locked memory can be had: logged
-        once, the caller copies as before).
+        C{nbytes} at C{source} copied into the next region: a view of it,
+        valid until L{release}.  C{None} when the return's regions would
+        pass L{STAGING_MAX_BYTES}, or no page-locked memory can be had
+        (logged once; the caller copies another way).
         """
-        if _dtoh_refused is not None or not shared.available():
+        if _dtoh_refused is not None or self.used + nbytes > STAGING_MAX_BYTES:
             return None
-        if self.buffer is None or self.buffer.nbytes < nbytes:
-            self.buffer = None
+        end = self.used + nbytes
+        if self.buffer is None or self.buffer.nbytes < end:
+            # Regions handed out keep the old buffer alive through their views.
             try:
-                self.buffer = drv.pagelocked_empty(nbytes, np.uint8)
+                self.buffer = drv.pagelocked_empty(end, np.uint8)
             except Exception as e:
                 _refuse_dtoh(f"pagelocked_empty: {type(e).__name__}: {e}")
                 return None
-        host = self.buffer[:nbytes]
+        host = self.buffer[self.used : end]
         drv.memcpy_dtoh(host, source)
-        try:
-            return shared.share(memoryview(host), "kcoral-result")
-        except OSError as e:
-            _refuse_dtoh(f"{type(e).__name__}: {e}")
-            return None
+        self.used = end
+        return memoryview(host).cast("B")
+
+    def release(self) -> None:
+        """The regions handed out are copied (or dropped): reuse the buffer."""
+        self.used = 0
 
 
 def _device_source(value: Any, torch: Any, ordinal: int) -> tuple[int, int] | None:
@@ -443,11 +456,13 @@ class GpuBackend:
         the return with C{serialization} "cannot return tensor dtype X".
 
         A contiguous device tensor of L{REGISTER_HOST_BYTES} or more is
-        copied at pinned-memory speed into a sealed shared buffer (through
-        the worker's page-locked staging buffer, or into the buffer's own
-        mapping page-locked for the copy: L{DTOH_COPY_ENV}), and the bytes
-        are that buffer: the part collector hashes it later, off the lease,
-        and keeps it as the part.
+        copied at pinned-memory speed (L{DTOH_COPY_ENV}): into a region of
+        the worker's page-locked staging buffer, and the bytes are a view of
+        it, valid until L{returned} (the part collector copies it into the
+        part's shared buffer, hashing beside the copy, off the lease); or
+        into a new sealed shared buffer whose mapping is page-locked for the
+        copy, and the bytes are that buffer (hashed later, off the lease,
+        and kept as the part).
         """
         if is_torch_tensor(value):
             dtype, shape = value.dtype, tuple(value.shape)
@@ -468,10 +483,11 @@ class GpuBackend:
             and source[1] >= REGISTER_HOST_BYTES
             and self._dtoh_copy != "pageable"
         ):
-            if self._dtoh_copy == "staging" and source[1] <= STAGING_MAX_BYTES:
-                buffer = self._staging.copy(self._drv, *source)
-            else:
-                buffer = _copy_dtoh_shared(self._drv, *source)
+            if self._dtoh_copy == "staging":
+                staged = self._staging.copy(self._drv, *source)
+                if staged is not None:
+                    return name, shape, staged
+            buffer = _copy_dtoh_shared(self._drv, *source)
             if buffer is not None:
                 return name, shape, buffer
         if is_torch_tensor(value):
@@ -479,6 +495,13 @@ class GpuBackend:
         host = to_host(value)
         assert host is not None
         return numpy_parts(host)
+
+    def returned(self) -> None:
+        """
+        A return instruction's parts are made: the staging regions its
+        tensors were copied into (L{tensor_parts}) may be reused.
+        """
+        self._staging.release()
 
     def take_notices(self) -> list[str]:
         """Messages for the worker's log (written between programs, not captured)."""
@@ -552,6 +575,7 @@ class GpuBackend:
         return None
 
     def reset(self) -> None:
+        self._staging.release()
         gc.collect()
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_initialized():

@@ -148,14 +148,35 @@ class StagingDriver(FakeDriver):
         return np.empty(size, dtype)
 
 
-def test_staging_buffer_kept_and_grown(library: FakeLibrary) -> None:
+def test_staging_regions_then_reused(library: FakeLibrary) -> None:
+    """
+    Each tensor of a return gets its own region (views stay valid together);
+    after release the buffer is reused, grown only when a return needs more.
+    """
     small, large = device_bytes(gpu.REGISTER_HOST_BYTES), device_bytes(2 * gpu.REGISTER_HOST_BYTES)
     driver = StagingDriver({1: small, 2: large})
     staging = gpu._Staging()
-    got = [staging.copy(driver, source, len(driver.memory[source])) for source in (1, 2, 1)]
-    assert [b.tobytes() if b else None for b in got] == [small, large, small]
-    assert driver.allocated == [len(small), len(large)]  # grown once, then kept
+    first, second = staging.copy(driver, 1, len(small)), staging.copy(driver, 2, len(large))
+    assert first is not None and second is not None
+    assert (bytes(first), bytes(second)) == (small, large)
+    assert driver.allocated == [len(small), len(small) + len(large)]
+    staging.release()
+    again = staging.copy(driver, 2, len(large))
+    assert again is not None and bytes(again) == large
+    assert len(driver.allocated) == 2  # kept
     assert library.calls == []  # nothing registered per return
+
+
+def test_staging_declines_past_its_limit(
+    library: FakeLibrary, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(gpu, "STAGING_MAX_BYTES", gpu.REGISTER_HOST_BYTES)
+    data = device_bytes(gpu.REGISTER_HOST_BYTES)
+    driver = StagingDriver({1: data})
+    staging = gpu._Staging()
+    assert staging.copy(driver, 1, len(data)) is not None
+    assert staging.copy(driver, 1, len(data)) is None  # this return's regions are full
+    assert gpu._dtoh_refused is None
 
 
 def test_staging_refused_falls_back(library: FakeLibrary) -> None:
@@ -192,8 +213,12 @@ def test_backend_picks_the_copy_from_the_environment(
     monkeypatch.setattr(gpu, "_device_source", lambda value, torch, ordinal: sources.get(id(value)))
     name, shape, part = backend.tensor_parts(array)
     assert (name, shape) == ("uint8", (len(data),))
-    assert isinstance(part, shared.SharedBuffer) == bool(registered or staged)
+    assert isinstance(part, shared.SharedBuffer) == bool(registered)
     assert (part.tobytes() if isinstance(part, shared.SharedBuffer) else bytes(part)) == data
+    if staged:  # a view of the staging buffer, not of the program's array
+        assert part.obj is not array and np.shares_memory(part.obj, backend._staging.buffer)
+    backend.returned()
+    assert backend._staging.used == 0
     assert sum(call[0] == "register" for call in library.calls) == registered
     assert len(backend._drv.allocated) == staged
     small = np.zeros(16, np.uint8)

@@ -1236,6 +1236,41 @@ def test_device_copy_into_a_shared_buffer_is_the_part(
     assert list(outcome.parts) == made
 
 
+def test_lent_host_memory_given_back_after_the_parts_are_made(harness: Harness) -> None:
+    """
+    A backend that lends a view of its own memory for a device tensor (a GPU
+    worker's staging buffer) hears C{returned()} once the parts are made, after
+    the lease is given back; the part holds the bytes as they were.
+    """
+    lease = _OrderedLease()
+    harness.lease = lease
+    staging = bytearray(b"\x01" * 4)
+
+    class Backend(CpuBackend):
+        def drain(self) -> None:
+            lease.events.append("drain")
+
+        def tensor_parts(self, value: Any) -> Any:
+            if type(value).__name__ == "Dev":
+                lease.events.append(f"copy held={lease.held}")
+                return ("uint8", (4,), memoryview(staging))
+            return super().tensor_parts(value)
+
+        def returned(self) -> None:
+            lease.events.append(f"returned held={lease.held}")
+            staging[:] = b"\x00" * 4  # reused by the next return
+
+    harness.engine = Engine(Backend(), lease, cpu_builtins())
+    source = "class Dev:\n    pass\ndef make():\n    return Dev()\n"
+    outcome = harness.run(
+        [module("m", source), get("f", "m", "make"), run("r", "f"), ret("out", "r")]
+    )
+    assert outcome.status == "COMPLETED", outcome.error
+    assert lease.events[-4:] == ["copy held=True", "drain", "release", "returned held=False"]
+    assert outcome.results["out"]["sha256"] == hashlib.sha256(b"\x01" * 4).hexdigest()
+    assert [bytes(part) for part in outcome.parts] == [b"\x01" * 4]
+
+
 @pytest.mark.skipif(not shared.available(), reason="no sealed memfds here")
 def test_shared_tensor_blob_mapped_before_the_lease(harness: Harness) -> None:
     """

@@ -188,19 +188,21 @@ def copy_paths(size: int, repeat: int) -> dict[str, Any]:
 
     staging = gpu._Staging()
 
+    def staged() -> memoryview:
+        view = staging.copy(drv, int(device), size)
+        if view is None:
+            raise RuntimeError(f"page-locked staging refused: {gpu._dtoh_refused}")
+        return view
+
     def d2h_pinned_staging() -> None:
         # Under the lease: only the copy into the staging buffer.
-        if staging.copy(drv, int(device), size) is None:
-            raise RuntimeError(f"page-locked staging refused: {gpu._dtoh_refused}")
+        staged()
         staging.release()
 
     # The whole of a return, the worker's own code: under the lease the copy,
     # after it the part (the memfd written and hashed by the part collector).
     def return_staging() -> None:
-        view = staging.copy(drv, int(device), size)
-        if view is None:
-            raise RuntimeError(f"page-locked staging refused: {gpu._dtoh_refused}")
-        PartCollector(shared.share).add(view)
+        PartCollector(shared.share).add(staged())
         staging.release()
 
     def return_registered() -> None:

@@ -196,6 +196,20 @@ def main() -> int:
         windows.append(
             {"phase": f"fork per child x{size}", "start": 0, "end": fork_s, "children": size}
         )
+    # What a retired worker does after its teardown, and what a spare does
+    # before its context: exit after pop+detach; exit after cuInit alone.
+    kids = _spawn_children(args.children)
+    _phase(kids, b"i", windows, f"(setup) cuInit x{args.children}")
+    _phase(kids, b"c", windows, f"(setup) context create x{args.children}")
+    _phase(kids, b"d", windows, f"(setup) context detach x{args.children}")
+    time.sleep(0.5)
+    _phase(kids, b"x", windows, f"exit after detach x{args.children}")
+    time.sleep(0.5)
+    kids = _spawn_children(args.children)
+    _phase(kids, b"i", windows, f"(setup) cuInit x{args.children}")
+    time.sleep(0.5)
+    _phase(kids, b"x", windows, f"exit after cuInit only x{args.children}")
+    time.sleep(0.5)
     windows.append(
         {"phase": "idle again", "start": time.time(), "end": time.time() + 1.5, "children": 0}
     )

@@ -740,3 +740,23 @@ class FakeCompilerBackend:
             raise self.fail
         digest = hashlib.sha256(repr((source, arch, args)).encode()).digest()
         return FAKE_MAGIC + arch.encode("ascii") + b"\0" + digest
+
+
+class FakeCudaLibrary:
+    """
+    The two entry points of C{libcuda} a GPU worker page-locks host memory
+    with (C{kcoral.worker.gpu._libcuda}): every call recorded, registration
+    answering C{status} (0 is success).
+    """
+
+    def __init__(self, status: int = 0) -> None:
+        self.status = status
+        self.calls: list[tuple[Any, ...]] = []
+
+    def cuMemHostRegister_v2(self, pointer: int, size: int, flags: int) -> int:
+        self.calls.append(("register", pointer, size, flags))
+        return self.status
+
+    def cuMemHostUnregister(self, pointer: int) -> int:
+        self.calls.append(("unregister", pointer))
+        return 0

@@ -14,25 +14,12 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kcoral.testing.fakes import FakeCudaLibrary
 from kcoral.wire import shared
 from kcoral.wire.values import PartCollector
 from kcoral.worker import gpu
 
 pytestmark = pytest.mark.skipif(not shared.available(), reason="no sealed memfds here")
-
-
-class FakeLibrary:
-    def __init__(self, status: int = 0) -> None:
-        self.status = status
-        self.calls: list[tuple[Any, ...]] = []
-
-    def cuMemHostRegister_v2(self, pointer: int, size: int, flags: int) -> int:
-        self.calls.append(("register", pointer, size, flags))
-        return self.status
-
-    def cuMemHostUnregister(self, pointer: int) -> int:
-        self.calls.append(("unregister", pointer))
-        return 0
 
 
 class FakeDriver:
@@ -52,8 +39,8 @@ class FakeDriver:
 
 
 @pytest.fixture
-def library(monkeypatch: pytest.MonkeyPatch) -> FakeLibrary:
-    fake = FakeLibrary()
+def library(monkeypatch: pytest.MonkeyPatch) -> FakeCudaLibrary:
+    fake = FakeCudaLibrary()
     monkeypatch.setattr(gpu, "_libcuda", fake)
     monkeypatch.setattr(gpu, "_dtoh_refused", None)
     monkeypatch.setattr(gpu, "_notices", [])
@@ -79,7 +66,7 @@ def _fds() -> list[str]:
     return found
 
 
-def test_copied_into_a_sealed_buffer_page_locked_for_the_copy(library: FakeLibrary) -> None:
+def test_copied_into_a_sealed_buffer_page_locked_for_the_copy(library: FakeCudaLibrary) -> None:
     data = device_bytes(gpu.REGISTER_HOST_BYTES)
     driver = FakeDriver({0x7000: data})
     buffer = gpu._copy_dtoh_shared(driver, 0x7000, len(data))
@@ -94,7 +81,7 @@ def test_copied_into_a_sealed_buffer_page_locked_for_the_copy(library: FakeLibra
     assert driver.copies == 1
 
 
-def test_refused_registration_falls_back_and_is_noted_once(library: FakeLibrary) -> None:
+def test_refused_registration_falls_back_and_is_noted_once(library: FakeCudaLibrary) -> None:
     library.status = 201  # CUDA_ERROR_INVALID_CONTEXT, say
     data = device_bytes(gpu.REGISTER_HOST_BYTES)
     driver = FakeDriver({1: data})
@@ -111,7 +98,7 @@ def test_refused_registration_falls_back_and_is_noted_once(library: FakeLibrary)
     assert backend.take_notices() == []
 
 
-def test_failed_copy_raises_after_unregistering(library: FakeLibrary) -> None:
+def test_failed_copy_raises_after_unregistering(library: FakeCudaLibrary) -> None:
     data = device_bytes(gpu.REGISTER_HOST_BYTES)
     before = memfds()
     with pytest.raises(RuntimeError, match="illegal memory access"):
@@ -121,7 +108,7 @@ def test_failed_copy_raises_after_unregistering(library: FakeLibrary) -> None:
     assert gpu._dtoh_refused is None  # a copy error is the program's, not the path's
 
 
-def test_part_collector_keeps_the_buffer_and_hashes_it(library: FakeLibrary) -> None:
+def test_part_collector_keeps_the_buffer_and_hashes_it(library: FakeCudaLibrary) -> None:
     data = device_bytes(gpu.REGISTER_HOST_BYTES)
     buffer = gpu._copy_dtoh_shared(FakeDriver({1: data}), 1, len(data))
     assert buffer is not None
@@ -148,7 +135,7 @@ class StagingDriver(FakeDriver):
         return np.empty(size, dtype)
 
 
-def test_staging_regions_then_reused(library: FakeLibrary) -> None:
+def test_staging_regions_then_reused(library: FakeCudaLibrary) -> None:
     """
     Each tensor of a return gets its own region (views stay valid together);
     after release the buffer is reused, grown only when a return needs more.
@@ -168,7 +155,7 @@ def test_staging_regions_then_reused(library: FakeLibrary) -> None:
 
 
 def test_staging_declines_past_its_limit(
-    library: FakeLibrary, monkeypatch: pytest.MonkeyPatch
+    library: FakeCudaLibrary, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(gpu, "STAGING_MAX_BYTES", gpu.REGISTER_HOST_BYTES)
     data = device_bytes(gpu.REGISTER_HOST_BYTES)
@@ -179,7 +166,7 @@ def test_staging_declines_past_its_limit(
     assert gpu._dtoh_refused is None
 
 
-def test_staging_refused_falls_back(library: FakeLibrary) -> None:
+def test_staging_refused_falls_back(library: FakeCudaLibrary) -> None:
     data = device_bytes(gpu.REGISTER_HOST_BYTES)
     assert gpu._Staging().copy(StagingDriver({1: data}, refuse=True), 1, len(data)) is None
     assert "pagelocked_empty" in (gpu._dtoh_refused or "")
@@ -190,7 +177,7 @@ def test_staging_refused_falls_back(library: FakeLibrary) -> None:
     [("registered", 1, 0), ("staging", 0, 1), ("pageable", 0, 0), ("bogus", 0, 1), (None, 0, 1)],
 )
 def test_backend_picks_the_copy_from_the_environment(
-    library: FakeLibrary,
+    library: FakeCudaLibrary,
     monkeypatch: pytest.MonkeyPatch,
     how: str | None,
     registered: int,
@@ -227,7 +214,7 @@ def test_backend_picks_the_copy_from_the_environment(
 
 
 def test_staging_past_its_limit_registers(
-    library: FakeLibrary, monkeypatch: pytest.MonkeyPatch
+    library: FakeCudaLibrary, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A return larger than STAGING_MAX_BYTES is registered instead (no pinned buffer that big)."""
     monkeypatch.delenv(gpu.DTOH_COPY_ENV, raising=False)

@@ -11,24 +11,11 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kcoral.testing.fakes import FakeCudaLibrary
 from kcoral.wire import shared
 from kcoral.worker import gpu
 
 pytestmark = pytest.mark.skipif(not shared.available(), reason="no sealed memfds here")
-
-
-class FakeLibrary:
-    def __init__(self, status: int = 0) -> None:
-        self.status = status
-        self.calls: list[tuple[Any, ...]] = []
-
-    def cuMemHostRegister_v2(self, pointer: int, size: int, flags: int) -> int:
-        self.calls.append(("register", pointer, size, flags))
-        return self.status
-
-    def cuMemHostUnregister(self, pointer: int) -> int:
-        self.calls.append(("unregister", pointer))
-        return 0
 
 
 class FakeDriver:
@@ -43,8 +30,8 @@ class FakeDriver:
 
 
 @pytest.fixture
-def library(monkeypatch: pytest.MonkeyPatch) -> FakeLibrary:
-    fake = FakeLibrary()
+def library(monkeypatch: pytest.MonkeyPatch) -> FakeCudaLibrary:
+    fake = FakeCudaLibrary()
     monkeypatch.setattr(gpu, "_libcuda", fake)
     return fake
 
@@ -54,7 +41,7 @@ def mapping(size: int) -> tuple[bytes, memoryview]:
     return data, memoryview(shared.share(data).map()).cast("B")
 
 
-def test_large_mapping_page_locked_for_the_copy(library: FakeLibrary) -> None:
+def test_large_mapping_page_locked_for_the_copy(library: FakeCudaLibrary) -> None:
     data, view = mapping(gpu.REGISTER_HOST_BYTES)
     driver = FakeDriver()
     gpu._copy_htod(driver, 1, view)
@@ -66,7 +53,7 @@ def test_large_mapping_page_locked_for_the_copy(library: FakeLibrary) -> None:
     ]
 
 
-def test_refused_registration_copies_pageable(library: FakeLibrary) -> None:
+def test_refused_registration_copies_pageable(library: FakeCudaLibrary) -> None:
     library.status = 1  # CUDA_ERROR_INVALID_VALUE, say
     data, view = mapping(gpu.REGISTER_HOST_BYTES)
     driver = FakeDriver()
@@ -75,7 +62,7 @@ def test_refused_registration_copies_pageable(library: FakeLibrary) -> None:
     assert [call[0] for call in library.calls] == ["register"]
 
 
-def test_small_or_private_buffers_are_not_registered(library: FakeLibrary) -> None:
+def test_small_or_private_buffers_are_not_registered(library: FakeCudaLibrary) -> None:
     driver = FakeDriver()
     _, small = mapping(gpu.REGISTER_HOST_BYTES - 1)
     gpu._copy_htod(driver, 1, small)
@@ -84,7 +71,7 @@ def test_small_or_private_buffers_are_not_registered(library: FakeLibrary) -> No
     assert library.calls == []
 
 
-def test_unregistered_after_a_failed_copy(library: FakeLibrary) -> None:
+def test_unregistered_after_a_failed_copy(library: FakeCudaLibrary) -> None:
     _, view = mapping(gpu.REGISTER_HOST_BYTES)
     with pytest.raises(RuntimeError):
         gpu._copy_htod(FakeDriver(fail=True), 1, view)

@@ -4,6 +4,8 @@ examples share it.
 
   - L{kcoral.testing.fakes}: in-memory fakes of the server's collaborators
     and of a compiler backend, for every unit test.
+  - L{kcoral.testing.descriptors}: what a process's descriptors point at
+    (memfds apart from the rest), for leak checks.
   - L{kcoral.testing.live_server}: blocking helpers that start a real
     C{kcoral server} and speak the wire protocol to it (integration tests,
     benchmarks, examples).

@@ -19,6 +19,7 @@ from typing import Any
 import psutil
 import pytest
 
+from kcoral.testing.descriptors import MEMFD_PREFIX, descriptor_targets
 from kcoral.testing.live_server import Response, ServerProcess, multipart_body
 from kcoral.wire.multipart import decode_response
 from tests.reliability.conftest import assert_serves, body_of, requires_bwrap
@@ -165,14 +166,7 @@ def _descriptors_but_memfds(pid: int) -> int:
     The server's open descriptors other than memfds: the blobs the requests
     that completed left in the memory cache are memfds, and legitimately so.
     """
-    count = 0
-    for name in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{name}")
-        except OSError:
-            continue
-        count += not target.startswith("/memfd:")
-    return count
+    return sum(not target.startswith(MEMFD_PREFIX) for target in descriptor_targets(pid).values())
 
 
 def test_many_large_uploads(server: ServerProcess) -> None:

@@ -10,6 +10,7 @@ import tempfile
 
 import pytest
 
+from kcoral.testing.descriptors import memfd_count
 from kcoral.wire import shared
 from kcoral.wire.channel import (
     Blob,
@@ -32,21 +33,6 @@ from kcoral.wire.shared import (
 )
 
 pytestmark = pytest.mark.skipif(not shared.available(), reason="no sealed memfds here")
-
-
-def _open_fds() -> int:
-    """
-    The memfds this process holds: other descriptors (a file some earlier
-    test left to the garbage collector) may close at any moment.
-    """
-    count = 0
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{name}")
-        except OSError:
-            continue
-        count += target.startswith("/memfd:")
-    return count
 
 
 def test_share_is_sealed_against_every_change() -> None:
@@ -75,11 +61,11 @@ def test_share_is_sealed_against_every_change() -> None:
 
 
 def test_buffer_closes_with_its_last_reference() -> None:
-    before = _open_fds()
+    before = memfd_count()
     buffer = share(b"x" * 10)
-    assert _open_fds() == before + 1
+    assert memfd_count() == before + 1
     del buffer
-    assert _open_fds() == before
+    assert memfd_count() == before
 
 
 def test_read_chunks() -> None:
@@ -140,7 +126,7 @@ def test_refused_descriptors_do_not_leak() -> None:
     ours.setblocking(False)
     try:
         buffer = share(b"c")
-        before = _open_fds()
+        before = memfd_count()
         for _ in range(50):
             send_descriptors(theirs, [buffer.fileno()] * 5)
         for _ in range(25):
@@ -148,7 +134,7 @@ def test_refused_descriptors_do_not_leak() -> None:
                 receive_descriptors(ours, 2)
         theirs.send(b"junk")
         assert drain_descriptors(ours) == 26
-        assert _open_fds() == before
+        assert memfd_count() == before
     finally:
         ours.close()
         theirs.close()

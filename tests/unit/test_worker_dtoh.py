@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kcoral.testing.descriptors import memfd_count
 from kcoral.testing.fakes import FakeCudaLibrary
 from kcoral.wire import shared
 from kcoral.wire.values import PartCollector
@@ -51,21 +52,6 @@ def device_bytes(size: int) -> bytes:
     return np.random.default_rng(5).integers(0, 256, size, dtype=np.uint8).tobytes()
 
 
-def memfds() -> int:
-    return sum("memfd:" in os.readlink(f"/proc/self/fd/{fd}") for fd in _fds())
-
-
-def _fds() -> list[str]:
-    found = []
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            os.readlink(f"/proc/self/fd/{name}")
-        except OSError:
-            continue
-        found.append(name)
-    return found
-
-
 def test_copied_into_a_sealed_buffer_page_locked_for_the_copy(library: FakeCudaLibrary) -> None:
     data = device_bytes(gpu.REGISTER_HOST_BYTES)
     driver = FakeDriver({0x7000: data})
@@ -85,9 +71,9 @@ def test_refused_registration_falls_back_and_is_noted_once(library: FakeCudaLibr
     library.status = 201  # CUDA_ERROR_INVALID_CONTEXT, say
     data = device_bytes(gpu.REGISTER_HOST_BYTES)
     driver = FakeDriver({1: data})
-    before = memfds()
+    before = memfd_count()
     assert gpu._copy_dtoh_shared(driver, 1, len(data)) is None
-    assert memfds() == before  # the unused buffer is freed
+    assert memfd_count() == before  # the unused buffer is freed
     assert driver.copies == 0
     # Not tried again in this worker; one notice for its log.
     assert gpu._copy_dtoh_shared(driver, 1, len(data)) is None
@@ -100,11 +86,11 @@ def test_refused_registration_falls_back_and_is_noted_once(library: FakeCudaLibr
 
 def test_failed_copy_raises_after_unregistering(library: FakeCudaLibrary) -> None:
     data = device_bytes(gpu.REGISTER_HOST_BYTES)
-    before = memfds()
+    before = memfd_count()
     with pytest.raises(RuntimeError, match="illegal memory access"):
         gpu._copy_dtoh_shared(FakeDriver({1: data}, fail=True), 1, len(data))
     assert [call[0] for call in library.calls] == ["register", "unregister"]
-    assert memfds() == before
+    assert memfd_count() == before
     assert gpu._dtoh_refused is None  # a copy error is the program's, not the path's
 
 

@@ -72,6 +72,16 @@ def _child(cmd_r: int, ack_w: int) -> None:
             ctx = cuda.Device(0).retain_primary_context()
             ctx.push()
             cuda.mem_alloc(1 << 20)
+        elif op == b"s":
+            # What a worker's first module upload does (kcoral.worker.cuptiwatch):
+            # subscribe to the driver API domain, switch it on, then off.
+            from cupti import cupti
+
+            watch = cupti.subscribe(lambda *a: None, None)
+            cupti.enable_domain(1, watch, cupti.CallbackDomain.DRIVER_API)
+            if ctx is not None:
+                cuda.mem_alloc(1 << 20)
+            cupti.enable_domain(0, watch, cupti.CallbackDomain.DRIVER_API)
         elif op == b"d":
             ctx.pop()
             ctx.detach()
@@ -209,6 +219,29 @@ def main() -> int:
     _phase(kids, b"i", windows, f"(setup) cuInit x{args.children}")
     time.sleep(0.5)
     _phase(kids, b"x", windows, f"exit after cuInit only x{args.children}")
+    time.sleep(0.5)
+    # CUPTI: a subscription made before the context (a spare could make it
+    # off the lease) and one made with a live context (a first upload).
+    for size in (1, args.children):
+        kids = _spawn_children(size)
+        _phase(kids, b"i", windows, f"(setup) cuInit x{size}")
+        time.sleep(0.5)
+        _phase(kids, b"s", windows, f"cupti subscribe, no context x{size}")
+        time.sleep(0.5)
+        _phase(kids, b"c", windows, f"context create after cupti x{size}")
+        time.sleep(0.5)
+        _phase(kids, b"d", windows, f"context detach after cupti x{size}")
+        time.sleep(0.5)
+        _phase(kids, b"x", windows, f"exit after cupti+detach x{size}")
+        time.sleep(0.5)
+        kids = _spawn_children(size)
+        _phase(kids, b"i", windows, f"(setup) cuInit x{size}")
+        _phase(kids, b"c", windows, f"(setup) context create x{size}")
+        time.sleep(0.5)
+        _phase(kids, b"s", windows, f"cupti subscribe, live context x{size}")
+        time.sleep(0.5)
+        _phase(kids, b"d", windows, f"(setup) detach x{size}")
+        _phase(kids, b"x", windows, f"(setup) exit x{size}")
     time.sleep(0.5)
     windows.append(
         {"phase": "idle again", "start": time.time(), "end": time.time() + 1.5, "children": 0}

@@ -33,7 +33,13 @@ import attrs
 from kcoral.errors import GPUAccessViolation
 from kcoral.worker.gpuwatch import uploaded_location
 
-__all__ = ["HARMLESS_DRIVER_CALLS", "RELEASE_PREFIXES", "DriverWatch", "driver_watch"]
+__all__ = [
+    "HARMLESS_DRIVER_CALLS",
+    "RELEASE_PREFIXES",
+    "DriverWatch",
+    "driver_watch",
+    "existing_driver_watch",
+]
 
 #: Driver calls that only ask questions or look up entry points: libraries
 #: make them when they load, and they do not touch a device.
@@ -198,3 +204,8 @@ def driver_watch() -> DriverWatch | None:
         except Exception:
             _watch.append(None)
     return _watch[0]
+
+
+def existing_driver_watch() -> DriverWatch | None:
+    """This process's L{DriverWatch} if one was made already, else C{None}."""
+    return _watch[0] if _watch else None

@@ -290,7 +290,7 @@ class Engine:
         state = ProcessState.snapshot()
         runtime.set_budget(request.timeout_seconds)
         program = _parse(request.program, frozenset(self.builtins) | BUILTIN_NAMES)
-        run = _ProgramRun(self, request, dict(blobs or {}), program)
+        run = _ProgramRun(self, request, dict(blobs or {}), program, retiring=retiring)
         cwd = os.getcwd()
         capture = OutputCapture(request.workspace, request.output_limit)
         capture.start()
@@ -388,8 +388,11 @@ class _ProgramRun:
         request: Execute,
         blobs: dict[str, bytes | SharedBuffer],
         program: Program,
+        *,
+        retiring: bool = False,
     ) -> None:
         self.engine = engine
+        self.retiring = retiring
         self.blobs = blobs
         # Tensor blobs mapped now, before any lease: populating the mapping
         # of a large buffer takes milliseconds that need not hold the GPU.
@@ -585,9 +588,17 @@ class _ProgramRun:
         return True
 
     def _lazy_lease(self) -> Any:
-        """The backend's L{lazy_lease} context for this lease, or C{None}."""
+        """
+        The backend's L{lazy_lease} context for this lease, or C{None}.
+
+        A worker that exits after this program does not set up the driver
+        watch for it: subscribing costs a fresh process more time (60-90 ms
+        measured on an H200) than an import can hold the lease, and the
+        subscription would serve no later program.  One that exists already
+        (made by an earlier C{cpu_only} run) is used.
+        """
         make = getattr(self.backend, "lazy_lease", None)
-        return None if make is None else make(self.lease.acquire)
+        return None if make is None else make(self.lease.acquire, subscribe=not self.retiring)
 
     def _place(self, instruction: Any) -> Any:
         """

@@ -527,18 +527,21 @@ class GpuBackend:
         stack.enter_context(cpu_only_watch())
         return stack
 
-    def lazy_lease(self, acquire: Any) -> Any:
+    def lazy_lease(self, acquire: Any, *, subscribe: bool = True) -> Any:
         """
         A context manager that runs a block off the lease and calls
         C{acquire} at its first device-touching driver call (CUPTI,
         L{kcoral.worker.cuptiwatch.DriverWatch.leasing}); C{None} when the
         driver cannot be watched here, and the lease must be taken up front.
+
+        @param subscribe: whether to subscribe to CUPTI now if this process
+            has not yet; without it only an existing subscription is used.
         """
-        from kcoral.worker.cuptiwatch import driver_watch
+        from kcoral.worker.cuptiwatch import driver_watch, existing_driver_watch
 
         if os.environ.get(LAZY_MODULE_LEASE_ENV) == "0":
             return None
-        watch = driver_watch()
+        watch = driver_watch() if subscribe else existing_driver_watch()
         return None if watch is None else watch.leasing(acquire)
 
     def builtins(self) -> dict[str, tuple[Any, bool]]:

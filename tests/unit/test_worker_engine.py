@@ -1075,14 +1075,18 @@ class _LazyBackend(CpuBackend):
     def __init__(self, log: list[str]) -> None:
         super().__init__()
         self.log = log
+        self.subscribed = False
 
     def drain(self) -> None:
         self.log.append("drain")
 
-    def lazy_lease(self, acquire: Any) -> Any:
+    def lazy_lease(self, acquire: Any, *, subscribe: bool = True) -> Any:
         import contextlib
 
         log = self.log
+        if not subscribe and not self.subscribed:
+            return None
+        self.subscribed = True
 
         @contextlib.contextmanager
         def leasing() -> Any:
@@ -1143,6 +1147,43 @@ def test_module_touching_the_device_takes_the_lease_then(harness: Harness) -> No
     )
     assert outcome.status == "COMPLETED", outcome.error
     assert lease.events == ["#0", "lazy", "acquire", "#1", "#2", "#3", "drain", "release"]
+
+
+def _retiring_run(harness: Harness, instructions: list[dict[str, Any]]) -> Outcome:
+    harness.count += 1
+    workspace = harness.root / f"ws{harness.count}"
+    workspace.mkdir()
+    program = json.dumps({"instructions": instructions})
+    return harness.engine.run(Execute(program, str(workspace)), retiring=True)
+
+
+def test_last_program_does_not_subscribe_for_an_import(harness: Harness) -> None:
+    """
+    A worker that exits after this program does not set up the driver watch
+    for its imports (it costs a fresh process more than the lease it saves):
+    the module upload takes the lease up front, as spec/server.md says.
+    """
+    lease = _lazy(harness)
+    outcome = _retiring_run(
+        harness, [ADD, get("f", "m", "add"), run("r", "f", 2, 3), ret("out", "r")]
+    )
+    assert outcome.status == "COMPLETED", outcome.error
+    assert "lazy" not in lease.events
+    assert lease.events[:2] == ["#0", "acquire"]
+
+
+def test_last_program_uses_a_subscription_it_has(harness: Harness) -> None:
+    """A subscription an earlier program made is used by the last one too."""
+    lease = _lazy(harness)
+    first = harness.run([ADD, get("f", "m", "add", cpu_only=True), run("r", "f", 1, 2)])
+    assert first.status == "COMPLETED", first.error
+    del lease.events[:]
+    outcome = _retiring_run(
+        harness, [ADD, get("f", "m", "add", cpu_only=True), run("r", "f", 2, 3), ret("out", "r")]
+    )
+    assert outcome.status == "COMPLETED", outcome.error
+    assert lease.events[:2] == ["#0", "lazy"]
+    assert "acquire" not in lease.events
 
 
 def test_device_tensors_copied_under_the_lease_encoded_off_it(harness: Harness) -> None:

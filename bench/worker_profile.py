@@ -10,6 +10,12 @@ parent's side (HTTP, channel, arbiter) is not in these numbers; compare
 with C{null_program.py}'s C{elapsed_ms} to see the channel's share.
 
     python3 bench/worker_profile.py --device gpu --runs 300
+
+With C{--first N} it also measures what a fresh worker's only program costs:
+N children forked from this process (imports done, CUDA not initialised,
+as from a worker template) each make the backend (their context) and run
+one retiring null program, timed and profiled; the median and the slowest
+child's profile are printed.
 """
 
 from __future__ import annotations
@@ -106,20 +112,84 @@ def measure(engine: Engine, lease: TimedLease, program: dict, runs: int) -> dict
     }
 
 
+def first_runs(device: str, count: int) -> dict[str, Any]:
+    """Fork C{count} children; each makes its backend and runs one retiring null program."""
+    import os
+
+    text = json.dumps(NULL)
+    rows = []
+    for _ in range(count):
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(read_end)
+            try:
+                started = time.perf_counter()
+                backend = make_backend(device)
+                made = time.perf_counter()
+                lease = TimedLease()
+                engine = Engine(backend, lease, registry_for(backend), stream_returns=True)
+                workspace = tempfile.mkdtemp(prefix="kcoral-worker-profile-")
+                profiler = cProfile.Profile()
+                profiler.enable()
+                run_started = time.perf_counter()
+                outcome = engine.run(Execute(text, workspace), retiring=True)
+                ran = time.perf_counter()
+                profiler.disable()
+                out = io.StringIO()
+                pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(22)
+                row = {
+                    "backend_ms": (made - started) * 1e3,
+                    "run_ms": (ran - run_started) * 1e3,
+                    "status": outcome.status,
+                    "profile": out.getvalue(),
+                }
+                os.write(write_end, json.dumps(row).encode())
+            finally:
+                os._exit(0)
+        os.close(write_end)
+        data = b""
+        while chunk := os.read(read_end, 1 << 20):
+            data += chunk
+        os.close(read_end)
+        os.waitpid(pid, 0)
+        rows.append(json.loads(data))
+    slowest = max(rows, key=lambda r: r["run_ms"])
+    return {
+        "backend_ms": common.describe([r["backend_ms"] for r in rows]),
+        "run_ms": common.describe([r["run_ms"] for r in rows]),
+        "statuses": sorted({r["status"] for r in rows}),
+        "slowest_profile": slowest["profile"],
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "gpu"])
     parser.add_argument("--runs", type=int, default=300)
     parser.add_argument("--label", default="")
+    parser.add_argument(
+        "--first", type=int, default=0, help="fresh children, one retiring program each"
+    )
     parser.add_argument("--output", default=str(common.RESULTS / "worker_profile.json"))
     args = parser.parse_args(argv)
     prepare_backend(args.device)
+    result: dict[str, Any] = {"benchmark": "worker_profile", "label": args.label}
+    if args.first:
+        # Before this process touches the device: the children fork from
+        # an untouched parent, as workers from a template.
+        first = first_runs(args.device, args.first)
+        result["first"] = {k: v for k, v in first.items() if k != "slowest_profile"}
+        print(
+            f"first program of a fresh worker: backend {common.fmt(first['backend_ms'])}; "
+            f"run {common.fmt(first['run_ms'])}; {first['statuses']}"
+        )
+        print(first["slowest_profile"])
     backend = make_backend(args.device)
     lease = TimedLease()
     engine = Engine(backend, lease, registry_for(backend), stream_returns=True)
     gc.collect()
     gc.freeze()
-    result: dict[str, Any] = {"benchmark": "worker_profile", "label": args.label}
     for name, program in (("null", NULL), ("overlap_shape", OVERLAP)):
         figures = measure(engine, lease, program, args.runs)
         result[name] = {k: v for k, v in figures.items() if k != "profile"}

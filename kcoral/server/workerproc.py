@@ -31,6 +31,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.python.runtime import platform
 
+from kcoral.proctree import descendants_of
 from kcoral.server.lease import MAINTENANCE
 from kcoral.wire.channel import (
     CONTROL_LIMITS,
@@ -837,13 +838,30 @@ class WorkerProcess:
             self._kill_timer = self._reactor.callLater(KILL_RETRY_SECONDS, self._kill_hard, [])
 
     def _tree(self) -> list[psutil.Process]:
+        """
+        The worker and its descendants, parents first.  Read from procfs
+        (L{kcoral.proctree}): this runs on the reactor as a worker retires,
+        and psutil's full scan took milliseconds of every answer.
+        """
         if self.pid is None:
             return []
         try:
             root = psutil.Process(self.pid)
-            return [root, *root.children(recursive=True)]
         except psutil.Error:
             return []
+        pids = descendants_of(self.pid)
+        if pids is None:
+            try:
+                return [root, *root.children(recursive=True)]
+            except psutil.Error:
+                return [root]
+        tree = [root]
+        for pid in pids:
+            try:
+                tree.append(psutil.Process(pid))
+            except psutil.Error:
+                pass  # gone since it was listed
+        return tree
 
     def _ended_copy(self) -> Deferred[int | None]:
         d: Deferred[int | None] = Deferred()

@@ -17,6 +17,8 @@ import threading
 
 import attrs
 
+from kcoral.proctree import descendants_of
+
 
 def _under(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
@@ -56,38 +58,11 @@ def terminate(pids: list[int]) -> None:
             pass  # not our child (re-parented to the sandbox's init)
 
 
-def _proc_children(pid: int) -> list[int] | None:
-    """Direct children of C{pid} from procfs, or C{None} where the kernel lacks the file."""
-    found: list[int] = []
-    try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                found.extend(int(child) for child in f.read().split())
-    except FileNotFoundError:
-        return None
-    except OSError:
-        return []
-    return found
-
-
-def _descendants() -> list[int] | None:
-    """All descendants of this process, read from procfs without a full scan."""
-    result: list[int] = []
-    pending = [os.getpid()]
-    while pending:
-        children = _proc_children(pending.pop())
-        if children is None:
-            return None
-        result.extend(children)
-        pending.extend(children)
-    return result
-
-
 def child_processes() -> list[int]:
     sandboxed = _sandbox_processes()
     if sandboxed is not None:
         return sandboxed
-    descendants = _descendants()
+    descendants = descendants_of(os.getpid())
     if descendants is not None:
         return descendants
     try:

@@ -1,0 +1,55 @@
+"""
+kcoral.proctree against real processes: a child with a grandchild, and
+processes that are gone.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+
+from kcoral.proctree import children_of, descendants_of
+
+#: A child that starts a grandchild, prints its pid, and waits.
+PARENT = (
+    "import subprocess, sys\n"
+    "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+    "print(g.pid, flush=True)\n"
+    "sys.stdin.read()\n"
+)
+
+
+def test_child_and_grandchild_parents_first() -> None:
+    child = subprocess.Popen(
+        [sys.executable, "-c", PARENT], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None
+        grandchild = int(child.stdout.readline())
+        assert descendants_of(child.pid) == [grandchild]
+        found = descendants_of(os.getpid())
+        assert found is not None
+        assert found.index(child.pid) < found.index(grandchild)
+        # The same set psutil's full scan finds.
+        scanned = {p.pid for p in psutil.Process().children(recursive=True)}
+        assert set(found) == scanned
+        assert children_of(child.pid) == [grandchild]
+    finally:
+        for p in psutil.Process(child.pid).children(recursive=True):
+            p.kill()
+        child.kill()
+        child.wait()
+
+
+def test_a_process_that_is_gone_has_none() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    deadline = time.monotonic() + 5
+    while psutil.pid_exists(child.pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert children_of(child.pid) == []
+    assert descendants_of(child.pid) == []

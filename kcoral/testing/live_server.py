@@ -112,6 +112,15 @@ def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def _interruptible() -> None:
+    """
+    SIGINT at its default in the server: a test run started in the background
+    by a shell without job control inherits it ignored, and then neither
+    Python nor Twisted installs a handler (the shutdown tests send it).
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @attrs.define
 class ServerProcess:
     """
@@ -143,7 +152,13 @@ class ServerProcess:
             *self.args,
         ]
         output = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
-        self.process = subprocess.Popen(argv, env=env, stdout=output, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(
+            argv,
+            env=env,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_interruptible,
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

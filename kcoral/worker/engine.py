@@ -67,7 +67,7 @@ from kcoral.worker import files, reuse, runtime
 from kcoral.worker.builtins import CudaSource
 from kcoral.worker.capture import Captured, OutputCapture
 from kcoral.worker.files import Budget, collect_file, collect_folder, materialize_file
-from kcoral.worker.reuse import ProcessState, child_processes, terminate
+from kcoral.worker.reuse import ProcessState, terminate
 
 # ---------------------------------------------------------------------------
 # Error objects
@@ -303,7 +303,7 @@ class Engine:
         finally:
             captured = capture.stop()
         retire = run.cleanup()
-        leftover_pids = child_processes()
+        leftover_pids = state.new_children()
         if leftover_pids:
             # Background work must finish before a program returns: stop it,
             # and fail a program that otherwise completed (spec §6.3).

@@ -112,6 +112,9 @@ class ProcessState:
     path: list[str]
     modules: frozenset[str]
     threads: frozenset[int]
+    #: Child processes that were there before the program (a worker has
+    #: none; a test running the engine in its own process may).
+    children: frozenset[int] = frozenset()
 
     @classmethod
     def snapshot(cls) -> ProcessState:
@@ -120,7 +123,12 @@ class ProcessState:
             path=list(sys.path),
             modules=frozenset(sys.modules),
             threads=frozenset(t.ident or 0 for t in threading.enumerate()),
+            children=frozenset(child_processes()),
         )
+
+    def new_children(self) -> list[int]:
+        """The child processes started since the snapshot (the program's)."""
+        return [pid for pid in child_processes() if pid not in self.children]
 
     def leftovers(self, workspace: str, children: list[int] | None = None) -> list[str]:
         """
@@ -134,7 +142,7 @@ class ProcessState:
         if threads:
             found.append(f"threads: {', '.join(threads)}")
         if children is None:
-            children = child_processes()
+            children = self.new_children()
         if children:
             found.append(f"child processes: {children}")
         fds = _open_fds_under(root)

@@ -1363,3 +1363,21 @@ def test_host_values() -> None:
     cycle: list[Any] = []
     cycle.append(cycle)
     assert not _is_host_value(cycle)
+
+
+def test_children_from_before_the_program_are_not_its_leftovers(harness: Harness) -> None:
+    """
+    Only processes started during the program count as left behind: a child
+    the process had before (a test's own server, say) is neither blamed nor
+    killed.
+    """
+    import subprocess
+
+    before = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        outcome = harness.run([ADD, get("f", "m", "add"), run("r", "f", 2, 3), ret("out", "r")])
+        assert outcome.status == "COMPLETED", outcome.error
+        assert before.poll() is None
+    finally:
+        before.kill()
+        before.wait()

@@ -145,6 +145,10 @@ def first_runs(device: str, count: int) -> dict[str, Any]:
                     "profile": out.getvalue(),
                 }
                 os.write(write_end, json.dumps(row).encode())
+            except BaseException:
+                import traceback
+
+                os.write(write_end, json.dumps({"error": traceback.format_exc()}).encode())
             finally:
                 os._exit(0)
         os.close(write_end)
@@ -153,7 +157,10 @@ def first_runs(device: str, count: int) -> dict[str, Any]:
             data += chunk
         os.close(read_end)
         os.waitpid(pid, 0)
-        rows.append(json.loads(data))
+        row = json.loads(data) if data else {"error": "the child wrote nothing"}
+        if "error" in row:
+            raise RuntimeError(f"a fresh child failed:\n{row['error']}")
+        rows.append(row)
     slowest = max(rows, key=lambda r: r["run_ms"])
     return {
         "backend_ms": common.describe([r["backend_ms"] for r in rows]),

@@ -29,7 +29,9 @@ def children_of(pid: int) -> list[int] | None:
         return []
     for task in tasks:
         try:
-            with open(f"/proc/{pid}/task/{task}/children", encoding="ascii") as f:
+            # Bytes: no codec to look up (a fresh worker's first lookup
+            # imports one, milliseconds of its first answer).
+            with open(f"/proc/{pid}/task/{task}/children", "rb") as f:
                 found.extend(int(child) for child in f.read().split())
         except FileNotFoundError:
             if not os.path.exists(f"/proc/{pid}/task/{task}"):

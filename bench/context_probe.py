@@ -92,7 +92,7 @@ def _child(cmd_r: int, ack_w: int) -> None:
         os.write(ack_w, b"k")
 
 
-def _spawn_children(count: int) -> list[tuple[int, int, int]]:
+def _spawn_children(count: int, env: dict[str, str] | None = None) -> list[tuple[int, int, int]]:
     kids = []
     for _ in range(count):
         cmd_r, cmd_w = os.pipe()
@@ -101,6 +101,8 @@ def _spawn_children(count: int) -> list[tuple[int, int, int]]:
         if pid == 0:
             os.close(cmd_w)
             os.close(ack_r)
+            # Read by the driver at cuInit, which the child makes later.
+            os.environ.update(env or {})
             _child(cmd_r, ack_w)
         os.close(cmd_r)
         os.close(ack_w)
@@ -120,7 +122,7 @@ def _phase(kids, op: bytes, windows: list, name: str) -> None:
     windows.append({"phase": name, "start": t0, "end": time.time(), "children": len(kids)})
 
 
-def _bound(children: int, rounds: int) -> dict:
+def _bound(children: int, rounds: int, env: dict[str, str] | None = None) -> dict:
     """The replacement bound on an idle GPU: contexts made and destroyed per second.
 
     Serial: one child at a time creates its context, then tears it down (what a
@@ -133,7 +135,7 @@ def _bound(children: int, rounds: int) -> dict:
         t_all = time.time()
         total = 0
         for _ in range(rounds):
-            kids = _spawn_children(size)
+            kids = _spawn_children(size, env)
             windows: list = []
             _phase(kids, b"i", windows, "init")
             _phase(kids, b"c", windows, "create")
@@ -151,11 +153,17 @@ def _bound(children: int, rounds: int) -> dict:
             "wall_per_s": total / wall,
         }
         print(
-            f"bound {mode:8} x{size}: create {created / total * 1000:.1f} ms, "
+            f"bound {mode:8} x{size}{' ' + str(env) if env else ''}: create {created / total * 1000:.1f} ms, "
             f"teardown {torn / total * 1000:.1f} ms per context; "
             f"{total / (created + torn):.2f} contexts/s on the GPU side, {total / wall:.2f}/s wall"
         )
     return result
+
+
+def common_dump(path: str, report: dict) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=2)
 
 
 def main() -> int:
@@ -166,6 +174,14 @@ def main() -> int:
     parser.add_argument(
         "--bound-rounds", type=int, default=3, help="rounds of the idle-GPU bound (0: skip)"
     )
+    parser.add_argument(
+        "--bound-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="also measure the bound with this variable in the children's environment",
+    )
+    parser.add_argument("--bound-only", action="store_true", help="skip the disturbance phases")
     args = parser.parse_args()
     t_imp = time.time()
     import pycuda.driver  # noqa: F401  (imported, never initialised)
@@ -175,6 +191,12 @@ def main() -> int:
     imports_s = time.time() - t_imp
 
     bound = _bound(args.children, args.bound_rounds) if args.bound_rounds else {}
+    for setting in args.bound_env:
+        name, _, value = setting.partition("=")
+        bound[setting] = _bound(args.children, max(args.bound_rounds, 1), {name: value})
+    if args.bound_only:
+        common_dump(args.output, {"imports_s": imports_s, "bound": bound})
+        return 0
     stop_r, stop_w = os.pipe()
     out_r, out_w = os.pipe()
     ready_r, ready_w = os.pipe()

@@ -204,9 +204,12 @@ def select_gpus(found: Sequence[GpuDevice], ids: Iterable[int]) -> dict[int, Gpu
     return {gpu: by_index[gpu] for gpu in wanted}
 
 
-def cuda_environment(devices: Sequence[GpuDevice], *, isolated: bool) -> dict[str, str]:
+def cuda_environment(
+    devices: Sequence[GpuDevice], *, isolated: bool, connections: int | None = None
+) -> dict[str, str]:
     """
-    The environment that makes CUDA device C{i} of a worker be C{devices[i]}.
+    The environment that makes CUDA device C{i} of a worker be C{devices[i]},
+    with C{connections} hardware work queues per context when given.
 
     @param isolated: the worker's sandbox holds only these devices' nodes,
         so the driver enumerates just them, in bus order: name them by
@@ -224,4 +227,6 @@ def cuda_environment(devices: Sequence[GpuDevice], *, isolated: bool) -> dict[st
     else:
         names = [device.uuid or str(device.index) for device in devices]
     env["CUDA_VISIBLE_DEVICES"] = ",".join(names)
+    if connections is not None:
+        env["CUDA_DEVICE_MAX_CONNECTIONS"] = str(connections)
     return env

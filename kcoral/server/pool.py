@@ -581,7 +581,13 @@ class WorkerPool:
         if devices:
             # CUDA device i is gpus[i], whatever the front end was given.
             isolated = bool(getattr(self.sandbox, "isolates_devices", False))
-            env.update(cuda_environment(devices, isolated=isolated))
+            env.update(
+                cuda_environment(
+                    devices,
+                    isolated=isolated,
+                    connections=getattr(self.config, "cuda_connections", None),
+                )
+            )
         template = self._template_for(gpus)
         worker: WorkerHandle | None = None
         common: dict[str, Any] = {

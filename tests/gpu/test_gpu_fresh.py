@@ -34,6 +34,13 @@ def f():
 """
 
 
+CONNECTIONS = """
+def f():
+    import os
+    return os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
+"""
+
+
 def _program(source: str) -> dict[str, Any]:
     return {
         "instructions": [
@@ -93,6 +100,9 @@ def test_fresh_workers_on_the_lease(tmp_path: Path, sandbox: str) -> None:
         for _ in range(6):
             _body, results = _ok(server.execute(_program(COPY)))
             assert results["r"] == float(1 << 24)
+        # Each context has the default --cuda-connections work queues.
+        _body, results = _ok(server.execute(_program(CONNECTIONS)))
+        assert results["r"] == "4"
         deadline = time.monotonic() + 60
         while (health := server.health())["load"]["request_capacity"] < 2:
             assert time.monotonic() < deadline, health

@@ -43,6 +43,7 @@ class DefaultsTests(SynchronousTestCase):
             "workers_per_gpu": 8,
             "max_requests_per_worker": 1,
             "spare_workers_per_gpu": None,
+            "cuda_connections": 4,
             "reuse_scope": "address",
             "sandbox": "bubblewrap",
             "sandbox_readonly_paths": (),
@@ -411,3 +412,14 @@ class DefaultCacheCapacityTests(SynchronousTestCase):
 
         self.assertEqual(default_cache_capacity(), psutil.virtual_memory().total // 8)
         self.assertEqual(ServerConfig().cache_capacity_bytes, default_cache_capacity())
+
+
+class CudaConnectionsTests(SynchronousTestCase):
+    """C{cuda_connections}: what CUDA accepts, 1 to 32."""
+
+    def test_range(self) -> None:
+        self.assertEqual(ServerConfig(cuda_connections=1).cuda_connections, 1)
+        self.assertEqual(ServerConfig(cuda_connections=32).cuda_connections, 32)
+        for bad in (0, 33, -1, True, "4", 2.0):
+            with self.assertRaises(ValueError):
+                ServerConfig(cuda_connections=bad)  # type: ignore[arg-type]

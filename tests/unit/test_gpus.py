@@ -169,6 +169,11 @@ class CudaEnvironmentTests(SynchronousTestCase):
             {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "0"},
         )
 
+    def test_connections(self) -> None:
+        """The context's work queues, when given, are CUDA_DEVICE_MAX_CONNECTIONS."""
+        env = cuda_environment([FOUND[0]], isolated=True, connections=4)
+        self.assertEqual(env["CUDA_DEVICE_MAX_CONNECTIONS"], "4")
+
     def test_isolated_ordinals_follow_bus_order(self) -> None:
         """CUDA device i is devices[i]: the ordinals are ranks in bus order."""
         self.assertEqual(

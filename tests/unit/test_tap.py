@@ -314,6 +314,23 @@ class EnvironmentTests(SynchronousTestCase):
             parse([], {"KCORAL_SPARE_WORKERS_PER_GPU": "many"})
         self.assertIn("KCORAL_SPARE_WORKERS_PER_GPU must be an integer", str(cm.exception))
 
+    def test_cuda_connections(self) -> None:
+        """
+        C{--cuda-connections} (default 4) and C{KCORAL_CUDA_CONNECTIONS} set
+        each GPU context's work queues; a flag wins; out of 1-32 is a usage
+        error naming the flag.
+        """
+        self.assertEqual(parse([], {}).config.cuda_connections, 4)
+        env = {"KCORAL_CUDA_CONNECTIONS": "8"}
+        self.assertEqual(parse([], env).config.cuda_connections, 8)
+        self.assertEqual(parse(["--cuda-connections", "1"], env).config.cuda_connections, 1)
+        with self.assertRaises(usage.UsageError) as cm:
+            parse([], {"KCORAL_CUDA_CONNECTIONS": "all"})
+        self.assertIn("KCORAL_CUDA_CONNECTIONS must be an integer", str(cm.exception))
+        with self.assertRaises(usage.UsageError) as cm:
+            parse(["--cuda-connections", "0"], {})
+        self.assertIn("--cuda-connections", str(cm.exception))
+
     def test_bad_device_env(self) -> None:
         """
         An unknown C{KCORAL_SERVER_DEVICE} is rejected like the flag.

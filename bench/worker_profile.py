@@ -180,11 +180,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--output", default=str(common.RESULTS / "worker_profile.json"))
     args = parser.parse_args(argv)
-    prepare_backend(args.device)
     result: dict[str, Any] = {"benchmark": "worker_profile", "label": args.label}
     if args.first:
-        # Before this process touches the device: the children fork from
-        # an untouched parent, as workers from a template.
+        # The template's imports, CUDA never initialised: the children fork
+        # from an untouched parent, as workers from a template.
+        from kcoral.worker.template import preload
+
+        preload(args.device, "auto")
+        gc.collect()
+        gc.freeze()
         first = first_runs(args.device, args.first)
         result["first"] = {k: v for k, v in first.items() if k != "slowest_profile"}
         print(
@@ -192,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             f"run {common.fmt(first['run_ms'])}; {first['statuses']}"
         )
         print(first["slowest_profile"])
+    prepare_backend(args.device)
     backend = make_backend(args.device)
     lease = TimedLease()
     engine = Engine(backend, lease, registry_for(backend), stream_returns=True)

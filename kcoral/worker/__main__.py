@@ -160,6 +160,9 @@ def serve(
             _log_notices(backend, sys.stderr)
             if outcome.retire is not None:
                 return _retire(inbox, outbox, backend)
+            # Host state back to how the first program found it, while the
+            # parent answers (the next program waits in the pipe meanwhile).
+            engine.settle()
         else:
             print(f"kcoral worker: ignoring message {message.TYPE!r}", file=sys.stderr, flush=True)
 

@@ -269,9 +269,27 @@ class Engine:
     #: Make large binary parts sealed shared buffers (L{kcoral.wire.shared}),
     #: whose descriptors cross to the parent instead of their bytes.
     share_parts: bool = False
+    #: The process state before the first program, which every later one
+    #: is put back to (L{settle} makes it so again).
+    _baseline: ProcessState | None = attrs.field(default=None, init=False)
+    #: The last program's workspace, while its host state is not put back.
+    _unsettled: str | None = attrs.field(default=None, init=False)
 
     def __attrs_post_init__(self) -> None:
         runtime.install(self.backend, self.lease, self.builtins)
+
+    def settle(self) -> None:
+        """
+        Put the host state back after a program that kept the worker
+        (environment, C{sys.path}, uploaded modules) and collect what it
+        left.  The worker calls this once the outcome is sent, so the answer
+        does not wait for it (with torch imported, the collection alone took
+        1.4 ms on the GPU machine); L{run} calls it first if nobody did.
+        """
+        workspace, self._unsettled = self._unsettled, None
+        if workspace is not None and self._baseline is not None:
+            self._baseline.restore(workspace)
+            gc.collect()
 
     def run(
         self,
@@ -287,7 +305,10 @@ class Engine:
         @param retiring: the worker will exit after this program (its request
             limit is reached), so it keeps the lease and skips the reuse checks.
         """
-        state = ProcessState.snapshot()
+        self.settle()
+        if self._baseline is None:
+            self._baseline = ProcessState.snapshot()
+        state = self._baseline
         runtime.set_budget(request.timeout_seconds)
         program = _parse(request.program, frozenset(self.builtins) | BUILTIN_NAMES)
         run = _ProgramRun(self, request, dict(blobs or {}), program, retiring=retiring)
@@ -330,8 +351,6 @@ class Engine:
             # and restore host state off the lease.
             self.lease.release()
             leftovers = state.leftovers(request.workspace, children=leftover_pids)
-            state.restore(request.workspace)
-            gc.collect()
             if leftovers:
                 print(
                     "kcoral worker: retiring, the program left " + "; ".join(leftovers),
@@ -339,6 +358,9 @@ class Engine:
                     flush=True,
                 )
                 retire = RETIRE_REQUEST_LIMIT
+            else:
+                # The rest (restore, collection) once the answer is out.
+                self._unsettled = request.workspace
         return attrs.evolve(outcome, retire=retire)
 
 

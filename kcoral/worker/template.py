@@ -72,6 +72,9 @@ def preload(device: str, tensor_api: str) -> None:
     import kcoral.worker.isolate  # noqa: F401
 
     if device == "gpu":
+        # The driver watch is imported at each program's start (a fresh
+        # worker compiled and imported it in 5 ms of its only answer).
+        import kcoral.worker.cuptiwatch  # noqa: F401
         from kcoral.worker.gpu import import_gpu_modules
 
         import_gpu_modules(tensor_api)

@@ -57,7 +57,10 @@ class Harness:
         workspace.mkdir()
         self.workspace = str(workspace)
         program = json.dumps({"instructions": instructions})
-        return self.engine.run(Execute(program, str(workspace), **kwargs), dict(self.blobs))
+        outcome = self.engine.run(Execute(program, str(workspace), **kwargs), dict(self.blobs))
+        # What the worker does once the outcome is sent.
+        self.engine.settle()
+        return outcome
 
 
 @pytest.fixture
@@ -729,6 +732,24 @@ def test_reuse_restores_process_state(harness: Harness) -> None:
     assert dict(os.environ) == before
     assert sys.path == path
     assert "kcoral_ws_mod" not in sys.modules
+
+
+def test_host_state_is_put_back_after_the_answer(harness: Harness) -> None:
+    """
+    The restore waits for L{Engine.settle} (the worker sends the outcome
+    first), and the next run settles first if nobody did.
+    """
+    harness.count += 1
+    workspace = harness.root / f"ws{harness.count}"
+    workspace.mkdir()
+    source = 'import os\nos.environ["KCORAL_TEST_UNSETTLED"] = "1"\n'
+    program = json.dumps({"instructions": [module("m", source)]})
+    outcome = harness.engine.run(Execute(program, str(workspace)))
+    assert outcome.status == "COMPLETED", outcome.error
+    assert os.environ.get("KCORAL_TEST_UNSETTLED") == "1"
+    second = harness.run([ADD])
+    assert second.status == "COMPLETED", second.error
+    assert "KCORAL_TEST_UNSETTLED" not in os.environ
 
 
 def test_reuse_leftover_thread_retires(harness: Harness) -> None:

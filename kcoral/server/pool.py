@@ -855,6 +855,9 @@ class WorkerPool:
             return True
         if retire is not None and retire != "request_limit" and worker.alive:
             await worker.kill()
+        if self._workspace_is_clean(seat.work_dir):
+            # The program wrote nothing there: no clear, no thread.
+            return True
         try:
             await self._run_blocking(self.sandbox.clear_workspace, seat.work_dir)
         except Exception as e:
@@ -1000,6 +1003,9 @@ class WorkerPool:
         seat.served += 1
         worker = seat.worker
         if retire is None and worker is not None and worker.alive:
+            if self._workspace_is_clean(seat.work_dir):
+                self._offer(seat)
+                return
             d = self._run_blocking(self.sandbox.clear_workspace, seat.work_dir)
             d.addCallbacks(
                 lambda _: self._offer(seat),
@@ -1007,6 +1013,15 @@ class WorkerPool:
             )
             return
         self._replace(seat, retire or "crashed")
+
+    def _workspace_is_clean(self, work_dir: Path | None) -> bool:
+        """
+        Whether C{work_dir} needs no clear (L{ISandbox.workspace_is_clean},
+        a few bounded calls on the reactor); C{False} for a sandbox that
+        cannot tell.
+        """
+        check = getattr(self.sandbox, "workspace_is_clean", None)
+        return work_dir is not None and check is not None and bool(check(work_dir))
 
     def _replace(self, seat: Seat, reason: str, failure: Failure | None = None) -> None:
         worker = seat.worker

@@ -179,6 +179,14 @@ class ISandbox(Interface):
         @raise OSError: the workspace could not be cleared; retire the worker.
         """
 
+    def workspace_is_clean(work_dir: Path) -> bool:
+        """
+        Whether C{work_dir} is as L{clear_workspace} leaves it (the reserved
+        layout, every directory empty and private), read with a few bounded
+        calls, so it may run on the reactor: a program that wrote nothing
+        needs no clear.  C{False} when in doubt.
+        """
+
     def command(
         *, python: str, worker_args: list[str], work_dir: Path, gpu_devices: list[str]
     ) -> tuple[str, list[str], dict[str, str]]:
@@ -319,6 +327,50 @@ def empty_directory(path: Path | str, keep: KeepTree | None = None) -> None:
         os.close(fd)
 
 
+def _names(path: str, limit: int) -> list[str] | None:
+    """At most C{limit} entry names of directory C{path}; C{None} if it has more."""
+    names: list[str] = []
+    with os.scandir(path) as it:
+        for entry in it:
+            if len(names) == limit:
+                return None
+            names.append(entry.name)
+    return names
+
+
+def _private_directory(path: str) -> bool:
+    """A directory itself (not a link to one) with mode 0700."""
+    st = os.lstat(path)
+    return stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700
+
+
+def is_clean_layout(work_dir: Path | str, subdirs: Sequence[str]) -> bool:
+    """
+    Whether C{work_dir} holds the reserved layout with C{subdirs} and nothing
+    else: every directory private (0700) and the subdirectories empty, as
+    L{empty_directory} and L{_make_layout} leave it.  At most a few dozen
+    system calls whatever a program did (listings stop early), so the
+    reactor may ask; any doubt (an error included) answers C{False}.
+    """
+    work = os.fspath(work_dir)
+    reserved = os.path.join(work, RESERVED)
+    try:
+        if not _private_directory(work) or _names(work, 1) != [RESERVED]:
+            return False
+        if not _private_directory(reserved):
+            return False
+        names = _names(reserved, len(subdirs))
+        if names is None or sorted(names) != sorted(subdirs):
+            return False
+        for sub in subdirs:
+            path = os.path.join(reserved, sub)
+            if not _private_directory(path) or _names(path, 0) != []:
+                return False
+    except OSError:
+        return False
+    return True
+
+
 def _prepare_seat(seat_dir: Path, subdirs: Sequence[str]) -> Path:
     os.makedirs(seat_dir, mode=0o700, exist_ok=True)
     work = os.path.join(os.fspath(seat_dir), "work")
@@ -407,6 +459,11 @@ class BubblewrapSandbox:
     def clear_workspace(self, work_dir: Path) -> None:
         empty_directory(work_dir, self._mount_points_in_workspace())
         _make_layout(os.fspath(work_dir), RESERVED_SUBDIRS)
+
+    def workspace_is_clean(self, work_dir: Path) -> bool:
+        # (Mount points kept inside the private tmp directory make it
+        # non-empty: such a workspace is always cleared.)
+        return is_clean_layout(work_dir, RESERVED_SUBDIRS)
 
     def _mount_points_in_workspace(self) -> KeepTree:
         """
@@ -705,6 +762,9 @@ class NoSandbox:
     def clear_workspace(self, work_dir: Path) -> None:
         empty_directory(work_dir)
         _make_layout(os.fspath(work_dir), ("output",))
+
+    def workspace_is_clean(self, work_dir: Path) -> bool:
+        return is_clean_layout(work_dir, ("output",))
 
     def worker_path(self, work_dir: Path) -> str:
         return os.fspath(work_dir)

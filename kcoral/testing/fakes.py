@@ -247,6 +247,8 @@ class FakeSandbox:
     directory is C{<seat_dir>/work}, as the worker sees it too.
 
     @ivar cleared: the workspaces L{clear_workspace} was asked to clear.
+    @ivar clean: what L{workspace_is_clean} answers (C{False}: every
+        workspace is cleared).
     @ivar nodes: the C{gpu_devices} of each L{command}.
     @ivar env: the environment each L{command} returns.
     """
@@ -258,6 +260,7 @@ class FakeSandbox:
         self.isolates_devices = isolates_devices
         self.env = env or {}
         self.cleared: list[Path] = []
+        self.clean = False
         self.nodes: list[list[str]] = []
 
     def prepare_seat(self, seat_dir: Path) -> Path:
@@ -265,6 +268,9 @@ class FakeSandbox:
 
     def clear_workspace(self, work_dir: Path) -> None:
         self.cleared.append(work_dir)
+
+    def workspace_is_clean(self, work_dir: Path) -> bool:
+        return self.clean
 
     def command(
         self, *, python: str, worker_args: list[str], work_dir: Path, gpu_devices: list[str]

@@ -555,6 +555,22 @@ class SeatTests(PoolTestCase):
         self.successResultOf(self.use_seat(pool))
         self.assertEqual(self.sandbox.cleared, [pool.seats[0].work_dir])
 
+    def test_clean_workspace_is_not_cleared(self) -> None:
+        """
+        A workspace the program left as it found it is neither emptied
+        before the answer nor cleared for reuse (no thread), with or without
+        a sandbox; the seat is offered again at once.
+        """
+        for name in ("none", "bubblewrap"):
+            pool = self.make_pool(pool_config(num_workers=1, max_requests_per_worker=0))
+            self.sandbox.name = name  # type: ignore[misc]
+            self.sandbox.clean = True
+            self.successResultOf(self.use_seat(pool))
+            self.assertEqual(self.sandbox.cleared, [])
+            self.assertEqual(pool.seats[0].status, "idle")
+            self.assertEqual(len(self.spawned), 1)
+            self.spawned.clear()
+
     def test_unemptied_workspace_retires(self) -> None:
         """Without a sandbox, a workspace that cannot be emptied retires its worker."""
         pool = self.make_pool(pool_config(num_workers=1, max_requests_per_worker=0))

@@ -594,3 +594,61 @@ class ServerImportDirsTests(_TempMixin, SynchronousTestCase):
         error = self.assertRaises(SandboxError, BubblewrapSandbox([]).resolve_mounts)
         self.assertIn(str(inside), str(error))
         self.assertIn("--sandbox-readonly-path", str(error))
+
+
+# -- is_clean_layout: whether a workspace needs a clear -----------------------
+
+
+def _fresh_layout(tmp_path: Path, subdirs: tuple[str, ...] = ("output", "tmp")) -> Path:
+    from kcoral.server.sandbox import _make_layout, _mkdir_private
+
+    work = tmp_path / "work"
+    _mkdir_private(str(work))
+    _make_layout(str(work), subdirs)
+    return work
+
+
+def test_clean_layout_is_clean(tmp_path: Path) -> None:
+    from kcoral.server.sandbox import is_clean_layout
+
+    work = _fresh_layout(tmp_path)
+    assert is_clean_layout(work, ("output", "tmp"))
+    assert not is_clean_layout(work, ("output",))
+    assert not is_clean_layout(work, ("output", "tmp", "home"))
+
+
+def test_what_a_program_leaves_makes_it_unclean(tmp_path: Path) -> None:
+    """A file anywhere, a changed mode, a link for a directory, a missing one."""
+    from kcoral.server.sandbox import RESERVED, is_clean_layout
+
+    subdirs = ("output", "tmp")
+    cases = {
+        "file at the top": lambda w: (w / "result.txt").write_text("x"),
+        "hidden file": lambda w: (w / ".secret").write_text("x"),
+        "file in tmp": lambda w: (w / RESERVED / "tmp" / "f").write_text("x"),
+        "empty dir in output": lambda w: (w / RESERVED / "output" / "d").mkdir(),
+        "file in reserved": lambda w: (w / RESERVED / "extra").write_text("x"),
+        "tmp opened up": lambda w: os.chmod(w / RESERVED / "tmp", 0o777),
+        "top opened up": lambda w: os.chmod(w, 0o755),
+        "tmp missing": lambda w: os.rmdir(w / RESERVED / "tmp"),
+        "tmp a link": lambda w: (
+            os.rmdir(w / RESERVED / "tmp"),
+            os.symlink(w / RESERVED / "output", w / RESERVED / "tmp"),
+        ),
+        "reserved a file": lambda w: (
+            shutil.rmtree(w / RESERVED),
+            (w / RESERVED).write_text("x"),
+        ),
+    }
+    for name, change in cases.items():
+        case = tmp_path / name.replace(" ", "_")
+        case.mkdir()
+        work = _fresh_layout(case, subdirs)
+        change(work)
+        assert not is_clean_layout(work, subdirs), name
+
+
+def test_a_missing_workspace_is_not_clean(tmp_path: Path) -> None:
+    from kcoral.server.sandbox import is_clean_layout
+
+    assert not is_clean_layout(tmp_path / "gone", ("output",))

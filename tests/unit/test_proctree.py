@@ -11,6 +11,7 @@ import sys
 import time
 
 import psutil
+import pytest
 
 from kcoral.proctree import children_of, descendants_of
 
@@ -53,3 +54,33 @@ def test_a_process_that_is_gone_has_none() -> None:
         time.sleep(0.01)
     assert children_of(child.pid) == []
     assert descendants_of(child.pid) == []
+
+
+def test_worker_tree_is_the_worker_and_its_descendants(monkeypatch: pytest.MonkeyPatch) -> None:
+    """
+    The server's view of a worker's tree (what it freezes and kills): the
+    process first, then its descendants, from procfs, or from psutil's scan
+    where the kernel has no children files.
+    """
+    from types import SimpleNamespace
+
+    from kcoral.server import workerproc
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", PARENT], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None
+        grandchild = int(child.stdout.readline())
+        worker = SimpleNamespace(pid=child.pid)
+        tree = workerproc.WorkerProcess._tree(worker)  # type: ignore[arg-type]
+        assert [p.pid for p in tree] == [child.pid, grandchild]
+        monkeypatch.setattr(workerproc, "descendants_of", lambda pid: None)
+        tree = workerproc.WorkerProcess._tree(worker)  # type: ignore[arg-type]
+        assert [p.pid for p in tree] == [child.pid, grandchild]
+        assert workerproc.WorkerProcess._tree(SimpleNamespace(pid=None)) == []  # type: ignore[arg-type]
+    finally:
+        for p in psutil.Process(child.pid).children(recursive=True):
+            p.kill()
+        child.kill()
+        child.wait()

@@ -621,6 +621,8 @@ class WorkerPool:
             worker = self.spawn_worker(self._reactor, executable=executable, args=args, **common)
         if self.compiler is not None:
             worker.compiler = self.compiler  # type: ignore[attr-defined]
+        if getattr(self.config, "log_level", "info") == "debug":
+            worker.trace_instructions = True  # type: ignore[attr-defined]
         return worker
 
     async def start_transient(self, seat: Seat, gpus: tuple[int, ...]) -> tuple[WorkerHandle, Path]:

@@ -105,13 +105,34 @@ def test_run_directory(server: ServerProcess, log_dir: Path) -> None:
         assert event["level"] in ("INFO", "WARNING", "ERROR")
 
 
-def test_request_events_in_order(server: ServerProcess, log_dir: Path) -> None:
+def test_instruction_events_only_at_debug(server: ServerProcess, log_dir: Path) -> None:
+    """At the default level a request's events are its own five, no instruction's."""
     response = server.execute(program(ECHO, [2]))
     assert response.status == 200
     rid = response.headers["x-request-id"]
     found = wait_for_events(
         log_dir, lambda f: any(e["event"] == "request_finished" for e in of_request(f, rid))
     )
+    assert [e["event"] for e in of_request(found, rid)] == [
+        "request_received",
+        "request_accepted",
+        "request_routed",
+        "request_finished",
+    ]
+
+
+def test_request_events_in_order(tmp_path: Path, log_dir: Path) -> None:
+    """With --log-level debug every instruction's start and end are logged too."""
+    with ServerProcess(
+        [*ARGS, "--log-dir", str(log_dir), "--log-level", "debug"],
+        log_path=tmp_path / "server.log",
+    ) as server:
+        response = server.execute(program(ECHO, [2]))
+        assert response.status == 200
+        rid = response.headers["x-request-id"]
+        found = wait_for_events(
+            log_dir, lambda f: any(e["event"] == "request_finished" for e in of_request(f, rid))
+        )
     mine = of_request(found, rid)
     steps = [
         [
@@ -131,7 +152,7 @@ def test_request_events_in_order(server: ServerProcess, log_dir: Path) -> None:
     assert [{k: e[k] for k in ("event", "index", "op")} for e in instructions] == [
         step for pair in steps for step in pair
     ]
-    assert all(e["worker_id"] == "cpu/w0" for e in instructions)
+    assert all(e["worker_id"] == "cpu/w0" and e["level"] == "DEBUG" for e in instructions)
     assert all(e["elapsed_ms"] >= 0 for e in instructions if e["event"] == "instruction_finished")
     mine = [e for e in mine if not e["event"].startswith("instruction_")]
     finished = mine[-1]

@@ -555,6 +555,12 @@ class SeatTests(PoolTestCase):
         self.successResultOf(self.use_seat(pool))
         self.assertEqual(self.sandbox.cleared, [pool.seats[0].work_dir])
 
+    def test_workers_trace_instructions_at_debug(self) -> None:
+        """Only a server that logs DEBUG has its workers log each instruction."""
+        for level, traced in (("info", False), ("debug", True)):
+            pool = self.make_pool(pool_config(num_workers=1, log_level=level))
+            self.assertEqual(getattr(pool.seats[0].worker, "trace_instructions", False), traced)
+
     def test_clean_workspace_is_not_cleared(self) -> None:
         """
         A workspace the program left as it found it is neither emptied

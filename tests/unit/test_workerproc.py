@@ -195,6 +195,33 @@ class JobTests(WorkerTestCase):
         self.assertEqual(result.lease_held_seconds, 0.0)
         self.assertEqual(self.reactor.getDelayedCalls(), [])
 
+    def test_instruction_events_only_when_traced(self) -> None:
+        """
+        C{instruction_started}/C{instruction_finished} are made (at DEBUG)
+        only for a worker that traces instructions (the server logs DEBUG).
+        """
+        for trace in (False, True):
+            worker = self.ready_worker()
+            worker.trace_instructions = trace
+            with capturedLogs() as events:
+                d = worker.run(self.job())
+                self.deliver(worker, Instruction(0))
+                self.deliver(worker, Instruction(1))
+                self.deliver(worker, Outcome(status="COMPLETED"))
+                self.successResultOf(d)
+            traced = [
+                (e["kcoral_event"], e["index"], e["log_level"].name)
+                for e in events
+                if str(e.get("kcoral_event", "")).startswith("instruction_")
+            ]
+            expected = [
+                ("instruction_started", 0, "debug"),
+                ("instruction_finished", 0, "debug"),
+                ("instruction_started", 1, "debug"),
+                ("instruction_finished", 1, "debug"),
+            ]
+            self.assertEqual(traced, expected if trace else [])
+
     def test_one_job_at_a_time(self) -> None:
         worker = self.ready_worker()
         worker.run(self.job())

@@ -9,7 +9,10 @@ purpose, or a file an earlier test left to the garbage collector.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
+from collections.abc import Iterator
 
 #: How every memfd's link begins.
 MEMFD_PREFIX = "/memfd:"
@@ -33,3 +36,20 @@ def descriptor_targets(pid: int | str = "self") -> dict[int, str]:
 def memfd_count(pid: int | str = "self") -> int:
     """How many of C{pid}'s descriptors are memfds."""
     return sum(target.startswith(MEMFD_PREFIX) for target in descriptor_targets(pid).values())
+
+
+@contextlib.contextmanager
+def no_collection() -> Iterator[None]:
+    """
+    Collect what is garbage now, then nothing until the block ends, so a
+    count taken inside changes only by what the block does (not by an
+    earlier test's buffer the collector happens to free meanwhile).
+    """
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()

@@ -10,7 +10,7 @@ import tempfile
 
 import pytest
 
-from kcoral.testing.descriptors import memfd_count
+from kcoral.testing.descriptors import memfd_count, no_collection
 from kcoral.wire import shared
 from kcoral.wire.channel import (
     Blob,
@@ -61,11 +61,12 @@ def test_share_is_sealed_against_every_change() -> None:
 
 
 def test_buffer_closes_with_its_last_reference() -> None:
-    before = memfd_count()
-    buffer = share(b"x" * 10)
-    assert memfd_count() == before + 1
-    del buffer
-    assert memfd_count() == before
+    with no_collection():
+        before = memfd_count()
+        buffer = share(b"x" * 10)
+        assert memfd_count() == before + 1
+        del buffer
+        assert memfd_count() == before
 
 
 def test_read_chunks() -> None:
@@ -126,15 +127,16 @@ def test_refused_descriptors_do_not_leak() -> None:
     ours.setblocking(False)
     try:
         buffer = share(b"c")
-        before = memfd_count()
-        for _ in range(50):
-            send_descriptors(theirs, [buffer.fileno()] * 5)
-        for _ in range(25):
-            with pytest.raises(SharedMemoryError):
-                receive_descriptors(ours, 2)
-        theirs.send(b"junk")
-        assert drain_descriptors(ours) == 26
-        assert memfd_count() == before
+        with no_collection():
+            before = memfd_count()
+            for _ in range(50):
+                send_descriptors(theirs, [buffer.fileno()] * 5)
+            for _ in range(25):
+                with pytest.raises(SharedMemoryError):
+                    receive_descriptors(ours, 2)
+            theirs.send(b"junk")
+            assert drain_descriptors(ours) == 26
+            assert memfd_count() == before
     finally:
         ours.close()
         theirs.close()

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kcoral.testing.descriptors import memfd_count
+from kcoral.testing.descriptors import memfd_count, no_collection
 from kcoral.testing.fakes import FakeCudaLibrary
 from kcoral.wire import shared
 from kcoral.wire.values import PartCollector
@@ -71,9 +71,10 @@ def test_refused_registration_falls_back_and_is_noted_once(library: FakeCudaLibr
     library.status = 201  # CUDA_ERROR_INVALID_CONTEXT, say
     data = device_bytes(gpu.REGISTER_HOST_BYTES)
     driver = FakeDriver({1: data})
-    before = memfd_count()
-    assert gpu._copy_dtoh_shared(driver, 1, len(data)) is None
-    assert memfd_count() == before  # the unused buffer is freed
+    with no_collection():
+        before = memfd_count()
+        assert gpu._copy_dtoh_shared(driver, 1, len(data)) is None
+        assert memfd_count() == before  # the unused buffer is freed
     assert driver.copies == 0
     # Not tried again in this worker; one notice for its log.
     assert gpu._copy_dtoh_shared(driver, 1, len(data)) is None
@@ -86,11 +87,12 @@ def test_refused_registration_falls_back_and_is_noted_once(library: FakeCudaLibr
 
 def test_failed_copy_raises_after_unregistering(library: FakeCudaLibrary) -> None:
     data = device_bytes(gpu.REGISTER_HOST_BYTES)
-    before = memfd_count()
-    with pytest.raises(RuntimeError, match="illegal memory access"):
-        gpu._copy_dtoh_shared(FakeDriver({1: data}, fail=True), 1, len(data))
-    assert [call[0] for call in library.calls] == ["register", "unregister"]
-    assert memfd_count() == before
+    with no_collection():
+        before = memfd_count()
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            gpu._copy_dtoh_shared(FakeDriver({1: data}, fail=True), 1, len(data))
+        assert [call[0] for call in library.calls] == ["register", "unregister"]
+        assert memfd_count() == before
     assert gpu._dtoh_refused is None  # a copy error is the program's, not the path's
 
 

@@ -527,6 +527,14 @@ class KcoralChannel(HTTPChannel):
             self.site.open_connections -= 1
         super().connectionLost(reason)
 
+    def checkPersistence(self, request: Any, version: bytes) -> bool:
+        if getattr(getattr(self, "site", None), "draining", False):
+            # The server is stopping: this answer is the connection's last,
+            # so nothing is sent on it that the exiting process would drop.
+            request.responseHeaders.setRawHeaders(b"connection", [b"close"])
+            return False
+        return bool(super().checkPersistence(request, version))
+
 
 class _Refusal(Protocol):
     """Answers 503 and closes: the server already has too many connections."""
@@ -569,6 +577,8 @@ class KcoralSite(Site):
         self.body_timeout = body_timeout
         self.max_connections = max_connections
         self.open_connections = 0
+        #: The server is stopping (L{drain}): every answer closes its connection.
+        self.draining = False
         self.refused_connections = 0
         self.max_bytes_in_flight = max_bytes_in_flight
         self.bytes_in_flight = 0
@@ -580,6 +590,17 @@ class KcoralSite(Site):
             if stream_bodies
             else None
         )
+
+    def drain(self) -> None:
+        """
+        The server stopped listening: from now on every answer, a 503 for a
+        program that arrives on a kept-alive connection included, closes its
+        connection (C{Connection: close}).  A proxy then opens a new
+        connection for its next request, which is refused and goes to
+        another node, instead of sending it on a connection the exiting
+        process would drop unanswered.
+        """
+        self.draining = True
 
     def reserve_bytes(self, size: int, held: int) -> bool:
         """

@@ -322,6 +322,26 @@ class DeadlineTests(SynchronousTestCase):
         self.assertEqual(harness.clock.getDelayedCalls(), [])
 
 
+class DrainTests(SynchronousTestCase):
+    """A stopping server's answers close their connections."""
+
+    def test_answers_close_the_connection_once_draining(self) -> None:
+        harness = Harness(header_timeout=10)
+        channel, transport = harness.connect()
+        channel.dataReceived(b"GET /hello HTTP/1.1\r\nHost: x\r\n\r\n")
+        ((status, headers, _),) = parse_responses(transport.value())
+        self.assertEqual(status, 200)
+        self.assertNotEqual(headers.get(b"connection"), b"close")
+        self.assertFalse(transport.disconnecting)
+        harness.site.drain()
+        transport.clear()
+        channel.dataReceived(b"GET /hello HTTP/1.1\r\nHost: x\r\n\r\n")
+        ((status, headers, _),) = parse_responses(transport.value())
+        self.assertEqual(status, 200)
+        self.assertEqual(headers.get(b"connection"), b"close")
+        self.assertTrue(transport.disconnecting)
+
+
 class ConnectionCapTests(SynchronousTestCase):
     """Past the connection cap, new connections get a 503 and are closed."""
 

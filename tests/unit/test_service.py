@@ -6,6 +6,7 @@ order its children start and stop in, without starting a real child.
 from __future__ import annotations
 
 from twisted.application import service
+from twisted.internet.task import Clock
 from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.resource import Resource
@@ -28,9 +29,37 @@ class TreeTests(SynchronousTestCase):
         )
         self.assertIsInstance(root, service.MultiService)
         self.assertEqual(
-            [child.name for child in root], ["threads", "logs", "caches", "workers", "http"]
+            [child.name for child in root],
+            ["threads", "logs", "caches", "linger", "workers", "http"],
         )
         self.assertFalse(any(child.running for child in root))
+
+    def test_linger_waits_for_open_connections(self) -> None:
+        """
+        At stop the linger ends when the last connection closes, and at the
+        latest after DRAIN_LINGER_SECONDS.
+        """
+        from types import SimpleNamespace
+
+        from kcoral.server.service import DRAIN_LINGER_SECONDS, LingerService
+
+        clock = Clock()
+        site = SimpleNamespace(open_connections=2)
+        linger = LingerService(clock, site)
+        linger.startService()
+        d = linger.stopService()
+        clock.advance(0.1)
+        self.assertNoResult(d)
+        site.open_connections = 0
+        clock.advance(0.02)
+        self.successResultOf(d)
+        site.open_connections = 1
+        linger.startService()
+        d = linger.stopService()
+        clock.advance(DRAIN_LINGER_SECONDS - 0.05)
+        self.assertNoResult(d)
+        clock.advance(0.1)
+        self.successResultOf(d)
 
     def test_app_has_no_port(self) -> None:
         """C{create_app}'s service serves no port of its own."""

@@ -23,6 +23,10 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
 
 CHILDREN = 8
 
@@ -122,6 +126,24 @@ def _phase(kids, op: bytes, windows: list, name: str) -> None:
     windows.append({"phase": name, "start": t0, "end": time.time(), "children": len(kids)})
 
 
+#: Quiet before each measured phase and after a sequence, so no phase's
+#: window holds the tail of another's work.
+QUIET_S = 0.5
+
+
+def _phases(kids, windows: list, steps: list[tuple[bytes, str]]) -> None:
+    """
+    Run C{steps} (op, window name) on C{kids} in turn.  A step named
+    C{(setup) ...} only brings the children to the state the next one
+    measures: it gets no quiet before it.
+    """
+    for op, name in steps:
+        if not name.startswith("(setup)"):
+            time.sleep(QUIET_S)
+        _phase(kids, op, windows, name)
+    time.sleep(QUIET_S)
+
+
 def _bound(children: int, rounds: int, env: dict[str, str] | None = None) -> dict:
     """The replacement bound on an idle GPU: contexts made and destroyed per second.
 
@@ -160,12 +182,6 @@ def _bound(children: int, rounds: int, env: dict[str, str] | None = None) -> dic
     return result
 
 
-def common_dump(path: str, report: dict) -> None:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=2)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--output", default="bench/results/context_probe.json")
@@ -195,7 +211,7 @@ def main() -> int:
         name, _, value = setting.partition("=")
         bound[setting] = _bound(args.children, max(args.bound_rounds, 1), {name: value})
     if args.bound_only:
-        common_dump(args.output, {"imports_s": imports_s, "bound": bound})
+        common.write_result(args.output, {"imports_s": imports_s, "bound": bound})
         return 0
     stop_r, stop_w = os.pipe()
     out_r, out_w = os.pipe()
@@ -210,60 +226,67 @@ def main() -> int:
     windows.append({"phase": "idle", "start": time.time(), "end": time.time() + 1.5, "children": 0})
     time.sleep(1.5)
 
-    for size in (1, args.children):
+    n = args.children
+    for size in (1, n):
         t_fork = time.time()
         kids = _spawn_children(size)
         fork_s = (time.time() - t_fork) / size
-        time.sleep(0.5)
-        _phase(kids, b"i", windows, f"cuInit x{size}")
-        time.sleep(0.5)
-        _phase(kids, b"c", windows, f"context create x{size}")
-        time.sleep(0.5)
-        _phase(kids, b"d", windows, f"context detach x{size}")
-        time.sleep(0.5)
-        _phase(kids, b"c", windows, f"context re-create x{size}")
-        time.sleep(0.5)
-        _phase(kids, b"x", windows, f"exit with live context x{size}")
-        time.sleep(0.5)
+        _phases(
+            kids,
+            windows,
+            [
+                (b"i", f"cuInit x{size}"),
+                (b"c", f"context create x{size}"),
+                (b"d", f"context detach x{size}"),
+                (b"c", f"context re-create x{size}"),
+                (b"x", f"exit with live context x{size}"),
+            ],
+        )
         windows.append(
             {"phase": f"fork per child x{size}", "start": 0, "end": fork_s, "children": size}
         )
     # What a retired worker does after its teardown, and what a spare does
     # before its context: exit after pop+detach; exit after cuInit alone.
-    kids = _spawn_children(args.children)
-    _phase(kids, b"i", windows, f"(setup) cuInit x{args.children}")
-    _phase(kids, b"c", windows, f"(setup) context create x{args.children}")
-    _phase(kids, b"d", windows, f"(setup) context detach x{args.children}")
-    time.sleep(0.5)
-    _phase(kids, b"x", windows, f"exit after detach x{args.children}")
-    time.sleep(0.5)
-    kids = _spawn_children(args.children)
-    _phase(kids, b"i", windows, f"(setup) cuInit x{args.children}")
-    time.sleep(0.5)
-    _phase(kids, b"x", windows, f"exit after cuInit only x{args.children}")
-    time.sleep(0.5)
+    _phases(
+        _spawn_children(n),
+        windows,
+        [
+            (b"i", f"(setup) cuInit x{n}"),
+            (b"c", f"(setup) context create x{n}"),
+            (b"d", f"(setup) context detach x{n}"),
+            (b"x", f"exit after detach x{n}"),
+        ],
+    )
+    _phases(
+        _spawn_children(n),
+        windows,
+        [(b"i", f"(setup) cuInit x{n}"), (b"x", f"exit after cuInit only x{n}")],
+    )
     # CUPTI: a subscription made before the context (a spare could make it
     # off the lease) and one made with a live context (a first upload).
-    for size in (1, args.children):
-        kids = _spawn_children(size)
-        _phase(kids, b"i", windows, f"(setup) cuInit x{size}")
-        time.sleep(0.5)
-        _phase(kids, b"s", windows, f"cupti subscribe, no context x{size}")
-        time.sleep(0.5)
-        _phase(kids, b"c", windows, f"context create after cupti x{size}")
-        time.sleep(0.5)
-        _phase(kids, b"d", windows, f"context detach after cupti x{size}")
-        time.sleep(0.5)
-        _phase(kids, b"x", windows, f"exit after cupti+detach x{size}")
-        time.sleep(0.5)
-        kids = _spawn_children(size)
-        _phase(kids, b"i", windows, f"(setup) cuInit x{size}")
-        _phase(kids, b"c", windows, f"(setup) context create x{size}")
-        time.sleep(0.5)
-        _phase(kids, b"s", windows, f"cupti subscribe, live context x{size}")
-        time.sleep(0.5)
-        _phase(kids, b"d", windows, f"(setup) detach x{size}")
-        _phase(kids, b"x", windows, f"(setup) exit x{size}")
+    for size in (1, n):
+        _phases(
+            _spawn_children(size),
+            windows,
+            [
+                (b"i", f"(setup) cuInit x{size}"),
+                (b"s", f"cupti subscribe, no context x{size}"),
+                (b"c", f"context create after cupti x{size}"),
+                (b"d", f"context detach after cupti x{size}"),
+                (b"x", f"exit after cupti+detach x{size}"),
+            ],
+        )
+        _phases(
+            _spawn_children(size),
+            windows,
+            [
+                (b"i", f"(setup) cuInit x{size}"),
+                (b"c", f"(setup) context create x{size}"),
+                (b"s", f"cupti subscribe, live context x{size}"),
+                (b"d", f"(setup) detach x{size}"),
+                (b"x", f"(setup) exit x{size}"),
+            ],
+        )
     time.sleep(0.5)
     windows.append(
         {"phase": "idle again", "start": time.time(), "end": time.time() + 1.5, "children": 0}
@@ -301,9 +324,7 @@ def main() -> int:
         else:
             print(f"{w['phase']:34} {row['duration_ms']:8.1f} {len(inside):6d}")
         report["phases"].append(row)
-    os.makedirs(os.path.dirname(args.output) or ".", exist_ok=True)
-    with open(args.output, "w") as f:
-        json.dump(report, f, indent=1)
+    common.write_result(args.output, report)
     return 0
 
 

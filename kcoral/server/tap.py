@@ -492,15 +492,7 @@ class Options(usage.Options):
         """
         spares = self._integer_from_env("spare-workers-per-gpu")
         connections = self._integer_from_env("cuda-connections")
-        port = self["port"]
-        if isinstance(port, str):
-            # From KCORAL_SERVER_PORT: flags are coerced while parsing.
-            try:
-                port = int(port)
-            except ValueError:
-                raise usage.UsageError(
-                    f"KCORAL_SERVER_PORT must be an integer, got {port!r}"
-                ) from None
+        port = self._integer_from_env("port")
         device = self["device"]
         if device not in DEVICES:
             raise usage.UsageError(f"--device must be 'cpu' or 'gpu', got {device!r}")

@@ -51,15 +51,28 @@ class Harness:
         self.blobs[digest] = data
         return digest
 
-    def run(self, instructions: list[dict[str, Any]], **kwargs: Any) -> Outcome:
+    def run(
+        self,
+        instructions: list[dict[str, Any]],
+        *,
+        retiring: bool = False,
+        settle: bool = True,
+        **kwargs: Any,
+    ) -> Outcome:
+        """
+        Run a program in a new workspace; then, with C{settle}, put host
+        state back as the worker does once the outcome is sent.
+        """
         self.count += 1
         workspace = self.root / f"ws{self.count}"
         workspace.mkdir()
         self.workspace = str(workspace)
         program = json.dumps({"instructions": instructions})
-        outcome = self.engine.run(Execute(program, str(workspace), **kwargs), dict(self.blobs))
-        # What the worker does once the outcome is sent.
-        self.engine.settle()
+        outcome = self.engine.run(
+            Execute(program, str(workspace), **kwargs), dict(self.blobs), retiring=retiring
+        )
+        if settle:
+            self.engine.settle()
         return outcome
 
 
@@ -739,12 +752,8 @@ def test_host_state_is_put_back_after_the_answer(harness: Harness) -> None:
     The restore waits for L{Engine.settle} (the worker sends the outcome
     first), and the next run settles first if nobody did.
     """
-    harness.count += 1
-    workspace = harness.root / f"ws{harness.count}"
-    workspace.mkdir()
     source = 'import os\nos.environ["KCORAL_TEST_UNSETTLED"] = "1"\n'
-    program = json.dumps({"instructions": [module("m", source)]})
-    outcome = harness.engine.run(Execute(program, str(workspace)))
+    outcome = harness.run([module("m", source)], settle=False)
     assert outcome.status == "COMPLETED", outcome.error
     assert os.environ.get("KCORAL_TEST_UNSETTLED") == "1"
     second = harness.run([ADD])
@@ -1170,14 +1179,6 @@ def test_module_touching_the_device_takes_the_lease_then(harness: Harness) -> No
     assert lease.events == ["#0", "lazy", "acquire", "#1", "#2", "#3", "drain", "release"]
 
 
-def _retiring_run(harness: Harness, instructions: list[dict[str, Any]]) -> Outcome:
-    harness.count += 1
-    workspace = harness.root / f"ws{harness.count}"
-    workspace.mkdir()
-    program = json.dumps({"instructions": instructions})
-    return harness.engine.run(Execute(program, str(workspace)), retiring=True)
-
-
 def test_last_program_does_not_subscribe_for_an_import(harness: Harness) -> None:
     """
     A worker that exits after this program does not set up the driver watch
@@ -1185,8 +1186,8 @@ def test_last_program_does_not_subscribe_for_an_import(harness: Harness) -> None
     the module upload takes the lease up front, as spec/server.md says.
     """
     lease = _lazy(harness)
-    outcome = _retiring_run(
-        harness, [ADD, get("f", "m", "add"), run("r", "f", 2, 3), ret("out", "r")]
+    outcome = harness.run(
+        [ADD, get("f", "m", "add"), run("r", "f", 2, 3), ret("out", "r")], retiring=True
     )
     assert outcome.status == "COMPLETED", outcome.error
     assert "lazy" not in lease.events
@@ -1199,8 +1200,9 @@ def test_last_program_uses_a_subscription_it_has(harness: Harness) -> None:
     first = harness.run([ADD, get("f", "m", "add", cpu_only=True), run("r", "f", 1, 2)])
     assert first.status == "COMPLETED", first.error
     del lease.events[:]
-    outcome = _retiring_run(
-        harness, [ADD, get("f", "m", "add", cpu_only=True), run("r", "f", 2, 3), ret("out", "r")]
+    outcome = harness.run(
+        [ADD, get("f", "m", "add", cpu_only=True), run("r", "f", 2, 3), ret("out", "r")],
+        retiring=True,
     )
     assert outcome.status == "COMPLETED", outcome.error
     assert lease.events[:2] == ["#0", "lazy"]

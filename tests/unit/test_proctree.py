@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import psutil
 import pytest
@@ -24,26 +25,32 @@ PARENT = (
 )
 
 
-def test_child_and_grandchild_parents_first() -> None:
+@pytest.fixture
+def family() -> Iterator[tuple[int, int]]:
+    """C{(child pid, grandchild pid)}, both killed afterwards."""
     child = subprocess.Popen(
         [sys.executable, "-c", PARENT], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
     try:
         assert child.stdout is not None
-        grandchild = int(child.stdout.readline())
-        assert descendants_of(child.pid) == [grandchild]
-        found = descendants_of(os.getpid())
-        assert found is not None
-        assert found.index(child.pid) < found.index(grandchild)
-        # The same set psutil's full scan finds.
-        scanned = {p.pid for p in psutil.Process().children(recursive=True)}
-        assert set(found) == scanned
-        assert children_of(child.pid) == [grandchild]
+        yield child.pid, int(child.stdout.readline())
     finally:
         for p in psutil.Process(child.pid).children(recursive=True):
             p.kill()
         child.kill()
         child.wait()
+
+
+def test_child_and_grandchild_parents_first(family: tuple[int, int]) -> None:
+    child, grandchild = family
+    assert descendants_of(child) == [grandchild]
+    found = descendants_of(os.getpid())
+    assert found is not None
+    assert found.index(child) < found.index(grandchild)
+    # The same set psutil's full scan finds.
+    scanned = {p.pid for p in psutil.Process().children(recursive=True)}
+    assert set(found) == scanned
+    assert children_of(child) == [grandchild]
 
 
 def test_a_process_that_is_gone_has_none() -> None:
@@ -56,7 +63,9 @@ def test_a_process_that_is_gone_has_none() -> None:
     assert descendants_of(child.pid) == []
 
 
-def test_worker_tree_is_the_worker_and_its_descendants(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_worker_tree_is_the_worker_and_its_descendants(
+    family: tuple[int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """
     The server's view of a worker's tree (what it freezes and kills): the
     process first, then its descendants, from procfs, or from psutil's scan
@@ -66,21 +75,11 @@ def test_worker_tree_is_the_worker_and_its_descendants(monkeypatch: pytest.Monke
 
     from kcoral.server import workerproc
 
-    child = subprocess.Popen(
-        [sys.executable, "-c", PARENT], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert child.stdout is not None
-        grandchild = int(child.stdout.readline())
-        worker = SimpleNamespace(pid=child.pid)
-        tree = workerproc.WorkerProcess._tree(worker)  # type: ignore[arg-type]
-        assert [p.pid for p in tree] == [child.pid, grandchild]
-        monkeypatch.setattr(workerproc, "descendants_of", lambda pid: None)
-        tree = workerproc.WorkerProcess._tree(worker)  # type: ignore[arg-type]
-        assert [p.pid for p in tree] == [child.pid, grandchild]
-        assert workerproc.WorkerProcess._tree(SimpleNamespace(pid=None)) == []  # type: ignore[arg-type]
-    finally:
-        for p in psutil.Process(child.pid).children(recursive=True):
-            p.kill()
-        child.kill()
-        child.wait()
+    child, grandchild = family
+    worker = SimpleNamespace(pid=child)
+    tree = workerproc.WorkerProcess._tree(worker)  # type: ignore[arg-type]
+    assert [p.pid for p in tree] == [child, grandchild]
+    monkeypatch.setattr(workerproc, "descendants_of", lambda pid: None)
+    tree = workerproc.WorkerProcess._tree(worker)  # type: ignore[arg-type]
+    assert [p.pid for p in tree] == [child, grandchild]
+    assert workerproc.WorkerProcess._tree(SimpleNamespace(pid=None)) == []  # type: ignore[arg-type]

@@ -254,6 +254,15 @@ def server_import_dirs(
     return tuple(dict.fromkeys(found))
 
 
+def _covered_tmp_links(mounts: Sequence[_Mount]) -> list[str]:
+    """
+    C{/tmp} and C{/var/tmp} where a read-only runtime path lies beneath
+    (a checkout or virtualenv there): bwrap cannot make such a directory a
+    link into the workspace, so it is a bind of the workspace's tmp instead.
+    """
+    return [link for link in ("/tmp", "/var/tmp") if any(_is_within(m.dest, link) for m in mounts)]
+
+
 def _is_within(path: str, root: str) -> bool:
     """Whether C{path} is C{root} or lies beneath it (both absolute and normalized)."""
     if root == "/":
@@ -511,6 +520,13 @@ class BubblewrapSandbox:
         """
         tail = [python, "-m", "kcoral.worker.template", *template_args]
         tail += ["--isolation", "namespaces", "--workspace", WORKSPACE]
+        covered = _covered_tmp_links(self.resolve_mounts())
+        if covered:
+            # The template's /tmp is a bind of its own tmp, not a link: each
+            # child puts its workspace's tmp there (kcoral.worker.isolate).
+            tail += ["--private-tmp", f"{WORKSPACE}/{RESERVED}/tmp"]
+            for link in covered:
+                tail += ["--bound-tmp", link]
         if self.capture_bytes is not None:
             tail += ["--capture-dir", CAPTURE_DIR]
         if self.seccomp_path is not None:
@@ -623,9 +639,7 @@ class BubblewrapSandbox:
             # template sets the same limit itself, L{kcoral.worker.isolate}.)
             argv.append("--disable-userns")
         private_tmp = os.path.join(resolved_work, RESERVED, "tmp")
-        covered = [
-            link for link in ("/tmp", "/var/tmp") if any(_is_within(m.dest, link) for m in mounts)
-        ]
+        covered = _covered_tmp_links(mounts)
         for link in covered:
             # A runtime path lives under /tmp (a checkout or virtualenv there):
             # a symlink cannot replace a directory that holds mounts, so bind

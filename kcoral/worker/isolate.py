@@ -15,7 +15,8 @@ earlier child) shares:
      bound C{spaces} directory) over the workspace path, the spaces
      directory itself hidden, a fresh bounded tmpfs for captured output.
      C{/tmp}, C{/dev/shm}, home and the caches are links into the
-     workspace, so they are the request's own too.
+     workspace, so they are the request's own too (where C{/tmp} cannot
+     be a link, L{own_tmp} mounts the workspace's tmp there).
   3. The caller forks: the worker is PID 1 of the new PID namespace
      (everything it starts dies with it).  L{finish_in_pid_namespace}
      mounts a fresh C{/proc}, remounts every other mount read-only (the
@@ -35,7 +36,9 @@ import ctypes.util
 import fcntl
 import os
 import socket
+import stat
 import struct
+from collections.abc import Sequence
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUTS = 0x04000000
@@ -171,6 +174,52 @@ def mount_private_places(
         )
 
 
+def own_tmp(private_tmp: str, links: Sequence[str]) -> None:
+    """
+    Put this request's tmp (C{private_tmp}, in its workspace) over each of
+    C{links}, then the read-only runtime mounts that were beneath them back
+    on top, read-only as they were.
+
+    Where a checkout or virtualenv lies under C{/tmp}, the template's
+    sandbox could not make C{/tmp} a link into the workspace: it is a bind
+    of the template's own tmp, which every child would otherwise share.
+    """
+    for link in links:
+        held = _top_mounts_below(link)
+        fds = [os.open(point, os.O_PATH | os.O_CLOEXEC) for point in held]
+        try:
+            _mount(private_tmp, link, None, MS_BIND, None)
+            for point, fd in zip(held, fds, strict=True):
+                _make_mount_point(point, is_dir=stat.S_ISDIR(os.fstat(fd).st_mode))
+                # (The magic link reaches the held mount, hidden under the
+                # new tmp; a recursive bind brings its own submounts along.)
+                _mount(f"/proc/self/fd/{fd}", point, None, MS_BIND | MS_REC, None)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        for point, options in mounts():
+            if _is_below(point, link):
+                _remount_read_only(point, options)
+
+
+def _is_below(path: str, root: str) -> bool:
+    return path.startswith(root.rstrip("/") + "/")
+
+
+def _top_mounts_below(link: str) -> list[str]:
+    """The mount points under C{link} that no other mount under it holds."""
+    below = list(dict.fromkeys(p for p, _ in mounts() if _is_below(p, link)))
+    return [p for p in below if not any(_is_below(p, other) for other in below)]
+
+
+def _make_mount_point(point: str, *, is_dir: bool) -> None:
+    if is_dir:
+        os.makedirs(point, exist_ok=True)
+        return
+    os.makedirs(os.path.dirname(point), exist_ok=True)
+    os.close(os.open(point, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
+
+
 def set_parent_death_signal(signum: int) -> None:
     """Die with C{signum} when the parent (the namespace's maker) dies."""
     _check(_libc.prctl(PR_SET_PDEATHSIG, ctypes.c_ulong(signum), 0, 0, 0), "PR_SET_PDEATHSIG")
@@ -206,11 +255,15 @@ def remount_read_only(writable: tuple[str, ...]) -> None:
             continue
         if "ro" in options:
             continue
-        flags = MS_REMOUNT | MS_BIND | MS_RDONLY
-        for name, flag in _KEPT_OPTIONS.items():
-            if name in options:
-                flags |= flag
-        _mount(None, point, None, flags, None)
+        _remount_read_only(point, options)
+
+
+def _remount_read_only(point: str, options: set[str]) -> None:
+    flags = MS_REMOUNT | MS_BIND | MS_RDONLY
+    for name, flag in _KEPT_OPTIONS.items():
+        if name in options:
+            flags |= flag
+    _mount(None, point, None, flags, None)
 
 
 def finish_in_pid_namespace(*, writable: tuple[str, ...], proc_read_only: bool) -> None:

@@ -63,6 +63,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seccomp-fd", type=int, default=None)
     parser.add_argument("--workspace", default="/work")
     parser.add_argument("--capture-dir", default=None)
+    parser.add_argument("--private-tmp", default=None)
+    parser.add_argument("--bound-tmp", action="append", default=[])
     return parser.parse_args(argv)
 
 
@@ -152,12 +154,18 @@ class Template:
             capture_dir=self.args.capture_dir,
             capture_bytes=capture_bytes,
         )
+        if self.args.bound_tmp:
+            isolate.own_tmp(self.args.private_tmp, self.args.bound_tmp)
         pid = os.fork()
         if pid:
             isolate.set_name("kcoral-sandbox")
             os._exit(_mirror(pid))
         isolate.set_parent_death_signal(signal.SIGKILL)
-        writable = (self.args.workspace, *filter(None, [self.args.capture_dir]))
+        writable = (
+            self.args.workspace,
+            *filter(None, [self.args.capture_dir]),
+            *self.args.bound_tmp,
+        )
         isolate.finish_in_pid_namespace(writable=writable, proc_read_only=self.args.device == "cpu")
         isolate.drop_privileges(self.seccomp)
 

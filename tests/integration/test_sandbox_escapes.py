@@ -26,6 +26,7 @@ import os
 import random
 import shutil
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -839,6 +840,48 @@ def test_readonly_path_importable_not_writable(reuse_env: Env) -> None:
     assert result["value"] == "from the read-only path"
     assert result["file"] == os.path.join(ro, f"{READONLY_MODULE}.py")
     assert result["in_path"] is True
+    denied(result["write_file"], "EROFS")
+    denied(result["overwrite"], "EROFS")
+    assert sorted(os.listdir(ro)) == [f"{READONLY_MODULE}.py"]
+    assert_healthy(server)
+
+
+@pytest.fixture(scope="module")
+def tmp_runtime_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    """
+    Forked workers (the default) with a read-only path under the host's
+    C{/tmp}, as a checkout or virtualenv there gives: the sandbox cannot make
+    C{/tmp} a link into the workspace, so each child mounts its own there.
+    """
+    ro = Path(tempfile.mkdtemp(prefix="kcoral-ro-", dir="/tmp"))
+    try:
+        (ro / f"{READONLY_MODULE}.py").write_text("VALUE = 'from the read-only path'\n")
+        env = Env(
+            tmp_path_factory.mktemp("sandbox-tmp-runtime"),
+            "--num-workers",
+            "2",
+            "--sandbox-readonly-path",
+            str(ro),
+        )
+        env.readonly = ro  # type: ignore[attr-defined]
+        with env.server:
+            assert env.server.health()["sandbox"] == "bubblewrap"
+            yield env
+    finally:
+        shutil.rmtree(ro)
+
+
+def test_tmp_is_private_with_a_runtime_path_under_tmp(tmp_runtime_env: Env) -> None:
+    server = tmp_runtime_env.server
+    ro = str(tmp_runtime_env.readonly)  # type: ignore[attr-defined]
+    for name in ("tmp-probe", "tmp-probe-2", "tmp-probe-3"):
+        info = call(server, "tmp_info", name)
+        assert info["in_workspace"] is True, info
+        assert info["realpath"] == "/work/.kcoral/tmp", info
+        # Only this request's file: not the template's tmp, not an earlier child's.
+        assert info["listing"] == [name], info
+    result = call(server, "import_readonly", READONLY_MODULE, ro)
+    assert result["value"] == "from the read-only path"
     denied(result["write_file"], "EROFS")
     denied(result["overwrite"], "EROFS")
     assert sorted(os.listdir(ro)) == [f"{READONLY_MODULE}.py"]

@@ -22,6 +22,9 @@ them per GPU, each of these is an overlap:
 
 A holder is its worker id and pid (a seat's worker id outlives its
 processes).  Logs without `mode` (older servers) are read as exclusive.
+It also charges the time between events to what the GPU was doing
+(exclusive hold, context creation, teardown, another maintenance hold such
+as a retired worker's exit, idle): where a fresh-worker run's GPU time goes.
 Prints a summary per GPU and writes bench/results/lease_overlap.json; exits 1
 when an overlap is found.
 """
@@ -88,6 +91,35 @@ class _Gpu:
         self.busy = {"create": 0.0, "teardown": 0.0}
         self.busy_since: dict[str, float | None] = {"create": None, "teardown": None}
         self.durations: dict[str, list[float]] = {"create": [], "teardown": []}
+        #: Seconds the GPU spent in each L{_Gpu.phase}, between its first
+        #: event and its last.
+        self.occupancy: dict[str, float] = {}
+        self.last_seen: float | None = None
+
+    def phase(self) -> str:
+        """
+        What the GPU does now: a measurement (C{exclusive}), a context being
+        made or destroyed, a maintenance hold with neither (a retired worker's
+        exit awaited, a hold not yet given back), or nothing.
+        """
+        if self.exclusive is not None:
+            return "exclusive"
+        if self.running("create"):
+            return "creating"
+        if self.running("teardown"):
+            return "tearing_down"
+        if self.maintainers:
+            return "maintenance_other"
+        return "idle"
+
+    def advance(self, now: float | None) -> None:
+        """Charge the time since the last event to the phase it was in."""
+        if now is None:
+            return
+        if self.last_seen is not None and now > self.last_seen:
+            phase = self.phase()
+            self.occupancy[phase] = self.occupancy.get(phase, 0.0) + now - self.last_seen
+        self.last_seen = now
 
     def running(self, kind: str) -> int:
         return sum(1 for k in self.contexts.values() if k == kind)
@@ -116,6 +148,7 @@ def check(paths: list[Path]) -> dict[str, Any]:
             name = event.get("event")
             for gpu in event.get("gpu_ids") or []:
                 state = gpus.setdefault(gpu, _Gpu())
+                state.advance(_seconds(event.get("timestamp")))
                 if name in ("lease_granted", "lease_released"):
                     who = _who(event, "holder")
                     maintenance = event.get("mode") == "maintenance"
@@ -184,6 +217,7 @@ def check(paths: list[Path]) -> dict[str, Any]:
                 "teardown_busy_s": round(state.busy["teardown"], 3),
                 "create_ms_median": _median(state.durations["create"]),
                 "teardown_ms_median": _median(state.durations["teardown"]),
+                "occupancy_s": {k: round(v, 3) for k, v in sorted(state.occupancy.items())},
             }
             for gpu, state in sorted(gpus.items())
         },
@@ -205,6 +239,12 @@ def main() -> int:
             f"{facts['contexts_torn_down']} torn down; creating {facts['create_busy_s']} s "
             f"({facts['creates_per_busy_s']} contexts/s), median create "
             f"{facts['create_ms_median']} ms, teardown {facts['teardown_ms_median']} ms"
+        )
+        spent = facts["occupancy_s"]
+        total = sum(spent.values()) or 1.0
+        print(
+            f"GPU {gpu} time by phase: "
+            + ", ".join(f"{k} {v:.2f} s ({100 * v / total:.0f} %)" for k, v in spent.items())
         )
     print(f"overlaps: {len(report['overlaps'])}")
     for found in report["overlaps"][:10]:

@@ -180,3 +180,31 @@ def test_creation_bound_from_the_log(tmp_path: Path) -> None:
     assert facts["create_busy_s"] == 0.5
     assert facts["creates_per_busy_s"] == 4.0
     assert facts["create_ms_median"] == 350.0
+
+
+def test_time_is_charged_to_what_the_gpu_was_doing(tmp_path: Path) -> None:
+    """Each stretch between events goes to the phase the replay was in."""
+
+    def at(seconds: float, event: dict) -> dict:
+        return {**event, "timestamp": seconds}
+
+    events = [
+        at(0.0, _lease("lease_granted", "gpu0/w0", 10)),
+        at(0.5, _lease("lease_released", "gpu0/w0", 10)),
+        at(1.0, _lease("lease_granted", "gpu0/s1", 11, "maintenance")),
+        at(1.0, _context("context_create_started", "gpu0/s1", 11)),
+        at(1.25, _lease("lease_granted", "gpu0/w0", 10, "maintenance")),
+        at(1.25, _context("context_teardown_started", "gpu0/w0", 10)),
+        at(2.0, _context("context_create_finished", "gpu0/s1", 11)),
+        at(2.5, _context("context_teardown_finished", "gpu0/w0", 10)),
+        at(2.5, _lease("lease_released", "gpu0/s1", 11, "maintenance")),
+        at(3.0, _lease("lease_released", "gpu0/w0", 10, "maintenance")),
+    ]
+    facts = _tool().check([_write(tmp_path, events)])["gpus"]["0"]
+    assert facts["occupancy_s"] == {
+        "exclusive": 0.5,
+        "idle": 0.5,
+        "creating": 1.0,
+        "tearing_down": 0.5,
+        "maintenance_other": 0.5,
+    }

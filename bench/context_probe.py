@@ -153,7 +153,7 @@ def _bound(children: int, rounds: int, env: dict[str, str] | None = None) -> dic
     """
     result = {}
     for mode, size in (("serial", 1), ("batched", children)):
-        created = torn = 0.0
+        created = torn = exited = 0.0
         t_all = time.time()
         total = 0
         for _ in range(rounds):
@@ -165,21 +165,69 @@ def _bound(children: int, rounds: int, env: dict[str, str] | None = None) -> dic
             _phase(kids, b"x", windows, "exit")
             created += windows[1]["end"] - windows[1]["start"]
             torn += windows[2]["end"] - windows[2]["start"]
+            exited += windows[3]["end"] - windows[3]["start"]
             total += size
         wall = time.time() - t_all
         result[mode] = {
             "contexts": total,
             "create_ms_each": created / total * 1000,
             "teardown_ms_each": torn / total * 1000,
+            "exit_ms_each": exited / total * 1000,
             "gpu_side_per_s": total / (created + torn),
             "wall_per_s": total / wall,
         }
         print(
             f"bound {mode:8} x{size}{' ' + str(env) if env else ''}: create {created / total * 1000:.1f} ms, "
-            f"teardown {torn / total * 1000:.1f} ms per context; "
-            f"{total / (created + torn):.2f} contexts/s on the GPU side, {total / wall:.2f}/s wall"
+            f"teardown {torn / total * 1000:.1f} ms, exit after it {exited / total * 1000:.1f} ms "
+            f"per context; {total / (created + torn):.2f} contexts/s on the GPU side, "
+            f"{total / wall:.2f}/s wall"
         )
+    result["mixed"] = _mixed_bound(children, rounds, env)
     return result
+
+
+def _mixed_bound(children: int, rounds: int, env: dict[str, str] | None) -> dict:
+    """
+    Replacements the way a busy server batches them: C{children} new
+    contexts created while C{children} old ones are torn down and their
+    processes exit, all at once.  Compared with the batched figures, this
+    shows what mixing creations and teardowns in one batch costs.
+    """
+    replaced = 0
+    spent = 0.0
+    old = _spawn_children(children, env)
+    windows: list = []
+    _phase(old, b"i", windows, "init")
+    _phase(old, b"c", windows, "create")
+    for _ in range(rounds):
+        new = _spawn_children(children, env)
+        _phase(new, b"i", windows, "init")
+        time.sleep(QUIET_S)
+        t0 = time.time()
+        for _, cmd_w, _ in new:
+            os.write(cmd_w, b"c")
+        for _, cmd_w, _ in old:
+            os.write(cmd_w, b"d")
+        for _, _, ack_r in old:
+            os.read(ack_r, 1)
+        for _, cmd_w, _ in old:
+            os.write(cmd_w, b"x")
+        for pid, _, ack_r in old:
+            os.read(ack_r, 1)
+            os.waitpid(pid, 0)
+        for _, _, ack_r in new:
+            os.read(ack_r, 1)
+        spent += time.time() - t0
+        replaced += children
+        old = new
+    _phase(old, b"d", windows, "detach")
+    _phase(old, b"x", windows, "exit")
+    print(
+        f"bound mixed    x{children}{' ' + str(env) if env else ''}: "
+        f"{spent / replaced * 1000:.1f} ms per replacement (create beside teardown and exit); "
+        f"{replaced / spent:.2f} replacements/s"
+    )
+    return {"replacements": replaced, "ms_each": spent / replaced * 1000, "per_s": replaced / spent}
 
 
 def main() -> int:

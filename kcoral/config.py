@@ -202,18 +202,28 @@ _FLOAT_POSITIVE = [_number, _positive]
 _FLOAT_NON_NEGATIVE = [_number, _non_negative]
 
 
-#: Hardware work queues per GPU worker context (C{CUDA_DEVICE_MAX_CONNECTIONS};
-#: CUDA's own default is 8).  Measured on an H200: a context is created in
-#: 84 ms and destroyed in 52 ms with 4 (batched), 110 and 64 ms with 8, so a
-#: GPU replaces 7.4 fresh workers a second instead of 5.8; streams beyond 4
-#: share queues and may wait on each other's work (docs/gpu.md).
-DEFAULT_CUDA_CONNECTIONS = 4
+#: Hardware work queues per GPU worker context (C{CUDA_DEVICE_MAX_CONNECTIONS})
+#: when workers are replaced after every request.  Measured on an H200
+#: (bench/context_probe.py, 8 contexts at once): a replacement, creation
+#: beside teardown and exit, costs 94 ms with 2 queues, 163 ms with 4 and
+#: 212 ms with 8, so a GPU replaces 10.6 fresh workers a second instead of
+#: 6.1 or 4.7; a program's streams beyond 2 share queues and may wait on each
+#: other's work (docs/gpu.md).
+FRESH_CUDA_CONNECTIONS = 2
+
+#: CUDA's own number of work queues per context, kept where contexts are
+#: made rarely (workers reused for more than one request).
+CUDA_DEFAULT_CONNECTIONS = 8
 
 
 def _connections(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    """An integer from 1 to 32, the range CUDA accepts."""
+    """C{None} (chosen from the worker lifetime) or an integer from 1 to 32, as CUDA accepts."""
+    if value is None:
+        return
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 32:
-        raise ValueError(f"{attribute.name} must be an integer from 1 to 32, got {value!r}")
+        raise ValueError(
+            f"{attribute.name} must be an integer from 1 to 32 or None (auto), got {value!r}"
+        )
 
 
 @attrs.frozen(kw_only=True)
@@ -251,7 +261,9 @@ class ServerConfig:
     @ivar cuda_connections: hardware work queues of each GPU worker's CUDA
         context (C{CUDA_DEVICE_MAX_CONNECTIONS}, 1-32; CUDA's default is 8):
         fewer make context creation and teardown, so replacing a fresh
-        worker, cheaper; streams beyond them share queues.
+        worker, cheaper; streams beyond them share queues.  C{None} (auto)
+        means L{FRESH_CUDA_CONNECTIONS} when every worker serves one request
+        and CUDA's 8 otherwise (L{work_queues}).
     @ivar reuse_scope: which requests a reused worker may serve (one
         interpreter runs them one after another, so a program can read or
         answer for the next): C{"address"}, only requests from the client
@@ -325,7 +337,7 @@ class ServerConfig:
     workers_per_gpu: int = field(default=8, validator=[_strict_int, _at_least_one])
     max_requests_per_worker: int = field(default=1, validator=_INT)
     spare_workers_per_gpu: int | None = field(default=None, validator=_optional_int)
-    cuda_connections: int = field(default=DEFAULT_CUDA_CONNECTIONS, validator=_connections)
+    cuda_connections: int | None = field(default=None, validator=_connections)
     reuse_scope: str = field(default="address", validator=_choice(*REUSE_SCOPES))
     sandbox: str = field(default="bubblewrap", validator=_choice(*SANDBOXES))
     sandbox_readonly_paths: tuple[Path, ...] = field(default=(), converter=_to_paths)
@@ -412,6 +424,22 @@ class ServerConfig:
         if self.cpu_mode or self.max_requests_per_worker == 0:
             return 0
         return DEFAULT_SPARE_WORKERS_PER_GPU
+
+    @property
+    def work_queues(self) -> int:
+        """
+        Hardware work queues per GPU worker context: the configured number,
+        or by default L{FRESH_CUDA_CONNECTIONS} when every worker serves one
+        request (each request then costs a context creation and teardown,
+        and fewer queues make both cheaper) and CUDA's own
+        L{CUDA_DEFAULT_CONNECTIONS} when workers serve more (contexts are
+        then made rarely, and a program's streams keep all the queues).
+        """
+        if self.cuda_connections is not None:
+            return self.cuda_connections
+        if self.max_requests_per_worker == 1:
+            return FRESH_CUDA_CONNECTIONS
+        return CUDA_DEFAULT_CONNECTIONS
 
     def worker_ids(self) -> list[str]:
         """

@@ -233,6 +233,9 @@ class KcoralAPI:
                     # Context creations/teardowns holding it now (never
                     # beside a holder).
                     "maintenance": len(self.leases.maintainers_of(gpu)),
+                    # Hardware work queues of each worker's context
+                    # (--cuda-connections): streams beyond them share one.
+                    "work_queues": self.config.work_queues,
                     "spares_ready": sum(
                         1
                         for spare in pool.spare_status(now)

@@ -585,7 +585,7 @@ class WorkerPool:
                 cuda_environment(
                     devices,
                     isolated=isolated,
-                    connections=getattr(self.config, "cuda_connections", None),
+                    connections=getattr(self.config, "work_queues", None),
                 )
             )
         template = self._template_for(gpus)

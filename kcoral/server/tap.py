@@ -30,8 +30,10 @@ from twisted.internet.endpoints import quoteStringArgument
 from twisted.python import usage
 
 from kcoral.config import (
+    CUDA_DEFAULT_CONNECTIONS,
     DEFAULT_SPARE_WORKERS_PER_GPU,
     DEVICES,
+    FRESH_CUDA_CONNECTIONS,
     LOG_LEVELS,
     REUSE_SCOPES,
     SANDBOXES,
@@ -71,6 +73,18 @@ def _integer(flag: str) -> Callable[[str], int]:
             raise usage.UsageError(f"--{flag} must be an integer, got {value!r}") from None
 
     return coerce
+
+
+def _connections_option(value: str) -> int | None:
+    """C{--cuda-connections}: C{auto} (L{None}) or an integer."""
+    if value.strip().lower() == "auto":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise usage.UsageError(
+            f"--cuda-connections must be an integer or 'auto', got {value!r}"
+        ) from None
 
 
 def _number(flag: str) -> Callable[[str], float]:
@@ -228,14 +242,15 @@ class Options(usage.Options):
         [
             "cuda-connections",
             None,
-            _DEFAULTS.cuda_connections,
+            "auto",
             "Hardware work queues of each GPU worker's CUDA context "
-            "(CUDA_DEVICE_MAX_CONNECTIONS, 1-32; CUDA's own default is 8). "
-            "Fewer make a fresh worker's context cheaper to create and destroy "
-            "(an H200 replaces 7.4 workers/s with 4, 5.8 with 8, 17 with 1); a "
-            "program's streams beyond this many share queues and may wait on "
-            "each other (env KCORAL_CUDA_CONNECTIONS).",
-            _integer("cuda-connections"),
+            "(CUDA_DEVICE_MAX_CONNECTIONS, 1-32, or auto). Fewer make a context "
+            f"cheaper to create and destroy: auto is {FRESH_CUDA_CONNECTIONS} when "
+            "workers are replaced after every request (an H200 then replaces 10.6 "
+            f"workers/s, against 6.1 with 4 and 4.7 with 8), CUDA's own "
+            f"{CUDA_DEFAULT_CONNECTIONS} otherwise; a program's streams beyond this "
+            "many share queues and may wait on each other (env KCORAL_CUDA_CONNECTIONS).",
+            _connections_option,
         ],
         _float_param(
             "worker-termination-grace-seconds",
@@ -491,7 +506,13 @@ class Options(usage.Options):
         @raise usage.UsageError: naming the offending flag.
         """
         spares = self._integer_from_env("spare-workers-per-gpu")
-        connections = self._integer_from_env("cuda-connections")
+        connections = self["cuda-connections"]
+        if isinstance(connections, str):
+            # Taken from KCORAL_CUDA_CONNECTIONS (flags are coerced while parsing).
+            if connections.strip().lower() == "auto":
+                connections = None
+            else:
+                connections = self._integer_from_env("cuda-connections")
         port = self._integer_from_env("port")
         device = self["device"]
         if device not in DEVICES:

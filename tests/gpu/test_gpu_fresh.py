@@ -100,9 +100,11 @@ def test_fresh_workers_on_the_lease(tmp_path: Path, sandbox: str) -> None:
         for _ in range(6):
             _body, results = _ok(server.execute(_program(COPY)))
             assert results["r"] == float(1 << 24)
-        # Each context has the default --cuda-connections work queues.
+        # Each fresh worker's context has the default work queues for
+        # fresh workers (--cuda-connections auto).
         _body, results = _ok(server.execute(_program(CONNECTIONS)))
-        assert results["r"] == "4"
+        assert results["r"] == "2"
+        assert server.health()["gpus"][0]["work_queues"] == 2
         deadline = time.monotonic() + 60
         while (health := server.health())["load"]["request_capacity"] < 2:
             assert time.monotonic() < deadline, health

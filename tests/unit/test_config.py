@@ -43,7 +43,7 @@ class DefaultsTests(SynchronousTestCase):
             "workers_per_gpu": 8,
             "max_requests_per_worker": 1,
             "spare_workers_per_gpu": None,
-            "cuda_connections": 4,
+            "cuda_connections": None,
             "reuse_scope": "address",
             "sandbox": "bubblewrap",
             "sandbox_readonly_paths": (),
@@ -417,7 +417,19 @@ class DefaultCacheCapacityTests(SynchronousTestCase):
 class CudaConnectionsTests(SynchronousTestCase):
     """C{cuda_connections}: what CUDA accepts, 1 to 32."""
 
+    def test_auto_follows_the_worker_lifetime(self) -> None:
+        """
+        Unset, fresh workers get 2 queues (their contexts are made and
+        destroyed per request), reused ones CUDA's 8; a set number wins.
+        """
+        self.assertEqual(ServerConfig().work_queues, 2)
+        self.assertEqual(ServerConfig(max_requests_per_worker=0).work_queues, 8)
+        self.assertEqual(ServerConfig(max_requests_per_worker=5).work_queues, 8)
+        self.assertEqual(ServerConfig(cuda_connections=4).work_queues, 4)
+        self.assertEqual(ServerConfig(cuda_connections=1, max_requests_per_worker=0).work_queues, 1)
+
     def test_range(self) -> None:
+        self.assertIsNone(ServerConfig(cuda_connections=None).cuda_connections)
         self.assertEqual(ServerConfig(cuda_connections=1).cuda_connections, 1)
         self.assertEqual(ServerConfig(cuda_connections=32).cuda_connections, 32)
         for bad in (0, 33, -1, True, "4", 2.0):

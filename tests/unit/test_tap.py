@@ -316,17 +316,22 @@ class EnvironmentTests(SynchronousTestCase):
 
     def test_cuda_connections(self) -> None:
         """
-        C{--cuda-connections} (default 4) and C{KCORAL_CUDA_CONNECTIONS} set
-        each GPU context's work queues; a flag wins; out of 1-32 is a usage
-        error naming the flag.
+        C{--cuda-connections} (default auto) and C{KCORAL_CUDA_CONNECTIONS}
+        set each GPU context's work queues; a flag wins; C{auto} in either
+        is the default; out of 1-32 is a usage error naming the flag.
         """
-        self.assertEqual(parse([], {}).config.cuda_connections, 4)
+        self.assertIsNone(parse([], {}).config.cuda_connections)
         env = {"KCORAL_CUDA_CONNECTIONS": "8"}
         self.assertEqual(parse([], env).config.cuda_connections, 8)
         self.assertEqual(parse(["--cuda-connections", "1"], env).config.cuda_connections, 1)
+        self.assertIsNone(parse(["--cuda-connections", "auto"], env).config.cuda_connections)
+        self.assertIsNone(parse([], {"KCORAL_CUDA_CONNECTIONS": "AUTO"}).config.cuda_connections)
         with self.assertRaises(usage.UsageError) as cm:
             parse([], {"KCORAL_CUDA_CONNECTIONS": "all"})
         self.assertIn("KCORAL_CUDA_CONNECTIONS must be an integer", str(cm.exception))
+        with self.assertRaises(usage.UsageError) as cm:
+            parse(["--cuda-connections", "many"], {})
+        self.assertIn("--cuda-connections must be an integer or 'auto'", str(cm.exception))
         with self.assertRaises(usage.UsageError) as cm:
             parse(["--cuda-connections", "0"], {})
         self.assertIn("--cuda-connections", str(cm.exception))

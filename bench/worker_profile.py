@@ -88,15 +88,28 @@ def measure(engine: Engine, lease: TimedLease, program: dict, runs: int) -> dict
     workspace = tempfile.mkdtemp(prefix="kcoral-worker-profile-")
     for _ in range(10):
         engine.run(Execute(text, workspace))
+    engine.settle()
     lease.holds, lease.held_s = 0, 0.0
-    walls = []
+    walls, answers, settles = [], [], []
     for _ in range(runs):
         started = time.perf_counter()
         outcome = engine.run(Execute(text, workspace))
-        walls.append((time.perf_counter() - started) * 1e3)
+        answered = time.perf_counter()
+        # What the worker does once the outcome is sent (a reused worker's
+        # restore and collection): a sequential client's next request waits.
+        engine.settle()
+        settled = time.perf_counter()
+        walls.append((settled - started) * 1e3)
+        answers.append((answered - started) * 1e3)
+        settles.append((settled - answered) * 1e3)
         if outcome.status != "COMPLETED":
             raise RuntimeError(f"program failed: {outcome.error}")
     holds, held_s = lease.holds, lease.held_s
+    collections = []
+    for _ in range(20):
+        started = time.perf_counter()
+        gc.collect()
+        collections.append((time.perf_counter() - started) * 1e3)
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(min(runs, 100)):
@@ -106,6 +119,11 @@ def measure(engine: Engine, lease: TimedLease, program: dict, runs: int) -> dict
     pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(18)
     return {
         "wall_ms": common.describe(walls),
+        "answer_ms": common.describe(answers),
+        "settle_ms": common.describe(settles),
+        "full_collection_ms": common.describe(collections),
+        # Objects a full collection walks (the frozen ones excluded).
+        "unfrozen_objects": len(gc.get_objects()),
         "holds_per_run": holds / runs,
         "held_ms_per_run": held_s * 1e3 / runs,
         "profile": out.getvalue(),
@@ -208,6 +226,12 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{name}: {common.fmt(figures['wall_ms'])}; lease held "
             f"{figures['held_ms_per_run']:.3f} ms in {figures['holds_per_run']:.2f} holds per run"
+        )
+        print(
+            f"  until the outcome {common.fmt(figures['answer_ms'])}; settle after it "
+            f"{common.fmt(figures['settle_ms'])}; a full collection "
+            f"{common.fmt(figures['full_collection_ms'])} over "
+            f"{figures['unfrozen_objects']} unfrozen objects"
         )
         print(figures["profile"])
     common.write_result(args.output, result)

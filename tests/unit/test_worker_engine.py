@@ -747,6 +747,50 @@ def test_reuse_restores_process_state(harness: Harness) -> None:
     assert "kcoral_ws_mod" not in sys.modules
 
 
+def test_reuse_puts_back_the_module_table(harness: Harness) -> None:
+    """
+    A module the worker had is put back when a program replaced or removed
+    it; a library a program imported stays, the same object, run after run.
+    """
+    import colorsys  # noqa: F401  (the worker's own: in the baseline)
+    import json as original_json
+
+    harness.run([ADD])  # the baseline is the module table before the first program
+    source = """
+    import sys, types, wave
+    sys.modules["json"] = types.ModuleType("json")
+    del sys.modules["colorsys"]
+    """
+    outcome = harness.run([module("m", source)])
+    assert outcome.status == "COMPLETED", outcome.error
+    assert sys.modules["json"] is original_json
+    assert "colorsys" in sys.modules
+    kept = sys.modules["wave"]
+    assert harness.run([module("m", "import wave\n")]).status == "COMPLETED"
+    assert sys.modules["wave"] is kept
+
+
+def test_reuse_drops_the_workspace_path_finders(harness: Harness) -> None:
+    """
+    After a program imported from its workspace, no path finder of a
+    directory there is left (the next program's files are read afresh).
+    """
+    source = """
+    import os, sys
+    sys.path.insert(0, os.getcwd())
+    os.mkdir("pkg_in_ws")
+    open("pkg_in_ws/__init__.py", "w").write("")
+    open("pkg_in_ws/inner.py", "w").write("Y = 2\\n")
+    import pkg_in_ws.inner
+    """
+    outcome = harness.run([module("m", source)])
+    assert outcome.status == "COMPLETED", outcome.error
+    root = os.path.realpath(harness.workspace)
+    left = [k for k in sys.path_importer_cache if os.path.realpath(k).startswith(root)]
+    assert left == []
+    assert "pkg_in_ws" not in sys.modules and "pkg_in_ws.inner" not in sys.modules
+
+
 def test_host_state_is_put_back_after_the_answer(harness: Harness) -> None:
     """
     The restore waits for L{Engine.settle} (the worker sends the outcome

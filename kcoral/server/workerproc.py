@@ -719,10 +719,15 @@ class WorkerProcess:
             lambda f: None if f.check(CancelledError) else self.kill(),
         )
 
-    def send(self, message: ChannelMessage) -> None:
+    def send(self, message: ChannelMessage, *, now: bool = False) -> None:
         """
         Write one message to the worker (buffered by the transport); the
         descriptors of its shared buffers go first, on the descriptor socket.
+
+        @param now: write it in this reactor turn rather than the next one
+            (a lease grant or a program start: the worker, and with a grant
+            the GPU, waits for it, and the next turn may first serve other
+            connections for a millisecond or more).
         """
         transport = self.protocol.transport
         if not self.alive or transport is None:
@@ -743,6 +748,8 @@ class WorkerProcess:
                 self.protocol.violation(f"cannot pass descriptors to the worker: {e}")
                 return
         transport.writeToChild(TO_WORKER_FD, encode(message))
+        if now:
+            _flush(transport, TO_WORKER_FD)
 
     def run(
         self, job: Job, on_instruction: Callable[[int], None] | None = None
@@ -905,6 +912,18 @@ class _WideReader(process.ProcessReader):
         return None
 
 
+def _flush(transport: Any, fd: int) -> None:
+    """
+    Write what the transport holds for pipe C{fd} now, as the reactor
+    would once the pipe is writable (L{IWriteDescriptor.doWrite}); what
+    does not fit stays buffered for the reactor, and an error is left for
+    the reactor to find on its own next write.
+    """
+    writer = getattr(transport, "pipes", {}).get(fd)
+    if writer is not None:
+        writer.doWrite()
+
+
 class _WorkerTransport(process.Process):
     """Twisted's POSIX process transport with L{_WideReader} pipes."""
 
@@ -975,8 +994,10 @@ class _RunningJob:
 
     def start(self) -> None:
         self.remaining = self.job.timeout_seconds
-        for message in self.job.messages():
+        messages = self.job.messages()
+        for message in messages[:-1]:
             self.worker.send(message)
+        self.worker.send(messages[-1], now=True)
         self._resume_budget()
 
     # -- the execution budget, paused during lease waits -------------------
@@ -1177,7 +1198,7 @@ class _RunningJob:
             self._held_since = now
             if self.done.called:
                 return
-            self.worker.send(LeaseGranted())
+            self.worker.send(LeaseGranted(), now=True)
             self._resume_budget()
 
         def failed(failure: Failure) -> None:

@@ -750,6 +750,26 @@ class ContextOnTheLeaseTests(WorkerTestCase):
         self.assertAlmostEqual(finished[0]["duration_ms"], 200.0)
         self.assertEqual(self.leases.maintainers_of(0), frozenset())
 
+    def test_program_start_and_grant_leave_at_once(self) -> None:
+        """
+        A job's L{Execute} and a lease grant are flushed to the worker's
+        pipe in the turn that wrote them (L{workerproc._flush}).
+        """
+        worker = self.spawn()
+        self.deliver(worker, LeaseAcquire())
+        self.deliver(worker, Ready(pid=77, target={}, versions={}, device="gpu"))
+        self.deliver(worker, LeaseRelease())
+        flushed: list[int] = []
+        writer = attrs.make_class("W", {})()
+        writer.doWrite = lambda: flushed.append(len(self.transport.messages()))
+        self.transport.pipes = {TO_WORKER_FD: writer}  # type: ignore[attr-defined]
+        worker.run(self.job())
+        self.assertEqual(len(flushed), 1)
+        self.deliver(worker, LeaseAcquire())
+        self.assertIsInstance(self.transport.messages()[-1], LeaseGranted)
+        self.assertEqual(len(flushed), 2)
+        self.assertEqual(flushed[-1], len(self.transport.messages()))
+
     def test_creations_batch(self) -> None:
         """Two workers create their contexts together."""
         first, second = self.spawn(), self.spawn()
@@ -917,3 +937,33 @@ class KillBeforeThePidIsKnownTests(WorkerTestCase):
         self.end(worker, -9)
         self.failureResultOf(worker.ready, WorkerStartError)
         self.assertEqual(self.reactor.getDelayedCalls(), [])
+
+
+class FlushTests(SynchronousTestCase):
+    """
+    L{workerproc._flush}: a message the worker waits for (a lease grant, a
+    program start) leaves in the reactor turn that wrote it.
+    """
+
+    def test_written_without_a_reactor_turn(self) -> None:
+        """The pipe holds the bytes at once; the reactor never ran."""
+        import os
+
+        from twisted.internet import process
+        from twisted.internet.testing import MemoryReactor
+
+        read_end, write_end = os.pipe()
+        self.addCleanup(os.close, read_end)
+        os.set_blocking(write_end, False)
+        writer = process.ProcessWriter(MemoryReactor(), None, 0, write_end)
+        self.addCleanup(os.close, write_end)
+        transport = attrs.make_class("T", {"pipes": attrs.field()})(pipes={0: writer})
+        writer.write(b"granted")
+        os.set_blocking(read_end, False)
+        self.assertRaises(BlockingIOError, os.read, read_end, 100)
+        workerproc._flush(transport, 0)
+        self.assertEqual(os.read(read_end, 100), b"granted")
+
+    def test_without_pipes_nothing_happens(self) -> None:
+        """A transport without pipes (a test's) is left alone."""
+        workerproc._flush(FakeTransport(pid=1), 0)

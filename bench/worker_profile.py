@@ -217,7 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     prepare_backend(args.device)
     backend = make_backend(args.device)
     lease = TimedLease()
-    engine = Engine(backend, lease, registry_for(backend), stream_returns=True)
+    engine = Engine(
+        backend, lease, registry_for(backend), stream_returns=True, freeze_after_first_settle=True
+    )
     gc.collect()
     gc.freeze()
     for name, program in (("null", NULL), ("overlap_shape", OVERLAP)):

@@ -117,6 +117,7 @@ def serve(
         send=lambda message: write_message(outbox, message, descriptors),
         stream_returns=True,
         share_parts=descriptors is not None and shared_memory_available(),
+        freeze_after_first_settle=True,
     )
     write_message(
         outbox, Ready(pid=os.getpid(), target=target, versions=versions, device=backend.name)

@@ -13,6 +13,8 @@ import os
 import signal
 import sys
 import threading
+from itertools import compress, repeat
+from operator import is_not
 from typing import Any
 
 import attrs
@@ -118,9 +120,9 @@ class ProcessState:
     children: frozenset[int] = frozenset()
     #: C{sys.path_importer_cache} keys before the first program.
     path_finders: frozenset[str] = frozenset()
-    #: Modules a program imported from outside its workspace, found so
-    #: once (by name, the very module object), so later restores skip them.
-    _kept: dict[str, Any] = attrs.field(factory=dict)
+    #: The baseline's modules and those a program imported from outside its
+    #: workspace (found so once: later restores skip them), by name.
+    _known: dict[str, Any] = attrs.field(factory=dict)
     #: Whether a baseline path finder's directory lies in a workspace, by
     #: C{(key, workspace)}: the realpath is resolved once.
     _finder_inside: dict[tuple[str, str], bool] = attrs.field(factory=dict)
@@ -186,10 +188,11 @@ class ProcessState:
         for name, module in self._changed_modules():
             if name in self.modules:
                 table[name] = self.modules[name]
-            elif _from_workspace(module, root):
+            elif module is None or _from_workspace(module, root):
+                # (A new None entry is an import the program blocked.)
                 del table[name]
             else:
-                self._kept[name] = module
+                self._known[name] = module
         if not self.modules.keys() <= table.keys():
             for name, module in self.modules.items():
                 table.setdefault(name, module)
@@ -200,18 +203,17 @@ class ProcessState:
             del linecache.cache[key]
 
     def _changed_modules(self) -> list[tuple[str, Any]]:
-        """The module table's entries that are neither the baseline's nor kept ones."""
+        """The module table's entries that are neither the baseline's nor known libraries."""
         table = sys.modules
-        try:
-            # (Set arithmetic on the items runs in C: a GPU worker's table
-            # holds thousands of modules.)
-            return list(table.items() - self.modules.items() - self._kept.items())
-        except TypeError:  # an unhashable object in the table
-            return [
-                (name, module)
-                for name, module in list(table.items())
-                if self.modules.get(name) is not module and self._kept.get(name) is not module
-            ]
+        known = self._known
+        if not known:
+            known.update(self.modules)
+        names = list(table)
+        # (Compared by identity in C: a GPU worker's table holds thousands
+        # of modules, and a loop in Python cost a quarter of a millisecond.)
+        looked_up = map(known.get, names, repeat(_UNKNOWN))
+        changed = compress(names, map(is_not, table.values(), looked_up))
+        return [(name, table[name]) for name in changed]
 
     def _baseline_finder_outside(self, key: Any, root: str) -> bool:
         """Whether path finder C{key} is the baseline's, for a directory outside C{root}."""
@@ -221,6 +223,11 @@ class ProcessState:
         if inside is None:
             inside = self._finder_inside[(key, root)] = _under(os.path.realpath(key), root)
         return not inside
+
+
+#: What a name the restore does not know maps to (C{None} is a valid entry
+#: of the module table: an import a program blocked).
+_UNKNOWN = object()
 
 
 def _from_workspace(module: Any, root: str) -> bool:

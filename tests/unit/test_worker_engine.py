@@ -760,11 +760,13 @@ def test_reuse_puts_back_the_module_table(harness: Harness) -> None:
     import sys, types, wave
     sys.modules["json"] = types.ModuleType("json")
     del sys.modules["colorsys"]
+    sys.modules["kcoral_blocked_import"] = None
     """
     outcome = harness.run([module("m", source)])
     assert outcome.status == "COMPLETED", outcome.error
     assert sys.modules["json"] is original_json
     assert "colorsys" in sys.modules
+    assert "kcoral_blocked_import" not in sys.modules
     kept = sys.modules["wave"]
     assert harness.run([module("m", "import wave\n")]).status == "COMPLETED"
     assert sys.modules["wave"] is kept
@@ -789,6 +791,28 @@ def test_reuse_drops_the_workspace_path_finders(harness: Harness) -> None:
     left = [k for k in sys.path_importer_cache if os.path.realpath(k).startswith(root)]
     assert left == []
     assert "pkg_in_ws" not in sys.modules and "pkg_in_ws.inner" not in sys.modules
+
+
+def test_first_settle_freezes_what_survives(harness: Harness) -> None:
+    """
+    With C{freeze_after_first_settle} (a worker's engine), what outlives the
+    first program's settle is frozen, once; later settles freeze nothing.
+    """
+    import gc
+
+    harness.engine.freeze_after_first_settle = True
+    try:
+        before = gc.get_freeze_count()
+        harness.run([module("m", "import wave\n")])
+        after_first = gc.get_freeze_count()
+        assert after_first > before
+        # The library the program imported is kept and frozen with the rest.
+        assert all(o is not sys.modules["wave"] for o in gc.get_objects())
+        harness.run([module("m", "import wave\n")])
+        assert gc.get_freeze_count() == after_first
+    finally:
+        # (This test process's objects go back to its collector.)
+        gc.unfreeze()
 
 
 def test_host_state_is_put_back_after_the_answer(harness: Harness) -> None:

@@ -19,6 +19,7 @@
 # client; ours is also named kcoral).  Results: bench/results/side_by_side_*
 # (and $OUT when set, for the device tool).  About 6-8 minutes; BUDGET caps it.
 # Environment: PYTHON (python3), DRIVER_PYTHON and REF_PYTHON (PYTHON), GPU (0), WORKERS (8), REF_SITE, BUDGET (480 s),
+# WORKLOADS (the driver's workloads, default "null open-loop tensor overlap copy"),
 # DRIVER_ARGS (appended to every driver run), ONLY (e.g. "stub kcoral" to skip
 # the reference), DEVICE_FLAGS and REF_DEVICE_FLAGS (replace the servers'
 # device flags; a CPU dry run: DEVICE_FLAGS="--device cpu --num-workers 2"
@@ -46,7 +47,7 @@ mkdir -p "$RESULTS"
 rm -f "$RESULTS"/side_by_side_*.json
 
 # The driver's workloads and sizes (about 70-100 s a server on the H200).
-DRIVER_DEFAULTS="null open-loop tensor overlap copy --seconds 4 --warmup-seconds 1 \
+DRIVER_DEFAULTS="${WORKLOADS:-null open-loop tensor overlap copy} --seconds 4 --warmup-seconds 1 \
 --sequential 200 --clients 1,8,32,64 --rates 50,100,150 --iterations 5 \
 --overlap-clients 8,16"
 

@@ -2,7 +2,9 @@
 """
 Interoperability tests: the unmodified reference client (PyPI C{kcoral==0.1.1})
 and our own client (L{kcoral.Client}, L{kcoral.client.cli}) against our
-server in CPU mode.
+server in CPU mode, or, with C{KCORAL_INTEROP_DEVICE=gpu} on the GPU
+machine, against GPU servers (fresh workers, two per GPU), where the few
+cases that differ by device expect what a GPU server answers.
 
 Each test that drives a client runs twice (the C{client_impl} fixture): the
 reference client runs in its own virtualenv (see L{refclient}), ours in this
@@ -27,7 +29,14 @@ from typing import Any
 
 import pytest
 
-from kcoral.testing.live_server import ServerProcess, multipart_body, post_program, request, sha256
+from kcoral.testing.live_server import (
+    ServerProcess,
+    multipart_body,
+    post_program,
+    request,
+    servers_by_flags,
+    sha256,
+)
 
 from .refclient import (
     kcoral_cli,
@@ -145,31 +154,62 @@ def cli(args: list[str], **kwargs: Any) -> Any:
     return kcoral_cli(args, **kwargs)
 
 
+#: The servers' device: C{cpu} (the default) or C{gpu} (L{interop_server}).
+DEVICE = os.environ.get("KCORAL_INTEROP_DEVICE", "cpu")
+ON_GPU = DEVICE == "gpu"
+
+
+@pytest.fixture(scope="module")
+def interop_server(
+    cpu_server: Callable[..., ServerProcess],
+) -> Iterator[Callable[..., ServerProcess]]:
+    """
+    The module's server factory: L{cpu_server}'s, or on a GPU run GPU
+    servers with two fresh workers per GPU (C{--num-workers N} becomes
+    C{--workers-per-gpu N}).
+    """
+    if not ON_GPU:
+        yield cpu_server
+        return
+    gpus = os.environ.get("KCORAL_INTEROP_GPUS", "0")
+    base = ["--device", "gpu", "--gpus", gpus, "--workers-per-gpu", "2", "--log-dir", ""]
+    factory = servers_by_flags(base)
+    start = next(factory)
+
+    def gpu_server(*args: str) -> ServerProcess:
+        return start(*("--workers-per-gpu" if a == "--num-workers" else a for a in args))
+
+    try:
+        yield gpu_server
+    finally:
+        factory.close()
+
+
 @pytest.fixture(scope="module")
 def disk_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("disk-cache")
 
 
 @pytest.fixture(scope="module")
-def server(cpu_server: Callable[..., ServerProcess], disk_cache: Path) -> ServerProcess:
-    """The default server: bubblewrap sandbox, 2 CPU workers."""
-    return cpu_server("--disk-cache-dir", str(disk_cache))
+def server(interop_server: Callable[..., ServerProcess], disk_cache: Path) -> ServerProcess:
+    """The default server: bubblewrap sandbox, 2 workers."""
+    return interop_server("--disk-cache-dir", str(disk_cache))
 
 
 @pytest.fixture(scope="module", params=["bubblewrap", "none"])
 def any_server(
     request: pytest.FixtureRequest,
-    cpu_server: Callable[..., ServerProcess],
+    interop_server: Callable[..., ServerProcess],
     disk_cache: Path,
 ) -> ServerProcess:
     """The default server, and one without a sandbox."""
-    return cpu_server("--disk-cache-dir", str(disk_cache), "--sandbox", request.param)
+    return interop_server("--disk-cache-dir", str(disk_cache), "--sandbox", request.param)
 
 
 @pytest.fixture(scope="module")
-def limits_server(cpu_server: Callable[..., ServerProcess]) -> ServerProcess:
+def limits_server(interop_server: Callable[..., ServerProcess]) -> ServerProcess:
     """One worker and small limits, for 413/500/503."""
-    return cpu_server(
+    return interop_server(
         "--disk-cache-dir",
         "",
         "--num-workers",
@@ -226,13 +266,18 @@ def test_health(client_impl: str, any_server: ServerProcess) -> None:
     assert health["status"] == "ok"
     assert str(uuid.UUID(health["instance_id"])) == health["instance_id"]
     assert health["started_at"].endswith("Z")
-    assert health["gpu_count"] == 0
-    assert health["target"] == {}
+    if ON_GPU:
+        assert health["gpu_count"] >= 1
+        assert health["target"]["arch"].startswith("sm_"), health["target"]
+    else:
+        assert health["gpu_count"] == 0
+        assert health["target"] == {}
     assert isinstance(health["versions"], dict)
     load = health["load"]
     assert set(load) >= {"request_capacity", "requests_in_progress", "requests_waiting"}
     assert all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in load.values())
-    assert out["target"] == "the server reported no compilation target"
+    if not ON_GPU:
+        assert out["target"] == "the server reported no compilation target"
     raw = request(any_server.port, "GET", "/health")
     assert raw.status == 200
     assert raw.headers["content-type"].split(";")[0] == "application/json"
@@ -498,7 +543,11 @@ def test_gpu_count_after_cache_miss(server: ServerProcess) -> None:
     }
     assert server.execute(program).json()["status"] == "CACHE_MISS"
     response = server.execute(program, [data])
-    _assert_error(response, 400, "parse")
+    if ON_GPU:
+        body = response.json()
+        assert (body["status"], body["gpu_count"], len(body["gpu_ids"])) == ("COMPLETED", 1, 1)
+    else:
+        _assert_error(response, 400, "parse")
 
 
 def test_file_cache_second_execute(client_impl: str, server: ServerProcess) -> None:
@@ -761,6 +810,12 @@ def test_failed_kinds(client_impl: str, any_server: ServerProcess) -> None:
         "partial_return": ("serialization", "return", 6),
         "partial": ("engine", "run", 5),
     }
+    if ON_GPU:
+        # A GPU takes the tensor, and refuses the library as a bad image.
+        del expectations["tensor"], expectations["library"]
+        assert out["tensor"]["status"] == "COMPLETED", out["tensor"]
+        assert out["library"]["status"] == "FAILED", out["library"]
+        assert out["library"]["error"]["instruction_op"] == "upload"
     for name, (kind, op, index) in expectations.items():
         r = out[name]
         assert r["status"] == "FAILED", (name, r)
@@ -946,8 +1001,11 @@ def test_request_id_echo(client_impl: str, server: ServerProcess) -> None:
         headers={"X-Request-ID": request_id},
     )
     assert out["ok"]["request_id"] == request_id
-    assert out["error"]["request_id"] == request_id
-    assert (out["error"]["status_code"], out["error"]["kind"]) == (400, "parse")
+    if ON_GPU:
+        assert "error" not in out, out  # a GPU server takes gpu_count=1
+    else:
+        assert out["error"]["request_id"] == request_id
+        assert (out["error"]["status_code"], out["error"]["kind"]) == (400, "parse")
     assert all(a["request_id"] == request_id for a in out["attempts"])
 
 
@@ -1284,6 +1342,8 @@ _BAD_PROGRAMS["return-dot"] = {
 
 @pytest.mark.parametrize("name", sorted(_BAD_PROGRAMS))
 def test_invalid_programs_rejected(server: ServerProcess, name: str) -> None:
+    if ON_GPU and name == "gpu-count-on-cpu":
+        pytest.skip("a GPU server takes gpu_count 1")
     program = _BAD_PROGRAMS[name]
     payload = program.encode() if isinstance(program, str) else json.dumps(program).encode()
     response = server.execute(payload)
@@ -1472,9 +1532,9 @@ def _no_leaked_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     ["bubblewrap", "none"],
 )
 def test_background_processes_terminated(
-    sandbox: str, refclient: Path, cpu_server: Callable[..., ServerProcess], disk_cache: Path
+    sandbox: str, refclient: Path, interop_server: Callable[..., ServerProcess], disk_cache: Path
 ) -> None:
-    server = cpu_server("--disk-cache-dir", str(disk_cache), "--sandbox", sandbox)
+    server = interop_server("--disk-cache-dir", str(disk_cache), "--sandbox", sandbox)
     marker = f"{time.time() % 1000:.6f}"
     response = server.execute(
         _simple_program(
@@ -1493,9 +1553,9 @@ def test_background_processes_terminated(
 
 @pytest.mark.parametrize("sandbox", ["bubblewrap", "none"])
 def test_background_processes_reported(
-    sandbox: str, refclient: Path, cpu_server: Callable[..., ServerProcess], disk_cache: Path
+    sandbox: str, refclient: Path, interop_server: Callable[..., ServerProcess], disk_cache: Path
 ) -> None:
-    server = cpu_server("--disk-cache-dir", str(disk_cache), "--sandbox", sandbox)
+    server = interop_server("--disk-cache-dir", str(disk_cache), "--sandbox", sandbox)
     marker = f"{time.time() % 1000:.6f}"
     try:
         body = server.execute(

@@ -19,6 +19,25 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv --system-site-packages "$VENV"
     "$VENV/bin/python" -m pip install -q --no-index --no-deps --no-compile \
         .ref/kcoral-0.1.1-*.whl
+    # The client's dependencies (httpx, numpy, ml_dtypes) come from this
+    # interpreter's environment (the prepared GPU environment is a
+    # virtualenv, not the system's site): its directories in a .pth file,
+    # less any that holds a kcoral package (ours must not leak in).
+    "$PY" - "$VENV" <<'EOF'
+import glob
+import os
+import sys
+
+venv = sys.argv[1]
+dirs = [
+    d for d in sys.path
+    if d and os.path.isdir(d) and os.path.abspath(d) != os.getcwd()
+    and not os.path.exists(os.path.join(d, "kcoral", "__init__.py"))
+]
+(site,) = glob.glob(os.path.join(venv, "lib", "python*", "site-packages"))
+with open(os.path.join(site, "kcoral-interop-deps.pth"), "w") as f:
+    f.write("\n".join(dirs) + "\n")
+EOF
     # What tests/integration/refclient.py checks before it uses a virtualenv.
     "$PY" - "$VENV" <<'EOF'
 import sys

@@ -20,6 +20,7 @@ docs/security.md's escape-attempt table points at these tests.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -467,25 +468,24 @@ def default_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
 READONLY_MODULE = "kcoral_escape_ro_module"
 
 
+@contextlib.contextmanager
+def _readonly_env(root: Path, readonly: Path, *args: str) -> Iterator[Env]:
+    """A running bubblewrap server with C{readonly} (holding a module) as a read-only path."""
+    (readonly / f"{READONLY_MODULE}.py").write_text("VALUE = 'from the read-only path'\n")
+    env = Env(root, *args, "--sandbox-readonly-path", str(readonly))
+    env.readonly = readonly  # type: ignore[attr-defined]
+    with env.server:
+        assert env.server.health()["sandbox"] == "bubblewrap"
+        yield env
+
+
 @pytest.fixture(scope="module")
 def reuse_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     """One worker reused for every request, with a read-only module directory."""
     root = tmp_path_factory.mktemp("sandbox-reuse")
     ro = root / "readonly"
     ro.mkdir()
-    (ro / f"{READONLY_MODULE}.py").write_text("VALUE = 'from the read-only path'\n")
-    env = Env(
-        root,
-        "--num-workers",
-        "1",
-        "--max-requests-per-worker",
-        "0",
-        "--sandbox-readonly-path",
-        str(ro),
-    )
-    env.readonly = ro  # type: ignore[attr-defined]
-    with env.server:
-        assert env.server.health()["sandbox"] == "bubblewrap"
+    with _readonly_env(root, ro, "--num-workers", "1", "--max-requests-per-worker", "0") as env:
         yield env
 
 
@@ -855,17 +855,8 @@ def tmp_runtime_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     """
     ro = Path(tempfile.mkdtemp(prefix="kcoral-ro-", dir="/tmp"))
     try:
-        (ro / f"{READONLY_MODULE}.py").write_text("VALUE = 'from the read-only path'\n")
-        env = Env(
-            tmp_path_factory.mktemp("sandbox-tmp-runtime"),
-            "--num-workers",
-            "2",
-            "--sandbox-readonly-path",
-            str(ro),
-        )
-        env.readonly = ro  # type: ignore[attr-defined]
-        with env.server:
-            assert env.server.health()["sandbox"] == "bubblewrap"
+        root = tmp_path_factory.mktemp("sandbox-tmp-runtime")
+        with _readonly_env(root, ro, "--num-workers", "2") as env:
             yield env
     finally:
         shutil.rmtree(ro)

@@ -21,6 +21,7 @@ the logs close last.
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import shutil
 import sys
@@ -435,6 +436,13 @@ class KCoralService(service.MultiService):
         #: The process's exit status when the server fails to start under
         #: twistd; C{None} leaves the exit status to the caller.
         self.exit_status_on_failure: int | None = None
+        #: Freeze the objects made while starting once the server is ready
+        #: (L{gc.freeze}): they live as long as the process, and every full
+        #: collection under load walked them again (60,000 objects, 26-38 ms
+        #: a collection on a 2-core machine).  Set where the process is the
+        #: server's own (L{makeService}); an embedding application keeps its
+        #: collector as it is.
+        self.freeze_when_ready = False
 
         observers: list[ILogObserver] = [o for o in (self.metrics, self.recent) if o is not None]
         self.logs = LogWriterService(config, observers, self.run_blocking, self._logs_ready)
@@ -518,7 +526,13 @@ class KCoralService(service.MultiService):
     def startService(self) -> None:
         service.Service.startService(self)
         d = Deferred.fromCoroutine(self._start_children())
-        d.addCallbacks(self.ready.callback, self._start_failed)
+        d.addCallbacks(self._started, self._start_failed)
+
+    def _started(self, _: object) -> None:
+        if self.freeze_when_ready:
+            gc.collect()
+            gc.freeze()
+        self.ready.callback(None)
 
     async def _start_children(self) -> None:
         for child in list(self):
@@ -718,6 +732,7 @@ def makeService(
     """
     root = KCoralService(config, endpoint, reactor=reactor)
     root.exit_status_on_failure = 1
+    root.freeze_when_ready = True
     return root
 
 

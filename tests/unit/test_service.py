@@ -91,6 +91,31 @@ class OrderTests(SynchronousTestCase):
         c.started.callback(None)
         self.assertIsNone(self.successResultOf(root.ready))
 
+    def test_freeze_when_ready(self) -> None:
+        """
+        A server that owns its process (L{makeService}) freezes what it made
+        while starting once it is ready; an embedded one (L{create_app})
+        leaves its host's collector alone.
+        """
+        import gc
+
+        owned = makeService(_config(), "tcp:port=0", reactor=MemoryReactorClock())
+        self.assertTrue(owned.freeze_when_ready)
+        embedded = create_app(_config(), reactor=MemoryReactorClock())
+        self.assertFalse(embedded.kcoral_service.freeze_when_ready)  # type: ignore[attr-defined]
+
+        root, (a, b, c), _ = self.make()
+        root.freeze_when_ready = True
+        self.addCleanup(gc.unfreeze)
+        before = gc.get_freeze_count()
+        root.startService()
+        a.started.callback(None)
+        b.started.callback(None)
+        self.assertEqual(gc.get_freeze_count(), before)
+        c.started.callback(None)
+        self.successResultOf(root.ready)
+        self.assertGreater(gc.get_freeze_count(), before)
+
     def test_failed_start(self) -> None:
         """A child that fails stops the start: C{ready} fails, the rest never start."""
         root, (a, b, c), calls = self.make()

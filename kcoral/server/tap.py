@@ -75,9 +75,14 @@ def _integer(flag: str) -> Callable[[str], int]:
     return coerce
 
 
+def _is_auto(value: str) -> bool:
+    """Whether C{--cuda-connections} (or its variable) says C{auto}."""
+    return value.strip().lower() == "auto"
+
+
 def _connections_option(value: str) -> int | None:
     """C{--cuda-connections}: C{auto} (L{None}) or an integer."""
-    if value.strip().lower() == "auto":
+    if _is_auto(value):
         return None
     try:
         return int(value)
@@ -509,10 +514,8 @@ class Options(usage.Options):
         connections = self["cuda-connections"]
         if isinstance(connections, str):
             # Taken from KCORAL_CUDA_CONNECTIONS (flags are coerced while parsing).
-            if connections.strip().lower() == "auto":
-                connections = None
-            else:
-                connections = self._integer_from_env("cuda-connections")
+            auto = _is_auto(connections)
+            connections = None if auto else self._integer_from_env("cuda-connections")
         port = self._integer_from_env("port")
         device = self["device"]
         if device not in DEVICES:

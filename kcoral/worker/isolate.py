@@ -251,7 +251,7 @@ def remount_read_only(writable: tuple[str, ...]) -> None:
     beneath them), keeping the options the kernel locks.
     """
     for point, options in mounts():
-        if any(point == w or point.startswith(w.rstrip("/") + "/") for w in writable):
+        if any(point == w or _is_below(point, w) for w in writable):
             continue
         if "ro" in options:
             continue

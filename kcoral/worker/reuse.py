@@ -127,6 +127,9 @@ class ProcessState:
     #: C{(key, workspace)}: the realpath is resolved once.
     _finder_inside: dict[tuple[str, str], bool] = attrs.field(factory=dict)
 
+    def __attrs_post_init__(self) -> None:
+        self._known.update(self.modules)
+
     @classmethod
     def snapshot(cls) -> ProcessState:
         return cls(
@@ -205,13 +208,10 @@ class ProcessState:
     def _changed_modules(self) -> list[tuple[str, Any]]:
         """The module table's entries that are neither the baseline's nor known libraries."""
         table = sys.modules
-        known = self._known
-        if not known:
-            known.update(self.modules)
         names = list(table)
         # (Compared by identity in C: a GPU worker's table holds thousands
         # of modules, and a loop in Python cost a quarter of a millisecond.)
-        looked_up = map(known.get, names, repeat(_UNKNOWN))
+        looked_up = map(self._known.get, names, repeat(_UNKNOWN))
         changed = compress(names, map(is_not, table.values(), looked_up))
         return [(name, table[name]) for name in changed]
 

@@ -808,8 +808,12 @@ def test_first_settle_freezes_what_survives(harness: Harness) -> None:
         assert after_first > before
         # The library the program imported is kept and frozen with the rest.
         assert all(o is not sys.modules["wave"] for o in gc.get_objects())
-        harness.run([module("m", "import wave\n")])
-        assert gc.get_freeze_count() == after_first
+        harness.run([module("m", "import wave, tabnanny\n")])
+        # Nothing more is frozen (frozen objects may still be freed, so the
+        # count can drop): a library the second program imported stays with
+        # the collector.
+        assert gc.get_freeze_count() <= after_first
+        assert any(o is sys.modules["tabnanny"] for o in gc.get_objects())
     finally:
         # (This test process's objects go back to its collector.)
         gc.unfreeze()

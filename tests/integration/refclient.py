@@ -158,7 +158,7 @@ def run_our_client(
     cwd: str | os.PathLike[str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """Run C{script} the same way, with our package (this interpreter's environment)."""
-    return _run([sys.executable, "-I", *args], env, timeout, cwd, script=script)
+    return _run([sys.executable, "-P", *args], _our_env(env), timeout, cwd, script=script)
 
 
 def our_kcoral_cli(
@@ -167,8 +167,22 @@ def our_kcoral_cli(
     timeout: float = 120,
     cwd: str | os.PathLike[str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """Run our C{kcoral} command (C{python -I -m kcoral}) the same way."""
-    return _run([sys.executable, "-I", "-m", "kcoral", *args], env, timeout, cwd)
+    """Run our C{kcoral} command (C{python -P -m kcoral}) the same way."""
+    return _run([sys.executable, "-P", "-m", "kcoral", *args], _our_env(env), timeout, cwd)
+
+
+def _our_env(env: Mapping[str, str] | None) -> dict[str, str]:
+    """
+    The environment for our own client: isolated like the reference's (no
+    working directory on the path, no user site, no C{KCORAL_*}), but with
+    this interpreter's C{PYTHONPATH} and our package's directory, which is
+    how the GPU machine's environment provides both (C{-I} would drop them).
+    """
+    import kcoral
+
+    root = str(Path(kcoral.__file__).resolve().parents[1])
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {**(env or {}), "PYTHONPATH": os.pathsep.join([root, *inherited])}
 
 
 if __name__ == "__main__":  # pragma: no cover

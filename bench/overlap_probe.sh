@@ -32,7 +32,7 @@ fi
 PORT=$(free_port)
 log="$RESULTS/overlap_probe_server.log"
 # shellcheck disable=SC2086
-env ${SERVER_ENV//,/ } "$PY" -m kcoral server --device gpu --gpus 0 --workers-per-gpu 8 \
+env ${SERVER_ENV:+${SERVER_ENV//,/ }} "$PY" -m kcoral server --device gpu --gpus 0 --workers-per-gpu 8 \
     --sandbox none --log-dir "$LOGS" --host 127.0.0.1 --port "$PORT" \
     --max-requests-per-worker 0 >"$log" 2>&1 &
 SERVER_PID=$!

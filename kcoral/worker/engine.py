@@ -67,6 +67,7 @@ from kcoral.worker import files, reuse, runtime
 from kcoral.worker.builtins import CudaSource
 from kcoral.worker.capture import Captured, OutputCapture
 from kcoral.worker.files import Budget, collect_file, collect_folder, materialize_file
+from kcoral.worker.inert import import_is_inert
 from kcoral.worker.reuse import ProcessState, terminate
 
 # ---------------------------------------------------------------------------
@@ -576,7 +577,10 @@ class _ProgramRun:
         (value returns depend on their value, so they never count here).
         """
         if isinstance(instruction, Upload):
-            if instruction.kind == "module" and self.lazy_module_lease:
+            if instruction.kind == "module" and (
+                self.lazy_module_lease
+                or (instruction.language != "cuda" and import_is_inert(instruction.source or ""))
+            ):
                 return False
             return instruction.kind in ("module", "tensor", "library")
         if isinstance(instruction, GetFunction):
@@ -643,6 +647,10 @@ class _ProgramRun:
             and instruction.language != "cuda"
             and not self.lease.held
         ):
+            if import_is_inert(instruction.source or ""):
+                # Definitions and loaded imports only: nothing of its own
+                # runs, so neither the lease nor the driver watch is needed.
+                return None
             # Module top-level code may touch CUDA: where the driver can be
             # watched, the import runs off the lease and its first device
             # call takes it; elsewhere the lease is taken now.

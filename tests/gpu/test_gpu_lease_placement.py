@@ -1,7 +1,7 @@
 """
 The lease only while instructions use the GPU (issue 15), on a real GPU: a
 module import runs off the lease and takes it at its first device call
-(CUPTI), a program of cpu_only work never holds the GPU, and the drain after
+(CUPTI), an inert module (definitions, loaded imports) takes none, a program of cpu_only work never holds the GPU, and the drain after
 the last GPU instruction ends the hold before host values are encoded.
 
 The server's own log is the witness: each request's C{lease_granted} events,
@@ -67,6 +67,18 @@ def gpu_then_big_host_value():
     torch.ones(1024, device="cuda").sum().item()
     # Hashing and copying 64 MiB into the answer: after the hold has ended.
     return BIG
+"""
+
+#: Definitions and a loaded import only: its import runs nothing of its
+#: own, so it takes no lease with or without CUPTI (kcoral.worker.inert).
+INERT = """
+import torch
+
+def host():
+    return 7
+
+def gpu():
+    return float(torch.ones(4, device="cuda").sum().item())
 """
 
 TOUCHING = """
@@ -135,7 +147,15 @@ def test_lease_placement_on_the_gpu(server: ServerProcess, logs: Path) -> None:
     touch_body, touch_results = _ok(server.execute(_program(TOUCHING, ("f", False))))
     assert touch_results["r"] == 2048.0
 
+    inert_cpu_body, inert_cpu = _ok(server.execute(_program(INERT, ("host", True))))
+    inert_gpu_body, inert_gpu = _ok(server.execute(_program(INERT, ("gpu", False))))
+    assert (inert_cpu["r"], inert_gpu["r"]) == (7, 4.0)
+
     server.stop()
+    # An inert module: no hold for its import, CUPTI or not; its GPU run, one.
+    assert _grants(logs, inert_cpu_body["request_id"]) == []
+    assert inert_cpu_body["lease_held_ms"] == 0
+    assert len(_grants(logs, inert_gpu_body["request_id"])) == 1
     # cpu_only work only: the module import ran off the lease (CUPTI watched
     # it) and nothing took the GPU, cleanup included.  Without CUPTI the
     # import takes the lease up front (one hold).

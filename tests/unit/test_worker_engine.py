@@ -137,6 +137,9 @@ def error(outcome: Outcome) -> tuple[str, str, int]:
 
 
 ADD = module("m", "def add(a, b):\n    return a + b\n")
+#: The same module with top-level code of its own (a call): its import may
+#: touch the device, so it is placed on the lease (ADD's is inert).
+ACTIVE_ADD = module("m", "import os\nPID = os.getpid()\ndef add(a, b):\n    return a + b\n")
 
 
 # -- modules and functions ------------------------------------------------
@@ -604,7 +607,7 @@ def test_lease_placement(harness: Harness) -> None:
     harness.run(
         [
             {"op": "upload", "kind": "bytes", "id": "b", "blob": digest},  # unchanged
-            ADD,  # acquire
+            ACTIVE_ADD,  # acquire
             {"op": "upload", "kind": "file", "id": "p", "blob": digest, "path": "p"},  # release
             get("f", "m", "add", cpu_only=True),  # a dictionary lookup: unchanged
             run("r", "f", 1, 2),  # cpu_only: release (not held)
@@ -647,7 +650,7 @@ def test_last_gpu_instruction_ends_the_hold(harness: Harness) -> None:
     come before the host value is returned; cleanup takes no second hold.
     """
     lease = _ordered(harness)
-    outcome = harness.run([ADD, get("f", "m", "add"), run("r", "f", 2, 3), ret("out", "r")])
+    outcome = harness.run([ACTIVE_ADD, get("f", "m", "add"), run("r", "f", 2, 3), ret("out", "r")])
     assert outcome.status == "COMPLETED", outcome.error
     assert lease.events == ["#0", "acquire", "#1", "#2", "#3", "drain", "release"]
     assert not lease.held
@@ -657,7 +660,7 @@ def test_hold_kept_for_a_later_gpu_instruction(harness: Harness) -> None:
     """A host return between two GPU runs does not give the lease back and take it again."""
     lease = _ordered(harness)
     outcome = harness.run(
-        [ADD, get("f", "m", "add"), run("r", "f", 2, 3), ret("a", "r"), run("s", "f", 1, 1)]
+        [ACTIVE_ADD, get("f", "m", "add"), run("r", "f", 2, 3), ret("a", "r"), run("s", "f", 1, 1)]
     )
     assert outcome.status == "COMPLETED", outcome.error
     # Cleanup runs under the hold the last run left, then the reused worker releases.
@@ -667,7 +670,8 @@ def test_hold_kept_for_a_later_gpu_instruction(harness: Harness) -> None:
 def test_device_value_returned_under_the_lease(harness: Harness) -> None:
     """A value that may live on the device (not a host value) is returned under the lease."""
     lease = _ordered(harness)
-    source = "class T:\n    pass\ndef make():\n    return T()\n"
+    # Top-level code of its own (a call): the import takes the lease.
+    source = "import os\nos.getpid()\nclass T:\n    pass\ndef make():\n    return T()\n"
     outcome = harness.run(
         [
             module("m", source),
@@ -719,7 +723,7 @@ def test_retiring_keeps_lease(harness: Harness) -> None:
     """A retiring worker keeps the lease it holds and reports C{request_limit}."""
     workspace = harness.root / "solo"
     workspace.mkdir()
-    program = json.dumps({"instructions": [ADD]})
+    program = json.dumps({"instructions": [ACTIVE_ADD]})
     outcome = harness.engine.run(Execute(program, str(workspace)), retiring=True)
     assert outcome.retire == "request_limit"
     assert harness.lease.held
@@ -1227,11 +1231,63 @@ def test_module_import_off_the_lease(harness: Harness) -> None:
     """
     lease = _lazy(harness)
     outcome = harness.run(
-        [ADD, get("f", "m", "add", cpu_only=True), run("r", "f", 2, 3), ret("out", "r")]
+        [ACTIVE_ADD, get("f", "m", "add", cpu_only=True), run("r", "f", 2, 3), ret("out", "r")]
     )
     assert outcome.status == "COMPLETED", outcome.error
     assert lease.events == ["#0", "lazy", "#1", "#2", "#3"]
     assert not lease.held
+
+
+def test_inert_module_takes_neither_lease_nor_watch(harness: Harness) -> None:
+    """
+    A module of definitions and loaded imports runs no code of its own when
+    imported: no lease, no driver watch; the first GPU run takes the lease.
+    """
+    lease = _lazy(harness)
+    outcome = harness.run([ADD, get("f", "m", "add"), run("r", "f", 2, 3), ret("out", "r")])
+    assert outcome.status == "COMPLETED", outcome.error
+    assert lease.events == ["#0", "#1", "#2", "acquire", "#3", "drain", "release"]
+
+
+def test_inert_module_in_a_last_program_takes_no_lease(harness: Harness) -> None:
+    """A retiring worker (no driver watch) takes no lease for an inert import either."""
+    lease = _lazy(harness)
+    outcome = harness.run(
+        [ADD, get("f", "m", "add", cpu_only=True), run("r", "f", 2, 3), ret("out", "r")],
+        retiring=True,
+    )
+    assert outcome.status == "COMPLETED", outcome.error
+    assert "acquire" not in lease.events and "lazy" not in lease.events
+
+
+def test_module_after_an_import_hook_is_placed_on_the_lease(harness: Harness) -> None:
+    """
+    Once a program replaces the import function, even a module of imports
+    runs its code: the lease is placed for it as for any module.
+    """
+    lease = _lazy(harness)
+    hook = module(
+        "h",
+        """
+        import builtins
+        original = builtins.__import__
+        def spy(*args, **kwargs):
+            return original(*args, **kwargs)
+        builtins.__import__ = spy
+        """,
+    )
+    imports = module("m", "import os\ndef add(a, b):\n    return a + b\n")
+    import builtins
+
+    original = builtins.__import__
+    try:
+        outcome = harness.run(
+            [hook, imports, get("f", "m", "add", cpu_only=True), run("r", "f", 1, 2)]
+        )
+    finally:
+        builtins.__import__ = original
+    assert outcome.status == "COMPLETED", outcome.error
+    assert lease.events[:4] == ["#0", "lazy", "#1", "lazy"]
 
 
 def test_module_touching_the_device_takes_the_lease_then(harness: Harness) -> None:
@@ -1259,7 +1315,7 @@ def test_last_program_does_not_subscribe_for_an_import(harness: Harness) -> None
     """
     lease = _lazy(harness)
     outcome = harness.run(
-        [ADD, get("f", "m", "add"), run("r", "f", 2, 3), ret("out", "r")], retiring=True
+        [ACTIVE_ADD, get("f", "m", "add"), run("r", "f", 2, 3), ret("out", "r")], retiring=True
     )
     assert outcome.status == "COMPLETED", outcome.error
     assert "lazy" not in lease.events
@@ -1269,11 +1325,11 @@ def test_last_program_does_not_subscribe_for_an_import(harness: Harness) -> None
 def test_last_program_uses_a_subscription_it_has(harness: Harness) -> None:
     """A subscription an earlier program made is used by the last one too."""
     lease = _lazy(harness)
-    first = harness.run([ADD, get("f", "m", "add", cpu_only=True), run("r", "f", 1, 2)])
+    first = harness.run([ACTIVE_ADD, get("f", "m", "add", cpu_only=True), run("r", "f", 1, 2)])
     assert first.status == "COMPLETED", first.error
     del lease.events[:]
     outcome = harness.run(
-        [ADD, get("f", "m", "add", cpu_only=True), run("r", "f", 2, 3), ret("out", "r")],
+        [ACTIVE_ADD, get("f", "m", "add", cpu_only=True), run("r", "f", 2, 3), ret("out", "r")],
         retiring=True,
     )
     assert outcome.status == "COMPLETED", outcome.error
@@ -1305,7 +1361,7 @@ def test_device_tensors_copied_under_the_lease_encoded_off_it(harness: Harness) 
         cpu_builtins(),
         send=lambda m: lease.events.append(f"#{m.index}") if isinstance(m, Instruction) else None,
     )
-    source = "class Dev:\n    pass\ndef make():\n    return [Dev(), 2, {'d': Dev()}]\n"
+    source = "import os\nos.getpid()\nclass Dev:\n    pass\ndef make():\n    return [Dev(), 2, {'d': Dev()}]\n"
     outcome = harness.run(
         [module("m", source), get("f", "m", "make"), run("r", "f"), ret("out", "r")]
     )

@@ -33,6 +33,7 @@ from typing import IO, Any, Protocol
 
 import attrs
 
+from kcoral.wire.hashbehind import HashBehind
 from kcoral.wire.jsontext import json_dumps
 from kcoral.wire.program import (
     Program,
@@ -47,6 +48,11 @@ from kcoral.wire.shared import available as shared_memory_available
 
 #: Blobs of one request body that may land in sealed shared buffers.
 MAX_SHARED_BLOBS = 64
+
+#: A blob streaming into shared memory is hashed on the reactor up to this
+#: size, then by a thread that follows the writes (L{HashBehind}): for a
+#: large upload the hash was half of the reactor's work.
+HASH_BEHIND_BYTES = 4 << 20
 
 #: Largest header section of one part we buffer (the reference has no limit;
 #: legitimate headers are a few hundred bytes).
@@ -381,10 +387,12 @@ class _BlobWriter:
         self._threshold = threshold
         self._dir = spool_dir
         self._share = shared
+        self._behind: HashBehind | None = None
         self.size = 0
 
     def write(self, data: bytes | memoryview) -> None:
-        self._hash.update(data)
+        if self._behind is None:
+            self._hash.update(data)
         self.size += len(data)
         if self._memory is not None:
             self._memory += data
@@ -398,12 +406,18 @@ class _BlobWriter:
                 self._file = os.fdopen(fd, "wb")
         if self._shared is not None:
             self._shared.write(data)
+            if self._behind is not None:
+                self._behind.advance(self.size)
+            elif self.size >= HASH_BEHIND_BYTES:
+                # The hash has seen every byte so far; a thread takes it on.
+                self._behind = HashBehind(self._hash, self._shared.fileno(), self.size)
             return
         assert self._file is not None
         self._file.write(data)
 
     def finish(self) -> Blob:
-        digest = self._hash.hexdigest()
+        behind, self._behind = self._behind, None
+        digest = self._hash.hexdigest() if behind is None else behind.hexdigest()
         if self._shared is not None:
             writer, self._shared = self._shared, None
             return Blob(digest, self.size, None, None, shared=writer.seal())
@@ -415,6 +429,9 @@ class _BlobWriter:
         return Blob(digest, self.size, bytes(self._memory), None)
 
     def discard(self) -> None:
+        behind, self._behind = self._behind, None
+        if behind is not None:
+            behind.cancel()
         if self._shared is not None:
             self._shared.discard()
             self._shared = None

@@ -174,6 +174,12 @@ class SharedWriter:
         self._finalizer = weakref.finalize(self, _close_quietly, fd)
         self.size = 0
 
+    def fileno(self) -> int:
+        """The memfd being written (for reading back what was written)."""
+        if self._fd is None:
+            raise ValueError("shared writer is finished")
+        return self._fd
+
     def write(self, data: bytes | bytearray | memoryview) -> None:
         fd = self._fd
         if fd is None:

@@ -33,7 +33,7 @@ from kcoral.server.cache import Resolution
 from kcoral.server.lease import PURPOSES, LeaseArbiter
 from kcoral.server.logs import event_level_for_finish_reason
 from kcoral.server.pool import BudgetSpent, PoolBusy, WorkerPool, WorkerStartFailed
-from kcoral.server.streaming import BodyProducer, body_length, shared_bytes
+from kcoral.server.streaming import BodyProducer, DirectSocket, body_length, shared_bytes
 from kcoral.server.workerproc import Job, JobResult
 from kcoral.wire.errors import (
     BUSY_MESSAGE,
@@ -323,7 +323,7 @@ class KcoralAPI:
             hold = getattr(request, "hold_bytes", None)
             if hold is not None:
                 hold(shared_bytes(body))
-            producer = BodyProducer(request, body)
+            producer = BodyProducer(request, body, direct=DirectSocket.of(request))
             total, shared = body_length(body), shared_bytes(body)
             del rendered, body
             started = self._reactor.seconds()
@@ -339,6 +339,7 @@ class KcoralAPI:
                 bytes=total,
                 shared_bytes=shared,
                 written=producer.written,
+                sent_directly=producer.sent_directly,
                 complete=producer.written == total,
                 elapsed_ms=(self._reactor.seconds() - started) * 1000.0,
             )

@@ -204,6 +204,39 @@ class LeaseEventTests(SynchronousTestCase):
         self.assertEqual(mine[1]["held_ms"], 2000.0)
         self.assertEqual(mine[2]["wait_ms"], 2000.0)
 
+    def test_grant_is_handed_over_before_the_events_are_logged(self) -> None:
+        """
+        A release's next grant reaches its waiter before the release and
+        grant events are logged; a release made from inside that grant's
+        callback is logged after it, so the log keeps the order of events.
+        """
+        from twisted.logger import capturedLogs
+
+        clock = Clock()
+        leases = LeaseArbiter((0,), clock)
+        self.successResultOf(leases.acquire("a", (0,), label="req-a"))
+        logged_when_granted: list[int] = []
+
+        with capturedLogs() as events:
+
+            def granted(grant: object) -> None:
+                logged_when_granted.append(len([e for e in events if "kcoral_event" in e]))
+                leases.release("b")  # done at once (its request was cancelled, say)
+
+            leases.acquire("b", (0,), label="req-b").addCallback(granted)
+            leases.release("a")
+        order = [(e["kcoral_event"], e["request_id"]) for e in events if "kcoral_event" in e]
+        # Nothing was logged yet when b's grant arrived.
+        self.assertEqual(logged_when_granted, [0])
+        self.assertEqual(
+            order,
+            [
+                ("lease_released", "req-a"),
+                ("lease_granted", "req-b"),
+                ("lease_released", "req-b"),
+            ],
+        )
+
 
 class MaintenanceModeTests(SynchronousTestCase):
     """

@@ -7,7 +7,8 @@ while it returns a result).
 
 No time is asserted.  What is asserted is what a regression of the data
 path would break: the bytes come back identical, large parts leave the
-server from shared buffers (C{response_streamed.shared_bytes}), and the
+server from shared buffers (C{response_streamed.shared_bytes}), at least
+partly with C{sendfile} (C{sent_directly}), and the
 server's peak RSS while it returns a 32 MiB result grows by less than half
 the result (it held two or three copies before results were streamed).
 """
@@ -90,6 +91,9 @@ def test_server_side_figures(tmp_path: Path) -> None:
     ]
     streamed = [e for e in events if e.get("event") == "response_streamed"]
     assert streamed and all(e["shared_bytes"] == 4 << 20 for e in streamed)
+    # Over plain TCP with a Content-Length, at least part of it went from the
+    # memfd into the socket with sendfile (none of it copied in the parent).
+    assert all(0 < e["sent_directly"] <= 4 << 20 for e in streamed)
 
 
 def test_result_memory(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ each program.
 
 from __future__ import annotations
 
+import builtins
 import linecache
 import os
 import signal
@@ -120,6 +121,8 @@ class ProcessState:
     children: frozenset[int] = frozenset()
     #: C{sys.path_importer_cache} keys before the first program.
     path_finders: frozenset[str] = frozenset()
+    #: The builtins namespace before the first program (C{None}: left alone).
+    builtin_names: dict[str, Any] | None = None
     #: The baseline's modules and those a program imported from outside its
     #: workspace (found so once: later restores skip them), by name.
     _known: dict[str, Any] = attrs.field(factory=dict)
@@ -137,6 +140,7 @@ class ProcessState:
             path=list(sys.path),
             modules=dict(sys.modules),
             path_finders=frozenset(sys.path_importer_cache),
+            builtin_names=dict(vars(builtins)),
             threads=frozenset(t.ident or 0 for t in threading.enumerate()),
             children=frozenset(child_processes()),
         )
@@ -167,8 +171,8 @@ class ProcessState:
 
     def restore(self, workspace: str) -> None:
         """
-        Put the environment, C{sys.path}, the module table and the path
-        finders back.
+        Put the environment, C{sys.path}, the module table, the path
+        finders and the builtins back.
 
         A module the worker had before is put back if a program replaced or
         removed it; one a program imported from its workspace is dropped;
@@ -204,6 +208,8 @@ class ProcessState:
             del finders[key]
         for key in [k for k in linecache.cache if k.startswith("<uploaded:")]:
             del linecache.cache[key]
+        if self.builtin_names is not None:
+            _put_back(vars(builtins), self.builtin_names)
 
     def _changed_modules(self) -> list[tuple[str, Any]]:
         """The module table's entries that are neither the baseline's nor known libraries."""
@@ -223,6 +229,24 @@ class ProcessState:
         if inside is None:
             inside = self._finder_inside[(key, root)] = _under(os.path.realpath(key), root)
         return not inside
+
+
+def _put_back(namespace: dict[str, Any], baseline: dict[str, Any]) -> None:
+    """
+    Make C{namespace} hold exactly C{baseline}'s objects again (a program
+    may replace, add or delete builtins: C{print}, C{__import__}, ...).
+    Compared by identity, in C: nothing of a program's runs here.
+    """
+    names = list(namespace)
+    looked_up = map(baseline.get, names, repeat(_UNKNOWN))
+    for name in list(compress(names, map(is_not, namespace.values(), looked_up))):
+        if name in baseline:
+            namespace[name] = baseline[name]
+        else:
+            del namespace[name]
+    if len(namespace) != len(baseline):
+        for name, value in baseline.items():
+            namespace.setdefault(name, value)
 
 
 #: What a name the restore does not know maps to (C{None} is a valid entry

@@ -776,6 +776,38 @@ def test_reuse_puts_back_the_module_table(harness: Harness) -> None:
     assert sys.modules["wave"] is kept
 
 
+def test_reuse_puts_back_the_builtins(harness: Harness) -> None:
+    """
+    Builtins a program replaced, added or deleted are as the first program
+    found them for the next one (a replaced import function included).
+    """
+    import builtins
+
+    original_print, original_import = builtins.print, builtins.__import__
+    original_callable = builtins.callable
+    harness.run([ADD])
+    source = """
+    import builtins
+    builtins.print = lambda *a, **k: None
+    builtins.kcoral_leaked = "from the last program"
+    original = builtins.__import__
+    builtins.__import__ = lambda *a, **k: original(*a, **k)
+    del builtins.callable
+    """
+    try:
+        outcome = harness.run([module("m", source)])
+        harness.engine.settle()
+        assert outcome.status == "COMPLETED", outcome.error
+        assert builtins.print is original_print
+        assert builtins.__import__ is original_import
+        assert not hasattr(builtins, "kcoral_leaked")
+        assert builtins.callable(len)
+    finally:
+        builtins.print, builtins.__import__ = original_print, original_import
+        builtins.__dict__.pop("kcoral_leaked", None)
+        builtins.__dict__.setdefault("callable", original_callable)
+
+
 def test_reuse_drops_the_workspace_path_finders(harness: Harness) -> None:
     """
     After a program imported from its workspace, no path finder of a

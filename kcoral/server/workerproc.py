@@ -33,6 +33,7 @@ from twisted.python.runtime import platform
 
 from kcoral.proctree import descendants_of
 from kcoral.server.lease import MAINTENANCE
+from kcoral.wire import board
 from kcoral.wire.channel import (
     CONTROL_LIMITS,
     FROM_WORKER_FD,
@@ -71,6 +72,7 @@ from kcoral.wire.shared import (
     send_descriptors,
     socket_pair,
 )
+from kcoral.wire.shared import available as shared_memory_available
 
 #: Blobs of one job passed to the worker as descriptors, at most.
 MAX_SHARED_BLOBS = 64
@@ -110,7 +112,7 @@ class Job:
     workspace: str = ""
     reserved: str | None = None
 
-    def messages(self) -> list[ChannelMessage]:
+    def messages(self, announce: bool = True) -> list[ChannelMessage]:
         """
         The blobs, then the L{Execute} message, in sending order.  At most
         L{MAX_SHARED_BLOBS} blobs go as descriptors (the descriptor socket
@@ -136,6 +138,7 @@ class Job:
                 max_response_bytes=self.max_response_bytes,
                 reserved=self.reserved,
                 timeout_seconds=float(self.timeout_seconds),
+                announce=announce,
             ),
         ]
 
@@ -204,6 +207,7 @@ class WorkerProtocol(ProcessProtocol):
         on_message: Callable[[ChannelMessage], None],
         on_violation: Callable[[str], None],
         descriptors: socket.socket | None = None,
+        board: int | None = None,
     ) -> None:
         self._on_message = on_message
         self._on_violation = on_violation
@@ -211,6 +215,9 @@ class WorkerProtocol(ProcessProtocol):
         #: The parent's end of the descriptor socket (non-blocking), or
         #: C{None}: a frame naming descriptors is then a violation.
         self.descriptors = descriptors
+        #: The worker's progress board (L{kcoral.wire.board}), or C{None}:
+        #: the worker then announces instructions on the channel.
+        self.board = board
         self.stdout_tail = _Tail()
         self.stderr_tail = _Tail()
         self.ended: Deferred[BaseException] = Deferred()
@@ -266,6 +273,12 @@ class WorkerProtocol(ProcessProtocol):
         sock, self.descriptors = self.descriptors, None
         if sock is not None:
             sock.close()
+
+    def close_board(self) -> None:
+        """Close the progress board (the worker is gone and its job told)."""
+        progress, self.board = self.board, None
+        if progress is not None:
+            os.close(progress)
 
     def violation(self, reason: str) -> None:
         """
@@ -385,7 +398,12 @@ class WorkerProcess:
         theirs = worker._begin(reactor)
         try:
             transport = _spawn(
-                reactor, worker.protocol, executable, args, env, worker_child_fds(theirs)
+                reactor,
+                worker.protocol,
+                executable,
+                args,
+                env,
+                worker_child_fds(theirs, worker.protocol.board),
             )
         except BaseException:
             worker._close_descriptors()
@@ -426,7 +444,7 @@ class WorkerProcess:
         try:
             transport = template.fork_transport(
                 worker.protocol,
-                worker_child_fds(theirs),
+                worker_child_fds(theirs, worker.protocol.board),
                 argv=args,
                 env=env,
                 cwd=cwd,
@@ -449,14 +467,22 @@ class WorkerProcess:
         return worker
 
     def _close_descriptors(self) -> None:
-        if self.protocol.descriptors is not None:
-            self.protocol.descriptors.close()
+        self.protocol.close_descriptors()
+        self.protocol.close_board()
 
     def _begin(self, reactor: Any) -> socket.socket:
-        """The protocol, with our end of the descriptor socket; returns the worker's end."""
+        """
+        The protocol, with our end of the descriptor socket and the progress
+        board (none where memfds cannot be sealed); returns the worker's end
+        of the socket.
+        """
         ours, theirs = socket_pair()
         ours.setblocking(False)
-        self.protocol = WorkerProtocol(self._message_received, self._poisoned, ours)
+        try:
+            progress: int | None = board.create() if shared_memory_available() else None
+        except OSError:
+            progress = None  # the worker announces instructions instead
+        self.protocol = WorkerProtocol(self._message_received, self._poisoned, ours, progress)
         self.protocol.ended.addCallback(self._process_ended)
         self.started_at = reactor.seconds()
         return theirs
@@ -638,6 +664,7 @@ class WorkerProcess:
         job = self._job
         if job is not None:
             job.process_ended(self.exit_code, self.protocol.output_tail())
+        self.protocol.close_board()  # after the job read where it ended
         self._context_end("exited")
         self._leases.abandon(self)
         self.ended.callback(self.exit_code)
@@ -994,11 +1021,38 @@ class _RunningJob:
 
     def start(self) -> None:
         self.remaining = self.job.timeout_seconds
-        messages = self.job.messages()
+        progress = self._board()
+        if progress is not None:
+            board.clear(progress)  # what the last program posted
+        # Instructions are posted on the board, unless there is none or
+        # the operator traces them (their events need the messages).
+        messages = self.job.messages(
+            announce=progress is None or bool(getattr(self.worker, "trace_instructions", False))
+        )
         for message in messages[:-1]:
             self.worker.send(message)
         self.worker.send(messages[-1], now=True)
         self._resume_budget()
+
+    def _board(self) -> int | None:
+        return getattr(getattr(self.worker, "protocol", None), "board", None)
+
+    def _where(self) -> int | None:
+        """
+        The instruction running when the program ended without an outcome:
+        the last one posted on the board if it is an instruction of this
+        program and not before the last one announced (the board is written
+        by code that may be hostile), else the last one announced.
+        """
+        announced = self.instruction_index
+        progress = self._board()
+        posted = None if progress is None else board.read(progress)
+        count = _instruction_count(self.job)
+        if posted is None or (count is not None and posted >= count):
+            return announced
+        if announced is not None and posted < announced:
+            return announced
+        return posted
 
     # -- the execution budget, paused during lease waits -------------------
 
@@ -1019,7 +1073,7 @@ class _RunningJob:
 
     def _timed_out(self) -> None:
         self._timer = None
-        self._finish(JobResult("timeout", instruction_index=self.instruction_index))
+        self._finish(JobResult("timeout", instruction_index=self._where()))
         self.worker.kill()
 
     # -- messages -------------------------------------------------------------
@@ -1150,7 +1204,7 @@ class _RunningJob:
         """The worker broke the control channel during this job."""
         if self.done.called:
             return
-        self._finish(JobResult("invalid", instruction_index=self.instruction_index, detail=detail))
+        self._finish(JobResult("invalid", instruction_index=self._where(), detail=detail))
         self.worker.kill_now()
 
     def _instruction_finished(self) -> None:
@@ -1204,7 +1258,7 @@ class _RunningJob:
         def failed(failure: Failure) -> None:
             self._lease_request = None
             if not failure.check(CancelledError) and not self.done.called:
-                self._finish(JobResult("crashed", instruction_index=self.instruction_index))
+                self._finish(JobResult("crashed", instruction_index=self._where()))
                 self.worker.kill()
 
         d.addCallbacks(granted, failed)
@@ -1224,7 +1278,7 @@ class _RunningJob:
             self._finish(
                 JobResult(
                     "crashed",
-                    instruction_index=self.instruction_index,
+                    instruction_index=self._where(),
                     exit_code=exit_code,
                     output_tail=tail,
                 )
@@ -1263,16 +1317,23 @@ def _op_of(job: Job, index: int) -> str | None:
     return instructions[index].op if 0 <= index < len(instructions) else None
 
 
-def worker_child_fds(descriptors: socket.socket) -> dict[int, Any]:
+def worker_child_fds(descriptors: socket.socket, progress: int | None = None) -> dict[int, Any]:
     """
     What a worker's fds are, for C{spawnProcess}'s C{childFDs}: stdin (closed
     at once), stdout and stderr (read for diagnostics), and the control
     channel's fds (L{kcoral.wire.channel.WORKER_CHANNEL_FDS}), the descriptor
-    socket being the worker's end C{descriptors}.
+    socket being the worker's end C{descriptors} and the progress board
+    C{progress} (left out when there is none).
     """
     fds: dict[int, Any] = {0: "w", 1: "r", 2: "r"}
     for fd, role in WORKER_CHANNEL_FDS.items():
-        fds[fd] = descriptors.fileno() if role == "socket" else role
+        if role == "socket":
+            fds[fd] = descriptors.fileno()
+        elif role == "board":
+            if progress is not None:
+                fds[fd] = progress
+        else:
+            fds[fd] = role
     return fds
 
 

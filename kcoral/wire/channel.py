@@ -49,14 +49,20 @@ FROM_WORKER_FD = 4
 #: names them (a frame's C{shared_parts}, a blob's C{size}), so the reader
 #: takes them when it decodes that frame.
 DESCRIPTOR_FD = 5
+#: The progress board (L{kcoral.wire.board}): the worker posts the index
+#: of the instruction it is about to run there, instead of an
+#: L{Instruction} message, unless an L{Execute} asks for announcements.
+PROGRESS_FD = 6
 
 #: The channel's fds in a worker, each with who writes it (C{"w"}: the
 #: parent writes, C{"r"}: the parent reads, C{"socket"}: both, passing
-#: descriptors).  Whatever starts a worker hands it exactly these.
+#: descriptors, C{"board"}: the progress board, shared memory).  Whatever
+#: starts a worker hands it exactly these.
 WORKER_CHANNEL_FDS: dict[int, str] = {
     TO_WORKER_FD: "w",
     FROM_WORKER_FD: "r",
     DESCRIPTOR_FD: "socket",
+    PROGRESS_FD: "board",
 }
 
 _PREFIX = struct.Struct(">IQ")
@@ -495,6 +501,10 @@ class Execute(ChannelMessage):
     timeout_seconds: float | None = attrs.field(
         default=None, validator=_json(float, int, optional=True)
     )
+    #: Announce each instruction with an L{Instruction} message (the parent
+    #: traces instructions, or gave no progress board) rather than posting
+    #: it on the board.
+    announce: bool = attrs.field(default=True, validator=_json(bool))
 
 
 @_message("lease_granted")

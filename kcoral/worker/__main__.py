@@ -18,14 +18,16 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import IO, Any
 
 import attrs
 
+from kcoral.wire import board
 from kcoral.wire.channel import (
     DESCRIPTOR_FD,
     FROM_WORKER_FD,
+    PROGRESS_FD,
     RETIRE_REQUEST_LIMIT,
     TO_WORKER_FD,
     Blob,
@@ -118,6 +120,7 @@ def serve(
         stream_returns=True,
         share_parts=descriptors is not None and shared_memory_available(),
         freeze_after_first_settle=True,
+        progress=_progress_board(),
     )
     write_message(
         outbox, Ready(pid=os.getpid(), target=target, versions=versions, device=backend.name)
@@ -249,6 +252,15 @@ def _widen_pipe(fd: int, size: int = 1 << 20) -> None:
         fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), size)
     except OSError:
         pass  # not a pipe, or over the system's limit: the default works too
+
+
+def _progress_board() -> Callable[[int], None] | None:
+    """Where to post instruction indices, when the parent gave a board (fd 6)."""
+    poster = board.attach(PROGRESS_FD)
+    if poster is None:
+        return None
+    os.set_inheritable(PROGRESS_FD, False)
+    return poster.post
 
 
 def _descriptor_socket() -> socket.socket | None:

@@ -277,6 +277,11 @@ class Engine:
     #: process sets it; an engine embedded elsewhere leaves its host's
     #: collector alone.
     freeze_after_first_settle: bool = False
+    #: Posts the index of each instruction about to run on the progress
+    #: board (L{kcoral.wire.board}) instead of announcing it with an
+    #: L{Instruction} message, unless the program's L{Execute} asks for
+    #: announcements; C{None}: always announce.
+    progress: Callable[[int], None] | None = None
     #: The process state before the first program, which every later one
     #: is put back to (L{settle} makes it so again).
     _baseline: ProcessState | None = attrs.field(default=None, init=False)
@@ -476,7 +481,7 @@ class _ProgramRun:
         for position, instruction in enumerate(instructions):
             self.last = instruction
             self.position = position
-            self.engine.send(Instruction(instruction.index))
+            self._announce(instruction)
             try:
                 around = self._place(instruction)
                 with around if around is not None else contextlib.nullcontext():
@@ -552,6 +557,23 @@ class _ProgramRun:
             parts=tuple(self.parts.parts[self.streamed :]),
             streamed_parts=self.streamed,
         )
+
+    def _announce(self, instruction: Any) -> None:
+        """
+        Tell the parent which instruction is about to run: on the board, or
+        with a message where the parent asked for them, or where it needs
+        the start time (a C{cpu_only} run: a C{gpu_access} failure names
+        the request that held the GPU meanwhile).
+        """
+        progress = self.engine.progress
+        if (
+            progress is None
+            or self.request.announce
+            or (isinstance(instruction, Run) and self._is_cpu_only_run(instruction))
+        ):
+            self.engine.send(Instruction(instruction.index))
+        else:
+            progress(instruction.index)
 
     # -- lease placement (spec/server.md §4.3) --------------------------
 

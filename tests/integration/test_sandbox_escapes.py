@@ -283,6 +283,22 @@ def try_write_raw(path):
         return _err(e)
 
 
+def forge_progress_and_die(index):
+    # The worker's progress board (fd 6): claim another instruction, try to
+    # shrink the board under the parent, then kill the worker.
+    import mmap, struct
+    board = mmap.mmap(6, 8)
+    struct.pack_into("<q", board, 0, index)
+    try:
+        os.ftruncate(6, 0)
+        shrunk = "shrunk"
+    except OSError as e:
+        shrunk = _err(e)
+    sys.stdout.write(json.dumps(shrunk))
+    sys.stdout.flush()
+    os._exit(3)  # (a worker may be its PID namespace's init: SIGKILL to itself is ignored)
+
+
 def add(a, b):
     return a + b
 '''
@@ -813,6 +829,30 @@ def test_orphaned_background_process_in_reuse_mode(reuse_env: Env) -> None:
 
 
 # -- 8. /tmp ----------------------------------------------------------------------------
+
+
+def test_forged_progress_board_is_checked(reuse_env: Env) -> None:
+    """
+    A program that writes its worker's progress board (shared memory the
+    parent reads to say where a program died) and kills its worker: the
+    parent ignores a claim of an instruction the program does not have, the
+    board cannot be shrunk under it, and the next request is served.
+    """
+    server = reuse_env.server
+    # A claim of an instruction it does not have: where it died is unknown,
+    # so its own request gets the engine error of a worker that broke its
+    # channel (as for a forged control message), never a made-up place.
+    response = server.execute(program("forge_progress_and_die", 99))
+    assert response.status == 500, response.body[:2000]
+    body = response.json()
+    assert (body["status"], body["error"]["kind"]) == ("ERROR", "engine"), body
+    assert "instruction_index" not in body["error"], body
+    # The truth (the run, instruction 2) is taken, so the board was not
+    # shrunk (an empty board would read as nothing).
+    body = failed(server.execute(program("forge_progress_and_die", 2)))
+    assert body["error"]["kind"] == "runtime", body
+    assert body["error"]["instruction_index"] == 2, body["error"]
+    assert_healthy(server)
 
 
 def test_tmp_is_private_to_the_worker(default_env: Env) -> None:

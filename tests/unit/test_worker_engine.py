@@ -732,6 +732,26 @@ def test_retiring_keeps_lease(harness: Harness) -> None:
 # -- reuse ------------------------------------------------------------------
 
 
+def test_instructions_posted_on_the_board_unless_announced(harness: Harness) -> None:
+    """
+    With a progress board, each instruction's index is posted there and no
+    Instruction message is sent, except for a cpu_only run (the parent
+    needs its start time) or when the Execute asks for announcements.
+    """
+    posted: list[int] = []
+    harness.engine.progress = posted.append
+    program = [ACTIVE_ADD, get("f", "m", "add", cpu_only=True), run("r", "f", 1, 2), ret("o", "r")]
+    outcome = harness.run(program, announce=False)
+    assert outcome.status == "COMPLETED", outcome.error
+    assert posted == [0, 1, 3]
+    assert [m.index for m in harness.sent if isinstance(m, Instruction)] == [2]
+    posted.clear()
+    harness.sent.clear()
+    harness.run(program, announce=True)
+    assert posted == []
+    assert [m.index for m in harness.sent if isinstance(m, Instruction)] == [0, 1, 2, 3]
+
+
 def test_reuse_restores_process_state(harness: Harness) -> None:
     """The environment and sys.path are restored; workspace modules are unloaded."""
     source = """

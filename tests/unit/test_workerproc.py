@@ -29,7 +29,9 @@ from kcoral.server.workerproc import (
     WorkerStartError,
 )
 from kcoral.testing.fakes import FakeTransport, ProcessReactor
+from kcoral.wire import board
 from kcoral.wire.channel import (
+    PROGRESS_FD,
     ChannelMessage,
     CompileDone,
     CompileRequest,
@@ -46,6 +48,7 @@ from kcoral.wire.channel import (
     encode,
     encode_frame,
 )
+from kcoral.wire.shared import available as shared_memory_available
 
 
 @attrs.frozen
@@ -347,6 +350,78 @@ class JobTests(WorkerTestCase):
         worker.run(self.job())
         self.deliver(worker, LeaseAcquire())
         self.assertEqual(self.transport.messages()[-1].TYPE, "lease_granted")
+
+
+class ProgressBoardTests(WorkerTestCase):
+    """
+    Where a program was when it ended without an outcome comes from the
+    worker's progress board (kcoral.wire.board), checked, when the worker
+    posts instead of announcing.
+    """
+
+    def setUp(self) -> None:
+        super().setUp()
+        if not shared_memory_available():
+            self.skipTest("no sealed memfds here")
+
+    def _job(self, count: int = 3, **kw: Any) -> Job:
+        return self.job(program=_Program(tuple(range(count))), **kw)
+
+    def test_execute_asks_for_announcements_only_when_tracing(self) -> None:
+        worker = self.ready_worker()
+        self.assertIsNotNone(worker.protocol.board)
+        worker.run(self._job())
+        self.assertIs(self.transport.messages()[-1].header()["announce"], False)
+        self.deliver(worker, Outcome(status="COMPLETED"))
+        worker.trace_instructions = True
+        worker.run(self._job())
+        self.assertIs(self.transport.messages()[-1].header()["announce"], True)
+
+    def test_crash_attributed_from_the_board(self) -> None:
+        worker = self.ready_worker()
+        d = worker.run(self._job())
+        board.BoardPoster(worker.protocol.board).post(2)
+        self.end(worker, -11)
+        result = self.successResultOf(d)
+        self.assertEqual((result.ending, result.instruction_index), ("crashed", 2))
+        # Read before it was closed, and closed with the process.
+        self.assertIsNone(worker.protocol.board)
+
+    def test_timeout_attributed_from_the_board(self) -> None:
+        worker = self.ready_worker()
+        d = worker.run(self._job(timeout=1.0))
+        board.BoardPoster(worker.protocol.board).post(1)
+        self.reactor.advance(1.5)
+        self.assertEqual(self.successResultOf(d).instruction_index, 1)
+
+    def test_claims_outside_the_program_are_ignored(self) -> None:
+        """A hostile program may post anything: an index it does not have counts for nothing."""
+        worker = self.ready_worker()
+        d = worker.run(self._job())
+        board.BoardPoster(worker.protocol.board).post(99)
+        self.end(worker, -9)
+        self.assertIsNone(self.successResultOf(d).instruction_index)
+
+    def test_board_never_goes_back_before_an_announcement(self) -> None:
+        worker = self.ready_worker()
+        d = worker.run(self._job())
+        self.deliver(worker, Instruction(2))  # a cpu_only run is announced
+        board.BoardPoster(worker.protocol.board).post(0)
+        self.end(worker, -9)
+        self.assertEqual(self.successResultOf(d).instruction_index, 2)
+
+    def test_board_cleared_for_each_program(self) -> None:
+        worker = self.ready_worker()
+        board.BoardPoster(worker.protocol.board).post(2)  # the last program's
+        d = worker.run(self._job())
+        self.assertIsNone(board.read(worker.protocol.board))
+        self.end(worker, -9)
+        self.assertIsNone(self.successResultOf(d).instruction_index)
+
+    def test_worker_gets_the_board_as_fd_6(self) -> None:
+        worker = self.spawn()
+        fds = self.reactor.spawned[-1]["childFDs"]
+        self.assertEqual(fds[PROGRESS_FD], worker.protocol.board)
 
 
 class LeaseBudgetTests(WorkerTestCase):

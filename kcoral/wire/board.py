@@ -11,20 +11,22 @@ of its time per request at saturation); a store into a shared page costs
 the worker nothing and the parent nothing until it reads the board.
 
 The parent makes the board (a memfd, sealed against shrinking and
-growing, so a program that truncates it cannot make the parent's read
-fail or fault) and passes it as fd L{kcoral.wire.channel.PROGRESS_FD}.
-The worker maps it and writes; the parent never maps it, it reads and
-clears it with C{pread}/C{pwrite}.  What it reads is the claim of code
+growing, so that nothing can make the parent's read of it fail) and
+passes it as fd L{kcoral.wire.channel.PROGRESS_FD}.  The worker maps it,
+closes the fd, and writes into the mapping; the parent never maps it, it
+reads and clears it with C{pread}/C{pwrite}.  What it reads is the claim of code
 that may be hostile, so the parent checks it against the program before
 it uses it (L{kcoral.server.workerproc}).
 """
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import mmap
 import os
 import struct
+from typing import Any
 
 __all__ = ["SIZE", "BoardPoster", "attach", "clear", "create", "read"]
 
@@ -65,23 +67,52 @@ def read(fd: int) -> int | None:
 
 
 class BoardPoster:
-    """The worker's side: a shared mapping of the board, written by store."""
+    """
+    The worker's side: a shared mapping of the board, written by a store.
+
+    Mapped with C{mmap(2)} itself rather than Python's C{mmap} module,
+    which keeps a duplicate of the descriptor: the worker closes the
+    board's fd once it is mapped, so a program finds no extra descriptor.
+    """
 
     def __init__(self, fd: int) -> None:
-        self._map = mmap.mmap(fd, SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        address = _libc_mmap()(None, SIZE, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+        if address in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), "cannot map the progress board")
+        self._slot = ctypes.c_int64.from_address(address)
 
     def post(self, index: int) -> None:
         """Say that instruction C{index} is about to run."""
-        _INDEX.pack_into(self._map, 0, index)
+        self._slot.value = index
 
 
-def attach(fd: int) -> BoardPoster | None:
-    """The board on C{fd}, or C{None} when there is none (not given, not a board)."""
+def _libc_mmap() -> Any:
+    function = ctypes.CDLL(None, use_errno=True).mmap
+    function.restype = ctypes.c_void_p
+    function.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    ]
+    return function
+
+
+def attach(fd: int, *, close: bool = False) -> BoardPoster | None:
+    """
+    The board on C{fd}, or C{None} when there is none (not given, not a
+    board).  With C{close}, C{fd} is closed once the board is mapped.
+    """
     try:
         # A board is a memfd of SIZE bytes with exactly our seals: an fd 6
         # inherited from elsewhere is never written to.
         if os.fstat(fd).st_size != SIZE or fcntl.fcntl(fd, fcntl.F_GET_SEALS) != _SEALS:
             return None
-        return BoardPoster(fd)
+        poster = BoardPoster(fd)
     except (OSError, ValueError):
         return None
+    if close:
+        os.close(fd)
+    return poster

@@ -256,11 +256,9 @@ def _widen_pipe(fd: int, size: int = 1 << 20) -> None:
 
 def _progress_board() -> Callable[[int], None] | None:
     """Where to post instruction indices, when the parent gave a board (fd 6)."""
-    poster = board.attach(PROGRESS_FD)
-    if poster is None:
-        return None
-    os.set_inheritable(PROGRESS_FD, False)
-    return poster.post
+    # Mapped, then closed: a program sees no descriptor of it.
+    poster = board.attach(PROGRESS_FD, close=True)
+    return None if poster is None else poster.post
 
 
 def _descriptor_socket() -> socket.socket | None:

@@ -284,13 +284,19 @@ def try_write_raw(path):
 
 
 def forge_progress_and_die(index):
-    # The worker's progress board (fd 6): claim another instruction, try to
-    # shrink the board under the parent, then kill the worker.
-    import mmap, struct
-    board = mmap.mmap(6, 8)
-    struct.pack_into("<q", board, 0, index)
+    # The worker's progress board: found through /proc/self/maps (the
+    # worker closed its fd once mapped), claimed for another instruction,
+    # reopened through map_files to shrink it; then the worker ends.
+    import ctypes
+    fds = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")]
+    assert not any("kcoral-progress" in target for target in fds), fds
+    with open("/proc/self/maps") as maps:
+        line = next(l for l in maps if "kcoral-progress" in l)
+    span = line.split()[0]
+    ctypes.c_int64.from_address(int(span.split("-")[0], 16)).value = index
     try:
-        os.ftruncate(6, 0)
+        with open(f"/proc/self/map_files/{span}", "r+b") as board:
+            os.ftruncate(board.fileno(), 0)
         shrunk = "shrunk"
     except OSError as e:
         shrunk = _err(e)
@@ -834,9 +840,10 @@ def test_orphaned_background_process_in_reuse_mode(reuse_env: Env) -> None:
 def test_forged_progress_board_is_checked(reuse_env: Env) -> None:
     """
     A program that writes its worker's progress board (shared memory the
-    parent reads to say where a program died) and kills its worker: the
-    parent ignores a claim of an instruction the program does not have, the
-    board cannot be shrunk under it, and the next request is served.
+    parent reads to say where a program died) and kills its worker: it has
+    no descriptor of the board, the parent ignores a claim of an
+    instruction the program does not have, the board cannot be shrunk
+    under it, and the next request is served.
     """
     server = reuse_env.server
     # A claim of an instruction it does not have: where it died is unknown,

@@ -288,8 +288,13 @@ def forge_progress_and_die(index):
     # worker closed its fd once mapped), claimed for another instruction,
     # reopened through map_files to shrink it; then the worker ends.
     import ctypes
-    fds = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")]
-    assert not any("kcoral-progress" in target for target in fds), fds
+    targets = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            targets.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass  # the listing's own descriptor, closed by now
+    assert not any("kcoral-progress" in target for target in targets), targets
     with open("/proc/self/maps") as maps:
         line = next(l for l in maps if "kcoral-progress" in l)
     span = line.split()[0]

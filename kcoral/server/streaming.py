@@ -169,8 +169,8 @@ class BodyProducer:
             if self._offset < len(chunk) and self._direct is not None and self._direct.ready():
                 try:
                     sent = self._direct.send(chunk, self._offset)
-                except (ConnectionError, EOFError):
-                    raise
+                except ConnectionError:
+                    raise  # the client left (an OSError, but no reason to fall back)
                 except OSError:
                     self._direct = None  # sendfile refused this: slices from now on
                     sent = 0

@@ -30,7 +30,8 @@ from typing import Any
 
 __all__ = ["SIZE", "BoardPoster", "attach", "clear", "create", "read"]
 
-_INDEX = struct.Struct("<q")
+#: Native byte order: the worker stores a C{int64} into the mapping.
+_INDEX = struct.Struct("=q")
 SIZE = _INDEX.size
 #: What the board says between programs, and before the first instruction.
 _NOTHING = -1

@@ -200,9 +200,7 @@ class ProcessState:
                 del table[name]
             else:
                 self._known[name] = module
-        if not self.modules.keys() <= table.keys():
-            for name, module in self.modules.items():
-                table.setdefault(name, module)
+        _fill_missing(table, self.modules)
         finders = sys.path_importer_cache
         for key in [k for k in finders if not self._baseline_finder_outside(k, root)]:
             del finders[key]
@@ -214,12 +212,7 @@ class ProcessState:
     def _changed_modules(self) -> list[tuple[str, Any]]:
         """The module table's entries that are neither the baseline's nor known libraries."""
         table = sys.modules
-        names = list(table)
-        # (Compared by identity in C: a GPU worker's table holds thousands
-        # of modules, and a loop in Python cost a quarter of a millisecond.)
-        looked_up = map(self._known.get, names, repeat(_UNKNOWN))
-        changed = compress(names, map(is_not, table.values(), looked_up))
-        return [(name, table[name]) for name in changed]
+        return [(name, table[name]) for name in _not_identical(table, self._known)]
 
     def _baseline_finder_outside(self, key: Any, root: str) -> bool:
         """Whether path finder C{key} is the baseline's, for a directory outside C{root}."""
@@ -231,22 +224,36 @@ class ProcessState:
         return not inside
 
 
+def _not_identical(namespace: dict[str, Any], reference: dict[str, Any]) -> list[str]:
+    """
+    The names in C{namespace} whose object is not C{reference}'s (or that
+    C{reference} lacks), compared by identity in C: nothing of a program's
+    runs, and a GPU worker's module table holds thousands of entries (a
+    loop in Python cost a quarter of a millisecond).
+    """
+    names = list(namespace)
+    looked_up = map(reference.get, names, repeat(_UNKNOWN))
+    return list(compress(names, map(is_not, namespace.values(), looked_up)))
+
+
+def _fill_missing(namespace: dict[str, Any], baseline: dict[str, Any]) -> None:
+    """Put back the entries of C{baseline} that C{namespace} lost."""
+    if not baseline.keys() <= namespace.keys():
+        for name, value in baseline.items():
+            namespace.setdefault(name, value)
+
+
 def _put_back(namespace: dict[str, Any], baseline: dict[str, Any]) -> None:
     """
     Make C{namespace} hold exactly C{baseline}'s objects again (a program
     may replace, add or delete builtins: C{print}, C{__import__}, ...).
-    Compared by identity, in C: nothing of a program's runs here.
     """
-    names = list(namespace)
-    looked_up = map(baseline.get, names, repeat(_UNKNOWN))
-    for name in list(compress(names, map(is_not, namespace.values(), looked_up))):
+    for name in _not_identical(namespace, baseline):
         if name in baseline:
             namespace[name] = baseline[name]
         else:
             del namespace[name]
-    if len(namespace) != len(baseline):
-        for name, value in baseline.items():
-            namespace.setdefault(name, value)
+    _fill_missing(namespace, baseline)
 
 
 #: What a name the restore does not know maps to (C{None} is a valid entry

@@ -76,14 +76,7 @@ drive() {
 }
 
 echo "== side by side: $ONLY  ($(date -u +%FT%TZ))"
-if [ ! -d "$REF_SITE/kcoral" ]; then
-    if ! ls .ref/*.whl >/dev/null 2>&1; then
-        echo "!! no reference client in $REF_SITE and no .ref/*.whl to install it from"
-        echo "   (mkdir -p .ref && cp ../shared/ref/wheels/*.whl .ref/, then carry .ref)"
-        exit 2
-    fi
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$REF_SITE" .ref/*.whl || exit 2
-fi
+ensure_reference_site
 
 for name in $ONLY; do
     PORT=$(free_port)

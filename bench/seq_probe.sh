@@ -28,9 +28,7 @@ mkdir -p "$RESULTS"
 # shellcheck source=bench/server_lib.sh
 . bench/server_lib.sh
 
-if [ ! -d "$REF_SITE/kcoral" ]; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$REF_SITE" .ref/*.whl || exit 2
-fi
+ensure_reference_site
 
 reference_client() {
     env -u PYTHONHOME PYTHONPATH="$REF_SITE" "$PY" bench/ref_driver.py null \

@@ -1,6 +1,7 @@
 # Sourced by the bench/*.sh batches: a free port and stopping the server
-# they started ($SERVER_PID), with the traps that stop it on exit, and waiting
-# for a server's capacity.  Needs $PY.
+# they started ($SERVER_PID), with the traps that stop it on exit, waiting
+# for a server's capacity, and the reference's install.  Needs $PY (and
+# $REF_SITE for ensure_reference_site).
 
 free_port() {
     "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
@@ -51,6 +52,18 @@ EOF
         fi
         sleep 1
     done
+}
+
+# ensure_reference_site: the reference 0.1.1 in $REF_SITE, installed from
+# .ref/*.whl (the GPU machine has no package index) unless it is there.
+ensure_reference_site() {
+    [ -d "$REF_SITE/kcoral" ] && return 0
+    if ! ls .ref/*.whl >/dev/null 2>&1; then
+        echo "!! no reference client in $REF_SITE and no .ref/*.whl to install it from"
+        echo "   (mkdir -p .ref && cp ../shared/ref/wheels/*.whl .ref/, then carry .ref)"
+        exit 2
+    fi
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$REF_SITE" .ref/*.whl || exit 2
 }
 
 SERVER_PID=""

@@ -310,6 +310,29 @@ def forge_progress_and_die(index):
     os._exit(3)  # (a worker may be its PID namespace's init: SIGKILL to itself is ignored)
 
 
+def plant_builtins(secret):
+    # Leave something for the next program of this worker: a new builtin,
+    # a replaced print and import function.
+    import builtins
+    builtins.kcoral_planted = secret
+    builtins.print = lambda *a, **k: None
+    original = builtins.__import__
+    builtins.__import__ = lambda *a, **k: original(*a, **k)
+    return json.dumps(os.getpid())
+
+
+def look_for_builtins():
+    import builtins
+    return json.dumps(
+        [
+            os.getpid(),
+            getattr(builtins, "kcoral_planted", None),
+            builtins.print.__name__,
+            builtins.__import__.__name__,
+        ]
+    )
+
+
 def add(a, b):
     return a + b
 '''
@@ -840,6 +863,20 @@ def test_orphaned_background_process_in_reuse_mode(reuse_env: Env) -> None:
 
 
 # -- 8. /tmp ----------------------------------------------------------------------------
+
+
+def test_builtins_planted_for_the_next_program_are_gone(reuse_env: Env) -> None:
+    """
+    A program that changes builtins (adds one, replaces print and the
+    import function) in a worker that is reused: the next program, in the
+    same process, finds them as the first program did.
+    """
+    server = reuse_env.server
+    planter = call(server, "plant_builtins", "planted-secret")
+    pid, planted, printer, importer = call(server, "look_for_builtins")
+    assert pid == planter, "the worker was not reused: the test proves nothing"
+    assert (planted, printer, importer) == (None, "print", "__import__")
+    assert_healthy(server)
 
 
 def test_forged_progress_board_is_checked(reuse_env: Env) -> None:

@@ -25,9 +25,8 @@ granted, and later ones while no exclusive waiter is in line ahead of them.
 
 from __future__ import annotations
 
-import contextlib
 from collections import deque
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable
 from typing import Any
 
 import attrs
@@ -117,10 +116,6 @@ class LeaseArbiter:
     _quarantined: set[int] = attrs.field(factory=set)
     history: dict[int, deque[HoldInterval]] = attrs.field(factory=dict)
     closed: bool = False
-    #: Events made while grants are being handed out, logged once they
-    #: are (L{_batched}), in the order they were made.
-    _pending_events: list[dict[str, Any]] = attrs.field(factory=list)
-    _batch_depth: int = 0
 
     log = Logger()
 
@@ -131,40 +126,15 @@ class LeaseArbiter:
             prefix = label.partition(":")[0]
             if prefix in PURPOSES and ":" in label:
                 purpose = prefix
-        self._pending_events.append(
-            dict(
-                kcoral_event=name,
-                gpu_ids=list(gpus),
-                holder=getattr(holder, "seat", None) or getattr(holder, "request_id", None),
-                request_id=None if purpose != "request" or not isinstance(label, str) else label,
-                purpose=purpose,
-                **fields,
-            )
+        self.log.info(
+            "{kcoral_event} GPU(s) {gpu_ids} for {holder}",
+            kcoral_event=name,
+            gpu_ids=list(gpus),
+            holder=getattr(holder, "seat", None) or getattr(holder, "request_id", None),
+            request_id=None if purpose != "request" or not isinstance(label, str) else label,
+            purpose=purpose,
+            **fields,
         )
-        if not self._batch_depth:
-            self._log_pending()
-
-    @contextlib.contextmanager
-    def _batched(self) -> Iterator[None]:
-        """
-        Hand out grants first, log after: a waiting worker gets its grant
-        without waiting for the log observers (tens of microseconds an
-        event, on every hand-over of a busy GPU).  Nested batches (a grant's
-        callback releasing again) log once, at the outermost end, so the
-        log's order is still the order things happened in.
-        """
-        self._batch_depth += 1
-        try:
-            yield
-        finally:
-            self._batch_depth -= 1
-            if not self._batch_depth:
-                self._log_pending()
-
-    def _log_pending(self) -> None:
-        events, self._pending_events = self._pending_events, []
-        for fields in events:
-            self.log.info("{kcoral_event} GPU(s) {gpu_ids} for {holder}", **fields)
 
     def acquire(
         self,
@@ -225,10 +195,6 @@ class LeaseArbiter:
 
         @return: the grant that ended, or C{None} if nothing was held.
         """
-        with self._batched():
-            return self._release(holder)
-
-    def _release(self, holder: Hashable) -> Grant | None:
         grant = self._grants.pop(holder, None)
         if grant is None:
             return None
@@ -351,10 +317,6 @@ class LeaseArbiter:
         it; a waiting maintenance request only against exclusive requests
         behind it (maintenance waiters behind it may still join a batch).
         """
-        with self._batched():
-            self._grant_waiters()
-
-    def _grant_waiters(self) -> None:
         reserved: set[int] = set()
         reserved_by_maintenance: set[int] = set()
         granted: list[tuple[_Waiter, Grant]] = []

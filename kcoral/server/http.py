@@ -30,7 +30,7 @@ from functools import partial
 from typing import Any
 
 from twisted.internet.endpoints import serverFromString
-from twisted.internet.interfaces import IDelayedCall
+from twisted.internet.interfaces import IDelayedCall, IReactorFromThreads
 from twisted.internet.protocol import Protocol, connectionDone
 from twisted.logger import Logger, LogLevel
 from twisted.python.failure import Failure
@@ -51,6 +51,13 @@ DEFAULT_BODY_TIMEOUT = 300.0
 #: Bytes a connection reads per reactor wakeup, and sends per write.
 TRANSPORT_READ_BYTES = 256 * 1024
 TRANSPORT_SEND_BYTES = 1 << 20
+
+#: Bytes of a streamed body that may wait for their blob's threads (its
+#: memfd write and its hash, L{kcoral.wire.blobsink}) before the connection
+#: stops reading; it reads again once they are down to the second figure.
+#: The threads stay busy, and a body never holds much more than itself.
+BACKLOG_PAUSE_BYTES = 16 << 20
+BACKLOG_RESUME_BYTES = 4 << 20
 
 #: Open connections served at once; more are answered 503 and closed.
 DEFAULT_MAX_CONNECTIONS = 4096
@@ -176,6 +183,7 @@ class LimitedRequest(Request):
     body_seconds: float | None = None
     _body_started: float | None = None
     _error_body_written = False
+    _paused_for_backlog = False
     _refusal_logged = False
     _reserved = 0
     _reserved_at: Any = None
@@ -291,8 +299,33 @@ class LimitedRequest(Request):
             return
         if self.body_parser is not None:
             self.body_parser.feed(data)
+            if self._paused_for_backlog or self.body_parser.backlog() > BACKLOG_PAUSE_BYTES:
+                self._check_backlog()
             return
         super().handleContentChunk(data)
+
+    def _check_backlog(self) -> None:
+        """
+        Stop reading the connection while its body's blob threads are more
+        than L{BACKLOG_PAUSE_BYTES} behind, until they are down to
+        L{BACKLOG_RESUME_BYTES}: TCP then holds the client back.
+        """
+        parser = self.body_parser
+        backlog = 0 if parser is None else parser.backlog()
+        transport: Any = self.transport
+        if not self._paused_for_backlog:
+            if parser is None or backlog <= BACKLOG_PAUSE_BYTES:
+                return
+            self._paused_for_backlog = True
+            transport.pauseProducing()
+        elif parser is None or backlog <= BACKLOG_RESUME_BYTES:
+            self._paused_for_backlog = False
+            transport.resumeProducing()
+            return
+        from_threads = IReactorFromThreads(self._site().reactor)
+        parser.when_drained(
+            BACKLOG_RESUME_BYTES, lambda: from_threads.callFromThread(self._check_backlog)
+        )
 
     def _drop_body(self) -> None:
         parser, self.body_parser = self.body_parser, None

@@ -26,14 +26,14 @@ import os
 import re
 import secrets
 import tempfile
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from email.parser import BytesHeaderParser
 from email.policy import default as _default_policy
 from typing import IO, Any, Protocol
 
 import attrs
 
-from kcoral.wire.hashbehind import HashBehind
+from kcoral.wire.blobsink import BlobSink
 from kcoral.wire.jsontext import json_dumps
 from kcoral.wire.program import (
     Program,
@@ -49,10 +49,10 @@ from kcoral.wire.shared import available as shared_memory_available
 #: Blobs of one request body that may land in sealed shared buffers.
 MAX_SHARED_BLOBS = 64
 
-#: A blob streaming into shared memory is hashed on the reactor up to this
-#: size, then by a thread that follows the writes (L{HashBehind}): for a
-#: large upload the hash was half of the reactor's work.
-HASH_BEHIND_BYTES = 4 << 20
+#: A blob streaming into shared memory is written and hashed on the
+#: reactor up to this size, then by the threads of a L{BlobSink}: for a
+#: large upload those two were nearly all of the reactor's work.
+OFFLOAD_BYTES = 4 << 20
 
 #: Largest header section of one part we buffer (the reference has no limit;
 #: legitimate headers are a few hundred bytes).
@@ -387,13 +387,22 @@ class _BlobWriter:
         self._threshold = threshold
         self._dir = spool_dir
         self._share = shared
-        self._behind: HashBehind | None = None
+        self._offload: BlobSink | None = None
         self.size = 0
 
+    @property
+    def sink(self) -> BlobSink | None:
+        """The threads writing and hashing this blob, past L{OFFLOAD_BYTES}."""
+        return self._offload
+
     def write(self, data: bytes | memoryview) -> None:
-        if self._behind is None:
-            self._hash.update(data)
         self.size += len(data)
+        if self._offload is not None:
+            # A copy the threads may read later (data is a view of the
+            # scanner's buffer, reused once this returns).
+            self._offload.put(bytes(data))
+            return
+        self._hash.update(data)
         if self._memory is not None:
             self._memory += data
             if len(self._memory) <= self._threshold:
@@ -406,18 +415,16 @@ class _BlobWriter:
                 self._file = os.fdopen(fd, "wb")
         if self._shared is not None:
             self._shared.write(data)
-            if self._behind is not None:
-                self._behind.advance(self.size)
-            elif self.size >= HASH_BEHIND_BYTES:
-                # The hash has seen every byte so far; a thread takes it on.
-                self._behind = HashBehind(self._hash, self._shared.fileno(), self.size)
+            if self.size >= OFFLOAD_BYTES:
+                # The hash has seen every byte so far, the memfd holds them.
+                self._offload = BlobSink.start(self._hash, self._shared.fileno())
             return
         assert self._file is not None
         self._file.write(data)
 
     def finish(self) -> Blob:
-        behind, self._behind = self._behind, None
-        digest = self._hash.hexdigest() if behind is None else behind.hexdigest()
+        offload, self._offload = self._offload, None
+        digest = self._hash.hexdigest() if offload is None else offload.finish()
         if self._shared is not None:
             writer, self._shared = self._shared, None
             return Blob(digest, self.size, None, None, shared=writer.seal())
@@ -429,9 +436,9 @@ class _BlobWriter:
         return Blob(digest, self.size, bytes(self._memory), None)
 
     def discard(self) -> None:
-        behind, self._behind = self._behind, None
-        if behind is not None:
-            behind.cancel()
+        offload, self._offload = self._offload, None
+        if offload is not None:
+            offload.cancel()
         if self._shared is not None:
             self._shared.discard()
             self._shared = None
@@ -567,6 +574,22 @@ class RequestBodyParser:
         """Give up (for example on disconnect) and delete spool files."""
         if self._failed is None:
             self._fail(ValidationError("parser aborted"))
+
+    def backlog(self) -> int:
+        """Bytes fed that the part being received has not yet written and hashed."""
+        sink = self._sink.sink if isinstance(self._sink, _BlobWriter) else None
+        return 0 if sink is None else sink.backlog
+
+    def when_drained(self, level: int, callback: Callable[[], None]) -> None:
+        """
+        Call C{callback} once L{backlog} is C{level} bytes or less: at once
+        if it is, else from a sink thread.
+        """
+        sink = self._sink.sink if isinstance(self._sink, _BlobWriter) else None
+        if sink is None:
+            callback()
+        else:
+            sink.notify_at(level, callback)
 
     # Internals.
 
@@ -729,6 +752,25 @@ class StreamedBody:
         """Drop whatever was parsed (the request ended without it)."""
         if self._parser is not None:
             self._parser.abort()
+
+    def backlog(self) -> int:
+        """
+        Bytes fed that are not yet in their blob's memfd and hash: the
+        reader stops reading past a high-water mark (L{when_drained}).
+        """
+        if self._error is not None or self._parser is None:
+            return 0
+        return self._parser.backlog()
+
+    def when_drained(self, level: int, callback: Callable[[], None]) -> None:
+        """
+        Call C{callback}, from any thread, once L{backlog} is C{level} bytes
+        or less (at once if it already is, or if the body failed).
+        """
+        if self._error is not None or self._parser is None:
+            callback()
+        else:
+            self._parser.when_drained(level, callback)
 
 
 def parse_request_body(

@@ -197,6 +197,9 @@ class SharedWriter:
             raise ValueError("shared writer is finished")
         self._finalizer.detach()
         try:
+            # What is in the file, whoever wrote it (a blob's bytes past its
+            # first megabytes are appended through a duplicate descriptor).
+            self.size = os.fstat(fd).st_size
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
         except BaseException:
             os.close(fd)

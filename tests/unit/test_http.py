@@ -11,23 +11,33 @@ import hashlib
 import json
 import os
 import resource
+import threading
 from typing import Any
 
 from klein import Klein
 from twisted.internet.address import IPv4Address
 from twisted.internet.defer import Deferred
 from twisted.internet.error import ConnectionDone
+from twisted.internet.interfaces import IReactorFromThreads
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 from twisted.logger import capturedLogs
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SkipTest, SynchronousTestCase
 from twisted.web.iweb import IRequest
+from zope.interface import implementer
 
 from kcoral.server.auth import TokenGuard, parse_tokens
-from kcoral.server.http import REFUSALS, KcoralSite, raise_fd_limit, raw_error_response
+from kcoral.server.http import (
+    BACKLOG_PAUSE_BYTES,
+    REFUSALS,
+    KcoralSite,
+    raise_fd_limit,
+    raw_error_response,
+)
 from kcoral.testing.live_server import multipart_body
 from kcoral.wire import shared
+from kcoral.wire.blobsink import BlobSink
 from kcoral.wire.program import ValidationError
 
 
@@ -128,6 +138,26 @@ def parse_responses(data: bytes) -> list[tuple[int, dict[bytes, bytes], bytes]]:
         responses.append((status, headers, rest[:length]))
         data = rest[length:]
     return responses
+
+
+@implementer(IReactorFromThreads)
+class _ThreadsClock(Clock):
+    """A clock that runs calls from other threads when the test says so."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.from_threads: list[Any] = []
+        self.called = threading.Event()
+
+    def callFromThread(self, callable: Any, *args: object, **kwargs: object) -> None:
+        self.from_threads.append((callable, args, kwargs))
+        self.called.set()
+
+    def run_calls(self) -> None:
+        calls, self.from_threads = self.from_threads, []
+        self.called.clear()
+        for f, args, kwargs in calls:
+            f(*args, **kwargs)
 
 
 class Harness:
@@ -457,6 +487,48 @@ class StreamedBodyTests(SynchronousTestCase):
         # bodies over 100 kB); the upload took the four 10 ms steps of the clock.
         self.assertEqual((document["spooled"], document["content"]), (0, "BytesIO"))
         self.assertAlmostEqual(document["body_seconds"], 0.04)
+
+    def test_reading_stops_while_the_blob_threads_are_behind(self) -> None:
+        """
+        Past L{BACKLOG_PAUSE_BYTES} not yet written and hashed, the
+        connection stops reading; once the threads are down to
+        L{BACKLOG_RESUME_BYTES} a call from their thread resumes it.
+        """
+        gate = threading.Event()
+        consume = BlobSink._consume
+
+        def slow_hash(sink: BlobSink, stage: int, chunk: bytes) -> None:
+            if stage == 1:
+                assert gate.wait(10)
+            consume(sink, stage, chunk)
+
+        self.patch(BlobSink, "_consume", slow_hash)
+        large = os.urandom(BACKLOG_PAUSE_BYTES + (8 << 20))
+        content_type, body = multipart_body({"instructions": []}, [large])
+        reactor = _ThreadsClock()
+        harness = Harness(max_request_bytes=1 << 30)
+        harness.site.reactor = reactor
+        channel, transport = harness.connect()
+        channel.dataReceived(
+            b"POST /parts HTTP/1.1\r\nHost: x\r\nContent-Type: "
+            + content_type.encode()
+            + b"\r\nContent-Length: %d\r\n\r\n" % len(body)
+        )
+        offset = 0
+        while transport.producerState == "producing" and offset < len(body):
+            channel.dataReceived(body[offset : offset + (1 << 20)])
+            offset += 1 << 20
+        self.assertEqual(transport.producerState, "paused")
+        self.assertGreater(offset, BACKLOG_PAUSE_BYTES)
+        self.assertLess(offset, len(body))
+        gate.set()
+        self.assertTrue(reactor.called.wait(10))
+        reactor.run_calls()
+        self.assertEqual(transport.producerState, "producing")
+        channel.dataReceived(body[offset:])
+        ((status, _, answer),) = parse_responses(transport.value())
+        self.assertEqual(status, 200)
+        self.assertEqual(json.loads(answer)["blobs"], {hashlib.sha256(large).hexdigest(): "shared"})
 
     def test_bad_body_reported_at_the_end(self) -> None:
         """A malformed body is read to its end and its error kept for the API."""

@@ -47,6 +47,7 @@ from kcoral.wire.multipart import (
     ParsedRequest,
     RequestBodyParser,
     RequestTooLarge,
+    StreamedBody,
     boundary_from_content_type,
     check_blob_references,
     check_tensor_lengths,
@@ -132,6 +133,19 @@ def _finish_parse(parsed: ParsedRequest, total: int) -> Parsed:
         for blob in parsed.blobs.values():
             blob.close()
     return Parsed(program, parsed.program, blobs, total)
+
+
+def _streamed_result(streamed: StreamedBody) -> ParsedRequest:
+    """A streamed body's parts (any thread); no memfd to be had is the server being busy."""
+    try:
+        return streamed.result()
+    except OSError as e:
+        raise PoolBusy(f"server cannot hold the request body: {e}") from None
+
+
+def _settle_streamed(streamed: StreamedBody) -> Parsed:
+    """Thread pool: wait for a streamed body's blob threads, then validate it."""
+    return _finish_parse(_streamed_result(streamed), streamed.received)
 
 
 def _close_parser(parser: RequestBodyParser) -> None:
@@ -443,10 +457,17 @@ class KcoralAPI:
         streamed = getattr(request, "body_parser", None)
         if streamed is not None:
             # The body was parsed and hashed as it arrived (kcoral.server.http).
-            try:
-                parsed_body = streamed.result()
-            except OSError as e:
-                raise PoolBusy(f"server cannot hold the request body: {e}") from None
+            if streamed.settling:
+                # A large blob's threads may still be on its last bytes:
+                # wait for them on a pool thread, not the reactor.
+                settled: Parsed = await deferToThreadPool(
+                    IReactorFromThreads(self._reactor),
+                    self._threadpool,
+                    _settle_streamed,
+                    streamed,
+                )
+                return settled
+            parsed_body = _streamed_result(streamed)
             if len(parsed_body.program) <= INLINE_PARSE_BYTES:
                 return _finish_parse(parsed_body, streamed.received)
             finished: Parsed = await deferToThreadPool(
@@ -474,6 +495,9 @@ class KcoralAPI:
     async def _admit_and_run(self, request: IRequest, request_id: str) -> Rendered:
         config = self.config
         parsed = await self._parse(request)
+        since_head = getattr(request, "since_head", None)
+        # The upload as the server sees it, until its blobs were hashed and sealed.
+        body_ready = since_head() if since_head is not None else None
         program = parsed.program
         kinds: dict[str, frozenset[str]] = {}
         for digest in program.referenced_blobs():
@@ -515,6 +539,7 @@ class KcoralAPI:
                 ops=dict(Counter(i.op for i in program.instructions)),
                 uploads=dict(uploads) or None,
                 blob_bytes=sum(len(b) for b in resolution.found.values()) or None,
+                body_ready_ms=_ms(body_ready),
             )
             job = Job(
                 request_id=request_id,

@@ -260,6 +260,11 @@ class LimitedRequest(Request):
         reactor = getattr(self._site(), "reactor", None)
         return None if reactor is None else float(reactor.seconds())
 
+    def since_head(self) -> float | None:
+        """Reactor seconds since the end of the request head (C{None}: not measured)."""
+        started, now = self._body_started, self._now()
+        return None if started is None or now is None else now - started
+
     def requestReceived(self, command: bytes, path: bytes, version: bytes) -> None:
         started, now = self._body_started, self._now()
         if started is not None and now is not None:

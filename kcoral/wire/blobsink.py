@@ -71,7 +71,7 @@ class BlobSink:
         #: Bytes L{put} so far.
         self.queued = 0
         self._done = [0, 0]  # bytes written, bytes hashed
-        self._queues: tuple[SimpleQueue[bytes | None], SimpleQueue[bytes | None]] = (
+        self._queues: tuple[SimpleQueue[bytes | memoryview | None], SimpleQueue[bytes | memoryview | None]] = (
             SimpleQueue(),
             SimpleQueue(),
         )
@@ -104,10 +104,10 @@ class BlobSink:
         """Bytes put that are not yet both written and hashed."""
         return self.queued - min(self._done)
 
-    def put(self, chunk: bytes) -> None:
+    def put(self, chunk: bytes | memoryview) -> None:
         """
-        Queue C{chunk} (immutable: the threads read it later) for writing
-        and hashing; never waits.
+        Queue C{chunk} (immutable bytes or a view of them: the threads read
+        it later) for writing and hashing; never waits.
         """
         if self._closed:
             raise ValueError("blob sink is closed")
@@ -137,7 +137,7 @@ class BlobSink:
 
         @raise OSError: a write failed (the memory ran out, say).
         """
-        self._close()
+        self.close()
         for thread in self._threads:
             thread.join()
         if self._error is not None:
@@ -151,13 +151,14 @@ class BlobSink:
         for this sink any more.
         """
         self._cancelled = True
-        self._close()
+        self.close()
         with self._lock:
             waiter, self._waiter = self._waiter, None
         if waiter is not None:
             waiter[1]()
 
-    def _close(self) -> None:
+    def close(self) -> None:
+        """No more chunks: the threads end once they are through the queue."""
         if self._closed:
             return
         self._closed = True
@@ -179,7 +180,7 @@ class BlobSink:
             if stage == _WRITE:
                 os.close(self._fd)
 
-    def _consume(self, stage: int, chunk: bytes) -> None:
+    def _consume(self, stage: int, chunk: bytes | memoryview) -> None:
         if stage == _HASH:
             self._hasher.update(chunk)
             return

@@ -26,6 +26,7 @@ import os
 import re
 import secrets
 import tempfile
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from email.parser import BytesHeaderParser
 from email.policy import default as _default_policy
@@ -53,6 +54,11 @@ MAX_SHARED_BLOBS = 64
 #: reactor up to this size, then by the threads of a L{BlobSink}: for a
 #: large upload those two were nearly all of the reactor's work.
 OFFLOAD_BYTES = 4 << 20
+
+#: A chunk at least this large, inside a part and with no delimiter in it,
+#: reaches the part's handler as a view of itself, not through the
+#: scanner's buffer (L{_Scanner._direct}): one copy fewer per byte.
+DIRECT_FEED_BYTES = 16 * 1024
 
 #: Largest header section of one part we buffer (the reference has no limit;
 #: legitimate headers are a few hundred bytes).
@@ -199,8 +205,41 @@ class _Scanner:
     def feed(self, data: bytes) -> None:
         if self._state == "done":
             return
+        if (
+            self._state == "part"
+            and self._cand is None
+            and len(data) >= DIRECT_FEED_BYTES
+            and type(data) is bytes
+            and self._direct(data)
+        ):
+            return
         self._buf += data
         self._run(final=False)
+
+    def _direct(self, data: bytes) -> bool:
+        """
+        The common case inside a large payload: no delimiter in C{data} nor
+        across its seam with the bytes kept from the last chunk.  The
+        payload goes to the handler as a view of C{data} itself (immutable,
+        so the handler may keep it) instead of through the buffer, and only
+        the last bytes, which could begin a delimiter, are kept; whether it
+        was that case.
+        """
+        marker = self._lf_marker
+        keep = len(marker)
+        tail = self._buf
+        if len(data) <= keep or len(tail) > keep:
+            return False
+        if tail and (bytes(tail) + data[: keep - 1]).find(marker) >= 0:
+            return False
+        if data.find(marker) >= 0:
+            return False
+        if tail:
+            self._handler.part_data(bytes(tail))
+        self._handler.part_data(memoryview(data)[: len(data) - keep])
+        self._buf = bytearray(data[len(data) - keep :])
+        self._pos = 0
+        return True
 
     def finish(self) -> None:
         """Signal the end of the body; raise if it had no closing delimiter."""
@@ -398,9 +437,11 @@ class _BlobWriter:
     def write(self, data: bytes | memoryview) -> None:
         self.size += len(data)
         if self._offload is not None:
-            # A copy the threads may read later (data is a view of the
-            # scanner's buffer, reused once this returns).
-            self._offload.put(bytes(data))
+            # The threads read it later: a view of a received chunk as it
+            # is (immutable), else a copy (a view of the scanner's buffer,
+            # reused once this returns).
+            kept = data if isinstance(data, memoryview) and type(data.obj) is bytes else None
+            self._offload.put(bytes(data) if kept is None else kept)
             return
         self._hash.update(data)
         if self._memory is not None:
@@ -522,6 +563,10 @@ class RequestBodyParser:
         self.received = 0
         self._failed: BaseException | None = None
         self._deferred: ValidationError | None = None
+        self._deferred_part = 0
+        #: Blobs whose threads were still writing and hashing when their
+        #: part ended: (part, declared name, writer), collected by close().
+        self._pending: list[tuple[int, str, _BlobWriter]] = []
         self._program: bytes | None = None
         self._blobs: dict[str, Blob] = {}
         # Per-part state.
@@ -560,6 +605,10 @@ class RequestBodyParser:
             raise self._failed
         try:
             self._scanner.finish()
+            while self._pending:
+                part, name, writer = self._pending[0]
+                del self._pending[0]
+                self._collect(part, name, writer)
             if self._deferred is not None:
                 raise self._deferred
             if self._program is None:
@@ -574,6 +623,11 @@ class RequestBodyParser:
         """Give up (for example on disconnect) and delete spool files."""
         if self._failed is None:
             self._fail(ValidationError("parser aborted"))
+
+    @property
+    def settling(self) -> bool:
+        """Whether a blob's threads may still be busy: L{close} waits for them."""
+        return bool(self._pending)
 
     def backlog(self) -> int:
         """Bytes fed that the part being received has not yet written and hashed."""
@@ -598,6 +652,9 @@ class RequestBodyParser:
         if isinstance(self._sink, _BlobWriter):
             self._sink.discard()
         self._sink = None
+        pending, self._pending = self._pending, []
+        for _part, _name, writer in pending:
+            writer.discard()
         for blob in self._blobs.values():
             blob.close()
         self._blobs.clear()
@@ -632,14 +689,34 @@ class RequestBodyParser:
         if isinstance(sink, bytearray):
             self._program = bytes(sink)
         elif isinstance(sink, _BlobWriter):
-            blob = sink.finish()
-            if blob.digest != self._blob_name:
-                blob.close()
-                self._deferred = ValidationError(
-                    f"blob hash mismatch: declared {self._blob_name}, computed {blob.digest}"
-                )
+            part = self._scanner.parts
+            if sink.sink is None:
+                self._collect(part, self._blob_name, sink)
             else:
-                self._blobs[blob.digest] = blob
+                # Its threads finish the last bytes while the rest of the
+                # body arrives; close() collects it.
+                sink.sink.close()
+                self._pending.append((part, self._blob_name, sink))
+
+    def _collect(self, part: int, name: str, writer: _BlobWriter) -> None:
+        """Seal blob C{part}'s buffer and check its digest against its C{name}."""
+        try:
+            blob = writer.finish()
+        except BaseException:
+            writer.discard()
+            raise
+        if blob.digest != name:
+            blob.close()
+            self._defer(
+                part, ValidationError(f"blob hash mismatch: declared {name}, computed {blob.digest}")
+            )
+        else:
+            self._blobs[blob.digest] = blob
+
+    def _defer(self, part: int, error: ValidationError) -> None:
+        """Keep the error of the earliest part: the one the reference reports."""
+        if self._deferred is None or part < self._deferred_part:
+            self._deferred, self._deferred_part = error, part
 
     def _write(self, data: bytes | memoryview) -> None:
         if self._sink is not None:
@@ -659,7 +736,7 @@ class RequestBodyParser:
         try:
             self._sink = self._check_part(name, content_type)
         except ValidationError as e:
-            self._deferred = e
+            self._defer(self._scanner.parts, e)
 
     def _check_part(self, name: str, content_type: str) -> _BlobWriter | bytearray:
         if name == "program":
@@ -674,7 +751,7 @@ class RequestBodyParser:
         digest = name[5:]
         if not is_digest(digest):
             raise ValidationError(f"malformed blob part name: {name!r}")
-        if digest in self._blobs:
+        if digest in self._blobs or any(digest == name for _, name, _ in self._pending):
             raise ValidationError(f"duplicate blob part: {digest}")
         if content_type != "application/octet-stream":
             raise ValidationError(f"blob part {digest} must use application/octet-stream")
@@ -682,7 +759,7 @@ class RequestBodyParser:
         # A body of many blobs gets memfds for its first few only (each is
         # a descriptor of the server's); the rest stay in memory, bounded
         # like every body by the bytes in flight.
-        shared = self._shared and len(self._blobs) < MAX_SHARED_BLOBS
+        shared = self._shared and len(self._blobs) + len(self._pending) < MAX_SHARED_BLOBS
         return _BlobWriter(self._threshold, self._spool_dir, shared)
 
 
@@ -699,6 +776,11 @@ class StreamedBody:
         self.received = 0
         self._error: BaseException | None = None
         self._parser: RequestBodyParser | None = None
+        # result() may run on a pool thread (L{settling}) while the reactor
+        # aborts the body (its client left): whichever comes second sees
+        # what the first did.
+        self._closing = threading.Lock()
+        self._aborted = False
         try:
             boundary = boundary_from_content_type(content_type)
         except ValidationError as e:
@@ -731,27 +813,48 @@ class StreamedBody:
             self._error = e
             self._parser.abort()
 
+    @property
+    def settling(self) -> bool:
+        """
+        Whether L{result} may wait for a large blob's threads to finish its
+        last bytes: then it belongs on a pool thread, not the reactor.
+        """
+        return self._error is None and self._parser is not None and self._parser.settling
+
     def result(self) -> ParsedRequest:
         """
-        The parsed body, once all of it arrived.
+        The parsed body, once all of it arrived (any thread).
 
         @raise ValidationError: the body broke a rule of protocol §3.
         @raise RequestTooLarge: it was over the size limit.
         @raise OSError: the server could not hold it (no memfd could be made).
         """
-        if self._error is not None:
-            raise self._error
-        assert self._parser is not None
-        try:
-            return self._parser.close()
-        except (ValidationError, RequestTooLarge) as e:
-            self._error = e
-            raise
+        with self._closing:
+            if self._error is not None:
+                raise self._error
+            assert self._parser is not None
+            try:
+                parsed = self._parser.close()
+            except (ValidationError, RequestTooLarge) as e:
+                self._error = e
+                raise
+            if self._aborted:
+                parsed.close()
+                self._error = ValidationError("parser aborted")
+                raise self._error
+            return parsed
 
     def abort(self) -> None:
-        """Drop whatever was parsed (the request ended without it)."""
-        if self._parser is not None:
-            self._parser.abort()
+        """
+        Drop whatever was parsed (the request ended without it).  Never
+        waits: while L{result} runs on another thread, it drops its result.
+        """
+        self._aborted = True
+        if self._parser is not None and self._closing.acquire(blocking=False):
+            try:
+                self._parser.abort()
+            finally:
+                self._closing.release()
 
     def backlog(self) -> int:
         """

@@ -6,6 +6,7 @@ programs, the console mirror, /metrics and /status (server spec §8).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -168,6 +169,27 @@ def test_request_events_in_order(tmp_path: Path, log_dir: Path) -> None:
     assert accepted["instructions"] == 4
     saved = run_dir(log_dir) / "programs" / accepted["program"]
     assert json.loads(saved.read_bytes()) == program(ECHO, [2])
+
+
+def test_upload_timings(server: ServerProcess, log_dir: Path) -> None:
+    """
+    A 12 MiB blob (written and hashed by threads past 4 MiB): the body's
+    arrival (request_received.body_ms) and the moment its blob was hashed
+    and sealed (request_accepted.body_ready_ms), in that order.
+    """
+    blob = os.urandom(12 << 20)
+    digest = hashlib.sha256(blob).hexdigest()
+    upload = {"op": "upload", "kind": "bytes", "id": "b", "blob": digest}
+    response = server.execute({"instructions": [upload]}, [blob])
+    assert response.json()["status"] == "COMPLETED"
+    rid = response.headers["x-request-id"]
+    found = wait_for_events(
+        log_dir, lambda f: any(e["event"] == "request_finished" for e in of_request(f, rid))
+    )
+    events = {e["event"]: e for e in of_request(found, rid)}
+    received, accepted = events["request_received"], events["request_accepted"]
+    assert accepted["blob_bytes"] == len(blob)
+    assert 0 <= received["body_ms"] <= accepted["body_ready_ms"]
 
 
 def test_no_log_programs(tmp_path: Path, log_dir: Path) -> None:

@@ -225,3 +225,148 @@ def test_aborted_body_stops_the_threads() -> None:
 
 def test_hand_over_size() -> None:
     assert multipart.OFFLOAD_BYTES == 4 << 20
+
+
+def test_received_chunks_are_queued_without_a_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """
+    Inside a large blob, a chunk with no delimiter in it reaches the sink
+    as a view of the received bytes object itself (the scanner's direct
+    path); the digest and the buffer are still right.
+    """
+    queued: list[bytes | memoryview] = []
+    put = BlobSink.put
+
+    def spy(sink: BlobSink, chunk: bytes | memoryview) -> None:
+        queued.append(chunk)
+        put(sink, chunk)
+
+    monkeypatch.setattr(BlobSink, "put", spy)
+    data = _payload(10 << 20)
+    content_type, body = multipart_body({"instructions": []}, [data])
+    streamed = StreamedBody.for_content_type(content_type, max_bytes=1 << 30)
+    assert streamed is not None
+    received = [body[i : i + (256 << 10)] for i in range(0, len(body), 256 << 10)]
+    for chunk in received:
+        streamed.feed(chunk)
+    parsed = streamed.result()
+    (blob,) = parsed.blobs.values()
+    assert blob.digest == hashlib.sha256(data).hexdigest()
+    assert blob.read() == data
+    parsed.close()
+    views = [c for c in queued if isinstance(c, memoryview)]
+    copied = [c for c in queued if not isinstance(c, memoryview)]
+    # Copied: the few bytes kept from one chunk to the next (they could
+    # have begun a delimiter), and the blob's last piece.
+    assert sum(map(len, copied)) < 256 << 10
+    assert sum(map(len, views)) > len(data) - multipart.OFFLOAD_BYTES - (1 << 20)
+    ids = {id(chunk) for chunk in received}
+    assert all(id(view.obj) in ids for view in views)
+
+
+def _gated_hash(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Hold every sink's hash thread until the returned event is set."""
+    gate = threading.Event()
+    consume = BlobSink._consume
+
+    def gated(sink: BlobSink, stage: int, chunk: bytes | memoryview) -> None:
+        if stage == 1:
+            assert gate.wait(10)
+        consume(sink, stage, chunk)
+
+    monkeypatch.setattr(BlobSink, "_consume", gated)
+    return gate
+
+
+def _multipart(parts: list[tuple[str, bytes]]) -> tuple[str, bytes]:
+    boundary = "b0undary0123456789"
+    out = []
+    for name, content in parts:
+        kind = "application/json" if name == "program" else "application/octet-stream"
+        out.append(
+            f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"\r\n'
+            f"Content-Type: {kind}\r\n\r\n".encode()
+            + content
+            + b"\r\n"
+        )
+    out.append(f"--{boundary}--\r\n".encode())
+    return f"multipart/form-data; boundary={boundary}", b"".join(out)
+
+
+def test_a_large_blob_settles_after_its_part(monkeypatch: pytest.MonkeyPatch) -> None:
+    """
+    The part's end does not wait for the threads: the rest of the body is
+    read meanwhile, and result() (on a pool thread in the server) collects
+    the blob once they are done.
+    """
+    gate = _gated_hash(monkeypatch)
+    large, small = _payload(6 << 20), b"tail"
+    content_type, body = multipart_body({"instructions": []}, [large, small])
+    streamed = _stream(body, content_type, 11)
+    assert streamed.settling
+    gate.set()
+    parsed = streamed.result()
+    assert not streamed.settling
+    assert {d: b.read() for d, b in parsed.blobs.items()} == {
+        hashlib.sha256(large).hexdigest(): large,
+        hashlib.sha256(small).hexdigest(): small,
+    }
+    parsed.close()
+
+
+def test_errors_keep_part_order_with_a_settling_blob() -> None:
+    """
+    A large blob's digest is checked only after the parts behind it were
+    read; its mismatch is still the error reported when it came first, as
+    the reference reports the earliest part's error.
+    """
+    large = _payload(5 << 20)
+    program = (b'{"instructions":[]}',)
+    wrong = "0" * 64
+    content_type, body = _multipart(
+        [("program", *program), (f"blob:{wrong}", large), ("unknown", b"x")]
+    )
+    with pytest.raises(ValidationError, match="blob hash mismatch"):
+        _stream(body, content_type, 1).result()
+    content_type, body = _multipart(
+        [("program", *program), ("unknown", b"x"), (f"blob:{wrong}", large)]
+    )
+    with pytest.raises(ValidationError, match="unsupported multipart part"):
+        _stream(body, content_type, 2).result()
+    right = hashlib.sha256(large).hexdigest()
+    content_type, body = _multipart(
+        [("program", *program), (f"blob:{right}", large), (f"blob:{right}", large)]
+    )
+    with pytest.raises(ValidationError, match="duplicate blob part"):
+        _stream(body, content_type, 3).result()
+
+
+def test_abort_while_the_result_settles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """
+    The client leaves while a pool thread waits for the blob threads: the
+    abort does not wait, and the thread drops what it collected.
+    """
+    gate = _gated_hash(monkeypatch)
+    content_type, body = multipart_body({"instructions": []}, [_payload(6 << 20)])
+    before = set(os.listdir("/proc/self/fd"))
+    streamed = _stream(body, content_type, 5)
+    assert set(os.listdir("/proc/self/fd")) > before
+    outcome: list[BaseException | object] = []
+
+    def settle() -> None:
+        try:
+            outcome.append(streamed.result())
+        except BaseException as e:
+            outcome.append(e)
+
+    pool_thread = threading.Thread(target=settle)
+    pool_thread.start()
+    while not streamed._closing.locked():
+        pass
+    streamed.abort()  # returns at once although result() holds the lock
+    gate.set()
+    pool_thread.join(10)
+    (error,) = outcome
+    assert isinstance(error, ValidationError) and "aborted" in str(error)
+    for thread in _sink_threads():
+        thread.join(5)
+    assert set(os.listdir("/proc/self/fd")) <= before

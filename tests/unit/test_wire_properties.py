@@ -14,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kcoral.wire import multipart
 from kcoral.wire.multipart import (
     RequestBodyParser,
     RequestTooLarge,
@@ -277,3 +278,46 @@ def test_streaming_memory(tmp_path: Any) -> None:
     assert blob.size == blob_size and blob.path is not None
     parsed.close()
     assert peak - baseline < 32 * 1024 * 1024
+
+
+def _outcome(body: bytes, chunks: list[int]) -> Any:
+    """What parsing C{body} fed in pieces of the given sizes gives: parts or the error."""
+    parser = RequestBodyParser(B, max_bytes=1 << 20, spool_threshold=16)
+    position, sizes = 0, iter(chunks)
+    try:
+        while position < len(body):
+            step = next(sizes, len(body))
+            parser.feed(body[position : position + step])
+            position += step
+        parsed = parser.close()
+    except (ValidationError, RequestTooLarge) as e:
+        return type(e).__name__, str(e)
+    try:
+        return parsed.program, {d: b.read() for d, b in parsed.blobs.items()}
+    finally:
+        parsed.close()
+
+
+@SETTINGS
+@given(
+    st.lists(st.binary(max_size=60), max_size=3),
+    st.lists(st.tuples(st.integers(0, 10_000), st.sampled_from(TOKENS)), max_size=3),
+    st.lists(st.integers(1, 80), min_size=1, max_size=40),
+)
+def test_direct_feed_matches_the_buffered_scan(
+    blobs: list[bytes], edits: list[tuple[int, bytes]], chunks: list[int]
+) -> None:
+    """
+    Chunks handed over as views of themselves (the scanner's direct path,
+    here taken for every chunk it applies to) give the same parts, or the
+    same error, as the whole body fed at once through the buffer.
+    """
+    body = bytearray(_body(b'{"instructions":[]}', blobs))
+    for position, token in edits:
+        at = position % (len(body) + 1)
+        body[at:at] = token
+    whole = _outcome(bytes(body), [len(body)])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(multipart, "DIRECT_FEED_BYTES", 1)
+        direct = _outcome(bytes(body), chunks)
+    assert direct == whole

@@ -71,7 +71,9 @@ class BlobSink:
         #: Bytes L{put} so far.
         self.queued = 0
         self._done = [0, 0]  # bytes written, bytes hashed
-        self._queues: tuple[SimpleQueue[bytes | memoryview | None], SimpleQueue[bytes | memoryview | None]] = (
+        self._queues: tuple[
+            SimpleQueue[bytes | memoryview | None], SimpleQueue[bytes | memoryview | None]
+        ] = (
             SimpleQueue(),
             SimpleQueue(),
         )

@@ -708,7 +708,8 @@ class RequestBodyParser:
         if blob.digest != name:
             blob.close()
             self._defer(
-                part, ValidationError(f"blob hash mismatch: declared {name}, computed {blob.digest}")
+                part,
+                ValidationError(f"blob hash mismatch: declared {name}, computed {blob.digest}"),
             )
         else:
             self._blobs[blob.digest] = blob

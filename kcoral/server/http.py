@@ -52,12 +52,14 @@ DEFAULT_BODY_TIMEOUT = 300.0
 TRANSPORT_READ_BYTES = 256 * 1024
 TRANSPORT_SEND_BYTES = 1 << 20
 
-#: Bytes of a streamed body that may wait for their blob's threads (its
-#: memfd write and its hash, L{kcoral.wire.blobsink}) before the connection
-#: stops reading; it reads again once they are down to the second figure.
-#: The threads stay busy, and a body never holds much more than itself.
-BACKLOG_PAUSE_BYTES = 16 << 20
-BACKLOG_RESUME_BYTES = 4 << 20
+#: Bytes of a streamed body that may wait for their blob's hash (on a
+#: thread, L{kcoral.wire.blobsink}) before the connection stops reading; it
+#: reads again once they are down to the second figure, several of the hash
+#: thread's pieces, so the hash never waits for the socket.  Most of them
+#: are already in the blob's memfd (its own memory); the chunks not yet
+#: written are a few.
+BACKLOG_PAUSE_BYTES = 32 << 20
+BACKLOG_RESUME_BYTES = 16 << 20
 
 #: Open connections served at once; more are answered 503 and closed.
 DEFAULT_MAX_CONNECTIONS = 4096

@@ -53,7 +53,7 @@ MAX_SHARED_BLOBS = 64
 #: A blob streaming into shared memory is written and hashed on the
 #: reactor up to this size, then by the threads of a L{BlobSink}: for a
 #: large upload those two were nearly all of the reactor's work.
-OFFLOAD_BYTES = 4 << 20
+OFFLOAD_BYTES = 1 << 20
 
 #: A chunk at least this large, inside a part and with no delimiter in it,
 #: reaches the part's handler as a view of itself, not through the

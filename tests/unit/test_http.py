@@ -495,14 +495,13 @@ class StreamedBodyTests(SynchronousTestCase):
         L{BACKLOG_RESUME_BYTES} a call from their thread resumes it.
         """
         gate = threading.Event()
-        consume = BlobSink._consume
+        hash_range = BlobSink._hash_range
 
-        def slow_hash(sink: BlobSink, stage: int, chunk: bytes) -> None:
-            if stage == 1:
-                assert gate.wait(10)
-            consume(sink, stage, chunk)
+        def slow_hash(sink: BlobSink, start: int, end: int) -> None:
+            assert gate.wait(10)
+            hash_range(sink, start, end)
 
-        self.patch(BlobSink, "_consume", slow_hash)
+        self.patch(BlobSink, "_hash_range", slow_hash)
         large = os.urandom(BACKLOG_PAUSE_BYTES + (8 << 20))
         content_type, body = multipart_body({"instructions": []}, [large])
         reactor = _ThreadsClock()

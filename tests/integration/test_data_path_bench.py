@@ -111,3 +111,22 @@ def test_response_path(tmp_path: Path) -> None:
     assert result["size_bytes"] == 8 << 20
     assert result["pread"]["direct_share"] == 0
     assert 0 < result["sendfile"]["direct_share"] <= 1
+
+
+def test_transfer_profile(tmp_path: Path) -> None:
+    """
+    Blobs past the threads' hand-over, each uploaded and returned whole
+    (the script checks the bytes), with the server's own up and down figures.
+    """
+    output = tmp_path / "transfer_profile.json"
+    run_bench(
+        "transfer_profile.py",
+        *("--size-mib", "8", "--uploads", "2", "--download", "--output", str(output)),
+    )
+    result = json.loads(output.read_text())
+    assert len(result["body_ready_ms"]) == len(result["down_ms"]) == 2
+    assert all(
+        ready >= arrived
+        for arrived, ready in zip(result["body_ms"], result["body_ready_ms"], strict=True)
+    )
+    assert all(0 < sent <= 8 << 20 for sent in result["sent_directly"])

@@ -50,6 +50,10 @@ from kcoral.wire.multipart import decode_response  # noqa: E402
 DEFAULT_FLAGS = "--device cpu --num-workers 2 --sandbox none --max-requests-per-worker 0"
 
 
+#: The buffer answers are read into.
+_ANSWER = bytearray()
+
+
 def raw_post(port: int, content_type: str, body: bytes) -> tuple[dict[str, Any], list[bytes]]:
     """
     POST /execute over a plain socket: the answer's JSON and its binary
@@ -78,8 +82,13 @@ def raw_post(port: int, content_type: str, body: bytes) -> tuple[dict[str, Any],
             while chunk := sock.recv(1 << 16):
                 rest += chunk
             return json.loads(_unchunk(bytes(rest))), []
-        answer = bytearray(int(headers["content-length"]))
-        view = memoryview(answer)
+        length = int(headers["content-length"])
+        if len(_ANSWER) < length:
+            # Grown once and reused, its pages touched before any timing:
+            # reading must not fault in fresh memory while the server sends.
+            _ANSWER.extend(bytes(length - len(_ANSWER)))
+        view = memoryview(_ANSWER)[:length]
+        answer = view
         view[: len(start)] = start
         filled = len(start)
         while filled < len(answer):
@@ -88,6 +97,7 @@ def raw_post(port: int, content_type: str, body: bytes) -> tuple[dict[str, Any],
                 raise RuntimeError("the server closed before the end of its answer")
             filled += got
     document, parts = decode_response(headers["content-type"], bytes(answer))
+    view.release()
     return document, parts
 
 

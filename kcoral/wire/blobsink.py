@@ -212,10 +212,8 @@ class BlobSink:
     def _append(self, batch: list[bytes | memoryview]) -> None:
         views = [memoryview(chunk) for chunk in batch]
         total = sum(len(view) for view in views)
-        left = total
         while views:
             sent = os.writev(self._fd, views)
-            left -= sent
             while views and sent >= len(views[0]):
                 sent -= len(views.pop(0))
             if sent:

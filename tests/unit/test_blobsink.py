@@ -70,6 +70,21 @@ def test_writes_and_hashes_in_order() -> None:
     buffer.close()
 
 
+def test_many_small_chunks() -> None:
+    """More chunks than one writev takes, in pieces the hash waits to gather."""
+    data = _payload(3 << 20)
+    writer = shared.SharedWriter("test")
+    sink = BlobSink(hashlib.sha256(), writer.fileno())
+    step = 5000
+    for offset in range(0, len(data), step):
+        sink.put(memoryview(data)[offset : offset + step])
+    assert sink.queued == len(data)
+    assert sink.finish() == hashlib.sha256(data).hexdigest()
+    buffer = writer.seal()
+    assert buffer.tobytes() == data
+    buffer.close()
+
+
 def test_the_owner_may_close_its_descriptor_first() -> None:
     """The write thread has a descriptor of its own."""
     data = _payload(3 << 20)

@@ -1,0 +1,474 @@
+# -*- test-case-name: tests.unit.test_leasebroker -*-
+"""
+One GPU lease for several front-end processes: a broker that owns the
+L{LeaseArbiter}, and a L{RemoteArbiter} that gives a front end the
+arbiter's interface over a connection to it.
+
+This is the first part of the next step past one reactor process
+(docs/architecture.md, "Next step: several front-end processes, one
+lease"): each front end runs its own reactor and its own workers, and
+every GPU's holds, waits, FIFO order, maintenance batches and history stay
+in one place.  Front ends speak AMP to the broker (a Unix socket):
+
+ - C{Acquire} answers when the lease is granted (or refused); C{Withdraw}
+   cancels a waiting one; C{Release} and C{Abandon} give holds back.
+ - The broker pushes C{LeaseState} to every front end after each change:
+   per GPU its depth, its exclusive holder and label, its maintainers, and
+   the holds closed since the last push, so a front end answers
+   C{holder_of}, C{depth}, C{labels_during} and C{least_busy} (its
+   /health, its interference reports, its multi-GPU placement) locally.
+ - A front end whose connection closes has all its holds and waits dropped
+   (its workers die with it), as a dead worker's are in one process.
+
+The broker logs the lease events, so one file holds the order of every
+GPU's grants and releases.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections import deque
+from collections.abc import Hashable
+from typing import Any
+
+import attrs
+from twisted.internet.defer import CancelledError, Deferred, succeed
+from twisted.internet.interfaces import IReactorTime
+from twisted.internet.protocol import Factory, connectionDone
+from twisted.logger import Logger
+from twisted.protocols import amp
+from twisted.python.failure import Failure
+
+from kcoral.server.lease import (
+    EXCLUSIVE,
+    MODES,
+    Grant,
+    HoldInterval,
+    LeaseArbiter,
+    LeaseUnavailable,
+)
+
+__all__ = ["LeaseBroker", "RemoteArbiter", "RemoteHolder", "broker_factory"]
+
+
+class _Json(amp.Argument):
+    """A JSON value as an AMP argument (the state pushes)."""
+
+    def toString(self, inObject: Any) -> bytes:  # noqa: N802 (AMP's name)
+        return json.dumps(inObject, separators=(",", ":")).encode()
+
+    def fromString(self, inString: bytes) -> Any:  # noqa: N802
+        return json.loads(inString)
+
+
+class Acquire(amp.Command):
+    """Wait for a lease; the answer is the grant."""
+
+    arguments = [
+        (b"token", amp.Integer()),
+        (b"seat", amp.Unicode(optional=True)),
+        (b"pid", amp.Integer(optional=True)),
+        (b"gpus", amp.ListOf(amp.Integer())),
+        (b"label", amp.Unicode(optional=True)),
+        (b"mode", amp.Unicode()),
+    ]
+    response = [(b"requested_at", amp.Float()), (b"granted_at", amp.Float())]
+    errors = {LeaseUnavailable: b"UNAVAILABLE", CancelledError: b"CANCELLED"}
+
+
+class Withdraw(amp.Command):
+    """Cancel a waiting C{Acquire} (its answer is then C{CANCELLED})."""
+
+    arguments = [(b"token", amp.Integer())]
+    response = []
+    requiresAnswer = False
+
+
+class Release(amp.Command):
+    """Give back what a holder holds."""
+
+    arguments = [(b"token", amp.Integer())]
+    response = []
+    requiresAnswer = False
+
+
+class Abandon(amp.Command):
+    """Withdraw a holder's waits and give back its holds (its process died)."""
+
+    arguments = [(b"token", amp.Integer())]
+    response = []
+    requiresAnswer = False
+
+
+class LeaseState(amp.Command):
+    """The broker's view of every GPU, pushed after each change."""
+
+    arguments = [(b"state", _Json())]
+    response = []
+    requiresAnswer = False
+
+
+@attrs.frozen
+class RemoteHolder:
+    """A holder in another process: its connection's number and its token there."""
+
+    front_end: int
+    token: int
+    seat: str | None = attrs.field(default=None, eq=False)
+    pid: int | None = attrs.field(default=None, eq=False)
+
+
+@attrs.define(eq=False)
+class LeaseBroker:
+    """
+    The arbiter of every front end's workers, and the state it pushes.
+    """
+
+    arbiter: LeaseArbiter
+    _connections: dict[int, _BrokerProtocol] = attrs.field(factory=dict)
+    _numbers: itertools.count[int] = attrs.field(factory=lambda: itertools.count(1))
+    _sent: dict[int, HoldInterval | None] = attrs.field(factory=dict)
+
+    log = Logger()
+
+    def attach(self, protocol: _BrokerProtocol) -> int:
+        number = next(self._numbers)
+        self._connections[number] = protocol
+        protocol.callRemote(LeaseState, state=self.state(full=True))
+        return number
+
+    def detach(self, number: int, holders: list[RemoteHolder]) -> None:
+        """A front end went away: everything it held or waited for is dropped."""
+        self._connections.pop(number, None)
+        for holder in holders:
+            self.arbiter.abandon(holder)
+        self.changed()
+
+    def changed(self) -> None:
+        """Push the new state to every front end (after any change)."""
+        state = self.state(full=False)
+        for protocol in list(self._connections.values()):
+            protocol.callRemote(LeaseState, state=state)
+
+    def state(self, full: bool) -> dict[str, Any]:
+        """Per GPU: depth, exclusive holder, maintainers, and the holds closed since the last push."""
+        arbiter = self.arbiter
+        gpus: dict[str, Any] = {}
+        for gpu in arbiter.gpus:
+            holder = arbiter.holder_of(gpu)
+            grant = None if holder is None else arbiter.grant_of(holder)
+            history = list(arbiter.history.get(gpu, ()))
+            last = None if full else self._sent.get(gpu)
+            if last is not None and last in history:
+                history = history[history.index(last) + 1 :]
+            if history:
+                self._sent[gpu] = history[-1]
+            gpus[str(gpu)] = {
+                "depth": arbiter.depth(gpu),
+                "holder": _name(holder),
+                "label": None if holder is None else arbiter.label_of(holder),
+                "since": None if grant is None else grant.granted_at,
+                "maintainers": sorted(_name(m) or "" for m in arbiter.maintainers_of(gpu)),
+                "closed": [[i.label, i.start, i.end, i.mode] for i in history],
+            }
+        return {"gpus": gpus, "closed": arbiter.closed, "full": full}
+
+
+def _name(holder: Hashable | None) -> str | None:
+    if holder is None:
+        return None
+    return getattr(holder, "seat", None) or str(holder)
+
+
+class _BrokerProtocol(amp.AMP):
+    """One front end's connection to the broker."""
+
+    def __init__(self, broker: LeaseBroker) -> None:
+        super().__init__()
+        self._broker = broker
+        self._number = 0
+        self._holders: dict[int, RemoteHolder] = {}
+        self._waits: dict[int, Deferred[Grant]] = {}
+
+    def connectionMade(self) -> None:
+        super().connectionMade()
+        self._number = self._broker.attach(self)
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        super().connectionLost(reason)
+        holders = list(self._holders.values())
+        self._holders.clear()
+        self._broker.detach(self._number, holders)
+
+    @Acquire.responder
+    def acquire(
+        self,
+        token: int,
+        gpus: list[int],
+        mode: str,
+        seat: str | None = None,
+        pid: int | None = None,
+        label: str | None = None,
+    ) -> Deferred[dict[str, float]]:
+        if mode not in MODES:
+            raise ValueError(f"unknown lease mode {mode!r}")
+        holder = self._holders.setdefault(
+            token, RemoteHolder(self._number, token, seat=seat, pid=pid)
+        )
+        d = self._broker.arbiter.acquire(holder, tuple(gpus), label=label, mode=mode)
+        self._waits[token] = d
+
+        def granted(grant: Grant) -> dict[str, float]:
+            return {"requested_at": grant.requested_at, "granted_at": grant.granted_at}
+
+        def done(result: object) -> object:
+            self._waits.pop(token, None)
+            if isinstance(result, Failure) and not self._broker.arbiter.holds(holder):
+                self._holders.pop(token, None)
+            self._broker.changed()
+            return result
+
+        d.addBoth(done)
+        self._broker.changed()
+        return d.addCallback(granted)
+
+    @Withdraw.responder
+    def withdraw(self, token: int) -> dict[str, Any]:
+        wait = self._waits.pop(token, None)
+        if wait is not None:
+            wait.cancel()
+        return {}
+
+    @Release.responder
+    def release(self, token: int) -> dict[str, Any]:
+        holder = self._holders.pop(token, None)
+        if holder is not None:
+            self._broker.arbiter.release(holder)
+            self._broker.changed()
+        return {}
+
+    @Abandon.responder
+    def abandon(self, token: int) -> dict[str, Any]:
+        holder = self._holders.pop(token, None)
+        if holder is not None:
+            self._broker.arbiter.abandon(holder)
+            self._broker.changed()
+        return {}
+
+
+def broker_factory(broker: LeaseBroker) -> Factory:
+    """What the broker listens with (a Unix socket only front ends can reach)."""
+    return Factory.forProtocol(lambda: _BrokerProtocol(broker))
+
+
+class _FrontEndProtocol(amp.AMP):
+    """A front end's connection to the broker: it takes in the pushed state."""
+
+    def __init__(self, arbiter: RemoteArbiter) -> None:
+        super().__init__()
+        self._arbiter = arbiter
+
+    def connectionMade(self) -> None:
+        super().connectionMade()
+        self._arbiter._connected(self)
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        super().connectionLost(reason)
+        self._arbiter._disconnected()
+
+    @LeaseState.responder
+    def lease_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        self._arbiter._update(state)
+        return {}
+
+
+@attrs.define(eq=False)
+class RemoteArbiter:
+    """
+    L{LeaseArbiter}'s interface in a front end, for its own workers, with
+    the broker deciding.  Holds and waits are this front end's; the state
+    of every GPU is the broker's last push.
+    """
+
+    gpus: tuple[int, ...]
+    _clock: IReactorTime
+    history_size: int = 256
+    closed: bool = False
+    _protocol: _FrontEndProtocol | None = None
+    _counter: itertools.count[int] = attrs.field(factory=lambda: itertools.count(1))
+    _tokens: dict[Hashable, int] = attrs.field(factory=dict)
+    _labels: dict[Hashable, str | None] = attrs.field(factory=dict)
+    _grants: dict[Hashable, Grant] = attrs.field(factory=dict)
+    _waits: dict[Hashable, Deferred[Grant]] = attrs.field(factory=dict)
+    _gpu_state: dict[int, dict[str, Any]] = attrs.field(factory=dict)
+    history: dict[int, deque[HoldInterval]] = attrs.field(factory=dict)
+
+    def protocol(self) -> amp.AMP:
+        """A protocol that connects this arbiter to the broker."""
+        return _FrontEndProtocol(self)
+
+    def acquire(
+        self,
+        holder: Hashable,
+        gpus: tuple[int, ...],
+        label: str | None = None,
+        mode: str = EXCLUSIVE,
+    ) -> Deferred[Grant]:
+        """As L{LeaseArbiter.acquire}, granted by the broker."""
+        if mode not in MODES:
+            raise ValueError(f"unknown lease mode {mode!r}")
+        gpus = tuple(sorted(set(gpus)))
+        unknown = set(gpus) - set(self.gpus)
+        if unknown:
+            raise ValueError(f"unknown GPU id(s): {sorted(unknown)}")
+        existing = self._grants.get(holder)
+        if (
+            existing is not None
+            and set(gpus) <= set(existing.gpus)
+            and (existing.mode == mode or existing.mode == EXCLUSIVE)
+        ):
+            return succeed(existing)
+        if existing is not None or holder in self._waits:
+            raise RuntimeError(f"{holder!r} already holds or waits for GPUs")
+        protocol = self._protocol
+        if self.closed or protocol is None:
+            d: Deferred[Grant] = Deferred()
+            d.errback(LeaseUnavailable("the lease broker is not reachable"))
+            return d
+        token = next(self._counter)
+        self._tokens[holder] = token
+        self._labels[holder] = label
+        pid = getattr(holder, "pid", None)
+
+        def withdraw(_: Deferred[Grant]) -> None:
+            self._waits.pop(holder, None)
+            protocol.callRemote(Withdraw, token=token)
+
+        waiting: Deferred[Grant] = Deferred(withdraw)
+        self._waits[holder] = waiting
+        remote = protocol.callRemote(
+            Acquire,
+            token=token,
+            seat=getattr(holder, "seat", None),
+            pid=pid,
+            gpus=list(gpus),
+            label=label,
+            mode=mode,
+        )
+
+        def granted(answer: dict[str, float]) -> None:
+            if waiting.called or self._tokens.get(holder) != token:
+                # Withdrawn or abandoned while the grant was on its way.
+                protocol.callRemote(Release, token=token)
+                return
+            self._waits.pop(holder, None)
+            grant = Grant(holder, gpus, answer["requested_at"], answer["granted_at"], mode, pid)
+            self._grants[holder] = grant
+            waiting.callback(grant)
+
+        def refused(failure: Failure) -> None:
+            if waiting.called:
+                return
+            self._waits.pop(holder, None)
+            if self._tokens.get(holder) == token:
+                del self._tokens[holder]
+                self._labels.pop(holder, None)
+            if not failure.check(LeaseUnavailable, CancelledError):
+                failure = Failure(LeaseUnavailable(f"the lease broker failed: {failure.value}"))
+            waiting.errback(failure)
+
+        remote.addCallbacks(granted, refused)
+        return waiting
+
+    def release(self, holder: Hashable) -> Grant | None:
+        """Give back what C{holder} holds (a wait stands, as with L{LeaseArbiter})."""
+        grant = self._grants.pop(holder, None)
+        if grant is None:
+            return None
+        token = self._tokens.pop(holder)
+        self._labels.pop(holder, None)
+        if self._protocol is not None:
+            self._protocol.callRemote(Release, token=token)
+        return grant
+
+    def abandon(self, holder: Hashable) -> Grant | None:
+        """Withdraw C{holder}'s wait and give back its hold."""
+        grant = self._grants.pop(holder, None)
+        token = self._tokens.pop(holder, None)
+        self._labels.pop(holder, None)
+        waiting = self._waits.pop(holder, None)
+        if token is not None and self._protocol is not None:
+            self._protocol.callRemote(Abandon, token=token)
+        if waiting is not None and not waiting.called:
+            waiting.errback(CancelledError(f"{holder!r} abandoned its lease"))
+        return grant
+
+    def close(self) -> None:
+        """Refuse new requests (shutdown)."""
+        self.closed = True
+
+    def holds(self, holder: Hashable) -> bool:
+        return holder in self._grants
+
+    def grant_of(self, holder: Hashable) -> Grant | None:
+        return self._grants.get(holder)
+
+    def label_of(self, holder: Hashable) -> str | None:
+        return self._labels.get(holder)
+
+    def holder_of(self, gpu: int) -> str | None:
+        """The seat (in whichever front end) that holds C{gpu} exclusively."""
+        holder: str | None = self._gpu_state.get(gpu, {}).get("holder")
+        return holder
+
+    def maintainers_of(self, gpu: int) -> frozenset[str]:
+        return frozenset(self._gpu_state.get(gpu, {}).get("maintainers", ()))
+
+    def depth(self, gpu: int) -> int:
+        depth: int = self._gpu_state.get(gpu, {}).get("depth", 0)
+        return depth
+
+    def labels_during(self, gpu: int, start: float, end: float) -> set[str | None]:
+        """As L{LeaseArbiter.labels_during}, over every front end's holds."""
+        labels = {
+            interval.label
+            for interval in self.history.get(gpu, ())
+            if interval.start <= end and interval.end >= start
+        }
+        state = self._gpu_state.get(gpu, {})
+        since = state.get("since")
+        if state.get("holder") is not None and since is not None and since <= end:
+            labels.add(state.get("label"))
+        return labels
+
+    def least_busy(self, count: int) -> tuple[int, ...]:
+        """As L{LeaseArbiter.least_busy}, by the broker's depths."""
+        if count < 1:
+            raise ValueError(f"cannot lease {count} GPUs")
+        if self.closed or self._protocol is None or count > len(self.gpus):
+            raise LeaseUnavailable("worker cleanup failed; device unavailable")
+        chosen = sorted(self.gpus, key=lambda gpu: (self.depth(gpu), self.gpus.index(gpu)))
+        return tuple(sorted(chosen[:count]))
+
+    def _connected(self, protocol: _FrontEndProtocol) -> None:
+        self._protocol = protocol
+
+    def _disconnected(self) -> None:
+        """The broker is gone: nothing can be granted; waits fail, holds are void."""
+        self._protocol = None
+        self.closed = True
+        waits, self._waits = self._waits, {}
+        for waiting in waits.values():
+            if not waiting.called:
+                waiting.errback(LeaseUnavailable("the lease broker went away"))
+
+    def _update(self, state: dict[str, Any]) -> None:
+        for key, gpu_state in state["gpus"].items():
+            gpu = int(key)
+            intervals = self.history.setdefault(gpu, deque(maxlen=self.history_size))
+            if state.get("full"):
+                intervals.clear()
+            for label, start, end, mode in gpu_state["closed"]:
+                intervals.append(HoldInterval(gpu, None, label, start, end, mode))
+            self._gpu_state[gpu] = gpu_state

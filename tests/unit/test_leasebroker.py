@@ -1,0 +1,194 @@
+"""
+Tests for L{kcoral.server.leasebroker}: front ends in other processes share
+one arbiter through the broker, and every rule of the lease holds across
+them.  In memory: AMP over L{twisted.test.iosim} connections, a L{Clock}.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.task import Clock
+from twisted.logger import capturedLogs
+from twisted.test import iosim
+from twisted.trial.unittest import SynchronousTestCase
+
+from kcoral.server.lease import MAINTENANCE, Grant, LeaseArbiter, LeaseUnavailable
+from kcoral.server.leasebroker import LeaseBroker, RemoteArbiter, broker_factory
+
+
+@attrs.define(eq=False)
+class Worker:
+    seat: str
+    pid: int = 100
+
+
+class BrokerTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.clock.advance(1000)
+        self.arbiter = LeaseArbiter((0, 1), self.clock)
+        self.broker = LeaseBroker(self.arbiter)
+        self.pumps: list[iosim.IOPump] = []
+
+    def front_end(self) -> tuple[RemoteArbiter, iosim.IOPump]:
+        remote = RemoteArbiter((0, 1), self.clock)
+        factory = broker_factory(self.broker)
+        _client, _server, pump = iosim.connectedServerAndClient(
+            lambda: factory.buildProtocol(None), remote.protocol, greet=True
+        )
+        self.pumps.append(pump)
+        return remote, pump
+
+    def flush(self) -> None:
+        for _ in range(3):
+            for pump in self.pumps:
+                pump.flush()
+
+    def granted(self, d: Deferred[Grant]) -> Grant:
+        self.flush()
+        return self.successResultOf(d)
+
+    def test_exclusive_across_front_ends(self) -> None:
+        one, _ = self.front_end()
+        two, _ = self.front_end()
+        a, b = Worker("fe1/w0"), Worker("fe2/w0")
+        grant = self.granted(one.acquire(a, (0,), label="req-a"))
+        self.assertEqual((grant.holder, grant.gpus), (a, (0,)))
+        waiting = two.acquire(b, (0,), label="req-b")
+        self.flush()
+        self.assertNoResult(waiting)
+        # Both front ends see who holds the GPU, and the one waiting.
+        self.assertEqual(two.holder_of(0), "fe1/w0")
+        self.assertEqual((one.depth(0), two.depth(0)), (2, 2))
+        self.clock.advance(2)
+        self.assertIs(one.release(a), grant)
+        self.assertEqual(self.granted(waiting).holder, b)
+        self.assertEqual(one.holder_of(0), "fe2/w0")
+        self.assertTrue(two.holds(b))
+        self.assertFalse(one.holds(a))
+
+    def test_fifo_across_front_ends(self) -> None:
+        one, _ = self.front_end()
+        two, _ = self.front_end()
+        first = Worker("fe1/w0")
+        self.granted(one.acquire(first, (0,)))
+        order: list[str] = []
+        waiters = [(two, Worker("fe2/w0")), (one, Worker("fe1/w1")), (two, Worker("fe2/w1"))]
+        for remote, worker in waiters:
+            remote.acquire(worker, (0,)).addCallback(lambda g: order.append(g.holder.seat))
+            self.flush()
+        holders = [(one, first)] + waiters
+        for remote, worker in holders[:-1]:
+            remote.release(worker)
+            self.flush()
+        self.assertEqual(order, ["fe2/w0", "fe1/w1", "fe2/w1"])
+
+    def test_maintenance_shares_but_never_with_exclusive(self) -> None:
+        one, _ = self.front_end()
+        two, _ = self.front_end()
+        m1, m2, x = Worker("fe1/s0"), Worker("fe2/s0"), Worker("fe1/w0")
+        self.granted(one.acquire(m1, (0,), mode=MAINTENANCE))
+        self.granted(two.acquire(m2, (0,), mode=MAINTENANCE))
+        self.assertEqual(one.maintainers_of(0), {"fe1/s0", "fe2/s0"})
+        exclusive = one.acquire(x, (0,))
+        self.flush()
+        self.assertNoResult(exclusive)
+        one.release(m1)
+        self.flush()
+        self.assertNoResult(exclusive)
+        two.release(m2)
+        self.assertEqual(self.granted(exclusive).holder, x)
+
+    def test_cancelled_wait_leaves_the_line(self) -> None:
+        one, _ = self.front_end()
+        two, _ = self.front_end()
+        a, b, c = Worker("fe1/w0"), Worker("fe2/w0"), Worker("fe1/w1")
+        self.granted(one.acquire(a, (0,)))
+        waiting = two.acquire(b, (0,))
+        self.flush()
+        waiting.cancel()
+        self.failureResultOf(waiting, CancelledError)
+        self.flush()
+        self.assertEqual(one.depth(0), 1)
+        one.release(a)
+        self.assertEqual(self.granted(one.acquire(c, (0,))).holder, c)
+
+    def test_a_grant_that_crosses_a_withdraw_is_given_back(self) -> None:
+        one, _ = self.front_end()
+        a, b = Worker("fe1/w0"), Worker("fe1/w1")
+        waiting = one.acquire(a, (0,))
+        # Withdrawn before the answer (a grant: the GPU was free) arrives.
+        waiting.cancel()
+        self.failureResultOf(waiting, CancelledError)
+        self.flush()
+        self.assertIsNone(self.arbiter.holder_of(0))
+        self.assertEqual(self.granted(one.acquire(b, (0,))).holder, b)
+
+    def test_a_front_end_that_goes_away_gives_everything_back(self) -> None:
+        one, pump_one = self.front_end()
+        two, _ = self.front_end()
+        a, b, c = Worker("fe1/w0"), Worker("fe2/w0"), Worker("fe1/w1")
+        self.granted(one.acquire(a, (0,)))
+        theirs = two.acquire(b, (0,))
+        self.flush()
+        self.assertNoResult(theirs)
+        waiting = one.acquire(c, (0,))
+        self.flush()
+        pump_one.client.transport.loseConnection()
+        self.flush()
+        self.failureResultOf(waiting, LeaseUnavailable)
+        self.assertTrue(one.closed)
+        self.failureResultOf(one.acquire(Worker("fe1/w2"), (1,)), LeaseUnavailable)
+        self.assertEqual(self.successResultOf(theirs).holder, b)
+
+    def test_abandon_withdraws_and_releases(self) -> None:
+        one, _ = self.front_end()
+        two, _ = self.front_end()
+        a, b = Worker("fe1/w0"), Worker("fe2/w0")
+        self.granted(one.acquire(a, (0,)))
+        waiting = two.acquire(b, (0,))
+        self.flush()
+        two.abandon(b)
+        self.failureResultOf(waiting, CancelledError)
+        one.abandon(a)
+        self.flush()
+        self.assertEqual((one.depth(0), self.arbiter.depth(0)), (0, 0))
+
+    def test_interference_reports_see_other_front_ends(self) -> None:
+        """labels_during, least_busy and depth answer from the broker's pushes."""
+        one, _ = self.front_end()
+        two, _ = self.front_end()
+        a = Worker("fe1/w0")
+        self.granted(one.acquire(a, (0,), label="req-a"))
+        start = self.clock.seconds()
+        self.assertEqual(two.labels_during(0, start, start + 1), {"req-a"})
+        self.clock.advance(3)
+        one.release(a)
+        self.flush()
+        self.assertEqual(two.labels_during(0, start + 1, start + 2), {"req-a"})
+        self.assertEqual(two.labels_during(0, start + 4, start + 5), set())
+        self.granted(one.acquire(Worker("fe1/w1"), (0,)))
+        self.assertEqual(two.least_busy(1), (1,))
+
+    def test_the_broker_logs_the_lease_events_in_order(self) -> None:
+        one, _ = self.front_end()
+        two, _ = self.front_end()
+        a, b = Worker("fe1/w0", pid=11), Worker("fe2/w0", pid=22)
+        with capturedLogs() as events:
+            self.granted(one.acquire(a, (0,), label="req-a"))
+            waiting = two.acquire(b, (0,), label="req-b")
+            self.flush()
+            one.release(a)
+            self.granted(waiting)
+        mine: list[dict[str, Any]] = [e for e in events if "kcoral_event" in e]
+        self.assertEqual(
+            [(e["kcoral_event"], e["holder"], e["pid"], e["request_id"]) for e in mine],
+            [
+                ("lease_granted", "fe1/w0", 11, "req-a"),
+                ("lease_released", "fe1/w0", 11, "req-a"),
+                ("lease_granted", "fe2/w0", 22, "req-b"),
+            ],
+        )

@@ -314,6 +314,13 @@ class ServerConfig:
     @ivar finish_abandoned: run a program to its end when its client
         disconnects; by default a queued request leaves the line at once and
         a running program's worker is replaced.
+    @ivar front_ends: server processes sharing the port and the GPUs' leases
+        (L{kcoral.server.frontends}): each runs its own event loop and its
+        share of the seats; C{1} is one process.
+    @ivar front_end_index: which of them this process is (C{0}: the first,
+        which also keeps the leases); set by the first for the others.
+    @ivar lease_broker: the Unix socket of the first front end's lease
+        broker, for the others; C{None} in the first.
     """
 
     gpus: tuple[int, ...] = field(default=(0,), converter=_to_gpus, validator=_gpu_ids)
@@ -370,6 +377,9 @@ class ServerConfig:
     finish_abandoned: bool = field(default=False, validator=_boolean)
     max_queued_requests: int = field(default=1024, validator=_INT)
     max_bytes_in_flight: int = field(default=2 * _GIB, validator=_INT)
+    front_ends: int = field(default=1, validator=[_strict_int, _at_least_one])
+    front_end_index: int = field(default=0, validator=_INT)
+    lease_broker: Path | None = field(default=None, converter=_to_optional_path)
 
     def __attrs_post_init__(self) -> None:
         """Check the rules that involve more than one field."""
@@ -394,6 +404,22 @@ class ServerConfig:
             )
         if self.sandbox_readonly_paths and self.sandbox == "none":
             raise ValueError("sandbox_readonly_paths requires sandbox='bubblewrap'")
+        if self.front_end_index >= self.front_ends:
+            raise ValueError(
+                f"front_end_index must be below front_ends ({self.front_ends}), "
+                f"got {self.front_end_index}"
+            )
+        seats = self.num_workers if self.cpu_mode else self.workers_per_gpu
+        if self.front_ends > seats:
+            raise ValueError(
+                f"front_ends ({self.front_ends}) must not exceed the workers "
+                f"{'of the pool' if self.cpu_mode else 'per GPU'} ({seats}): "
+                "each front end needs a seat"
+            )
+
+    def _my_share(self, count: int) -> int:
+        """Of C{count} seats or spares, how many are this front end's (every N-th)."""
+        return len(range(self.front_end_index, count, self.front_ends))
 
     @property
     def cpu_mode(self) -> bool:
@@ -420,10 +446,10 @@ class ServerConfig:
         hold device memory).
         """
         if self.spare_workers_per_gpu is not None:
-            return self.spare_workers_per_gpu
+            return self._my_share(self.spare_workers_per_gpu)
         if self.cpu_mode or self.max_requests_per_worker == 0:
             return 0
-        return DEFAULT_SPARE_WORKERS_PER_GPU
+        return self._my_share(DEFAULT_SPARE_WORKERS_PER_GPU)
 
     @property
     def work_queues(self) -> int:
@@ -448,11 +474,17 @@ class ServerConfig:
         GPU mode: C{gpu<id>/w<index>} for each id in C{gpus} order and each
         index below C{workers_per_gpu}.  CPU mode: C{cpu/w<index>} for each
         index below C{num_workers}.  A seat's name survives the replacement
-        of the process occupying it.
+        of the process occupying it.  With several front ends, each has every
+        C{front_ends}-th index from its own, so names stay unique.
         """
+        first, step = self.front_end_index, self.front_ends
         if self.cpu_mode:
-            return [f"cpu/w{i}" for i in range(self.num_workers)]
-        return [f"gpu{gpu}/w{i}" for gpu in self.distinct_gpus for i in range(self.workers_per_gpu)]
+            return [f"cpu/w{i}" for i in range(first, self.num_workers, step)]
+        return [
+            f"gpu{gpu}/w{i}"
+            for gpu in self.distinct_gpus
+            for i in range(first, self.workers_per_gpu, step)
+        ]
 
     def as_log_dict(self) -> dict[str, Any]:
         """

@@ -30,7 +30,7 @@ from werkzeug.exceptions import HTTPException
 
 from kcoral.config import ServerConfig
 from kcoral.server.cache import Resolution
-from kcoral.server.lease import PURPOSES, LeaseArbiter
+from kcoral.server.lease import PURPOSES, Leases
 from kcoral.server.logs import event_level_for_finish_reason
 from kcoral.server.pool import BudgetSpent, PoolBusy, WorkerPool, WorkerStartFailed
 from kcoral.server.streaming import BodyProducer, DirectSocket, body_length, shared_bytes
@@ -195,7 +195,7 @@ class KcoralAPI:
 
     config: ServerConfig
     pool: WorkerPool
-    leases: LeaseArbiter
+    leases: Leases
     blobs: BlobResolver
     _threadpool: ThreadPool
     _reactor: IReactorTime
@@ -265,6 +265,9 @@ class KcoralAPI:
             "sandbox": self.sandbox_name,
             "worker_start": pool.worker_start,
             "templates": {t.name: t.state for t in pool.templates.values()},
+            # This process's place among the server's front ends (--front-ends):
+            # its load, workers and spares above are its own share.
+            "front_end": {"index": self.config.front_end_index, "of": self.config.front_ends},
         }
 
     @app.route("/health", methods=["GET"])

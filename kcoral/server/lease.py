@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Hashable
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 from twisted.internet.defer import CancelledError, Deferred, succeed
@@ -42,6 +42,40 @@ MODES = (EXCLUSIVE, MAINTENANCE)
 #: Label prefixes (C{"warmup:gpu0/w1"}) that name what a hold is for other
 #: than a request; a hold labelled otherwise is a request's (its id).
 PURPOSES = ("warmup", "context_create", "context_teardown")
+
+
+class Leases(Protocol):
+    """
+    What the pool, the workers and the API use of a lease: L{LeaseArbiter}
+    in one process, L{kcoral.server.leasebroker.RemoteArbiter} in a front
+    end whose leases another process keeps.
+    """
+
+    gpus: tuple[int, ...]
+
+    def acquire(
+        self, holder: Hashable, gpus: tuple[int, ...], label: str | None = ..., mode: str = ...
+    ) -> Deferred[Grant]: ...
+
+    def release(self, holder: Hashable) -> Grant | None: ...
+
+    def abandon(self, holder: Hashable) -> Grant | None: ...
+
+    def close(self) -> None: ...
+
+    def holds(self, holder: Hashable) -> bool: ...
+
+    def grant_of(self, holder: Hashable) -> Grant | None: ...
+
+    def holder_of(self, gpu: int) -> Hashable | None: ...
+
+    def maintainers_of(self, gpu: int) -> frozenset[Hashable]: ...
+
+    def labels_during(self, gpu: int, start: float, end: float) -> set[str | None]: ...
+
+    def depth(self, gpu: int) -> int: ...
+
+    def least_busy(self, count: int) -> tuple[int, ...]: ...
 
 
 class LeaseUnavailable(Exception):

@@ -257,9 +257,11 @@ class _BrokerProtocol(amp.AMP):
         return {}
 
 
-def broker_factory(broker: LeaseBroker) -> Factory:
+def broker_factory(broker: LeaseBroker) -> Factory[_BrokerProtocol]:
     """What the broker listens with (a Unix socket only front ends can reach)."""
-    return Factory.forProtocol(lambda: _BrokerProtocol(broker))
+    factory = Factory.forProtocol(lambda: _BrokerProtocol(broker))
+    factory.noisy = False
+    return factory
 
 
 class _FrontEndProtocol(amp.AMP):

@@ -30,7 +30,7 @@ from twisted.python.failure import Failure
 
 from kcoral.config import ServerConfig
 from kcoral.server.gpus import GpuDevice, cuda_environment
-from kcoral.server.lease import LeaseArbiter, LeaseUnavailable
+from kcoral.server.lease import Leases, LeaseUnavailable
 from kcoral.server.sandbox import ISandbox
 from kcoral.server.template import TemplateError, WorkerTemplate
 from kcoral.server.workerproc import Job, JobResult, WorkerProcess, worker_command_args
@@ -266,7 +266,7 @@ class WorkerPool:
 
     config: ServerConfig
     _reactor: IReactorTime
-    leases: LeaseArbiter
+    leases: Leases
     #: Replaced by the probed sandbox when the server starts.
     sandbox: ISandbox
     _run_blocking: Callable[..., Deferred[Any]]
@@ -317,13 +317,17 @@ class WorkerPool:
 
     def __attrs_post_init__(self) -> None:
         config = self.config
+        # With several front ends, every front_ends-th seat from this one's
+        # index is its own (ServerConfig.worker_ids).
+        first = int(getattr(config, "front_end_index", 0) or 0)
+        step = int(getattr(config, "front_ends", 1) or 1)
         if config.device == "cpu":
-            self.seats = [Seat(f"cpu/w{i}", None) for i in range(config.num_workers)]
+            self.seats = [Seat(f"cpu/w{i}", None) for i in range(first, config.num_workers, step)]
         else:
             self.seats = [
                 Seat(f"gpu{gpu}/w{i}", gpu)
                 for gpu in config.gpus
-                for i in range(config.workers_per_gpu)
+                for i in range(first, config.workers_per_gpu, step)
             ]
         for seat in self.seats:
             self._assigned.setdefault(seat.gpu_id, 0)
@@ -1132,7 +1136,12 @@ class WorkerPool:
         while sum(1 for s in self.spares if s.gpu_id == gpu) < self.spares_wanted:
             self._spare_serial += 1
             prefix = "cpu" if gpu is None else f"gpu{gpu}"
-            spare = Spare(f"{prefix}/s{self._spare_serial}", gpu)
+            # With several front ends each numbers its spares apart (s1, s3,
+            # ... and s2, s4, ...), so a name is unique in the server's logs.
+            step = int(getattr(self.config, "front_ends", 1) or 1)
+            first = int(getattr(self.config, "front_end_index", 0) or 0)
+            serial = (self._spare_serial - 1) * step + first + 1
+            spare = Spare(f"{prefix}/s{serial}", gpu)
             self.spares.append(spare)
             d = Deferred.fromCoroutine(self._start_spare(spare))
             self._pending.add(d)

@@ -46,9 +46,11 @@ from kcoral.config import ServerConfig
 from kcoral.server.app import KcoralAPI
 from kcoral.server.auth import beyond_loopback
 from kcoral.server.cache import BlobStore, DiskFileCache, MemoryBlobCache
+from kcoral.server.frontends import BrokerConnection, FrontEndsService, listen_reusing_port
 from kcoral.server.gpus import GpuDevice, discover_gpus, select_gpus
 from kcoral.server.http import listen_all, make_site, port_hosts, raise_fd_limit
-from kcoral.server.lease import LeaseArbiter
+from kcoral.server.lease import LeaseArbiter, Leases
+from kcoral.server.leasebroker import RemoteArbiter
 from kcoral.server.pool import WorkerPool
 from kcoral.server.sandbox import NoSandbox
 
@@ -172,7 +174,7 @@ class WorkerPoolService(AsyncService):
         config: ServerConfig,
         reactor: Reactor,
         pool: WorkerPool,
-        leases: LeaseArbiter,
+        leases: Leases,
         api: KcoralAPI,
         run_blocking: RunBlocking,
     ) -> None:
@@ -314,8 +316,10 @@ class ListeningPortService(AsyncService):
         token_file: Path | None = None,
         public_metrics: bool = False,
         run_blocking: RunBlocking | None = None,
+        reuse_port: bool = False,
     ) -> None:
         self._reactor = reactor
+        self._reuse_port = reuse_port
         self._endpoints = (endpoint,) if isinstance(endpoint, str) else tuple(endpoint)
         self._site = site
         self._token_file = token_file
@@ -348,7 +352,13 @@ class ListeningPortService(AsyncService):
             self._site.resource = TokenGuard(
                 self._site.resource, tokens, public_metrics=self._public_metrics
             )
-        self.ports = await listen_all(self._reactor, self._endpoints, self._site)
+        if self._reuse_port:
+            # Several front ends: each binds the same port (kcoral.server.frontends).
+            self.ports = [
+                listen_reusing_port(self._reactor, d, self._site) for d in self._endpoints
+            ]
+        else:
+            self.ports = await listen_all(self._reactor, self._endpoints, self._site)
         for port in self.ports:
             address = port.getHost()
             self.log.info(
@@ -377,6 +387,34 @@ class ListeningPortService(AsyncService):
             drain()
 
 
+class _BrokerConnectionService(AsyncService):
+    """A front end other than the first connects to the lease broker before anything else."""
+
+    def __init__(self, reactor: Reactor, leases: RemoteArbiter, config: ServerConfig) -> None:
+        assert config.lease_broker is not None
+        self._connection = BrokerConnection(reactor, leases, config.lease_broker)
+
+    async def start(self) -> None:
+        await self._connection.start()
+
+    async def stop(self) -> None:
+        self._connection.stop()
+
+
+class _FrontEndsChild(AsyncService):
+    """The first front end starts the others once it listens, and stops them first."""
+
+    def __init__(self, front_ends: FrontEndsService, grace: float) -> None:
+        self.front_ends = front_ends
+        self._grace = grace
+
+    async def start(self) -> None:
+        self.front_ends.start()
+
+    async def stop(self) -> None:
+        await self.front_ends.stop(self._grace)
+
+
 class KCoralService(service.MultiService):
     """
     The whole server, as a Twisted service tree.
@@ -402,7 +440,12 @@ class KCoralService(service.MultiService):
         self._reactor = _reactor(reactor)
         self.threadpool = ThreadPool(minthreads=0, maxthreads=4, name="kcoral-io")
         gpus = () if config.device == "cpu" else tuple(dict.fromkeys(config.gpus))
-        self.leases = LeaseArbiter(gpus, self._reactor)
+        self.leases: LeaseArbiter | RemoteArbiter
+        if config.lease_broker is not None:
+            # A front end other than the first: the first's broker decides.
+            self.leases = RemoteArbiter(gpus, self._reactor)
+        else:
+            self.leases = LeaseArbiter(gpus, self._reactor)
         self.memory_cache = MemoryBlobCache(config.cache_capacity_bytes, self._cache_event)
         self.disk_cache = DiskFileCache(
             config.disk_cache_dir, config.disk_cache_capacity_mbytes, self._cache_event
@@ -448,6 +491,11 @@ class KCoralService(service.MultiService):
         self.logs = LogWriterService(config, observers, self.run_blocking, self._logs_ready)
         children: list[service.Service] = [
             _named(ThreadPoolService(self.threadpool), "threads"),
+            *(
+                [_named(_BrokerConnectionService(self._reactor, self.leases, config), "broker")]
+                if isinstance(self.leases, RemoteArbiter)
+                else []
+            ),
             _named(self.logs, "logs"),
             _named(CacheService(self.disk_cache, self.run_blocking), "caches"),
             _named(
@@ -466,10 +514,24 @@ class KCoralService(service.MultiService):
                 token_file=config.auth_token_file,
                 public_metrics=config.public_metrics,
                 run_blocking=self.run_blocking,
+                reuse_port=config.front_ends > 1,
             )
             # Stopped in reverse order: the port, the workers, then the linger.
-            children.insert(3, _named(LingerService(self._reactor, site), "linger"))
+            children.insert(
+                children.index(self.logs) + 2, _named(LingerService(self._reactor, site), "linger")
+            )
             children.append(_named(http, "http"))
+            if config.front_ends > 1 and isinstance(self.leases, LeaseArbiter):
+                endpoints = (endpoint,) if isinstance(endpoint, str) else tuple(endpoint)
+                children.append(
+                    _named(
+                        _FrontEndsChild(
+                            FrontEndsService(self._reactor, config, endpoints, self.leases),
+                            config.worker_termination_grace_seconds * 2 + 10,
+                        ),
+                        "front-ends",
+                    )
+                )
         for child in children:
             child.setServiceParent(self)
 

@@ -155,6 +155,7 @@ _FIELD_FLAGS: Mapping[str, str] = {
     "finish_abandoned": "finish-abandoned",
     "max_queued_requests": "max-queued-requests",
     "max_bytes_in_flight": "max-bytes-in-flight",
+    "front_ends": "front-ends",
 }
 
 _FIELD_RE = re.compile(r"\b(" + "|".join(_FIELD_FLAGS) + r")\b(?![=_])")
@@ -367,6 +368,13 @@ class Options(usage.Options):
             "max-queued-requests",
             _DEFAULTS.max_queued_requests,
             "Requests that may wait for a worker at once; more get a 503 at once. 0: no cap.",
+        ),
+        _int_param(
+            "front-ends",
+            _DEFAULTS.front_ends,
+            "Server processes sharing the port (SO_REUSEPORT) and the GPUs' leases, each "
+            "with its own event loop and an equal share of the seats, spares and caps; "
+            "1: one process. Plain TCP endpoints only.",
         ),
         _int_param(
             "max-bytes-in-flight",
@@ -611,12 +619,19 @@ class Options(usage.Options):
                 finish_abandoned=bool(self["finish-abandoned"]),
                 max_queued_requests=self["max-queued-requests"],
                 max_bytes_in_flight=self["max-bytes-in-flight"],
+                front_ends=self["front-ends"],
             )
         except ValueError as e:
             raise usage.UsageError(_flag_message(str(e))) from None
         self["port"] = port
         descriptions = self["listen"] or [endpoint_description(host, port)]
         self.endpoints = tuple(with_backlog(d, self["listen-backlog"]) for d in descriptions)
+        if self.config.front_ends > 1:
+            other = [d for d in self.endpoints if d.split(":", 1)[0].lower() not in ("tcp", "tcp6")]
+            if other:
+                raise usage.UsageError(
+                    f"--front-ends needs plain TCP endpoints (tcp:...), not {other[0]!r}"
+                )
         self.endpoint = self.endpoints[0]
 
     @staticmethod

@@ -68,6 +68,9 @@ class DefaultsTests(SynchronousTestCase):
             "finish_abandoned": False,
             "max_queued_requests": 1024,
             "max_bytes_in_flight": 2 * 1024**3,
+            "front_ends": 1,
+            "front_end_index": 0,
+            "lease_broker": None,
         }
         self.assertEqual(attrs.asdict(config, recurse=False), expected)
 
@@ -435,3 +438,26 @@ class CudaConnectionsTests(SynchronousTestCase):
         for bad in (0, 33, -1, True, "4", 2.0):
             with self.assertRaises(ValueError):
                 ServerConfig(cuda_connections=bad)  # type: ignore[arg-type]
+
+
+class FrontEndsTests(SynchronousTestCase):
+    """Several front ends: every N-th seat and spare is each one's; the rules."""
+
+    def test_seats_are_split(self) -> None:
+        gpu = ServerConfig(gpus=(0, 1), workers_per_gpu=5, front_ends=2, front_end_index=1)
+        self.assertEqual(gpu.worker_ids(), ["gpu0/w1", "gpu0/w3", "gpu1/w1", "gpu1/w3"])
+        cpu = ServerConfig(device="cpu", num_workers=3, front_ends=2)
+        self.assertEqual(cpu.worker_ids(), ["cpu/w0", "cpu/w2"])
+
+    def test_spares_are_split(self) -> None:
+        first = ServerConfig(spare_workers_per_gpu=3, front_ends=2)
+        second = attrs.evolve(first, front_end_index=1)
+        self.assertEqual((first.spares_per_group, second.spares_per_group), (2, 1))
+        fresh = ServerConfig(front_ends=2, front_end_index=1)
+        self.assertEqual(fresh.spares_per_group, 2)
+
+    def test_rules(self) -> None:
+        with self.assertRaisesRegex(ValueError, "front_end_index must be below"):
+            ServerConfig(front_ends=2, front_end_index=2)
+        with self.assertRaisesRegex(ValueError, "each front end needs a seat"):
+            ServerConfig(device="cpu", num_workers=1, front_ends=2)

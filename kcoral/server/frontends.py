@@ -1,0 +1,281 @@
+# -*- test-case-name: tests.integration.test_front_ends -*-
+"""
+Several front-end processes behind one port, sharing the GPUs' leases.
+
+One reactor thread runs a server's HTTP, admission, pool and every
+worker's channel; on the H200 it is busy all the time from about 600 null
+programs a second, while the workers could do ten times more.  With
+C{--front-ends N} the server runs N processes:
+
+ - The first is the server as always, plus the lease broker
+   (L{kcoral.server.leasebroker}): its L{LeaseArbiter} decides for every
+   front end's workers, over a Unix socket in a private directory.  It
+   starts the others (L{FrontEndsService}) and restarts one that dies.
+ - Each other front end (C{python -m kcoral.server.frontends SPEC}) is the
+   same server with a L{RemoteArbiter} in place of the arbiter, its share of
+   the seats and spares (every N-th), and its share of the caps (memory
+   cache, bytes in flight, connections, queue).
+ - All of them listen on the same TCP port with C{SO_REUSEPORT}: the kernel
+   spreads connections over them, and a keep-alive connection (so a
+   C{CACHE_MISS} and its retry) stays with one process.
+
+Each front end writes its own events (the others under
+C{<log dir>/front-end-<n>}); the lease events are all the first's, so one
+file keeps every GPU's grants and releases in order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+from twisted.internet import error as twisted_error
+from twisted.internet.defer import Deferred, maybeDeferred
+from twisted.internet.endpoints import UNIXClientEndpoint, connectProtocol
+from twisted.internet.interfaces import IListeningPort
+from twisted.internet.protocol import ProcessProtocol
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from kcoral.config import ServerConfig
+from kcoral.server.lease import LeaseArbiter
+from kcoral.server.leasebroker import LeaseBroker, RemoteArbiter, broker_factory
+
+__all__ = ["FrontEndsService", "BrokerConnection", "listen_reusing_port", "main"]
+
+#: Caps that are the server's whole, split between its front ends.
+SPLIT_CAPS = (
+    "cache_capacity_bytes",
+    "max_bytes_in_flight",
+    "max_connections",
+    "max_queued_requests",
+)
+
+#: Seconds before a front end that died is started again (doubling, at most the second).
+RESTART_DELAY = (0.5, 30.0)
+
+
+def listen_reusing_port(reactor: Any, description: str, factory: Any) -> IListeningPort:
+    """
+    Listen on a C{tcp:} endpoint description with C{SO_REUSEPORT}, so that
+    every front end binds the same port.
+
+    @raise ValueError: the description is not plain TCP (TLS and Unix
+        sockets are served by one process only).
+    """
+    fields = re.split(r"(?<!\\):", description)
+    if fields[0].lower() not in ("tcp", "tcp6"):
+        raise ValueError(f"--front-ends needs plain TCP endpoints, not {description!r}")
+    named: dict[str, str] = {}
+    positional: list[str] = []
+    for item in fields[1:]:
+        key, sep, value = item.partition("=")
+        value = value.replace("\\:", ":").replace("\\\\", "\\")
+        if sep:
+            named[key] = value
+        else:
+            positional.append(key)
+    port = int(named.get("port") or positional[0])
+    interface = named.get("interface", "::" if fields[0].lower() == "tcp6" else "0.0.0.0")
+    backlog = int(named.get("backlog", "50"))
+    family = socket.AF_INET6 if ":" in interface else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((interface, port))
+        sock.listen(backlog)
+        sock.setblocking(False)
+        listening: IListeningPort = reactor.adoptStreamPort(sock.fileno(), family, factory)
+    finally:
+        sock.close()  # the reactor holds its own descriptor of it
+    return listening
+
+
+def share_of(config: ServerConfig, index: int, broker: Path | None) -> ServerConfig:
+    """Front end C{index}'s configuration: its seats, its part of the caps, its logs."""
+    caps = {}
+    for name in SPLIT_CAPS:
+        whole = getattr(config, name)
+        caps[name] = whole if not whole else max(1, -(-whole // config.front_ends))
+    log_dir = config.log_dir
+    if log_dir is not None and index:
+        log_dir = log_dir / f"front-end-{index}"
+    return attrs.evolve(config, front_end_index=index, lease_broker=broker, log_dir=log_dir, **caps)
+
+
+class _FrontEnd(ProcessProtocol):
+    """One front end process, as its supervisor sees it."""
+
+    def __init__(self, supervisor: FrontEndsService, index: int) -> None:
+        self.supervisor = supervisor
+        self.index = index
+        self.exited: Deferred[int | None] = Deferred()
+
+    def processEnded(self, reason: Failure) -> None:
+        code = getattr(reason.value, "exitCode", None)
+        self.exited.callback(code)
+        self.supervisor._ended(self, code)
+
+
+class FrontEndsService:
+    """
+    In the first front end: the lease broker, and the other front ends'
+    processes (started after the first listens, stopped before it stops).
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        reactor: Any,
+        config: ServerConfig,
+        endpoints: Sequence[str],
+        leases: LeaseArbiter,
+    ) -> None:
+        self._reactor = reactor
+        self._config = config
+        self._endpoints = list(endpoints)
+        self._broker = LeaseBroker(leases)
+        self._dir: Path | None = None
+        self._port: IListeningPort | None = None
+        self._processes: dict[int, _FrontEnd] = {}
+        self._delays: dict[int, float] = {}
+        self._stopping = False
+
+    @property
+    def broker_path(self) -> Path | None:
+        return None if self._dir is None else self._dir / "broker.sock"
+
+    def start(self) -> None:
+        self._dir = Path(tempfile.mkdtemp(prefix="kcoral-front-ends-"))
+        path = self.broker_path
+        assert path is not None
+        self._port = self._reactor.listenUNIX(str(path), broker_factory(self._broker), mode=0o600)
+        for index in range(1, self._config.front_ends):
+            self._spawn(index)
+
+    def _spawn(self, index: int) -> None:
+        assert self._dir is not None
+        spec = self._dir / f"front-end-{index}.json"
+        config = share_of(self._config, index, self.broker_path)
+        spec.write_text(json.dumps({"config": config.as_log_dict(), "endpoints": self._endpoints}))
+        process = _FrontEnd(self, index)
+        self._processes[index] = process
+        self._reactor.spawnProcess(
+            process,
+            sys.executable,
+            [sys.executable, "-m", "kcoral.server.frontends", str(spec)],
+            env=dict(os.environ),
+            childFDs={0: "w", 1: 1, 2: 2},
+        )
+        self.log.info(
+            "front end {index} started (pid {pid})",
+            kcoral_event="front_end_started",
+            index=index,
+            pid=getattr(process.transport, "pid", None),
+        )
+
+    def _ended(self, process: _FrontEnd, code: int | None) -> None:
+        if self._processes.get(process.index) is not process:
+            return
+        del self._processes[process.index]
+        if self._stopping:
+            return
+        delay = self._delays.get(process.index, RESTART_DELAY[0])
+        self._delays[process.index] = min(delay * 2, RESTART_DELAY[1])
+        self.log.error(
+            "front end {index} exited (code {code}); restarting in {delay} s",
+            kcoral_event="front_end_exited",
+            index=process.index,
+            code=code,
+            retry_in_seconds=delay,
+        )
+        self._reactor.callLater(delay, self._restart, process.index)
+
+    def _restart(self, index: int) -> None:
+        if not self._stopping and index not in self._processes:
+            self._spawn(index)
+
+    async def stop(self, grace: float) -> None:
+        """Ask every other front end to stop (SIGTERM), wait, then close the broker."""
+        self._stopping = True
+        processes = list(self._processes.values())
+        for process in processes:
+            try:
+                process.transport.signalProcess("TERM")  # type: ignore[union-attr]
+            except twisted_error.ProcessExitedAlready:
+                pass
+        for process in processes:
+            timer = self._reactor.callLater(grace, _kill, process)
+            await process.exited
+            if timer.active():
+                timer.cancel()
+        if self._port is not None:
+            await maybeDeferred(self._port.stopListening)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _kill(process: _FrontEnd) -> None:
+    try:
+        process.transport.signalProcess("KILL")  # type: ignore[union-attr]
+    except twisted_error.ProcessExitedAlready:
+        pass
+
+
+class BrokerConnection:
+    """In a front end other than the first: its L{RemoteArbiter}'s connection."""
+
+    def __init__(self, reactor: Any, leases: RemoteArbiter, path: Path) -> None:
+        self._reactor = reactor
+        self._leases = leases
+        self._path = path
+        self._protocol: Any = None
+
+    async def start(self) -> None:
+        endpoint = UNIXClientEndpoint(self._reactor, str(self._path))
+        self._protocol = await connectProtocol(endpoint, self._leases.protocol())
+
+    def stop(self) -> None:
+        if self._protocol is not None and self._protocol.transport is not None:
+            self._protocol.transport.loseConnection()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """C{python -m kcoral.server.frontends SPEC}: run one front end other than the first."""
+    from twisted.internet import reactor
+    from twisted.logger import globalLogBeginner
+
+    from kcoral.server.service import makeService
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    spec = json.loads(Path(args[0]).read_text())
+    config = ServerConfig(**spec["config"])
+    # kcoral's own console mirror writes its events; Twisted's go nowhere.
+    globalLogBeginner.beginLoggingTo([], redirectStandardIO=False)
+    root = makeService(config, spec["endpoints"], reactor=reactor)
+    root.exit_status_on_failure = None
+    # A front end that cannot start (the broker is gone, say) ends; the
+    # first front end starts it again.
+    root.ready.addErrback(lambda _: reactor.stop())  # type: ignore[attr-defined]
+    # The supervisor stops this process with SIGTERM: a graceful stop.
+    reactor.callWhenRunning(root.startService)  # type: ignore[attr-defined]
+    reactor.addSystemEventTrigger("before", "shutdown", root.stopService)  # type: ignore[attr-defined]
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the terminal's ^C is the supervisor's
+    reactor.run()  # type: ignore[attr-defined]
+    return 1 if getattr(root, "start_failure", None) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""
+C{--front-ends 2}: two server processes on one port (C{SO_REUSEPORT}),
+each with its own share of the seats, the first keeping the leases and
+restarting the second when it dies.  Real processes, real HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from kcoral.testing.live_server import ServerProcess, request
+
+pytestmark = pytest.mark.integration
+
+ADD = "def add(a, b):\n    return a + b\n"
+
+
+def _program(a: int) -> dict[str, Any]:
+    return {
+        "instructions": [
+            {"op": "upload", "id": "m", "kind": "module", "source": ADD},
+            {"op": "get_function", "id": "f", "module": {"$ref": "m"}, "name": "add"},
+            {"op": "run", "id": "r", "fn": {"$ref": "f"}, "args": [a, 1]},
+            {"op": "return", "key": "out", "value": {"$ref": "r"}},
+        ]
+    }
+
+
+def _front_ends_seen(server: ServerProcess, tries: int = 60) -> dict[int, list[str]]:
+    """Each front end's seats, from /health on new connections (the kernel spreads them)."""
+    seen: dict[int, list[str]] = {}
+    for _ in range(tries):
+        health = json.loads(request(server.port, "GET", "/health").body)
+        seen[health["front_end"]["index"]] = [w["worker_id"] for w in health["workers"]]
+        assert health["front_end"]["of"] == 2
+    return seen
+
+
+def _events(log_dir: Path) -> list[dict[str, Any]]:
+    return [
+        json.loads(line)
+        for path in sorted(log_dir.rglob("events.jsonl"))
+        for line in path.read_text().splitlines()
+    ]
+
+
+def _second(server: ServerProcess) -> psutil.Process:
+    assert server.process is not None
+    (child,) = [
+        p
+        for p in psutil.Process(server.process.pid).children()
+        if "kcoral.server.frontends" in " ".join(p.cmdline())
+    ]
+    return child
+
+
+def test_two_front_ends_share_the_port(tmp_path: Path) -> None:
+    log_dir = tmp_path / "logs"
+    server = ServerProcess(
+        [
+            *("--device", "cpu", "--num-workers", "2", "--front-ends", "2"),
+            *("--sandbox", "none", "--max-requests-per-worker", "0", "--log-dir", str(log_dir)),
+        ],
+        log_path=tmp_path / "server.out",
+    )
+    server.start(timeout=120)
+    try:
+        deadline = time.monotonic() + 30
+        while len(seen := _front_ends_seen(server, 10)) < 2:
+            assert time.monotonic() < deadline, seen
+        assert seen == {0: ["cpu/w0"], 1: ["cpu/w1"]}
+        for a in range(30):
+            body = json.loads(server.execute(_program(a)).body)
+            assert body["status"] == "COMPLETED", body
+            assert body["results"]["out"]["value"] == a + 1
+        second = _second(server)
+        # Both front ends answered programs: each logged its own.
+        time.sleep(1.0)
+        finished = {
+            path.relative_to(log_dir).parts[0]: sum(
+                json.loads(line).get("event") == "request_finished"
+                for line in path.read_text().splitlines()
+            )
+            for path in log_dir.rglob("events.jsonl")
+        }
+        assert finished.get("runs", 0) > 0 and finished.get("front-end-1", 0) > 0, finished
+        assert finished["runs"] + finished["front-end-1"] == 30
+        # The second dies: the first starts it again.
+        second.send_signal(signal.SIGKILL)
+        second.wait(10)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                replacement = _second(server)
+                if replacement.pid != second.pid and 1 in _front_ends_seen(server, 10):
+                    break
+            except ValueError:
+                pass
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        exited = [e for e in _events(log_dir) if e.get("event") == "front_end_exited"]
+        assert [(e["index"], e["code"]) for e in exited] == [(1, None)]
+    finally:
+        pids = [p.pid for p in psutil.Process(server.process.pid).children(recursive=True)]  # type: ignore[union-attr]
+        assert server.stop() == 0
+    time.sleep(0.5)
+    assert not [
+        pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"
+    ]
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--num-workers", "2", "--front-ends", "3"], "--front-ends (3) must not exceed"),
+        (
+            ["--front-ends", "2", "--num-workers", "2", "--listen", "unix:kcoral.sock"],
+            "--front-ends needs plain TCP endpoints",
+        ),
+    ],
+)
+def test_front_ends_refused(tmp_path: Path, flags: list[str], message: str) -> None:
+    import subprocess
+    import sys
+
+    completed = subprocess.run(
+        [sys.executable, "-m", "kcoral", "server", "--device", "cpu", *flags],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
+    assert completed.returncode == 2, completed.stderr
+    assert message in completed.stderr

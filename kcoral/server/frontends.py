@@ -235,21 +235,42 @@ def _kill(process: _FrontEnd) -> None:
 
 
 class BrokerConnection:
-    """In a front end other than the first: its L{RemoteArbiter}'s connection."""
+    """
+    In a front end other than the first: its L{RemoteArbiter}'s connection.
+    When the broker goes away (the first front end ended, however) this
+    front end stops too: it could grant nothing, and no one would restart it.
+    """
+
+    log = Logger()
 
     def __init__(self, reactor: Any, leases: RemoteArbiter, path: Path) -> None:
         self._reactor = reactor
         self._leases = leases
         self._path = path
         self._protocol: Any = None
+        self._stopping = False
+        leases.on_lost = self._lost
 
     async def start(self) -> None:
         endpoint = UNIXClientEndpoint(self._reactor, str(self._path))
         self._protocol = await connectProtocol(endpoint, self._leases.protocol())
 
     def stop(self) -> None:
+        self._stopping = True
         if self._protocol is not None and self._protocol.transport is not None:
             self._protocol.transport.loseConnection()
+
+    def _lost(self) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        self.log.error(
+            "the lease broker ({path}) went away; this front end stops",
+            kcoral_event="broker_lost",
+            path=str(self._path),
+        )
+        if self._reactor.running:
+            self._reactor.stop()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

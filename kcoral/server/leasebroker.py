@@ -29,7 +29,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import attrs
@@ -305,6 +305,9 @@ class RemoteArbiter:
     _waits: dict[Hashable, Deferred[Grant]] = attrs.field(factory=dict)
     _gpu_state: dict[int, dict[str, Any]] = attrs.field(factory=dict)
     history: dict[int, deque[HoldInterval]] = attrs.field(factory=dict)
+    #: Called once the broker's connection is gone (the front end that
+    #: keeps the leases ended): nothing can be granted any more.
+    on_lost: Callable[[], None] | None = None
 
     def protocol(self) -> amp.AMP:
         """A protocol that connects this arbiter to the broker."""
@@ -464,6 +467,8 @@ class RemoteArbiter:
         for waiting in waits.values():
             if not waiting.called:
                 waiting.errback(LeaseUnavailable("the lease broker went away"))
+        if self.on_lost is not None:
+            self.on_lost()
 
     def _update(self, state: dict[str, Any]) -> None:
         for key, gpu_state in state["gpus"].items():

@@ -117,6 +117,43 @@ def test_two_front_ends_share_the_port(tmp_path: Path) -> None:
     ]
 
 
+def test_the_others_stop_when_the_first_dies(tmp_path: Path) -> None:
+    """
+    The first front end is SIGKILLed (its broker with it): the second
+    stops by itself instead of serving with no lease, and says why.
+    """
+    log_dir = tmp_path / "logs"
+    server = ServerProcess(
+        [
+            *("--device", "cpu", "--num-workers", "2", "--front-ends", "2"),
+            *("--sandbox", "none", "--log-dir", str(log_dir)),
+        ],
+        log_path=tmp_path / "server.out",
+    )
+    server.start(timeout=120)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                second = _second(server)
+                break
+            except ValueError:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+        while 1 not in _front_ends_seen(server, 10):
+            assert time.monotonic() < deadline
+        assert server.process is not None
+        server.process.kill()
+        server.process.wait(10)
+        second.wait(30)
+    finally:
+        server.stop()
+    lost = [e for e in _events(log_dir / "front-end-1") if e.get("event") == "broker_lost"]
+    assert len(lost) == 1
+    names = [e.get("event") for e in _events(log_dir / "front-end-1")]
+    assert names.index("broker_lost") < names.index("shutdown_complete")
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [

@@ -205,6 +205,9 @@ class KcoralAPI:
     metrics: Metrics | None = None
     status_snapshot: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     status_page: bytes | None = None
+    #: With several front ends: the other front ends' last health reports,
+    #: by index (L{kcoral.server.frontends}); C{None} in a lone server.
+    peer_health: Callable[[], dict[int, dict[str, Any]]] | None = None
     sandbox_name: str = "none"
     in_flight: int = 0
     _idle_waiters: list[Deferred[None]] = attrs.field(factory=list)
@@ -220,7 +223,20 @@ class KcoralAPI:
     # -- /health ------------------------------------------------------------
 
     def health(self) -> dict[str, Any]:
-        """The /health body: the 0.1.1 fields plus the documented ones."""
+        """
+        The /health body: the 0.1.1 fields plus the documented ones; with
+        several front ends, for the whole server (this process's figures
+        with the others' last reports, L{kcoral.server.frontends.merge_health}).
+        """
+        own = self.local_health()
+        if self.peer_health is None:
+            return own
+        from kcoral.server.frontends import merge_health
+
+        return merge_health(own, self.peer_health(), self.config.front_end_index)
+
+    def local_health(self) -> dict[str, Any]:
+        """This process's own /health figures (its seats, spares and queue)."""
         now = self._reactor.seconds()
         pool = self.pool
         gpus = sorted(set(self.config.gpus)) if self.config.device == "gpu" else []

@@ -114,6 +114,46 @@ def share_of(config: ServerConfig, index: int, broker: Path | None) -> ServerCon
     return attrs.evolve(config, front_end_index=index, lease_broker=broker, log_dir=log_dir, **caps)
 
 
+#: Seconds between a front end's health reports to the others.
+REPORT_INTERVAL = 1.0
+
+_LOAD = ("request_capacity", "requests_in_progress", "requests_waiting")
+
+
+def merge_health(
+    own: dict[str, Any], peers: dict[int, dict[str, Any]], index: int
+) -> dict[str, Any]:
+    """
+    The whole server's /health from this front end's own figures and the
+    others' last reports: the load, the active and queued requests and each
+    GPU's ready spares summed, every front end's workers and spares listed
+    (each marked with its C{front_end}), the lease figures this process's
+    (they are the broker's, the same everywhere), and under C{front_end}
+    which reports are in (C{reporting}) and how old the oldest is.
+    """
+    others = {i: h for i, h in sorted(peers.items()) if i != index}
+    merged = dict(own)
+    merged["load"] = {key: sum(h["load"][key] for h in [own, *others.values()]) for key in _LOAD}
+    for key in ("active_requests", "queue_length"):
+        merged[key] = sum(h[key] for h in [own, *others.values()])
+    for key in ("workers", "spares"):
+        merged[key] = [
+            {**entry, "front_end": i}
+            for i, h in sorted([(index, own), *others.items()])
+            for entry in h[key]
+        ]
+    ready: dict[int, int] = {}
+    for h in [own, *others.values()]:
+        for gpu in h["gpus"]:
+            ready[gpu["gpu_id"]] = ready.get(gpu["gpu_id"], 0) + gpu["spares_ready"]
+    merged["gpus"] = [{**gpu, "spares_ready": ready[gpu["gpu_id"]]} for gpu in own["gpus"]]
+    merged["front_end"] = {
+        **own["front_end"],
+        "reporting": sorted({index, *others}),
+    }
+    return merged
+
+
 class _FrontEnd(ProcessProtocol):
     """One front end process, as its supervisor sees it."""
 
@@ -146,7 +186,7 @@ class FrontEndsService:
         self._reactor = reactor
         self._config = config
         self._endpoints = list(endpoints)
-        self._broker = LeaseBroker(leases)
+        self.broker = LeaseBroker(leases)
         self._dir: Path | None = None
         self._port: IListeningPort | None = None
         self._processes: dict[int, _FrontEnd] = {}
@@ -161,7 +201,7 @@ class FrontEndsService:
         self._dir = Path(tempfile.mkdtemp(prefix="kcoral-front-ends-"))
         path = self.broker_path
         assert path is not None
-        self._port = self._reactor.listenUNIX(str(path), broker_factory(self._broker), mode=0o600)
+        self._port = self._reactor.listenUNIX(str(path), broker_factory(self.broker), mode=0o600)
         for index in range(1, self._config.front_ends):
             self._spawn(index)
 

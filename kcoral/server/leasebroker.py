@@ -109,6 +109,22 @@ class LeaseState(amp.Command):
     requiresAnswer = False
 
 
+class Report(amp.Command):
+    """A front end's own /health figures, every second."""
+
+    arguments = [(b"index", amp.Integer()), (b"health", _Json())]
+    response = []
+    requiresAnswer = False
+
+
+class Reports(amp.Command):
+    """Every front end's last report, pushed after each."""
+
+    arguments = [(b"reports", _Json())]
+    response = []
+    requiresAnswer = False
+
+
 @attrs.frozen
 class RemoteHolder:
     """A holder in another process: its connection's number and its token there."""
@@ -129,8 +145,20 @@ class LeaseBroker:
     _connections: dict[int, _BrokerProtocol] = attrs.field(factory=dict)
     _numbers: itertools.count[int] = attrs.field(factory=lambda: itertools.count(1))
     _sent: dict[int, HoldInterval | None] = attrs.field(factory=dict)
+    #: Every front end's last health report, by index (the first's too).
+    reports: dict[int, dict[str, Any]] = attrs.field(factory=dict)
 
     log = Logger()
+
+    def report(self, index: int, health: dict[str, Any] | None) -> None:
+        """Keep front end C{index}'s report (C{None}: it is gone) and pass them all on."""
+        if health is None:
+            self.reports.pop(index, None)
+        else:
+            self.reports[index] = health
+        reports = {str(i): h for i, h in self.reports.items()}
+        for protocol in list(self._connections.values()):
+            protocol.callRemote(Reports, reports=reports)
 
     def attach(self, protocol: _BrokerProtocol) -> int:
         number = next(self._numbers)
@@ -190,6 +218,7 @@ class _BrokerProtocol(amp.AMP):
         self._number = 0
         self._holders: dict[int, RemoteHolder] = {}
         self._waits: dict[int, Deferred[Grant]] = {}
+        self._index: int | None = None
 
     def connectionMade(self) -> None:
         super().connectionMade()
@@ -200,6 +229,14 @@ class _BrokerProtocol(amp.AMP):
         holders = list(self._holders.values())
         self._holders.clear()
         self._broker.detach(self._number, holders)
+        if self._index is not None:
+            self._broker.report(self._index, None)
+
+    @Report.responder
+    def report(self, index: int, health: dict[str, Any]) -> dict[str, Any]:
+        self._index = index
+        self._broker.report(index, health)
+        return {}
 
     @Acquire.responder
     def acquire(
@@ -284,6 +321,11 @@ class _FrontEndProtocol(amp.AMP):
         self._arbiter._update(state)
         return {}
 
+    @Reports.responder
+    def reports(self, reports: dict[str, Any]) -> dict[str, Any]:
+        self._arbiter.peer_reports = {int(i): h for i, h in reports.items()}
+        return {}
+
 
 @attrs.define(eq=False)
 class RemoteArbiter:
@@ -308,6 +350,13 @@ class RemoteArbiter:
     #: Called once the broker's connection is gone (the front end that
     #: keeps the leases ended): nothing can be granted any more.
     on_lost: Callable[[], None] | None = None
+    #: Every front end's last health report, as the broker passed them on.
+    peer_reports: dict[int, dict[str, Any]] = attrs.field(factory=dict)
+
+    def report(self, index: int, health: dict[str, Any]) -> None:
+        """Send this front end's own /health figures to the broker."""
+        if self._protocol is not None:
+            self._protocol.callRemote(Report, index=index, health=health)
 
     def protocol(self) -> amp.AMP:
         """A protocol that connects this arbiter to the broker."""

@@ -35,7 +35,7 @@ from klein import Klein
 from twisted.application import service
 from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.internet.interfaces import IListeningPort
-from twisted.internet.task import deferLater
+from twisted.internet.task import LoopingCall, deferLater
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import ILogObserver, Logger, globalLogPublisher
 from twisted.python.failure import Failure
@@ -46,7 +46,12 @@ from kcoral.config import ServerConfig
 from kcoral.server.app import KcoralAPI
 from kcoral.server.auth import beyond_loopback
 from kcoral.server.cache import BlobStore, DiskFileCache, MemoryBlobCache
-from kcoral.server.frontends import BrokerConnection, FrontEndsService, listen_reusing_port
+from kcoral.server.frontends import (
+    REPORT_INTERVAL,
+    BrokerConnection,
+    FrontEndsService,
+    listen_reusing_port,
+)
 from kcoral.server.gpus import GpuDevice, discover_gpus, select_gpus
 from kcoral.server.http import listen_all, make_site, port_hosts, raise_fd_limit
 from kcoral.server.lease import LeaseArbiter, Leases
@@ -401,6 +406,32 @@ class _BrokerConnectionService(AsyncService):
         self._connection.stop()
 
 
+class _HealthReports(AsyncService):
+    """Every second, this front end's own /health figures go to the others."""
+
+    log = Logger()
+
+    def __init__(
+        self, reactor: Reactor, api: KcoralAPI, report: Callable[[int, dict[str, Any]], None]
+    ) -> None:
+        self._api = api
+        self._report = report
+        self._loop = LoopingCall(self._send)
+        self._loop.clock = reactor
+
+    def _send(self) -> None:
+        self._report(self._api.config.front_end_index, self._api.local_health())
+
+    async def start(self) -> None:
+        self._loop.start(REPORT_INTERVAL, now=True).addErrback(
+            lambda failure: self.log.failure("health reports stopped", failure)
+        )
+
+    async def stop(self) -> None:
+        if self._loop.running:
+            self._loop.stop()
+
+
 class _FrontEndsChild(AsyncService):
     """The first front end starts the others once it listens, and stops them first."""
 
@@ -523,14 +554,25 @@ class KCoralService(service.MultiService):
             children.append(_named(http, "http"))
             if config.front_ends > 1 and isinstance(self.leases, LeaseArbiter):
                 endpoints = (endpoint,) if isinstance(endpoint, str) else tuple(endpoint)
+                front_ends = FrontEndsService(self._reactor, config, endpoints, self.leases)
                 children.append(
                     _named(
                         _FrontEndsChild(
-                            FrontEndsService(self._reactor, config, endpoints, self.leases),
-                            config.worker_termination_grace_seconds * 2 + 10,
+                            front_ends, config.worker_termination_grace_seconds * 2 + 10
                         ),
                         "front-ends",
                     )
+                )
+                broker = front_ends.broker
+                self.api.peer_health = lambda: broker.reports
+                report: Callable[[int, dict[str, Any]], None] = broker.report
+            elif config.front_ends > 1 and isinstance(self.leases, RemoteArbiter):
+                remote = self.leases
+                self.api.peer_health = lambda: remote.peer_reports
+                report = remote.report
+            if config.front_ends > 1:
+                children.append(
+                    _named(_HealthReports(self._reactor, self.api, report), "health-reports")
                 )
         for child in children:
             child.setServiceParent(self)

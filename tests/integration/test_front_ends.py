@@ -34,12 +34,12 @@ def _program(a: int) -> dict[str, Any]:
     }
 
 
-def _front_ends_seen(server: ServerProcess, tries: int = 60) -> dict[int, list[str]]:
-    """Each front end's seats, from /health on new connections (the kernel spreads them)."""
-    seen: dict[int, list[str]] = {}
+def _front_ends_seen(server: ServerProcess, tries: int = 60) -> dict[int, dict[str, Any]]:
+    """Each front end's /health, from new connections (the kernel spreads them)."""
+    seen: dict[int, dict[str, Any]] = {}
     for _ in range(tries):
         health = json.loads(request(server.port, "GET", "/health").body)
-        seen[health["front_end"]["index"]] = [w["worker_id"] for w in health["workers"]]
+        seen[health["front_end"]["index"]] = health
         assert health["front_end"]["of"] == 2
     return seen
 
@@ -74,9 +74,16 @@ def test_two_front_ends_share_the_port(tmp_path: Path) -> None:
     server.start(timeout=120)
     try:
         deadline = time.monotonic() + 30
-        while len(seen := _front_ends_seen(server, 10)) < 2:
+        while True:
+            seen = _front_ends_seen(server, 10)
+            if len(seen) == 2 and all(h["front_end"]["reporting"] == [0, 1] for h in seen.values()):
+                break
             assert time.monotonic() < deadline, seen
-        assert seen == {0: ["cpu/w0"], 1: ["cpu/w1"]}
+        # Either answers for the whole server: both seats, each with its front end.
+        for health in seen.values():
+            workers = sorted((w["worker_id"], w["front_end"]) for w in health["workers"])
+            assert workers == [("cpu/w0", 0), ("cpu/w1", 1)], health
+            assert health["load"]["request_capacity"] == 2
         for a in range(30):
             body = json.loads(server.execute(_program(a)).body)
             assert body["status"] == "COMPLETED", body

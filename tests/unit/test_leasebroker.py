@@ -192,3 +192,17 @@ class BrokerTests(SynchronousTestCase):
                 ("lease_granted", "fe2/w0", 22, "req-b"),
             ],
         )
+
+    def test_health_reports_reach_every_front_end(self) -> None:
+        one, pump_one = self.front_end()
+        two, _ = self.front_end()
+        self.broker.report(0, {"front_end": {"index": 0}})
+        one.report(1, {"front_end": {"index": 1}})
+        two.report(2, {"front_end": {"index": 2}})
+        self.flush()
+        self.assertEqual(set(two.peer_reports), {0, 1, 2})
+        self.assertEqual(set(self.broker.reports), {0, 1, 2})
+        # A front end that goes away takes its report with it.
+        pump_one.client.transport.loseConnection()
+        self.flush()
+        self.assertEqual(set(two.peer_reports), {0, 2})

@@ -50,7 +50,8 @@ from kcoral.server.frontends import (
     REPORT_INTERVAL,
     BrokerConnection,
     FrontEndsService,
-    listen_reusing_port,
+    adopt_listening,
+    share_of,
 )
 from kcoral.server.gpus import GpuDevice, discover_gpus, select_gpus
 from kcoral.server.http import listen_all, make_site, port_hosts, raise_fd_limit
@@ -321,10 +322,11 @@ class ListeningPortService(AsyncService):
         token_file: Path | None = None,
         public_metrics: bool = False,
         run_blocking: RunBlocking | None = None,
-        reuse_port: bool = False,
     ) -> None:
         self._reactor = reactor
-        self._reuse_port = reuse_port
+        #: In a front end other than the first: the first's listening
+        #: sockets, (descriptor, family), accepted on instead of listening.
+        self.inherited: list[tuple[int, int]] = []
         self._endpoints = (endpoint,) if isinstance(endpoint, str) else tuple(endpoint)
         self._site = site
         self._token_file = token_file
@@ -357,11 +359,9 @@ class ListeningPortService(AsyncService):
             self._site.resource = TokenGuard(
                 self._site.resource, tokens, public_metrics=self._public_metrics
             )
-        if self._reuse_port:
-            # Several front ends: each binds the same port (kcoral.server.frontends).
-            self.ports = [
-                listen_reusing_port(self._reactor, d, self._site) for d in self._endpoints
-            ]
+        if self.inherited:
+            # Several front ends: this one accepts on the first's sockets.
+            self.ports = adopt_listening(self._reactor, self.inherited, self._site)
         else:
             self.ports = await listen_all(self._reactor, self._endpoints, self._site)
         for port in self.ports:
@@ -467,6 +467,11 @@ class KCoralService(service.MultiService):
     ) -> None:
         super().__init__()
         self.setName("kcoral")
+        whole = config
+        if config.front_ends > 1 and config.lease_broker is None:
+            # The first of several front ends: its share of the caps (the
+            # others get theirs from it, kcoral.server.frontends).
+            config = share_of(config, 0, None)
         self.config = config
         self._reactor = _reactor(reactor)
         self.threadpool = ThreadPool(minthreads=0, maxthreads=4, name="kcoral-io")
@@ -545,7 +550,6 @@ class KCoralService(service.MultiService):
                 token_file=config.auth_token_file,
                 public_metrics=config.public_metrics,
                 run_blocking=self.run_blocking,
-                reuse_port=config.front_ends > 1,
             )
             # Stopped in reverse order: the port, the workers, then the linger.
             children.insert(
@@ -554,7 +558,9 @@ class KCoralService(service.MultiService):
             children.append(_named(http, "http"))
             if config.front_ends > 1 and isinstance(self.leases, LeaseArbiter):
                 endpoints = (endpoint,) if isinstance(endpoint, str) else tuple(endpoint)
-                front_ends = FrontEndsService(self._reactor, config, endpoints, self.leases)
+                front_ends = FrontEndsService(
+                    self._reactor, whole, endpoints, self.leases, lambda: http.ports
+                )
                 children.append(
                     _named(
                         _FrontEndsChild(

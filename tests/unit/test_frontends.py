@@ -14,7 +14,7 @@ from twisted.internet.protocol import Factory, Protocol
 from twisted.trial.unittest import SynchronousTestCase
 
 from kcoral.config import ServerConfig
-from kcoral.server.frontends import listen_reusing_port, merge_health, share_of
+from kcoral.server.frontends import adopt_listening, merge_health, share_of
 
 
 class ShareTests(SynchronousTestCase):
@@ -48,38 +48,34 @@ class ShareTests(SynchronousTestCase):
 
 
 class _Reactor:
-    """Enough of a reactor for L{listen_reusing_port}: what it adopts."""
+    """Enough of a reactor for L{adopt_listening}: what it adopts."""
 
     def __init__(self) -> None:
         self.adopted: list[tuple[int, int]] = []
 
     def adoptStreamPort(self, fd: int, family: int, factory: object) -> object:  # noqa: N802
-        # Keep a descriptor as the reactor would, to hold the port open.
+        # The reactor keeps a duplicate, as Twisted's does.
         self.adopted.append((os.dup(fd), family))
         return object()
 
 
-class ReusePortTests(SynchronousTestCase):
-    def test_two_processes_worth_of_listeners_on_one_port(self) -> None:
+class AdoptTests(SynchronousTestCase):
+    def test_inherited_sockets_are_adopted_and_closed(self) -> None:
+        listening = socket.socket()
+        listening.bind(("127.0.0.1", 0))
+        listening.listen(8)
+        inherited = os.dup(listening.fileno())
         reactor = _Reactor()
-        probe = socket.socket()
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-        probe.close()
-        factory = Factory.forProtocol(Protocol)
-        description = f"tcp:port={port}:interface=127.0.0.1:backlog=64"
-        listen_reusing_port(reactor, description, factory)
-        listen_reusing_port(reactor, description, factory)
-        self.assertEqual(len(reactor.adopted), 2)
-        for fd, family in reactor.adopted:
-            self.assertEqual(family, socket.AF_INET)
-            bound = socket.socket(fileno=fd)
-            self.assertEqual(bound.getsockname(), ("127.0.0.1", port))
-            bound.close()
-
-    def test_only_tcp(self) -> None:
-        with self.assertRaisesRegex(ValueError, "plain TCP"):
-            listen_reusing_port(_Reactor(), "ssl:8443:privateKey=k.pem", Factory())
+        ports = adopt_listening(
+            reactor, [(inherited, socket.AF_INET)], Factory.forProtocol(Protocol)
+        )
+        self.assertEqual(len(ports), 1)
+        ((fd, family),) = reactor.adopted
+        self.assertEqual(family, socket.AF_INET)
+        self.assertEqual(socket.socket(fileno=fd).getsockname(), listening.getsockname())
+        with self.assertRaises(OSError):
+            os.fstat(inherited)
+        listening.close()
 
 
 def _health(index: int, workers: list[str], ready: int, active: int) -> dict[str, Any]:

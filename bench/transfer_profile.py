@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", default=str(common.RESULTS / "transfer_profile.json"))
     args = parser.parse_args(argv)
     size = args.size_mib << 20
-    log_dir = Path(tempfile.mkdtemp(prefix="upload-profile-"))
+    log_dir = Path(tempfile.mkdtemp(prefix="transfer-profile-"))
     base = os.urandom(size)
     bound = statistics.median(sha256_ms(base) for _ in range(5))
     print(

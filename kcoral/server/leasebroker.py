@@ -34,7 +34,7 @@ from typing import Any
 
 import attrs
 from twisted.internet.defer import CancelledError, Deferred, succeed
-from twisted.internet.interfaces import IReactorTime
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.internet.protocol import Factory, connectionDone
 from twisted.logger import Logger
 from twisted.protocols import amp
@@ -145,6 +145,7 @@ class LeaseBroker:
     _connections: dict[int, _BrokerProtocol] = attrs.field(factory=dict)
     _numbers: itertools.count[int] = attrs.field(factory=lambda: itertools.count(1))
     _sent: dict[int, HoldInterval | None] = attrs.field(factory=dict)
+    _push: IDelayedCall | None = None
     #: Every front end's last health report, by index (the first's too).
     reports: dict[int, dict[str, Any]] = attrs.field(factory=dict)
 
@@ -174,7 +175,15 @@ class LeaseBroker:
         self.changed()
 
     def changed(self) -> None:
-        """Push the new state to every front end (after any change)."""
+        """
+        Push the new state to every front end after a change: once per
+        reactor turn, however many changes the turn made (a release and the
+        grant it wakes are one push).
+        """
+        if self._push is None or not self._push.active():
+            self._push = self.arbiter._clock.callLater(0, self._push_state)
+
+    def _push_state(self) -> None:
         state = self.state(full=False)
         for protocol in list(self._connections.values()):
             protocol.callRemote(LeaseState, state=state)

@@ -46,6 +46,7 @@ class BrokerTests(SynchronousTestCase):
         for _ in range(3):
             for pump in self.pumps:
                 pump.flush()
+            self.clock.advance(0)  # the broker's state push of this turn
 
     def granted(self, d: Deferred[Grant]) -> Grant:
         self.flush()
@@ -206,3 +207,27 @@ class BrokerTests(SynchronousTestCase):
         pump_one.client.transport.loseConnection()
         self.flush()
         self.assertEqual(set(two.peer_reports), {0, 2})
+
+    def test_one_push_per_turn(self) -> None:
+        """A turn's changes (a release and the grant it wakes) reach a front end as one push."""
+        one, pump = self.front_end()
+        a, b = Worker("fe1/w0"), Worker("fe1/w1")
+        self.granted(one.acquire(a, (0,)))
+        waiting = one.acquire(b, (0,))
+        self.flush()
+        pushes: list[dict[str, Any]] = []
+        update = RemoteArbiter._update
+
+        def counted(arbiter: RemoteArbiter, state: dict[str, Any]) -> None:
+            pushes.append(state)
+            update(arbiter, state)
+
+        self.patch(RemoteArbiter, "_update", counted)
+        one.release(a)
+        pump.flush()  # the release reaches the broker: a release and a grant in one turn
+        self.assertEqual(pushes, [])
+        self.clock.advance(0)
+        pump.flush()
+        self.assertEqual(len(pushes), 1)
+        self.assertEqual(pushes[0]["gpus"]["0"]["holder"], "fe1/w1")
+        self.successResultOf(waiting)

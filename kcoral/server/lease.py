@@ -26,7 +26,7 @@ granted, and later ones while no exclusive waiter is in line ahead of them.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from typing import Any, Protocol
 
 import attrs
@@ -76,6 +76,37 @@ class Leases(Protocol):
     def depth(self, gpu: int) -> int: ...
 
     def least_busy(self, count: int) -> tuple[int, ...]: ...
+
+
+def checked_request(
+    configured: tuple[int, ...], gpus: tuple[int, ...], mode: str
+) -> tuple[int, ...]:
+    """
+    The GPU ids a lease request names, sorted without repeats.
+
+    @raise ValueError: an unknown mode, or a GPU the server does not have.
+    """
+    if mode not in MODES:
+        raise ValueError(f"unknown lease mode {mode!r}")
+    gpus = tuple(sorted(set(gpus)))
+    unknown = set(gpus) - set(configured)
+    if unknown:
+        raise ValueError(f"unknown GPU id(s): {sorted(unknown)}")
+    return gpus
+
+
+def covers(existing: Grant | None, gpus: tuple[int, ...], mode: str) -> bool:
+    """Whether a holder's grant already serves a request (exclusive is the stronger mode)."""
+    return (
+        existing is not None
+        and set(gpus) <= set(existing.gpus)
+        and (existing.mode == mode or existing.mode == EXCLUSIVE)
+    )
+
+
+def labels_between(intervals: Iterable[HoldInterval], start: float, end: float) -> set[str | None]:
+    """The labels of the closed holds that overlapped C{[start, end]}."""
+    return {i.label for i in intervals if i.start <= end and i.end >= start}
 
 
 class LeaseUnavailable(Exception):
@@ -190,18 +221,9 @@ class LeaseArbiter:
         @param mode: L{EXCLUSIVE} (GPU work) or L{MAINTENANCE} (a context
             creation or teardown; see the module docstring).
         """
-        if mode not in MODES:
-            raise ValueError(f"unknown lease mode {mode!r}")
-        gpus = tuple(sorted(set(gpus)))
-        unknown = set(gpus) - set(self.gpus)
-        if unknown:
-            raise ValueError(f"unknown GPU id(s): {sorted(unknown)}")
+        gpus = checked_request(self.gpus, gpus, mode)
         existing = self._grants.get(holder)
-        if (
-            existing is not None
-            and set(gpus) <= set(existing.gpus)
-            and (existing.mode == mode or existing.mode == EXCLUSIVE)
-        ):
+        if existing is not None and covers(existing, gpus, mode):
             return succeed(existing)
         if existing is not None:
             raise RuntimeError(f"{holder!r} already holds GPUs {existing.gpus}")
@@ -302,11 +324,7 @@ class LeaseArbiter:
         The labels of every hold of C{gpu} that overlapped C{[start, end]},
         the current hold included (which request held a GPU at some moment).
         """
-        labels = {
-            interval.label
-            for interval in self.history.get(gpu, ())
-            if interval.start <= end and interval.end >= start
-        }
+        labels = labels_between(self.history.get(gpu, ()), start, end)
         holder = self._holders.get(gpu)
         if holder is not None and self._grants[holder].granted_at <= end:
             labels.add(self._labels.get(holder))

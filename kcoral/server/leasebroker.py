@@ -47,6 +47,9 @@ from kcoral.server.lease import (
     HoldInterval,
     LeaseArbiter,
     LeaseUnavailable,
+    checked_request,
+    covers,
+    labels_between,
 )
 
 __all__ = ["LeaseBroker", "RemoteArbiter", "RemoteHolder", "broker_factory"]
@@ -379,18 +382,9 @@ class RemoteArbiter:
         mode: str = EXCLUSIVE,
     ) -> Deferred[Grant]:
         """As L{LeaseArbiter.acquire}, granted by the broker."""
-        if mode not in MODES:
-            raise ValueError(f"unknown lease mode {mode!r}")
-        gpus = tuple(sorted(set(gpus)))
-        unknown = set(gpus) - set(self.gpus)
-        if unknown:
-            raise ValueError(f"unknown GPU id(s): {sorted(unknown)}")
+        gpus = checked_request(self.gpus, gpus, mode)
         existing = self._grants.get(holder)
-        if (
-            existing is not None
-            and set(gpus) <= set(existing.gpus)
-            and (existing.mode == mode or existing.mode == EXCLUSIVE)
-        ):
+        if existing is not None and covers(existing, gpus, mode):
             return succeed(existing)
         if existing is not None or holder in self._waits:
             raise RuntimeError(f"{holder!r} already holds or waits for GPUs")
@@ -494,11 +488,7 @@ class RemoteArbiter:
 
     def labels_during(self, gpu: int, start: float, end: float) -> set[str | None]:
         """As L{LeaseArbiter.labels_during}, over every front end's holds."""
-        labels = {
-            interval.label
-            for interval in self.history.get(gpu, ())
-            if interval.start <= end and interval.end >= start
-        }
+        labels = labels_between(self.history.get(gpu, ()), start, end)
         state = self._gpu_state.get(gpu, {})
         since = state.get("since")
         if state.get("holder") is not None and since is not None and since <= end:

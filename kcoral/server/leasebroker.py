@@ -26,13 +26,17 @@ GPU's grants and releases.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
+import os
+import signal
 from collections import deque
 from collections.abc import Callable, Hashable
 from typing import Any
 
 import attrs
+import psutil
 from twisted.internet.defer import CancelledError, Deferred, succeed
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.internet.protocol import Factory, connectionDone
@@ -171,10 +175,38 @@ class LeaseBroker:
         return number
 
     def detach(self, number: int, holders: list[RemoteHolder]) -> None:
-        """A front end went away: everything it held or waited for is dropped."""
+        """
+        A front end went away: its waits are withdrawn at once; a hold ends
+        only once its worker process is gone.  That worker may still be
+        running a kernel (it dies with its front end, but not at the same
+        instant), so it is killed, and the GPU stays closed to everyone
+        else until it has exited, as when a worker of this process dies.
+        """
         self._connections.pop(number, None)
         for holder in holders:
-            self.arbiter.abandon(holder)
+            grant = self.arbiter.grant_of(holder)
+            if grant is None or holder.pid is None or not _alive(holder.pid):
+                self.arbiter.abandon(holder)
+                continue
+            self.log.warn(
+                "front end went away while {holder} (pid {pid}) held GPU(s) {gpu_ids}: "
+                "the worker is killed and the GPUs wait for its end",
+                kcoral_event="orphan_holder_killed",
+                holder=holder.seat,
+                pid=holder.pid,
+                gpu_ids=list(grant.gpus),
+            )
+            with contextlib.suppress(OSError):
+                os.kill(holder.pid, signal.SIGKILL)
+            self._release_when_gone(holder)
+        self.changed()
+
+    def _release_when_gone(self, holder: RemoteHolder) -> None:
+        assert holder.pid is not None
+        if _alive(holder.pid):
+            self.arbiter._clock.callLater(ORPHAN_POLL_SECONDS, self._release_when_gone, holder)
+            return
+        self.arbiter.abandon(holder)
         self.changed()
 
     def changed(self) -> None:
@@ -213,6 +245,18 @@ class LeaseBroker:
                 "closed": [[i.label, i.start, i.end, i.mode] for i in history],
             }
         return {"gpus": gpus, "closed": arbiter.closed, "full": full}
+
+
+#: How often the broker looks whether a lost front end's holder has exited.
+ORPHAN_POLL_SECONDS = 0.02
+
+
+def _alive(pid: int) -> bool:
+    """Whether process C{pid} still exists (a zombie has ended: its GPU work is over)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def _name(holder: Hashable | None) -> str | None:

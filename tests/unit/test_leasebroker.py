@@ -6,6 +6,10 @@ them.  In memory: AMP over L{twisted.test.iosim} connections, a L{Clock}.
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+import time
 from typing import Any
 
 import attrs
@@ -18,11 +22,15 @@ from twisted.trial.unittest import SynchronousTestCase
 from kcoral.server.lease import MAINTENANCE, Grant, LeaseArbiter, LeaseUnavailable
 from kcoral.server.leasebroker import LeaseBroker, RemoteArbiter, broker_factory
 
+#: Process ids no process can have (above any pid_max): a lost front end's
+#: holder is killed by the broker, and a test must never name a real one.
+NO_PID = 10**9
+
 
 @attrs.define(eq=False)
 class Worker:
     seat: str
-    pid: int = 100
+    pid: int | None = None
 
 
 class BrokerTests(SynchronousTestCase):
@@ -177,7 +185,7 @@ class BrokerTests(SynchronousTestCase):
     def test_the_broker_logs_the_lease_events_in_order(self) -> None:
         one, _ = self.front_end()
         two, _ = self.front_end()
-        a, b = Worker("fe1/w0", pid=11), Worker("fe2/w0", pid=22)
+        a, b = Worker("fe1/w0", pid=NO_PID + 11), Worker("fe2/w0", pid=NO_PID + 22)
         with capturedLogs() as events:
             self.granted(one.acquire(a, (0,), label="req-a"))
             waiting = two.acquire(b, (0,), label="req-b")
@@ -188,9 +196,9 @@ class BrokerTests(SynchronousTestCase):
         self.assertEqual(
             [(e["kcoral_event"], e["holder"], e["pid"], e["request_id"]) for e in mine],
             [
-                ("lease_granted", "fe1/w0", 11, "req-a"),
-                ("lease_released", "fe1/w0", 11, "req-a"),
-                ("lease_granted", "fe2/w0", 22, "req-b"),
+                ("lease_granted", "fe1/w0", NO_PID + 11, "req-a"),
+                ("lease_released", "fe1/w0", NO_PID + 11, "req-a"),
+                ("lease_granted", "fe2/w0", NO_PID + 22, "req-b"),
             ],
         )
 
@@ -231,3 +239,32 @@ class BrokerTests(SynchronousTestCase):
         self.assertEqual(len(pushes), 1)
         self.assertEqual(pushes[0]["gpus"]["0"]["holder"], "fe1/w1")
         self.successResultOf(waiting)
+
+    def test_a_lost_front_ends_holder_is_killed_and_waited_for(self) -> None:
+        """
+        The front end goes away while its worker holds the GPU: the broker
+        kills that worker, and nobody else gets the GPU before it has exited.
+        """
+        sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        self.addCleanup(sleeper.wait)
+        self.addCleanup(sleeper.kill)
+        one, pump = self.front_end()
+        two, _ = self.front_end()
+        self.granted(one.acquire(Worker("fe1/w0", pid=sleeper.pid), (0,)))
+        theirs = two.acquire(Worker("fe2/w0"), (0,))
+        self.flush()
+        with capturedLogs() as events:
+            pump.client.transport.loseConnection()
+            self.flush()
+        self.assertEqual(
+            [e["kcoral_event"] for e in events if "kcoral_event" in e], ["orphan_holder_killed"]
+        )
+        self.assertNoResult(theirs)
+        deadline = time.monotonic() + 10
+        while sleeper.poll() is None:
+            self.assertLess(time.monotonic(), deadline)
+            time.sleep(0.01)
+        self.assertEqual(sleeper.returncode, -signal.SIGKILL)
+        self.clock.advance(0.05)
+        self.flush()
+        self.assertEqual(self.successResultOf(theirs).holder.seat, "fe2/w0")

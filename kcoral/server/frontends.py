@@ -64,6 +64,10 @@ SPLIT_CAPS = (
 #: Seconds before a front end that died is started again (doubling, at most the second).
 RESTART_DELAY = (0.5, 30.0)
 
+#: A front end that ran this long before it died is restarted after the
+#: shortest delay again.
+STEADY_SECONDS = 60.0
+
 
 #: The descriptor the first listening socket has in another front end
 #: (the next ones follow): 0-2 are its standard streams.
@@ -138,9 +142,10 @@ def merge_health(
 class _FrontEnd(ProcessProtocol):
     """One front end process, as its supervisor sees it."""
 
-    def __init__(self, supervisor: FrontEndsService, index: int) -> None:
+    def __init__(self, supervisor: FrontEndsService, index: int, started_at: float) -> None:
         self.supervisor = supervisor
         self.index = index
+        self.started_at = started_at
         self.exited: Deferred[int | None] = Deferred()
 
     def processEnded(self, reason: Failure) -> None:
@@ -205,7 +210,7 @@ class FrontEndsService:
             "inherited": inherited,
         }
         spec.write_text(json.dumps(document))
-        process = _FrontEnd(self, index)
+        process = _FrontEnd(self, index, self._reactor.seconds())
         self._processes[index] = process
         self._reactor.spawnProcess(
             process,
@@ -227,6 +232,8 @@ class FrontEndsService:
         del self._processes[process.index]
         if self._stopping:
             return
+        if self._reactor.seconds() - process.started_at >= STEADY_SECONDS:
+            self._delays.pop(process.index, None)  # it had been running well
         delay = self._delays.get(process.index, RESTART_DELAY[0])
         self._delays[process.index] = min(delay * 2, RESTART_DELAY[1])
         self.log.error(

@@ -15,11 +15,10 @@ C{--front-ends N} the server runs N processes:
    same server with a L{RemoteArbiter} in place of the arbiter, its share of
    the seats and spares (every N-th), and its share of the caps (memory
    cache, bytes in flight, connections, queue).
- - All of them accept connections on the first's listening sockets, which
-   the others inherit: whichever process is free first takes the next
-   connection, a keep-alive connection (so a C{CACHE_MISS} and its retry)
-   stays with one process, and a second server started on the same port by
-   mistake fails to bind as always.
+ - All of them listen on the same TCP port with C{SO_REUSEPORT}: the kernel
+   spreads connections evenly over them, and a keep-alive connection (so a
+   C{CACHE_MISS} and its retry) stays with one process.  The first checks
+   that the port is free first, so a second server on it fails to bind.
 
 Each front end writes its own events (the others under
 C{<log dir>/front-end-<n>}); the lease events are all the first's, so one
@@ -30,8 +29,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -51,7 +52,7 @@ from kcoral.config import ServerConfig
 from kcoral.server.lease import LeaseArbiter
 from kcoral.server.leasebroker import LeaseBroker, RemoteArbiter, broker_factory
 
-__all__ = ["FrontEndsService", "BrokerConnection", "adopt_listening", "main"]
+__all__ = ["FrontEndsService", "BrokerConnection", "listen_reusing_port", "main"]
 
 #: Caps that are the server's whole, split between its front ends.
 SPLIT_CAPS = (
@@ -69,22 +70,52 @@ RESTART_DELAY = (0.5, 30.0)
 STEADY_SECONDS = 60.0
 
 
-#: The descriptor the first listening socket has in another front end
-#: (the next ones follow): 0-2 are its standard streams.
-FIRST_INHERITED_FD = 3
-
-
-def adopt_listening(reactor: Any, inherited: Sequence[tuple[int, int]], factory: Any) -> list[Any]:
+def listen_reusing_port(
+    reactor: Any, description: str, factory: Any, first: bool
+) -> IListeningPort:
     """
-    In a front end other than the first: accept on the listening sockets
-    the first handed down, C{(descriptor, address family)} each.  The
-    reactor keeps a duplicate; the inherited descriptor is closed.
+    Listen on a C{tcp:} endpoint description with C{SO_REUSEPORT}, so that
+    every front end binds the same port and the kernel spreads connections
+    over them.  The first front end makes sure the port is free before it
+    sets the option, so a second server started on the same port still
+    fails to bind instead of sharing it.
+
+    @raise ValueError: the description is not plain TCP (TLS and Unix
+        sockets are served by one process only).
+    @raise OSError: the port is taken (C{EADDRINUSE}), or cannot be bound.
     """
-    ports = []
-    for fd, family in inherited:
-        ports.append(reactor.adoptStreamPort(fd, family, factory))
-        os.close(fd)
-    return ports
+    fields = re.split(r"(?<!\\):", description)
+    if fields[0].lower() not in ("tcp", "tcp6"):
+        raise ValueError(f"--front-ends needs plain TCP endpoints, not {description!r}")
+    named: dict[str, str] = {}
+    positional: list[str] = []
+    for item in fields[1:]:
+        key, sep, value = item.partition("=")
+        value = value.replace("\\:", ":").replace("\\\\", "\\")
+        if sep:
+            named[key] = value
+        else:
+            positional.append(key)
+    port = int(named.get("port") or positional[0])
+    interface = named.get("interface", "::" if fields[0].lower() == "tcp6" else "0.0.0.0")
+    backlog = int(named.get("backlog", "50"))
+    family = socket.AF_INET6 if ":" in interface else socket.AF_INET
+    if first:
+        # Without SO_REUSEPORT: fails if anyone holds the port.
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((interface, port))
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((interface, port))
+        sock.listen(backlog)
+        sock.setblocking(False)
+        listening: IListeningPort = reactor.adoptStreamPort(sock.fileno(), family, factory)
+    finally:
+        sock.close()  # the reactor holds its own descriptor of it
+    return listening
 
 
 def share_of(config: ServerConfig, index: int, broker: Path | None) -> ServerConfig:
@@ -168,13 +199,10 @@ class FrontEndsService:
         config: ServerConfig,
         endpoints: Sequence[str],
         leases: LeaseArbiter,
-        listening: Any = None,
     ) -> None:
         self._reactor = reactor
         self._config = config
         self._endpoints = list(endpoints)
-        #: Returns the first front end's listening ports, to hand down.
-        self._listening = listening
         self.broker = LeaseBroker(leases)
         self._dir: Path | None = None
         self._port: IListeningPort | None = None
@@ -198,17 +226,7 @@ class FrontEndsService:
         assert self._dir is not None
         spec = self._dir / f"front-end-{index}.json"
         config = share_of(self._config, index, self.broker_path)
-        ports = list(self._listening()) if self._listening is not None else []
-        child_fds: dict[int, Any] = {0: "w", 1: 1, 2: 2}
-        inherited = []
-        for number, port in enumerate(ports):
-            child_fds[FIRST_INHERITED_FD + number] = port.fileno()
-            inherited.append((FIRST_INHERITED_FD + number, int(port.addressFamily)))
-        document = {
-            "config": config.as_log_dict(),
-            "endpoints": self._endpoints,
-            "inherited": inherited,
-        }
+        document = {"config": config.as_log_dict(), "endpoints": self._endpoints}
         spec.write_text(json.dumps(document))
         process = _FrontEnd(self, index, self._reactor.seconds())
         self._processes[index] = process
@@ -217,7 +235,7 @@ class FrontEndsService:
             sys.executable,
             [sys.executable, "-m", "kcoral.server.frontends", str(spec)],
             env=dict(os.environ),
-            childFDs=child_fds,
+            childFDs={0: "w", 1: 1, 2: 2},
         )
         self.log.info(
             "front end {index} started (pid {pid})",
@@ -328,8 +346,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     # kcoral's own console mirror writes its events; Twisted's go nowhere.
     globalLogBeginner.beginLoggingTo([], redirectStandardIO=False)
     root = makeService(config, spec["endpoints"], reactor=reactor)
-    http = root.getServiceNamed("http")
-    http.inherited = [(fd, family) for fd, family in spec["inherited"]]  # type: ignore[attr-defined]
     root.exit_status_on_failure = None
     # A front end that cannot start (the broker is gone, say) ends; the
     # first front end starts it again.

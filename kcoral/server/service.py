@@ -50,7 +50,7 @@ from kcoral.server.frontends import (
     REPORT_INTERVAL,
     BrokerConnection,
     FrontEndsService,
-    adopt_listening,
+    listen_reusing_port,
     share_of,
 )
 from kcoral.server.gpus import GpuDevice, discover_gpus, select_gpus
@@ -322,11 +322,12 @@ class ListeningPortService(AsyncService):
         token_file: Path | None = None,
         public_metrics: bool = False,
         run_blocking: RunBlocking | None = None,
+        reuse_port: bool = False,
+        first: bool = True,
     ) -> None:
         self._reactor = reactor
-        #: In a front end other than the first: the first's listening
-        #: sockets, (descriptor, family), accepted on instead of listening.
-        self.inherited: list[tuple[int, int]] = []
+        self._reuse_port = reuse_port
+        self._first = first
         self._endpoints = (endpoint,) if isinstance(endpoint, str) else tuple(endpoint)
         self._site = site
         self._token_file = token_file
@@ -359,9 +360,12 @@ class ListeningPortService(AsyncService):
             self._site.resource = TokenGuard(
                 self._site.resource, tokens, public_metrics=self._public_metrics
             )
-        if self.inherited:
-            # Several front ends: this one accepts on the first's sockets.
-            self.ports = adopt_listening(self._reactor, self.inherited, self._site)
+        if self._reuse_port:
+            # Several front ends: each binds the same port (kcoral.server.frontends).
+            self.ports = [
+                listen_reusing_port(self._reactor, d, self._site, self._first)
+                for d in self._endpoints
+            ]
         else:
             self.ports = await listen_all(self._reactor, self._endpoints, self._site)
         for port in self.ports:
@@ -550,6 +554,8 @@ class KCoralService(service.MultiService):
                 token_file=config.auth_token_file,
                 public_metrics=config.public_metrics,
                 run_blocking=self.run_blocking,
+                reuse_port=config.front_ends > 1,
+                first=config.lease_broker is None,
             )
             # Stopped in reverse order: the port, the workers, then the linger.
             children.insert(
@@ -558,9 +564,7 @@ class KCoralService(service.MultiService):
             children.append(_named(http, "http"))
             if config.front_ends > 1 and isinstance(self.leases, LeaseArbiter):
                 endpoints = (endpoint,) if isinstance(endpoint, str) else tuple(endpoint)
-                front_ends = FrontEndsService(
-                    self._reactor, whole, endpoints, self.leases, lambda: http.ports
-                )
+                front_ends = FrontEndsService(self._reactor, whole, endpoints, self.leases)
                 children.append(
                     _named(
                         _FrontEndsChild(

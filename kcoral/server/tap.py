@@ -372,7 +372,7 @@ class Options(usage.Options):
         _int_param(
             "front-ends",
             _DEFAULTS.front_ends,
-            "Server processes sharing the listening port and the GPUs' leases, each "
+            "Server processes sharing the port (SO_REUSEPORT) and the GPUs' leases, each "
             "with its own event loop and an equal share of the seats, spares and caps; "
             "1: one process. Plain TCP endpoints only.",
         ),

@@ -1,5 +1,5 @@
 """
-C{--front-ends 2}: two server processes on one port (the first's sockets),
+C{--front-ends 2}: two server processes on one port (C{SO_REUSEPORT}),
 each with its own share of the seats, the first keeping the leases and
 restarting the second when it dies.  Real processes, real HTTP.
 """

@@ -14,7 +14,7 @@ from twisted.internet.protocol import Factory, Protocol
 from twisted.trial.unittest import SynchronousTestCase
 
 from kcoral.config import ServerConfig
-from kcoral.server.frontends import adopt_listening, merge_health, share_of
+from kcoral.server.frontends import listen_reusing_port, merge_health, share_of
 
 
 class ShareTests(SynchronousTestCase):
@@ -48,7 +48,7 @@ class ShareTests(SynchronousTestCase):
 
 
 class _Reactor:
-    """Enough of a reactor for L{adopt_listening}: what it adopts."""
+    """Enough of a reactor for L{listen_reusing_port}: what it adopts."""
 
     def __init__(self) -> None:
         self.adopted: list[tuple[int, int]] = []
@@ -59,23 +59,42 @@ class _Reactor:
         return object()
 
 
-class AdoptTests(SynchronousTestCase):
-    def test_inherited_sockets_are_adopted_and_closed(self) -> None:
-        listening = socket.socket()
-        listening.bind(("127.0.0.1", 0))
-        listening.listen(8)
-        inherited = os.dup(listening.fileno())
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+class ReusePortTests(SynchronousTestCase):
+    def test_every_front_end_binds_the_port(self) -> None:
         reactor = _Reactor()
-        ports = adopt_listening(
-            reactor, [(inherited, socket.AF_INET)], Factory.forProtocol(Protocol)
-        )
-        self.assertEqual(len(ports), 1)
-        ((fd, family),) = reactor.adopted
-        self.assertEqual(family, socket.AF_INET)
-        self.assertEqual(socket.socket(fileno=fd).getsockname(), listening.getsockname())
+        port = _free_port()
+        factory = Factory.forProtocol(Protocol)
+        description = f"tcp:port={port}:interface=127.0.0.1:backlog=64"
+        listen_reusing_port(reactor, description, factory, first=True)
+        listen_reusing_port(reactor, description, factory, first=False)
+        self.assertEqual(len(reactor.adopted), 2)
+        for fd, family in reactor.adopted:
+            self.assertEqual(family, socket.AF_INET)
+            bound = socket.socket(fileno=fd)
+            self.assertEqual(bound.getsockname(), ("127.0.0.1", port))
+            bound.close()
+
+    def test_the_first_refuses_a_taken_port(self) -> None:
+        """A port someone else holds, even with SO_REUSEPORT set, is not shared."""
+        port = _free_port()
+        other = socket.socket()
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        other.bind(("127.0.0.1", port))
+        other.listen(1)
+        self.addCleanup(other.close)
         with self.assertRaises(OSError):
-            os.fstat(inherited)
-        listening.close()
+            listen_reusing_port(_Reactor(), f"tcp:port={port}:interface=127.0.0.1", Factory(), True)
+
+    def test_only_tcp(self) -> None:
+        with self.assertRaisesRegex(ValueError, "plain TCP"):
+            listen_reusing_port(_Reactor(), "ssl:8443:privateKey=k.pem", Factory(), True)
 
 
 def _health(index: int, workers: list[str], ready: int, active: int) -> dict[str, Any]:

@@ -467,9 +467,10 @@ class ServerConfig:
             return FRESH_CUDA_CONNECTIONS
         return CUDA_DEFAULT_CONNECTIONS
 
-    def worker_ids(self) -> list[str]:
+    def seats(self) -> list[tuple[str, int | None]]:
         """
-        Name every worker seat, in start order.
+        Every worker seat of this process, in start order: its name and its
+        GPU (C{None} in CPU mode).
 
         GPU mode: C{gpu<id>/w<index>} for each id in C{gpus} order and each
         index below C{workers_per_gpu}.  CPU mode: C{cpu/w<index>} for each
@@ -479,12 +480,16 @@ class ServerConfig:
         """
         first, step = self.front_end_index, self.front_ends
         if self.cpu_mode:
-            return [f"cpu/w{i}" for i in range(first, self.num_workers, step)]
+            return [(f"cpu/w{i}", None) for i in range(first, self.num_workers, step)]
         return [
-            f"gpu{gpu}/w{i}"
+            (f"gpu{gpu}/w{i}", gpu)
             for gpu in self.distinct_gpus
             for i in range(first, self.workers_per_gpu, step)
         ]
+
+    def worker_ids(self) -> list[str]:
+        """The names of L{seats}."""
+        return [name for name, _gpu in self.seats()]
 
     def as_log_dict(self) -> dict[str, Any]:
         """

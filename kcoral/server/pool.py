@@ -316,19 +316,8 @@ class WorkerPool:
     log = Logger()
 
     def __attrs_post_init__(self) -> None:
-        config = self.config
-        # With several front ends, every front_ends-th seat from this one's
-        # index is its own (ServerConfig.worker_ids).
-        first = int(getattr(config, "front_end_index", 0) or 0)
-        step = int(getattr(config, "front_ends", 1) or 1)
-        if config.device == "cpu":
-            self.seats = [Seat(f"cpu/w{i}", None) for i in range(first, config.num_workers, step)]
-        else:
-            self.seats = [
-                Seat(f"gpu{gpu}/w{i}", gpu)
-                for gpu in config.gpus
-                for i in range(first, config.workers_per_gpu, step)
-            ]
+        # This process's seats (with several front ends, every N-th).
+        self.seats = [Seat(name, gpu) for name, gpu in self.config.seats()]
         for seat in self.seats:
             self._assigned.setdefault(seat.gpu_id, 0)
 
@@ -1138,8 +1127,7 @@ class WorkerPool:
             prefix = "cpu" if gpu is None else f"gpu{gpu}"
             # With several front ends each numbers its spares apart (s1, s3,
             # ... and s2, s4, ...), so a name is unique in the server's logs.
-            step = int(getattr(self.config, "front_ends", 1) or 1)
-            first = int(getattr(self.config, "front_end_index", 0) or 0)
+            step, first = self.config.front_ends, self.config.front_end_index
             serial = (self._spare_serial - 1) * step + first + 1
             spare = Spare(f"{prefix}/s{serial}", gpu)
             self.spares.append(spare)

@@ -26,7 +26,7 @@ granted, and later ones while no exclusive waiter is in line ahead of them.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any, Protocol
 
 import attrs
@@ -102,6 +102,14 @@ def covers(existing: Grant | None, gpus: tuple[int, ...], mode: str) -> bool:
         and set(gpus) <= set(existing.gpus)
         and (existing.mode == mode or existing.mode == EXCLUSIVE)
     )
+
+
+def least_busy_of(
+    order: tuple[int, ...], usable: Iterable[int], depth: Callable[[int], int], count: int
+) -> tuple[int, ...]:
+    """The C{count} C{usable} GPUs of least C{depth} (ties in C{order}), in ascending order."""
+    chosen = sorted(usable, key=lambda gpu: (depth(gpu), order.index(gpu)))[:count]
+    return tuple(sorted(chosen))
 
 
 def labels_between(intervals: Iterable[HoldInterval], start: float, end: float) -> set[str | None]:
@@ -352,8 +360,7 @@ class LeaseArbiter:
         usable = [gpu for gpu in self.gpus if gpu not in self._quarantined]
         if self.closed or count > len(usable):
             raise LeaseUnavailable("worker cleanup failed; device unavailable")
-        chosen = sorted(usable, key=lambda gpu: (self.depth(gpu), self.gpus.index(gpu)))[:count]
-        return tuple(sorted(chosen))
+        return least_busy_of(self.gpus, usable, self.depth, count)
 
     def _place(self, waiter: _Waiter) -> tuple[float, int]:
         """A waiter's place in line: a maintenance waiter stands back."""

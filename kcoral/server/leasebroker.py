@@ -46,7 +46,6 @@ from twisted.python.failure import Failure
 
 from kcoral.server.lease import (
     EXCLUSIVE,
-    MODES,
     Grant,
     HoldInterval,
     LeaseArbiter,
@@ -54,6 +53,7 @@ from kcoral.server.lease import (
     checked_request,
     covers,
     labels_between,
+    least_busy_of,
 )
 
 __all__ = ["LeaseBroker", "RemoteArbiter", "RemoteHolder", "broker_factory"]
@@ -231,20 +231,23 @@ class LeaseBroker:
             holder = arbiter.holder_of(gpu)
             grant = None if holder is None else arbiter.grant_of(holder)
             history = list(arbiter.history.get(gpu, ()))
-            last = None if full else self._sent.get(gpu)
-            if last is not None and last in history:
-                history = history[history.index(last) + 1 :]
-            if history:
-                self._sent[gpu] = history[-1]
+            if not full:
+                # What the last push to everyone did not carry (a full
+                # state goes to one new front end only: it moves nothing).
+                last = self._sent.get(gpu)
+                if last is not None and last in history:
+                    history = history[history.index(last) + 1 :]
+                if history:
+                    self._sent[gpu] = history[-1]
             gpus[str(gpu)] = {
                 "depth": arbiter.depth(gpu),
                 "holder": _name(holder),
                 "label": None if holder is None else arbiter.label_of(holder),
                 "since": None if grant is None else grant.granted_at,
-                "maintainers": sorted(_name(m) or "" for m in arbiter.maintainers_of(gpu)),
+                "maintainers": sorted(str(_name(m)) for m in arbiter.maintainers_of(gpu)),
                 "closed": [[i.label, i.start, i.end, i.mode] for i in history],
             }
-        return {"gpus": gpus, "closed": arbiter.closed, "full": full}
+        return {"gpus": gpus, "full": full}
 
 
 #: How often the broker looks whether a lost front end's holder has exited.
@@ -304,8 +307,8 @@ class _BrokerProtocol(amp.AMP):
         pid: int | None = None,
         label: str | None = None,
     ) -> Deferred[dict[str, float]]:
-        if mode not in MODES:
-            raise ValueError(f"unknown lease mode {mode!r}")
+        # Refused before a holder is recorded for it.
+        checked_request(self._broker.arbiter.gpus, tuple(gpus), mode)
         holder = self._holders.setdefault(
             token, RemoteHolder(self._number, token, seat=seat, pid=pid)
         )
@@ -545,8 +548,7 @@ class RemoteArbiter:
             raise ValueError(f"cannot lease {count} GPUs")
         if self.closed or self._protocol is None or count > len(self.gpus):
             raise LeaseUnavailable("worker cleanup failed; device unavailable")
-        chosen = sorted(self.gpus, key=lambda gpu: (self.depth(gpu), self.gpus.index(gpu)))
-        return tuple(sorted(chosen[:count]))
+        return least_busy_of(self.gpus, self.gpus, self.depth, count)
 
     def _connected(self, protocol: _FrontEndProtocol) -> None:
         self._protocol = protocol

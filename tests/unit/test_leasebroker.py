@@ -268,3 +268,20 @@ class BrokerTests(SynchronousTestCase):
         self.clock.advance(0.05)
         self.flush()
         self.assertEqual(self.successResultOf(theirs).holder.seat, "fe2/w0")
+
+    def test_a_new_front_end_does_not_take_closed_holds_from_the_others(self) -> None:
+        """
+        A hold closed just before another front end connects still reaches
+        the front ends already there (the newcomer's full state is its own).
+        """
+        one, pump = self.front_end()
+        a = Worker("fe1/w0")
+        self.granted(one.acquire(a, (0,), label="req-a"))
+        start = self.clock.seconds()
+        self.clock.advance(1)
+        one.release(a)
+        pump.flush()  # the release reached the broker; its push waits for the turn's end
+        two, _ = self.front_end()
+        self.flush()
+        self.assertEqual(one.labels_during(0, start, start + 0.5), {"req-a"})
+        self.assertEqual(two.labels_during(0, start, start + 0.5), {"req-a"})

@@ -145,7 +145,7 @@ def merge_health(
     GPU's ready spares summed, every front end's workers and spares listed
     (each marked with its C{front_end}), the lease figures this process's
     (they are the broker's, the same everywhere), and under C{front_end}
-    which reports are in (C{reporting}) and how old the oldest is.
+    which reports are in (C{reporting}; each at most L{REPORT_INTERVAL} old).
     """
     others = {i: h for i, h in sorted(peers.items()) if i != index}
     merged = dict(own)

@@ -629,9 +629,13 @@ class RequestBodyParser:
         """Whether a blob's threads may still be busy: L{close} waits for them."""
         return bool(self._pending)
 
+    def _offload(self) -> BlobSink | None:
+        """The threads of the blob being received, if it has them."""
+        return self._sink.sink if isinstance(self._sink, _BlobWriter) else None
+
     def backlog(self) -> int:
         """Bytes fed that the part being received has not yet written and hashed."""
-        sink = self._sink.sink if isinstance(self._sink, _BlobWriter) else None
+        sink = self._offload()
         return 0 if sink is None else sink.backlog
 
     def when_drained(self, level: int, callback: Callable[[], None]) -> None:
@@ -639,7 +643,7 @@ class RequestBodyParser:
         Call C{callback} once L{backlog} is C{level} bytes or less: at once
         if it is, else from a sink thread.
         """
-        sink = self._sink.sink if isinstance(self._sink, _BlobWriter) else None
+        sink = self._offload()
         if sink is None:
             callback()
         else:

@@ -62,16 +62,21 @@ def _second(server: ServerProcess) -> psutil.Process:
     return child
 
 
-def test_two_front_ends_share_the_port(tmp_path: Path) -> None:
-    log_dir = tmp_path / "logs"
+def _started(tmp_path: Path, *flags: str) -> ServerProcess:
+    """A CPU server of two front ends with a seat each, logging under C{tmp_path/logs}."""
     server = ServerProcess(
         [
-            *("--device", "cpu", "--num-workers", "2", "--front-ends", "2"),
-            *("--sandbox", "none", "--max-requests-per-worker", "0", "--log-dir", str(log_dir)),
+            *("--device", "cpu", "--num-workers", "2", "--front-ends", "2", "--sandbox", "none"),
+            *("--log-dir", str(tmp_path / "logs"), *flags),
         ],
         log_path=tmp_path / "server.out",
     )
-    server.start(timeout=120)
+    return server.start(timeout=120)
+
+
+def test_two_front_ends_share_the_port(tmp_path: Path) -> None:
+    log_dir = tmp_path / "logs"
+    server = _started(tmp_path, "--max-requests-per-worker", "0")
     try:
         deadline = time.monotonic() + 30
         while True:
@@ -130,14 +135,7 @@ def test_the_others_stop_when_the_first_dies(tmp_path: Path) -> None:
     stops by itself instead of serving with no lease, and says why.
     """
     log_dir = tmp_path / "logs"
-    server = ServerProcess(
-        [
-            *("--device", "cpu", "--num-workers", "2", "--front-ends", "2"),
-            *("--sandbox", "none", "--log-dir", str(log_dir)),
-        ],
-        log_path=tmp_path / "server.out",
-    )
-    server.start(timeout=120)
+    server = _started(tmp_path)
     try:
         deadline = time.monotonic() + 30
         while True:

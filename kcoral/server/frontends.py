@@ -170,6 +170,21 @@ def merge_health(
     return merged
 
 
+#: The longest Unix socket path the broker uses (the kernel takes 107 bytes).
+MAX_SOCKET_PATH = 100
+
+
+def _socket_parent() -> str:
+    """
+    Where the broker's private directory goes: the temporary directory,
+    unless its path is too long for a Unix socket in it (a deep C{TMPDIR}),
+    then C{/tmp}.
+    """
+    parent = tempfile.gettempdir()
+    longest = len(os.path.join(parent, "kcoral-front-ends-12345678", "broker.sock"))
+    return parent if longest <= MAX_SOCKET_PATH else "/tmp"
+
+
 class _FrontEnd(ProcessProtocol):
     """One front end process, as its supervisor sees it."""
 
@@ -215,7 +230,7 @@ class FrontEndsService:
         return None if self._dir is None else self._dir / "broker.sock"
 
     def start(self) -> None:
-        self._dir = Path(tempfile.mkdtemp(prefix="kcoral-front-ends-"))
+        self._dir = Path(tempfile.mkdtemp(prefix="kcoral-front-ends-", dir=_socket_parent()))
         path = self.broker_path
         assert path is not None
         self._port = self._reactor.listenUNIX(str(path), broker_factory(self.broker), mode=0o600)
@@ -242,6 +257,7 @@ class FrontEndsService:
             kcoral_event="front_end_started",
             index=index,
             pid=getattr(process.transport, "pid", None),
+            broker=str(self.broker_path),
         )
 
     def _ended(self, process: _FrontEnd, code: int | None) -> None:

@@ -182,6 +182,18 @@ def try_connect(host, port):
         s.close()
 
 
+def try_connect_unix(path):
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(3)
+    try:
+        s.connect(path)
+        return json.dumps("connected")
+    except OSError as e:
+        return json.dumps(_err(e))
+    finally:
+        s.close()
+
+
 def plant_symlink(target, name):
     os.symlink(target, name)
     return json.dumps(os.readlink(name))
@@ -1014,3 +1026,32 @@ def test_hanging_bwrap_falls_back_to_no_sandbox(tmp_path: Path) -> None:
         # Workers run unsandboxed but work.
         response = server.execute(program("add", 2, 3))
         assert completed(response)["results"]["out"] == {"type": "integer", "value": 5}
+
+
+# -- several front ends: the lease broker ---------------------------------------
+
+
+def test_programs_cannot_reach_the_lease_broker(tmp_path: Path) -> None:
+    """
+    With C{--front-ends 2}, the first front end serves every GPU's lease on
+    a Unix socket in a private directory of the host's temporary directory
+    (this test's server directory is too deep for a socket path, so
+    C{/tmp}).  A program in either front end's sandbox tries to connect to
+    it by its host path (which the test reads from the server's log) and
+    fails: its /tmp is its own.
+    """
+    env = Env(tmp_path, "--num-workers", "2", "--front-ends", "2")
+    with env.server:
+        started = wait_for(
+            lambda: [e for e in events(env.log_dir) if event_name(e) == "front_end_started"],
+            what="front_end_started",
+        )
+        broker = event_field(started[0], "broker")
+        # The socket is real and reachable from the host.
+        with socket.socket(socket.AF_UNIX) as host:
+            host.connect(broker)
+        assert env.server.health()["front_end"]["of"] == 2
+        # Each program's connection lands on either front end (SO_REUSEPORT).
+        for _ in range(8):
+            denied(call(env.server, "try_connect_unix", broker), "ENOENT", "EACCES", "ECONNREFUSED")
+        assert_healthy(env.server)

@@ -132,3 +132,16 @@ class MergeHealthTests(SynchronousTestCase):
         self.assertEqual(merged["gpus"][0]["spares_ready"], 3)
         self.assertEqual(merged["front_end"], {"index": 1, "of": 2, "reporting": [0, 1]})
         self.assertEqual(own["load"]["request_capacity"], 2)  # not changed in place
+
+
+class SocketPlaceTests(SynchronousTestCase):
+    def test_a_deep_temporary_directory_is_not_used(self) -> None:
+        """A Unix socket path has a kernel limit: under a deep TMPDIR the broker uses /tmp."""
+        import tempfile
+
+        from kcoral.server import frontends
+
+        self.patch(tempfile, "tempdir", "/tmp/" + "d" * 90)
+        self.assertEqual(frontends._socket_parent(), "/tmp")
+        self.patch(tempfile, "tempdir", "/var/tmp")
+        self.assertEqual(frontends._socket_parent(), "/var/tmp")

@@ -165,12 +165,43 @@ class ServerProcess:
                 raise RuntimeError(f"server exited with {self.process.returncode} during start")
             try:
                 if request(self.port, "GET", "/health", timeout=2).status == 200:
-                    return self
+                    break
             except OSError:
                 pass
             time.sleep(0.1)
-        self.stop()
-        raise RuntimeError("server did not answer /health in time")
+        else:
+            self.stop()
+            raise RuntimeError("server did not answer /health in time")
+        # With several front ends, the first answers before the others
+        # listen: wait until the kernel has handed a connection to each.
+        while len(self.front_ends_answering(10)) < self.front_ends:
+            if time.monotonic() > deadline or self.process.poll() is not None:
+                self.stop()
+                raise RuntimeError("not every front end answered /health in time")
+            time.sleep(0.1)
+        return self
+
+    @property
+    def front_ends(self) -> int:
+        """The C{--front-ends} count in L{args} (1 without the flag)."""
+        if "--front-ends" in self.args:
+            return int(self.args[self.args.index("--front-ends") + 1])
+        return 1
+
+    def front_ends_answering(self, tries: int) -> dict[int, dict[str, Any]]:
+        """
+        Each front end's C{/health} seen from C{tries} new connections (the
+        kernel spreads them over the processes sharing the port), by index.
+        """
+        seen: dict[int, dict[str, Any]] = {}
+        for _ in range(tries):
+            try:
+                health = self.health()
+            except OSError:
+                continue
+            front_end = health.get("front_end") or {"index": 0}
+            seen[front_end["index"]] = health
+        return seen
 
     def health(self) -> dict[str, Any]:
         result: dict[str, Any] = request(self.port, "GET", "/health").json()

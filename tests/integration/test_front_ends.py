@@ -16,7 +16,7 @@ from typing import Any
 import psutil
 import pytest
 
-from kcoral.testing.live_server import ServerProcess, request
+from kcoral.testing.live_server import ServerProcess
 
 pytestmark = pytest.mark.integration
 
@@ -35,12 +35,9 @@ def _program(a: int) -> dict[str, Any]:
 
 
 def _front_ends_seen(server: ServerProcess, tries: int = 60) -> dict[int, dict[str, Any]]:
-    """Each front end's /health, from new connections (the kernel spreads them)."""
-    seen: dict[int, dict[str, Any]] = {}
-    for _ in range(tries):
-        health = json.loads(request(server.port, "GET", "/health").body)
-        seen[health["front_end"]["index"]] = health
-        assert health["front_end"]["of"] == 2
+    """Each front end's /health, from new connections; each says it is one of two."""
+    seen = server.front_ends_answering(tries)
+    assert all(health["front_end"]["of"] == 2 for health in seen.values()), seen
     return seen
 
 

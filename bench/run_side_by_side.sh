@@ -19,6 +19,8 @@
 # client; ours is also named kcoral).  Results: bench/results/side_by_side_*
 # (and $OUT when set, for the device tool).  About 6-8 minutes; BUDGET caps it.
 # Environment: PYTHON (python3), DRIVER_PYTHON and REF_PYTHON (PYTHON), GPU (0), WORKERS (8), REF_SITE, BUDGET (480 s),
+# ONLY may also name kcoral-feN: kcoral as N front ends (--front-ends N), with a
+# second table in kcoral's place.
 # WORKLOADS (the driver's workloads, default "null open-loop tensor overlap copy"),
 # DRIVER_ARGS (appended to every driver run), ONLY (e.g. "stub kcoral" to skip
 # the reference), DEVICE_FLAGS and REF_DEVICE_FLAGS (replace the servers'
@@ -94,6 +96,15 @@ for name in $ONLY; do
         SERVER_PID=$!
         wait_ready kcoral "$WORKERS" 120 && drive kcoral
         ;;
+    kcoral-fe[0-9]*)
+        # kcoral again, as ${name#kcoral-fe} front ends sharing the port and the lease.
+        # shellcheck disable=SC2086
+        "$PY" -m kcoral server $DEVICE_FLAGS --front-ends "${name#kcoral-fe}" --sandbox none \
+            --log-dir '' --host 127.0.0.1 --port "$PORT" --max-requests-per-worker 0 >"$log" 2>&1 &
+        SERVER_PID=$!
+        wait_ready "$name" "$WORKERS" 180 && wait_front_ends "$name" "${name#kcoral-fe}" 60 \
+            && drive "$name"
+        ;;
     reference)
         # shellcheck disable=SC2086
         # From a directory of its own and with -P: `python -m` would otherwise
@@ -119,6 +130,17 @@ echo "== side by side (took $(( $(date +%s) - START )) s); floor = the stub"
 "$PY" bench/side_by_side_table.py "$RESULTS/side_by_side_stub.json" \
     "$RESULTS/side_by_side_kcoral.json" "$RESULTS/side_by_side_reference.json" \
     --output "$RESULTS/side_by_side_table.json" | tee "$RESULTS/side_by_side_table.txt"
+for name in $ONLY; do
+    case $name in
+    kcoral-fe[0-9]*)
+        echo
+        echo "== $name in kcoral's place"
+        "$PY" bench/side_by_side_table.py "$RESULTS/side_by_side_stub.json" \
+            "$RESULTS/side_by_side_$name.json" "$RESULTS/side_by_side_reference.json" \
+            --output "$RESULTS/side_by_side_table_$name.json" | tee -a "$RESULTS/side_by_side_table.txt"
+        ;;
+    esac
+done
 if [ -n "${OUT:-}" ]; then
     cp "$RESULTS"/side_by_side_*.json "$RESULTS"/side_by_side_table.txt "$OUT"/ 2>/dev/null
     for name in $ONLY; do tail -n 200 "$RESULTS/side_by_side_$name.log" >"$OUT/side_by_side_$name.log" 2>/dev/null; done

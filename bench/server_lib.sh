@@ -54,6 +54,32 @@ EOF
     done
 }
 
+# wait_front_ends NAME COUNT LIMIT_S: every one of COUNT front ends on $PORT
+# has answered /health (the kernel spreads new connections over the processes
+# sharing the port; one that has not started listening gets none).
+wait_front_ends() {
+    local name=$1 count=$2 limit=$3
+    if "$PY" - "$PORT" "$count" "$limit" <<'EOF'
+import http.client, json, sys, time
+port, count, limit = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+seen, deadline = set(), time.monotonic() + limit
+while len(seen) < count and time.monotonic() < deadline:
+    try:
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+        c.request("GET", "/health")
+        seen.add(json.loads(c.getresponse().read())["front_end"]["index"])
+        c.close()
+    except (OSError, KeyError, ValueError):
+        time.sleep(0.2)
+sys.exit(0 if len(seen) == count else 1)
+EOF
+    then
+        echo "   $name: all $count front ends answer"
+    else
+        echo "   ($name: not all $count front ends answered after $limit s; going on)"
+    fi
+}
+
 # ensure_reference_site: the reference 0.1.1 in $REF_SITE, installed from
 # .ref/*.whl (the GPU machine has no package index) unless it is there.
 ensure_reference_site() {

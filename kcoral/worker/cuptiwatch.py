@@ -14,10 +14,9 @@ C{gpu_access} naming that call and the uploaded-code line when it returns.
 Without cupti-python (or without a CUPTI the driver accepts) the worker
 falls back to L{kcoral.worker.gpuwatch}'s Python-level traps.
 
-The same subscription lets a module upload or a GPU function's run start
-off the lease (L{DriverWatch.leasing}): its code may touch CUDA, so the
-first driver call that does blocks, on entry, until the worker holds the
-lease; then the domain is switched off for the rest of the block.
+The same subscription lets a module upload run off the lease
+(L{DriverWatch.leasing}): its top-level code may touch CUDA, so the first
+driver call that does blocks, on entry, until the worker holds the lease.
 """
 
 from __future__ import annotations
@@ -103,10 +102,6 @@ class DriverWatch:
     _acquire: Callable[[], None] | None = None
     _granted: threading.Event | None = None
     _lock: threading.Lock = attrs.field(factory=threading.Lock)
-    #: Whether L{leasing} has the domain on (not yet switched off).
-    _leasing_on: bool = False
-    #: Whether CUPTI refused to switch the domain off inside a callback.
-    switch_off_refused: bool = False
 
     def __attrs_post_init__(self) -> None:
         self._subscriber = self.cupti.subscribe(self._callback, None)
@@ -132,10 +127,6 @@ class DriverWatch:
                 acquire()
             finally:
                 granted.set()
-            # Held now: nothing later in the block needs watching, and a
-            # Python callback on every later call (about 30 us each on an
-            # H200) would slow a launch-heavy run under the lease.
-            self._switch_off()
             return
         if self._first is not None:
             return
@@ -147,16 +138,6 @@ class DriverWatch:
                     uploaded_location(stack),
                     "Traceback (most recent call last):\n" + "".join(traceback.format_list(stack)),
                 )
-
-    def _switch_off(self) -> None:
-        """Switch the driver domain off from inside a callback, if CUPTI lets us."""
-        try:
-            self.cupti.enable_domain(0, self._subscriber, self.cupti.CallbackDomain.DRIVER_API)
-            self._leasing_on = False
-        except Exception:
-            # Refused: the domain stays on until the block ends, which costs
-            # time but changes nothing the lease guards.
-            self.switch_off_refused = True
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
@@ -193,20 +174,16 @@ class DriverWatch:
         Run a block off the lease and take it (C{acquire()}, blocking) at the
         block's first device-touching driver call, before the driver does
         that call; a call from another thread meanwhile waits for the grant
-        too.  Whether it was taken is the lease's own C{held}.  Once it is,
-        the domain is switched off: the rest of the block runs at full speed.
+        too.  Whether it was taken is the lease's own C{held}.
         """
         domain = self.cupti.CallbackDomain.DRIVER_API
         self._acquire = acquire
         self._granted = threading.Event()
         self.cupti.enable_domain(1, self._subscriber, domain)
-        self._leasing_on = True
         try:
             yield
         finally:
-            if self._leasing_on:
-                self.cupti.enable_domain(0, self._subscriber, domain)
-                self._leasing_on = False
+            self.cupti.enable_domain(0, self._subscriber, domain)
             self._acquire = None
             self._granted = None
 

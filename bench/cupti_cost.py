@@ -1,9 +1,11 @@
 """
 What the CUPTI driver watch costs a GPU worker, per call: a driver call
 (C{cuCtxSynchronize}) before any subscription, after this process
-subscribed (the domain switched off), and inside L{DriverWatch.leasing}
-(switched on); and one enable/disable pair, what every lazily leased module
-import pays.
+subscribed (the domain switched off), inside L{DriverWatch.leasing} after
+the first device call took the lease (the domain switched off from inside
+the callback), and with the domain on throughout; one enable/disable pair,
+what every lazily leased module import or run pays; and a lazily leased
+block that makes one device call.
 
     python3 bench/cupti_cost.py [--calls 2000]
 """
@@ -52,11 +54,30 @@ def main(argv: list[str] | None = None) -> int:
             pass
 
     result["leasing_enter_exit_us"] = per_call_us(pair, args.calls)
+    # A device call takes the "lease" (nothing here), then the domain goes
+    # off from inside the callback: what a lazily leased run's later calls cost.
     with watch.leasing(lambda: None):
-        result["synchronize_inside_leasing_us"] = per_call_us(drv.Context.synchronize, args.calls)
+        drv.mem_alloc(1 << 20).free()
+        result["synchronize_after_lazy_grant_us"] = per_call_us(drv.Context.synchronize, args.calls)
+    result["switch_off_refused"] = watch.switch_off_refused
+
+    def lazy_run() -> None:
+        with watch.leasing(lambda: None):
+            drv.Context.synchronize()
+
+    result["lazy_run_with_one_device_call_us"] = per_call_us(lazy_run, args.calls)
+    # With the domain on throughout (what it costs where the switch-off is refused).
+    watch._acquire, watch._granted = None, None
+    watch.cupti.enable_domain(1, watch._subscriber, watch.cupti.CallbackDomain.DRIVER_API)
+    watch._active = True
+    try:
+        result["synchronize_domain_on_us"] = per_call_us(drv.Context.synchronize, args.calls)
+    finally:
+        watch.cupti.enable_domain(0, watch._subscriber, watch.cupti.CallbackDomain.DRIVER_API)
+        watch._active, watch._first = False, None
     result["synchronize_after_us"] = per_call_us(drv.Context.synchronize, args.calls)
     for key, value in result.items():
-        print(f"{key:<34} {value:8.2f} us")
+        print(f"{key:<34} {value:8.2f} us" if isinstance(value, float) else f"{key:<34} {value}")
     common.write_result(args.output, result)
     backend.close()
     return 0

@@ -14,9 +14,11 @@ C{gpu_access} naming that call and the uploaded-code line when it returns.
 Without cupti-python (or without a CUPTI the driver accepts) the worker
 falls back to L{kcoral.worker.gpuwatch}'s Python-level traps.
 
-The same subscription lets a module upload run off the lease
-(L{DriverWatch.leasing}): its top-level code may touch CUDA, so the first
-driver call that does blocks, on entry, until the worker holds the lease.
+The same subscription lets a module upload or a GPU function's run start
+off the lease (L{DriverWatch.leasing}): its code may touch CUDA, so the
+first driver call that does blocks, on entry, until the worker holds the
+lease; then the domain is switched off, at that call's exit, for the rest
+of the block.
 """
 
 from __future__ import annotations
@@ -102,6 +104,13 @@ class DriverWatch:
     _acquire: Callable[[], None] | None = None
     _granted: threading.Event | None = None
     _lock: threading.Lock = attrs.field(factory=threading.Lock)
+    #: Whether L{leasing} has the domain on (not yet switched off).
+    _leasing_on: bool = False
+    #: The thread whose device call took the lease: at that call's exit
+    #: callback the domain is switched off.
+    _off_at_exit: int | None = None
+    #: Whether CUPTI refused to switch the domain off inside a callback.
+    switch_off_refused: bool = False
 
     def __attrs_post_init__(self) -> None:
         self._subscriber = self.cupti.subscribe(self._callback, None)
@@ -111,6 +120,13 @@ class DriverWatch:
         if not self._active and granted is None:
             return
         if cbdata.callback_site != self.cupti.ApiCallbackSite.API_ENTER:
+            if self._off_at_exit == threading.get_ident():
+                # The exit of the call that took the lease: switched off
+                # here, not on its entry (switched off on entry, later
+                # blocks missed device calls on an H200:
+                # bench/cupti_switch_probe.py).
+                self._off_at_exit = None
+                self._switch_off()
             return
         name = str(cbdata.function_name)
         if name in HARMLESS_DRIVER_CALLS or name.startswith(RELEASE_PREFIXES):
@@ -127,6 +143,11 @@ class DriverWatch:
                 acquire()
             finally:
                 granted.set()
+            # Held now: nothing later in the block needs watching, and the
+            # callbacks would slow every later call (a torch launch took
+            # 82 us instead of 6 on an H200), so the domain goes off at
+            # this call's exit.
+            self._off_at_exit = threading.get_ident()
             return
         if self._first is not None:
             return
@@ -138,6 +159,16 @@ class DriverWatch:
                     uploaded_location(stack),
                     "Traceback (most recent call last):\n" + "".join(traceback.format_list(stack)),
                 )
+
+    def _switch_off(self) -> None:
+        """Switch the driver domain off from inside a callback, if CUPTI lets us."""
+        try:
+            self.cupti.enable_domain(0, self._subscriber, self.cupti.CallbackDomain.DRIVER_API)
+            self._leasing_on = False
+        except Exception:
+            # Refused: the domain stays on until the block ends, which costs
+            # time but changes nothing the lease guards.
+            self.switch_off_refused = True
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
@@ -174,16 +205,22 @@ class DriverWatch:
         Run a block off the lease and take it (C{acquire()}, blocking) at the
         block's first device-touching driver call, before the driver does
         that call; a call from another thread meanwhile waits for the grant
-        too.  Whether it was taken is the lease's own C{held}.
+        too.  Whether it was taken is the lease's own C{held}.  Once it is,
+        the domain is switched off at the exit of the call that took it: the
+        rest of the block runs at full speed.
         """
         domain = self.cupti.CallbackDomain.DRIVER_API
         self._acquire = acquire
         self._granted = threading.Event()
         self.cupti.enable_domain(1, self._subscriber, domain)
+        self._leasing_on = True
         try:
             yield
         finally:
-            self.cupti.enable_domain(0, self._subscriber, domain)
+            self._off_at_exit = None
+            if self._leasing_on:
+                self.cupti.enable_domain(0, self._subscriber, domain)
+                self._leasing_on = False
             self._acquire = None
             self._granted = None
 

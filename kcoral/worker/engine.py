@@ -78,6 +78,16 @@ from kcoral.worker.reuse import ProcessState, terminate
 _OWN_FILES = frozenset({__file__, files.__file__, reuse.__file__})
 
 
+#: Set to C{0} in the server's environment to take the lease before every
+#: module upload, as spec/server.md §4.3 says, instead of at its first device
+#: call (a way back should the driver watch misbehave somewhere).
+LAZY_MODULE_LEASE_ENV = "KCORAL_LAZY_MODULE_LEASE"
+
+#: The same for a C{run} of a function from an uploaded Python module:
+#: C{0} takes the lease before the run, not at its first device call.
+LAZY_RUN_LEASE_ENV = "KCORAL_LAZY_RUN_LEASE"
+
+
 def _format_traceback(exc: BaseException) -> str:
     """The traceback of C{exc} without this module's frames."""
     frames = traceback.extract_tb(exc.__traceback__)
@@ -241,6 +251,8 @@ class _Handles:
     python_modules: set[str] = attrs.field(factory=set)
     libraries: set[str] = attrs.field(factory=set)
     cpu_only: set[str] = attrs.field(factory=set)
+    #: Functions selected from uploaded Python modules (plain callables).
+    python_functions: set[str] = attrs.field(factory=set)
 
 
 def _noop_send(message: ChannelMessage) -> None:
@@ -645,9 +657,10 @@ class _ProgramRun:
             return False
         return True
 
-    def _lazy_lease(self) -> Any:
+    def _lazy_lease(self, switch: str = LAZY_MODULE_LEASE_ENV) -> Any:
         """
-        The backend's L{lazy_lease} context for this lease, or C{None}.
+        The backend's L{lazy_lease} context for this lease, or C{None}
+        (also when C{switch} is C{0} in the environment).
 
         A worker that exits after this program does not set up the driver
         watch for it: subscribing costs a fresh process more time (60-90 ms
@@ -656,7 +669,9 @@ class _ProgramRun:
         (made by an earlier C{cpu_only} run) is used.
         """
         make = getattr(self.backend, "lazy_lease", None)
-        return None if make is None else make(self.lease.acquire, subscribe=not self.retiring)
+        if make is None or os.environ.get(switch) == "0":
+            return None
+        return make(self.lease.acquire, subscribe=not self.retiring)
 
     def _place(self, instruction: Any) -> Any:
         """
@@ -677,6 +692,20 @@ class _ProgramRun:
             # watched, the import runs off the lease and its first device
             # call takes it; elsewhere the lease is taken now.
             around = self._lazy_lease()
+            if around is not None:
+                return around
+        if (
+            isinstance(instruction, Run)
+            and not self.lease.held
+            and not isinstance(instruction.fn, BuiltinName)
+            and instruction.fn.target in self.handles.python_functions
+            and not self._is_cpu_only_run(instruction)
+        ):
+            # A Python function may or may not use the GPU: where the driver
+            # can be watched it starts off the lease, and its first device
+            # call takes it (a function that never touches the device, such
+            # as a null program's, holds nothing).
+            around = self._lazy_lease(LAZY_RUN_LEASE_ENV)
             if around is not None:
                 return around
         need = self._needs_lease(instruction)
@@ -702,6 +731,8 @@ class _ProgramRun:
             self.handles.values[instruction.id] = self._get_function(instruction)
             if instruction.cpu_only:
                 self.handles.cpu_only.add(instruction.id)
+            if instruction.module.target in self.handles.python_modules:
+                self.handles.python_functions.add(instruction.id)
         elif isinstance(instruction, Run):
             self.handles.values[instruction.id] = self._run(instruction)
         elif isinstance(instruction, Return):

@@ -272,12 +272,6 @@ _STORAGE = {
 _TORCH_STORAGE = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
 
 
-#: Set to C{0} in the server's environment to take the lease before every
-#: module upload, as spec/server.md §4.3 says, instead of at its first device
-#: call (a way back should the driver watch misbehave somewhere).
-LAZY_MODULE_LEASE_ENV = "KCORAL_LAZY_MODULE_LEASE"
-
-
 def _pycuda_error_types() -> tuple[type[BaseException], ...]:
     drv = sys.modules.get("pycuda.driver")
     return (drv.Error,) if drv is not None else ()
@@ -539,8 +533,6 @@ class GpuBackend:
         """
         from kcoral.worker.cuptiwatch import driver_watch, existing_driver_watch
 
-        if os.environ.get(LAZY_MODULE_LEASE_ENV) == "0":
-            return None
         watch = driver_watch() if subscribe else existing_driver_watch()
         return None if watch is None else watch.leasing(acquire)
 

@@ -1,8 +1,10 @@
 """
 The lease only while instructions use the GPU (issue 15), on a real GPU: a
 module import runs off the lease and takes it at its first device call
-(CUPTI), an inert module (definitions, loaded imports) takes none, a program of cpu_only work never holds the GPU, and the drain after
-the last GPU instruction ends the hold before host values are encoded.
+(CUPTI), an inert module (definitions, loaded imports) takes none, a GPU
+function's run takes it at its first device call (none for one that never
+touches the device), a program of cpu_only work never holds the GPU, and the drain after the
+last GPU instruction ends the hold before host values are encoded.
 
 The server's own log is the witness: each request's C{lease_granted} events,
 read after the server has stopped (its log lines are written by a thread).
@@ -77,6 +79,9 @@ import torch
 def host():
     return 7
 
+def noop():
+    return None
+
 def gpu():
     return float(torch.ones(4, device="cuda").sum().item())
 """
@@ -150,6 +155,8 @@ def test_lease_placement_on_the_gpu(server: ServerProcess, logs: Path) -> None:
     inert_cpu_body, inert_cpu = _ok(server.execute(_program(INERT, ("host", True))))
     inert_gpu_body, inert_gpu = _ok(server.execute(_program(INERT, ("gpu", False))))
     assert (inert_cpu["r"], inert_gpu["r"]) == (7, 4.0)
+    noop_body, noop_results = _ok(server.execute(_program(INERT, ("noop", False))))
+    assert noop_results["r"] is None
 
     server.stop()
     # An inert module: no hold for its import, CUPTI or not; its GPU run, one.
@@ -162,6 +169,11 @@ def test_lease_placement_on_the_gpu(server: ServerProcess, logs: Path) -> None:
     assert len(_grants(logs, cpu_body["request_id"])) == (0 if probe["r"] else 1)
     if probe["r"]:
         assert cpu_body["lease_held_ms"] == 0
+    # A GPU function that never touches the device (a null program): with
+    # CUPTI its run starts off the lease and nothing takes it.
+    assert len(_grants(logs, noop_body["request_id"])) == (0 if probe["r"] else 1)
+    if probe["r"]:
+        assert noop_body["lease_held_ms"] == 0
     # One GPU run: one hold.
     assert len(_grants(logs, gpu_body["request_id"])) == 1
     # The 64 MiB host array is hashed and encoded after the hold ended.

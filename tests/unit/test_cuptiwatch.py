@@ -30,6 +30,8 @@ class FakeCupti:
     def __init__(self) -> None:
         self.callback: Any = None
         self.enabled: list[int] = []
+        #: Whether a callback is running (CUPTI calls from inside one).
+        self.inside = False
 
     def subscribe(self, callback: Any, userdata: Any) -> int:
         self.callback = callback
@@ -40,11 +42,15 @@ class FakeCupti:
         self.enabled.append(enable)
 
     def driver_call(self, name: str) -> None:
-        """What the driver does for an API call when the domain is on."""
-        if self.enabled and self.enabled[-1]:
-            for site in (self.ApiCallbackSite.API_ENTER, self.ApiCallbackSite.API_EXIT):
+        """What the driver does for an API call: a callback on entry and exit while the domain is on."""
+        for site in (self.ApiCallbackSite.API_ENTER, self.ApiCallbackSite.API_EXIT):
+            if self.enabled and self.enabled[-1]:
                 data = SimpleNamespace(callback_site=site, function_name=name)
-                self.callback(None, self.CallbackDomain.DRIVER_API, 0, data)
+                self.inside = True
+                try:
+                    self.callback(None, self.CallbackDomain.DRIVER_API, 0, data)
+                finally:
+                    self.inside = False
 
 
 def uploaded(cupti: FakeCupti, *calls: str) -> Any:
@@ -126,10 +132,53 @@ def test_leasing_takes_the_lease_at_the_first_device_call() -> None:
     with watch.leasing(lambda: log.append("acquire")):
         user()
     assert log == ["cuInit", "cuMemFree_v2", "acquire", "cuMemAlloc_v2", "cuLaunchKernel"]
+    # Switched off at the exit of the call that took the lease, not again.
     assert cupti.enabled == [1, 0]
     # Off once the block is over: nothing more is taken.
     user()
     assert log.count("acquire") == 1
+
+
+def test_leasing_switches_the_domain_off_once_the_lease_is_held() -> None:
+    """After the grant, later driver calls reach no callback (no per-call cost)."""
+    cupti = FakeCupti()
+    watch = DriverWatch(cupti)
+    seen: list[str] = []
+    original = watch._callback
+
+    def counting(userdata: Any, domain: Any, callback_id: Any, cbdata: Any) -> None:
+        seen.append(cbdata.function_name)
+        original(userdata, domain, callback_id, cbdata)
+
+    cupti.callback = counting
+    with watch.leasing(lambda: None):
+        assert cupti.enabled == [1]
+        uploaded(cupti, "cuMemAlloc_v2", "cuLaunchKernel", "cuLaunchKernel")()
+        assert cupti.enabled == [1, 0]
+    assert cupti.enabled == [1, 0]
+    # The first device call's entry and exit only: off at its exit.
+    assert seen == ["cuMemAlloc_v2", "cuMemAlloc_v2"]
+    assert not watch.switch_off_refused
+
+
+def test_leasing_when_cupti_refuses_the_switch_off() -> None:
+    """The lease is still taken once; the domain goes off when the block ends."""
+    cupti = FakeCupti()
+    watch = DriverWatch(cupti)
+    enable = cupti.enable_domain
+
+    def refusing(enable_: int, subscriber: int, domain: int) -> None:
+        if not enable_ and cupti.inside:
+            raise RuntimeError("CUPTI_ERROR_NOT_SUPPORTED")
+        enable(enable_, subscriber, domain)
+
+    cupti.enable_domain = refusing  # type: ignore[method-assign]
+    taken: list[int] = []
+    with watch.leasing(lambda: taken.append(1)):
+        uploaded(cupti, "cuMemAlloc_v2", "cuLaunchKernel")()
+        assert cupti.enabled == [1]
+    assert taken == [1] and cupti.enabled == [1, 0]
+    assert watch.switch_off_refused
 
 
 def test_leasing_without_device_calls_takes_nothing() -> None:

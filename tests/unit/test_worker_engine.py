@@ -1255,12 +1255,16 @@ class _LazyBackend(CpuBackend):
             try:
                 yield
             finally:
-                hook._device_call = None  # type: ignore[attr-defined]
+                hook._device_call = _unwatched  # type: ignore[attr-defined]
 
         return leasing()
 
 
-_device_call: Any = None
+def _unwatched() -> None:
+    """A device call nothing watches: it just runs."""
+
+
+_device_call: Any = _unwatched
 
 
 def _lazy(harness: Harness) -> _OrderedLease:
@@ -1293,8 +1297,80 @@ def test_module_import_off_the_lease(harness: Harness) -> None:
 def test_inert_module_takes_neither_lease_nor_watch(harness: Harness) -> None:
     """
     A module of definitions and loaded imports runs no code of its own when
-    imported: no lease, no driver watch; the first GPU run takes the lease.
+    imported: no lease, no driver watch.  Its GPU function's run starts off
+    the lease under the watch; one that never touches the device (a null
+    program's) holds nothing, cleanup included.
     """
+    lease = _lazy(harness)
+    outcome = harness.run([ADD, get("f", "m", "add"), run("r", "f", 2, 3), ret("out", "r")])
+    assert outcome.status == "COMPLETED", outcome.error
+    assert lease.events == ["#0", "#1", "#2", "lazy", "#3"]
+    assert not lease.held
+
+
+TOUCHING_RUN = module(
+    "m",
+    f"""
+    import sys
+    def add(a, b):
+        sys.modules[{__name__!r}]._device_call()
+        return a + b
+    """,
+)
+
+
+def test_run_touching_the_device_takes_the_lease_then(harness: Harness) -> None:
+    """
+    A GPU function's first device call takes the lease inside the run; the
+    host return after it is the program's last instruction, so the drain
+    and release come before it.
+    """
+    lease = _lazy(harness)
+    outcome = harness.run(
+        [TOUCHING_RUN, get("f", "m", "add"), run("r", "f", 2, 3), ret("out", "r")]
+    )
+    assert outcome.status == "COMPLETED", outcome.error
+    assert values(outcome) == {"out": 5}
+    assert lease.events == ["#0", "#1", "#2", "lazy", "acquire", "#3", "drain", "release"]
+
+
+def test_second_run_keeps_the_lease_the_first_took(harness: Harness) -> None:
+    """Once a run took the lease, a later GPU run starts under it: no watch."""
+    lease = _lazy(harness)
+    outcome = harness.run(
+        [
+            TOUCHING_RUN,
+            get("f", "m", "add"),
+            run("a", "f", 1, 2),
+            ret("x", "a"),
+            run("b", "f", 3, 4),
+            ret("y", "b"),
+        ]
+    )
+    assert outcome.status == "COMPLETED", outcome.error
+    assert lease.events == [
+        *("#0", "#1", "#2", "lazy", "acquire", "#3", "#4", "#5"),
+        *("drain", "release"),
+    ]
+
+
+def test_cpu_only_and_builtin_runs_are_not_watched_for_the_lease(harness: Harness) -> None:
+    """A cpu_only run drains and releases as before; only GPU functions start lazily."""
+    lease = _lazy(harness)
+    outcome = harness.run(
+        [TOUCHING_RUN, get("f", "m", "add"), get("c", "m", "add", cpu_only=True)]
+        + [run("r", "f", 1, 2), run("s", "c", 0, 0)]
+    )
+    assert outcome.status == "COMPLETED", outcome.error
+    assert lease.events == [
+        *("#0", "#1", "#2", "#3", "lazy", "acquire"),
+        *("#4", "drain", "release"),
+    ]
+
+
+def test_lazy_run_lease_switched_off(harness: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With KCORAL_LAZY_RUN_LEASE=0 a GPU function's run takes the lease up front."""
+    monkeypatch.setenv("KCORAL_LAZY_RUN_LEASE", "0")
     lease = _lazy(harness)
     outcome = harness.run([ADD, get("f", "m", "add"), run("r", "f", 2, 3), ret("out", "r")])
     assert outcome.status == "COMPLETED", outcome.error

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from kcoral.testing.live_server import ServerProcess
+from kcoral.wire.multipart import decode_response
 
 from .test_gpu_server import _ok, _readonly_flags
 
@@ -157,6 +158,15 @@ def test_lease_placement_on_the_gpu(server: ServerProcess, logs: Path) -> None:
     assert (inert_cpu["r"], inert_gpu["r"]) == (7, 4.0)
     noop_body, noop_results = _ok(server.execute(_program(INERT, ("noop", False))))
     assert noop_results["r"] is None
+    # Run after run, each GPU function's first device call is caught (the
+    # driver domain, switched off after each grant, comes back each time).
+    repeated = [_ok(server.execute(_program(INERT, ("gpu", False))))[0] for _ in range(6)]
+    # And the cpu_only watch still sees torch afterwards.
+    sneaky = server.execute(_program(INERT, ("gpu", True)))
+    sneaky_body, _ = decode_response(sneaky.headers["content-type"], sneaky.body)
+    if probe["r"]:
+        assert sneaky_body["status"] == "FAILED", sneaky_body
+        assert sneaky_body["error"]["kind"] == "gpu_access", sneaky_body["error"]
 
     server.stop()
     # An inert module: no hold for its import, CUPTI or not; its GPU run, one.
@@ -174,6 +184,9 @@ def test_lease_placement_on_the_gpu(server: ServerProcess, logs: Path) -> None:
     assert len(_grants(logs, noop_body["request_id"])) == (0 if probe["r"] else 1)
     if probe["r"]:
         assert noop_body["lease_held_ms"] == 0
+    for body in repeated:
+        assert len(_grants(logs, body["request_id"])) == 1, body["request_id"]
+        assert body["lease_held_ms"] > 0
     # One GPU run: one hold.
     assert len(_grants(logs, gpu_body["request_id"])) == 1
     # The 64 MiB host array is hashed and encoded after the hold ended.

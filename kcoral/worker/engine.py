@@ -88,6 +88,21 @@ LAZY_MODULE_LEASE_ENV = "KCORAL_LAZY_MODULE_LEASE"
 LAZY_RUN_LEASE_ENV = "KCORAL_LAZY_RUN_LEASE"
 
 
+#: How many uploaded functions L{Engine.device_functions} remembers.
+DEVICE_FUNCTIONS_KEPT = 4096
+
+
+def code_key(fn: Any) -> tuple[str, int, str] | None:
+    """
+    An uploaded function's identity across programs: its file (named by the
+    module source's digest), first line and name; C{None} for anything else.
+    """
+    code = getattr(fn, "__code__", None)
+    if code is None or not code.co_filename.startswith("<uploaded:"):
+        return None
+    return (code.co_filename, code.co_firstlineno, code.co_qualname)
+
+
 def _format_traceback(exc: BaseException) -> str:
     """The traceback of C{exc} without this module's frames."""
     frames = traceback.extract_tb(exc.__traceback__)
@@ -297,6 +312,11 @@ class Engine:
     #: The process state before the first program, which every later one
     #: is put back to (L{settle} makes it so again).
     _baseline: ProcessState | None = attrs.field(default=None, init=False)
+    #: Uploaded functions (by L{code_key}) whose lazily leased run took the
+    #: lease: their later runs take it up front, because switching the
+    #: driver watch off inside the hold lengthens it (at most
+    #: L{DEVICE_FUNCTIONS_KEPT}; the set starts again when full).
+    device_functions: set[tuple[str, int, str]] = attrs.field(factory=set, init=False)
     #: The last program's workspace, while its host state is not put back.
     _unsettled: str | None = attrs.field(default=None, init=False)
     _settled_once: bool = attrs.field(default=False, init=False)
@@ -498,6 +518,8 @@ class _ProgramRun:
                 around = self._place(instruction)
                 with around if around is not None else contextlib.nullcontext():
                     self._dispatch(instruction)
+                if around is not None and isinstance(instruction, Run) and self.lease.held:
+                    self._remember_device_function(instruction)
             except _Failure as failure:
                 self.error = self._error(instruction, failure)
                 return
@@ -700,11 +722,14 @@ class _ProgramRun:
             and not isinstance(instruction.fn, BuiltinName)
             and instruction.fn.target in self.handles.python_functions
             and not self._is_cpu_only_run(instruction)
+            and code_key(self.handles.values[instruction.fn.target])
+            not in self.engine.device_functions
         ):
             # A Python function may or may not use the GPU: where the driver
             # can be watched it starts off the lease, and its first device
             # call takes it (a function that never touches the device, such
-            # as a null program's, holds nothing).
+            # as a null program's, holds nothing).  One seen to touch it
+            # before takes the lease now.
             around = self._lazy_lease(LAZY_RUN_LEASE_ENV)
             if around is not None:
                 return around
@@ -719,6 +744,17 @@ class _ProgramRun:
         elif need is False:
             self._release()
         return None
+
+    def _remember_device_function(self, instruction: Run) -> None:
+        """A lazily leased run took the lease: its function's later runs take it up front."""
+        assert not isinstance(instruction.fn, BuiltinName)
+        key = code_key(self.handles.values[instruction.fn.target])
+        if key is None:
+            return
+        known = self.engine.device_functions
+        if len(known) >= DEVICE_FUNCTIONS_KEPT:
+            known.clear()
+        known.add(key)
 
     # -- instructions ---------------------------------------------------
 

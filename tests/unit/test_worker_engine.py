@@ -1354,6 +1354,36 @@ def test_second_run_keeps_the_lease_the_first_took(harness: Harness) -> None:
     ]
 
 
+def test_a_function_seen_touching_the_device_takes_the_lease_up_front(harness: Harness) -> None:
+    """
+    After a lazily leased run of a function took the lease, the next
+    program's run of the same uploaded function takes it before the run
+    (no watch inside the hold); a function that never touched it stays lazy.
+    """
+    lease = _lazy(harness)
+    program = [TOUCHING_RUN, get("f", "m", "add"), run("r", "f", 2, 3), ret("out", "r")]
+    first = harness.run(program)
+    assert first.status == "COMPLETED", first.error
+    assert lease.events[3:5] == ["lazy", "acquire"]
+    del lease.events[:]
+    again = harness.run(program)
+    assert again.status == "COMPLETED", again.error
+    assert lease.events == ["#0", "#1", "#2", "acquire", "#3", "drain", "release"]
+    del lease.events[:]
+    plain = harness.run([ADD, get("f", "m", "add"), run("r", "f", 2, 3), ret("out", "r")])
+    assert plain.status == "COMPLETED", plain.error
+    assert lease.events == ["#0", "#1", "#2", "lazy", "#3"]
+
+
+def test_code_key_names_uploaded_functions_only() -> None:
+    from kcoral.worker.engine import code_key
+
+    namespace: dict[str, Any] = {}
+    exec(compile("def f():\n    pass\n", "<uploaded:abc>", "exec"), namespace)
+    assert code_key(namespace["f"]) == ("<uploaded:abc>", 1, "f")
+    assert code_key(len) is None and code_key(test_code_key_names_uploaded_functions_only) is None
+
+
 def test_cpu_only_and_builtin_runs_are_not_watched_for_the_lease(harness: Harness) -> None:
     """A cpu_only run drains and releases as before; only GPU functions start lazily."""
     lease = _lazy(harness)

@@ -297,7 +297,17 @@ class KcoralAPI:
         if self.metrics is None:
             request.setResponseCode(404)
             return b""
-        body, content_type = self.metrics.render()
+        peers = None
+        if self.peer_health is not None:
+            from kcoral.server.metrics import METRICS_REPORT_KEY, unpack_families
+
+            own = self.config.front_end_index
+            peers = {
+                index: unpack_families(health[METRICS_REPORT_KEY])
+                for index, health in self.peer_health().items()
+                if index != own and METRICS_REPORT_KEY in health
+            }
+        body, content_type = self.metrics.render(peers, self.config.front_end_index)
         request.setHeader(b"Content-Type", content_type.encode())
         return body
 

@@ -36,10 +36,20 @@ name what is running.
 
 The registry is private to the instance, so several servers (or tests) in
 one process do not share counters.
+
+With several front ends (C{--front-ends N}) each front end's report to the
+others carries its metrics (L{pack_families}), and whichever front end
+answers C{GET /metrics} renders every front end's series, each with a
+C{front_end} label: its own as they are, the others' as of their last
+report (at most a second old).  Sum over C{front_end} for the server's
+totals; the lease gauges are the broker's, the same in every front end.
 """
 
 from __future__ import annotations
 
+import base64
+import json
+import zlib
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -52,7 +62,18 @@ from zope.interface import implementer
 
 from kcoral.server.http import REFUSALS
 
-__all__ = ["FINISH_REASONS", "LEASE_BUCKETS", "Metrics", "StateCallable"]
+__all__ = [
+    "FINISH_REASONS",
+    "LEASE_BUCKETS",
+    "METRICS_REPORT_KEY",
+    "Metrics",
+    "StateCallable",
+    "pack_families",
+    "unpack_families",
+]
+
+#: The key of a front end's packed metrics in its report to the others.
+METRICS_REPORT_KEY = "metrics"
 
 #: Signature of the scrape-time state callable.
 StateCallable = Callable[[], Mapping[str, Any]]
@@ -331,10 +352,62 @@ class Metrics:
                 cache = str(event.get("cache") or "unknown")
                 self._cache_counters[name].labels(cache=cache).inc(count)
 
-    def render(self) -> tuple[bytes, str]:
+    def render(
+        self, peers: Mapping[int, list[dict[str, Any]]] | None = None, index: int = 0
+    ) -> tuple[bytes, str]:
         """
         The text exposition for C{GET /metrics}.
 
+        @param peers: with several front ends, the others' last
+            L{families} by front-end index: every series then carries a
+            C{front_end} label (C{index} for this process's own).
         @return: C{(body, content_type)}.
         """
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        if peers is None:
+            return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Families({**peers, index: self.families()}))
+        return generate_latest(registry), CONTENT_TYPE_LATEST
+
+    def families(self) -> list[dict[str, Any]]:
+        """Every metric of this process as JSON-ready data (for the other front ends)."""
+        return [
+            {
+                "name": metric.name,
+                "type": metric.type,
+                "help": metric.documentation,
+                "samples": [[s.name, s.labels, s.value] for s in metric.samples],
+            }
+            for metric in self.registry.collect()
+        ]
+
+
+class _Families(Collector):
+    """Several front ends' L{Metrics.families}, each series labelled with its front end."""
+
+    def __init__(self, by_front_end: Mapping[int, list[dict[str, Any]]]) -> None:
+        self._by_front_end = by_front_end
+
+    def collect(self) -> Iterator[Metric]:
+        merged: dict[str, Metric] = {}
+        for index, families in sorted(self._by_front_end.items()):
+            for family in families:
+                metric = merged.get(family["name"])
+                if metric is None:
+                    metric = Metric(family["name"], family["help"], family["type"])
+                    merged[family["name"]] = metric
+                for name, labels, value in family["samples"]:
+                    metric.add_sample(name, {**labels, "front_end": str(index)}, value)
+        yield from merged.values()
+
+
+def pack_families(families: list[dict[str, Any]]) -> str:
+    """L{Metrics.families} as compact text for a front end's report (zlib, base64)."""
+    raw = json.dumps(families, separators=(",", ":")).encode()
+    return base64.b64encode(zlib.compress(raw, 6)).decode("ascii")
+
+
+def unpack_families(text: str) -> list[dict[str, Any]]:
+    """The inverse of L{pack_families}."""
+    families: list[dict[str, Any]] = json.loads(zlib.decompress(base64.b64decode(text)))
+    return families

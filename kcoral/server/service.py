@@ -424,7 +424,12 @@ class _HealthReports(AsyncService):
         self._loop.clock = reactor
 
     def _send(self) -> None:
-        self._report(self._api.config.front_end_index, self._api.local_health())
+        health = self._api.local_health()
+        if self._api.metrics is not None:
+            from kcoral.server.metrics import METRICS_REPORT_KEY, pack_families
+
+            health[METRICS_REPORT_KEY] = pack_families(self._api.metrics.families())
+        self._report(self._api.config.front_end_index, health)
 
     async def start(self) -> None:
         self._loop.start(REPORT_INTERVAL, now=True).addErrback(

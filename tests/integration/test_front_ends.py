@@ -16,7 +16,7 @@ from typing import Any
 import psutil
 import pytest
 
-from kcoral.testing.live_server import ServerProcess
+from kcoral.testing.live_server import ServerProcess, request
 
 pytestmark = pytest.mark.integration
 
@@ -39,6 +39,20 @@ def _front_ends_seen(server: ServerProcess, tries: int = 60) -> dict[int, dict[s
     seen = server.front_ends_answering(tries)
     assert all(health["front_end"]["of"] == 2 for health in seen.values()), seen
     return seen
+
+
+def _completed_by_front_end(server: ServerProcess) -> dict[str, float]:
+    """C{kcoral_requests_total{outcome="completed"}} of one C{/metrics} answer, by front end."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = request(server.port, "GET", "/metrics")
+    assert response.status == 200
+    return {
+        sample.labels["front_end"]: sample.value
+        for family in text_string_to_metric_families(response.body.decode())
+        for sample in family.samples
+        if sample.name == "kcoral_requests_total" and sample.labels["outcome"] == "completed"
+    }
 
 
 def _events(log_dir: Path) -> list[dict[str, Any]]:
@@ -102,6 +116,17 @@ def test_two_front_ends_share_the_port(tmp_path: Path) -> None:
         }
         assert finished.get("runs", 0) > 0 and finished.get("front-end-1", 0) > 0, finished
         assert finished["runs"] + finished["front-end-1"] == 30
+        # /metrics from either front end has both front ends' series: their
+        # completed requests add up to the 30 (the other's as of its last
+        # report, at most a second old).
+        deadline = time.monotonic() + 10
+        while True:
+            completed = _completed_by_front_end(server)
+            if sum(completed.values()) == 30:
+                break
+            assert time.monotonic() < deadline, completed
+            time.sleep(0.2)
+        assert set(completed) == {"0", "1"} and all(completed.values()), completed
         # The second dies: the first starts it again.
         second.send_signal(signal.SIGKILL)
         second.wait(10)

@@ -12,7 +12,7 @@ from twisted.logger import Logger, LogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
 from kcoral.server.http import REFUSALS
-from kcoral.server.metrics import Metrics
+from kcoral.server.metrics import Metrics, pack_families, unpack_families
 
 
 def samples(metrics: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -303,6 +303,60 @@ class RequestDurationAndBuildInfoTests(SynchronousTestCase):
         self.assertEqual(value, 1.0)
         self.assertEqual(labels["python"], platform.python_version())
         self.assertEqual(set(labels), {"version", "python", "twisted"})
+
+
+class FrontEndsTests(SynchronousTestCase):
+    """
+    With several front ends, whichever answers C{/metrics} renders every
+    front end's series, each labelled with its C{front_end}.
+    """
+
+    def make(self, completed: int) -> Metrics:
+        metrics = Metrics(lambda: {"queue_length": completed, "lease_depth": {0: 1}})
+        log = Logger(namespace="kcoral.test", observer=LogPublisher(metrics))
+        for _ in range(completed):
+            log.info("done", kcoral_event="request_finished", finish_reason="completed")
+        return metrics
+
+    def parsed(self, body: bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        found = {}
+        for family in text_string_to_metric_families(body.decode("utf-8")):
+            for sample in family.samples:
+                found[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+        return found
+
+    def test_pack_round_trip(self) -> None:
+        metrics = self.make(2)
+        families = metrics.families()
+        self.assertEqual(unpack_families(pack_families(families)), families)
+        # Compact enough for a report every second (an AMP value is at most 64 KiB).
+        self.assertLess(len(pack_families(families)), 8000)
+
+    def test_every_front_end_labelled(self) -> None:
+        own, second, third = self.make(2), self.make(5), self.make(0)
+        peers = {1: second.families(), 2: third.families()}
+        body, content_type = own.render(peers, index=0)
+        self.assertEqual(content_type, CONTENT_TYPE_LATEST)
+        found = self.parsed(body)
+        completed = {
+            dict(labels)["front_end"]: value
+            for (name, labels), value in found.items()
+            if name == "kcoral_requests_total" and dict(labels)["outcome"] == "completed"
+        }
+        self.assertEqual(completed, {"0": 2.0, "1": 5.0, "2": 0.0})
+        self.assertEqual(found[("kcoral_queue_length", (("front_end", "1"),))], 5.0)
+        # One HELP and TYPE per family, however many front ends.
+        text = body.decode()
+        self.assertEqual(text.count("# TYPE kcoral_requests_total counter"), 1)
+        self.assertEqual(text.count("# HELP kcoral_lease_depth "), 1)
+        build = [labels for (name, labels), _ in found.items() if name == "kcoral_build_info"]
+        self.assertEqual(sorted(dict(labels)["front_end"] for labels in build), ["0", "1", "2"])
+
+    def test_alone_unlabelled(self) -> None:
+        """One front end: the exposition is what it always was."""
+        metrics = self.make(1)
+        self.assertNotIn(b"front_end", metrics.render()[0])
+        self.assertEqual(metrics.render(), metrics.render(None, index=0))
 
 
 class MissingPrometheusTests(SynchronousTestCase):

@@ -124,10 +124,14 @@ class Report(amp.Command):
     requiresAnswer = False
 
 
-class Reports(amp.Command):
-    """Every front end's last report, pushed after each."""
+class PeerReport(amp.Command):
+    """
+    One front end's last report (C{None}: it is gone), passed on to every
+    front end after it arrives.  One report a message: an AMP value holds
+    at most 64 KiB, which every front end's reports together could pass.
+    """
 
-    arguments = [(b"reports", _Json())]
+    arguments = [(b"index", amp.Integer()), (b"health", _Json(optional=True))]
     response = []
     requiresAnswer = False
 
@@ -164,14 +168,15 @@ class LeaseBroker:
             self.reports.pop(index, None)
         else:
             self.reports[index] = health
-        reports = {str(i): h for i, h in self.reports.items()}
         for protocol in list(self._connections.values()):
-            protocol.callRemote(Reports, reports=reports)
+            protocol.callRemote(PeerReport, index=index, health=health)
 
     def attach(self, protocol: _BrokerProtocol) -> int:
         number = next(self._numbers)
         self._connections[number] = protocol
         protocol.callRemote(LeaseState, state=self.state(full=True))
+        for index, health in self.reports.items():
+            protocol.callRemote(PeerReport, index=index, health=health)
         return number
 
     def detach(self, number: int, holders: list[RemoteHolder]) -> None:
@@ -380,9 +385,12 @@ class _FrontEndProtocol(amp.AMP):
         self._arbiter._update(state)
         return {}
 
-    @Reports.responder
-    def reports(self, reports: dict[str, Any]) -> dict[str, Any]:
-        self._arbiter.peer_reports = {int(i): h for i, h in reports.items()}
+    @PeerReport.responder
+    def peer_report(self, index: int, health: dict[str, Any] | None) -> dict[str, Any]:
+        if health is None:
+            self._arbiter.peer_reports.pop(index, None)
+        else:
+            self._arbiter.peer_reports[index] = health
         return {}
 
 

@@ -410,6 +410,10 @@ class _BrokerConnectionService(AsyncService):
         self._connection.stop()
 
 
+#: The most packed metrics a front end's report carries (bytes).
+METRICS_REPORT_LIMIT = 32_000
+
+
 class _HealthReports(AsyncService):
     """Every second, this front end's own /health figures go to the others."""
 
@@ -420,6 +424,7 @@ class _HealthReports(AsyncService):
     ) -> None:
         self._api = api
         self._report = report
+        self._too_large_said = False
         self._loop = LoopingCall(self._send)
         self._loop.clock = reactor
 
@@ -428,7 +433,17 @@ class _HealthReports(AsyncService):
         if self._api.metrics is not None:
             from kcoral.server.metrics import METRICS_REPORT_KEY, pack_families
 
-            health[METRICS_REPORT_KEY] = pack_families(self._api.metrics.families())
+            packed = pack_families(self._api.metrics.families())
+            if len(packed) <= METRICS_REPORT_LIMIT:
+                health[METRICS_REPORT_KEY] = packed
+            elif not self._too_large_said:
+                # An AMP value holds 64 KiB: the health figures must still go.
+                self._too_large_said = True
+                self.log.warn(
+                    "this front end's metrics ({size} bytes packed) are too large to "
+                    "report: the others' /metrics leave them out",
+                    size=len(packed),
+                )
         self._report(self._api.config.front_end_index, health)
 
     async def start(self) -> None:

@@ -216,6 +216,22 @@ class BrokerTests(SynchronousTestCase):
         self.flush()
         self.assertEqual(set(two.peer_reports), {0, 2})
 
+    def test_reports_pass_on_one_a_message(self) -> None:
+        """
+        Twenty reports of 8 KB each (more than an AMP value holds in all)
+        reach a front end, one that connects later too.
+        """
+        one, _ = self.front_end()
+        padding = "x" * 8000
+        for index in range(20):
+            self.broker.report(index, {"front_end": {"index": index}, "pad": padding})
+        self.flush()
+        self.assertEqual(set(one.peer_reports), set(range(20)))
+        later, _ = self.front_end()
+        self.flush()
+        self.assertEqual(set(later.peer_reports), set(range(20)))
+        self.assertEqual(later.peer_reports[19]["pad"], padding)
+
     def test_one_push_per_turn(self) -> None:
         """A turn's changes (a release and the grant it wakes) reach a front end as one push."""
         one, pump = self.front_end()

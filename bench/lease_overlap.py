@@ -18,7 +18,12 @@ them per GPU, each of these is an overlap:
   holds the GPU exclusively;
 - `context`: a context creation or teardown that starts while another
   holder holds the GPU exclusively, or an exclusive grant to another holder
-  while one is in progress.
+  while one is in progress;
+- `context_outside_hold` (several front ends, `--front-ends N`): the lease
+  events are in the first front end's log only, and another front end's
+  log has its workers' context events; each of those must lie inside a
+  hold (maintenance or exclusive) of its own worker, by the events' times.
+  Pass every front end's `events.jsonl` at once.
 
 A holder is its worker id and pid (a seat's worker id outlives its
 processes).  Logs without `mode` (older servers) are read as exclusive.
@@ -125,6 +130,71 @@ class _Gpu:
         return sum(1 for k in self.contexts.values() if k == kind)
 
 
+_LEASE_EVENTS = ("lease_granted", "lease_released")
+
+#: Per (GPU, holder): its holds, C{[granted, released]} in seconds (C{None}
+#: while not released).
+Holds = dict[tuple[int, tuple[Any, Any]], list[list[float | None]]]
+
+
+def _holds(events: list[dict[str, Any]]) -> Holds:
+    """Every hold of every holder, from the lease events (either mode)."""
+    holds: Holds = {}
+    for event in events:
+        name = event.get("event")
+        if name not in _LEASE_EVENTS:
+            continue
+        when = _seconds(event.get("timestamp"))
+        for gpu in event.get("gpu_ids") or []:
+            spans = holds.setdefault((gpu, _who(event, "holder")), [])
+            if name == "lease_granted":
+                spans.append([when, None])
+            elif spans and spans[-1][1] is None:
+                spans[-1][1] = when
+    return holds
+
+
+def _check_contained(
+    event: dict[str, Any], holds: Holds, gpus: dict[int, _Gpu], overlaps: list[dict[str, Any]]
+) -> None:
+    """
+    A context event logged by another front end: inside a hold of its own
+    worker on that GPU, bounds included (the times are the same clock's, to
+    the millisecond, and the grant is logged before the worker hears of it,
+    the release after it said it was done), or it is reported.
+    """
+    name = event.get("event")
+    if name not in _CONTEXT_STARTED and name not in _CONTEXT_FINISHED:
+        return
+    who = _who(event, "worker_id")
+    when = _seconds(event.get("timestamp"))
+    for gpu in event.get("gpu_ids") or []:
+        state = gpus.setdefault(gpu, _Gpu())
+        if name in _CONTEXT_FINISHED:
+            kind = _CONTEXT_FINISHED[name]
+            if kind == "create":
+                state.created += 1
+            else:
+                state.torn_down += 1
+            if isinstance(event.get("duration_ms"), (int, float)):
+                state.durations[kind].append(float(event["duration_ms"]))
+        inside = when is not None and any(
+            start is not None and start <= when and (end is None or when <= end)
+            for start, end in holds.get((gpu, who), [])
+        )
+        if not inside:
+            overlaps.append(
+                {
+                    "kind": "context_outside_hold",
+                    "gpu": gpu,
+                    "held_by": None,
+                    "granted_to": _name(who),
+                    "event": name,
+                    "timestamp": event.get("timestamp"),
+                }
+            )
+
+
 def check(paths: list[Path]) -> dict[str, Any]:
     """Replay the lease and context events of C{paths} (in order) and report overlaps."""
     gpus: dict[int, _Gpu] = {}
@@ -142,9 +212,20 @@ def check(paths: list[Path]) -> dict[str, Any]:
             }
         )
 
-    for path in paths:
-        for line in path.read_text().splitlines():
-            event = json.loads(line)
+    logs = [(path, [json.loads(line) for line in path.read_text().splitlines()]) for path in paths]
+    # The files that have lease events: the lease arbiter's (with several
+    # front ends, the first's).  Another front end's file has only its own
+    # workers' context events: each must lie inside a hold of its own.
+    lease_logs = [
+        events for _path, events in logs if any(e.get("event") in _LEASE_EVENTS for e in events)
+    ]
+    holds = _holds([e for events in lease_logs for e in events]) if lease_logs else None
+    for _path, events in logs:
+        if holds is not None and not any(events is other for other in lease_logs):
+            for event in events:
+                _check_contained(event, holds, gpus, overlaps)
+            continue
+        for event in events:
             name = event.get("event")
             for gpu in event.get("gpu_ids") or []:
                 state = gpus.setdefault(gpu, _Gpu())

@@ -208,3 +208,47 @@ def test_time_is_charged_to_what_the_gpu_was_doing(tmp_path: Path) -> None:
         "tearing_down": 0.5,
         "maintenance_other": 0.5,
     }
+
+
+def _at(event: dict, ms: int) -> dict:
+    """C{event} at C{ms} milliseconds past a fixed second, as events.jsonl writes times."""
+    return {**event, "timestamp": f"2026-12-01T12:00:{ms // 1000:02d}.{ms % 1000:03d}Z"}
+
+
+def _two_front_ends(tmp_path: Path, second: list[dict]) -> list[dict]:
+    """The first front end's log (every lease event) and the second's (its contexts)."""
+    first = [
+        _at(_lease("lease_granted", "gpu0/w0", 10), 0),
+        _at(_lease("lease_released", "gpu0/w0", 10), 100),
+        _at(_lease("lease_granted", "gpu0/w1", 11, "maintenance"), 100),
+        _at(_lease("lease_released", "gpu0/w1", 11, "maintenance"), 300),
+        _at(_lease("lease_granted", "gpu0/w0", 10), 300),
+        _at(_lease("lease_released", "gpu0/w0", 10), 400),
+    ]
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "front-end-1").mkdir()
+    paths = [_write(tmp_path / "runs", first), _write(tmp_path / "front-end-1", second)]
+    return _tool().check(paths)["overlaps"]
+
+
+def test_other_front_ends_contexts_inside_their_holds(tmp_path: Path) -> None:
+    """The second front end's creation, inside its worker's maintenance hold (bounds included)."""
+    second = [
+        _at(_context("context_create_started", "gpu0/w1", 11), 100),
+        _at(_context("context_create_finished", "gpu0/w1", 11), 300),
+    ]
+    assert _two_front_ends(tmp_path, second) == []
+
+
+def test_other_front_ends_context_outside_its_hold(tmp_path: Path) -> None:
+    """One that ran into the next measurement, or under no hold of its own, is reported."""
+    second = [
+        _at(_context("context_create_started", "gpu0/w1", 11), 150),
+        _at(_context("context_create_finished", "gpu0/w1", 11), 350),
+        _at(_context("context_teardown_started", "gpu0/w3", 13), 200),
+    ]
+    found = [(o["kind"], o["granted_to"], o["event"]) for o in _two_front_ends(tmp_path, second)]
+    assert found == [
+        ("context_outside_hold", "gpu0/w1 (pid 11)", "context_create_finished"),
+        ("context_outside_hold", "gpu0/w3 (pid 13)", "context_teardown_started"),
+    ]

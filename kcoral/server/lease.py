@@ -95,13 +95,9 @@ def checked_request(
     return gpus
 
 
-def covers(existing: Grant | None, gpus: tuple[int, ...], mode: str) -> bool:
+def covers(existing: Grant, gpus: tuple[int, ...], mode: str) -> bool:
     """Whether a holder's grant already serves a request (exclusive is the stronger mode)."""
-    return (
-        existing is not None
-        and set(gpus) <= set(existing.gpus)
-        and (existing.mode == mode or existing.mode == EXCLUSIVE)
-    )
+    return set(gpus) <= set(existing.gpus) and (existing.mode == mode or existing.mode == EXCLUSIVE)
 
 
 def least_busy_of(

@@ -11,6 +11,7 @@ import hashlib
 import os
 import random
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -282,8 +283,11 @@ def test_received_chunks_are_queued_without_a_copy(monkeypatch: pytest.MonkeyPat
     assert all(id(view.obj) in ids for view in views)
 
 
-def _gated_hash(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
-    """Hold every sink's hash thread until the returned event is set."""
+def hold_hashing(patch: Callable[[Any, str, Any], None]) -> threading.Event:
+    """
+    Hold every sink's hash thread until the returned event is set; C{patch}
+    is pytest's C{monkeypatch.setattr} or trial's C{TestCase.patch}.
+    """
     gate = threading.Event()
     hash_range = BlobSink._hash_range
 
@@ -291,7 +295,7 @@ def _gated_hash(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
         assert gate.wait(10)
         hash_range(sink, start, end)
 
-    monkeypatch.setattr(BlobSink, "_hash_range", gated)
+    patch(BlobSink, "_hash_range", gated)
     return gate
 
 
@@ -316,7 +320,7 @@ def test_a_large_blob_settles_after_its_part(monkeypatch: pytest.MonkeyPatch) ->
     read meanwhile, and result() (on a pool thread in the server) collects
     the blob once they are done.
     """
-    gate = _gated_hash(monkeypatch)
+    gate = hold_hashing(monkeypatch.setattr)
     large, small = _payload(6 << 20), b"tail"
     content_type, body = multipart_body({"instructions": []}, [large, small])
     streamed = _stream(body, content_type, 11)
@@ -363,7 +367,7 @@ def test_abort_while_the_result_settles(monkeypatch: pytest.MonkeyPatch) -> None
     The client leaves while a pool thread waits for the blob threads: the
     abort does not wait, and the thread drops what it collected.
     """
-    gate = _gated_hash(monkeypatch)
+    gate = hold_hashing(monkeypatch.setattr)
     content_type, body = multipart_body({"instructions": []}, [_payload(6 << 20)])
     before = set(os.listdir("/proc/self/fd"))
     streamed = _stream(body, content_type, 5)

@@ -37,8 +37,9 @@ from kcoral.server.http import (
 )
 from kcoral.testing.live_server import multipart_body
 from kcoral.wire import shared
-from kcoral.wire.blobsink import BlobSink
 from kcoral.wire.program import ValidationError
+
+from .test_blobsink import hold_hashing
 
 
 class _Routes:
@@ -494,14 +495,7 @@ class StreamedBodyTests(SynchronousTestCase):
         connection stops reading; once the threads are down to
         L{BACKLOG_RESUME_BYTES} a call from their thread resumes it.
         """
-        gate = threading.Event()
-        hash_range = BlobSink._hash_range
-
-        def slow_hash(sink: BlobSink, start: int, end: int) -> None:
-            assert gate.wait(10)
-            hash_range(sink, start, end)
-
-        self.patch(BlobSink, "_hash_range", slow_hash)
+        gate = hold_hashing(self.patch)
         large = os.urandom(BACKLOG_PAUSE_BYTES + (8 << 20))
         content_type, body = multipart_body({"instructions": []}, [large])
         reactor = _ThreadsClock()

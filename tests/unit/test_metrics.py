@@ -15,16 +15,18 @@ from kcoral.server.http import REFUSALS
 from kcoral.server.metrics import Metrics, pack_families, unpack_families
 
 
-def samples(metrics: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """
-    Parse C{metrics.render()} into C{{(sample name, sorted labels): value}}.
-    """
-    body, content_type = metrics.render()
+def parsed(body: bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """An exposition as C{{(sample name, sorted labels): value}}."""
     result = {}
     for family in text_string_to_metric_families(body.decode("utf-8")):
         for sample in family.samples:
             result[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
     return result
+
+
+def samples(metrics: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Parse C{metrics.render()} (see L{parsed})."""
+    return parsed(metrics.render()[0])
 
 
 class MetricsTests(SynchronousTestCase):
@@ -318,13 +320,6 @@ class FrontEndsTests(SynchronousTestCase):
             log.info("done", kcoral_event="request_finished", finish_reason="completed")
         return metrics
 
-    def parsed(self, body: bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-        found = {}
-        for family in text_string_to_metric_families(body.decode("utf-8")):
-            for sample in family.samples:
-                found[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-        return found
-
     def test_pack_round_trip(self) -> None:
         metrics = self.make(2)
         families = metrics.families()
@@ -337,7 +332,7 @@ class FrontEndsTests(SynchronousTestCase):
         peers = {1: second.families(), 2: third.families()}
         body, content_type = own.render(peers, index=0)
         self.assertEqual(content_type, CONTENT_TYPE_LATEST)
-        found = self.parsed(body)
+        found = parsed(body)
         completed = {
             dict(labels)["front_end"]: value
             for (name, labels), value in found.items()

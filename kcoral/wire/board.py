@@ -42,7 +42,7 @@ def create() -> int:
     """A new board (a sealed memfd saying nothing yet); the caller owns the fd."""
     fd = os.memfd_create("kcoral-progress", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
-        os.pwrite(fd, _INDEX.pack(_NOTHING), 0)
+        clear(fd)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
     except BaseException:
         os.close(fd)

@@ -100,7 +100,7 @@ def code_key(fn: Any) -> tuple[str, int, str] | None:
     code = getattr(fn, "__code__", None)
     if code is None or not code.co_filename.startswith("<uploaded:"):
         return None
-    return (code.co_filename, code.co_firstlineno, code.co_qualname)
+    return (code.co_filename, code.co_firstlineno, code.co_name)
 
 
 def _format_traceback(exc: BaseException) -> str:

@@ -54,7 +54,14 @@ class Leases(Protocol):
     gpus: tuple[int, ...]
 
     def acquire(
-        self, holder: Hashable, gpus: tuple[int, ...], label: str | None = ..., mode: str = ...
+        self,
+        holder: Hashable,
+        gpus: tuple[int, ...],
+        label: str | None = ...,
+        mode: str = ...,
+        *,
+        wake: Callable[[Grant], None] | None = ...,
+        next_in_line: Callable[[], None] | None = ...,
     ) -> Deferred[Grant]: ...
 
     def release(self, holder: Hashable) -> Grant | None: ...
@@ -157,6 +164,11 @@ class _Waiter:
     mode: str = EXCLUSIVE
     #: Arrival order, the tie-break between equal places in line.
     serial: int = 0
+    #: Told of the grant before any event is logged (see L{LeaseArbiter.acquire}).
+    wake: Callable[[Grant], None] | None = None
+    #: Told once when first in line for a GPU another holds.
+    next_in_line: Callable[[], None] | None = None
+    told_next: bool = False
 
 
 @attrs.define
@@ -188,8 +200,9 @@ class LeaseArbiter:
 
     log = Logger()
 
-    def _event(self, name: str, holder: Hashable, gpus: tuple[int, ...], **fields: Any) -> None:
-        label = self._labels.get(holder)
+    def _event(
+        self, name: str, holder: Hashable, gpus: tuple[int, ...], label: str | None, **fields: Any
+    ) -> None:
         purpose = "request"
         if isinstance(label, str):
             prefix = label.partition(":")[0]
@@ -211,6 +224,9 @@ class LeaseArbiter:
         gpus: tuple[int, ...],
         label: str | None = None,
         mode: str = EXCLUSIVE,
+        *,
+        wake: Callable[[Grant], None] | None = None,
+        next_in_line: Callable[[], None] | None = None,
     ) -> Deferred[Grant]:
         """
         Ask for every GPU in C{gpus} at once.
@@ -224,10 +240,22 @@ class LeaseArbiter:
             can name the request that held a GPU at some moment.
         @param mode: L{EXCLUSIVE} (GPU work) or L{MAINTENANCE} (a context
             creation or teardown; see the module docstring).
+        @param wake: called with the grant the moment it is made, before the
+            release that freed it and the grant itself are logged and before
+            the Deferred fires: the one write that lets a waiting worker go,
+            taken off the hand-over's path through the log observers.  It
+            must not log (the log's order is release, grant, then whatever
+            the Deferred's callbacks do).
+        @param next_in_line: called once, when this request becomes the
+            first in line for a GPU another holds: its grant is the next
+            hand-over (L{kcoral.server.workerproc} lets the worker watch
+            for it without sleeping).
         """
         gpus = checked_request(self.gpus, gpus, mode)
         existing = self._grants.get(holder)
         if existing is not None and covers(existing, gpus, mode):
+            if wake is not None:
+                wake(existing)
             return succeed(existing)
         if existing is not None:
             raise RuntimeError(f"{holder!r} already holds GPUs {existing.gpus}")
@@ -243,7 +271,14 @@ class LeaseArbiter:
 
         self._serial += 1
         waiter = _Waiter(
-            holder, gpus, self._clock.seconds(), Deferred(cancel), mode=mode, serial=self._serial
+            holder,
+            gpus,
+            self._clock.seconds(),
+            Deferred(cancel),
+            mode=mode,
+            serial=self._serial,
+            wake=wake,
+            next_in_line=next_in_line,
         )
         self._waiters.append(waiter)
         self._dispatch()
@@ -259,15 +294,19 @@ class LeaseArbiter:
         if grant is None:
             return None
         now = self._clock.seconds()
-        self._event(
-            "lease_released",
-            holder,
-            grant.gpus,
-            mode=grant.mode,
-            pid=grant.pid,
-            held_ms=(now - grant.granted_at) * 1000.0,
-        )
         label = self._labels.pop(holder, None)
+
+        def log_release() -> None:
+            self._event(
+                "lease_released",
+                holder,
+                grant.gpus,
+                label,
+                mode=grant.mode,
+                pid=grant.pid,
+                held_ms=(now - grant.granted_at) * 1000.0,
+            )
+
         for gpu in grant.gpus:
             if grant.mode == EXCLUSIVE:
                 del self._holders[gpu]
@@ -278,7 +317,7 @@ class LeaseArbiter:
                     del self._maintainers[gpu]
             intervals = self.history.setdefault(gpu, deque(maxlen=self.history_size))
             intervals.append(HoldInterval(gpu, holder, label, grant.granted_at, now, grant.mode))
-        self._dispatch()
+        self._dispatch(log_release)
         return grant
 
     def abandon(self, holder: Hashable) -> Grant | None:
@@ -363,7 +402,7 @@ class LeaseArbiter:
         delay = self.maintenance_patience if waiter.mode == MAINTENANCE else 0.0
         return (waiter.requested_at + delay, waiter.serial)
 
-    def _dispatch(self) -> None:
+    def _dispatch(self, log_release: Callable[[], None] | None = None) -> None:
         """
         Grant, in line order (L{_place}), every request whose GPUs are free
         for its mode and not reserved by a waiter ahead of it.
@@ -371,10 +410,17 @@ class LeaseArbiter:
         A waiting exclusive request reserves its GPUs against everyone behind
         it; a waiting maintenance request only against exclusive requests
         behind it (maintenance waiters behind it may still join a batch).
+
+        The new holders are woken first; then the release that freed the
+        GPUs (C{log_release}) and the grants are logged, in that order, and
+        the grants' Deferreds fire; last, the first waiter in line for each
+        GPU still held is told it is next.
         """
         reserved: set[int] = set()
         reserved_by_maintenance: set[int] = set()
         granted: list[tuple[_Waiter, Grant]] = []
+        first_in_line: list[_Waiter] = []
+        lined_up: set[int] = set()
         for waiter in sorted(self._waiters, key=self._place):
             wanted = set(waiter.gpus)
             if waiter.mode == EXCLUSIVE:
@@ -385,11 +431,15 @@ class LeaseArbiter:
                 )
                 if blocked:
                     reserved |= wanted
+                    if wanted - lined_up:
+                        first_in_line.append(waiter)
+                    lined_up |= wanted
                     continue
             else:
                 blocked = bool(wanted & reserved) or any(g in self._holders for g in wanted)
                 if blocked:
                     reserved_by_maintenance |= wanted
+                    lined_up |= wanted
                     continue
             grant = Grant(
                 waiter.holder,
@@ -409,12 +459,31 @@ class LeaseArbiter:
         for waiter, _grant in granted:
             self._waiters.remove(waiter)
         for waiter, grant in granted:
+            if waiter.wake is not None:
+                try:
+                    waiter.wake(grant)
+                except Exception:
+                    # Its Deferred still fires: the grant stands either way.
+                    self.log.failure("waking a lease holder failed", holder=waiter.holder)
+        if log_release is not None:
+            log_release()
+        for waiter, grant in granted:
             self._event(
                 "lease_granted",
                 waiter.holder,
                 grant.gpus,
+                self._labels.get(waiter.holder),
                 mode=grant.mode,
                 pid=grant.pid,
                 wait_ms=grant.wait_seconds * 1000.0,
             )
             waiter.deferred.callback(grant)
+        for waiter in first_in_line:
+            # A Deferred's callback above may have withdrawn it.
+            if waiter.next_in_line is None or waiter.told_next or waiter not in self._waiters:
+                continue
+            waiter.told_next = True
+            try:
+                waiter.next_in_line()
+            except Exception:
+                self.log.failure("telling a lease waiter it is next failed", holder=waiter.holder)

@@ -435,11 +435,21 @@ class RemoteArbiter:
         gpus: tuple[int, ...],
         label: str | None = None,
         mode: str = EXCLUSIVE,
+        *,
+        wake: Callable[[Grant], None] | None = None,
+        next_in_line: Callable[[], None] | None = None,
     ) -> Deferred[Grant]:
-        """As L{LeaseArbiter.acquire}, granted by the broker."""
+        """
+        As L{LeaseArbiter.acquire}, granted by the broker.  C{wake} is called
+        as the broker's answer arrives; C{next_in_line} never is (the broker
+        does not say who is next, so a worker here waits for its grant
+        asleep).
+        """
         gpus = checked_request(self.gpus, gpus, mode)
         existing = self._grants.get(holder)
         if existing is not None and covers(existing, gpus, mode):
+            if wake is not None:
+                wake(existing)
             return succeed(existing)
         if existing is not None or holder in self._waits:
             raise RuntimeError(f"{holder!r} already holds or waits for GPUs")
@@ -477,6 +487,8 @@ class RemoteArbiter:
             self._waits.pop(holder, None)
             grant = Grant(holder, gpus, answer["requested_at"], answer["granted_at"], mode, pid)
             self._grants[holder] = grant
+            if wake is not None:
+                wake(grant)
             waiting.callback(grant)
 
         def refused(failure: Failure) -> None:

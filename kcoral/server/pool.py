@@ -256,6 +256,31 @@ def _safe_name(worker_id: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "-", worker_id)
 
 
+#: The environment switch that keeps workers asleep while they wait for a grant.
+GRANT_WATCH_ENV = "KCORAL_GRANT_WATCH"
+
+
+def cores_to_spare(config: ServerConfig, cpus: int | None = None) -> bool:
+    """
+    Whether this machine (C{cpus}, by default the cores this process may
+    run on) has a core for every process of the server that may be busy at
+    once (each worker and warm spare, each front end, the lease broker)
+    and one more per GPU: the worker first in line for that GPU, which
+    polls for its grant awake rather than sleeping
+    (L{kcoral.wire.channel.LeaseNext}).  Only
+    then does its polling never take a core another process needs.
+    """
+    gpus = len(config.distinct_gpus)
+    if not gpus:
+        return False
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0))
+    spares = config.spares_per_group * config.front_ends
+    broker = 1 if config.front_ends > 1 else 0
+    busy = (config.workers_per_gpu + spares) * gpus + config.front_ends + broker
+    return cpus >= busy + gpus
+
+
 @attrs.define(eq=False)
 class WorkerPool:
     """
@@ -292,6 +317,15 @@ class WorkerPool:
     target: dict[str, str] = attrs.field(factory=dict)
     versions: dict[str, str] = attrs.field(factory=dict)
     spawn_worker: Callable[..., WorkerHandle] = WorkerProcess.spawn
+    #: Workers next in line for their GPU poll for the grant awake
+    #: (L{WorkerProcess.grant_watch}); by default where L{cores_to_spare},
+    #: unless C{KCORAL_GRANT_WATCH=0} is in the server's environment.
+    grant_watch: bool = attrs.field(
+        default=attrs.Factory(
+            lambda self: os.environ.get(GRANT_WATCH_ENV) != "0" and cores_to_spare(self.config),
+            takes_self=True,
+        )
+    )
     fork_worker: Callable[..., WorkerHandle] = WorkerProcess.fork
     #: The worker templates by GPU id (C{None}: the CPU template), once
     #: L{start_templates} started them; a seat whose template is missing or
@@ -616,6 +650,8 @@ class WorkerPool:
             worker.compiler = self.compiler  # type: ignore[attr-defined]
         if getattr(self.config, "log_level", "info") == "debug":
             worker.trace_instructions = True  # type: ignore[attr-defined]
+        if self.grant_watch:
+            worker.grant_watch = True  # type: ignore[attr-defined]
         return worker
 
     async def start_transient(self, seat: Seat, gpus: tuple[int, ...]) -> tuple[WorkerHandle, Path]:

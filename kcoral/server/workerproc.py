@@ -53,6 +53,7 @@ from kcoral.wire.channel import (
     Instruction,
     LeaseAcquire,
     LeaseGranted,
+    LeaseNext,
     LeaseRelease,
     Outcome,
     Ready,
@@ -365,6 +366,10 @@ class WorkerProcess:
     #: events for a four-instruction program cost the reactor about a fifth
     #: of its time per null request, so they are not made otherwise.
     trace_instructions: bool = False
+    #: Tell this worker when its lease request is next in line
+    #: (L{kcoral.wire.channel.LeaseNext}), so it watches for the grant
+    #: awake: set where the machine has a core to spare for it.
+    grant_watch: bool = False
     #: The lease a GPU worker takes to warm up: C{None} (not asked),
     #: C{"pending"}, C{"held"} or C{"released"}.
     _startup_lease_state: str | None = None
@@ -1241,7 +1246,24 @@ class _RunningJob:
         self._lease_state = "pending"
         self._pause_budget()
         requested = self._clock()
-        d = self.worker._leases.acquire(self.worker, self.worker.gpus, label=self.job.request_id)
+
+        def wake(grant: Any) -> None:
+            # The worker and the GPU wait: the grant goes out before the
+            # arbiter logs the hand-over.
+            if not self.done.called:
+                self.worker.send(LeaseGranted(), now=True)
+
+        def next_in_line() -> None:
+            if not self.done.called:
+                self.worker.send(LeaseNext())
+
+        d = self.worker._leases.acquire(
+            self.worker,
+            self.worker.gpus,
+            label=self.job.request_id,
+            wake=wake,
+            next_in_line=next_in_line if self.worker.grant_watch else None,
+        )
         self._lease_request = d
 
         def granted(grant: Any) -> None:
@@ -1252,7 +1274,6 @@ class _RunningJob:
             self._held_since = now
             if self.done.called:
                 return
-            self.worker.send(LeaseGranted(), now=True)
             self._resume_budget()
 
         def failed(failure: Failure) -> None:

@@ -513,6 +513,17 @@ class LeaseGranted(ChannelMessage):
     """The answer to L{LeaseAcquire}: this worker now holds its GPUs."""
 
 
+@_message("lease_next")
+@attrs.frozen
+class LeaseNext(ChannelMessage):
+    """
+    Sent while a L{LeaseAcquire} waits: this worker is first in line, so
+    its L{LeaseGranted} is the next hand-over of its GPU.  A worker may
+    watch for it without sleeping for a while (a sleeping process takes
+    tens to hundreds of microseconds to wake, during which the GPU is idle).
+    """
+
+
 @_message("compile_done")
 @attrs.frozen
 class CompileDone(ChannelMessage):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import IO
 
 import attrs
@@ -18,11 +19,15 @@ from zope.interface import implementer
 from kcoral.wire.channel import (
     LeaseAcquire,
     LeaseGranted,
+    LeaseNext,
     LeaseRelease,
     read_message,
     write_message,
 )
 from kcoral.worker.interfaces import ILeaseClient
+
+#: How long a worker told it is next polls for its grant before it sleeps.
+GRANT_WATCH_SECONDS = 0.02
 
 
 @implementer(ILeaseClient)
@@ -72,6 +77,28 @@ class LeaseClient:
             if isinstance(message, LeaseGranted):
                 self.held = True
                 return
+            if isinstance(message, LeaseNext):
+                self._watch_for_grant()
+
+    def _watch_for_grant(self) -> None:
+        """
+        Poll the inbox, yielding the CPU between polls, until a message is
+        there or L{GRANT_WATCH_SECONDS} pass: the grant is next, and a
+        process asleep in C{read} wakes tens to hundreds of microseconds
+        after it arrives (bench/wake_probe.py), all of it GPU time lost.
+        The parent sends L{LeaseNext} only where a core is spare for it.
+        """
+        fd = self._inbox.fileno()
+        os.set_blocking(fd, False)
+        try:
+            deadline = time.monotonic() + GRANT_WATCH_SECONDS
+            # peek on a non-blocking stream: what is buffered, else one read.
+            while not self._inbox.peek(1):  # type: ignore[attr-defined]
+                if time.monotonic() > deadline:
+                    return
+                os.sched_yield()
+        finally:
+            os.set_blocking(fd, True)
 
     def release(self) -> None:
         """Give the lease back (no answer is expected)."""

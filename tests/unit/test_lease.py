@@ -233,6 +233,101 @@ class LeaseEventTests(SynchronousTestCase):
         )
 
 
+class HandOverTests(SynchronousTestCase):
+    """A worker's grant is written before the log, and the next in line is told."""
+
+    def test_wake_comes_before_the_log_and_the_callback(self) -> None:
+        """
+        C{wake} runs before the release and the grant are logged and before
+        the Deferred fires: the hand-over does not wait for the observers.
+        """
+        from twisted.logger import capturedLogs
+
+        clock = Clock()
+        leases = LeaseArbiter((0,), clock)
+        self.successResultOf(leases.acquire("a", (0,), label="req-a"))
+        seen: list[str] = []
+        with capturedLogs() as events:
+
+            def wake(grant: object) -> None:
+                logged = [e["kcoral_event"] for e in events if "kcoral_event" in e]
+                seen.append(f"wake after {logged}")
+
+            leases.acquire("b", (0,), label="req-b", wake=wake).addCallback(
+                lambda grant: seen.append(f"callback holding {grant.gpus}")
+            )
+            self.assertEqual(seen, [])
+            leases.release("a")
+        self.assertEqual(seen, ["wake after []", "callback holding (0,)"])
+        self.assertEqual(
+            [e["kcoral_event"] for e in events if "kcoral_event" in e],
+            ["lease_released", "lease_granted"],
+        )
+
+    def test_wake_on_an_immediate_and_a_reentrant_grant(self) -> None:
+        clock = Clock()
+        leases = LeaseArbiter((0,), clock)
+        woken: list[str] = []
+        self.successResultOf(leases.acquire("a", (0,), wake=lambda g: woken.append("first")))
+        self.successResultOf(leases.acquire("a", (0,), wake=lambda g: woken.append("again")))
+        self.assertEqual(woken, ["first", "again"])
+
+    def test_a_failing_wake_still_grants(self) -> None:
+        """The grant stands and its Deferred fires; the failure is logged."""
+        clock = Clock()
+        leases = LeaseArbiter((0,), clock)
+
+        def wake(grant: object) -> None:
+            raise OSError("pipe closed")
+
+        grant = self.successResultOf(leases.acquire("a", (0,), wake=wake))
+        self.assertEqual(grant.gpus, (0,))
+        self.assertEqual(len(self.flushLoggedErrors(OSError)), 1)
+        self.assertEqual(leases.holder_of(0), "a")
+
+    def test_the_first_in_line_is_told_once(self) -> None:
+        clock = Clock()
+        leases = LeaseArbiter((0,), clock)
+        told: list[str] = []
+        self.successResultOf(leases.acquire("a", (0,), next_in_line=lambda: told.append("a")))
+        self.assertEqual(told, [], "granted at once: never told")
+        b = leases.acquire("b", (0,), next_in_line=lambda: told.append("b"))
+        c = leases.acquire("c", (0,), next_in_line=lambda: told.append("c"))
+        self.assertEqual(told, ["b"])
+        leases.acquire("d", (0,), next_in_line=lambda: told.append("d"))
+        self.assertEqual(told, ["b"], "told once, and only the first")
+        leases.release("a")
+        self.successResultOf(b)
+        self.assertEqual(told, ["b", "c"])
+        leases.release("b")
+        self.successResultOf(c)
+        self.assertEqual(told, ["b", "c", "d"])
+
+    def test_each_gpu_has_its_first(self) -> None:
+        clock = Clock()
+        leases = LeaseArbiter((0, 1), clock)
+        told: list[str] = []
+        self.successResultOf(leases.acquire("a", (0,)))
+        self.successResultOf(leases.acquire("b", (1,)))
+        leases.acquire("c", (0,), next_in_line=lambda: told.append("c"))
+        leases.acquire("d", (1,), next_in_line=lambda: told.append("d"))
+        leases.acquire("e", (0, 1), next_in_line=lambda: told.append("e"))
+        self.assertEqual(told, ["c", "d"])
+
+    def test_a_withdrawn_waiter_is_not_told(self) -> None:
+        """A grant's callback that withdraws the next waiter leaves nobody to tell."""
+        clock = Clock()
+        leases = LeaseArbiter((0,), clock)
+        told: list[str] = []
+        self.successResultOf(leases.acquire("a", (0,)))
+        b = leases.acquire("b", (0,))
+        c = leases.acquire("c", (0,), next_in_line=lambda: told.append("c"))
+        c.addErrback(lambda f: f.trap(CancelledError))
+        b.addCallback(lambda _grant: c.cancel())
+        leases.release("a")
+        self.assertEqual(told, [])
+
+
 class MaintenanceModeTests(SynchronousTestCase):
     """
     Context creations and teardowns (maintenance holds) share a GPU with each

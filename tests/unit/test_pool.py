@@ -14,7 +14,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from kcoral.config import ServerConfig
 from kcoral.server.lease import LeaseArbiter
-from kcoral.server.pool import BudgetSpent, PoolBusy, Seat, SeatUse, WorkerPool
+from kcoral.server.pool import BudgetSpent, PoolBusy, Seat, SeatUse, WorkerPool, cores_to_spare
 from kcoral.server.workerproc import Job, JobResult
 from kcoral.testing.fakes import FakeSandbox, FakeSpawner, FakeWorker, pool_config
 from kcoral.wire.channel import Outcome
@@ -985,3 +985,29 @@ class TemplateTests(PoolTestCase):
         self.assertIs(pool.templates[None], attempts[1])
         self.assertEqual(pool.worker_start, "fork")
         self.successResultOf(Deferred.fromCoroutine(pool.stop()))
+
+
+class CoresToSpareTests(SynchronousTestCase):
+    """Workers watch for their grant awake only where a core is spare for it."""
+
+    def test_gpu_server_with_cores_left(self) -> None:
+        config = ServerConfig(device="gpu", gpus=(0,), workers_per_gpu=8, max_requests_per_worker=0)
+        # 8 workers, the front end, and the one waiter that watches.
+        self.assertTrue(cores_to_spare(config, cpus=10))
+        self.assertFalse(cores_to_spare(config, cpus=9))
+
+    def test_spares_front_ends_and_the_broker_count(self) -> None:
+        config = ServerConfig(
+            device="gpu",
+            gpus=(0, 1),
+            workers_per_gpu=4,
+            max_requests_per_worker=1,
+            spare_workers_per_gpu=2,
+            front_ends=2,
+        )
+        # (4 + 2) x 2 workers and spares, 2 front ends, the broker, 2 watchers.
+        self.assertTrue(cores_to_spare(config, cpus=17))
+        self.assertFalse(cores_to_spare(config, cpus=16))
+
+    def test_never_on_a_cpu_server(self) -> None:
+        self.assertFalse(cores_to_spare(ServerConfig(device="cpu", num_workers=2), cpus=64))

@@ -31,6 +31,7 @@ from kcoral.wire.channel import (
     Instruction,
     LeaseAcquire,
     LeaseGranted,
+    LeaseNext,
     LeaseRelease,
     MessageDecoder,
     Outcome,
@@ -128,6 +129,7 @@ EXAMPLES: list[ChannelMessage] = [
         reserved=".kcoral",
     ),
     LeaseGranted(),
+    LeaseNext(),
     Exit(),
     Ready(pid=7, target={"arch": "sm_90a"}, versions={"python": "3.11"}, device="gpu"),
     Failed("RuntimeError: no device"),
@@ -160,9 +162,9 @@ def test_fds_are_three_and_four() -> None:
 
 
 def test_every_type_has_an_example() -> None:
-    """The examples cover the registry: thirteen message types, each named once."""
+    """The examples cover the registry: sixteen message types, each named once."""
     assert sorted(m.TYPE for m in EXAMPLES) == sorted(MESSAGE_TYPES)
-    assert len(MESSAGE_TYPES) == 15
+    assert len(MESSAGE_TYPES) == 16
     for name, cls in MESSAGE_TYPES.items():
         assert cls.TYPE == name
 

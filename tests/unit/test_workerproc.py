@@ -453,6 +453,54 @@ class LeaseBudgetTests(WorkerTestCase):
         self.assertAlmostEqual(result.lease_wait_seconds, 10.0)
         self.assertAlmostEqual(result.lease_held_seconds, 1.0)
 
+    def test_next_in_line_told_where_it_may_watch(self) -> None:
+        """
+        A worker allowed to watch for its grant (a core to spare) is told
+        when it is first in line; the grant follows; one that may not is
+        never told.
+        """
+        other = object()
+        self.successResultOf(self.leases.acquire(other, (0,)))
+        worker = self.ready_worker()
+        worker.grant_watch = True
+        worker.run(self.job())
+        self.deliver(worker, LeaseAcquire())
+        self.assertEqual(self.transport.messages()[-1].TYPE, "lease_next")
+        self.leases.release(other)
+        self.assertEqual(
+            [m.TYPE for m in self.transport.messages()[-2:]], ["lease_next", "lease_granted"]
+        )
+        self.deliver(worker, LeaseRelease())
+        self.deliver(worker, Outcome(status="COMPLETED"))
+
+        self.successResultOf(self.leases.acquire(other, (0,)))
+        worker.grant_watch = False
+        worker.run(self.job())
+        self.deliver(worker, LeaseAcquire())
+        self.assertEqual(self.transport.messages()[-1].TYPE, "execute")
+
+    def test_grant_written_before_the_hand_over_is_logged(self) -> None:
+        """The waiting worker's grant is on its pipe before the release and grant are logged."""
+        from twisted.logger import globalLogPublisher
+
+        other = object()
+        self.successResultOf(self.leases.acquire(other, (0,)))
+        worker = self.ready_worker()
+        worker.run(self.job())
+        self.deliver(worker, LeaseAcquire())
+        written: dict[str, list[str]] = {}
+
+        def observe(event: dict[str, Any]) -> None:
+            name = event.get("kcoral_event")
+            if name in ("lease_released", "lease_granted"):
+                written[name] = [m.TYPE for m in self.transport.messages()]
+
+        globalLogPublisher.addObserver(observe)
+        self.addCleanup(globalLogPublisher.removeObserver, observe)
+        self.leases.release(other)
+        self.assertEqual(written["lease_released"][-1], "lease_granted")
+        self.assertEqual(written["lease_granted"][-1], "lease_granted")
+
     def test_budget_expires_after_grant(self) -> None:
         other = object()
         self.successResultOf(self.leases.acquire(other, (0,)))

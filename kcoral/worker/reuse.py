@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Container, Mapping
 from itertools import compress, repeat
 from operator import is_not
 from typing import Any
@@ -61,11 +62,18 @@ def terminate(pids: list[int]) -> None:
             pass  # not our child (re-parented to the sandbox's init)
 
 
-def child_processes() -> list[int]:
+def child_processes(quiet_tasks: Container[str] = ()) -> list[int]:
+    """
+    This worker's descendants (in a bubblewrap PID namespace, every other
+    process in it).
+
+    @param quiet_tasks: this process's threads whose children need not be
+        read (L{ProcessState.quiet_tasks}).
+    """
     sandboxed = _sandbox_processes()
     if sandboxed is not None:
         return sandboxed
-    descendants = descendants_of(os.getpid())
+    descendants = descendants_of(os.getpid(), quiet_tasks)
     if descendants is not None:
         return descendants
     try:
@@ -87,13 +95,44 @@ def child_processes() -> list[int]:
     return [child.pid for child in psutil.Process().children(recursive=True)]
 
 
-def _open_fds_under(root: str) -> list[str]:
+def _open_files() -> dict[int, tuple[int, int]]:
+    """Each open descriptor's file, as C{(st_dev, st_ino)}."""
+    files = {}
+    try:
+        entries = os.listdir("/proc/self/fd")
+    except OSError:  # pragma: no cover - not Linux
+        return {}
+    for entry in entries:
+        fd = int(entry)
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            continue  # the listing's own descriptor, closed by now
+        files[fd] = (st.st_dev, st.st_ino)
+    return files
+
+
+def _open_fds_under(root: str, known: Mapping[int, tuple[int, int]] | None = None) -> list[str]:
+    """
+    The paths under C{root} that open descriptors name.  A descriptor open
+    on the same file as in C{known} (the baseline's) is not resolved: a GPU
+    worker holds dozens of the driver's, and resolving each link costs
+    several times an C{fstat}.
+    """
     found = []
     try:
         entries = os.listdir("/proc/self/fd")
     except OSError:  # pragma: no cover - not Linux
         return []
     for entry in entries:
+        if known:
+            fd = int(entry)
+            try:
+                st = os.fstat(fd)
+            except OSError:
+                continue
+            if known.get(fd) == (st.st_dev, st.st_ino):
+                continue
         try:
             target = os.readlink(f"/proc/self/fd/{entry}")
         except OSError:
@@ -101,6 +140,29 @@ def _open_fds_under(root: str) -> list[str]:
         if _under(target, root):
             found.append(target)
     return found
+
+
+def _quiet_tasks(python_threads: set[int]) -> frozenset[str]:
+    """
+    This process's threads that run no Python: the driver's, the thread
+    pools' (C{/proc/self/task} minus C{python_threads}, native ids).
+    """
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:  # pragma: no cover - not Linux
+        return frozenset()
+    return frozenset(task for task in tasks if int(task) not in python_threads)
+
+
+def _python_threads() -> set[int]:
+    """
+    The native ids of this process's Python threads.  The calling thread's
+    and the main task's are asked of the kernel: in a process forked from a
+    template, Python 3.11 keeps the template's id for the thread that forked.
+    """
+    ids = {t.native_id for t in threading.enumerate() if t.native_id is not None}
+    ids.update((threading.get_native_id(), os.getpid()))
+    return ids
 
 
 @attrs.define
@@ -119,6 +181,14 @@ class ProcessState:
     #: Child processes that were there before the program (a worker has
     #: none; a test running the engine in its own process may).
     children: frozenset[int] = frozenset()
+    #: The baseline's threads that run no Python (the CUDA driver's, the
+    #: thread pools'): a program starts processes from Python threads, its
+    #: own or the worker's, so these threads' children are not read after
+    #: each program.  Under bubblewrap every process of the namespace is
+    #: listed instead.
+    quiet_tasks: frozenset[str] = frozenset()
+    #: The baseline's open descriptors and their files (L{_open_files}).
+    files: dict[int, tuple[int, int]] = attrs.field(factory=dict)
     #: C{sys.path_importer_cache} keys before the first program.
     path_finders: frozenset[str] = frozenset()
     #: The builtins namespace before the first program (C{None}: left alone).
@@ -143,11 +213,15 @@ class ProcessState:
             builtin_names=dict(vars(builtins)),
             threads=frozenset(t.ident or 0 for t in threading.enumerate()),
             children=frozenset(child_processes()),
+            quiet_tasks=_quiet_tasks(_python_threads()),
+            files=_open_files(),
         )
 
     def new_children(self) -> list[int]:
         """The child processes started since the snapshot (the program's)."""
-        return [pid for pid in child_processes() if pid not in self.children]
+        # A quiet thread that runs Python since (a callback's) is read again.
+        quiet = self.quiet_tasks - {str(tid) for tid in _python_threads()}
+        return [pid for pid in child_processes(quiet) if pid not in self.children]
 
     def leftovers(self, workspace: str, children: list[int] | None = None) -> list[str]:
         """
@@ -164,7 +238,7 @@ class ProcessState:
             children = self.new_children()
         if children:
             found.append(f"child processes: {children}")
-        fds = _open_fds_under(root)
+        fds = _open_fds_under(root, self.files)
         if fds:
             found.append(f"open files: {fds}")
         return found

@@ -83,3 +83,36 @@ def test_worker_tree_is_the_worker_and_its_descendants(
     tree = workerproc.WorkerProcess._tree(worker)  # type: ignore[arg-type]
     assert [p.pid for p in tree] == [child, grandchild]
     assert workerproc.WorkerProcess._tree(SimpleNamespace(pid=None)) == []  # type: ignore[arg-type]
+
+
+def test_quiet_tasks_are_not_read() -> None:
+    """
+    A process started from a thread named quiet is not listed; the same
+    walk without it finds the process (the thread's C{children} file).
+    """
+    import threading
+
+    started: list[subprocess.Popen[bytes]] = []
+    ready = threading.Event()
+    stop = threading.Event()
+
+    def starter() -> None:
+        started.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+        ready.set()
+        stop.wait()
+
+    thread = threading.Thread(target=starter)
+    thread.start()
+    try:
+        assert ready.wait(10)
+        child = started[0]
+        tid = str(thread.native_id)
+        assert child.pid in (descendants_of(os.getpid()) or [])
+        assert child.pid not in (descendants_of(os.getpid(), quiet_tasks={tid}) or [])
+        assert child.pid not in (children_of(os.getpid(), quiet_tasks={tid}) or [])
+    finally:
+        stop.set()
+        thread.join()
+        for child in started:
+            child.kill()
+            child.wait()

@@ -39,6 +39,7 @@ from kcoral.wire.channel import (
     Instruction,
     LeaseAcquire,
     LeaseGranted,
+    LeaseNext,
     LeaseRelease,
     Outcome,
     Ready,
@@ -603,6 +604,13 @@ class ChannelDistrustTests(WorkerTestCase):
         for _ in range(8):
             worker.protocol.childDataReceived(FROM_WORKER_FD, b"y" * (1 << 20))
         self.assertEqual(worker.protocol.pending, 0)
+
+    def test_a_worker_cannot_send_lease_next(self) -> None:
+        """C{lease_next} goes from the parent only: a worker that sends it is poisoned."""
+        worker = self.ready_worker()
+        d = worker.run(self.job())
+        self.deliver(worker, LeaseNext())
+        self.assertPoisoned(worker, d, "lease_next")
 
     def test_outcome_over_response_limit(self) -> None:
         worker = self.ready_worker()

@@ -79,9 +79,23 @@ class Acquire(amp.Command):
         (b"gpus", amp.ListOf(amp.Integer())),
         (b"label", amp.Unicode(optional=True)),
         (b"mode", amp.Unicode()),
+        # Say when this wait is first in line (L{Next}).
+        (b"next_in_line", amp.Boolean(optional=True)),
     ]
     response = [(b"requested_at", amp.Float()), (b"granted_at", amp.Float())]
     errors = {LeaseUnavailable: b"UNAVAILABLE", CancelledError: b"CANCELLED"}
+
+
+class Next(amp.Command):
+    """
+    The broker to a front end: the wait C{token} (an L{Acquire} that asked
+    for this) is first in line for its GPUs, so its grant is the next
+    hand-over.
+    """
+
+    arguments = [(b"token", amp.Integer())]
+    response = []
+    requiresAnswer = False
 
 
 class Withdraw(amp.Command):
@@ -311,13 +325,20 @@ class _BrokerProtocol(amp.AMP):
         seat: str | None = None,
         pid: int | None = None,
         label: str | None = None,
+        next_in_line: bool | None = None,
     ) -> Deferred[dict[str, float]]:
         # Refused before a holder is recorded for it.
         checked_request(self._broker.arbiter.gpus, tuple(gpus), mode)
         holder = self._holders.setdefault(
             token, RemoteHolder(self._number, token, seat=seat, pid=pid)
         )
-        d = self._broker.arbiter.acquire(holder, tuple(gpus), label=label, mode=mode)
+
+        def tell() -> None:
+            self.callRemote(Next, token=token)
+
+        d = self._broker.arbiter.acquire(
+            holder, tuple(gpus), label=label, mode=mode, next_in_line=tell if next_in_line else None
+        )
         self._waits[token] = d
 
         def granted(grant: Grant) -> dict[str, float]:
@@ -385,6 +406,11 @@ class _FrontEndProtocol(amp.AMP):
         self._arbiter._update(state)
         return {}
 
+    @Next.responder
+    def next_in_line(self, token: int) -> dict[str, Any]:
+        self._arbiter._next_in_line(token)
+        return {}
+
     @PeerReport.responder
     def peer_report(self, index: int, health: dict[str, Any] | None) -> dict[str, Any]:
         if health is None:
@@ -412,6 +438,8 @@ class RemoteArbiter:
     _labels: dict[Hashable, str | None] = attrs.field(factory=dict)
     _grants: dict[Hashable, Grant] = attrs.field(factory=dict)
     _waits: dict[Hashable, Deferred[Grant]] = attrs.field(factory=dict)
+    #: What to call when the broker says a wait is first in line, by token.
+    _next: dict[int, Callable[[], None]] = attrs.field(factory=dict)
     _gpu_state: dict[int, dict[str, Any]] = attrs.field(factory=dict)
     history: dict[int, deque[HoldInterval]] = attrs.field(factory=dict)
     #: Called once the broker's connection is gone (the front end that
@@ -441,9 +469,8 @@ class RemoteArbiter:
     ) -> Deferred[Grant]:
         """
         As L{LeaseArbiter.acquire}, granted by the broker.  C{wake} is called
-        as the broker's answer arrives; C{next_in_line} never is (the broker
-        does not say who is next, so a worker here waits for its grant
-        asleep).
+        as the broker's answer arrives, C{next_in_line} when the broker says
+        this wait is first in line (L{Next}).
         """
         gpus = checked_request(self.gpus, gpus, mode)
         existing = self._grants.get(holder)
@@ -463,8 +490,12 @@ class RemoteArbiter:
         self._labels[holder] = label
         pid = getattr(holder, "pid", None)
 
+        if next_in_line is not None:
+            self._next[token] = next_in_line
+
         def withdraw(_: Deferred[Grant]) -> None:
             self._waits.pop(holder, None)
+            self._next.pop(token, None)
             protocol.callRemote(Withdraw, token=token)
 
         waiting: Deferred[Grant] = Deferred(withdraw)
@@ -477,9 +508,11 @@ class RemoteArbiter:
             gpus=list(gpus),
             label=label,
             mode=mode,
+            next_in_line=next_in_line is not None,
         )
 
         def granted(answer: dict[str, float]) -> None:
+            self._next.pop(token, None)
             if waiting.called or self._tokens.get(holder) != token:
                 # Withdrawn or abandoned while the grant was on its way.
                 protocol.callRemote(Release, token=token)
@@ -492,6 +525,7 @@ class RemoteArbiter:
             waiting.callback(grant)
 
         def refused(failure: Failure) -> None:
+            self._next.pop(token, None)
             if waiting.called:
                 return
             self._waits.pop(holder, None)
@@ -504,6 +538,12 @@ class RemoteArbiter:
 
         remote.addCallbacks(granted, refused)
         return waiting
+
+    def _next_in_line(self, token: int) -> None:
+        """The broker says wait C{token} is first in line: tell its waiter, once."""
+        tell = self._next.pop(token, None)
+        if tell is not None:
+            tell()
 
     def release(self, holder: Hashable) -> Grant | None:
         """Give back what C{holder} holds (a wait stands, as with L{LeaseArbiter})."""

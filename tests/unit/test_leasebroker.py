@@ -95,6 +95,37 @@ class BrokerTests(SynchronousTestCase):
             self.flush()
         self.assertEqual(order, ["fe2/w0", "fe1/w1", "fe2/w1"])
 
+    def test_the_broker_says_who_is_next(self) -> None:
+        """
+        A wait that asked is told, through its front end, when it is first
+        in line; the one behind it only once the line moves; never twice.
+        """
+        one, _ = self.front_end()
+        two, _ = self.front_end()
+        holder, first, second = Worker("fe1/w0"), Worker("fe2/w0"), Worker("fe1/w1")
+        told: list[str] = []
+        self.granted(one.acquire(holder, (0,)))
+        waiting = two.acquire(first, (0,), next_in_line=lambda: told.append("first"))
+        self.flush()
+        behind = one.acquire(second, (0,), next_in_line=lambda: told.append("second"))
+        self.flush()
+        self.assertEqual(told, ["first"])
+        one.release(holder)
+        self.granted(waiting)
+        self.assertEqual(told, ["first", "second"])
+        two.release(first)
+        self.granted(behind)
+        self.assertEqual(told, ["first", "second"])
+
+    def test_a_wait_that_did_not_ask_is_not_told(self) -> None:
+        one, _ = self.front_end()
+        two, _ = self.front_end()
+        self.granted(one.acquire(Worker("fe1/w0"), (0,)))
+        two.acquire(Worker("fe2/w0"), (0,))
+        self.flush()
+        [waiter] = self.arbiter._waiters
+        self.assertIsNone(waiter.next_in_line)
+
     def test_maintenance_shares_but_never_with_exclusive(self) -> None:
         one, _ = self.front_end()
         two, _ = self.front_end()

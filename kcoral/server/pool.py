@@ -17,7 +17,7 @@ import re
 import shutil
 import sys
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Protocol
@@ -256,8 +256,17 @@ def _safe_name(worker_id: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "-", worker_id)
 
 
-#: The environment switch that keeps workers asleep while they wait for a grant.
+#: The environment switch for workers' watching awake: C{0} never, C{1}
+#: always, unset where L{cores_to_spare}.
 GRANT_WATCH_ENV = "KCORAL_GRANT_WATCH"
+
+
+def watch_allowed(config: ServerConfig, environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether workers may watch awake (L{GRANT_WATCH_ENV}, else L{cores_to_spare})."""
+    switch = environ.get(GRANT_WATCH_ENV)
+    if switch in ("0", "1"):
+        return switch == "1"
+    return cores_to_spare(config)
 
 
 def cores_to_spare(config: ServerConfig, cpus: int | None = None) -> bool:
@@ -267,16 +276,17 @@ def cores_to_spare(config: ServerConfig, cpus: int | None = None) -> bool:
     once (each worker and warm spare, each front end, the lease broker)
     and one more per GPU: the worker first in line for that GPU, which
     polls for its grant awake rather than sleeping
-    (L{kcoral.wire.channel.LeaseNext}).  Only
-    then does its polling never take a core another process needs.
+    (L{kcoral.wire.channel.LeaseNext}).  Only then does a worker's watching
+    for its grant, or for its next program after an answer, never take a
+    core another process needs.
     """
-    gpus = len(config.distinct_gpus)
-    if not gpus:
-        return False
     if cpus is None:
         cpus = len(os.sched_getaffinity(0))
     spares = config.spares_per_group * config.front_ends
     broker = 1 if config.front_ends > 1 else 0
+    if config.cpu_mode:
+        return cpus >= config.num_workers + spares + config.front_ends + broker
+    gpus = len(config.distinct_gpus)
     busy = (config.workers_per_gpu + spares) * gpus + config.front_ends + broker
     return cpus >= busy + gpus
 
@@ -317,14 +327,12 @@ class WorkerPool:
     target: dict[str, str] = attrs.field(factory=dict)
     versions: dict[str, str] = attrs.field(factory=dict)
     spawn_worker: Callable[..., WorkerHandle] = WorkerProcess.spawn
-    #: Workers next in line for their GPU poll for the grant awake
-    #: (L{WorkerProcess.grant_watch}); by default where L{cores_to_spare},
-    #: unless C{KCORAL_GRANT_WATCH=0} is in the server's environment.
+    #: Workers watch awake for their grant when next in line, and for their
+    #: next program for a moment after each (L{WorkerProcess.grant_watch}):
+    #: by default where L{cores_to_spare}; C{KCORAL_GRANT_WATCH} in the
+    #: server's environment overrides (C{0} never, C{1} always).
     grant_watch: bool = attrs.field(
-        default=attrs.Factory(
-            lambda self: os.environ.get(GRANT_WATCH_ENV) != "0" and cores_to_spare(self.config),
-            takes_self=True,
-        )
+        default=attrs.Factory(lambda self: watch_allowed(self.config), takes_self=True)
     )
     fork_worker: Callable[..., WorkerHandle] = WorkerProcess.fork
     #: The worker templates by GPU id (C{None}: the CPU template), once

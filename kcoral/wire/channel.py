@@ -505,6 +505,10 @@ class Execute(ChannelMessage):
     #: traces instructions, or gave no progress board) rather than posting
     #: it on the board.
     announce: bool = attrs.field(default=True, validator=_json(bool))
+    #: Seconds the worker may watch for its next message awake once it has
+    #: answered and settled (0: it sleeps in C{read} at once): the parent
+    #: gives some only where a core is spare for every worker.
+    watch_next_seconds: float = attrs.field(default=0.0, validator=_json(float, int))
 
 
 @_message("lease_granted")

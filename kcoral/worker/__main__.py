@@ -46,7 +46,7 @@ from kcoral.wire.shared import available as shared_memory_available
 from kcoral.worker.builtins import registry_for
 from kcoral.worker.devices import make_backend, prepare_backend
 from kcoral.worker.engine import Engine
-from kcoral.worker.lease import LeaseClient, NullLease
+from kcoral.worker.lease import LeaseClient, NullLease, watch_inbox
 from kcoral.worker.remote_compile import COMPILE_IN_PARENT_ENV, RemoteCompiler
 
 
@@ -167,6 +167,9 @@ def serve(
             # Host state back to how the first program found it, while the
             # parent answers (the next program waits in the pipe meanwhile).
             engine.settle()
+            if message.watch_next_seconds > 0:
+                # A core is spare: the next program finds this worker awake.
+                watch_inbox(inbox, message.watch_next_seconds)
         else:
             print(f"kcoral worker: ignoring message {message.TYPE!r}", file=sys.stderr, flush=True)
 

@@ -82,23 +82,12 @@ class LeaseClient:
 
     def _watch_for_grant(self) -> None:
         """
-        Poll the inbox, yielding the CPU between polls, until a message is
-        there or L{GRANT_WATCH_SECONDS} pass: the grant is next, and a
-        process asleep in C{read} wakes tens to hundreds of microseconds
+        Watch for the grant awake for up to L{GRANT_WATCH_SECONDS}: it is
+        next, and a process asleep in C{read} wakes tens of microseconds
         after it arrives (bench/wake_probe.py), all of it GPU time lost.
         The parent sends L{LeaseNext} only where a core is spare for it.
         """
-        fd = self._inbox.fileno()
-        os.set_blocking(fd, False)
-        try:
-            deadline = time.monotonic() + GRANT_WATCH_SECONDS
-            # peek on a non-blocking stream: what is buffered, else one read.
-            while not self._inbox.peek(1):  # type: ignore[attr-defined]
-                if time.monotonic() > deadline:
-                    return
-                os.sched_yield()
-        finally:
-            os.set_blocking(fd, True)
+        watch_inbox(self._inbox, GRANT_WATCH_SECONDS)
 
     def release(self) -> None:
         """Give the lease back (no answer is expected)."""
@@ -106,3 +95,23 @@ class LeaseClient:
             return
         write_message(self._outbox, LeaseRelease())
         self.held = False
+
+
+def watch_inbox(inbox: IO[bytes], seconds: float) -> bool:
+    """
+    Poll C{inbox} (a buffered stream), yielding the CPU between polls, until
+    a byte is there or C{seconds} pass; whether one is.  The stream is left
+    blocking, and what was read into its buffer stays there for the next read.
+    """
+    fd = inbox.fileno()
+    os.set_blocking(fd, False)
+    try:
+        deadline = time.monotonic() + seconds
+        # peek on a non-blocking stream: what is buffered, else one read.
+        while not inbox.peek(1):  # type: ignore[attr-defined]
+            if time.monotonic() > deadline:
+                return False
+            os.sched_yield()
+        return True
+    finally:
+        os.set_blocking(fd, True)

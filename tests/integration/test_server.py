@@ -481,6 +481,28 @@ def test_reuse_workspace_cleared(reuse_server: ServerProcess) -> None:
     assert value[1]["value"] is False
 
 
+def test_a_worker_watching_for_its_next_program_serves_it(tmp_path: Path) -> None:
+    """
+    With watching forced on (KCORAL_GRANT_WATCH=1; by default only where a
+    core is spare for every worker), a reused worker that polls for its
+    next program after each answer serves programs sent at once, soon and
+    after its watch ended, and exits when told to.
+    """
+    import os
+    import time
+
+    with ServerProcess(
+        [*BASE_ARGS, "--num-workers", "1", "--max-requests-per-worker", "0"],
+        log_path=tmp_path / "server.log",
+        env={**os.environ, "KCORAL_GRANT_WATCH": "1"},
+    ) as watching:
+        pids = []
+        for pause in (0.0, 0.0, 0.002, 0.05, 0.0):
+            time.sleep(pause)
+            pids.append(result_value(watching.execute(program(PID))))
+        assert len(set(pids)) == 1, pids
+
+
 def test_reuse_background_child_replaces_seat(reuse_server: ServerProcess) -> None:
     source = (
         "import os, subprocess\n"

@@ -14,7 +14,16 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from kcoral.config import ServerConfig
 from kcoral.server.lease import LeaseArbiter
-from kcoral.server.pool import BudgetSpent, PoolBusy, Seat, SeatUse, WorkerPool, cores_to_spare
+from kcoral.server.pool import (
+    GRANT_WATCH_ENV,
+    BudgetSpent,
+    PoolBusy,
+    Seat,
+    SeatUse,
+    WorkerPool,
+    cores_to_spare,
+    watch_allowed,
+)
 from kcoral.server.workerproc import Job, JobResult
 from kcoral.testing.fakes import FakeSandbox, FakeSpawner, FakeWorker, pool_config
 from kcoral.wire.channel import Outcome
@@ -1009,5 +1018,14 @@ class CoresToSpareTests(SynchronousTestCase):
         self.assertTrue(cores_to_spare(config, cpus=17))
         self.assertFalse(cores_to_spare(config, cpus=16))
 
-    def test_never_on_a_cpu_server(self) -> None:
-        self.assertFalse(cores_to_spare(ServerConfig(device="cpu", num_workers=2), cpus=64))
+    def test_a_cpu_server_needs_a_core_per_worker(self) -> None:
+        config = ServerConfig(device="cpu", num_workers=4, max_requests_per_worker=0)
+        # 4 workers and the front end; no GPU to wait for.
+        self.assertTrue(cores_to_spare(config, cpus=5))
+        self.assertFalse(cores_to_spare(config, cpus=4))
+
+    def test_the_environment_overrides(self) -> None:
+        config = ServerConfig(device="cpu", num_workers=64, max_requests_per_worker=0)
+        self.assertTrue(watch_allowed(config, {GRANT_WATCH_ENV: "1"}))
+        config = ServerConfig(device="cpu", num_workers=1, max_requests_per_worker=0)
+        self.assertFalse(watch_allowed(config, {GRANT_WATCH_ENV: "0"}))

@@ -18,7 +18,7 @@ from kcoral.wire.channel import (
     write_message,
 )
 from kcoral.worker import lease as lease_module
-from kcoral.worker.lease import LeaseClient
+from kcoral.worker.lease import LeaseClient, watch_inbox
 
 
 def _pipe() -> tuple[IO[bytes], IO[bytes]]:
@@ -79,3 +79,13 @@ def test_watch_gives_up_on_an_empty_pipe(channel, monkeypatch) -> None:
     client, _to_worker, _from_worker = channel
     client._watch_for_grant()
     assert os.get_blocking(client._inbox.fileno())
+
+
+def test_watch_inbox_sees_what_arrives_and_gives_up_in_time(channel) -> None:
+    client, to_worker, _from_worker = channel
+    inbox = client._inbox
+    assert watch_inbox(inbox, 0.0) is False
+    write_message(to_worker, Exit())
+    assert watch_inbox(inbox, 1.0) is True
+    assert os.get_blocking(inbox.fileno())
+    assert isinstance(read_message(inbox), Exit)

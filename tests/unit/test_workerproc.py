@@ -22,6 +22,7 @@ from kcoral.server import workerproc
 from kcoral.server.lease import LeaseArbiter
 from kcoral.server.workerproc import (
     FROM_WORKER_FD,
+    IDLE_WATCH_SECONDS,
     TO_WORKER_FD,
     Job,
     JobResult,
@@ -479,6 +480,15 @@ class LeaseBudgetTests(WorkerTestCase):
         worker.run(self.job())
         self.deliver(worker, LeaseAcquire())
         self.assertEqual(self.transport.messages()[-1].TYPE, "execute")
+
+    def test_a_watching_worker_may_watch_for_its_next_program(self) -> None:
+        worker = self.ready_worker()
+        worker.run(self.job())
+        self.assertEqual(self.transport.messages()[-1].watch_next_seconds, 0.0)
+        self.deliver(worker, Outcome(status="COMPLETED"))
+        worker.grant_watch = True
+        worker.run(self.job())
+        self.assertEqual(self.transport.messages()[-1].watch_next_seconds, IDLE_WATCH_SECONDS)
 
     def test_grant_written_before_the_hand_over_is_logged(self) -> None:
         """The waiting worker's grant is on its pipe before the release and grant are logged."""

@@ -844,11 +844,14 @@ class WorkerPool:
                 self.release(seat, retire=use.retire_reason())
                 raise
             retire = use.retire_reason()
+            emptied = False
             try:
                 if not await self._empty_unsandboxed_workspace(seat, use.worker, retire):
                     retire = "sandbox_cleanup"
+                else:
+                    emptied = self.sandbox.name == "none" and seat.work_dir is not None
             finally:
-                self.release(seat, retire=retire)
+                self.release(seat, retire=retire, clean=emptied)
             return
         try:
             try:
@@ -1029,20 +1032,23 @@ class WorkerPool:
         gpus = list(getattr(self.config, "gpus", ()))
         return gpus.index(gpu) if gpu in gpus else 0
 
-    def release(self, seat: Seat, *, retire: str | None = None) -> None:
+    def release(self, seat: Seat, *, retire: str | None = None, clean: bool = False) -> None:
         """
         The request is done with C{seat}.
 
         With C{retire} (a reason), the worker is retired and replaced in the
         background; the seat is offered again only once the replacement is
         ready.
+
+        @param clean: the caller found the workspace clean (or emptied it)
+            since the program answered, so it is not looked at again.
         """
         self.active -= 1
         self._assigned[seat.gpu_id] -= 1
         seat.served += 1
         worker = seat.worker
         if retire is None and worker is not None and worker.alive:
-            if self._workspace_is_clean(seat.work_dir):
+            if clean or self._workspace_is_clean(seat.work_dir):
                 self._offer(seat)
                 return
             d = self._run_blocking(self.sandbox.clear_workspace, seat.work_dir)

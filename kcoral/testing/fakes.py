@@ -321,7 +321,7 @@ class RecordingPool(WorkerPool):
             return fail(PoolBusy("server saturated"))
         return succeed(self.preset)
 
-    def release(self, seat: Seat, *, retire: str | None = None) -> None:
+    def release(self, seat: Seat, *, retire: str | None = None, clean: bool = False) -> None:
         self.released.append((seat, retire))
 
     async def start_transient(self, seat: Seat, gpus: tuple[int, ...]) -> tuple[WorkerHandle, Path]:

@@ -39,8 +39,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
+from spin_source import CALIBRATED_SLEEP  # noqa: E402
 
-SOURCE = '''
+SOURCE = (
+    '''
 import os
 import time
 
@@ -85,25 +87,14 @@ def gpu_stamped(ms):
     granted, released_before = stamps["granted"], stamps["released"]
     import torch
 
-    rate = getattr(torch.cuda, "_kcoral_bench_cycles_per_ms", None)
-    if rate is None:
-        torch.cuda._sleep(1000)
-        torch.cuda.synchronize()
-        start = torch.cuda.Event(enable_timing=True)
-        stop = torch.cuda.Event(enable_timing=True)
-        cycles = 20_000_000
-        start.record()
-        torch.cuda._sleep(cycles)
-        stop.record()
-        stop.synchronize()
-        rate = cycles / start.elapsed_time(stop)
-        torch.cuda._kcoral_bench_cycles_per_ms = rate
-    torch.cuda._sleep(int(ms * rate))
+    torch.cuda._sleep(int(ms * _cycles_per_ms(torch)))
     launched = time.time()
     torch.cuda.synchronize()
     synced = time.time()
     return [os.getpid(), granted or 0.0, released_before or 0.0, entered, launched, synced]
 '''
+    + CALIBRATED_SLEEP
+)
 
 
 def split(samples: list[dict[str, Any]]) -> dict[str, Any]:

@@ -84,6 +84,9 @@ import numpy as np  # noqa: E402
 
 from kcoral import Client, Program  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from spin_source import CALIBRATED_SLEEP  # noqa: E402
+
 NULL_SOURCE = "def noop():\n    return None\n"
 
 TENSOR_SOURCE = """
@@ -95,7 +98,8 @@ def consume(x):
     return None
 """
 
-OVERLAP_SOURCE = '''
+OVERLAP_SOURCE = (
+    '''
 import time
 
 
@@ -110,21 +114,7 @@ def gpu_work(ms):
     """One spin kernel of about ms milliseconds, then a synchronize."""
     import torch
 
-    rate = getattr(torch.cuda, "_kcoral_bench_cycles_per_ms", None)
-    if rate is None:
-        # Calibrate once per worker process: cycles of _sleep per millisecond.
-        torch.cuda._sleep(1000)
-        torch.cuda.synchronize()
-        start = torch.cuda.Event(enable_timing=True)
-        stop = torch.cuda.Event(enable_timing=True)
-        cycles = 20_000_000
-        start.record()
-        torch.cuda._sleep(cycles)
-        stop.record()
-        stop.synchronize()
-        rate = cycles / start.elapsed_time(stop)
-        torch.cuda._kcoral_bench_cycles_per_ms = rate
-    torch.cuda._sleep(int(ms * rate))
+    torch.cuda._sleep(int(ms * _cycles_per_ms(torch)))
     torch.cuda.synchronize()
     return "torch_sleep"
 
@@ -132,6 +122,8 @@ def gpu_work(ms):
 def noop(ms):
     return "skipped"
 '''
+    + CALIBRATED_SLEEP
+)
 
 COPY_SOURCE = """
 def copy_bandwidth(mib, repeat):

@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from kcoral.proctree import children_of, descendants_of
+from kcoral.testing.processes import ThreadWithChild
 
 #: A child that starts a grandchild, prints its pid, and waits.
 PARENT = (
@@ -90,29 +91,9 @@ def test_quiet_tasks_are_not_read() -> None:
     A process started from a thread named quiet is not listed; the same
     walk without it finds the process (the thread's C{children} file).
     """
-    import threading
-
-    started: list[subprocess.Popen[bytes]] = []
-    ready = threading.Event()
-    stop = threading.Event()
-
-    def starter() -> None:
-        started.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
-        ready.set()
-        stop.wait()
-
-    thread = threading.Thread(target=starter)
-    thread.start()
-    try:
-        assert ready.wait(10)
-        child = started[0]
+    with ThreadWithChild() as thread:
+        child = thread.start_child()
         tid = str(thread.native_id)
-        assert child.pid in (descendants_of(os.getpid()) or [])
-        assert child.pid not in (descendants_of(os.getpid(), quiet_tasks={tid}) or [])
-        assert child.pid not in (children_of(os.getpid(), quiet_tasks={tid}) or [])
-    finally:
-        stop.set()
-        thread.join()
-        for child in started:
-            child.kill()
-            child.wait()
+        assert child in (descendants_of(os.getpid()) or [])
+        assert child not in (descendants_of(os.getpid(), quiet_tasks={tid}) or [])
+        assert child not in (children_of(os.getpid(), quiet_tasks={tid}) or [])

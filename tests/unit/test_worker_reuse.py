@@ -8,64 +8,24 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
-import threading
 from pathlib import Path
 
+from kcoral.testing.processes import SLEEPER, ThreadWithChild
 from kcoral.worker.reuse import ProcessState, _open_fds_under
-
-SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
 
 
 def test_a_child_of_a_baseline_python_thread_is_found() -> None:
     """Python threads of the baseline are read: a program may use them."""
-    wake = threading.Event()
-    started: list[subprocess.Popen[bytes]] = []
-    done = threading.Event()
-
-    def pool_thread() -> None:
-        wake.wait()
-        started.append(subprocess.Popen(SLEEPER))
-        done.set()
-
-    thread = threading.Thread(target=pool_thread)
-    thread.start()
-    try:
+    with ThreadWithChild() as thread:
         state = ProcessState.snapshot()
         assert str(thread.native_id) not in state.quiet_tasks
-        wake.set()
-        assert done.wait(10)
-        assert started[0].pid in state.new_children()
-    finally:
-        wake.set()
-        thread.join()
-        for child in started:
-            child.kill()
-            child.wait()
+        assert thread.start_child() in state.new_children()
 
 
 def test_a_child_of_a_new_thread_is_found() -> None:
     state = ProcessState.snapshot()
-    started: list[subprocess.Popen[bytes]] = []
-    spawned = threading.Event()
-    release = threading.Event()
-
-    def program_thread() -> None:
-        started.append(subprocess.Popen(SLEEPER))
-        spawned.set()
-        release.wait()
-
-    thread = threading.Thread(target=program_thread)
-    thread.start()
-    try:
-        assert spawned.wait(10)
-        assert started[0].pid in state.new_children()
-    finally:
-        release.set()
-        thread.join()
-        for child in started:
-            child.kill()
-            child.wait()
+    with ThreadWithChild() as thread:
+        assert thread.start_child() in state.new_children()
 
 
 def test_a_baseline_descriptor_reused_for_a_workspace_file_is_found(tmp_path: Path) -> None:

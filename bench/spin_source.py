@@ -1,0 +1,27 @@
+"""
+The overlap workload's GPU kernel, as source that benchmark programs upload:
+C{_cycles_per_ms(torch)} calibrates C{torch.cuda._sleep} once per worker
+process (cycles per millisecond, by CUDA events), so a function can launch
+a spin of about C{ms} milliseconds with C{torch.cuda._sleep(int(ms *
+_cycles_per_ms(torch)))}.  Standard library only: C{ref_driver.py} imports
+it beside the reference client, C{handover_probe.py} beside ours.
+"""
+
+CALIBRATED_SLEEP = '''
+def _cycles_per_ms(torch):
+    """Cycles of torch.cuda._sleep per millisecond, measured once per worker process."""
+    rate = getattr(torch.cuda, "_kcoral_bench_cycles_per_ms", None)
+    if rate is None:
+        torch.cuda._sleep(1000)
+        torch.cuda.synchronize()
+        start = torch.cuda.Event(enable_timing=True)
+        stop = torch.cuda.Event(enable_timing=True)
+        cycles = 20_000_000
+        start.record()
+        torch.cuda._sleep(cycles)
+        stop.record()
+        stop.synchronize()
+        rate = cycles / start.elapsed_time(stop)
+        torch.cuda._kcoral_bench_cycles_per_ms = rate
+    return rate
+'''

@@ -335,19 +335,41 @@ def sequential(client: Client, program: Program, n: int, max_seconds: float) -> 
 
 
 def run_null(args: argparse.Namespace, report: Report, info: dict[str, Any]) -> None:
+    """
+    The sequential phase, then each closed-loop level; with C{--rounds N},
+    N times over, interleaved (sequential, every level, sequential, ...),
+    so that a drift of the machine touches every figure alike.  The
+    sequential figures pool every round's samples; a level's requests a
+    second are the median of its rounds (each round in the details).
+    """
     program = null_program()
+    samples: list[float] = []
+    rounds: dict[str, list[dict[str, Any]]] = {str(clients): [] for clients in args.clients}
     with Client(args.url) as client:
         sequential(client, program, args.warmup, args.max_seconds)
-        seq = summary(sequential(client, program, args.sequential, args.max_seconds))
+    for _ in range(args.rounds):
+        with Client(args.url) as client:
+            samples += sequential(client, program, args.sequential, args.max_seconds)
+        for clients in args.clients:
+            rounds[str(clients)].append(
+                closed_loop(
+                    args.url,
+                    ("null", 0.0),
+                    clients,
+                    args.seconds,
+                    args.warmup_seconds,
+                    args.processes,
+                )
+            )
+    seq = summary(samples)
     report.details["null_sequential"] = seq
     report.figure("null.sequential.p50", seq["p50"], "ms")
     report.figure("null.sequential.p99", seq["p99"], "ms")
     levels = {}
     for clients in args.clients:
-        level = closed_loop(
-            args.url, ("null", 0.0), clients, args.seconds, args.warmup_seconds, args.processes
-        )
-        levels[str(clients)] = level
+        runs = rounds[str(clients)]
+        level = sorted(runs, key=lambda run: run["requests_per_s"])[len(runs) // 2]
+        levels[str(clients)] = {**level, "rounds_per_s": [run["requests_per_s"] for run in runs]}
         report.figure(f"null.rps.c{clients}", level["requests_per_s"], "req/s")
         report.figure(f"null.p99.c{clients}", level["latency_ms"].get("p99", 0.0), "ms")
     report.details["null_closed_loop"] = levels
@@ -554,6 +576,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sequential", type=int, default=200)
     parser.add_argument("--clients", type=_ints, default=[1, 8, 32, 64])
     parser.add_argument("--processes", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)))
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="null: repeat the sequential phase and the levels this many times, interleaved",
+    )
     parser.add_argument("--rates", type=_floats, default=[50.0, 100.0, 150.0])
     parser.add_argument("--open-loop-threads", type=int, default=64)
     parser.add_argument("--tensor-mib", type=int, default=64)

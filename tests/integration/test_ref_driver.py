@@ -84,7 +84,9 @@ def stub() -> Iterator[int]:
         process.wait(10)
 
 
-def drive(refclient: Path, port: int, output: Path, *workloads: str) -> dict:
+def drive(
+    refclient: Path, port: int, output: Path, *workloads: str, extra: tuple[str, ...] = ()
+) -> dict:
     """Run the driver with the reference virtualenv's interpreter and no PYTHONPATH."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
     completed = subprocess.run(
@@ -93,6 +95,7 @@ def drive(refclient: Path, port: int, output: Path, *workloads: str) -> dict:
             str(BENCH / "ref_driver.py"),
             *workloads,
             *SHORT,
+            *extra,
             "--url",
             f"http://127.0.0.1:{port}",
             "--output",
@@ -129,6 +132,22 @@ def test_stub_floor(refclient: Path, stub: int, tmp_path: Path) -> None:
     # The client's flow: CACHE_MISS then the blob; the held tensor comes back in one.
     assert result["details"]["tensor_roundtrip_attempts"] == [2]
     assert result["details"]["tensor_down_attempts"] == [1]
+
+
+def test_null_in_interleaved_rounds(refclient: Path, stub: int, tmp_path: Path) -> None:
+    """
+    With --rounds, the sequential phase and every level run that many
+    times, interleaved: the sequential samples are pooled, a level's rate
+    is the median of its rounds, and each round is kept.
+    """
+    result = drive(refclient, stub, tmp_path / "rounds.json", "null", extra=("--rounds", "3"))
+    assert result["failed"] == []
+    assert result["details"]["null_sequential"]["n"] == 30
+    for clients in ("1", "4"):
+        level = result["details"]["null_closed_loop"][clients]
+        assert len(level["rounds_per_s"]) == 3
+        assert level["requests_per_s"] == sorted(level["rounds_per_s"])[1]
+        assert result["figures"][f"null.rps.c{clients}"] == level["requests_per_s"]
 
 
 def test_kcoral_cpu_and_table(

@@ -112,29 +112,19 @@ def _open_files() -> dict[int, tuple[int, int]]:
     return files
 
 
-def _open_fds_under(root: str, known: Mapping[int, tuple[int, int]] | None = None) -> list[str]:
+def _open_fds_under(root: str, known: Mapping[int, tuple[int, int]]) -> list[str]:
     """
     The paths under C{root} that open descriptors name.  A descriptor open
-    on the same file as in C{known} (the baseline's) is not resolved: a GPU
-    worker holds dozens of the driver's, and resolving each link costs
-    several times an C{fstat}.
+    on the same file as in C{known} (the baseline's L{_open_files}) is not
+    resolved: a GPU worker holds dozens of the driver's, and resolving each
+    link costs several times an C{fstat}.
     """
     found = []
-    try:
-        entries = os.listdir("/proc/self/fd")
-    except OSError:  # pragma: no cover - not Linux
-        return []
-    for entry in entries:
-        if known:
-            fd = int(entry)
-            try:
-                st = os.fstat(fd)
-            except OSError:
-                continue
-            if known.get(fd) == (st.st_dev, st.st_ino):
-                continue
+    for fd, file in _open_files().items():
+        if known.get(fd) == file:
+            continue
         try:
-            target = os.readlink(f"/proc/self/fd/{entry}")
+            target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             continue
         if _under(target, root):

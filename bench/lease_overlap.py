@@ -129,6 +129,27 @@ class _Gpu:
     def running(self, kind: str) -> int:
         return sum(1 for k in self.contexts.values() if k == kind)
 
+    def count_finished(self, kind: str, event: dict[str, Any]) -> None:
+        """Count a finished context creation or teardown, and its duration."""
+        if kind == "create":
+            self.created += 1
+        else:
+            self.torn_down += 1
+        if isinstance(event.get("duration_ms"), (int, float)):
+            self.durations[kind].append(float(event["duration_ms"]))
+
+
+def _overlap(kind: str, gpu: int, held_by: Any, by: Any, event: dict[str, Any]) -> dict[str, Any]:
+    """One reported overlap: C{by} got the GPU (or used it) while C{held_by} held it."""
+    return {
+        "kind": kind,
+        "gpu": gpu,
+        "held_by": None if held_by is None else _name(held_by),
+        "granted_to": _name(by),
+        "event": event.get("event"),
+        "timestamp": event.get("timestamp"),
+    }
+
 
 _LEASE_EVENTS = ("lease_granted", "lease_released")
 
@@ -171,28 +192,13 @@ def _check_contained(
     for gpu in event.get("gpu_ids") or []:
         state = gpus.setdefault(gpu, _Gpu())
         if name in _CONTEXT_FINISHED:
-            kind = _CONTEXT_FINISHED[name]
-            if kind == "create":
-                state.created += 1
-            else:
-                state.torn_down += 1
-            if isinstance(event.get("duration_ms"), (int, float)):
-                state.durations[kind].append(float(event["duration_ms"]))
+            state.count_finished(_CONTEXT_FINISHED[name], event)
         inside = when is not None and any(
             start is not None and start <= when and (end is None or when <= end)
             for start, end in holds.get((gpu, who), [])
         )
         if not inside:
-            overlaps.append(
-                {
-                    "kind": "context_outside_hold",
-                    "gpu": gpu,
-                    "held_by": None,
-                    "granted_to": _name(who),
-                    "event": name,
-                    "timestamp": event.get("timestamp"),
-                }
-            )
+            overlaps.append(_overlap("context_outside_hold", gpu, None, who, event))
 
 
 def check(paths: list[Path]) -> dict[str, Any]:
@@ -201,16 +207,7 @@ def check(paths: list[Path]) -> dict[str, Any]:
     overlaps: list[dict[str, Any]] = []
 
     def overlap(kind: str, gpu: int, held_by: Any, by: Any, event: dict[str, Any]) -> None:
-        overlaps.append(
-            {
-                "kind": kind,
-                "gpu": gpu,
-                "held_by": _name(held_by),
-                "granted_to": _name(by),
-                "event": event.get("event"),
-                "timestamp": event.get("timestamp"),
-            }
-        )
+        overlaps.append(_overlap(kind, gpu, held_by, by, event))
 
     logs = [(path, [json.loads(line) for line in path.read_text().splitlines()]) for path in paths]
     # The files that have lease events: the lease arbiter's (with several
@@ -274,12 +271,7 @@ def check(paths: list[Path]) -> dict[str, Any]:
                     if not state.running(kind) and since is not None and now is not None:
                         state.busy[kind] += now - since
                         state.busy_since[kind] = None
-                    if isinstance(event.get("duration_ms"), (int, float)):
-                        state.durations[kind].append(float(event["duration_ms"]))
-                    if kind == "create":
-                        state.created += 1
-                    else:
-                        state.torn_down += 1
+                    state.count_finished(kind, event)
     return {
         "files": [str(p) for p in paths],
         "gpus": {

@@ -40,6 +40,20 @@ def flood(mbytes):
 """
 
 
+#: Writes the parent's own C{lease_next} message to the parent, as if the
+#: worker could tell the parent who is next in line.
+FORGED_LEASE_NEXT = r"""
+import os
+import struct
+
+
+def forge():
+    header = b'{"type":"lease_next"}'
+    os.write(4, struct.pack(">IQ", len(header), 0) + header)
+    return "sent"
+"""
+
+
 @pytest.fixture(scope="module")
 def server(attacked_server: Callable[..., ServerProcess]) -> ServerProcess:
     return attacked_server("--num-workers", "1", "--max-response-bytes", "1000000")
@@ -63,4 +77,19 @@ def test_flood_frame_header(server: ServerProcess) -> None:
     assert "over the limit" in body["error"]["message"]
     # The old server kept every flooded byte (1 GiB here).
     assert grown < 64 * 1024 * 1024, grown
+    assert_serves(server)
+
+
+def test_a_worker_sending_lease_next_is_refused(server: ServerProcess) -> None:
+    """
+    C{lease_next} goes from the parent to a worker only: a program that
+    sends one fails its own request as an invalid worker response, and the
+    next request is served by a fresh worker.
+    """
+    assert_serves(server)
+    response = server.execute(run_program(FORGED_LEASE_NEXT, "forge"))
+    assert response.status == 500, response.body[:2000]
+    body = body_of(response)
+    assert body["error"]["kind"] == "engine"
+    assert "lease_next" in body["error"]["message"]
     assert_serves(server)

@@ -46,6 +46,7 @@ import statistics
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -269,10 +270,90 @@ def _process_main(
     pipe.close()
 
 
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_ticks(stat_path: str) -> int:
+    """utime + stime from a /proc .../stat file (0 when it is gone)."""
+    try:
+        with open(stat_path) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0
+    return int(fields[11]) + int(fields[12])
+
+
+def _tree(root: int) -> list[int]:
+    """C{root} and every process descended from it."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            parents.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(parents.get(pid, ()))
+    return found
+
+
+@dataclass
+class CpuSample:
+    """CPU seconds so far: the server's main thread, its process tree, the machine."""
+
+    reactor: float
+    server: float
+    machine_busy: float
+    machine_all: float
+
+    @classmethod
+    def take(cls, server_pid: int) -> CpuSample:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+        idle = ticks[3] + ticks[4]  # idle + iowait
+        return cls(
+            reactor=_cpu_ticks(f"/proc/{server_pid}/task/{server_pid}/stat") * _TICK_S,
+            server=sum(_cpu_ticks(f"/proc/{pid}/stat") for pid in _tree(server_pid)) * _TICK_S,
+            machine_busy=(sum(ticks) - idle) * _TICK_S,
+            machine_all=sum(ticks) * _TICK_S,
+        )
+
+    def since(self, before: CpuSample, seconds: float, requests: int) -> dict[str, float]:
+        """What the window between C{before} and this sample cost."""
+        per = 1e3 / max(requests, 1)
+        return {
+            "reactor_busy": (self.reactor - before.reactor) / seconds,
+            "reactor_ms_per_request": (self.reactor - before.reactor) * per,
+            "server_cores": (self.server - before.server) / seconds,
+            "server_ms_per_request": (self.server - before.server) * per,
+            "machine_busy_cores": (self.machine_busy - before.machine_busy) / seconds,
+        }
+
+
+def _sleep_until(moment: float) -> None:
+    time.sleep(max(0.0, moment - time.time()))
+
+
 def closed_loop(
-    url: str, program: tuple, clients: int, seconds: float, warmup: float, processes: int
+    url: str,
+    program: tuple,
+    clients: int,
+    seconds: float,
+    warmup: float,
+    processes: int,
+    server_pid: int | None = None,
 ) -> dict[str, Any]:
-    """C{clients} clients for C{warmup + seconds}; requests/s over the last C{seconds}."""
+    """
+    C{clients} clients for C{warmup + seconds}; requests/s over the last
+    C{seconds}.  With C{server_pid} (a server on this machine), also the CPU
+    the server's main thread, its process tree and the whole machine spent
+    in that window.
+    """
     processes = max(1, min(processes, clients))
     share = [clients // processes + (1 if i < clients % processes else 0) for i in range(processes)]
     ctx = multiprocessing.get_context("fork")
@@ -286,6 +367,12 @@ def closed_loop(
         )
         proc.start()
         procs.append((proc, parent))
+    cpu = None
+    if server_pid:
+        _sleep_until(start)
+        before = CpuSample.take(server_pid)
+        _sleep_until(deadline)
+        cpu = (before, CpuSample.take(server_pid))
     samples: list = []
     errors: list[str] = []
     for proc, parent in procs:
@@ -297,7 +384,7 @@ def closed_loop(
     done = [lat for t, lat in samples if t <= deadline]
     if errors:
         raise RuntimeError(f"{len(errors)} client(s) failed: {errors[0]}")
-    return {
+    level = {
         "clients": clients,
         "processes": processes,
         "seconds": seconds,
@@ -305,6 +392,9 @@ def closed_loop(
         "requests_per_s": len(done) / seconds,
         "latency_ms": summary(done),
     }
+    if cpu:
+        level["cpu"] = cpu[1].since(cpu[0], seconds, len(done))
+    return level
 
 
 # --------------------------------------------------------------------------
@@ -359,6 +449,7 @@ def run_null(args: argparse.Namespace, report: Report, info: dict[str, Any]) -> 
                     args.seconds,
                     args.warmup_seconds,
                     args.processes,
+                    args.server_pid,
                 )
             )
     seq = summary(samples)
@@ -370,6 +461,16 @@ def run_null(args: argparse.Namespace, report: Report, info: dict[str, Any]) -> 
         runs = rounds[str(clients)]
         level = sorted(runs, key=lambda run: run["requests_per_s"])[len(runs) // 2]
         levels[str(clients)] = {**level, "rounds_per_s": [run["requests_per_s"] for run in runs]}
+        if "cpu" in level:
+            levels[str(clients)]["rounds_cpu"] = [run["cpu"] for run in runs]
+            for run in runs:
+                print(
+                    f"  c{clients}: {run['requests_per_s']:8.1f} req/s, reactor busy "
+                    f"{run['cpu']['reactor_busy']:.2f} ({run['cpu']['reactor_ms_per_request']:.2f} "
+                    f"ms/request), server {run['cpu']['server_cores']:.2f} cores, machine "
+                    f"{run['cpu']['machine_busy_cores']:.2f} cores busy",
+                    flush=True,
+                )
         report.figure(f"null.rps.c{clients}", level["requests_per_s"], "req/s")
         report.figure(f"null.p99.c{clients}", level["latency_ms"].get("p99", 0.0), "ms")
     report.details["null_closed_loop"] = levels
@@ -518,7 +619,9 @@ def run_overlap(args: argparse.Namespace, report: Report, info: dict[str, Any]) 
             check(client.execute(program))
     levels = {}
     for clients in args.overlap_clients:
-        level = closed_loop(args.url, spec, clients, args.seconds, 1.0, args.processes)
+        level = closed_loop(
+            args.url, spec, clients, args.seconds, 1.0, args.processes, args.server_pid
+        )
         level["share_of_limit"] = level["requests_per_s"] / limit
         levels[str(clients)] = level
         report.figure(f"overlap.rps.c{clients}", level["requests_per_s"], "req/s")
@@ -581,6 +684,12 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=1,
         help="null: repeat the sequential phase and the levels this many times, interleaved",
+    )
+    parser.add_argument(
+        "--server-pid",
+        type=int,
+        help="the server's pid (on this machine): each closed-loop level also records the CPU "
+        "its main thread, its process tree and the machine spent",
     )
     parser.add_argument("--rates", type=_floats, default=[50.0, 100.0, 150.0])
     parser.add_argument("--open-loop-threads", type=int, default=64)

@@ -73,7 +73,7 @@ drive() {
     # shellcheck disable=SC2086
     env -u PYTHONHOME PYTHONPATH="$REF_SITE" timeout --signal=INT --kill-after=10 "$left" \
         "$DRIVER_PY" bench/ref_driver.py $DRIVER_DEFAULTS ${DRIVER_ARGS:-} \
-        --url "http://127.0.0.1:$PORT" --label "$name" \
+        --url "http://127.0.0.1:$PORT" --label "$name" --server-pid "$SERVER_PID" \
         --output "$RESULTS/side_by_side_$name.json"
 }
 

@@ -660,7 +660,15 @@ class WorkerPool:
             worker.trace_instructions = True  # type: ignore[attr-defined]
         if self.grant_watch:
             worker.grant_watch = True  # type: ignore[attr-defined]
+            worker.may_watch_next = self.serving_one  # type: ignore[attr-defined]
         return worker
+
+    def serving_one(self) -> bool:
+        """
+        Whether at most one seat is taken: a worker answering now may watch
+        awake for its next program (L{WorkerProcess.may_watch_next}).
+        """
+        return self.active <= 1
 
     async def start_transient(self, seat: Seat, gpus: tuple[int, ...]) -> tuple[WorkerHandle, Path]:
         """

@@ -379,6 +379,13 @@ class WorkerProcess:
     #: (C{Execute.watch_next_seconds}): set where the machine has a core
     #: to spare for it.
     grant_watch: bool = False
+    #: Asked as each program starts, where the worker may watch
+    #: (C{grant_watch}): whether it watches for its next program after this
+    #: one.  The pool says yes only while this is the one program it runs
+    #: (L{WorkerPool.serving_one}): a sequential client waits for every
+    #: wake-up, while under concurrency each answered worker would spin
+    #: until the busy reactor feeds it, taking cores and clock from it.
+    may_watch_next: Callable[[], bool] = attrs.field(default=lambda: True)
     #: The lease a GPU worker takes to warm up: C{None} (not asked),
     #: C{"pending"}, C{"held"} or C{"released"}.
     _startup_lease_state: str | None = None
@@ -1042,7 +1049,9 @@ class _RunningJob:
         # the operator traces them (their events need the messages).
         messages = self.job.messages(
             announce=progress is None or bool(getattr(self.worker, "trace_instructions", False)),
-            watch_next=IDLE_WATCH_SECONDS if self.worker.grant_watch else 0.0,
+            watch_next=IDLE_WATCH_SECONDS
+            if self.worker.grant_watch and self.worker.may_watch_next()
+            else 0.0,
         )
         for message in messages[:-1]:
             self.worker.send(message)

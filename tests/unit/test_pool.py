@@ -31,7 +31,11 @@ from kcoral.wire.channel import Outcome
 
 class PoolTestCase(SynchronousTestCase):
     def make_pool(
-        self, config: ServerConfig | None = None, auto_ready: bool = True, leases: Any = None
+        self,
+        config: ServerConfig | None = None,
+        auto_ready: bool = True,
+        leases: Any = None,
+        **fields: Any,
     ) -> WorkerPool:
         self.reactor = MemoryReactorClock()
         self.sandbox = FakeSandbox()
@@ -45,6 +49,7 @@ class PoolTestCase(SynchronousTestCase):
             self.sandbox,
             lambda f, *a, **k: maybeDeferred(f, *a, **k),
             Path("/nonexistent-kcoral-root"),
+            **fields,
         )
         pool.spawn_worker = self.spawner
         self.successResultOf(Deferred.fromCoroutine(pool.start()))
@@ -995,6 +1000,29 @@ class TemplateTests(PoolTestCase):
         self.assertIs(pool.templates[None], attempts[1])
         self.assertEqual(pool.worker_start, "fork")
         self.successResultOf(Deferred.fromCoroutine(pool.stop()))
+
+
+class WatchNextTests(PoolTestCase):
+    """
+    Where workers may watch, one watches for its next program only while
+    it runs the pool's one program: a sequential client's case.
+    """
+
+    def test_only_while_one_seat_is_taken(self) -> None:
+        pool = self.make_pool(grant_watch=True)
+        workers = [seat.worker for seat in pool.seats]
+        self.assertTrue(all(w.grant_watch for w in workers))
+        first = self.successResultOf(pool.acquire(10))
+        self.assertTrue(first.worker.may_watch_next())
+        second = self.successResultOf(pool.acquire(10))
+        self.assertFalse(first.worker.may_watch_next())
+        self.assertFalse(second.worker.may_watch_next())
+        pool.release(first)
+        self.assertTrue(second.worker.may_watch_next())
+
+    def test_not_told_where_workers_may_not_watch(self) -> None:
+        pool = self.make_pool(grant_watch=False)
+        self.assertFalse(any(hasattr(seat.worker, "may_watch_next") for seat in pool.seats))
 
 
 class CoresToSpareTests(SynchronousTestCase):

@@ -490,6 +490,22 @@ class LeaseBudgetTests(WorkerTestCase):
         worker.run(self.job())
         self.assertEqual(self.transport.messages()[-1].watch_next_seconds, IDLE_WATCH_SECONDS)
 
+    def test_no_watch_for_the_next_program_while_others_run(self) -> None:
+        """
+        The pool's answer is asked as each program starts: a worker that
+        may watch does not while other programs run beside its own.
+        """
+        others_running = [True]
+        worker = self.ready_worker()
+        worker.grant_watch = True
+        worker.may_watch_next = lambda: not others_running[0]
+        worker.run(self.job())
+        self.assertEqual(self.transport.messages()[-1].watch_next_seconds, 0.0)
+        self.deliver(worker, Outcome(status="COMPLETED"))
+        others_running[0] = False
+        worker.run(self.job())
+        self.assertEqual(self.transport.messages()[-1].watch_next_seconds, IDLE_WATCH_SECONDS)
+
     def test_grant_written_before_the_hand_over_is_logged(self) -> None:
         """The waiting worker's grant is on its pipe before the release and grant are logged."""
         from twisted.logger import globalLogPublisher

@@ -328,7 +328,8 @@ class WorkerPool:
     versions: dict[str, str] = attrs.field(factory=dict)
     spawn_worker: Callable[..., WorkerHandle] = WorkerProcess.spawn
     #: Workers watch awake for their grant when next in line, and for their
-    #: next program for a moment after each (L{WorkerProcess.grant_watch}):
+    #: next program for a moment after one that ran alone
+    #: (L{WorkerProcess.grant_watch}, L{serving_one}):
     #: by default where L{cores_to_spare}; C{KCORAL_GRANT_WATCH} in the
     #: server's environment overrides (C{0} never, C{1} always).
     grant_watch: bool = attrs.field(

@@ -459,8 +459,12 @@ def run_null(args: argparse.Namespace, report: Report, info: dict[str, Any]) -> 
     levels = {}
     for clients in args.clients:
         runs = rounds[str(clients)]
-        level = sorted(runs, key=lambda run: run["requests_per_s"])[len(runs) // 2]
-        levels[str(clients)] = {**level, "rounds_per_s": [run["requests_per_s"] for run in runs]}
+        # The median of the rounds' rates (of the middle two for an even
+        # count: the upper one alone would bias a level's peak upward).
+        rates = [run["requests_per_s"] for run in runs]
+        rate = statistics.median(rates)
+        level = min(runs, key=lambda run: abs(run["requests_per_s"] - rate))
+        levels[str(clients)] = {**level, "requests_per_s": rate, "rounds_per_s": rates}
         if "cpu" in level:
             levels[str(clients)]["rounds_cpu"] = [run["cpu"] for run in runs]
             for run in runs:
@@ -471,7 +475,7 @@ def run_null(args: argparse.Namespace, report: Report, info: dict[str, Any]) -> 
                     f"{run['cpu']['machine_busy_cores']:.2f} cores busy",
                     flush=True,
                 )
-        report.figure(f"null.rps.c{clients}", level["requests_per_s"], "req/s")
+        report.figure(f"null.rps.c{clients}", rate, "req/s")
         report.figure(f"null.p99.c{clients}", level["latency_ms"].get("p99", 0.0), "ms")
     report.details["null_closed_loop"] = levels
 

@@ -138,7 +138,8 @@ def test_null_in_interleaved_rounds(refclient: Path, stub: int, tmp_path: Path) 
     """
     With --rounds, the sequential phase and every level run that many
     times, interleaved: the sequential samples are pooled, a level's rate
-    is the median of its rounds, and each round is kept.
+    is the median of its rounds (the middle two's mean for an even count),
+    and each round is kept.
     """
     result = drive(refclient, stub, tmp_path / "rounds.json", "null", extra=("--rounds", "3"))
     assert result["failed"] == []
@@ -148,6 +149,38 @@ def test_null_in_interleaved_rounds(refclient: Path, stub: int, tmp_path: Path) 
         assert len(level["rounds_per_s"]) == 3
         assert level["requests_per_s"] == sorted(level["rounds_per_s"])[1]
         assert result["figures"][f"null.rps.c{clients}"] == level["requests_per_s"]
+    result = drive(refclient, stub, tmp_path / "two.json", "null", extra=("--rounds", "2"))
+    level = result["details"]["null_closed_loop"]["4"]
+    assert level["requests_per_s"] == pytest.approx(sum(level["rounds_per_s"]) / 2)
+
+
+def test_null_with_the_servers_cpu(
+    refclient: Path, cpu_server: Callable[..., ServerProcess], tmp_path: Path
+) -> None:
+    """
+    With --server-pid, each closed-loop round also says what CPU the
+    server's main thread, its process tree and the machine spent in it.
+    """
+    server = cpu_server("--sandbox", "none", "--max-requests-per-worker", "0")
+    assert server.process is not None
+    result = drive(
+        refclient,
+        server.port,
+        tmp_path / "cpu.json",
+        "null",
+        extra=("--server-pid", str(server.process.pid), "--seconds", "1"),
+    )
+    assert result["failed"] == []
+    for clients in ("1", "4"):
+        level = result["details"]["null_closed_loop"][clients]
+        (cpu,) = level["rounds_cpu"]
+        # A busy server: its reactor ran, its workers too, and the reactor
+        # cannot have been busier than the wall clock allows (one thread).
+        assert 0.0 < cpu["reactor_busy"] <= 1.05
+        assert cpu["server_cores"] >= cpu["reactor_busy"]
+        assert cpu["machine_busy_cores"] > 0.0
+        assert cpu["reactor_ms_per_request"] > 0.0
+        assert cpu["server_ms_per_request"] >= cpu["reactor_ms_per_request"]
 
 
 def test_kcoral_cpu_and_table(

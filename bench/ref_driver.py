@@ -302,14 +302,42 @@ def _tree(root: int) -> list[int]:
     return found
 
 
+def _scheduler(pid: int) -> dict[str, float]:
+    """
+    The scheduler's counts for the main thread of C{pid}: seconds it waited
+    runnable but off a CPU (C{schedstat}), switches it did not ask for, and
+    moves between CPUs (C{sched}, where the kernel keeps it).
+    """
+    task = f"/proc/{pid}/task/{pid}"
+    counts: dict[str, float] = {}
+    try:
+        with open(f"{task}/schedstat") as f:
+            counts["runqueue_wait"] = int(f.read().split()[1]) / 1e9
+        with open(f"{task}/status") as f:
+            for line in f:
+                if line.startswith("nonvoluntary_ctxt_switches:"):
+                    counts["involuntary_switches"] = float(line.split()[1])
+        with open(f"{task}/sched") as f:
+            for line in f:
+                if line.startswith("se.nr_migrations"):
+                    counts["migrations"] = float(line.split(":")[1])
+    except (OSError, IndexError, ValueError):
+        pass
+    return counts
+
+
 @dataclass
 class CpuSample:
-    """CPU seconds so far: the server's main thread, its process tree, the machine."""
+    """
+    CPU seconds so far: the server's main thread, its process tree, the
+    machine; and the main thread's scheduler counts (L{_scheduler}).
+    """
 
     reactor: float
     server: float
     machine_busy: float
     machine_all: float
+    scheduler: dict[str, float]
 
     @classmethod
     def take(cls, server_pid: int) -> CpuSample:
@@ -321,18 +349,44 @@ class CpuSample:
             server=sum(_cpu_ticks(f"/proc/{pid}/stat") for pid in _tree(server_pid)) * _TICK_S,
             machine_busy=(sum(ticks) - idle) * _TICK_S,
             machine_all=sum(ticks) * _TICK_S,
+            scheduler=_scheduler(server_pid),
         )
 
     def since(self, before: CpuSample, seconds: float, requests: int) -> dict[str, float]:
         """What the window between C{before} and this sample cost."""
         per = 1e3 / max(requests, 1)
-        return {
+        spent = {
             "reactor_busy": (self.reactor - before.reactor) / seconds,
             "reactor_ms_per_request": (self.reactor - before.reactor) * per,
             "server_cores": (self.server - before.server) / seconds,
             "server_ms_per_request": (self.server - before.server) * per,
             "machine_busy_cores": (self.machine_busy - before.machine_busy) / seconds,
         }
+        changed = {
+            name: self.scheduler[name] - before.scheduler[name]
+            for name in self.scheduler.keys() & before.scheduler.keys()
+        }
+        if "runqueue_wait" in changed:
+            spent["reactor_runqueue_wait_share"] = changed["runqueue_wait"] / seconds
+        if "involuntary_switches" in changed:
+            spent["reactor_involuntary_switches_per_request"] = changed[
+                "involuntary_switches"
+            ] / max(requests, 1)
+        if "migrations" in changed:
+            spent["reactor_migrations_per_s"] = changed["migrations"] / seconds
+        return spent
+
+
+def _scheduler_line(cpu: dict[str, float]) -> str:
+    """The main thread's scheduler counts of a round, where the kernel gave them."""
+    parts = []
+    if "reactor_runqueue_wait_share" in cpu:
+        parts.append(f"waited runnable {100 * cpu['reactor_runqueue_wait_share']:.1f} %")
+    if "reactor_involuntary_switches_per_request" in cpu:
+        parts.append(f"{cpu['reactor_involuntary_switches_per_request']:.2f} preemptions/request")
+    if "reactor_migrations_per_s" in cpu:
+        parts.append(f"{cpu['reactor_migrations_per_s']:.0f} CPU moves/s")
+    return "; reactor " + ", ".join(parts) if parts else ""
 
 
 def _sleep_until(moment: float) -> None:
@@ -472,7 +526,8 @@ def run_null(args: argparse.Namespace, report: Report, info: dict[str, Any]) -> 
                     f"  c{clients}: {run['requests_per_s']:8.1f} req/s, reactor busy "
                     f"{run['cpu']['reactor_busy']:.2f} ({run['cpu']['reactor_ms_per_request']:.2f} "
                     f"ms/request), server {run['cpu']['server_cores']:.2f} cores, machine "
-                    f"{run['cpu']['machine_busy_cores']:.2f} cores busy",
+                    f"{run['cpu']['machine_busy_cores']:.2f} cores busy"
+                    + _scheduler_line(run["cpu"]),
                     flush=True,
                 )
         report.figure(f"null.rps.c{clients}", rate, "req/s")

@@ -181,6 +181,10 @@ def test_null_with_the_servers_cpu(
         assert cpu["machine_busy_cores"] > 0.0
         assert cpu["reactor_ms_per_request"] > 0.0
         assert cpu["server_ms_per_request"] >= cpu["reactor_ms_per_request"]
+        # The scheduler's counts for the main thread, where /proc has them.
+        if Path("/proc/self/schedstat").exists():
+            assert 0.0 <= cpu["reactor_runqueue_wait_share"] <= 1.05
+        assert cpu["reactor_involuntary_switches_per_request"] >= 0.0
 
 
 def test_kcoral_cpu_and_table(

@@ -22,6 +22,8 @@
 # ONLY may also name kcoral-feN: kcoral as N front ends (--front-ends N), with a
 # second table in kcoral's place.
 # WORKLOADS (the driver's workloads, default "null open-loop tensor overlap copy"),
+# PIN_REACTOR (a CPU number: each server's main thread alone on that CPU, the
+# rest of the server and the driver on the others; an experiment, reuse mode),
 # DRIVER_ARGS (appended to every driver run), ONLY (e.g. "stub kcoral" to skip
 # the reference), DEVICE_FLAGS and REF_DEVICE_FLAGS (replace the servers'
 # device flags; a CPU dry run: DEVICE_FLAGS="--device cpu --num-workers 2"
@@ -70,8 +72,13 @@ drive() {
         return 1
     fi
     echo "== driving $name (elapsed $(( $(date +%s) - START )) s)"
+    local pin=()
+    if [ -n "${PIN_REACTOR:-}" ]; then
+        pin=(taskset -c "$(pin_reactor "$PIN_REACTOR")")
+        echo "   $name's main thread on CPU $PIN_REACTOR; the rest and the driver on ${pin[2]}"
+    fi
     # shellcheck disable=SC2086
-    env -u PYTHONHOME PYTHONPATH="$REF_SITE" timeout --signal=INT --kill-after=10 "$left" \
+    "${pin[@]}" env -u PYTHONHOME PYTHONPATH="$REF_SITE" timeout --signal=INT --kill-after=10 "$left" \
         "$DRIVER_PY" bench/ref_driver.py $DRIVER_DEFAULTS ${DRIVER_ARGS:-} \
         --url "http://127.0.0.1:$PORT" --label "$name" --server-pid "$SERVER_PID" \
         --output "$RESULTS/side_by_side_$name.json"

@@ -95,3 +95,36 @@ ensure_reference_site() {
 SERVER_PID=""
 trap stop_server EXIT
 trap 'stop_server; exit 130' INT TERM
+
+# pin_reactor CPU: the server's main thread ($SERVER_PID) alone on CPU, and
+# every other thread of the server and of the processes under it on the
+# other CPUs; prints those other CPUs (for the client).  An experiment on
+# the reactor's moves between CPUs, for reuse mode only: a worker started
+# later would inherit the main thread's single CPU.
+pin_reactor() {
+    "$PY" - "$SERVER_PID" "$1" <<'PYEOF'
+import os, sys
+root, cpu = int(sys.argv[1]), int(sys.argv[2])
+others = sorted(os.sched_getaffinity(0) - {cpu})
+children = {}
+for entry in os.listdir("/proc"):
+    if entry.isdigit():
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+        except (OSError, IndexError, ValueError):
+            pass
+tree, todo = [], [root]
+while todo:
+    pid = todo.pop()
+    tree.append(pid)
+    todo.extend(children.get(pid, ()))
+for pid in tree:
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), {cpu} if int(tid) == root else others)
+        except OSError:
+            pass
+print(",".join(map(str, others)))
+PYEOF
+}

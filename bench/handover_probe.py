@@ -39,7 +39,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
-from spin_source import CALIBRATED_SLEEP  # noqa: E402
+from spin_source import CALIBRATED_SLEEP, CPU_WORK  # noqa: E402
 
 SOURCE = (
     '''
@@ -72,14 +72,6 @@ def _stamps():
     lease._handover_probe = stamps
     return stamps
 
-
-def cpu_work(ms):
-    end = time.perf_counter() + ms / 1e3
-    while time.perf_counter() < end:
-        pass
-    return ms
-
-
 def gpu_stamped(ms):
     """One spin kernel of about ms milliseconds, and the worker's stamps."""
     entered = time.time()
@@ -93,6 +85,7 @@ def gpu_stamped(ms):
     synced = time.time()
     return [os.getpid(), granted or 0.0, released_before or 0.0, entered, launched, synced]
 '''
+    + CPU_WORK
     + CALIBRATED_SLEEP
 )
 

@@ -40,16 +40,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
+from spin_source import CPU_WORK  # noqa: E402
 
-SOURCE = '''
+SOURCE = (
+    '''
 import time
-
-
-def cpu_work(ms):
-    end = time.perf_counter() + ms / 1e3
-    while time.perf_counter() < end:
-        pass
-    return ms
 
 
 def gpu_work(ms):
@@ -78,6 +73,8 @@ def gpu_work(ms):
 def noop(ms):
     return "skipped"
 '''
+    + CPU_WORK
+)
 
 
 def program(cpu_ms: float, gpu_ms: float, gpu: bool) -> dict:

@@ -86,7 +86,7 @@ import numpy as np  # noqa: E402
 from kcoral import Client, Program  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from spin_source import CALIBRATED_SLEEP  # noqa: E402
+from spin_source import CALIBRATED_SLEEP, CPU_WORK  # noqa: E402
 
 NULL_SOURCE = "def noop():\n    return None\n"
 
@@ -103,14 +103,6 @@ OVERLAP_SOURCE = (
     '''
 import time
 
-
-def cpu_work(ms):
-    end = time.perf_counter() + ms / 1e3
-    while time.perf_counter() < end:
-        pass
-    return ms
-
-
 def gpu_work(ms):
     """One spin kernel of about ms milliseconds, then a synchronize."""
     import torch
@@ -123,6 +115,7 @@ def gpu_work(ms):
 def noop(ms):
     return "skipped"
 '''
+    + CPU_WORK
     + CALIBRATED_SLEEP
 )
 

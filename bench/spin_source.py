@@ -1,10 +1,21 @@
 """
-The overlap workload's GPU kernel, as source that benchmark programs upload:
+The overlap workload's two halves, as source that benchmark programs
+upload: C{CPU_WORK}'s C{cpu_work(ms)} busy-waits C{ms} milliseconds on the
+host (the module must import C{time}), and C{CALIBRATED_SLEEP}'s
 C{_cycles_per_ms(torch)} calibrates C{torch.cuda._sleep} once per worker
 process (cycles per millisecond, by CUDA events), so a function can launch
 a spin of about C{ms} milliseconds with C{torch.cuda._sleep(int(ms *
 _cycles_per_ms(torch)))}.  Standard library only: C{ref_driver.py} imports
-it beside the reference client, C{handover_probe.py} beside ours.
+it beside the reference client, C{handover_probe.py} and C{overlap.py}
+beside ours.
+"""
+
+CPU_WORK = """
+def cpu_work(ms):
+    end = time.perf_counter() + ms / 1e3
+    while time.perf_counter() < end:
+        pass
+    return ms
 """
 
 CALIBRATED_SLEEP = '''

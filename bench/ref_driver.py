@@ -526,6 +526,28 @@ def run_null(args: argparse.Namespace, report: Report, info: dict[str, Any]) -> 
         report.figure(f"null.rps.c{clients}", rate, "req/s")
         report.figure(f"null.p99.c{clients}", level["latency_ms"].get("p99", 0.0), "ms")
     report.details["null_closed_loop"] = levels
+    top = max(args.clients)
+    shares = round_peak_shares(rounds, top)
+    if shares:
+        report.details["null_round_peak_shares"] = {str(top): shares}
+        report.figure(f"null.round_peak_share.c{top}", statistics.median(shares), "of peak")
+
+
+def round_peak_shares(rounds: dict[str, list[dict[str, Any]]], clients: int) -> list[float]:
+    """
+    Each round's rate at C{clients} over the highest rate of that round's
+    levels.  The levels of one round run back to back, so a slow spell of
+    the host touches the ratio's two sides alike; across rounds it does
+    not (the median level over the highest median level takes the maximum
+    of noisy figures, which reads low when two levels are equal).
+    """
+    count = min(len(runs) for runs in rounds.values())
+    shares = []
+    for i in range(count):
+        peak = max(runs[i]["requests_per_s"] for runs in rounds.values())
+        if peak > 0:
+            shares.append(rounds[str(clients)][i]["requests_per_s"] / peak)
+    return shares
 
 
 def open_loop_level(

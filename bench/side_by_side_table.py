@@ -56,6 +56,12 @@ def targets(ours: dict[str, float], ref: dict[str, float], floor: dict[str, floa
         lambda v: v >= 0.9,
     )
     add(
+        "  the same, per round (median of rounds)",
+        ours.get("null.round_peak_share.c64"),
+        ">= 0.9",
+        lambda v: v >= 0.9,
+    )
+    add(
         "null sequential p50, kcoral / reference",
         ratio(ours.get("null.sequential.p50"), ref.get("null.sequential.p50")),
         "<= 0.6",

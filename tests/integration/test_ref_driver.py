@@ -149,6 +149,14 @@ def test_null_in_interleaved_rounds(refclient: Path, stub: int, tmp_path: Path) 
         assert len(level["rounds_per_s"]) == 3
         assert level["requests_per_s"] == sorted(level["rounds_per_s"])[1]
         assert result["figures"][f"null.rps.c{clients}"] == level["requests_per_s"]
+    # The busiest level over each round's own peak, then the median of rounds.
+    levels = result["details"]["null_closed_loop"]
+    shares = [
+        top / max(one, top)
+        for one, top in zip(levels["1"]["rounds_per_s"], levels["4"]["rounds_per_s"], strict=True)
+    ]
+    assert result["details"]["null_round_peak_shares"] == {"4": pytest.approx(shares)}
+    assert result["figures"]["null.round_peak_share.c4"] == pytest.approx(sorted(shares)[1])
     result = drive(refclient, stub, tmp_path / "two.json", "null", extra=("--rounds", "2"))
     level = result["details"]["null_closed_loop"]["4"]
     assert level["requests_per_s"] == pytest.approx(sum(level["rounds_per_s"]) / 2)

@@ -48,16 +48,18 @@ def targets(ours: dict[str, float], ref: dict[str, float], floor: dict[str, floa
         ">= 2",
         lambda v: v >= 2,
     )
-    peak = max((v for k, v in ours.items() if k.startswith("null.rps.c")), default=None)
+    levels = {int(k[len("null.rps.c") :]): v for k, v in ours.items() if k.startswith("null.rps.c")}
+    # The busiest level: 64 clients in the full run, fewer in a short one.
+    top = max(levels, default=64)
     add(
-        "null rps at 64 clients / kcoral's peak",
-        ratio(ours.get("null.rps.c64"), peak),
+        f"null rps at {top} clients / kcoral's peak",
+        ratio(levels.get(top), max(levels.values(), default=None)),
         ">= 0.9",
         lambda v: v >= 0.9,
     )
     add(
         "  the same, per round (median of rounds)",
-        ours.get("null.round_peak_share.c64"),
+        ours.get(f"null.round_peak_share.c{top}"),
         ">= 0.9",
         lambda v: v >= 0.9,
     )

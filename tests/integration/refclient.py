@@ -12,6 +12,12 @@ working directory, so our package cannot leak in.
 The virtualenv lives in C{~/.cache/kcoral-tests/refclient-0.1.1} unless
 C{KCORAL_REFCLIENT_VENV} names another directory. A marker file records the
 installed version; a virtualenv without it is rebuilt.
+
+L{ensure_server_venv} builds a second one, C{refserver-0.1.1}
+(C{KCORAL_REFSERVER_VENV}), that can also run the reference I{server} on a
+CPU: the package with the two server extras its CPU path imports (FastAPI,
+uvicorn) and none of the GPU ones (torch, TVM, CUTLASS), so the side-by-side
+benchmark's CI form can measure it beside ours.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from pathlib import Path
 
 REFCLIENT_VERSION = "0.1.1"
 REQUIREMENTS = (f"kcoral=={REFCLIENT_VERSION}", "numpy", "ml_dtypes")
+#: The reference server on a CPU: what its C{server} extra lists, less the GPU stack.
+SERVER_REQUIREMENTS = (*REQUIREMENTS, "fastapi>=0.110", "uvicorn>=0.29")
 _MARKER = ".kcoral-refclient"
 
 
@@ -34,11 +42,11 @@ class RefClientUnavailable(Exception):
     """The reference client's virtualenv could not be built."""
 
 
-def venv_dir() -> Path:
-    override = os.environ.get("KCORAL_REFCLIENT_VENV")
+def venv_dir(kind: str = "refclient") -> Path:
+    override = os.environ.get(f"KCORAL_{kind.upper()}_VENV")
     if override:
         return Path(override).expanduser()
-    return Path.home() / ".cache" / "kcoral-tests" / f"refclient-{REFCLIENT_VERSION}"
+    return Path.home() / ".cache" / "kcoral-tests" / f"{kind}-{REFCLIENT_VERSION}"
 
 
 def _python(root: Path) -> Path:
@@ -59,13 +67,26 @@ def _clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
 
 def ensure_venv() -> Path:
     """
-    Build the virtualenv if needed and return its root.
+    Build the client's virtualenv if needed and return its root.
 
     @raise RefClientUnavailable: when it cannot be built (no PyPI, say).
     """
-    root = venv_dir()
+    return _ensure(venv_dir(), REQUIREMENTS)
+
+
+def ensure_server_venv() -> Path:
+    """
+    Build the virtualenv that also runs the reference server on a CPU
+    (C{python -I -m kcoral server --device cpu ...}) and return its root.
+
+    @raise RefClientUnavailable: when it cannot be built.
+    """
+    return _ensure(venv_dir("refserver"), SERVER_REQUIREMENTS)
+
+
+def _ensure(root: Path, requirements: Sequence[str]) -> Path:
     marker = root / _MARKER
-    wanted = " ".join(REQUIREMENTS)
+    wanted = " ".join(requirements)
     if marker.is_file() and marker.read_text() == wanted and _python(root).exists():
         return root
     if root.exists():
@@ -81,7 +102,7 @@ def ensure_venv() -> Path:
                 "install",
                 "--disable-pip-version-check",
                 "-q",
-                *REQUIREMENTS,
+                *requirements,
             ],
             env=_clean_env(),
             check=True,

@@ -116,27 +116,10 @@ def reference_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     except RefClientUnavailable as e:  # pragma: no cover - needs PyPI
         pytest.skip(str(e))
     port = free_port()
-    argv = [
-        str(root / "bin" / "python"),
-        "-I",
-        "-m",
-        "kcoral",
-        "server",
-        "--device",
-        "cpu",
-        "--num-workers",
-        "2",
-        "--max-requests-per-worker",
-        "0",
-        "--sandbox",
-        "none",
-        "--log-dir",
-        "",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-    ]
+    # Its CPU workers, kept for many programs, no sandbox: as kcoral is run here.
+    flags = "--device cpu --num-workers 2 --max-requests-per-worker 0 --sandbox none"
+    argv = [str(root / "bin" / "python"), "-I", "-m", "kcoral", "server", *flags.split()]
+    argv += ["--log-dir", "", "--host", "127.0.0.1", "--port", str(port)]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
     cwd = tmp_path_factory.mktemp("reference-server")
     yield from serve(argv, port, "the reference server", 2, cwd / "server.log", env=env, cwd=cwd)

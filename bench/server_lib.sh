@@ -104,25 +104,17 @@ trap 'stop_server; exit 130' INT TERM
 pin_reactor() {
     "$PY" - "$SERVER_PID" "$1" <<'PYEOF'
 import os, sys
-root, cpu = int(sys.argv[1]), int(sys.argv[2])
+import psutil
+root, cpu = psutil.Process(int(sys.argv[1])), int(sys.argv[2])
 others = sorted(os.sched_getaffinity(0) - {cpu})
-children = {}
-for entry in os.listdir("/proc"):
-    if entry.isdigit():
+for process in [root, *root.children(recursive=True)]:
+    try:
+        threads = process.threads()
+    except psutil.Error:
+        continue
+    for thread in threads:
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-        except (OSError, IndexError, ValueError):
-            pass
-tree, todo = [], [root]
-while todo:
-    pid = todo.pop()
-    tree.append(pid)
-    todo.extend(children.get(pid, ()))
-for pid in tree:
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            os.sched_setaffinity(int(tid), {cpu} if int(tid) == root else others)
+            os.sched_setaffinity(thread.id, {cpu} if thread.id == root.pid else others)
         except OSError:
             pass
 print(",".join(map(str, others)))

@@ -25,7 +25,7 @@ import pytest
 
 from kcoral.testing.live_server import ServerProcess, free_port, request
 
-from .refclient import RefClientUnavailable, ensure_server_venv
+from .refclient import RefClientUnavailable, _clean_env, ensure_server_venv
 
 pytestmark = pytest.mark.integration
 
@@ -120,16 +120,16 @@ def reference_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     flags = "--device cpu --num-workers 2 --max-requests-per-worker 0 --sandbox none"
     argv = [str(root / "bin" / "python"), "-I", "-m", "kcoral", "server", *flags.split()]
     argv += ["--log-dir", "", "--host", "127.0.0.1", "--port", str(port)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
     cwd = tmp_path_factory.mktemp("reference-server")
-    yield from serve(argv, port, "the reference server", 2, cwd / "server.log", env=env, cwd=cwd)
+    log = cwd / "server.log"
+    yield from serve(argv, port, "the reference server", 2, log, env=_clean_env(), cwd=cwd)
 
 
 def drive(
     refclient: Path, port: int, output: Path, *workloads: str, extra: tuple[str, ...] = ()
 ) -> dict:
     """Run the driver with the reference virtualenv's interpreter and no PYTHONPATH."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    env = _clean_env()
     completed = subprocess.run(
         [
             str(refclient / "bin" / "python"),

@@ -10,6 +10,15 @@ needs, not a profile of what it does) and fails the denied calls with
 C{EPERM}; C{clone3}, whose flags a filter cannot see, fails with C{ENOSYS},
 so the C library falls back to C{clone}, whose namespace flags are checked.
 
+It also keeps the kernel's shared state out of reach (issue 32): the key
+management calls (C{add_key}, C{request_key}, C{keyctl}: workers forked
+from one template share a user keyring, and keys count against the host
+user's quota), C{io_uring} and C{userfaultfd} (kernel attack surface that
+no toolchain here uses), and sockets of the C{AF_VSOCK} family and of every
+C{AF_NETLINK} protocol but C{NETLINK_ROUTE} (the C library's
+C{getifaddrs} and C{getaddrinfo}, and NCCL's interface discovery, ask the
+sandbox's own loopback-only network namespace through it).
+
 The program is compiled by libseccomp through the C{pyseccomp} bindings and
 handed to C{bwrap --seccomp FD}.
 """
@@ -50,7 +59,24 @@ DENIED = (
     # namespaces
     "unshare",
     "setns",
+    # the kernel keyrings (shared by every worker forked from one template,
+    # charged to the host user's key quota)
+    "add_key",
+    "request_key",
+    "keyctl",
+    # io_uring, userfaultfd
+    "io_uring_setup",
+    "io_uring_enter",
+    "io_uring_register",
+    "userfaultfd",
 )
+
+#: C{socket} address families a worker may not use at all.
+DENIED_FAMILIES = {"AF_VSOCK": 40}
+
+#: C{AF_NETLINK}, and the one protocol of it a worker may use.
+AF_NETLINK = 16
+NETLINK_ROUTE = 0
 
 #: C{clone} flags that make a namespace.
 NAMESPACE_FLAGS = {
@@ -97,6 +123,16 @@ def build_rules(allow: tuple[str, ...] = ()) -> object:
         rules.add_rule(deny, "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
     if sc.resolve_syscall(sc.Arch.NATIVE, "clone3") >= 0:
         rules.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
+    if sc.resolve_syscall(sc.Arch.NATIVE, "socket") >= 0:
+        no_family = sc.ERRNO(errno.EAFNOSUPPORT)
+        for family in DENIED_FAMILIES.values():
+            rules.add_rule(no_family, "socket", sc.Arg(0, sc.EQ, family))
+        rules.add_rule(
+            sc.ERRNO(errno.EPROTONOSUPPORT),
+            "socket",
+            sc.Arg(0, sc.EQ, AF_NETLINK),
+            sc.Arg(2, sc.NE, NETLINK_ROUTE),
+        )
     return rules
 
 

@@ -113,6 +113,11 @@ GPU_CAPS_GLOB = "/dev/nvidia-caps/nvidia-cap*"
 #: path would be hidden by the workspace mount (a checkout under C{/work}).
 PACKAGE_MOUNT = "/run/kcoral/package"
 
+#: Where a runtime path (the server's virtualenv or Python) is bound, one
+#: numbered directory each, when its own path would be hidden by the
+#: workspace mount: a checkout or virtualenv under C{/work} on the host.
+RUNTIME_MOUNT = "/run/kcoral/runtime"
+
 #: The line the startup probe prints on success.
 PROBE_MARKER = "kcoral-sandbox-ready"
 
@@ -411,6 +416,14 @@ class _Mount:
     #: The C{kcoral} package directory itself; its parent goes first on
     #: the worker's C{PYTHONPATH}.
     is_package: bool = False
+    #: The host path as the server names it, where C{dest} differs from it
+    #: (a runtime path moved out of the workspace's way).
+    named: str = ""
+
+    @property
+    def host_path(self) -> str:
+        """The path on the host that this mount shows."""
+        return self.named or self.dest
 
 
 # -- bubblewrap ------------------------------------------------------------
@@ -556,6 +569,7 @@ class BubblewrapSandbox:
         candidates += [(p, "import") for p in server_import_dirs()]
         for path, kind in candidates:
             dest = os.path.abspath(path)
+            named = ""
             if kind == "extra" and not os.path.exists(dest):
                 raise SandboxError(f"sandbox read-only path does not exist: {dest}")
             if not os.path.exists(dest):
@@ -565,6 +579,11 @@ class BubblewrapSandbox:
                 continue  # kcoral's own checkout: mounted as the package
             if source == "/" or dest == "/":
                 raise SandboxError(f"read-only runtime path contains sandbox workspaces: {dest}")
+            if kind == "import" and any(_is_within(dest, m.host_path) for m in mounts):
+                # Already visible below a runtime mount (a venv's site-packages).
+                continue
+            if any(m.named == dest for m in mounts):
+                continue  # the same runtime path named twice, already moved
             if _is_within(dest, WORKSPACE) or _is_within(WORKSPACE, dest):
                 if kind == "import":
                     raise SandboxError(
@@ -573,19 +592,23 @@ class BubblewrapSandbox:
                         "import from it; install the packages elsewhere and name that "
                         "directory with --sandbox-readonly-path"
                     )
-                if kind != "package":
+                if kind == "extra":
                     raise SandboxError(
                         f"read-only runtime path overlaps the sandbox workspace {WORKSPACE}: {dest}"
                     )
-                dest = PACKAGE_MOUNT
+                if kind == "runtime":
+                    # A virtualenv under /work: shown elsewhere, and the
+                    # worker's interpreter named by its path there (L{path_inside}),
+                    # so that Python still finds the venv's pyvenv.cfg.
+                    named = dest
+                    dest = f"{RUNTIME_MOUNT}/{sum(1 for m in mounts if m.named)}"
+                else:
+                    dest = PACKAGE_MOUNT
             if kind == "package":
                 # Only the package directory: the rest of a checkout (its
                 # logs, caches, configuration) stays out of the sandbox.
                 source = os.path.join(source, "kcoral")
                 dest = os.path.join(dest, "kcoral")
-            if kind == "import" and any(_is_within(dest, m.dest) for m in mounts):
-                # Already visible below a runtime mount (a venv's site-packages).
-                continue
             if dest in seen:
                 continue
             seen.add(dest)
@@ -596,9 +619,20 @@ class BubblewrapSandbox:
                     is_dir=os.path.isdir(source),
                     on_path=kind == "import" and os.path.isdir(source),
                     is_package=kind == "package",
+                    named=named,
                 )
             )
         return tuple(mounts)
+
+    def path_inside(self, path: str) -> str:
+        """
+        BLOCKING (as L{resolve_mounts}): the host's C{path} as the sandbox
+        shows it, moved with a runtime mount that the workspace would hide.
+        """
+        for m in self.resolve_mounts():
+            if m.named and _is_within(path, m.named):
+                return os.path.normpath(os.path.join(m.dest, os.path.relpath(path, m.named)))
+        return path
 
     def _gpu_nodes(self, gpu_devices: Sequence[str]) -> tuple[str, ...]:
         key = tuple(str(d) for d in gpu_devices)
@@ -621,6 +655,7 @@ class BubblewrapSandbox:
         spaces: Path | None = None,
     ) -> tuple[str, list[str], dict[str, str]]:
         mounts = self.resolve_mounts()
+        tail = [self.path_inside(tail[0]), *tail[1:]]
         host_work = os.path.abspath(os.fspath(work_dir))
         resolved_work = os.path.realpath(host_work)
         for m in mounts:

@@ -304,7 +304,7 @@ class InsideTests(TestCase):
             python=sys.executable, worker_args=[], work_dir=work, gpu_devices=[]
         )
         argv = argv[: argv.index("--") + 1] + [
-            sys.executable,
+            sandbox.path_inside(sys.executable),
             "-c",
             _INSIDE,
             str(secret),

@@ -17,9 +17,11 @@ from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import SynchronousTestCase
 from zope.interface.verify import verifyObject
 
+from kcoral.server import sandbox as sandbox_module
 from kcoral.server.sandbox import (
     PACKAGE_MOUNT,
     RESERVED_SUBDIRS,
+    RUNTIME_MOUNT,
     BubblewrapSandbox,
     ISandbox,
     NoSandbox,
@@ -27,6 +29,11 @@ from kcoral.server.sandbox import (
     choose_sandbox,
     package_root,
 )
+
+
+def _worker_python(path: str = sys.executable) -> str:
+    """C{path} (the server's interpreter) as a sandboxed worker names it."""
+    return BubblewrapSandbox([]).path_inside(path)
 
 
 def _pairs(argv: list[str], flag: str) -> list[tuple[str, str]]:
@@ -168,7 +175,7 @@ class BubblewrapCommandTests(_TempMixin, SynchronousTestCase):
         self.assertEqual(positions, sorted(positions))
         self.assertEqual(
             argv[first("--") :],
-            ["--", sys.executable, "-m", "kcoral.worker", "--worker-id", "cpu/w0"],
+            ["--", _worker_python(), "-m", "kcoral.worker", "--worker-id", "cpu/w0"],
         )
         self.assertEqual(_pairs(argv, "--bind"), [(os.path.realpath(self.work), "/work")])
         self.assertEqual(_singles(argv, "--chdir"), ["/work"])
@@ -214,7 +221,7 @@ class BubblewrapCommandTests(_TempMixin, SynchronousTestCase):
         ]
         self.assertEqual(binds[: len(expected)], expected)
         dests = [d for _, d in binds]
-        self.assertIn(sys.prefix, dests)
+        self.assertIn(_worker_python(sys.prefix), dests)
         self.assertEqual(len(dests), len(set(dests)))
         if os.path.islink("/bin"):
             self.assertIn((os.path.realpath("/bin"), "/bin"), binds)
@@ -235,6 +242,29 @@ class BubblewrapCommandTests(_TempMixin, SynchronousTestCase):
         self.assertNotIn((root, dest), binds)
         setenv = dict(_pairs(argv, "--setenv"))
         self.assertEqual(setenv["PYTHONPATH"].split(":")[0], dest)
+
+    def test_virtualenv_under_workspace_moved(self) -> None:
+        """
+        A virtualenv where the workspace is mounted (a checkout under
+        C{/work} on the host) is bound below L{RUNTIME_MOUNT} instead, and
+        the worker's interpreter is named by its path there, so that Python
+        still finds the virtualenv's C{pyvenv.cfg}.
+        """
+        workspace = self.make_dir()
+        venv = workspace / "checkout" / ".venv"
+        (venv / "bin").mkdir(parents=True)
+        python = str(venv / "bin" / "python")
+        self.patch(sandbox_module, "WORKSPACE", str(workspace))
+        self.patch(sys, "prefix", str(venv))
+        sandbox = BubblewrapSandbox([])
+        executable, argv, _ = sandbox.command(
+            python=python, worker_args=["-x"], work_dir=self.work, gpu_devices=[]
+        )
+        moved = f"{RUNTIME_MOUNT}/0"
+        self.assertIn((os.path.realpath(venv), moved), _pairs(argv, "--ro-bind"))
+        self.assertNotIn(str(venv), [d for _, d in _pairs(argv, "--ro-bind")])
+        self.assertEqual(argv[argv.index("--") + 1], f"{moved}/bin/python")
+        self.assertEqual(sandbox.path_inside("/usr/bin/python3"), "/usr/bin/python3")
 
     def test_server_paths_under_a_mount_are_masked(self) -> None:
         """
@@ -406,7 +436,7 @@ class BubblewrapCommandTests(_TempMixin, SynchronousTestCase):
         """The probe runs the same command line with an isolated Python program."""
         argv = BubblewrapSandbox([]).probe_command(self.work, [])
         tail = argv[argv.index("--") + 1 :]
-        self.assertEqual(tail[:4], [sys.executable, "-I", "-S", "-c"])
+        self.assertEqual(tail[:4], [_worker_python(), "-I", "-S", "-c"])
         self.assertIn("kcoral-sandbox-ready", tail[4])
 
     def test_worker_path(self) -> None:

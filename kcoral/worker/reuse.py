@@ -30,17 +30,20 @@ def _under(path: str, root: str) -> bool:
 
 def _sandbox_processes() -> list[int] | None:
     """
-    Inside a private PID namespace (bubblewrap), every process except the
-    namespace's init and this worker: orphans re-parented to init included.
+    Inside a private PID namespace (bubblewrap's, or a forked worker's
+    under C{kcoral-init}), every process except the namespace's init and
+    this worker: orphans re-parented to init included.
     C{None} when this worker does not run in its own PID namespace.
     """
     try:
-        if os.readlink("/proc/self/ns/pid") == os.readlink("/proc/1/ns/pid"):
-            with open("/proc/1/cmdline", "rb") as f:
-                init = f.read().split(b"\0", 1)[0]
-            if not init.endswith(b"bwrap"):
-                return None
-        else:
+        if os.getpid() == 1 or os.readlink("/proc/self/ns/pid") != os.readlink("/proc/1/ns/pid"):
+            return None
+        with open("/proc/1/cmdline", "rb") as f:
+            init = f.read().split(b"\0", 1)[0]
+        with open("/proc/1/comm", "rb") as f:
+            name = f.read().strip()
+        # bwrap's own init, or a forked worker's (kcoral.worker.template).
+        if not init.endswith(b"bwrap") and name != b"kcoral-init":
             return None
     except OSError:
         return None

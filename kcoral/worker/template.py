@@ -140,9 +140,13 @@ class Template:
 
     def isolate(self, workspace_source: str, capture_bytes: int | None) -> None:
         """
-        In a child: its own namespaces and mounts, then (as PID 1 of its own
-        PID namespace: the caller's process only waits and mirrors its end)
-        read-only mounts, no capabilities, the worker filter.
+        In a child: its own namespaces and mounts, then (as PID 2 of its own
+        PID namespace, under a tiny init: the caller's process only waits and
+        mirrors its end) read-only mounts, no capabilities, the worker filter.
+
+        The worker is not the namespace's PID 1: the kernel ignores every
+        signal a PID 1 sends itself without a handler, C{SIGKILL} included,
+        so a program that kills itself must not run as one (issue 32).
         """
         from kcoral.worker import isolate
 
@@ -156,10 +160,19 @@ class Template:
         )
         if self.args.bound_tmp:
             isolate.own_tmp(self.args.private_tmp, self.args.bound_tmp)
-        pid = os.fork()
+        # The first child made after unshare() is the namespace's init,
+        # the next one the worker; both are children of this process.
+        init = os.fork()
+        if init == 0:
+            _init(self.seccomp)
+        try:
+            pid = os.fork()
+        except BaseException:
+            os.kill(init, signal.SIGKILL)
+            raise
         if pid:
             isolate.set_name("kcoral-sandbox")
-            os._exit(_mirror(pid))
+            os._exit(_mirror(pid, init))
         isolate.set_parent_death_signal(signal.SIGKILL)
         writable = (
             self.args.workspace,
@@ -272,13 +285,47 @@ def fcntl_dupfd(fd: int, lowest: int) -> int:
     return fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, lowest)
 
 
-def _mirror(pid: int) -> int:
+def _init(seccomp: bytes | None) -> None:
     """
-    The namespace maker's last job: wait for the worker (PID 1 of its own
-    namespace) with no descriptor of its own, then end the same way.
+    PID 1 of a forked worker's PID namespace: no descriptor, no
+    capability, the worker filter; it reaps whatever is re-parented to it
+    (C{SIGCHLD} ignored: the kernel reaps them) and waits to be killed,
+    which ends every process of the namespace.  Never returns.
+    """
+    from kcoral.worker import isolate
+
+    code = 1
+    try:
+        parent = os.getppid()
+        isolate.set_parent_death_signal(signal.SIGKILL)
+        if os.getppid() == parent:
+            os.closerange(0, os.sysconf("SC_OPEN_MAX"))
+            signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+            isolate.set_name("kcoral-init")
+            isolate.drop_privileges(seccomp)
+            while True:
+                signal.pause()
+    except BaseException:
+        pass
+    finally:
+        os._exit(code)
+
+
+def _mirror(pid: int, init: int | None = None) -> int:
+    """
+    The namespace maker's last job: wait for the worker (with no
+    descriptor of its own), end its namespace by killing its C{init}
+    (every process left in it dies before that C{init} can be reaped), then
+    end the way the worker did.
     """
     os.closerange(0, os.sysconf("SC_OPEN_MAX"))
     _, status = os.waitpid(pid, 0)
+    if init is not None:
+        try:
+            os.kill(init, signal.SIGKILL)
+            os.waitpid(init, 0)
+        except OSError:
+            pass
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
         signal.signal(sig, signal.SIG_DFL)

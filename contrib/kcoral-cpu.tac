@@ -31,6 +31,9 @@ config = ServerConfig(
     # twistd's own log already shows every event (on the terminal with -n,
     # in twistd.log otherwise); a console mirror would print each twice.
     log_console=False,
+    # Behind HAProxy (contrib/haproxy/kcoral.cfg): at a stop, /health answers
+    # 503 for 10 s while every request is still served, then the port closes.
+    lame_duck_seconds=10.0,
     disk_cache_capacity_mbytes=16384,
 )
 

@@ -317,6 +317,10 @@ class ServerConfig:
     @ivar front_ends: server processes sharing the port and the GPUs' leases
         (L{kcoral.server.frontends}): each runs its own event loop and its
         share of the seats; C{1} is one process.
+    @ivar lame_duck_seconds: at a graceful stop, how long the server keeps
+        serving every request while C{/health} answers 503 C{stopping}, before
+        its ports close: longer than a load balancer takes to mark it down
+        (HAProxy's C{inter} x C{fall}); C{0} closes them at once.
     @ivar front_end_index: which of them this process is (C{0}: the first,
         which also keeps the leases); set by the first for the others.
     @ivar lease_broker: the Unix socket of the first front end's lease
@@ -379,6 +383,9 @@ class ServerConfig:
     max_bytes_in_flight: int = field(default=2 * _GIB, validator=_INT)
     front_ends: int = field(default=1, validator=[_strict_int, _at_least_one])
     front_end_index: int = field(default=0, validator=_INT)
+    lame_duck_seconds: float = field(
+        default=0.0, converter=_to_float, validator=_FLOAT_NON_NEGATIVE
+    )
     lease_broker: Path | None = field(default=None, converter=_to_optional_path)
 
     def __attrs_post_init__(self) -> None:

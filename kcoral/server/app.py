@@ -32,7 +32,14 @@ from kcoral.config import ServerConfig
 from kcoral.server.cache import Resolution
 from kcoral.server.lease import PURPOSES, Leases
 from kcoral.server.logs import event_level_for_finish_reason
-from kcoral.server.pool import BudgetSpent, PoolBusy, WorkerPool, WorkerStartFailed
+from kcoral.server.pool import (
+    STOPPING_MESSAGE,
+    BudgetSpent,
+    PoolBusy,
+    PoolStopping,
+    WorkerPool,
+    WorkerStartFailed,
+)
 from kcoral.server.streaming import BodyProducer, DirectSocket, body_length, shared_bytes
 from kcoral.server.workerproc import Job, JobResult
 from kcoral.wire.errors import (
@@ -210,6 +217,9 @@ class KcoralAPI:
     peer_health: Callable[[], dict[int, dict[str, Any]]] | None = None
     sandbox_name: str = "none"
     in_flight: int = 0
+    #: The server is stopping (its lame duck, L{kcoral.server.service}):
+    #: /health answers 503 C{stopping} while every request is still served.
+    stopping: bool = False
     _idle_waiters: list[Deferred[None]] = attrs.field(factory=list)
     _draining: bool = False
 
@@ -233,7 +243,12 @@ class KcoralAPI:
             return own
         from kcoral.server.frontends import merge_health
 
-        return merge_health(own, self.peer_health(), self.config.front_end_index)
+        peers = self.peer_health()
+        merged = merge_health(own, peers, self.config.front_end_index)
+        if any(h.get("status") == "stopping" for h in peers.values()):
+            # The first front end is in its lame duck: every front end says so.
+            merged["status"] = "stopping"
+        return merged
 
     def local_health(self) -> dict[str, Any]:
         """This process's own /health figures (its seats, spares and queue)."""
@@ -241,7 +256,7 @@ class KcoralAPI:
         pool = self.pool
         gpus = sorted(set(self.config.gpus)) if self.config.device == "gpu" else []
         return {
-            "status": "ok",
+            "status": "stopping" if self.stopping else "ok",
             "instance_id": self.instance_id,
             "started_at": _iso_utc(self.started_at),
             "gpu_count": len(gpus),
@@ -290,7 +305,11 @@ class KcoralAPI:
     def _health(self, request: IRequest) -> bytes:
         request.setHeader(b"Content-Type", b"application/json")
         request.setHeader(b"X-Request-ID", str(uuid.uuid4()).encode())
-        return json_dumps(self.health())
+        health = self.health()
+        if health["status"] != "ok":
+            # A stopping server: load balancers take it out of rotation.
+            request.setResponseCode(503)
+        return json_dumps(health)
 
     @app.route("/metrics", methods=["GET"])
     def _metrics(self, request: IRequest) -> bytes:
@@ -424,6 +443,8 @@ class KcoralAPI:
             return _too_large()
         if isinstance(error, ValidationError):
             return _invalid(error)
+        if isinstance(error, PoolStopping):
+            return RequestError("busy", STOPPING_MESSAGE, "no_worker", queue_ms=error.queue_ms)
         if isinstance(error, PoolBusy):
             return RequestError("busy", BUSY_MESSAGE, "no_worker", queue_ms=error.queue_ms)
         if isinstance(error, WorkerStartFailed):

@@ -396,7 +396,8 @@ class LimitedRequest(Request):
             return "unauthorized"
         if self.code == 413:
             return "body_too_large"
-        if self.code == 503:
+        if self.code == 503 and self.path != b"/health":
+            # (/health's 503 is a stopping server's answer, not a refusal.)
             return "bytes_in_flight" if self.over_capacity else "busy"
         return None
 

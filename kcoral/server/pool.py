@@ -83,6 +83,17 @@ class PoolBusy(Exception):
         self.queue_ms = queue_ms
 
 
+#: The message of the 503 a stopping server answers a request it cannot run.
+STOPPING_MESSAGE = "server stopping"
+
+
+class PoolStopping(PoolBusy):
+    """The pool is closing (the server is stopping): the request did not run."""
+
+    def __init__(self, queue_ms: float | None = None) -> None:
+        super().__init__(STOPPING_MESSAGE, queue_ms)
+
+
 class WorkerStartFailed(Exception):
     """The one-request worker of a multi-GPU program did not start."""
 
@@ -735,7 +746,7 @@ class WorkerPool:
             waiter = self._waiters.popleft()
             if waiter.timer is not None and waiter.timer.active():
                 waiter.timer.cancel()
-            waiter.deferred.errback(PoolBusy("server shutting down"))
+            waiter.deferred.errback(PoolStopping())
 
     def kill_now(self) -> int:
         """
@@ -841,6 +852,8 @@ class WorkerPool:
             )
         except PoolBusy as e:
             queue_ms = (self._reactor.seconds() - queued) * 1000.0
+            if isinstance(e, PoolStopping):
+                raise PoolStopping(queue_ms) from None
             raise PoolBusy(str(e), queue_ms=queue_ms) from None
         assigned = self._reactor.seconds()
         queue_ms = (assigned - queued) * 1000.0
@@ -934,7 +947,7 @@ class WorkerPool:
         closes.  Cancelling the Deferred leaves the line.
         """
         if self.closing:
-            return _failed(PoolBusy("server shutting down"))
+            return _failed(PoolStopping())
         seat = self._take_idle(client)
         if seat is not None:
             return self._fit_for(seat, client)
@@ -1205,7 +1218,7 @@ class WorkerPool:
         try:
             spare.work_dir = await self._run_blocking(self.sandbox.prepare_seat, spare.seat_dir)
             if self.closing:
-                raise PoolBusy("server shutting down")
+                raise PoolStopping()
             worker = self._spawn(
                 spare.spare_id,
                 0,

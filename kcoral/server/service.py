@@ -15,7 +15,10 @@ starts nothing.  The children start one after another, each once the one
 before it is up (the order of the server spec), and C{ready} fires when all
 are; they stop in reverse order, each once the one after it has stopped, so
 the port closes first, in-flight requests finish, every worker exits, and
-the logs close last.
+the logs close last.  With C{lame_duck_seconds}, a lame duck comes before
+all that: C{/health} answers 503 C{stopping} for that long while every
+request is still served, so a load balancer takes the node out of rotation
+before its port closes.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from klein import Klein
 from twisted.application import service
-from twisted.internet.defer import Deferred, maybeDeferred
+from twisted.internet.defer import CancelledError, Deferred, maybeDeferred
 from twisted.internet.interfaces import IListeningPort
 from twisted.internet.task import LoopingCall, deferLater
 from twisted.internet.threads import deferToThreadPool
@@ -428,6 +431,13 @@ class _HealthReports(AsyncService):
         self._loop = LoopingCall(self._send)
         self._loop.clock = reactor
 
+    def send_now(self) -> None:
+        """Report at once (the lame duck has begun: the others must say so too)."""
+        try:
+            self._send()
+        except Exception:
+            self.log.failure("a health report failed")
+
     def _send(self) -> None:
         health = self._api.local_health()
         if self._api.metrics is not None:
@@ -536,6 +546,8 @@ class KCoralService(service.MultiService):
         self.ready: Deferred[None] = Deferred()
         self.start_failure: str | None = None
         self._restore_signals: Any = None
+        #: The lame duck's wait while it runs (L{_lame_duck_period}).
+        self._lame_duck: Deferred[None] | None = None
         #: The process's exit status when the server fails to start under
         #: twistd; C{None} leaves the exit status to the caller.
         self.exit_status_on_failure: int | None = None
@@ -714,7 +726,7 @@ class KCoralService(service.MultiService):
             remaining=self.api.in_flight,
         )
         self._restore_signals = install_second_signal(self._reactor, self.stop_now)
-        d = Deferred.fromCoroutine(self._stop_children())
+        d = Deferred.fromCoroutine(self._stop())
 
         def restore(result: object) -> object:
             restore_signals, self._restore_signals = self._restore_signals, None
@@ -732,6 +744,9 @@ class KCoralService(service.MultiService):
         queued ones already had their 503; the stop then completes without
         waiting for any budget or grace.
         """
+        lame_duck, self._lame_duck = self._lame_duck, None
+        if lame_duck is not None:
+            lame_duck.cancel()
         killed = self.pool.kill_now()
         self.log.warn(
             "second stop signal: killed {killed} worker(s), failing {remaining} request(s)",
@@ -739,6 +754,41 @@ class KCoralService(service.MultiService):
             killed=killed,
             remaining=self.api.in_flight,
         )
+
+    async def _stop(self) -> None:
+        await self._lame_duck_period()
+        await self._stop_children()
+
+    async def _lame_duck_period(self) -> None:
+        """
+        With C{lame_duck_seconds}, before anything stops: C{/health} answers
+        503 C{stopping} while every request, new ones included, is still
+        served, so a load balancer marks the node down and sends it nothing
+        more before its ports close (docs/deployment.md).  Only a server
+        with ports has one, and only the first of several front ends (the
+        others' C{/health} follows its report; it stops them afterwards).
+        """
+        seconds = self.config.lame_duck_seconds
+        if seconds <= 0 or "http" not in self.namedServices or not self.ready.called:
+            return  # no lame duck, or the server never came up
+        if self.start_failure is not None or self.config.lease_broker is not None:
+            return
+        self.api.stopping = True
+        reports = self.namedServices.get("health-reports")
+        if isinstance(reports, _HealthReports) and reports.running:
+            reports.send_now()
+        self.log.info(
+            "lame duck: /health answers 503 for {seconds} s while requests are still served",
+            kcoral_event="lame_duck_started",
+            seconds=seconds,
+            remaining=self.api.in_flight,
+        )
+        self._lame_duck = deferLater(self._reactor, seconds, lambda: None)
+        try:
+            await self._lame_duck
+        except CancelledError:
+            pass  # a second stop signal: stop at once
+        self._lame_duck = None
 
     async def _stop_children(self) -> None:
         # Whatever fails, the children before it still stop: the logs close

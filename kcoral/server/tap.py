@@ -156,6 +156,7 @@ _FIELD_FLAGS: Mapping[str, str] = {
     "max_queued_requests": "max-queued-requests",
     "max_bytes_in_flight": "max-bytes-in-flight",
     "front_ends": "front-ends",
+    "lame_duck_seconds": "lame-duck-seconds",
 }
 
 _FIELD_RE = re.compile(r"\b(" + "|".join(_FIELD_FLAGS) + r")\b(?![=_])")
@@ -386,6 +387,13 @@ class Options(usage.Options):
             "max-connections",
             _DEFAULTS.max_connections,
             "Open HTTP connections served at once; more get a 503 and are closed. 0: no cap.",
+        ),
+        _float_param(
+            "lame-duck-seconds",
+            _DEFAULTS.lame_duck_seconds,
+            "At a graceful stop, seconds the server keeps serving while /health answers "
+            "503 (stopping), before its ports close: set it above a load balancer's "
+            "time to mark a node down (HAProxy inter x fall). 0: close them at once.",
         ),
         ["sandbox", None, _DEFAULTS.sandbox, f"Worker isolation, {_choices(SANDBOXES)}."],
         [
@@ -620,6 +628,7 @@ class Options(usage.Options):
                 max_queued_requests=self["max-queued-requests"],
                 max_bytes_in_flight=self["max-bytes-in-flight"],
                 front_ends=self["front-ends"],
+                lame_duck_seconds=self["lame-duck-seconds"],
             )
         except ValueError as e:
             raise usage.UsageError(_flag_message(str(e))) from None

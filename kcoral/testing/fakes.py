@@ -58,7 +58,7 @@ from kcoral.compilers.nvcc import validate_arch, validate_options
 from kcoral.config import ServerConfig
 from kcoral.errors import ExecutionError
 from kcoral.server.cache import Pin, Resolution
-from kcoral.server.pool import PoolBusy, Seat, WorkerHandle, WorkerPool
+from kcoral.server.pool import PoolBusy, PoolStopping, Seat, WorkerHandle, WorkerPool
 from kcoral.server.sandbox import ISandbox
 from kcoral.server.workerproc import Job, JobResult
 from kcoral.wire.channel import TO_WORKER_FD, ChannelMessage, MessageDecoder, Outcome
@@ -317,6 +317,8 @@ class RecordingPool(WorkerPool):
 
     def acquire(self, timeout: float, client: str | None = None) -> Deferred[Seat]:
         self.clients.append(client)
+        if self.closing:
+            return fail(PoolStopping())
         if self.saturated or self.preset is None:
             return fail(PoolBusy("server saturated"))
         return succeed(self.preset)

@@ -156,6 +156,8 @@ def _edit_tac(source: str, port: int) -> str:
         (r'sandbox="bubblewrap"', 'sandbox="none"'),
         (r'log_dir=Path\("logs"\)', "log_dir=None"),
         (r"disk_cache_capacity_mbytes=\d+", "disk_cache_capacity_mbytes=0"),
+        # No load balancer here: stop at once.
+        (r"lame_duck_seconds=[\d.]+", "lame_duck_seconds=0.0"),
     ]
     for pattern, replacement in replacements:
         source, count = re.subn(pattern, replacement, source)

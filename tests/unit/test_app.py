@@ -122,6 +122,36 @@ class HealthTests(APITestCase):
         self.assertEqual(body["workers"][0]["gpu_id"], None)
         self.assertEqual(body["sandbox"], "none")
 
+    def test_health_while_stopping(self) -> None:
+        """
+        In the lame duck, /health answers 503 with status C{stopping} (a load
+        balancer's check fails) and the same figures.
+        """
+        self.make()
+        self.api.stopping = True
+        response = self.successResultOf(self.treq.get("http://127.0.0.1/health"))
+        self.assertEqual(response.code, 503)
+        body = json.loads(self.successResultOf(self.treq.content(response)))
+        self.assertEqual(body["status"], "stopping")
+        self.assertEqual(body["load"]["request_capacity"], 2)
+
+    def test_health_follows_a_stopping_front_end(self) -> None:
+        """
+        With several front ends, one whose report says C{stopping} (the
+        first, in its lame duck) makes every front end's /health say so.
+        """
+        self.make()
+        peer = {**self.api.local_health(), "front_end": {"index": 1, "of": 2}}
+        reports = {1: peer}
+        self.api.peer_health = lambda: reports
+        response = self.successResultOf(self.treq.get("http://127.0.0.1/health"))
+        self.assertEqual(response.code, 200)
+        reports[1] = {**peer, "status": "stopping"}
+        response = self.successResultOf(self.treq.get("http://127.0.0.1/health"))
+        self.assertEqual(response.code, 503)
+        body = json.loads(self.successResultOf(self.treq.content(response)))
+        self.assertEqual(body["status"], "stopping")
+
     def test_status_json_without_snapshot(self) -> None:
         self.make()
         response = self.successResultOf(self.treq.get("http://127.0.0.1/status.json"))
@@ -214,6 +244,18 @@ class ExecuteErrorTests(APITestCase):
                 "error": {"kind": "busy", "message": "server saturated"},
             },
         )
+
+    def test_stopping(self) -> None:
+        """
+        A request the stopping pool cannot take is a 503 that says the
+        server is stopping, not that it is saturated.
+        """
+        self.make()
+        self.pool.stop_waiters()
+        response, body = self.execute()
+        self.assertEqual(response.code, 503)
+        self.assertEqual(response.headers.getRawHeaders("Retry-After"), ["1"])
+        self.assertEqual(body["error"], {"kind": "busy", "message": "server stopping"})
 
     def test_gpu_count_on_cpu(self) -> None:
         self.make()

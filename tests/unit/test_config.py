@@ -70,6 +70,7 @@ class DefaultsTests(SynchronousTestCase):
             "max_bytes_in_flight": 2 * 1024**3,
             "front_ends": 1,
             "front_end_index": 0,
+            "lame_duck_seconds": 0.0,
             "lease_broker": None,
         }
         self.assertEqual(attrs.asdict(config, recurse=False), expected)

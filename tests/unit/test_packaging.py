@@ -256,3 +256,29 @@ class HAProxyConfigTests(SynchronousTestCase):
             self.assertIn("stick on req.hdr(X-KCoral-Affinity)", backend)
             self.assertIn("http-check send meth GET uri /health", backend)
             self.assertIn("http-response set-header X-KCoral-Node %[srv_name]", backend)
+
+    def test_lame_duck_outlasts_the_checks(self) -> None:
+        """
+        The shipped units and .tac files give a stopping node a lame duck
+        longer than HAProxy takes to mark it down (C{inter} x C{fall}), and
+        HAProxy retries a 503 (a request kcoral did not run) elsewhere.
+        """
+        text = self.CONFIG.read_text()
+        default = re.search(r"^\s+default-server (.*)$", text, re.M)
+        assert default is not None
+        words = default.group(1).split()
+        inter = _seconds(words[words.index("inter") + 1])
+        fall = int(words[words.index("fall") + 1])
+        retry_on = re.search(r"^\s+retry-on (.*)$", text, re.M)
+        assert retry_on is not None
+        self.assertIn("503", retry_on.group(1).split())
+        for path in SystemdUnitTests.UNITS.values():
+            argv = shlex.split(dict(_unit(path)["Service"])["ExecStart"])
+            options = tap.Options(environ={})
+            options.parseOptions(argv[2:])
+            self.assertGreater(options.config.lame_duck_seconds, inter * fall)
+        for kind in ("cpu", "gpu"):
+            tac = (ROOT / "contrib" / f"kcoral-{kind}.tac").read_text()
+            seconds = re.search(r"lame_duck_seconds=([\d.]+)", tac)
+            assert seconds is not None
+            self.assertGreater(float(seconds.group(1)), inter * fall)

@@ -5,6 +5,7 @@ order its children start and stop in, without starting a real child.
 
 from __future__ import annotations
 
+import attrs
 from twisted.application import service
 from twisted.internet.task import Clock
 from twisted.internet.testing import MemoryReactorClock
@@ -149,6 +150,84 @@ class OrderTests(SynchronousTestCase):
         a.stopped.callback(None)
         self.successResultOf(d)
         self.assertEqual(calls, ["stop c", "stop b", "stop a"])
+
+
+class LameDuckTests(SynchronousTestCase):
+    """
+    C{lame_duck_seconds}: at stop, /health says C{stopping} for that long
+    before any child stops; every request is still served meanwhile.
+    """
+
+    def make(
+        self, seconds: float = 5.0, port: bool = True
+    ) -> tuple[KCoralService, MemoryReactorClock, list[RecordingService], list[str]]:
+        reactor = MemoryReactorClock()
+        config = attrs.evolve(_config(), lame_duck_seconds=seconds)
+        root = KCoralService(config, reactor=reactor)
+        for child in list(root):
+            child.disownServiceParent()
+        calls: list[str] = []
+        names = ("workers", "http") if port else ("workers",)
+        children = [RecordingService(name, calls) for name in names]
+        for child in children:
+            child.setServiceParent(root)
+            child.started.callback(None)
+        root.startService()
+        self.successResultOf(root.ready)
+        del calls[:]
+        return root, reactor, children, calls
+
+    def test_children_stop_after_the_lame_duck(self) -> None:
+        """/health answers 503 at once; the port closes only when the lame duck ends."""
+        root, reactor, (workers, http), calls = self.make(5.0)
+        d = root.stopService()
+        self.assertTrue(root.api.stopping)
+        self.assertEqual(root.api.health()["status"], "stopping")
+        self.assertEqual(calls, [])
+        reactor.advance(4.9)
+        self.assertEqual(calls, [])
+        reactor.advance(0.1)
+        self.assertEqual(calls, ["stop http"])
+        http.stopped.callback(None)
+        workers.stopped.callback(None)
+        self.successResultOf(d)
+        self.assertEqual(reactor.getDelayedCalls(), [])
+
+    def test_second_signal_ends_it(self) -> None:
+        """A second stop signal (L{KCoralService.stop_now}) cuts the lame duck short."""
+        root, reactor, (workers, http), calls = self.make(30.0)
+        d = root.stopService()
+        root.stop_now()
+        self.assertEqual(calls, ["stop http"])
+        http.stopped.callback(None)
+        workers.stopped.callback(None)
+        self.successResultOf(d)
+        self.assertEqual(reactor.getDelayedCalls(), [])
+
+    def test_none_by_default(self) -> None:
+        """Without C{lame_duck_seconds}, or without a port, the stop begins at once."""
+        for seconds, port in ((0.0, True), (5.0, False)):
+            root, _reactor, children, calls = self.make(seconds, port)
+            root.stopService()
+            self.assertFalse(root.api.stopping)
+            self.assertEqual(calls, [f"stop {children[-1].name}"])
+
+    def test_none_after_a_failed_start(self) -> None:
+        """A server that never came up stops at once: nothing routed to it."""
+        reactor = MemoryReactorClock()
+        root = KCoralService(attrs.evolve(_config(), lame_duck_seconds=5.0), reactor=reactor)
+        for child in list(root):
+            child.disownServiceParent()
+        calls: list[str] = []
+        http = RecordingService("http", calls)
+        http.setServiceParent(root)
+        root.startService()
+        http.started.errback(RuntimeError("no port"))
+        self.failureResultOf(root.ready, RuntimeError)
+        http.stopped.callback(None)
+        self.successResultOf(root.stopService())
+        self.assertFalse(root.api.stopping)
+        self.assertEqual(calls, ["start http", "stop http"])
 
 
 class ChildTests(SynchronousTestCase):

@@ -164,19 +164,23 @@ def _cache_for(cache_dir: str | None) -> CompileCache | None:
 #: cacheable sources (L{configure_remote}, C{kcoral.server.compiles}).
 COMPILE_IN_PARENT_ENV = "KCORAL_COMPILE_IN_PARENT"
 
+#: C{remote(source, arch, flags, backend, timeout) -> (key, seconds, cached)}.
+Remote = Callable[[str, str, tuple[str, ...], str, float], tuple[str, float, bool]]
+
 #: Compiles into the shared cache done elsewhere (a sandboxed worker asks
 #: its parent, L{configure_remote}); C{None} compiles here.
-_remote: Callable[[str, str, tuple[str, ...], str, float], tuple[str, float]] | None = None
+_remote: Remote | None = None
 
 
-def configure_remote(
-    remote: Callable[[str, str, tuple[str, ...], str, float], tuple[str, float]] | None,
-) -> None:
+def configure_remote(remote: Remote | None) -> None:
     """
     Compile cacheable sources through C{remote(source, arch, flags, backend,
-    timeout)}, which returns the key the image was stored under in the
-    (read-only here) cache and the compile seconds, or raises
-    L{kcoral.errors.ExecutionError}.  C{None} compiles in this process.
+    timeout)}, which returns the key the image is stored under in the
+    (read-only here) cache, the compile seconds and whether the entry was
+    there already, or raises L{kcoral.errors.ExecutionError}.  The remote
+    computes the key and looks the cache up itself, so this process neither
+    probes the toolchain nor hashes the source for such a compile.  C{None}
+    compiles in this process.
     """
     global _remote
     _remote = remote
@@ -233,16 +237,6 @@ def compile_binary(
         )
 
     cache = _cache_for(cache_dir) if _cacheable(flags) else None
-    key = None
-    if cache is not None:
-        key = cache_key(source, arch, flags, impl.name, impl.versions())
-        image = cache.get(key)
-        if image is not None:
-            return image
-    else:
-        with _lock:
-            _stats["uncached"] += 1
-
     if cache is not None and _remote is not None:
         try:
             return _compile_remotely(cache, source, arch, flags, impl.name, float(timeout))
@@ -254,6 +248,16 @@ def compile_binary(
         # The parent cannot compile with this backend (its sandbox lacks
         # what it needs): compile here, for this process only.
         cache = None
+    key = None
+    if cache is not None:
+        key = cache_key(source, arch, flags, impl.name, impl.versions())
+        image = cache.get(key)
+        if image is not None:
+            return image
+    else:
+        with _lock:
+            _stats["uncached"] += 1
+
     started = time.monotonic()
     try:
         image = bytes(impl.compile(source, arch, flags, float(timeout)))
@@ -278,14 +282,21 @@ def _compile_remotely(
     backend: str,
     timeout: float,
 ) -> bytes:
-    """Have the parent compile into the shared cache, then read the entry back."""
+    """
+    Have the parent look the entry up or compile it into the shared cache,
+    then read the entry back (its sha256 checked).
+    """
     from kcoral.errors import ExecutionError
 
     assert _remote is not None
-    key, seconds = _remote(source, arch, flags, backend, timeout)
+    key, seconds, cached = _remote(source, arch, flags, backend, timeout)
     entry = cache.read(key)
     if entry is None:
         raise ExecutionError("engine", "the compiled image is missing from the compile cache")
+    if cached:
+        cache.count_hit(entry[1])
+        return entry[0]
+    cache.count_miss()
     with _lock:
         _stats["compiles"] += 1
         _stats["compile_seconds"] += seconds

@@ -10,6 +10,10 @@ original compile took, so a hit can report the time it saved, and the
 image's sha256, checked on every read) followed by the image. Eviction is least-recently-used by mtime: a hit touches the file,
 and after each C{put} the oldest files go until the total fits
 C{capacity_bytes}. Several processes may share a directory.
+
+The key (L{cache_key}) and the header carry format versions
+(L{KEY_VERSION}, C{_MAGIC}); an entry of an older format is never read,
+and ages out under the LRU.
 """
 
 from __future__ import annotations
@@ -26,7 +30,13 @@ import attrs
 
 __all__ = ["CompileCache", "cache_key"]
 
-_MAGIC = b"KCC2"
+#: Entries of older formats read as missing.  C{KCC3}/key version 2 since
+#: issue 32, item 1: entries written before it may hold an image a compile
+#: forged under another request's key, so none of them is served.
+_MAGIC = b"KCC3"
+#: Part of every key: bumped when old entries must not be served.
+KEY_VERSION = 2
+
 _HEADER = struct.Struct("<4sd32s")  # magic, compile seconds, sha256 of the image
 _SUFFIX = ".bin"
 
@@ -49,7 +59,7 @@ def cache_key(
         toolchain = json.dumps(dict(toolchain), sort_keys=True)
     blob = json.dumps(
         {
-            "v": 1,
+            "v": KEY_VERSION,
             "source": source,
             "arch": arch,
             "options": list(options),
@@ -111,21 +121,32 @@ class CompileCache:
         """
         @return: the image stored under C{key}, or C{None}; counts a hit or a miss.
         """
-        path = self._path(key)
         entry = self.read(key)
         if entry is None:
-            with self._lock:
-                self.misses += 1
+            self.count_miss()
             return None
         image, seconds = entry
+        self.touch(key)
+        self.count_hit(seconds)
+        return image
+
+    def touch(self, key: str) -> None:
+        """Mark the entry under C{key} most recently used (errors ignored)."""
         try:
-            os.utime(path)  # most recently used
+            os.utime(self._path(key))
         except OSError:
             pass
+
+    def count_hit(self, seconds: float) -> None:
+        """Count a hit found elsewhere (the server looked it up) that saved C{seconds}."""
         with self._lock:
             self.hits += 1
             self.saved_seconds += seconds
-        return image
+
+    def count_miss(self) -> None:
+        """Count a miss found elsewhere (the server compiled it)."""
+        with self._lock:
+            self.misses += 1
 
     def put(self, key: str, image: bytes, compile_seconds: float = 0.0) -> None:
         """

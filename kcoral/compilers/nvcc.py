@@ -46,6 +46,7 @@ __all__ = [
     "NvccBackend",
     "find_nvcc",
     "parse_nvcc_version",
+    "probe_versions",
     "shorten",
     "validate_arch",
     "validate_options",
@@ -53,7 +54,7 @@ __all__ = [
 
 #: A real (C{sm_}) or virtual (C{compute_}) architecture, with the optional
 #: arch-specific (C{a}) or family-specific (C{f}) suffix: C{sm_90a}, C{sm_100f}.
-ARCH_RE = re.compile(r"^(sm|compute)_(\d{2,3})([af]?)$")
+ARCH_RE = re.compile(r"(sm|compute)_([0-9]{2,3})([af]?)", re.ASCII)
 
 #: Diagnostics longer than this are shortened keeping both ends (protocol 9.3).
 DIAGNOSTICS_LIMIT = 600
@@ -62,56 +63,67 @@ DIAGNOSTICS_LIMIT = 600
 #: C{kernel.cu(LINE): error: ...}.
 SOURCE_NAME = "kernel.cu"
 
+#: Characters a flag's value may hold (a C{-D} macro value, a C{-I}
+#: directory).  nvcc runs its sub-commands (the host preprocessor, cicc,
+#: ptxas) through C{/bin/sh} with each value in double quotes, so C{$},
+#: backquotes, backslashes and quotes in a value would run commands; this
+#: allow-list has no shell metacharacter at all (issue 32, item 1).
+SAFE_VALUE_CHARS = "A-Za-z0-9_.,+=@%:/-"
+
+_SAFE_VALUE = re.compile(f"[{SAFE_VALUE_CHARS}]*", re.ASCII)
+_MACRO = r"[A-Za-z_][A-Za-z0-9_]*"
+_MACRO_DEFINITION = re.compile(rf"{_MACRO}(?:=[{SAFE_VALUE_CHARS}]*)?", re.ASCII)
+
 # Flags taken as one argument (the whole token must match).
 _SINGLE = re.compile(
-    r"""^(?:
+    rf"""(?:
         -O[0-3]
       | -lineinfo | --generate-line-info
       | --?use_fast_math
       | -g | -G | --device-debug | --debug
       | --?expt-relaxed-constexpr | --?expt-extended-lambda | --?extended-lambda
       | -w | --disable-warnings
-      | -W(?:no-)?[A-Za-z][\w-]*
-      | -Werror=[\w,-]+
+      | -W(?:no-)?[A-Za-z][A-Za-z0-9_-]*
+      | -Werror=[A-Za-z0-9_,-]+
       | -res-usage | --resource-usage
-      | --?std=c\+\+\d\d
-      | -D[A-Za-z_]\w*(?:=.*)?
-      | --define-macro=[A-Za-z_]\w*(?:=.*)?
-      | -U[A-Za-z_]\w*
-      | --undefine-macro=[A-Za-z_]\w*
-      | --?maxrregcount=\d{1,3}
+      | --?std=c\+\+[0-9][0-9]
+      | -D{_MACRO_DEFINITION.pattern}
+      | --define-macro={_MACRO_DEFINITION.pattern}
+      | -U{_MACRO}
+      | --undefine-macro={_MACRO}
+      | --?maxrregcount=[0-9]{{1,3}}
       | --?(?:ftz|prec-div|prec-sqrt|fmad)=(?:true|false)
-    )$""",
-    re.VERBOSE | re.DOTALL,
+    )""",
+    re.VERBOSE | re.ASCII,
 )
 
-# Flags whose value is the next argument; value checked by the regex.
+# Flags whose value is the next argument; the whole value must match.
 _PAIRED = {
-    "-std": re.compile(r"^c\+\+\d\d$"),
-    "--std": re.compile(r"^c\+\+\d\d$"),
-    "-D": re.compile(r"^[A-Za-z_]\w*(?:=.*)?$", re.DOTALL),
-    "--define-macro": re.compile(r"^[A-Za-z_]\w*(?:=.*)?$", re.DOTALL),
-    "-U": re.compile(r"^[A-Za-z_]\w*$"),
-    "-maxrregcount": re.compile(r"^\d{1,3}$"),
-    "--maxrregcount": re.compile(r"^\d{1,3}$"),
+    "-std": re.compile(r"c\+\+[0-9][0-9]", re.ASCII),
+    "--std": re.compile(r"c\+\+[0-9][0-9]", re.ASCII),
+    "-D": _MACRO_DEFINITION,
+    "--define-macro": _MACRO_DEFINITION,
+    "-U": re.compile(_MACRO, re.ASCII),
+    "-maxrregcount": re.compile(r"[0-9]{1,3}", re.ASCII),
+    "--maxrregcount": re.compile(r"[0-9]{1,3}", re.ASCII),
 }
 
 # Options nvcc may forward to ptxas (each element of a comma list).
 _PTXAS = re.compile(
-    r"""^(?:
+    r"""(?:
         -v | --verbose
       | -O[0-3] | --opt-level=[0-3]
       | -warn-spills | --warn-on-spills
       | -warn-lmem-usage | --warn-on-local-memory-usage
       | -warn-double-usage | --warn-on-double-precision-use
-      | --?maxrregcount=\d{1,3}
+      | --?maxrregcount=[0-9]{1,3}
       | -dlcm=(?:ca|cg|cs) | --def-load-cache=(?:ca|cg|cs)
       | -dscm=(?:wb|cg|cs|wt) | --def-store-cache=(?:wb|cg|cs|wt)
       | --allow-expensive-optimizations=(?:true|false)
       | -lineinfo | --generate-line-info
       | -Werror | --warning-as-error
-    )$""",
-    re.VERBOSE,
+    )""",
+    re.VERBOSE | re.ASCII,
 )
 
 _FATBIN = frozenset({"-fatbin", "--fatbin"})
@@ -134,7 +146,7 @@ def validate_arch(arch: object) -> str:
     """
     if not isinstance(arch, str):
         raise ExecutionError("parse", f"arch must be a string, got {type(arch).__name__}")
-    if not ARCH_RE.match(arch):
+    if not ARCH_RE.fullmatch(arch):
         raise ExecutionError(
             "parse",
             f"invalid arch {arch!r}: expected sm_NN or compute_NN with an optional "
@@ -143,16 +155,43 @@ def validate_arch(arch: object) -> str:
     return arch
 
 
+def _refuse_unsafe(flag: str, value: str, hint: str = "") -> None:
+    """Refuse C{value} (of C{flag}) unless it holds only L{SAFE_VALUE_CHARS}."""
+    if _SAFE_VALUE.fullmatch(value):
+        return
+    bad = "".join(sorted({c for c in value if not _SAFE_VALUE.fullmatch(c)}))
+    raise ExecutionError(
+        "parse",
+        f"compiler flag not allowed: {flag!r}: its value holds {bad!r}; flag values may "
+        f"only hold letters, digits and {SAFE_VALUE_CHARS[9:]!r} (nvcc passes them through "
+        f"a shell){hint}",
+    )
+
+
 def _include_dir(value: str, workspace: str) -> str:
     if not value:
         raise ExecutionError("parse", "-I needs a directory")
+    _refuse_unsafe("-I" + value, value)
     root = os.path.realpath(workspace)
     path = os.path.realpath(os.path.join(root, value))
     if path != root and not path.startswith(root.rstrip(os.sep) + os.sep):
         raise ExecutionError(
             "parse", f"include directory {value!r} is outside the workspace; use a relative path"
         )
+    _refuse_unsafe("-I" + value, path)
     return path
+
+
+def _macro_flag(flag: str, value: str | None) -> None:
+    """Explain a refused C{-D}/C{--define-macro} whose definition is unsafe."""
+    if value is None:
+        text = flag.split("=", 1)[1] if flag.startswith("--define-macro=") else flag[2:]
+        shown = flag
+    else:
+        text, shown = value, f"{flag} {value}"
+    name, _, definition = text.partition("=")
+    if re.fullmatch(_MACRO, name, re.ASCII):
+        _refuse_unsafe(shown, definition, "; put such a macro in the source with #define")
 
 
 def validate_options(options: object, workspace: str | None = None) -> tuple[list[str], bool]:
@@ -161,8 +200,11 @@ def validate_options(options: object, workspace: str | None = None) -> tuple[lis
 
     Flags that choose files to write or change what is produced (C{-o},
     C{-odir}, C{--run}, C{-E}, C{-ptx}, C{-rdc}, C{-arch}, C{-gencode}, ...) are
-    refused, and so is anything not listed in C{docs/compilers.md}. No shell
-    is involved, so metacharacters in C{-D} values are harmless.
+    refused, and so is anything not listed in C{docs/compilers.md}. nvcc runs
+    its sub-commands through C{/bin/sh}, so a value (a C{-D} definition, a
+    C{-I} directory) may hold only L{SAFE_VALUE_CHARS}: no shell
+    metacharacter.  Flags that would smuggle others past this list
+    (C{-Xcompiler}, C{--options-file}, C{-ccbin}, ...) are not on it.
 
     @param options: a sequence of C{str}, one argument each.
     @param workspace: directory that C{-I} paths must stay inside; relative
@@ -193,7 +235,7 @@ def validate_options(options: object, workspace: str | None = None) -> tuple[lis
             continue
         if flag in _CUBIN:
             continue
-        if _SINGLE.match(flag):
+        if _SINGLE.fullmatch(flag):
             out.append(flag)
             continue
         if flag in _PAIRED:
@@ -201,7 +243,9 @@ def validate_options(options: object, workspace: str | None = None) -> tuple[lis
                 raise ExecutionError("parse", f"compiler flag {flag!r} needs a value")
             value = items[i]
             i += 1
-            if not _PAIRED[flag].match(value):
+            if not _PAIRED[flag].fullmatch(value):
+                if flag in ("-D", "--define-macro"):
+                    _macro_flag(flag, value)
                 raise ExecutionError("parse", f"invalid value {value!r} for compiler flag {flag!r}")
             out += [flag, value]
             continue
@@ -226,10 +270,12 @@ def validate_options(options: object, workspace: str | None = None) -> tuple[lis
                 value = items[i]
                 i += 1
             for part in value.split(","):
-                if not _PTXAS.match(part):
+                if not _PTXAS.fullmatch(part):
                     raise ExecutionError("parse", f"ptxas option not allowed: {part!r}")
             out += ["-Xptxas", value]
             continue
+        if flag.startswith(("-D", "--define-macro=")):
+            _macro_flag(flag, None)
         raise ExecutionError(
             "parse",
             f"compiler flag not allowed: {flag!r} (allowed: -O0..-O3, -lineinfo, -std=c++NN, "
@@ -336,6 +382,54 @@ def find_nvcc(environ: dict[str, str] | None = None) -> tuple[str | None, str]:
     return None, "nvcc not found: " + ", ".join(tried)
 
 
+#: C{nvcc --version} of each nvcc, keyed by its path and what C{stat}
+#: says of the file (device, inode, size, mtime): a toolchain replaced in
+#: place is probed again, an unchanged one never.
+_probes: dict[tuple[str, int, int, int, int], dict[str, str]] = {}
+_probes_lock = threading.Lock()
+
+
+def _identity(path: str) -> tuple[str, int, int, int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def probe_versions(path: str, env: dict[str, str] | None = None) -> dict[str, str]:
+    """
+    BLOCKING the first time: the versions of the nvcc at C{path} (see
+    L{parse_nvcc_version}), probed once per toolchain: again only when the
+    file at C{path} changes.
+
+    @return: C{{}} when nvcc cannot be run or says nothing recognisable.
+    """
+    identity = _identity(path)
+    if identity is None:
+        return {}
+    with _probes_lock:
+        cached = _probes.get(identity)
+    if cached is not None:
+        return dict(cached)
+    try:
+        result = subprocess.run(
+            [path, "--version"],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            env=env,
+            timeout=60,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    parsed = parse_nvcc_version(result.stdout.decode("utf-8", "replace"))
+    if parsed:
+        with _probes_lock:
+            _probes[identity] = parsed
+    return dict(parsed)
+
+
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -359,8 +453,6 @@ class NvccBackend:
 
     nvcc_path: str | None = None
     workspace: str | None = None
-    _versions: dict[str, dict[str, str]] = attrs.field(factory=dict, init=False, repr=False)
-    _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False, repr=False)
 
     def locate(self) -> tuple[str | None, str]:
         """
@@ -380,26 +472,7 @@ class NvccBackend:
         path, _ = self.locate()
         if path is None:
             return {}
-        with self._lock:
-            cached = self._versions.get(path)
-        if cached is not None:
-            return dict(cached)
-        try:
-            result = subprocess.run(
-                [path, "--version"],
-                stdin=subprocess.DEVNULL,
-                capture_output=True,
-                env=self._environment(path, None),
-                timeout=60,
-                check=False,
-            )
-        except (OSError, subprocess.SubprocessError):
-            return {}
-        parsed = parse_nvcc_version(result.stdout.decode("utf-8", "replace"))
-        if parsed:
-            with self._lock:
-                self._versions[path] = parsed
-        return dict(parsed)
+        return probe_versions(path, self._environment(path, None))
 
     def _environment(self, nvcc: str, tmpdir: str | None) -> dict[str, str]:
         env = {k: os.environ[k] for k in _ENV_KEEP if k in os.environ}

@@ -25,7 +25,7 @@ from twisted.plugin import IPlugin
 from zope.interface import implementer
 
 from kcoral.compilers.interfaces import KIND_LOADABLE, ICompilerBackend
-from kcoral.compilers.nvcc import find_nvcc, parse_nvcc_version, shorten, validate_arch
+from kcoral.compilers.nvcc import find_nvcc, probe_versions, shorten, validate_arch
 from kcoral.compilers.nvcc import validate_options as _validate_options
 from kcoral.errors import ExecutionError
 
@@ -74,15 +74,7 @@ class SourceModuleBackend:
             return {}
         nvcc, _ = find_nvcc()
         if nvcc is not None:
-            import subprocess
-
-            try:
-                result = subprocess.run(
-                    [nvcc, "--version"], capture_output=True, timeout=60, check=False
-                )
-                out.update(parse_nvcc_version(result.stdout.decode("utf-8", "replace")))
-            except (OSError, subprocess.SubprocessError):
-                pass
+            out.update(probe_versions(nvcc))
         return out
 
     def compile(self, source: str, arch: str, options: tuple[str, ...], timeout: float) -> bytes:

@@ -1,4 +1,4 @@
-# -*- test-case-name: tests.integration.test_compile_cache_server -*-
+# -*- test-case-name: tests.unit.test_compiles,tests.integration.test_compile_cache_server -*-
 """
 Compiles for the shared compile cache, run by the parent (issue 13, item 6).
 
@@ -7,15 +7,26 @@ from a process where uploaded code runs.  A sandboxed worker sends its
 cacheable compiles here (L{kcoral.wire.channel.CompileRequest}); each runs
 as C{python -m kcoral.compilers.isolated} in a fresh bubblewrap sandbox of
 its own (no uploaded code, the worker's read-only mounts, the seccomp
-filter), and the parent, not the worker, writes the entry, keyed by source,
-options, architecture, backend and toolchain version and carrying the
-image's sha256, which every read checks.
+filter), and the parent, not the worker, writes the entry.
+
+What the parent trusts (issue 32, item 1):
+ - the key is computed here, from the request the worker sent and this
+   server's toolchain versions (L{compile_key}); the compile's answer names
+   no key, so nothing that runs inside a compile can store an image under
+   another request's key;
+ - the request is checked here first (backend, arch, flags:
+   L{kcoral.compilers.nvcc.validate_options} for the nvcc family, no C{-I});
+ - the answer (a JSON line and the image's bytes) comes on a descriptor of
+   its own that the compile's descendants cannot write
+   (L{kcoral.compilers.isolated}); stdout and stderr are only diagnostics.
+
+Each entry carries the image's sha256, which every read checks.  A request
+whose entry is already there is answered without a compile.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -28,52 +39,142 @@ from twisted.internet.protocol import ProcessProtocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from kcoral.compilers.cache import CompileCache
+from kcoral.compilers.cache import CompileCache, cache_key
+from kcoral.compilers.isolated import ANSWER_FD
+from kcoral.errors import ExecutionError
 from kcoral.wire.channel import CompileDone, CompileRequest
 
 #: Largest image taken from a compile (a cubin is kilobytes to a few MiB).
 MAX_IMAGE_BYTES = 256 * 1024 * 1024
 
-#: Bytes of a compile's stdout and stderr kept (one JSON line; diagnostics).
+#: Bytes of a compile's stdout and stderr kept (diagnostics only).
 OUTPUT_BYTES = 64 * 1024
+
+#: Largest answer line before the image.
+ANSWER_LINE_BYTES = 64 * 1024
 
 #: Seconds a compile may run past its own timeout before it is killed.
 GRACE_SECONDS = 10.0
 
+#: Backends whose flags follow nvcc's policy (checked here before a compile).
+NVCC_FAMILY = frozenset({"nvcc", "tvmffi", "sourcemodule"})
+
 
 class _Collect(ProcessProtocol):
-    """Feed the request on stdin, keep bounded stdout and stderr, report the end."""
+    """
+    Feed the request on stdin; keep the answer from L{ANSWER_FD} (bounded)
+    and bounded stdout and stderr; report the end.
+    """
 
     def __init__(self, request: bytes) -> None:
         self._request = request
-        self.out = bytearray()
+        self.answer = bytearray()
+        self.answer_overflow = False
         self.err = bytearray()
         self.ended: Deferred[None] = Deferred()
 
     def connectionMade(self) -> None:
         assert self.transport is not None
-        self.transport.write(self._request)
+        self.transport.writeToChild(0, self._request)
         self.transport.closeStdin()
 
     def childDataReceived(self, childFD: int, data: bytes) -> None:
-        buffer = self.out if childFD == 1 else self.err
-        if len(buffer) < OUTPUT_BYTES:
-            buffer += data[: OUTPUT_BYTES - len(buffer)]
+        if childFD == ANSWER_FD:
+            room = MAX_IMAGE_BYTES + ANSWER_LINE_BYTES - len(self.answer)
+            if len(data) > room:
+                self.answer_overflow = True
+            self.answer += data[: max(room, 0)]
+        elif len(self.err) < OUTPUT_BYTES:
+            self.err += data[: OUTPUT_BYTES - len(self.err)]
 
     def processEnded(self, reason: Failure) -> None:
         self.ended.callback(None)
 
 
+def check_request(request: CompileRequest) -> None:
+    """
+    BLOCKING (C{-I} checks aside, a few regular expressions): refuse what the
+    compile would refuse, before a sandbox starts.
+
+    @raise ExecutionError: C{parse} for a bad arch or flag, or any C{-I}
+        (included headers are not in the key, so such compiles are never
+        cached).
+    """
+    from kcoral.compilers.nvcc import validate_arch, validate_options
+
+    validate_arch(request.arch)
+    for flag in request.options:
+        if flag.startswith(("-I", "--include-path")):
+            raise ExecutionError("parse", "compiles with -I flags are not cached")
+    if request.backend in NVCC_FAMILY:
+        validate_options(request.options, workspace="/nonexistent")
+
+
+def compile_key(request: CompileRequest, backend: Any) -> str:
+    """
+    BLOCKING (the toolchain probe, once per toolchain): the cache key of
+    C{request}, from what the worker asked for and this server's toolchain.
+    """
+    return cache_key(
+        request.source,
+        request.arch,
+        tuple(request.options),
+        backend.name,
+        backend.versions(),
+    )
+
+
+def parse_answer(answer: bytes | bytearray) -> tuple[dict[str, Any], bytes] | None:
+    """
+    The answer line's fields and the image after it, or C{None} when the
+    answer is malformed (no line, not a JSON object, a size that does not
+    match the bytes that follow).
+    """
+    line, newline, rest = bytes(answer).partition(b"\n")
+    if not newline or len(line) > ANSWER_LINE_BYTES:
+        return None
+    try:
+        fields = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(fields, dict):
+        return None
+    if "kind" in fields:
+        return fields, b""
+    size, seconds = fields.get("size"), fields.get("seconds")
+    if not isinstance(size, int) or size != len(rest) or size > MAX_IMAGE_BYTES:
+        return None
+    if not isinstance(seconds, (int, float)) or seconds < 0:
+        return None
+    return fields, rest
+
+
+def _lookup_backend(name: str) -> Any:
+    from kcoral.compilers import MissingBackend, get_backend
+
+    try:
+        return get_backend(name)
+    except MissingBackend as e:
+        raise ExecutionError("unavailable", str(e)) from None
+
+
 @attrs.define(eq=False)
 class IsolatedCompiles:
-    """Runs L{CompileRequest}s in sandboxes of their own and fills the cache."""
+    """
+    Runs L{CompileRequest}s in sandboxes of their own and fills the cache.
+
+    @ivar lookup_backend: BLOCKING: a backend by name; raises
+        L{ExecutionError} C{unavailable} when there is none.
+    """
 
     reactor: Any
     sandbox: Any
     cache_dir: str
     scratch: Path
     run_blocking: Callable[..., Deferred[Any]]
+    lookup_backend: Callable[[str], Any] = _lookup_backend
     _count: int = 0
+    _cache: CompileCache | None = attrs.field(default=None, init=False)
 
     log = Logger()
 
@@ -81,13 +182,32 @@ class IsolatedCompiles:
         """Compile C{request} within C{timeout} seconds; never raises."""
         try:
             return await self._compile(request, timeout)
+        except ExecutionError as e:
+            return CompileDone(kind=e.kind, error=e.message)
         except Exception as e:
             self.log.failure("compile for the shared cache failed", Failure())
             return CompileDone(kind="engine", error=f"{type(e).__name__}: {e}")
 
+    def _prepare(self, request: CompileRequest) -> tuple[str, tuple[bytes, float] | None]:
+        """BLOCKING: check C{request}; its key and the entry already stored, if any."""
+        check_request(request)
+        # (Not backend.available(): for PyCUDA that would load the CUDA
+        # driver library into the server; the compile itself says so.)
+        backend = self.lookup_backend(request.backend)
+        if self._cache is None:
+            self._cache = CompileCache(self.cache_dir)
+        key = compile_key(request, backend)
+        entry = self._cache.read(key)
+        if entry is not None:
+            self._cache.touch(key)  # (workers' reads cannot: the cache is read-only there)
+        return key, entry
+
     async def _compile(self, request: CompileRequest, timeout: float) -> CompileDone:
         from kcoral.server.sandbox import remove_seat
 
+        key, entry = await self.run_blocking(self._prepare, request)
+        if entry is not None:
+            return CompileDone(key=key, seconds=entry[1], cached=True)
         self._count += 1
         seat = self.scratch / f"compile-{self._count}"
         work = await self.run_blocking(self.sandbox.prepare_seat, seat)
@@ -106,7 +226,13 @@ class IsolatedCompiles:
                     }
                 ).encode()
             )
-            transport = self.reactor.spawnProcess(protocol, executable, argv, env=env)
+            transport = self.reactor.spawnProcess(
+                protocol,
+                executable,
+                argv,
+                env=env,
+                childFDs={0: "w", 1: "r", 2: "r", ANSWER_FD: "r"},
+            )
 
             def kill() -> None:
                 try:
@@ -118,18 +244,17 @@ class IsolatedCompiles:
             await protocol.ended
             if timer.active():
                 timer.cancel()
-            answer = _answer(bytes(protocol.out))
-            if answer is None:
+            parsed = None if protocol.answer_overflow else parse_answer(protocol.answer)
+            if parsed is None:
                 tail = bytes(protocol.err[-2048:]).decode("utf-8", "replace")
                 return CompileDone(kind="compile", error=f"the compile did not finish: {tail}")
-            if "key" not in answer:
+            fields, image = parsed
+            if "kind" in fields:
                 return CompileDone(
-                    kind=str(answer.get("kind") or "compile"), error=str(answer.get("error"))
+                    kind=str(fields.get("kind") or "compile"), error=str(fields.get("error"))
                 )
-            key, seconds = str(answer["key"]), float(answer.get("seconds", 0.0))
-            stored = await self.run_blocking(
-                _store, self.cache_dir, key, os.path.join(work, "image.bin"), seconds
-            )
+            seconds = float(fields["seconds"])
+            stored = await self.run_blocking(_store, self.cache_dir, key, image, seconds)
             if not stored:
                 return CompileDone(kind="engine", error="the compiled image could not be stored")
             return CompileDone(key=key, seconds=seconds)
@@ -137,30 +262,8 @@ class IsolatedCompiles:
             await self.run_blocking(remove_seat, seat)
 
 
-def _answer(out: bytes) -> dict[str, Any] | None:
-    lines = out.decode("utf-8", "replace").strip().splitlines()
-    if not lines:
-        return None
-    try:
-        answer = json.loads(lines[-1])
-    except ValueError:
-        return None
-    return answer if isinstance(answer, dict) else None
-
-
-def _store(cache_dir: str, key: str, image_path: str, seconds: float) -> bool:
-    """BLOCKING: put the image at C{image_path} into the cache under C{key}."""
-    try:
-        with open(image_path, "rb") as f:
-            image = f.read(MAX_IMAGE_BYTES + 1)
-    except OSError:
-        return False
-    if len(image) > MAX_IMAGE_BYTES:
-        return False
+def _store(cache_dir: str, key: str, image: bytes, seconds: float) -> bool:
+    """BLOCKING: put C{image} into the cache under C{key}; whether it reads back."""
     cache = CompileCache(cache_dir)
-    try:
-        cache._path(key)
-    except ValueError:
-        return False
     cache.put(key, image, seconds)
     return cache.read(key) is not None

@@ -533,13 +533,17 @@ class LeaseNext(ChannelMessage):
 class CompileDone(ChannelMessage):
     """
     The answer to L{CompileRequest}: the shared compile cache now holds the
-    image under C{key}, or the compile failed with C{kind} and C{error}.
+    image under C{key} (the key the parent computed from the request), or
+    the compile failed with C{kind} and C{error}.  C{cached}: the entry was
+    there already (no compile ran); C{seconds} is then the original
+    compile's time.
     """
 
     key: str = attrs.field(default="", validator=_json(str))
     seconds: float = attrs.field(default=0.0, validator=_json(int, float))
     kind: str | None = attrs.field(default=None, validator=_json(str, optional=True))
     error: str | None = attrs.field(default=None, validator=_json(str, optional=True))
+    cached: bool = attrs.field(default=False, validator=_json(bool))
 
 
 @_message("exit")

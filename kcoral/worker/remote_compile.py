@@ -6,7 +6,9 @@ In a sandbox the shared compile cache is read-only: an image other requests
 load must not come from a process where uploaded code runs.  A cacheable
 compile is sent to the parent as a L{CompileRequest}; the parent compiles it
 in a sandbox of its own and writes the cache entry; L{RemoteCompiler} waits
-for L{CompileDone} and hands back the key to read.
+for L{CompileDone} and hands back the key to read (the parent's: it
+computes the key from the request, and answers at once when the entry is
+already there).
 """
 
 from __future__ import annotations
@@ -26,14 +28,17 @@ __all__ = ["COMPILE_IN_PARENT_ENV", "RemoteCompiler"]
 
 @attrs.define
 class RemoteCompiler:
-    """C{compile(source, arch, flags, backend, timeout) -> (key, seconds)} over the channel."""
+    """
+    C{compile(source, arch, flags, backend, timeout) -> (key, seconds,
+    cached)} over the channel.
+    """
 
     _inbox: IO[bytes]
     _outbox: IO[bytes]
 
     def __call__(
         self, source: str, arch: str, flags: tuple[str, ...], backend: str, timeout: float
-    ) -> tuple[str, float]:
+    ) -> tuple[str, float, bool]:
         write_message(
             self._outbox,
             CompileRequest(source, arch, list(flags), backend, float(timeout)),
@@ -49,4 +54,4 @@ class RemoteCompiler:
         if message.error is not None or not message.key:
             kind = message.kind if message.kind in KINDS else "compile"
             raise ExecutionError(kind, message.error or "compile failed")
-        return message.key, float(message.seconds)
+        return message.key, float(message.seconds), bool(message.cached)

@@ -15,6 +15,8 @@ import sys
 import tempfile
 import textwrap
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from twisted.logger import capturedLogs
 from twisted.plugin import IPlugin
 from twisted.trial.unittest import SynchronousTestCase
@@ -241,7 +243,7 @@ class ValidationTests(SynchronousTestCase):
             "-DBLOCK=128",
             "-D",
             "TILE=32",
-            "-DMSG=$(rm -rf /);",
+            "-DPATH_LIKE=a/b.c:d,e+f-g@h%i=j",
             "--use_fast_math",
             "-maxrregcount=64",
             "-Xptxas",
@@ -264,7 +266,7 @@ class ValidationTests(SynchronousTestCase):
                 "-DBLOCK=128",
                 "-D",
                 "TILE=32",
-                "-DMSG=$(rm -rf /);",
+                "-DPATH_LIKE=a/b.c:d,e+f-g@h%i=j",
                 "--use_fast_math",
                 "-maxrregcount=64",
                 "-Xptxas",
@@ -304,6 +306,107 @@ class ValidationTests(SynchronousTestCase):
             with self.assertRaises(ExecutionError) as ctx:
                 validate_options(flags, workspace)
             self.assertEqual(ctx.exception.kind, "parse", flags)
+
+    def test_shellMetacharactersRefused(self):
+        """
+        nvcc runs its sub-commands through C{/bin/sh} with each value in
+        double quotes (issue 32, item 1): a value holding any shell
+        metacharacter is refused, in every form that takes a value, and
+        the error names the flag and says why.
+        """
+        workspace = _mktemp(self)
+        os.makedirs(os.path.join(workspace, "in$(id)"))
+        os.makedirs(os.path.join(workspace, "ok"))
+        os.symlink("in$(id)", os.path.join(workspace, "ok", "link"))
+        for value in (
+            "$(id)",
+            "`id`",
+            "a;b",
+            "a b",
+            'a"b',
+            "a'b",
+            "a\\b",
+            "a|b",
+            "a&b",
+            "a>b",
+            "a<b",
+            "(1)",
+            "*",
+            "?",
+            "[x]",
+            "{x}",
+            "~",
+            "#",
+            "!",
+            "a\nb",
+            "a\tb",
+            "\x00",
+            "\u00e9",
+        ):
+            for flags in (
+                (f"-DX={value}",),
+                ("-D", f"X={value}"),
+                (f"--define-macro=X={value}",),
+                ("--define-macro", f"X={value}"),
+            ):
+                with self.assertRaises(ExecutionError) as ctx:
+                    validate_options(flags, workspace)
+                self.assertEqual(ctx.exception.kind, "parse", flags)
+                self.assertIn("compiler flag not allowed", ctx.exception.message)
+                self.assertIn("#define", ctx.exception.message)
+        for flags in (
+            ("-Iin$(id)",),
+            ("-I", "in$(id)"),
+            ("--include-path=in$(id)",),
+            ("-Iok/link",),  # resolves to a directory with a metacharacter
+            ("-Xptxas", "-v;id"),
+            ("-Xptxas=-v,$(id)",),
+            ("-Xcompiler", "-DX=1"),
+            ("-Xcompiler=-DX=$(id)",),
+            ("--compiler-options", "-DX=1"),
+            ("-Xcudafe", "x"),
+            ("-Xnvlink", "x"),
+            ("-Xlinker", "x"),
+            ("--options-file", "flags.txt"),
+            ("-optf", "flags.txt"),
+            ("--compiler-bindir", "/bin"),
+            ("-include", "x.h"),
+            ("-isystem", "x"),
+            ("-MF", "x"),
+            ("--dependency-output", "x"),
+            ("-O3\n",),
+            ("-UX\n",),
+            ("-U", "X\n"),
+            ("-maxrregcount=\u0663",),
+            ("-std=c++\u0661\u0667",),
+        ):
+            with self.assertRaises(ExecutionError) as ctx:
+                validate_options(flags, workspace)
+            self.assertEqual(ctx.exception.kind, "parse", flags)
+        for arch in ("sm_90a\n", "sm_90a;", "sm_\u0669\u0660"):
+            with self.assertRaises(ExecutionError):
+                validate_arch(arch)
+
+    @settings(max_examples=300, deadline=None)
+    @given(
+        st.lists(
+            st.one_of(
+                st.text(max_size=12),
+                st.sampled_from(["-D", "-U", "-I", "-Xptxas", "-std", "-maxrregcount"]),
+                st.builds(lambda v: "-DX=" + v, st.text(max_size=8)),
+            ),
+            max_size=6,
+        )
+    )
+    def test_acceptedValuesAreShellInert(self, flags):
+        """Whatever flags pass, every argument holds only letters, digits and C{_.,+=@%:/-}."""
+        workspace = os.path.realpath(tempfile.gettempdir())
+        try:
+            args, _ = validate_options(flags, workspace)
+        except ExecutionError:
+            return
+        for arg in args:
+            self.assertRegex(arg, r"\A[A-Za-z0-9_.,+=@%:/-]*\Z")
 
     def test_shorten(self):
         """Long diagnostics keep both ends and stay near 600 characters."""
@@ -448,14 +551,36 @@ class CompileBinaryTests(SynchronousTestCase):
             asked.append((arch, flags, backend))
             key = cache_key(source, arch, flags, backend, {"parent": "1"})
             CompileCache(d).put(key, b"IMAGE-FROM-PARENT", 2.0)
-            return key, 2.0
+            return key, 2.0, False
 
         compilers.configure_remote(remote)
         image = compile_binary(SOURCE, "sm_90a", ("-O3",), backend=fake, cache_dir=d)
         self.assertEqual(image, b"IMAGE-FROM-PARENT")
         self.assertEqual(asked, [("sm_90a", ("-O3",), "fake")])
         self.assertEqual(fake.calls, [])
-        self.assertEqual(compile_stats()["compiles"], 1)
+        stats = compile_stats()
+        self.assertEqual((stats["compiles"], stats["cache_misses"], stats["cache_hits"]), (1, 1, 0))
+
+    def test_remote_hit(self):
+        """
+        The remote found the entry: a hit, no compile counted, and this
+        process neither probed the toolchain nor looked the cache up itself.
+        """
+
+        class NoProbe(FakeCompilerBackend):
+            def versions(self):
+                raise AssertionError("versions() probed")
+
+        fake = NoProbe()
+        d = _mktemp(self)
+        key = "cd" * 32
+        CompileCache(d).put(key, b"CACHED", 3.0)
+        compilers.configure_remote(lambda *args: (key, 3.0, True))
+        self.assertEqual(compile_binary(SOURCE, "sm_90a", (), backend=fake, cache_dir=d), b"CACHED")
+        stats = compile_stats()
+        self.assertEqual(
+            (stats["compiles"], stats["cache_hits"], stats["saved_seconds"]), (0, 1, 3.0)
+        )
 
     def test_remote_unavailable_compiles_here_uncached(self):
         """A backend the parent cannot run is compiled here, and nothing is cached."""

@@ -1,0 +1,224 @@
+"""
+L{kcoral.server.compiles}: the server computes the cache key of a worker's
+compile from the request it sent, never from the compile's answer (issue
+32, item 1), checks the request before a sandbox starts, and answers from
+the cache when the entry is there.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from twisted.internet.defer import Deferred, succeed
+from twisted.trial.unittest import SynchronousTestCase
+
+from kcoral.compilers.cache import CompileCache, cache_key
+from kcoral.compilers.isolated import ANSWER_FD
+from kcoral.errors import ExecutionError
+from kcoral.server.compiles import IsolatedCompiles, check_request, parse_answer
+from kcoral.testing.fakes import FakeCompilerBackend, FakeSandbox, ProcessReactor
+from kcoral.wire.channel import CompileDone, CompileRequest
+
+KERNEL = "__global__ void k(float *p) { p[0] = 1.0f; }\n"
+
+
+def _sync(f: Any, *args: Any, **kw: Any) -> Deferred[Any]:
+    return succeed(f(*args, **kw))
+
+
+def _request(**kw: Any) -> CompileRequest:
+    fields: dict[str, Any] = {
+        "source": KERNEL,
+        "arch": "sm_90a",
+        "options": ["-O3"],
+        "backend": "fake",
+        "timeout": 30.0,
+    }
+    fields.update(kw)
+    return CompileRequest(**fields)
+
+
+class CheckRequestTests(SynchronousTestCase):
+    """L{check_request} refuses what no compile should see."""
+
+    def test_refused(self) -> None:
+        """Bad arch, unsafe or unknown flags and C{-I} are C{parse} errors."""
+        for request in (
+            _request(arch="sm_90a\n"),
+            _request(arch="sm_90a; id"),
+            _request(options=["-DX=$(id)"], backend="nvcc"),
+            _request(options=["-D", "X=`id`"], backend="tvmffi"),
+            _request(options=["--options-file", "f"], backend="nvcc"),
+            _request(options=["-Iinclude"]),
+            _request(options=["--include-path=x"]),
+        ):
+            with self.assertRaises(ExecutionError) as ctx:
+                check_request(request)
+            self.assertEqual(ctx.exception.kind, "parse", request)
+
+    def test_allowed(self) -> None:
+        """Ordinary flags pass."""
+        check_request(_request(options=["-O3", "-DBLOCK=128", "-lineinfo"], backend="nvcc"))
+
+
+class ParseAnswerTests(SynchronousTestCase):
+    """L{parse_answer} takes a line and exactly the image it announces."""
+
+    def test_image(self) -> None:
+        """C{{seconds, size}} then C{size} bytes."""
+        self.assertEqual(
+            parse_answer(b'{"seconds": 0.5, "size": 3}\nabc'),
+            ({"seconds": 0.5, "size": 3}, b"abc"),
+        )
+
+    def test_error(self) -> None:
+        """C{{kind, error}}: no image."""
+        fields, image = parse_answer(b'{"kind": "compile", "error": "x"}\n') or ({}, b"?")
+        self.assertEqual((fields["kind"], image), ("compile", b""))
+
+    def test_malformed(self) -> None:
+        """No newline, not an object, a wrong size or bad seconds: C{None}."""
+        for answer in (
+            b"",
+            b'{"seconds": 1, "size": 0}',
+            b"[1]\n",
+            b"nonsense\n",
+            b'{"seconds": 1, "size": 4}\nabc',
+            b'{"seconds": 1, "size": 2}\nabc',
+            b'{"seconds": -1, "size": 0}\n',
+            b'{"seconds": "1", "size": 0}\n',
+        ):
+            self.assertIsNone(parse_answer(answer), answer)
+
+
+class _Seats(FakeSandbox):
+    """A L{FakeSandbox} whose seats exist (the server removes them)."""
+
+    def prepare_seat(self, seat_dir: Path) -> Path:
+        work = super().prepare_seat(seat_dir)
+        work.mkdir(parents=True)
+        return work
+
+
+class IsolatedCompilesTests(SynchronousTestCase):
+    """The parent's side of a compile, on a memory reactor."""
+
+    def setUp(self) -> None:
+        self.dir = Path(tempfile.mkdtemp())
+        self.addCleanup(shutil.rmtree, self.dir, True)
+        self.reactor = ProcessReactor()
+        self.backend = FakeCompilerBackend()
+        self.compiles = IsolatedCompiles(
+            self.reactor,
+            _Seats(),
+            str(self.dir / "cache"),
+            self.dir / "scratch",
+            _sync,
+            lookup_backend=self._lookup,
+        )
+        (self.dir / "scratch").mkdir()
+
+    def _lookup(self, name: str) -> Any:
+        if name != self.backend.name:
+            raise ExecutionError("unavailable", f"no backend {name!r}")
+        return self.backend
+
+    def _key(self, request: CompileRequest) -> str:
+        return cache_key(
+            request.source,
+            request.arch,
+            tuple(request.options),
+            self.backend.name,
+            self.backend.versions(),
+        )
+
+    def _answer(self, data: bytes) -> Deferred[CompileDone]:
+        """Start a compile of L{_request}; its answer descriptor says C{data}."""
+        d = Deferred.fromCoroutine(self.compiles.compile(_request(), 30.0))
+        self.assertNoResult(d)
+        spawned = self.reactor.spawned[-1]
+        self.assertEqual(
+            spawned["childFDs"], {0: "w", 1: "r", 2: "r", ANSWER_FD: "r"}, spawned["childFDs"]
+        )
+        sent = json.loads(spawned["transport"].written.get(0, b"") or b"{}")
+        self.assertEqual(sent["source"], KERNEL)
+        protocol = spawned["protocol"]
+        protocol.childDataReceived(ANSWER_FD, data)
+        protocol.processEnded(None)
+        return d
+
+    def test_key_from_the_request(self) -> None:
+        """The image is stored under the key of the request the server sent."""
+        done = self.successResultOf(self._answer(b'{"seconds": 0.25, "size": 5}\nIMAGE'))
+        key = self._key(_request())
+        self.assertEqual(
+            (done.key, done.seconds, done.cached, done.error), (key, 0.25, False, None)
+        )
+        self.assertEqual(CompileCache(str(self.dir / "cache")).read(key), (b"IMAGE", 0.25))
+
+    def test_a_forged_key_is_ignored(self) -> None:
+        """
+        An answer naming another key (the attack of issue 32, item 1)
+        stores nothing there: the answer's key is not read.
+        """
+        victim = "ab" * 32
+        forged = json.dumps({"key": victim, "seconds": 0.0, "size": 4}).encode() + b"\nEVIL"
+        done = self.successResultOf(self._answer(forged))
+        cache = CompileCache(str(self.dir / "cache"))
+        self.assertIsNone(cache.read(victim))
+        self.assertEqual(done.key, self._key(_request()))
+        self.assertEqual(cache.read(done.key), (b"EVIL", 0.0))
+
+    def test_the_old_answer_on_stdout_is_not_an_answer(self) -> None:
+        """A key line on stdout (the old answer channel) is no answer at all."""
+        d = Deferred.fromCoroutine(self.compiles.compile(_request(), 30.0))
+        protocol = self.reactor.spawned[-1]["protocol"]
+        protocol.childDataReceived(1, json.dumps({"key": "ab" * 32, "seconds": 0}).encode())
+        protocol.processEnded(None)
+        done = self.successResultOf(d)
+        self.assertEqual(done.kind, "compile")
+        self.assertEqual(list((self.dir / "cache").glob("*.bin")), [])
+
+    def test_malformed_answer(self) -> None:
+        """A truncated answer (the compile was killed) stores nothing."""
+        done = self.successResultOf(self._answer(b'{"seconds": 0.25, "size": 50}\nIMA'))
+        self.assertEqual(done.kind, "compile")
+        self.assertEqual(list((self.dir / "cache").glob("*.bin")), [])
+
+    def test_compile_error(self) -> None:
+        """A C{{kind, error}} answer is passed on."""
+        done = self.successResultOf(self._answer(b'{"kind": "compile", "error": "bad"}\n'))
+        self.assertEqual((done.kind, done.error, done.key), ("compile", "bad", ""))
+
+    def test_hit_without_a_compile(self) -> None:
+        """An entry already stored is answered at once, C{cached}, with no sandbox."""
+        key = self._key(_request())
+        CompileCache(str(self.dir / "cache")).put(key, b"IMAGE", 1.5)
+        done = self.successResultOf(Deferred.fromCoroutine(self.compiles.compile(_request(), 30.0)))
+        self.assertEqual((done.key, done.seconds, done.cached), (key, 1.5, True))
+        self.assertEqual(self.reactor.spawned, [])
+
+    def test_refused_without_a_sandbox(self) -> None:
+        """A refused flag or an unknown backend answers with no sandbox started."""
+        for request, kind in (
+            (_request(options=["-DX=$(id)"], backend="nvcc"), "parse"),
+            (_request(backend="nothing"), "unavailable"),
+        ):
+            done = self.successResultOf(
+                Deferred.fromCoroutine(self.compiles.compile(request, 30.0))
+            )
+            self.assertEqual(done.kind, kind)
+        self.assertEqual(self.reactor.spawned, [])
+
+    def test_killed_after_its_time(self) -> None:
+        """A compile past its timeout and grace is killed."""
+        d = Deferred.fromCoroutine(self.compiles.compile(_request(), 5.0))
+        transport = self.reactor.spawned[-1]["transport"]
+        self.reactor.advance(16.0)
+        self.assertEqual(transport.signals, ["KILL"])
+        self.reactor.spawned[-1]["protocol"].processEnded(None)
+        self.assertEqual(self.successResultOf(d).kind, "compile")

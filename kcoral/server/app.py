@@ -326,8 +326,14 @@ class KcoralAPI:
                 for index, health in self.peer_health().items()
                 if index != own and METRICS_REPORT_KEY in health
             }
-        body, content_type = self.metrics.render(peers, self.config.front_end_index)
-        request.setHeader(b"Content-Type", content_type.encode())
+        body, headers = self.metrics.expose(
+            peers,
+            self.config.front_end_index,
+            accept=_header(request, b"accept"),
+            accept_encoding=_header(request, b"accept-encoding"),
+        )
+        for name, value in headers.items():
+            request.setHeader(name.encode(), value.encode())
         return body
 
     @app.route("/status", methods=["GET"])

@@ -32,7 +32,15 @@ C{kcoral_request_capacity}, C{kcoral_cache_bytes{cache}},
 C{kcoral_lease_depth{gpu}}, C{kcoral_spare_workers{gpu,state}}.
 
 C{kcoral_build_info{version, python, twisted}} is always 1; its labels
-name what is running.
+name what is running.  C{prometheus_client}'s process collector
+(C{process_cpu_seconds_total}, C{process_resident_memory_bytes},
+C{process_open_fds}, C{process_start_time_seconds}, ...) and platform
+collector (C{python_info}) describe the server process.  No C{*_created}
+series are exported.
+
+L{Metrics.expose} answers as C{prometheus_client}'s own handlers do: the
+OpenMetrics format when the scraper's C{Accept} asks for it, the text
+format otherwise, gzipped when its C{Accept-Encoding} allows.
 
 The registry is private to the instance, so several servers (or tests) in
 one process do not share counters.
@@ -48,14 +56,23 @@ totals; the lease gauges are the broker's, the same in every front end.
 from __future__ import annotations
 
 import base64
+import gzip
 import json
 import zlib
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, Info
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+)
 from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.exposition import generate_latest
+from prometheus_client.exposition import choose_encoder, generate_latest, gzip_accepted
 from prometheus_client.registry import Collector
 from twisted.logger import ILogObserver, Logger
 from zope.interface import implementer
@@ -302,6 +319,10 @@ class Metrics:
             for counter in (self.cache_hits, self.cache_misses, self.cache_evictions):
                 counter.labels(cache=cache)
         self.registry.register(_StateCollector(state))
+        # The standard process_* (CPU, memory, open files, start time) and
+        # python_info series, as prometheus_client's default registry has.
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
         self._cache_counters = {
             "cache_hit": self.cache_hits,
             "cache_miss": self.cache_misses,
@@ -363,11 +384,44 @@ class Metrics:
             C{front_end} label (C{index} for this process's own).
         @return: C{(body, content_type)}.
         """
-        if peers is None:
-            return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        return generate_latest(self._exposed(peers, index)), CONTENT_TYPE_LATEST
+
+    def expose(
+        self,
+        peers: Mapping[int, list[dict[str, Any]]] | None = None,
+        index: int = 0,
+        *,
+        accept: str | None = None,
+        accept_encoding: str | None = None,
+    ) -> tuple[bytes, dict[str, str]]:
+        """
+        C{GET /metrics} as C{prometheus_client}'s own handlers answer it:
+        OpenMetrics when C{accept} asks for it
+        (C{application/openmetrics-text}), else the text format; gzipped
+        when C{accept_encoding} allows it.
+
+        @param peers: as for L{render}.
+        @return: C{(body, headers)}: C{Content-Type}, C{Content-Encoding}
+            when compressed, and C{Vary}.
+        """
+        encoder, content_type = choose_encoder(accept or "")
+        body = encoder(self._exposed(peers, index))
+        headers = {"Content-Type": content_type, "Vary": "Accept, Accept-Encoding"}
+        if gzip_accepted(accept_encoding or ""):
+            body = gzip.compress(body)
+            headers["Content-Encoding"] = "gzip"
+        return body, headers
+
+    def _exposed(
+        self, peers: Mapping[int, list[dict[str, Any]]] | None, index: int
+    ) -> CollectorRegistry:
+        """What C{/metrics} shows: this process's metrics, or every front end's."""
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(_Families({**peers, index: self.families()}))
-        return generate_latest(registry), CONTENT_TYPE_LATEST
+        if peers is None:
+            registry.register(_WithoutCreated(self.registry))
+        else:
+            registry.register(_Families({**peers, index: self.families()}))
+        return registry
 
     def families(self) -> list[dict[str, Any]]:
         """Every metric of this process as JSON-ready data (for the other front ends)."""
@@ -378,8 +432,26 @@ class Metrics:
                 "help": metric.documentation,
                 "samples": [[s.name, s.labels, s.value] for s in metric.samples],
             }
-            for metric in self.registry.collect()
+            for metric in _WithoutCreated(self.registry).collect()
         ]
+
+
+class _WithoutCreated(Collector):
+    """
+    A registry's metrics without their C{*_created} samples: the creation
+    time of each counter and histogram child, which doubles the series of
+    every labelled family and says nothing a scraper needs (the process's
+    start time is C{process_start_time_seconds}).
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self._registry.collect():
+            kept = Metric(metric.name, metric.documentation, metric.type, metric.unit)
+            kept.samples = [s for s in metric.samples if not s.name.endswith("_created")]
+            yield kept
 
 
 class _Families(Collector):

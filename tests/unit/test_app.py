@@ -158,6 +158,48 @@ class HealthTests(APITestCase):
         body = json.loads(self.successResultOf(self.treq.content(response)))
         self.assertEqual(body["workers"][0]["worker_id"], "cpu/w0")
 
+    def test_metrics_negotiated(self) -> None:
+        """
+        /metrics passes the scraper's C{Accept} and C{Accept-Encoding} on:
+        OpenMetrics gzipped when both are asked for, plain text otherwise.
+        (A bare agent: treq would ask for gzip and decode it itself.)
+        """
+        import gzip
+
+        from treq import content
+        from treq.testing import RequestTraversalAgent
+        from twisted.web.http_headers import Headers
+
+        from kcoral.server.metrics import Metrics
+
+        self.make()
+        self.api.metrics = Metrics()
+        agent = RequestTraversalAgent(self.api.resource())
+
+        def get(headers: dict[bytes, list[bytes]]) -> tuple[Any, bytes]:
+            response = self.successResultOf(
+                agent.request(b"GET", b"http://127.0.0.1/metrics", Headers(headers))
+            )
+            body = content(response)
+            agent.flush()
+            return response, self.successResultOf(body)
+
+        response, body = get(
+            {
+                b"Accept": [b"application/openmetrics-text; version=1.0.0"],
+                b"Accept-Encoding": [b"gzip"],
+            }
+        )
+        self.assertEqual(response.headers.getRawHeaders(b"Content-Encoding"), [b"gzip"])
+        [content_type] = response.headers.getRawHeaders(b"Content-Type")
+        self.assertTrue(content_type.startswith(b"application/openmetrics-text"))
+        self.assertTrue(gzip.decompress(body).endswith(b"# EOF\n"))
+        response, body = get({})
+        self.assertIsNone(response.headers.getRawHeaders(b"Content-Encoding"))
+        [content_type] = response.headers.getRawHeaders(b"Content-Type")
+        self.assertTrue(content_type.startswith(b"text/plain"))
+        self.assertIn(b"kcoral_requests_total", body)
+
     def test_metrics_absent(self) -> None:
         self.make()
         response = self.successResultOf(self.treq.get("http://127.0.0.1/metrics"))

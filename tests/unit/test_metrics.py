@@ -54,6 +54,72 @@ class MetricsTests(SynchronousTestCase):
         self.assertIsInstance(body, bytes)
         self.assertEqual(content_type, CONTENT_TYPE_LATEST)
 
+    def test_no_created_series(self) -> None:
+        """
+        No C{*_created} sample is exported, in either format, though the
+        counters and histograms are there.
+        """
+        self.log.info("x", kcoral_event="request_finished", finish_reason="completed")
+        for accept in (None, "application/openmetrics-text; version=1.0.0"):
+            body, _ = self.metrics.expose(accept=accept)
+            self.assertIn(b"kcoral_requests_total", body)
+            self.assertNotIn(b"_created", body)
+        self.assertNotIn(b"_created", self.metrics.render()[0])
+        self.assertFalse(
+            [f for f in self.metrics.families() for s in f["samples"] if "_created" in s[0]]
+        )
+
+    def test_process_and_platform_collectors(self) -> None:
+        """The standard process_* series and python_info describe the server process."""
+        names = {name for name, _ in samples(self.metrics)}
+        for name in (
+            "process_cpu_seconds_total",
+            "process_resident_memory_bytes",
+            "process_open_fds",
+            "process_start_time_seconds",
+            "python_info",
+        ):
+            self.assertIn(name, names)
+
+    def test_openmetrics_when_asked(self) -> None:
+        """
+        A scraper that accepts OpenMetrics gets it (its content type, the
+        C{# EOF} end); any other C{Accept} gets the text format.
+        """
+        from prometheus_client.openmetrics.parser import (
+            text_string_to_metric_families as openmetrics_families,
+        )
+
+        body, headers = self.metrics.expose(
+            accept="application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"
+        )
+        self.assertTrue(headers["Content-Type"].startswith("application/openmetrics-text"))
+        self.assertTrue(body.endswith(b"# EOF\n"))
+        names = {f.name for f in openmetrics_families(body.decode())}
+        self.assertIn("kcoral_requests", names)
+        for accept in (None, "*/*", "text/plain"):
+            body, headers = self.metrics.expose(accept=accept)
+            self.assertTrue(headers["Content-Type"].startswith("text/plain; version="))
+            self.assertNotIn(b"# EOF", body)
+
+    def test_gzip_when_accepted(self) -> None:
+        """
+        C{Accept-Encoding: gzip} gets the same exposition gzipped, marked
+        C{Content-Encoding: gzip}; without it the body is plain.
+        """
+        import gzip
+
+        body, headers = self.metrics.expose(accept_encoding="gzip, deflate")
+        self.assertEqual(headers["Content-Encoding"], "gzip")
+        plain, plain_headers = self.metrics.expose()
+        self.assertNotIn("Content-Encoding", plain_headers)
+        unzipped = gzip.decompress(body)
+        self.assertEqual(
+            {k for k in parsed(unzipped) if not k[0].startswith("process_")},
+            {k for k in parsed(plain) if not k[0].startswith("process_")},
+        )
+        self.assertIn("Accept-Encoding", headers["Vary"])
+
     def test_requests_by_outcome(self) -> None:
         """
         C{request_finished} counts by C{finish_reason}; known outcomes start

@@ -30,7 +30,7 @@ import shutil
 import sys
 import traceback
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -66,6 +66,7 @@ from kcoral.server.sandbox import NoSandbox
 if TYPE_CHECKING:
     from kcoral.server.logs import LogSetup
     from kcoral.server.metrics import Metrics
+    from kcoral.server.sdnotify import SystemdNotifier
     from kcoral.server.status import RecentRequests
 
 #: Runs a blocking callable in the I/O thread pool.
@@ -558,6 +559,13 @@ class KCoralService(service.MultiService):
         #: server's own (L{makeService}); an embedding application keeps its
         #: collector as it is.
         self.freeze_when_ready = False
+        #: Tell systemd (C{$NOTIFY_SOCKET}, a C{Type=notify} unit) when the
+        #: server is ready (every worker is up) and when it begins to stop.
+        #: Set where the process is the server's own (L{makeService}).
+        self.notify_systemd = False
+        #: Where C{$NOTIFY_SOCKET} is read from (and removed).
+        self.environ: MutableMapping[str, str] = os.environ
+        self._notifier: SystemdNotifier | None = None
 
         observers: list[ILogObserver] = [o for o in (self.metrics, self.recent) if o is not None]
         self.logs = LogWriterService(config, observers, self.run_blocking, self._logs_ready)
@@ -671,6 +679,11 @@ class KCoralService(service.MultiService):
 
     def startService(self) -> None:
         service.Service.startService(self)
+        if self.notify_systemd and self.config.lease_broker is None:
+            # Only the first front end speaks for the server (NotifyAccess=main).
+            from kcoral.server.sdnotify import SystemdNotifier
+
+            self._notifier = SystemdNotifier.from_environment(self.environ)
         d = Deferred.fromCoroutine(self._start_children())
         d.addCallbacks(self._started, self._start_failed)
 
@@ -678,6 +691,9 @@ class KCoralService(service.MultiService):
         if self.freeze_when_ready:
             gc.collect()
             gc.freeze()
+        if self._notifier is not None:
+            workers = len(self.pool.seats)
+            self._notifier.notify("READY=1", f"STATUS=serving with {workers} worker(s)")
         self.ready.callback(None)
 
     async def _start_children(self) -> None:
@@ -706,6 +722,8 @@ class KCoralService(service.MultiService):
             if console is not None:
                 globalLogPublisher.removeObserver(console)
         self.start_failure = message
+        if self._notifier is not None:
+            self._notifier.notify(f"STATUS=failed to start: {message}")
         self.ready.errback(failure)
         if self.running and self.parent is not None:
             # Under twistd (kcoral server, twistd -n kcoral, a .tac): stop
@@ -720,6 +738,8 @@ class KCoralService(service.MultiService):
 
     def stopService(self) -> Deferred[None]:
         service.Service.stopService(self)
+        if self._notifier is not None:
+            self._notifier.notify("STOPPING=1", "STATUS=stopping")
         self.log.info(
             "shutdown requested; finishing {remaining} request(s)",
             kcoral_event="shutdown_started",
@@ -912,11 +932,14 @@ def makeService(
 
     This is the twistd entry point (the C{kcoral} plugin and
     C{contrib/kcoral.tac}): a server that fails to start makes the process
-    exit with status 1 once twistd has shut down.
+    exit with status 1 once twistd has shut down, and under a systemd
+    C{Type=notify} unit it sends C{READY=1} once every worker is up and
+    C{STOPPING=1} when it begins to stop (L{kcoral.server.sdnotify}).
     """
     root = KCoralService(config, endpoint, reactor=reactor)
     root.exit_status_on_failure = 1
     root.freeze_when_ready = True
+    root.notify_systemd = True
     return root
 
 

@@ -222,6 +222,9 @@ class SystemdUnitTests(SynchronousTestCase):
             sections = _unit(path)
             service = dict(sections["Service"])
             self.assertEqual(service["Restart"], "on-failure")
+            # Readiness over $NOTIFY_SOCKET (kcoral.server.sdnotify), from the server only.
+            self.assertEqual(service["Type"], "notify")
+            self.assertEqual(service["NotifyAccess"], "main")
             self.assertGreaterEqual(int(service["LimitNOFILE"]), 65536)
             self.assertEqual(service["KillMode"], "mixed")
             self.assertGreater(

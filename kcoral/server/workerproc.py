@@ -31,6 +31,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.python.runtime import platform
 
+from kcoral.measurement import MeasurementFailed, evaluate, failed_record, parse_raw
 from kcoral.proctree import descendants_of
 from kcoral.server.lease import MAINTENANCE
 from kcoral.wire import board
@@ -55,6 +56,10 @@ from kcoral.wire.channel import (
     LeaseGranted,
     LeaseNext,
     LeaseRelease,
+    Measurement,
+    MeasurementResult,
+    MeasureStart,
+    MeasureStop,
     Outcome,
     Ready,
     Returned,
@@ -77,6 +82,9 @@ from kcoral.wire.shared import available as shared_memory_available
 
 #: Blobs of one job passed to the worker as descriptors, at most.
 MAX_SHARED_BLOBS = 64
+
+#: Measurements (benchmark calls) one program may have the parent compute.
+MAX_MEASUREMENTS = 1000
 
 #: Bytes of each of the worker's own stdout/stderr kept for diagnostics.
 TAIL_BYTES = 8192
@@ -174,6 +182,9 @@ class JobResult:
     #: their results and binary parts, kept for the answer.
     results: dict[str, Any] = attrs.field(factory=dict)
     parts: tuple[bytes | SharedBuffer, ...] = ()
+    #: The parent's own record of every measurement it computed for the
+    #: program (L{kcoral.measurement}), in order: the response carries them.
+    measurements: tuple[dict[str, Any], ...] = ()
 
 
 class _Tail:
@@ -1039,6 +1050,14 @@ class _RunningJob:
     returned: dict[str, Any] = attrs.field(factory=dict)
     returned_parts: list[bytes | SharedBuffer] = attrs.field(factory=list)
     returned_bytes: int = 0
+    #: A benchmark's timed loop: C{"none"}, C{"running"} (after
+    #: L{MeasureStart}) or C{"stopped"} (after L{MeasureStop}), with the
+    #: reactor times of both.
+    _measure_state: str = "none"
+    _measure_started: float = 0.0
+    _measure_stopped: float = 0.0
+    #: The records of the measurements computed so far.
+    measurements: list[dict[str, Any]] = attrs.field(factory=list)
 
     def start(self) -> None:
         self.remaining = self.job.timeout_seconds
@@ -1129,6 +1148,20 @@ class _RunningJob:
                 self._violation("gave back a lease it does not hold")
             else:
                 self._release_lease()
+        elif isinstance(message, MeasureStart):
+            if self._measure_state != "none":
+                self._violation("started a measurement inside another")
+            else:
+                self._measure_state = "running"
+                self._measure_started = self._clock()
+        elif isinstance(message, MeasureStop):
+            if self._measure_state != "running":
+                self._violation("stopped a measurement it did not start")
+            else:
+                self._measure_state = "stopped"
+                self._measure_stopped = self._clock()
+        elif isinstance(message, Measurement):
+            self._measured(message)
         elif isinstance(message, Returned):
             self._returned(message)
         elif isinstance(message, Outcome):
@@ -1183,6 +1216,41 @@ class _RunningJob:
         d.addCallbacks(
             answer, lambda f: answer(CompileDone(kind="engine", error=f.getErrorMessage()))
         )
+
+    def _measured(self, message: Measurement) -> None:
+        """
+        Compute a benchmark's result from its raw measurement, against the
+        wall time of its timed loop on the parent's clock; keep it as the
+        parent's record and send it back as the program's value.
+        """
+        if self._measure_state != "stopped":
+            self._violation("sent a measurement without a timed loop")
+            return
+        self._measure_state = "none"
+        if len(self.measurements) >= MAX_MEASUREMENTS:
+            self._violation(f"sent more than {MAX_MEASUREMENTS} measurements")
+            return
+        try:
+            raw = parse_raw(message.raw)
+        except ValueError as e:
+            self._violation(f"sent a malformed measurement: {e}")
+            return
+        wall_ms = (self._measure_stopped - self._measure_started) * 1000.0
+        header = {
+            "id": len(self.measurements),
+            "instruction_index": self._where(),
+            "wall_ms": wall_ms,
+            "overhead_ms": raw.overhead_ms,
+        }
+        try:
+            result = evaluate(raw, wall_ms)
+        except MeasurementFailed as e:
+            self.measurements.append({**header, **failed_record(e.message, e.record)})
+            self.worker.send(MeasurementResult(error=e.message))
+            return
+        result["measurement_id"] = header["id"]
+        self.measurements.append({**header, **result})
+        self.worker.send(MeasurementResult(result=result))
 
     def _returned(self, message: Returned) -> None:
         """
@@ -1336,6 +1404,7 @@ class _RunningJob:
             result,
             results=dict(self.returned),
             parts=tuple(self.returned_parts),
+            measurements=tuple(self.measurements),
             lease_wait_seconds=self._lease_wait,
             lease_held_seconds=held,
             instruction_started=dict(self.instruction_started),

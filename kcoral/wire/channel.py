@@ -195,7 +195,7 @@ def job_limits(max_response_bytes: int, output_limit: int) -> FrameLimits:
         + OUTCOME_SLACK_BYTES,
         max_payload_bytes=max(0, max_response_bytes),
         max_control_bytes=CONTROL_FRAME_BYTES,
-        bulk_types=frozenset({"outcome", "returned", "compile_request"}),
+        bulk_types=frozenset({"outcome", "returned", "compile_request", "measurement"}),
     )
 
 
@@ -546,6 +546,18 @@ class CompileDone(ChannelMessage):
     cached: bool = attrs.field(default=False, validator=_json(bool))
 
 
+@_message("measurement_result")
+@attrs.frozen
+class MeasurementResult(ChannelMessage):
+    """
+    The answer to L{Measurement}: the C{benchmark} result the parent
+    computed (its own record of the measurement), or why there is none.
+    """
+
+    result: dict[str, Any] | None = attrs.field(default=None, validator=_json(dict, optional=True))
+    error: str | None = attrs.field(default=None, validator=_json(str, optional=True))
+
+
 @_message("exit")
 @attrs.frozen
 class Exit(ChannelMessage):
@@ -636,6 +648,33 @@ class Instruction(ChannelMessage):
     """About to run instruction C{index}: a crash from now on is attributed to it."""
 
     index: int = attrs.field(validator=_json(int))
+
+
+@_message("measure_start")
+@attrs.frozen
+class MeasureStart(ChannelMessage):
+    """
+    A C{benchmark}'s timed loop starts now: the parent notes the time on its
+    own clock (the wall-clock envelope, L{kcoral.measurement}).
+    """
+
+
+@_message("measure_stop")
+@attrs.frozen
+class MeasureStop(ChannelMessage):
+    """The timed loop announced by L{MeasureStart} ended now."""
+
+
+@_message("measurement")
+@attrs.frozen
+class Measurement(ChannelMessage):
+    """
+    The raw measurement of the timed loop between L{MeasureStart} and
+    L{MeasureStop} (L{kcoral.measurement.RawMeasurement} as JSON); the
+    parent answers L{MeasurementResult}.
+    """
+
+    raw: dict[str, Any] = attrs.field(validator=_json(dict))
 
 
 #: A binary part: bytes in the frame's payload, or a sealed shared buffer

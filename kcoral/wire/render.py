@@ -86,6 +86,8 @@ class Ending(Protocol):
     def lease_wait_seconds(self) -> float: ...
     @property
     def lease_held_seconds(self) -> float: ...
+    @property
+    def measurements(self) -> tuple[dict[str, Any], ...]: ...
 
 
 @attrs.frozen
@@ -200,6 +202,11 @@ def render_result(
         body["gpu_ids"] = list(where.gpus)
         body["gpu_count"] = len(where.gpus)
     body["results"] = outcome.results
+    if result.measurements:
+        # The server's own record of every benchmark measurement, outside
+        # the program's results (which uploaded code can forge): clients
+        # that do not know the field ignore it (docs/trusted-timing.md).
+        body["measurements"] = list(result.measurements)
     error = outcome.error
     if (
         isinstance(error, dict)

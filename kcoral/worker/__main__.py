@@ -43,10 +43,12 @@ from kcoral.wire.channel import (
 )
 from kcoral.wire.shared import SharedBuffer
 from kcoral.wire.shared import available as shared_memory_available
+from kcoral.worker import runtime
 from kcoral.worker.builtins import registry_for
 from kcoral.worker.devices import make_backend, prepare_backend
 from kcoral.worker.engine import Engine
 from kcoral.worker.lease import LeaseClient, NullLease, watch_inbox
+from kcoral.worker.measure import ChannelMeasurer
 from kcoral.worker.remote_compile import COMPILE_IN_PARENT_ENV, RemoteCompiler
 
 
@@ -112,6 +114,10 @@ def serve(
         from kcoral.compilers import configure_remote
 
         configure_remote(RemoteCompiler(inbox, outbox))
+    if device != "cpu":
+        # benchmark's raw measurements go to the parent, which computes
+        # the results out of the uploaded code's reach.
+        runtime.install_measurer(ChannelMeasurer(inbox, outbox))
     engine = Engine(
         backend,
         lease,

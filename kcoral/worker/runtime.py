@@ -16,7 +16,13 @@ from typing import Any
 
 from kcoral.errors import ExecutionError
 
-_state: dict[str, Any] = {"backend": None, "lease": None, "builtins": None, "deadline": None}
+_state: dict[str, Any] = {
+    "backend": None,
+    "lease": None,
+    "builtins": None,
+    "deadline": None,
+    "measurer": None,
+}
 
 
 def install(backend: Any, lease: Any, builtins: Any) -> None:
@@ -42,6 +48,27 @@ def current_lease() -> Any:
 def current_builtins() -> Any:
     """The worker's builtin registry, or C{None} outside a worker."""
     return _state["builtins"]
+
+
+def install_measurer(measurer: Any) -> None:
+    """
+    Make C{measurer} (L{kcoral.worker.measure.ChannelMeasurer}) the one
+    C{benchmark} sends its raw measurements to.
+    """
+    _state["measurer"] = measurer
+
+
+def current_measurer() -> Any:
+    """
+    Where C{benchmark} sends what it measured: the worker's channel to its
+    parent, or a new L{kcoral.worker.measure.LocalMeasurer} outside a worker.
+    """
+    measurer = _state["measurer"]
+    if measurer is None:
+        from kcoral.worker.measure import LocalMeasurer
+
+        return LocalMeasurer()
+    return measurer
 
 
 def use_backend(backend: Any) -> None:

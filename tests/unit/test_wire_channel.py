@@ -33,6 +33,10 @@ from kcoral.wire.channel import (
     LeaseGranted,
     LeaseNext,
     LeaseRelease,
+    Measurement,
+    MeasurementResult,
+    MeasureStart,
+    MeasureStop,
     MessageDecoder,
     Outcome,
     Ready,
@@ -153,6 +157,13 @@ EXAMPLES: list[ChannelMessage] = [
     Returned("t", {"type": "bytes", "part": "return:0", "sha256": "x"}, (b"ab", b"")),
     CompileRequest("__global__ void k() {}", "sm_90a", ["-O3"], "nvcc", 30.0),
     CompileDone(key="ab" * 32, seconds=1.25),
+    MeasureStart(),
+    MeasureStop(),
+    Measurement(
+        {"timer": "cupti_activity", "repeat": 2, "spans_ms": [0.5, None], "signature_of": [0, -1]}
+    ),
+    MeasurementResult(result={"latency_ms_median": 0.5, "validity": {"ok": True, "reasons": []}}),
+    MeasurementResult(error="benchmark: no timed iteration caused any GPU activity"),
 ]
 
 
@@ -162,9 +173,9 @@ def test_fds_are_three_and_four() -> None:
 
 
 def test_every_type_has_an_example() -> None:
-    """The examples cover the registry: sixteen message types, each named once."""
-    assert sorted(m.TYPE for m in EXAMPLES) == sorted(MESSAGE_TYPES)
-    assert len(MESSAGE_TYPES) == 16
+    """The examples cover the registry: twenty message types, each named once."""
+    assert sorted({m.TYPE for m in EXAMPLES}) == sorted(MESSAGE_TYPES)
+    assert len(MESSAGE_TYPES) == 20
     for name, cls in MESSAGE_TYPES.items():
         assert cls.TYPE == name
 

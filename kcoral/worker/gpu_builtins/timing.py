@@ -1,14 +1,20 @@
 # -*- test-case-name: tests.unit.test_gpu_builtins_cpu,tests.gpu.test_gpu_backend -*-
 """
-C{builtin.benchmark}: cfg parsing, count planning, statistics (all host-side)
-and the CUDA-event timer.
+C{builtin.benchmark}: cfg parsing, count planning, the timed loop over CUPTI
+activity records (L{kcoral.worker.gpu_builtins.activity}), and the CUDA-event
+timer it falls back to (and estimates counts with).
+
+The loop only observes: the statistics and the C{validity} are computed by
+the parent (L{kcoral.measurement}), which the uploaded code cannot reach.
 """
 
 from __future__ import annotations
 
 import math
+import secrets
 import statistics
 import struct
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,8 +22,34 @@ import attrs
 import numpy as np
 
 from kcoral.errors import ExecutionError
+from kcoral.measurement import STABLE_CV, TIMER_CUPTI, TIMER_EVENTS, RawMeasurement, latency_stats
+from kcoral.worker.gpu_builtins.activity import (
+    Driver,
+    IterationActivity,
+    Window,
+    activity_trace,
+    attribute,
+    calling_stream,
+    summarize,
+)
+from kcoral.worker.gpu_builtins.closeness import check_close, mismatch_message, parse_tolerances
 from kcoral.worker.gpu_builtins.common import check_cfg, cuda_errors, is_number
-from kcoral.worker.runtime import gpu_backend
+from kcoral.worker.runtime import current_measurer, gpu_backend
+from kcoral.worker.tensors import is_cupy_array, is_gpuarray, is_torch_tensor
+
+__all__ = [
+    "ESTIMATE_CALLS",
+    "SPIN_NS",
+    "STABLE_CV",
+    "BenchmarkConfig",
+    "EventTimer",
+    "benchmark",
+    "iteration_count",
+    "latency_stats",
+    "parse_benchmark_cfg",
+    "plan_counts",
+    "split_cfg",
+]
 
 
 @attrs.frozen
@@ -29,6 +61,19 @@ class BenchmarkConfig:
     warmup: int | None = None
     repeat: int | None = None
     flush_l2: bool = True
+    #: Fresh inputs: rotate this many copies of the arguments (each at its
+    #: own addresses), or call C{inputs(i)} for each iteration's arguments.
+    rotate: int = 1
+    inputs: Callable[[int], Any] | None = None
+    #: Audit: check one iteration, chosen with C{secrets}, against
+    #: C{audit(*args)} (the expected value of argument C{audit_output}).
+    audit: Callable[..., Any] | None = None
+    audit_output: int = -1
+    audit_tolerances: tuple[float, float] = (1e-2, 1e-3)
+    #: Fingerprint every device tensor argument after each call returned,
+    #: after filling the arguments at C{outputs} with a sentinel first.
+    fingerprint: bool = False
+    outputs: tuple[int, ...] = ()
 
     @property
     def needs_estimate(self) -> bool:
@@ -65,7 +110,52 @@ def parse_benchmark_cfg(cfg: Any) -> BenchmarkConfig:
         if not isinstance(value, (bool, np.bool_)):
             raise ExecutionError("parse", f"benchmark: flush_l2 must be a boolean, got {value!r}")
         values["flush_l2"] = bool(value)
+    _parse_options(cfg, values)
     return BenchmarkConfig(**values)
+
+
+def _index_list(value: Any, key: str) -> tuple[int, ...]:
+    if not isinstance(value, (list, tuple)) or not all(
+        isinstance(i, (int, np.integer)) and not isinstance(i, (bool, np.bool_)) for i in value
+    ):
+        raise ExecutionError("parse", f"benchmark: {key} must be a list of argument indices")
+    return tuple(int(i) for i in value)
+
+
+def _parse_options(cfg: dict[str, Any], values: dict[str, Any]) -> None:
+    """The evaluator's options: fresh inputs, audit, fingerprint."""
+    if "rotate" in cfg:
+        value = cfg["rotate"]
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            raise ExecutionError("parse", f"benchmark: rotate must be an integer, got {value!r}")
+        if not 1 <= value <= 1024:
+            raise ExecutionError("parse", f"benchmark: rotate must be from 1 to 1024, got {value}")
+        values["rotate"] = int(value)
+    if cfg.get("inputs") is not None:
+        if not callable(cfg["inputs"]):
+            raise ExecutionError("parse", "benchmark: inputs must be a callable (i -> args)")
+        if values.get("rotate", 1) > 1:
+            raise ExecutionError("parse", "benchmark: give rotate or inputs, not both")
+        values["inputs"] = cfg["inputs"]
+    if cfg.get("audit") is not None:
+        if not callable(cfg["audit"]):
+            raise ExecutionError("parse", "benchmark: audit must be a callable (*args -> expected)")
+        values["audit"] = cfg["audit"]
+        if "audit_output" in cfg:
+            values["audit_output"] = _index_list([cfg["audit_output"]], "audit_output")[0]
+        values["audit_tolerances"] = parse_tolerances(
+            {k: cfg[f"audit_{k}"] for k in ("rtol", "atol") if f"audit_{k}" in cfg},
+            "benchmark audit",
+        )
+    if "fingerprint" in cfg:
+        value = cfg["fingerprint"]
+        if not isinstance(value, (bool, np.bool_)):
+            raise ExecutionError(
+                "parse", f"benchmark: fingerprint must be a boolean, got {value!r}"
+            )
+        values["fingerprint"] = bool(value)
+    if "outputs" in cfg:
+        values["outputs"] = _index_list(cfg["outputs"], "outputs")
 
 
 def split_cfg(args: Sequence[Any]) -> tuple[tuple[Any, ...], Any]:
@@ -96,28 +186,6 @@ def plan_counts(config: BenchmarkConfig, estimate_ms: float | None) -> tuple[int
     if repeat is None:
         repeat = iteration_count(config.repeat_ms, estimate_ms or 0.0)
     return warmup, repeat
-
-
-#: A coefficient of variation below this marks a measurement C{stable}.
-STABLE_CV = 0.05
-
-
-def latency_stats(samples_ms: Sequence[float]) -> dict[str, Any]:
-    """Median, mean, min, max, standard deviation, CV and stability of samples."""
-    if not samples_ms:
-        raise ValueError("no samples")
-    mean = statistics.fmean(samples_ms)
-    stdev = statistics.pstdev(samples_ms) if len(samples_ms) > 1 else 0.0
-    cv = stdev / mean if mean > 0 else 0.0
-    return {
-        "latency_ms_median": float(statistics.median(samples_ms)),
-        "latency_ms_mean": float(mean),
-        "latency_ms_min": float(min(samples_ms)),
-        "latency_ms_max": float(max(samples_ms)),
-        "latency_ms_stdev": float(stdev),
-        "cv": float(cv),
-        "stable": bool(cv < STABLE_CV),
-    }
 
 
 #: With C{flush_l2} off, how long the GPU is kept busy before each call.
@@ -180,41 +248,336 @@ class EventTimer:
 #: How many calls the count estimate times.
 ESTIMATE_CALLS = 5
 
+#: How many iterations around a call that does nothing calibrate the
+#: per-iteration overhead (flush, synchronizes, timestamps) the parent's
+#: wall-clock envelope takes off.
+CALIBRATION_CALLS = 5
+
 
 def benchmark(fn: Any, *args: Any) -> dict[str, Any]:
     """
     Time C{fn(*args)} on the GPU (protocol §10.1); a trailing C{dict} in
     C{args} is the cfg.
 
-    Each call's latency is the time between two CUDA events recorded on the
-    default stream just before and just after the call; with C{flush_l2} the
-    L2 flush runs before the first event.
+    Each timed call is one iteration of L{_TimedLoop}: its span runs from
+    the first GPU activity it caused to the last, on any stream, from CUPTI
+    activity records.  The raw spans and activity summaries go to the
+    parent (L{kcoral.worker.runtime.current_measurer}), which computes the
+    result and its C{validity}.
     """
     args, cfg = split_cfg(args)
     if not callable(fn):
         raise ExecutionError("runtime", "benchmark expects a compiled module handle")
     config = parse_benchmark_cfg(cfg)
     backend = gpu_backend()
-    timer = EventTimer(backend, config.flush_l2)
     try:
+        inputs = _Inputs(args, config)
+        loop = _TimedLoop(backend, config, inputs)
         estimate = None
         if config.needs_estimate:
-            estimate = statistics.fmean(timer.run(fn, args, ESTIMATE_CALLS))
+            estimate = loop.estimate(fn)
         warmup, repeat = plan_counts(config, estimate)
-        timer.run(fn, args, warmup)
-        spans = timer.run(fn, args, repeat)
+        loop.warm(fn, warmup)
+        raw = loop.measure(fn, warmup, repeat, current_measurer())
     except ExecutionError:
         raise
     except (RuntimeError, *cuda_errors()) as e:  # type: ignore[misc]
         raise ExecutionError("runtime", f"{type(e).__name__}: {e}") from e
-    result = latency_stats(spans)
-    result.update(
-        {
-            "activities_stable": all(math.isfinite(s) and s > 0 for s in spans),
-            "flush_l2": config.flush_l2,
-            "warmup": warmup,
-            "repeat": repeat,
-            "timing": "cuda_events",
-        }
-    )
-    return result
+    return loop.submit(raw)
+
+
+def _clone(value: Any) -> Any:
+    """A copy of a device tensor at its own addresses; anything else as is."""
+    if is_torch_tensor(value) and getattr(value, "is_cuda", False):
+        return value.clone()
+    if is_gpuarray(value) or is_cupy_array(value):
+        return value.copy()
+    return value
+
+
+def _region(value: Any) -> tuple[int, int] | None:
+    """C{(pointer, bytes)} of a contiguous device tensor, else C{None}."""
+    if is_torch_tensor(value):
+        if getattr(value, "is_cuda", False) and value.is_contiguous() and value.numel():
+            return int(value.data_ptr()), int(value.numel() * value.element_size())
+        return None
+    if is_gpuarray(value):
+        if value.flags.c_contiguous and value.size:
+            return int(value.gpudata), int(value.nbytes)
+        return None
+    cai = getattr(value, "__cuda_array_interface__", None)
+    if isinstance(cai, dict) and cai.get("strides") is None:
+        size = math.prod(int(d) for d in cai["shape"]) * np.dtype(cai["typestr"]).itemsize
+        if size:
+            return int(cai["data"][0]), int(size)
+    return None
+
+
+def _fingerprint(value: Any) -> str | None:
+    """A digest of a device tensor's bytes (copied to the host), else C{None}."""
+    region = _region(value)
+    if region is None:
+        return None
+    import pycuda.driver as drv
+
+    pointer, size = region
+    host = np.empty((size + 7) // 8 * 8, dtype=np.uint8)
+    host[size:] = 0
+    drv.memcpy_dtoh(host[:size], pointer)
+    words = host.view(np.uint64)
+    total = int(np.sum(words, dtype=np.uint64))
+    mixed = int(np.bitwise_xor.reduce(words * np.uint64(0x9E3779B97F4A7C15)))
+    return f"{size}:{total:016x}:{mixed:016x}"
+
+
+class _Inputs:
+    """Each iteration's arguments: the same, rotated copies, or a factory's."""
+
+    def __init__(self, args: tuple[Any, ...], config: BenchmarkConfig) -> None:
+        self._factory = config.inputs
+        self._sets = [args] + [tuple(_clone(a) for a in args) for _ in range(config.rotate - 1)]
+        self._outputs = config.outputs
+        for index in self._outputs:
+            if not -len(args) <= index < len(args) or _region(args[index]) is None:
+                raise ExecutionError(
+                    "parse", f"benchmark: outputs names argument {index}, not a device tensor"
+                )
+        self._fingerprint = config.fingerprint
+        self._reference: tuple[str | None, ...] | None = None
+
+    def get(self, i: int) -> tuple[Any, ...]:
+        if self._factory is None:
+            return self._sets[i % len(self._sets)]
+        made = self._factory(i)
+        if not isinstance(made, (tuple, list)):
+            raise ExecutionError("runtime", "benchmark: inputs(i) must return a tuple of arguments")
+        return tuple(made)
+
+    def prepare(self, args: tuple[Any, ...]) -> None:
+        """Fill the outputs with a sentinel (all bits set) before a call."""
+        if not self._fingerprint:
+            return
+        import pycuda.driver as drv
+
+        for index in self._outputs:
+            region = _region(args[index])
+            if region is not None:
+                drv.memset_d8(region[0], 0xFF, region[1])
+
+    def check(self, args: tuple[Any, ...], reference: bool = False) -> str | None:
+        """
+        Fingerprint the tensor arguments once the call returned and its
+        work finished; what differs from the discovery run's, or C{None}.
+        """
+        if not self._fingerprint:
+            return None
+        watched = [args[i] for i in self._outputs] if self._outputs else list(args)
+        prints = tuple(_fingerprint(a) for a in watched)
+        if reference or self._reference is None:
+            self._reference = prints
+            return None
+        changed = [
+            i for i, (a, b) in enumerate(zip(prints, self._reference, strict=True)) if a != b
+        ]
+        if not changed:
+            return None
+        names = [self._outputs[i] for i in changed] if self._outputs else changed
+        return f"arguments {names}"
+
+
+@attrs.define(eq=False)
+class _TimedLoop:
+    """One benchmark's iterations, with the hygiene and checks around each."""
+
+    backend: Any
+    config: BenchmarkConfig
+    inputs: _Inputs
+    driver: Driver = attrs.field(factory=Driver)
+    flags: list[tuple[int, str, str]] = attrs.field(factory=list)
+    excluded_ms: float = 0.0
+    _flush: Any = None
+    _event: Any = None
+    _stream: int = 0
+    _measurer: Any = None
+
+    def __attrs_post_init__(self) -> None:
+        if self.config.flush_l2:
+            self._flush = self.backend.l2_flush_buffer()
+            limit = self.driver.persisting_limit()
+            if limit:
+                self.flags.append(
+                    (-1, "persisting_l2", f"{limit} bytes when the benchmark started")
+                )
+            self.driver.clear_persisting()
+        self._stream = calling_stream()
+
+    def _before(self, i: int, flagged: int) -> tuple[Any, ...]:
+        """Outside the span: the iteration's arguments, sentinel, L2 hygiene."""
+        args = self.inputs.get(i)
+        self.inputs.prepare(args)
+        if self._flush is not None:
+            limit = self.driver.persisting_limit()
+            if limit:
+                self.flags.append((flagged, "persisting_l2", f"{limit} bytes"))
+            self.driver.clear_persisting()
+            import pycuda.driver as drv
+
+            buffer, size = self._flush
+            drv.memset_d32_async(buffer, 0, size // 4)
+        return args
+
+    def estimate(self, fn: Callable[..., Any]) -> float:
+        """A quick per-call estimate (ms) for the counts: CUDA events."""
+        timer = EventTimer(self.backend, self.config.flush_l2)
+        return statistics.fmean(timer.run(fn, self.inputs.get(0), ESTIMATE_CALLS))
+
+    def warm(self, fn: Callable[..., Any], count: int) -> None:
+        for i in range(count):
+            fn(*self._before(i, -1))
+        self.driver.synchronize()
+
+    def _iteration(self, fn: Callable[..., Any], args: tuple[Any, ...], trace: Any) -> Window:
+        self.driver.synchronize()
+        start = trace.now()
+        fn(*args)
+        self.driver.mark(self._event, self._stream)
+        stream_done = trace.now()
+        self.driver.synchronize()
+        return Window(start, stream_done, trace.now())
+
+    def measure(
+        self, fn: Callable[..., Any], warmup: int, repeat: int, measurer: Any
+    ) -> RawMeasurement:
+        self._measurer = measurer
+        trace = activity_trace()
+        options = self._options()
+        if trace is None:
+            return self._measure_events(fn, warmup, repeat, options)
+        self._event = self.driver.event()
+        audit_at = secrets.randbelow(repeat) if self.config.audit is not None else -1
+        windows = []
+        try:
+            with trace.session(self.driver):
+                args = self._before(0, -1)
+                discovery = self._iteration(fn, args, trace)
+                self.inputs.check(args, reference=True)
+                overheads = []
+                for _ in range(CALIBRATION_CALLS):
+                    started = time.perf_counter()
+                    args = self._before(0, -1)
+                    self._iteration(_nothing, args, trace)
+                    self.inputs.check(args, reference=False)
+                    overheads.append((time.perf_counter() - started) * 1000.0)
+                measurer.start()
+                for i in range(repeat):
+                    args = self._before(i, i - 1)
+                    windows.append(self._iteration(fn, args, trace))
+                    changed = self.inputs.check(args)
+                    if changed is not None:
+                        self.flags.append((i, "fingerprint", changed))
+                    if i == audit_at:
+                        self._audit(i, args)
+                measurer.stop()
+                if self._flush is not None and self.driver.persisting_limit():
+                    self.flags.append((repeat - 1, "persisting_l2", "after the last call"))
+                    self.driver.clear_persisting()
+        finally:
+            self.driver.destroy(self._event)
+        found = attribute(trace.api, trace.gpu, [discovery, *windows])
+        trace.api, trace.gpu = [], []
+        return self._raw(found[0], found[1:], windows, warmup, repeat, overheads, options)
+
+    def _raw(
+        self,
+        discovery: IterationActivity,
+        activity: list[IterationActivity],
+        windows: list[Window],
+        warmup: int,
+        repeat: int,
+        overheads: list[float],
+        options: dict[str, Any],
+    ) -> RawMeasurement:
+        table: dict[tuple[tuple[str, int], ...], int] = {}
+
+        def index(found: IterationActivity) -> int:
+            if not found.records:
+                return -1
+            return table.setdefault(summarize(found), len(table))
+
+        first = index(discovery)
+        signature_of = []
+        for i, (found, window) in enumerate(zip(activity, windows, strict=True)):
+            signature_of.append(index(found))
+            if found.late(window.end):
+                self.flags.append((i, "outlived_iteration", ""))
+            elif found.late(window.stream_done):
+                self.flags.append((i, "unjoined_stream", ""))
+        return RawMeasurement(
+            timer=TIMER_CUPTI,
+            warmup=warmup,
+            repeat=repeat,
+            flush_l2=self.config.flush_l2,
+            spans_ms=tuple(found.span_ms for found in activity),
+            signatures=tuple(table),
+            signature_of=tuple(signature_of),
+            discovery=first,
+            flags=tuple(self.flags),
+            overhead_ms=statistics.median(overheads),
+            excluded_ms=self.excluded_ms,
+            options=options,
+        )
+
+    def _measure_events(
+        self, fn: Callable[..., Any], warmup: int, repeat: int, options: dict[str, Any]
+    ) -> RawMeasurement:
+        """Without CUPTI: CUDA events on the legacy default stream."""
+        timer = EventTimer(self.backend, self.config.flush_l2)
+        self._measurer.start()
+        spans = timer.run(fn, self.inputs.get(0), repeat)
+        self._measurer.stop()
+        return RawMeasurement(
+            timer=TIMER_EVENTS,
+            warmup=warmup,
+            repeat=repeat,
+            flush_l2=self.config.flush_l2,
+            spans_ms=tuple(float(s) if math.isfinite(s) and s >= 0 else None for s in spans),
+            flags=tuple(self.flags),
+            options=options,
+        )
+
+    def _audit(self, i: int, args: tuple[Any, ...]) -> None:
+        """Check iteration C{i}'s output against the reference (outside its span)."""
+        audit = self.config.audit
+        assert audit is not None
+        started = time.perf_counter()
+        try:
+            expected = audit(*args)
+            actual = args[self.config.audit_output]
+            rtol, atol = self.config.audit_tolerances
+            result = check_close(actual, expected, {"rtol": rtol, "atol": atol})
+            if not result["passed"]:
+                self.flags.append((i, "audit", mismatch_message(result)))
+        except ExecutionError as e:
+            self.flags.append((i, "audit", f"the check failed: {e.message}"))
+        finally:
+            self.driver.synchronize()
+            self.excluded_ms += (time.perf_counter() - started) * 1000.0
+
+    def _options(self) -> dict[str, Any]:
+        options: dict[str, Any] = {}
+        if self.config.rotate > 1:
+            options["rotate"] = self.config.rotate
+        if self.config.inputs is not None:
+            options["fresh_inputs"] = True
+        if self.config.audit is not None:
+            options["audit"] = True
+        if self.config.fingerprint:
+            options["fingerprint"] = True
+        return options
+
+    def submit(self, raw: RawMeasurement) -> dict[str, Any]:
+        return dict(self._measurer.submit(raw))
+
+
+def _nothing(*args: Any) -> None:
+    """The calibration's call: no work at all."""

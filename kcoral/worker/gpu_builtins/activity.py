@@ -1,0 +1,281 @@
+# -*- test-case-name: tests.unit.test_gpu_builtins_cpu,tests.gpu.test_gpu_trusted_timing -*-
+"""
+What C{benchmark} sees of the GPU: CUPTI activity records (cupti-python)
+over every stream and context of the worker, and the driver calls of its
+timed loop (ctypes on C{libcuda}: nothing an uploaded module patches in
+PyCUDA or torch reaches them).
+
+Each iteration is a host window: a device-wide synchronize, a timestamp,
+the call, an event on the calling stream waited for (a second
+timestamp), a device-wide synchronize and a third timestamp.  The GPU
+activity an iteration I{caused} is the kernels, copies and memsets whose
+API call (driver or runtime, any thread) started inside its window,
+matched by CUPTI's correlation ids; its span runs from the earliest start
+to the latest end of that activity.  Activity still running when the
+calling stream's event completed was on a stream the call did not join;
+activity still running after the synchronize was outside the context it
+synchronizes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import ctypes
+import sys
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import attrs
+
+__all__ = [
+    "ActivityTrace",
+    "Driver",
+    "IterationActivity",
+    "Window",
+    "activity_trace",
+    "attribute",
+    "summarize",
+]
+
+#: C{CU_LIMIT_PERSISTING_L2_CACHE_SIZE}.
+CU_LIMIT_PERSISTING_L2_CACHE_SIZE = 0x06
+#: C{CU_EVENT_DISABLE_TIMING}: the loop's event only marks the calling
+#: stream's end, it times nothing.
+CU_EVENT_DISABLE_TIMING = 0x2
+
+#: How far (ns) past the calling stream's end, or past the synchronize,
+#: activity may end before it is flagged: the clocks of the host and the
+#: GPU records are converted to one timebase, not read from one clock.
+LATE_TOLERANCE_NS = 50_000
+
+#: Bytes of each activity buffer CUPTI fills.
+BUFFER_BYTES = 8 << 20
+
+
+class Driver:
+    """The driver calls of the timed loop, through ctypes on C{libcuda}."""
+
+    def __init__(self) -> None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        self._synchronize = lib.cuCtxSynchronize
+        self._synchronize.argtypes = []
+        self._event_create = lib.cuEventCreate
+        self._event_create.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
+        self._event_record = lib.cuEventRecord
+        self._event_record.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        self._event_wait = lib.cuEventSynchronize
+        self._event_wait.argtypes = [ctypes.c_void_p]
+        self._event_destroy = lib.cuEventDestroy_v2
+        self._event_destroy.argtypes = [ctypes.c_void_p]
+        self._get_limit = lib.cuCtxGetLimit
+        self._get_limit.argtypes = [ctypes.POINTER(ctypes.c_size_t), ctypes.c_int]
+        self._set_limit = lib.cuCtxSetLimit
+        self._set_limit.argtypes = [ctypes.c_int, ctypes.c_size_t]
+        self._reset_persisting = getattr(lib, "cuCtxResetPersistingL2Cache", None)
+        for function in (
+            self._synchronize,
+            self._event_create,
+            self._event_record,
+            self._event_wait,
+            self._event_destroy,
+            self._get_limit,
+            self._set_limit,
+        ):
+            function.restype = ctypes.c_int
+        self._limit = ctypes.c_size_t(0)
+
+    @staticmethod
+    def _check(status: int, what: str) -> None:
+        if status:
+            raise RuntimeError(f"{what} failed with CUDA error {status}")
+
+    def synchronize(self) -> None:
+        """Wait for all work of the current context (every stream)."""
+        self._check(self._synchronize(), "cuCtxSynchronize")
+
+    def event(self) -> ctypes.c_void_p:
+        event = ctypes.c_void_p()
+        self._check(
+            self._event_create(ctypes.byref(event), CU_EVENT_DISABLE_TIMING), "cuEventCreate"
+        )
+        return event
+
+    def destroy(self, event: ctypes.c_void_p) -> None:
+        self._event_destroy(event)
+
+    def mark(self, event: ctypes.c_void_p, stream: int) -> None:
+        """Record C{event} on C{stream} and wait until it completes."""
+        self._check(self._event_record(event, ctypes.c_void_p(stream)), "cuEventRecord")
+        self._check(self._event_wait(event), "cuEventSynchronize")
+
+    def persisting_limit(self) -> int:
+        """The context's persisting L2 limit in bytes (0 where it has none)."""
+        if self._get_limit(ctypes.byref(self._limit), CU_LIMIT_PERSISTING_L2_CACHE_SIZE):
+            return 0
+        return int(self._limit.value)
+
+    def clear_persisting(self) -> None:
+        """Persisting L2 limit to 0, and every persisting line back to normal."""
+        self._set_limit(CU_LIMIT_PERSISTING_L2_CACHE_SIZE, 0)
+        if self._reset_persisting is not None:
+            self._reset_persisting()
+
+
+def calling_stream() -> int:
+    """
+    The stream a call is made on: torch's current stream when torch has
+    initialised CUDA in this process, else the legacy default stream (0).
+    """
+    torch = sys.modules.get("torch")
+    try:
+        if torch is not None and torch.cuda.is_initialized():
+            return int(torch.cuda.current_stream().cuda_stream)
+    except Exception:
+        pass
+    return 0
+
+
+@attrs.frozen
+class Window:
+    """One iteration's host timestamps (CUPTI's timebase, ns)."""
+
+    start: int
+    stream_done: int
+    end: int
+
+
+@attrs.frozen
+class IterationActivity:
+    """The GPU activity one window caused."""
+
+    #: C{(start, end, label)} of each kernel, copy or memset.
+    records: tuple[tuple[int, int, str], ...]
+
+    @property
+    def span_ms(self) -> float | None:
+        if not self.records:
+            return None
+        return (max(r[1] for r in self.records) - min(r[0] for r in self.records)) / 1e6
+
+    def late(self, after: int) -> bool:
+        """Whether some activity ended more than the tolerance after C{after}."""
+        return any(r[1] > after + LATE_TOLERANCE_NS for r in self.records)
+
+
+def summarize(activity: IterationActivity) -> tuple[tuple[str, int], ...]:
+    """The activity's kind: each label with how often it occurs, sorted."""
+    return tuple(sorted(Counter(r[2] for r in activity.records).items()))
+
+
+def attribute(
+    api: Sequence[tuple[int, int]],
+    gpu: Sequence[tuple[int, int, int, str]],
+    windows: Sequence[Window],
+) -> list[IterationActivity]:
+    """
+    The GPU records (C{(start, end, correlation, label)}) each window
+    caused: those whose API call (C{(start, correlation)}) started in it.
+    """
+    calls = sorted(api)
+    starts = [c[0] for c in calls]
+    by_correlation: dict[int, list[tuple[int, int, str]]] = {}
+    for start, end, correlation, label in gpu:
+        by_correlation.setdefault(correlation, []).append((start, end, label))
+    out = []
+    for window in windows:
+        low = bisect.bisect_left(starts, window.start)
+        high = bisect.bisect_right(starts, window.end)
+        correlations = {calls[i][1] for i in range(low, high)}
+        records = [r for c in sorted(correlations) for r in by_correlation.get(c, ())]
+        out.append(IterationActivity(tuple(records)))
+    return out
+
+
+@attrs.define(eq=False)
+class ActivityTrace:
+    """
+    CUPTI activity records of this process, collected while a session is
+    open: API calls (driver and runtime) with their correlation ids, and
+    kernels, copies and memsets with theirs.
+    """
+
+    cupti: Any
+    api: list[tuple[int, int]] = attrs.field(factory=list)
+    gpu: list[tuple[int, int, int, str]] = attrs.field(factory=list)
+    _registered: bool = False
+    _open: bool = False
+
+    def _kinds(self) -> tuple[Any, ...]:
+        kind = self.cupti.ActivityKind
+        return (
+            kind.DRIVER,
+            kind.RUNTIME,
+            kind.CONCURRENT_KERNEL,
+            kind.MEMCPY,
+            kind.MEMSET,
+            kind.MEMCPY2,
+        )
+
+    def _requested(self) -> tuple[int, int]:
+        return BUFFER_BYTES, 0
+
+    def _completed(self, activities: list[Any]) -> None:
+        kind = self.cupti.ActivityKind
+        for a in activities:
+            k = a.kind
+            if k == kind.DRIVER or k == kind.RUNTIME:
+                self.api.append((a.start, a.correlation_id))
+            elif k == kind.CONCURRENT_KERNEL:
+                self.gpu.append((a.start, a.end, a.correlation_id, f"kernel:{a.name}"))
+            elif k == kind.MEMCPY:
+                label = f"memcpy:{int(a.copy_kind)}:{int(a.bytes)}"
+                self.gpu.append((a.start, a.end, a.correlation_id, label))
+            elif k == kind.MEMCPY2:
+                self.gpu.append((a.start, a.end, a.correlation_id, f"memcpy_p2p:{int(a.bytes)}"))
+            elif k == kind.MEMSET:
+                self.gpu.append((a.start, a.end, a.correlation_id, f"memset:{int(a.bytes)}"))
+
+    def now(self) -> int:
+        """CUPTI's timestamp (ns), the timebase of its records."""
+        return int(self.cupti.get_timestamp())
+
+    @contextlib.contextmanager
+    def session(self, driver: Driver) -> Iterator[ActivityTrace]:
+        """Collect records inside the block; all of them are in when it ends."""
+        self.api, self.gpu = [], []
+        if not self._registered:
+            self.cupti.activity_register_callbacks(self._requested, self._completed)
+            self._registered = True
+        enabled = []
+        self._open = True
+        try:
+            for kind in self._kinds():
+                self.cupti.activity_enable(kind)
+                enabled.append(kind)
+            yield self
+            driver.synchronize()
+        finally:
+            try:
+                self.cupti.activity_flush_all(1)
+            finally:
+                for kind in reversed(enabled):
+                    with contextlib.suppress(Exception):
+                        self.cupti.activity_disable(kind)
+                self._open = False
+
+
+_trace: list[ActivityTrace | None] = []
+
+
+def activity_trace() -> ActivityTrace | None:
+    """This process's L{ActivityTrace}; C{None} when cupti-python is not usable."""
+    if not _trace:
+        try:
+            from cupti import cupti
+
+            _trace.append(ActivityTrace(cupti))
+        except Exception:
+            _trace.append(None)
+    return _trace[0]

@@ -1,0 +1,306 @@
+"""
+Tests for L{kcoral.measurement} (the statistics, validity and wall-clock
+envelope the parent computes from a worker's raw measurement), the worker's
+L{kcoral.worker.measure} side, the parent's handling of the measurement
+messages (L{kcoral.server.workerproc}) and the record in the response
+(L{kcoral.wire.render}).  No GPU: the raw measurements are written here.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from typing import Any
+
+import attrs
+from twisted.trial.unittest import SynchronousTestCase
+
+from kcoral.errors import ExecutionError
+from kcoral.measurement import (
+    TIMER_CUPTI,
+    TIMER_EVENTS,
+    MeasurementFailed,
+    RawMeasurement,
+    evaluate,
+    parse_raw,
+)
+from kcoral.server.workerproc import JobResult
+from kcoral.wire.channel import (
+    Measurement,
+    MeasurementResult,
+    MeasureStart,
+    MeasureStop,
+    Outcome,
+    encode,
+    read_message,
+)
+from kcoral.wire.render import Placement, render_result
+from kcoral.worker.measure import ChannelMeasurer, LocalMeasurer
+from tests.unit.test_workerproc import WorkerTestCase
+
+GEMM = (("kernel:gemm", 1),)
+DECOY = (("kernel:hash", 1),)
+
+
+def raw(**kw: Any) -> RawMeasurement:
+    """An honest measurement of ten 2 ms iterations, changed by C{kw}."""
+    repeat = kw.pop("repeat", 10)
+    fields: dict[str, Any] = {
+        "timer": TIMER_CUPTI,
+        "warmup": 3,
+        "repeat": repeat,
+        "flush_l2": True,
+        "spans_ms": (2.0,) * repeat,
+        "signatures": (GEMM,),
+        "signature_of": (0,) * repeat,
+        "discovery": 0,
+        "overhead_ms": 0.05,
+    }
+    fields.update(kw)
+    return RawMeasurement(**fields)
+
+
+class EvaluateTests(SynchronousTestCase):
+    """The parent's statistics and validity."""
+
+    def test_honest(self) -> None:
+        """Iterations like the discovery run, a wall time that fits: valid."""
+        result = evaluate(raw(spans_ms=(2.0, 2.2, 1.8, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0)), 21.0)
+        self.assertEqual(result["validity"], {"ok": True, "reasons": []})
+        self.assertAlmostEqual(result["latency_ms_median"], 2.0)
+        self.assertAlmostEqual(result["latency_ms_mean"], 2.0)
+        self.assertEqual(result["latency_ms_min"], 1.8)
+        self.assertEqual(result["latency_ms_max"], 2.2)
+        self.assertEqual(result["timing"], "cupti_activity")
+        self.assertEqual(result["iterations_with_activity"], 10)
+        self.assertTrue(result["activities_stable"])
+        self.assertEqual((result["warmup"], result["repeat"], result["flush_l2"]), (3, 10, True))
+        self.assertAlmostEqual(result["cv"], 0.0632455532)
+        self.assertFalse(result["stable"])
+
+    def test_skipped_iterations(self) -> None:
+        """Work done on one call in ten (batch-and-skip, replay): flagged."""
+        spans = tuple(2.0 if i % 10 == 0 else None for i in range(20))
+        signature_of = tuple(0 if i % 10 == 0 else -1 for i in range(20))
+        result = evaluate(raw(repeat=20, spans_ms=spans, signature_of=signature_of), None)
+        self.assertFalse(result["validity"]["ok"])
+        self.assertEqual(result["iterations_with_activity"], 2)
+        self.assertFalse(result["activities_stable"])
+        reason = result["validity"]["reasons"][0]
+        self.assertTrue(reason.startswith("no_activity: 18 of 20"), reason)
+        self.assertIn("iterations 1, 2, 3, 4, 5 and 13 more", reason)
+
+    def test_decoy_activity(self) -> None:
+        """A hash kernel instead of the discovery run's GEMM: flagged."""
+        signature_of = (0,) + (1,) * 9
+        result = evaluate(raw(signatures=(GEMM, DECOY), signature_of=signature_of), None)
+        (reason,) = result["validity"]["reasons"]
+        self.assertTrue(reason.startswith("activity_mismatch: 9 timed iterations"), reason)
+        self.assertIn("expected [1 x kernel:gemm], iteration 1 caused [1 x kernel:hash]", reason)
+
+    def test_no_activity_at_all_fails(self) -> None:
+        """Nothing to time: the measurement fails, with a record saying why."""
+        with self.assertRaises(MeasurementFailed) as caught:
+            evaluate(raw(spans_ms=(None,) * 10, signature_of=(-1,) * 10), 5.0)
+        self.assertIn("no timed iteration caused any GPU activity", caught.exception.message)
+        record = caught.exception.record
+        self.assertFalse(record["validity"]["ok"])
+        self.assertEqual(record["iterations_with_activity"], 0)
+
+    def test_worker_flags(self) -> None:
+        """What the worker saw (unjoined streams, persisting L2) becomes reasons."""
+        flags = ((1, "unjoined_stream", ""), (2, "unjoined_stream", ""), (-1, "persisting_l2", "x"))
+        result = evaluate(raw(flags=flags), None)
+        reasons = result["validity"]["reasons"]
+        self.assertEqual(len(reasons), 2)
+        self.assertTrue(reasons[0].startswith("persisting_l2: "), reasons)
+        self.assertTrue(reasons[1].startswith("unjoined_stream: "), reasons)
+        self.assertIn("in 2 iterations (1, 2)", reasons[1])
+
+    def test_envelope_cannot_contain(self) -> None:
+        """More GPU time than the parent's wall clock saw: flagged."""
+        result = evaluate(raw(), 10.0)
+        (reason,) = result["validity"]["reasons"]
+        self.assertTrue(reason.startswith("envelope: the reported GPU time (20.000 ms"), reason)
+
+    def test_envelope_explains_too_little(self) -> None:
+        """A forged 0.001 ms for 2.67 ms of wall time per iteration: flagged."""
+        result = evaluate(raw(spans_ms=(0.001,) * 10), 27.0)
+        (reason,) = result["validity"]["reasons"]
+        self.assertIn("explains too little of the wall time", reason)
+
+    def test_envelope_allows_launch_overhead(self) -> None:
+        """A short kernel with host launch overhead is not flagged."""
+        result = evaluate(raw(spans_ms=(0.005,) * 10, overhead_ms=0.05), 10 * (0.005 + 0.05 + 0.3))
+        self.assertTrue(result["validity"]["ok"], result["validity"])
+
+    def test_excluded_time(self) -> None:
+        """An audit's time inside the loop is not counted against the envelope."""
+        self.assertFalse(evaluate(raw(), 100.0)["validity"]["ok"])
+        self.assertTrue(evaluate(raw(excluded_ms=75.0), 100.0)["validity"]["ok"])
+
+    def test_event_timer_flagged(self) -> None:
+        """The CUDA-event fallback is marked as such, and not trusted."""
+        result = evaluate(raw(timer=TIMER_EVENTS, signatures=(), signature_of=()), None)
+        self.assertEqual(result["timing"], "cuda_events")
+        self.assertIsNone(result["iterations_with_activity"])
+        self.assertFalse(result["validity"]["ok"])
+        self.assertTrue(result["validity"]["reasons"][0].startswith("timer: "))
+
+
+class ParseRawTests(SynchronousTestCase):
+    """A hostile worker's raw measurement is checked strictly."""
+
+    def test_round_trip(self) -> None:
+        original = raw(flags=((0, "audit", "bad"),), options={"rotate": 4})
+        text = json.dumps(original.to_json())
+        self.assertEqual(parse_raw(json.loads(text)), original)
+
+    def test_refusals(self) -> None:
+        good = raw().to_json()
+        bad = [
+            {**good, "extra": 1},
+            {k: v for k, v in good.items() if k != "timer"},
+            {**good, "timer": "wall_clock"},
+            {**good, "spans_ms": [1.0]},
+            {**good, "spans_ms": [-1.0] * 10},
+            {**good, "spans_ms": [float("nan")] * 10},
+            {**good, "spans_ms": ["1"] * 10},
+            {**good, "signature_of": [3] * 10},
+            {**good, "discovery": 5},
+            {**good, "flags": [[0, "made_up", ""]]},
+            {**good, "flags": [[99, "audit", ""]]},
+            {**good, "repeat": True},
+            {**good, "options": {"rotate": 0}},
+            {**good, "signatures": [[["kernel:a", 0]]]},
+            [],
+        ]
+        for data in bad:
+            with self.assertRaises(ValueError, msg=repr(data)[:200]):
+                parse_raw(data)
+
+
+class WorkerSideTests(SynchronousTestCase):
+    """The worker sends raw data and gets the parent's result back."""
+
+    def test_channel_measurer(self) -> None:
+        result = {"latency_ms_median": 2.0}
+        inbox = io.BytesIO(encode(MeasurementResult(result=result)))
+        outbox = io.BytesIO()
+        measurer = ChannelMeasurer(inbox, outbox)
+        measurer.start()
+        measurer.stop()
+        self.assertEqual(measurer.submit(raw()), result)
+        outbox.seek(0)
+        self.assertEqual(read_message(outbox), MeasureStart())
+        self.assertEqual(read_message(outbox), MeasureStop())
+        self.assertEqual(read_message(outbox), Measurement(raw().to_json()))
+
+    def test_channel_measurer_error(self) -> None:
+        inbox = io.BytesIO(encode(MeasurementResult(error="benchmark: nothing")))
+        with self.assertRaises(ExecutionError) as caught:
+            ChannelMeasurer(inbox, io.BytesIO()).submit(raw())
+        self.assertEqual(
+            (caught.exception.kind, caught.exception.message), ("runtime", "benchmark: nothing")
+        )
+
+    def test_local_measurer(self) -> None:
+        measurer = LocalMeasurer()
+        measurer.start()
+        measurer.stop()
+        self.assertTrue(measurer.submit(raw())["validity"]["ok"] is False)  # 20 ms in ~0 ms
+        with self.assertRaises(ExecutionError):
+            LocalMeasurer().submit(raw(spans_ms=(None,) * 10, signature_of=(-1,) * 10))
+
+
+class ParentTests(WorkerTestCase):
+    """The parent computes the result on its own clock and keeps a record."""
+
+    def measure(self, worker: Any, data: RawMeasurement, wall: float) -> Any:
+        self.deliver(worker, MeasureStart())
+        self.reactor.advance(wall)
+        self.deliver(worker, MeasureStop())
+        self.deliver(worker, Measurement(data.to_json()))
+        return self.transport.messages()[-1]
+
+    def test_result_and_record(self) -> None:
+        worker = self.ready_worker()
+        d = worker.run(self.job())
+        answer = self.measure(worker, raw(), 0.021)
+        assert isinstance(answer, MeasurementResult)
+        assert answer.result is not None
+        self.assertEqual(answer.result["validity"], {"ok": True, "reasons": []})
+        self.assertEqual(answer.result["measurement_id"], 0)
+        # A forged, too-fast measurement for the same wall time is flagged.
+        forged = self.measure(worker, raw(spans_ms=(0.001,) * 10), 0.027)
+        self.assertFalse(forged.result["validity"]["ok"])
+        failed = self.measure(worker, raw(spans_ms=(None,) * 10, signature_of=(-1,) * 10), 0.01)
+        self.assertIsNone(failed.result)
+        self.deliver(worker, Outcome(status="COMPLETED"))
+        result: JobResult = self.successResultOf(d)
+        records = result.measurements
+        self.assertEqual([r["id"] for r in records], [0, 1, 2])
+        self.assertAlmostEqual(records[0]["wall_ms"], 21.0)
+        self.assertEqual(records[0]["latency_ms_median"], 2.0)
+        self.assertIn("error", records[2])
+        self.assertFalse(records[2]["validity"]["ok"])
+
+    def test_out_of_order_is_a_violation(self) -> None:
+        for messages, detail in [
+            ([MeasureStop()], "stopped a measurement it did not start"),
+            ([MeasureStart(), MeasureStart()], "inside another"),
+            ([Measurement(raw().to_json())], "without a timed loop"),
+            (
+                [MeasureStart(), MeasureStop(), Measurement({"timer": "x"})],
+                "malformed measurement",
+            ),
+        ]:
+            worker = self.ready_worker()
+            d = worker.run(self.job())
+            for message in messages:
+                self.deliver(worker, message)
+            result: JobResult = self.successResultOf(d)
+            self.assertEqual(result.ending, "invalid")
+            self.assertIn(detail, result.detail)
+
+
+class RecordInResponseTests(SynchronousTestCase):
+    """The response carries the records outside the program's results."""
+
+    def render(self, measurements: tuple[dict[str, Any], ...]) -> dict[str, Any]:
+        @attrs.frozen
+        class Program:
+            @attrs.frozen
+            class Options:
+                gpu_count: None = None
+
+            instructions: tuple[Any, ...] = ()
+            options: Options = Options()
+
+        ending = JobResult(
+            "outcome",
+            outcome=Outcome(status="COMPLETED", results={"r": {"type": "null", "value": None}}),
+            measurements=measurements,
+        )
+        rendered = render_result(
+            "rid",
+            Program(),  # type: ignore[arg-type]
+            ending,
+            Placement("gpu0/w0", 0, (0,)),
+            timeout_seconds=10.0,
+            queue_ms=0.0,
+            elapsed_ms=1.0,
+            max_response_bytes=1 << 20,
+        )
+        body = rendered.body
+        assert isinstance(body, bytes)
+        return json.loads(body)
+
+    def test_measurements_field(self) -> None:
+        record = {"id": 0, "instruction_index": 2, "latency_ms_median": 2.0}
+        body = self.render((record,))
+        self.assertEqual(body["measurements"], [record])
+        self.assertEqual(body["results"], {"r": {"type": "null", "value": None}})
+
+    def test_absent_without_measurements(self) -> None:
+        self.assertNotIn("measurements", self.render(()))

@@ -127,8 +127,8 @@ class RawMeasurement:
         C{(label, count)} (a kernel's name, a copy's kind and size).
     @ivar signature_of: per timed iteration, its summary's index in
         C{signatures}, -1 where it caused no activity.
-    @ivar discovery: the summary of the discovery run (one call before the
-        timed ones), -1 if it caused none.
+    @ivar discovery: the summary of the discovery run (one call after the
+        warm-up, before the timed ones), -1 if it caused none.
     @ivar flags: C{(iteration, code, detail)} the worker saw (L{FLAG_CODES}).
     @ivar overhead_ms: the calibrated wall time of one iteration around a
         call that does nothing (flush, synchronizes, timestamps).
@@ -149,6 +149,9 @@ class RawMeasurement:
     excluded_ms: float = 0.0
     options: Mapping[str, Any] = attrs.field(factory=dict)
     notes: tuple[str, ...] = ()
+    #: The label of the activity with the most GPU time in the benchmark's
+    #: first call (before the warm-up), C{""} if it caused none.
+    first_call_main: str = ""
 
     def to_json(self) -> dict[str, Any]:
         """The JSON form L{parse_raw} reads back."""
@@ -166,6 +169,7 @@ class RawMeasurement:
             "excluded_ms": self.excluded_ms,
             "options": dict(self.options),
             "notes": list(self.notes),
+            "first_call_main": self.first_call_main,
         }
 
 
@@ -266,6 +270,7 @@ def parse_raw(data: Any) -> RawMeasurement:
         excluded_ms=_ms(data["excluded_ms"], "excluded_ms"),
         options=dict(options),
         notes=tuple(_text(n, "notes") for n in _list(data["notes"], "notes", 16)),
+        first_call_main=_text(data["first_call_main"], "first_call_main"),
     )
 
 
@@ -371,6 +376,13 @@ def _check_activity(raw: RawMeasurement, validity: Validity) -> None:
         validity.add("no_activity", "the discovery run caused no GPU activity")
         return
     expected = raw.signatures[raw.discovery]
+    if raw.first_call_main and raw.first_call_main not in {label for label, _ in expected}:
+        validity.add(
+            "activity_mismatch",
+            f"the benchmark's first call spent most of its GPU time in "
+            f"{raw.first_call_main}, which the warmed-up calls no longer run "
+            f"(they ran [{describe(expected)}]): work served from a cache?",
+        )
     differing = [i for i, sig in enumerate(raw.signature_of) if sig >= 0 and sig != raw.discovery]
     if differing:
         first = raw.signatures[raw.signature_of[differing[0]]]

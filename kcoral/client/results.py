@@ -44,6 +44,10 @@ class ProgramResult:
     stderr_truncated: bool
     error: dict[str, Any] | None = None
     gpu_ids: tuple[int, ...] = ()
+    #: The server's own record of every C{benchmark} measurement the
+    #: program made, in order (docs/trusted-timing.md): computed out of the
+    #: uploaded code's reach, unlike the values in C{results}.
+    measurements: tuple[dict[str, Any], ...] = ()
 
     @property
     def completed(self) -> bool:
@@ -54,6 +58,29 @@ class ProgramResult:
         """A returned value by key (C{KeyError} when absent)."""
         return self.results[key]
 
+    def verify_measurement(self, value: Mapping[str, Any]) -> dict[str, Any]:
+        """
+        The server's record of the C{benchmark} result C{value} (a dict the
+        program returned), once every number in C{value} matches it.
+
+        @raise ValueError: C{value} names no record of this response, or
+            differs from it (forged by the uploaded code), or the record
+            says the measurement is not valid.
+        """
+        ident = value.get("measurement_id") if isinstance(value, Mapping) else None
+        record = next((r for r in self.measurements if r.get("id") == ident), None)
+        if ident is None or record is None:
+            raise ValueError("the value names no measurement the server recorded")
+        for key in MEASURED_KEYS:
+            if key in record and value.get(key) != record[key]:
+                raise ValueError(
+                    f"{key} is {value.get(key)!r} in the value, {record[key]!r} in the record"
+                )
+        validity = record.get("validity", {})
+        if not validity.get("ok", False):
+            raise ValueError(f"the measurement is not valid: {validity.get('reasons')}")
+        return record
+
     def check(self) -> ProgramResult:
         """
         Return this result when it completed, else raise L{InstructionError}
@@ -62,6 +89,30 @@ class ProgramResult:
         if not self.completed:
             raise InstructionError(self)
         return self
+
+
+#: The keys of a benchmark result that L{ProgramResult.verify_measurement}
+#: compares with the server's record.
+MEASURED_KEYS = (
+    "latency_ms_median",
+    "latency_ms_mean",
+    "latency_ms_min",
+    "latency_ms_max",
+    "latency_ms_stdev",
+    "cv",
+    "repeat",
+    "warmup",
+    "timing",
+    "iterations_with_activity",
+    "validity",
+)
+
+
+def _measurements(body: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
+    records = body.get("measurements", [])
+    if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+        raise ValidationError("measurements must be a list of objects")
+    return tuple(records)
 
 
 def _is_number(value: object) -> bool:
@@ -159,6 +210,7 @@ def program_result(body: Mapping[str, Any], parts: Mapping[str, bytes]) -> Progr
         if not all(isinstance(flag, bool) for flag in truncated):
             raise ValidationError("output truncation flags must be booleans")
         gpu_ids = _check_gpus(body)
+        measurements = _measurements(body)
         encoded = body["results"]
         if not isinstance(encoded, dict):
             raise ValidationError("results must be an object")
@@ -185,6 +237,7 @@ def program_result(body: Mapping[str, Any], parts: Mapping[str, bytes]) -> Progr
         stderr_truncated=truncated[1],
         error=error,
         gpu_ids=gpu_ids,
+        measurements=measurements,
     )
 
 

@@ -429,6 +429,9 @@ class KernelTests(SynchronousTestCase):
         self.assertEqual((result["warmup"], result["repeat"]), (3, 50))
         self.assertTrue(result["flush_l2"])
         self.assertTrue(result["activities_stable"])
+        self.assertEqual(result["timing"], "cupti_activity")
+        self.assertEqual(result["iterations_with_activity"], 50)
+        self.assertEqual(result["validity"], {"ok": True, "reasons": []})
         for key in ("latency_ms_median", "latency_ms_mean", "latency_ms_min", "latency_ms_max"):
             self.assertGreater(result[key], 0.0)
         self.assertLessEqual(result["latency_ms_min"], result["latency_ms_median"])

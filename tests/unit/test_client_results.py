@@ -54,6 +54,36 @@ class ProgramResultTests(SynchronousTestCase):
         result = program_result(completed(gpu_ids=[3, 1], gpu_count=2), {})
         self.assertEqual(result.gpu_ids, (3, 1))
 
+    def test_measurements(self) -> None:
+        """The server's records are exposed, and a returned value checked against them."""
+        record = {
+            "id": 0,
+            "instruction_index": 3,
+            "latency_ms_median": 2.5,
+            "repeat": 20,
+            "timing": "cupti_activity",
+            "validity": {"ok": True, "reasons": []},
+        }
+        result = program_result(completed(measurements=[record]), {})
+        self.assertEqual(result.measurements, (record,))
+        value = {**record, "measurement_id": 0}
+        del value["id"], value["instruction_index"]
+        self.assertEqual(result.verify_measurement(value), record)
+        for forged in (
+            {**value, "latency_ms_median": 0.001},
+            {**value, "measurement_id": 1},
+            {"latency_ms_median": 2.5},
+        ):
+            with self.assertRaises(ValueError):
+                result.verify_measurement(forged)
+        flagged = {**record, "validity": {"ok": False, "reasons": ["no_activity: x"]}}
+        result = program_result(completed(measurements=[flagged]), {})
+        with self.assertRaisesRegex(ValueError, "not valid"):
+            result.verify_measurement({**value, "validity": flagged["validity"]})
+        self.assertEqual(program_result(completed(), {}).measurements, ())
+        with self.assertRaises(ProtocolError):
+            program_result(completed(measurements={"id": 0}), {})
+
     def test_failed_gpu_access(self) -> None:
         result = program_result(completed(status="FAILED", error=dict(_ERROR)), {})
         self.assertEqual(result.error, _ERROR)

@@ -98,6 +98,15 @@ class EvaluateTests(SynchronousTestCase):
         self.assertTrue(reason.startswith("activity_mismatch: 9 timed iterations"), reason)
         self.assertIn("expected [1 x kernel:gemm], iteration 1 caused [1 x kernel:hash]", reason)
 
+    def test_first_call_main_work_missing(self) -> None:
+        """The first call's GEMM is gone once warmed up (a cache replay): flagged."""
+        result = evaluate(raw(signatures=(DECOY,), first_call_main="kernel:gemm"), None)
+        (reason,) = result["validity"]["reasons"]
+        self.assertTrue(reason.startswith("activity_mismatch: the benchmark's first call"), reason)
+        self.assertIn("kernel:gemm", reason)
+        # Lazy initialisation that only the first call does is not flagged.
+        self.assertTrue(evaluate(raw(first_call_main="kernel:gemm"), None)["validity"]["ok"])
+
     def test_no_activity_at_all_fails(self) -> None:
         """Nothing to time: the measurement fails, with a record saying why."""
         with self.assertRaises(MeasurementFailed) as caught:
@@ -248,7 +257,7 @@ class ParentTests(WorkerTestCase):
     def test_out_of_order_is_a_violation(self) -> None:
         for messages, detail in [
             ([MeasureStop()], "stopped a measurement it did not start"),
-            ([MeasureStart(), MeasureStart()], "inside another"),
+            ([MeasureStart(), MeasureStop(), MeasureStop()], "did not start"),
             ([Measurement(raw().to_json())], "without a timed loop"),
             (
                 [MeasureStart(), MeasureStop(), Measurement({"timer": "x"})],

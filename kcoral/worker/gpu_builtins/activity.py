@@ -159,6 +159,13 @@ class IterationActivity:
             return None
         return (max(r[1] for r in self.records) - min(r[0] for r in self.records)) / 1e6
 
+    def heaviest(self) -> str:
+        """The label with the most GPU time in all (C{""} without activity)."""
+        totals: Counter[str] = Counter()
+        for start, end, label in self.records:
+            totals[label] += end - start
+        return max(totals, key=lambda label: (totals[label], label)) if totals else ""
+
     def late(self, after: int) -> bool:
         """Whether some activity ended more than the tolerance after C{after}."""
         return any(r[1] > after + LATE_TOLERANCE_NS for r in self.records)

@@ -61,8 +61,8 @@ WALL_SLACK_MS = 2.0
 #: ... and wall time per iteration that neither the GPU spans nor the
 #: calibrated per-iteration overhead explain is flagged when it is over
 #: both this many milliseconds and this multiple of the median span.
-UNEXPLAINED_FLOOR_MS = 0.5
-UNEXPLAINED_FACTOR = 1.0
+UNEXPLAINED_FLOOR_MS = 0.2
+UNEXPLAINED_FACTOR = 0.5
 
 #: Most iterations, distinct activity summaries, labels per summary and
 #: worker flags one measurement may carry (a hostile worker sends it).

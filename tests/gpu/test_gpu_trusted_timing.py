@@ -299,6 +299,9 @@ def _readonly_flags() -> list[str]:
     for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep):
         if entry and os.path.isdir(entry) and not os.path.exists(os.path.join(entry, "kcoral")):
             flags += ["--sandbox-readonly-path", entry]
+    if os.path.isdir("/opt/gcc"):
+        # Triton builds its launcher with the C compiler there.
+        flags += ["--sandbox-readonly-path", "/opt/gcc"]
     return flags
 
 

@@ -389,6 +389,9 @@ class _TimedLoop:
     flags: list[tuple[int, str, str]] = attrs.field(factory=list)
     excluded_ms: float = 0.0
     _flush: Any = None
+    #: Wall time (ms) spent on the evaluator's options (input factory,
+    #: sentinel, fingerprint) since it was last taken.
+    _option_ms: float = 0.0
     _event: Any = None
     _stream: int = 0
     _measurer: Any = None
@@ -396,18 +399,17 @@ class _TimedLoop:
     def __attrs_post_init__(self) -> None:
         if self.config.flush_l2:
             self._flush = self.backend.l2_flush_buffer()
-            limit = self.driver.persisting_limit()
-            if limit:
-                self.flags.append(
-                    (-1, "persisting_l2", f"{limit} bytes when the benchmark started")
-                )
+            # Hygiene (the context's default limit is not 0 on an H200):
+            # from here on, a limit found set was set by the program.
             self.driver.clear_persisting()
         self._stream = calling_stream()
 
     def _before(self, i: int, flagged: int) -> tuple[Any, ...]:
         """Outside the span: the iteration's arguments, sentinel, L2 hygiene."""
+        started = time.perf_counter()
         args = self.inputs.get(i)
         self.inputs.prepare(args)
+        self._option_ms += (time.perf_counter() - started) * 1000.0
         if self._flush is not None:
             limit = self.driver.persisting_limit()
             if limit:
@@ -466,24 +468,27 @@ class _TimedLoop:
                 self.inputs.check(args, reference=True)
                 audit_at = secrets.randbelow(repeat) if self.config.audit is not None else -1
                 overheads = []
+                empty = self._empty_call()
                 for _ in range(CALIBRATION_CALLS):
                     started = time.perf_counter()
-                    args = self._before(0, -1)
-                    self._iteration(_nothing, args, trace)
-                    self.inputs.check(args, reference=False)
-                    overheads.append((time.perf_counter() - started) * 1000.0)
+                    self._option_ms = 0.0
+                    self._iteration(empty, self._before(0, -1), trace)
+                    elapsed = (time.perf_counter() - started) * 1000.0
+                    overheads.append(elapsed - self._option_ms)
+                self._option_ms = 0.0
                 measurer.start()
                 try:
                     for i in range(repeat):
                         args = self._before(i, i - 1)
                         windows.append(self._iteration(fn, args, trace))
-                        changed = self.inputs.check(args)
+                        changed = self._check(args)
                         if changed is not None:
                             self.flags.append((i, "fingerprint", changed))
                         if i == audit_at:
                             self._audit(i, args)
                 finally:
                     measurer.stop()
+                self.excluded_ms += self._option_ms
                 if self._flush is not None and self.driver.persisting_limit():
                     self.flags.append((repeat - 1, "persisting_l2", "after the last call"))
                     self.driver.clear_persisting()
@@ -493,6 +498,28 @@ class _TimedLoop:
         trace.api, trace.gpu = [], []
         raw = self._raw(found[1], found[2:], windows, warmup, repeat, overheads, options)
         return attrs.evolve(raw, first_call_main=found[0].heaviest())
+
+    def _check(self, args: tuple[Any, ...]) -> str | None:
+        started = time.perf_counter()
+        try:
+            return self.inputs.check(args)
+        finally:
+            self._option_ms += (time.perf_counter() - started) * 1000.0
+
+    def _empty_call(self) -> Callable[..., Any]:
+        """
+        The calibration's call: one empty kernel (the host's launch and the
+        GPU's round trip, no work), or nothing where it cannot load.
+        """
+        spin = self.backend.spin_function()
+        if spin is None:
+            return _nothing
+        arguments = struct.pack("@Q", 0)
+
+        def empty(*args: Any) -> None:
+            spin._launch_kernel((1, 1, 1), (1, 1, 1), arguments, 0, None)
+
+        return empty
 
     def _warm(self, fn: Callable[..., Any]) -> tuple[int, int]:
         """The counts (from the estimate where the cfg gives budgets), then the warm-up."""

@@ -263,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     skip = set(filter(None, args.skip.split(",")))
     report: dict[str, Any] = {"benchmark": "trusted_timing"}
     logs = Path("/tmp/trusted-timing-logs")
+    (logs / "kcoral").mkdir(parents=True, exist_ok=True)
     server = ServerProcess(
         ["--device", "gpu", "--gpus", "0", "--workers-per-gpu", "2"]
         + ["--max-requests-per-worker", "1", "--log-dir", str(logs / "kcoral")]

@@ -63,6 +63,9 @@ WALL_SLACK_MS = 2.0
 #: both this many milliseconds and this multiple of the median span.
 UNEXPLAINED_FLOOR_MS = 0.2
 UNEXPLAINED_FACTOR = 0.5
+#: ... plus this fraction of the time per iteration spent on the
+#: evaluator's options (a fingerprint's copy, an audit), which varies.
+EXCLUDED_SLACK_FRACTION = 0.05
 
 #: Most iterations, distinct activity summaries, labels per summary and
 #: worker flags one measurement may carry (a hostile worker sends it).
@@ -430,6 +433,7 @@ def _check_envelope(
         return
     unexplained = (wall_ms - total - raw.excluded_ms) / raw.repeat - raw.overhead_ms
     allowed = max(UNEXPLAINED_FLOOR_MS, UNEXPLAINED_FACTOR * median_ms)
+    allowed += EXCLUDED_SLACK_FRACTION * raw.excluded_ms / raw.repeat
     if unexplained > allowed:
         validity.add(
             "envelope",

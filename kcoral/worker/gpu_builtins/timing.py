@@ -253,6 +253,11 @@ ESTIMATE_CALLS = 5
 CALIBRATION_CALLS = 5
 
 
+#: The wall time (ms) of each phase of this process's last measurement:
+#: what bench/trusted_timing.py reports as the loop's cost.
+LAST_PHASES: dict[str, float] = {}
+
+
 def benchmark(fn: Any, *args: Any) -> dict[str, Any]:
     """
     Time C{fn(*args)} on the GPU (protocol §10.1); a trailing C{dict} in
@@ -271,7 +276,9 @@ def benchmark(fn: Any, *args: Any) -> dict[str, Any]:
     backend = gpu_backend()
     try:
         loop = _TimedLoop(backend, config, _Inputs(args, config))
+        LAST_PHASES.clear()
         raw = loop.measure(fn, current_measurer())
+        LAST_PHASES.update(loop.phases)
     except ExecutionError:
         raise
     except (RuntimeError, *cuda_errors()) as e:  # type: ignore[misc]
@@ -393,10 +400,16 @@ class _TimedLoop:
     #: sentinel, fingerprint) since it was last taken.
     _option_ms: float = 0.0
     _event: Any = None
+    _memset: Any = None
     _stream: int = 0
+    #: Wall time (ms) of each phase of the last measurement (bench/).
+    phases: dict[str, float] = attrs.field(factory=dict)
     _measurer: Any = None
 
     def __attrs_post_init__(self) -> None:
+        import pycuda.driver as drv
+
+        self._memset = drv.memset_d32_async
         if self.config.flush_l2:
             self._flush = self.backend.l2_flush_buffer()
             # Hygiene (the context's default limit is not 0 on an H200):
@@ -413,12 +426,12 @@ class _TimedLoop:
         if self._flush is not None:
             limit = self.driver.persisting_limit()
             if limit:
+                # Set by the program since the last check: back to 0, and
+                # the lines it made persist back to normal.
                 self.flags.append((flagged, "persisting_l2", f"{limit} bytes"))
-            self.driver.clear_persisting()
-            import pycuda.driver as drv
-
+                self.driver.clear_persisting()
             buffer, size = self._flush
-            drv.memset_d32_async(buffer, 0, size // 4)
+            self._memset(buffer, 0, size // 4)
         return args
 
     def estimate(self, fn: Callable[..., Any]) -> float:
@@ -454,13 +467,17 @@ class _TimedLoop:
             return self._measure_events(fn, warmup, repeat, options)
         self._event = self.driver.event()
         windows = []
+        mark = _PhaseClock(self.phases)
         try:
             with trace.session(self.driver):
+                mark("session_open")
                 # The first call this benchmark makes: its main work must
                 # be in every later call (a replay that serves later calls
                 # from a cache does other work).
                 first = self._iteration(fn, self._before(0, -1), trace)
+                mark("first_call")
                 warmup, repeat = self._warm(fn)
+                mark("estimate_and_warmup")
                 # The discovery run, warmed up: what every timed call must
                 # repeat exactly.
                 args = self._before(0, -1)
@@ -476,6 +493,7 @@ class _TimedLoop:
                     elapsed = (time.perf_counter() - started) * 1000.0
                     overheads.append(elapsed - self._option_ms)
                 self._option_ms = 0.0
+                mark("discovery_and_calibration")
                 measurer.start()
                 try:
                     for i in range(repeat):
@@ -488,15 +506,18 @@ class _TimedLoop:
                             self._audit(i, args)
                 finally:
                     measurer.stop()
+                mark("timed_loop")
                 self.excluded_ms += self._option_ms
                 if self._flush is not None and self.driver.persisting_limit():
                     self.flags.append((repeat - 1, "persisting_l2", "after the last call"))
                     self.driver.clear_persisting()
         finally:
             self.driver.destroy(self._event)
+        mark("session_close")
         found = attribute(trace.api, trace.gpu, [first, discovery, *windows])
         trace.api, trace.gpu = [], []
         raw = self._raw(found[1], found[2:], windows, warmup, repeat, overheads, options)
+        mark("attribution")
         return attrs.evolve(raw, first_call_main=found[0].heaviest())
 
     def _check(self, args: tuple[Any, ...]) -> str | None:
@@ -618,6 +639,20 @@ class _TimedLoop:
 
     def submit(self, raw: RawMeasurement) -> dict[str, Any]:
         return dict(self._measurer.submit(raw))
+
+
+class _PhaseClock:
+    """Records the wall time (ms) since the last mark under each name."""
+
+    def __init__(self, phases: dict[str, float]) -> None:
+        phases.clear()
+        self._phases = phases
+        self._last = time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self._phases[name] = (now - self._last) * 1000.0
+        self._last = now
 
 
 def _nothing(*args: Any) -> None:

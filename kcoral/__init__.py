@@ -36,6 +36,7 @@ _LAZY = {
     "TransportError": "kcoral.client.errors",
     "InstructionError": "kcoral.client.errors",
     "RemoteExecutionError": "kcoral.client.errors",
+    "ResponseTooLarge": "kcoral.client.errors",
     "RemoteFunction": "kcoral.client.remote",
 }
 

@@ -8,14 +8,17 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     """Dispatch C{kcoral <subcommand>}: C{run} and C{health} are the client's."""
     args = sys.argv[1:] if argv is None else argv
-    if args[:1] == ["run"]:
-        from kcoral.client.cli import run_main
+    from kcoral.client.install import report
 
-        return run_main(args[1:])
-    if args[:1] == ["health"]:
-        from kcoral.client.cli import health_main
+    report(sys.stderr)  # the reference client installed beside us: one line
+    if args[:1] in (["run"], ["health"]):
+        from kcoral.client.cli import health_main, interruptible, run_main
 
-        return health_main(args[1:])
+        command = run_main if args[0] == "run" else health_main
+        name = f"kcoral {args[0]}"
+        if args[0] == "run" and args[1:2] and not args[1].startswith("-"):
+            name += f" {args[1]}"  # the tool
+        return interruptible(name, lambda: command(args[1:]))
     from kcoral.server.cli import main as cli_main
 
     return cli_main(args)

@@ -28,6 +28,7 @@ _LAZY = {
     "KCoralError": "kcoral.client.errors",
     "ProtocolError": "kcoral.client.errors",
     "TransportError": "kcoral.client.errors",
+    "ResponseTooLarge": "kcoral.client.errors",
     "InstructionError": "kcoral.client.errors",
     "RemoteExecutionError": "kcoral.client.errors",
     "RemoteFunction": "kcoral.client.remote",

@@ -16,15 +16,19 @@ from typing import Any, TypeVar
 
 import attrs
 from twisted.internet.defer import CancelledError, Deferred
-from twisted.internet.interfaces import IReactorTime
+from twisted.internet.interfaces import IReactorTime, IStreamClientEndpoint
 from twisted.internet.task import Cooperator
 from twisted.logger import Logger
+from twisted.web.client import URI
+from twisted.web.error import SchemeNotSupported
 from twisted.web.http_headers import Headers
+from twisted.web.iweb import IAgentEndpointFactory
 from zope.interface import Interface, implementer
 
 from kcoral.client.body import MultipartProducer, Part
 from kcoral.client.download import ResponseReader
-from kcoral.client.errors import ProtocolError, TransportError
+from kcoral.client.errors import ProtocolError, ResponseTooLarge, TransportError
+from kcoral.client.install import warn_once
 from kcoral.client.program import Program, execute_options, program_json
 from kcoral.client.results import (
     ProgramResult,
@@ -39,6 +43,70 @@ _T = TypeVar("_T")
 
 #: The longest router affinity value echoed on a retry (protocol §2.2).
 MAX_ROUTE_LENGTH = 512
+
+#: The default cap on one response body: four times the server's default
+#: C{--max-response-bytes} (256 MiB), so a server configured for large
+#: results still fits, and a hostile one cannot fill the client's memory.
+DEFAULT_MAX_RESPONSE_BYTES = 1 << 30
+
+
+def check_response_cap(value: int | None) -> int | None:
+    """C{value} when it is a positive integer or C{None}, else L{ValueError}."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError("max_response_bytes must be a positive integer or None")
+    return value
+
+
+@implementer(IAgentEndpointFactory)
+class _Endpoints:
+    """
+    Twisted's standard HTTP and HTTPS endpoints, except that the TLS layer
+    schedules its writes on the client's own reactor: left to its default,
+    C{TLSMemoryBIOFactory} takes the global reactor as its clock, and a
+    client on any other reactor stalls after the handshake's first flight.
+    """
+
+    def __init__(self, reactor: Any, connect_timeout: float | None) -> None:
+        from twisted.web.client import BrowserLikePolicyForHTTPS
+
+        self._reactor = reactor
+        self._connect_timeout = connect_timeout
+        self._policy = BrowserLikePolicyForHTTPS()
+
+    def endpointForURI(self, uri: URI) -> IStreamClientEndpoint:
+        from twisted.internet.endpoints import HostnameEndpoint
+
+        if uri.scheme not in (b"http", b"https"):
+            raise SchemeNotSupported(f"unsupported scheme: {uri.scheme!r}")
+        kwargs: dict[str, Any] = {}
+        if self._connect_timeout is not None:
+            kwargs["timeout"] = self._connect_timeout
+        endpoint = HostnameEndpoint(self._reactor, uri.host, uri.port, **kwargs)
+        if uri.scheme == b"http":
+            return endpoint
+        creator = self._policy.creatorForNetloc(uri.host, uri.port)
+        return _TLSEndpoint(endpoint, creator, self._reactor)
+
+
+def _unwrap(protocol: Any) -> Any:
+    return protocol.wrappedProtocol
+
+
+@implementer(IStreamClientEndpoint)
+class _TLSEndpoint:
+    """C{wrapClientTLS} with an explicit clock for the TLS layer."""
+
+    def __init__(self, wrapped: IStreamClientEndpoint, creator: Any, clock: Any) -> None:
+        self._wrapped = wrapped
+        self._creator = creator
+        self._clock = clock
+
+    def connect(self, factory: Any) -> Deferred[Any]:
+        from twisted.protocols.tls import TLSMemoryBIOFactory
+
+        tls = TLSMemoryBIOFactory(self._creator, True, factory, clock=self._clock)
+        connected: Deferred[Any] = self._wrapped.connect(tls)
+        return connected.addCallback(_unwrap)
 
 
 class IProgress(Interface):
@@ -140,6 +208,11 @@ class AsyncClient:
     @param connect_timeout_seconds: the connection timeout; responses
         themselves have no client-side timeout.
     @param progress: an L{IProgress} that follows each attempt.
+    @param max_response_bytes: the largest response body accepted: a larger
+        declared C{Content-Length} fails at once, and a body that grows past
+        it is dropped when it does, both with L{ResponseTooLarge}; C{None}
+        for no cap.  A body is held about twice while it is decoded, so this
+        bounds the client's memory per response.
     @ivar attempt_observers: callables given each L{Attempt} as it ends; one
         that returns a L{Deferred} holds the execution (the next attempt, or
         the result) until it fires.
@@ -158,7 +231,9 @@ class AsyncClient:
         connect_timeout_seconds: float = 10.0,
         cooperator: Cooperator | None = None,
         progress: IProgress | None = None,
+        max_response_bytes: int | None = DEFAULT_MAX_RESPONSE_BYTES,
     ) -> None:
+        self._max_response_bytes = check_response_cap(max_response_bytes)
         if reactor is None:
             from twisted.internet import reactor as global_reactor
 
@@ -174,7 +249,8 @@ class AsyncClient:
             from twisted.web.client import Agent, HTTPConnectionPool
 
             self._pool = HTTPConnectionPool(reactor, persistent=True)
-            agent = Agent(reactor, connectTimeout=connect_timeout_seconds, pool=self._pool)
+            endpoints = _Endpoints(reactor, connect_timeout_seconds)
+            agent = Agent.usingEndpointFactory(reactor, endpoints, pool=self._pool)
             http_client = HTTPClient(agent)
         self._http = http_client
         if cooperator is None:
@@ -199,9 +275,15 @@ class AsyncClient:
         total = response.length if isinstance(response.length, int) else None
         chunks: list[bytes] = []
         received = 0
+        cap = self._max_response_bytes
 
         def collect(data: bytes) -> None:
             nonlocal received
+            if cap is not None and (
+                received + len(data) > cap or (total is not None and total > cap)
+            ):
+                # Raising here makes treq drop the connection: nothing more is read.
+                raise ResponseTooLarge(cap, received + len(data), total)
             if sink is None:
                 chunks.append(data)
             else:
@@ -401,6 +483,9 @@ class AsyncClient:
 
 async def _nothing() -> None:
     return None
+
+
+warn_once()
 
 
 __all__ = ["AsyncClient", "Attempt", "IProgress", "NoProgress"]

@@ -7,20 +7,41 @@ that needs it); each call hands its work to that thread and waits for the
 result, so a client can be used repeatedly, from several threads at once,
 and from a notebook.  An interrupted wait (Ctrl-C) cancels the request.
 
-The reactor is a private instance, never the global one: a process that runs
-the global reactor itself (a Twisted application, a trial test suite) can use
-the blocking client too, and the client never starts or stops that reactor.
+Which reactor (L{_choose_reactor}, decided once, at the first call):
+
+ - No global reactor installed yet (a script, a notebook, the C{kcoral}
+   CLI): the client installs the platform's default reactor as Twisted's
+   global reactor and crochet runs it in its thread.  Every Twisted default
+   that reaches for C{twisted.internet.reactor} (the TLS layer's write
+   clock, the default cooperator, a C{TimeoutMixin}) then finds the one
+   running reactor: nothing can schedule work on a reactor that never runs.
+ - The global reactor is installed and running (a Twisted application that
+   runs it in another thread): calls are handed to it; nothing else starts.
+   A blocking call on the reactor's own thread raises C{RuntimeError} (use
+   L{AsyncClient} there).
+ - The global reactor is installed but not running (a process that will run
+   it itself later, or a trial suite between tests): the client runs a
+   private reactor in crochet's thread and leaves the global one alone.
+   L{AsyncClient} hands that reactor to everything it builds, TLS's clock
+   included, so the client does not depend on the idle global reactor.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from twisted.internet.defer import Deferred
 
-from kcoral.client.async_client import AsyncClient, Attempt, IProgress
+from kcoral.client.async_client import (
+    DEFAULT_MAX_RESPONSE_BYTES,
+    AsyncClient,
+    Attempt,
+    IProgress,
+    check_response_cap,
+)
 from kcoral.client.program import Program
 from kcoral.client.results import ProgramResult
 
@@ -32,7 +53,7 @@ _R = TypeVar("_R")
 
 _setup_lock = threading.Lock()
 _in_reactor: Callable[..., Any] | None = None
-#: The private reactor L{_runner} started (None until the first call).
+#: The reactor the blocking clients run on (None until the first call).
 _loop_reactor: Any = None
 
 
@@ -45,6 +66,31 @@ def _private_reactor() -> Any:
 
         return SelectReactor()
     return EPollReactor()
+
+
+def _choose_reactor() -> tuple[Any, bool, bool]:
+    """
+    C{(reactor, run_it, is_global)}: the reactor the blocking clients use,
+    whether they must run it themselves, and whether it is Twisted's global
+    reactor (see the module docstring).
+    """
+    if "twisted.internet.reactor" not in sys.modules:
+        from twisted.internet import default
+        from twisted.internet.error import ReactorAlreadyInstalledError
+
+        try:
+            default.install()
+        except ReactorAlreadyInstalledError:
+            pass  # another thread installed one meanwhile: judged below
+        else:
+            from twisted.internet import reactor as installed
+
+            return installed, True, True
+    from twisted.internet import reactor as existing
+
+    if existing.running:
+        return existing, False, True
+    return _private_reactor(), True, False
 
 
 def _stop_when_main_thread_ends(stop: Callable[[], None]) -> threading.Thread:
@@ -61,7 +107,7 @@ def _stop_when_main_thread_ends(stop: Callable[[], None]) -> threading.Thread:
 
 
 def _runner() -> Callable[..., Any]:
-    """crochet's C{run_in_reactor} wrapper, starting the private reactor on first use."""
+    """crochet's C{run_in_reactor} wrapper, starting the reactor on first use."""
     global _in_reactor, _loop_reactor
     with _setup_lock:
         if _in_reactor is None:
@@ -69,20 +115,29 @@ def _runner() -> Callable[..., Any]:
 
             from crochet import EventLoop  # type: ignore[attr-defined]  # public, not in __all__
 
-            reactor = _private_reactor()
+            reactor, run_it, is_global = _choose_reactor()
 
             def stop() -> None:
                 if reactor.running:
                     reactor.callFromThread(reactor.stop)
 
+            reap: Callable[[], None] = lambda: None  # noqa: E731
+            if is_global:
+                # Processes spawned on the global reactor are reaped as
+                # crochet reaps them (the thread has no SIGCHLD handler).
+                from twisted.internet.process import reapAllProcesses
+
+                reap = reapAllProcesses
             loop = EventLoop(
                 lambda: reactor,
                 atexit.register,
                 watchdog_thread=_stop_when_main_thread_ends(stop),
-                # This reactor spawns no processes, so it has none to reap.
-                reapAllProcesses=lambda: None,
+                reapAllProcesses=reap,
             )
-            loop.setup()
+            if run_it:
+                loop.setup()
+            else:
+                loop.no_setup()
             _loop_reactor = reactor
 
             def call(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -90,6 +145,15 @@ def _runner() -> Callable[..., Any]:
 
             _in_reactor = loop.run_in_reactor(call)
         return _in_reactor
+
+
+def client_reactor() -> Any:
+    """
+    The reactor the blocking clients run on, started if needed: a clock for
+    anything that must tick beside them (the CLI's progress line).
+    """
+    _runner()
+    return _loop_reactor
 
 
 class Client:
@@ -106,6 +170,8 @@ class Client:
     @param connect_timeout_seconds: the connection timeout; a response may
         take as long as the program runs.
     @param progress: an L{IProgress} (called in the reactor thread).
+    @param max_response_bytes: the largest response body accepted (see
+        L{AsyncClient}); C{None} for no cap.
     """
 
     def __init__(
@@ -116,8 +182,10 @@ class Client:
         token: str | None = None,
         connect_timeout_seconds: float = 10.0,
         progress: IProgress | None = None,
+        max_response_bytes: int | None = DEFAULT_MAX_RESPONSE_BYTES,
     ) -> None:
         self._base_url = base_url
+        self._max_response_bytes = check_response_cap(max_response_bytes)
         self._headers = dict(headers or {})
         if token is not None:
             self._headers["Authorization"] = f"Bearer {token}"
@@ -141,6 +209,7 @@ class Client:
                 connect_timeout_seconds=self._connect_timeout,
                 progress=self._progress,
                 reactor=_loop_reactor,
+                max_response_bytes=self._max_response_bytes,
             )
             self._client.attempt_observers = self.attempt_observers
         return self._client
@@ -151,6 +220,11 @@ class Client:
             return eventual.wait(None)  # type: ignore[no-any-return]
         except KeyboardInterrupt:
             eventual.cancel()
+            try:
+                # Collect the cancellation, so crochet has no unhandled error to log.
+                eventual.wait(5.0)
+            except BaseException:
+                pass
             raise
 
     def health(self) -> dict[str, Any]:

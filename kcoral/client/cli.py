@@ -327,11 +327,31 @@ def build_program(tool: str, args: argparse.Namespace, arguments: list[str]) -> 
 def _progress(stream: IO[str]) -> Any:
     if not stream.isatty():
         return None
-    from twisted.internet import reactor
-
+    from kcoral.client.blocking import client_reactor
     from kcoral.client.progress import TerminalProgress
 
-    return TerminalProgress(stream, clock=reactor)
+    # The progress line ticks on the reactor the blocking client runs.
+    return TerminalProgress(stream, clock=client_reactor())
+
+
+def interruptible(name: str, command: Callable[[], int], *, err: IO[str] | None = None) -> int:
+    """
+    Run C{command}; on Ctrl-C print one line and return 130 (128 + SIGINT),
+    as a shell does for a command killed by SIGINT.  The blocking client has
+    already cancelled its request (the server cancels the program).
+    """
+    import signal
+
+    try:
+        return command()
+    except KeyboardInterrupt:
+        # A second Ctrl-C while the interpreter shuts down ends it quietly.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        stream = sys.stderr if err is None else err
+        clear = "\r\x1b[K" if stream.isatty() else ""  # over a progress line
+        stream.write(f"{clear}{name}: interrupted\n")
+        stream.flush()
+        return 130
 
 
 def run_tool(
@@ -433,4 +453,11 @@ def health_main(
     return 0
 
 
-__all__ = ["build_program", "health_main", "pack_inputs", "parse_tool_arguments", "run_main"]
+__all__ = [
+    "build_program",
+    "health_main",
+    "interruptible",
+    "pack_inputs",
+    "parse_tool_arguments",
+    "run_main",
+]

@@ -47,6 +47,28 @@ class ProtocolError(Exception):
     """The server's response does not follow the KCoral protocol."""
 
 
+class ResponseTooLarge(ProtocolError):
+    """
+    A response body exceeded the client's C{max_response_bytes} cap; the
+    connection was dropped as soon as the cap was passed (or at once, when
+    the declared C{Content-Length} was over it).
+
+    @ivar limit: the cap, in bytes.
+    @ivar received: body bytes received when the client gave up.
+    @ivar declared: the declared C{Content-Length}, or C{None}.
+    """
+
+    def __init__(self, limit: int, received: int, declared: int | None) -> None:
+        size = f"declares {declared} bytes" if declared is not None else "went past it"
+        super().__init__(
+            f"response body is larger than max_response_bytes={limit} ({size}); "
+            f"pass a larger max_response_bytes to the client to accept it"
+        )
+        self.limit = limit
+        self.received = received
+        self.declared = declared
+
+
 class InstructionError(Exception):
     """
     A program ended C{FAILED}: one instruction failed (protocol §9.1).
@@ -98,5 +120,6 @@ __all__ = [
     "KCoralError",
     "ProtocolError",
     "RemoteExecutionError",
+    "ResponseTooLarge",
     "TransportError",
 ]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import stat
 import sys
 from dataclasses import dataclass
@@ -22,10 +23,14 @@ from typing import Any
 
 from kcoral.wire.program import (
     DTYPES,
+    LANGUAGES,
     check_path_conflicts,
     normalize_path,
     tensor_nbytes,
 )
+
+#: A server function a C{run} may name instead of a register (protocol §10.2).
+_BUILTIN = re.compile(r"builtin\.[A-Za-z_][A-Za-z0-9_]*")
 
 
 @dataclass(frozen=True)
@@ -240,18 +245,34 @@ class Program:
         value: Any = None,
         dtype: str | None = None,
         shape: list[int] | None = None,
+        language: str | None = None,
     ) -> Register:
         """
         Upload a Python module (C{source}), a tensor (C{value}: NumPy, torch
         or DLPack tensor, or raw bytes with C{dtype} and C{shape}), bytes or
         a library (C{value}, bytes-like).  Use L{upload_file} for files.
+
+        C{language} (modules only; an addition to the 0.1.1 API) is
+        C{"python"} (the default) or C{"cuda"}: a CUDA C module runs nothing
+        when uploaded; L{get_function} names one of its kernels for
+        C{builtin.compile_cuda} or C{builtin.compile_cuda_binary}.  Without
+        C{language} the instruction is byte-identical to 0.1.1's.
         """
+        if language is not None and kind != "module":
+            raise TypeError(f"{kind} upload does not accept 'language'")
         if kind == "module":
             if not isinstance(source, str):
                 raise TypeError("module upload requires string 'source'")
             if value is not None or dtype is not None or shape is not None:
                 raise TypeError("module upload does not accept tensor fields")
-            instruction: dict[str, Any] = {"op": "upload", "kind": "module", "source": source}
+            instruction: dict[str, Any] = {"op": "upload", "kind": "module"}
+            if language is not None:
+                if language not in LANGUAGES:
+                    raise ValueError(
+                        f"module language must be one of {sorted(LANGUAGES)}, got {language!r}"
+                    )
+                instruction["language"] = language
+            instruction["source"] = source
         elif kind == "tensor":
             if source is not None:
                 raise TypeError("tensor upload does not accept 'source'")
@@ -343,18 +364,33 @@ class Program:
         return Register(new_id)
 
     def run(
-        self, *, id: str | None = None, fn: Register, args: list[Any] | None = None
+        self, *, id: str | None = None, fn: Register | str, args: list[Any] | None = None
     ) -> Register:
         """
         Call C{fn} with C{args}: top-level registers are passed as handles,
         everything else as JSON literals (nested C{{"$ref": ...}} stays data).
+
+        C{fn} is a register (a L{get_function} handle, or a callable an
+        earlier C{run} returned), or, as an addition to the 0.1.1 API, the
+        name of a server builtin such as C{"builtin.compile_cuda_binary"},
+        C{"builtin.kernel"}, C{"builtin.benchmark"} or
+        C{"builtin.check_close"} (protocol §10.2; docs/client.md lists them).
+        A server that lacks the builtin answers 400 C{parse} or fails the
+        instruction with C{unavailable}.
         """
-        if not isinstance(fn, Register):
-            raise TypeError("fn must be a Register")
-        self._known(_ref(fn), f"run {id!r}")
+        wire_fn: str | dict[str, str]
+        if isinstance(fn, str):
+            if not _BUILTIN.fullmatch(fn):
+                raise ValueError(f"a function name must be 'builtin.<name>', got {fn!r}")
+            wire_fn = fn
+        elif isinstance(fn, Register):
+            self._known(_ref(fn), f"run {id!r}")
+            wire_fn = _ref(fn)
+        else:
+            raise TypeError("fn must be a Register or a 'builtin.<name>' string")
         wire_args = [_ref(a) if isinstance(a, Register) else a for a in (args or [])]
         new_id = self._add_id(id, "run")
-        self._instructions.append({"op": "run", "id": new_id, "fn": _ref(fn), "args": wire_args})
+        self._instructions.append({"op": "run", "id": new_id, "fn": wire_fn, "args": wire_args})
         return Register(new_id)
 
     def _check_key(self, key: str) -> None:

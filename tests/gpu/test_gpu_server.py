@@ -531,3 +531,26 @@ def test_two_gpu_program_copies_between_devices(tmp_path: Path) -> None:
         body, results = _ok(server.execute(program, [data.tobytes()]))
     assert sorted(body["gpu_ids"]) == [0, 1] and body["gpu_count"] == 2
     assert results["r"].tobytes() == data.tobytes()
+
+
+def test_remote_compile_example(
+    gpu_server: ServerProcess, cpu_server: ServerProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """
+    examples/remote_compile.py on kcoral.Client: nvcc on the CPU server, the
+    image run, checked (builtin.check_close) and timed on the GPU server.
+    """
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "remote_compile.py"
+    spec = importlib.util.spec_from_file_location("kcoral_example_remote_compile", path)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    cpu, gpu = (f"http://127.0.0.1:{s.port}" for s in (cpu_server, gpu_server))
+    assert example.main(["--cpu", cpu, "--gpu", gpu, "-n", str(1 << 16)]) == 0
+    out = capsys.readouterr().out
+    assert f"GPU server target: {gpu_server.health()['target']['arch']}" in out
+    assert "passed=True" in out
+    assert "saxpy n=65536: median" in out

@@ -13,6 +13,10 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
+# Installed (not running) before any client starts, as in a process that runs
+# the global reactor itself: see test_global_reactor_untouched.
+from twisted.internet import reactor
+
 from kcoral import Client, KCoralError, Program, RemoteExecutionError, TransportError
 from kcoral.testing.live_server import ServerProcess, free_port
 
@@ -169,12 +173,11 @@ def test_download_is_decoded_as_it_arrives(url: str) -> None:
 
 def test_global_reactor_untouched(url: str) -> None:
     """
-    The blocking client runs its own reactor: the process's global reactor
-    is never started, so trial tests and Twisted applications that run it
-    themselves can use the client too.
+    In a process whose global reactor is installed but not running, the
+    blocking client runs a reactor of its own: the global one is never
+    started, so trial tests and Twisted applications that run it themselves
+    can use the client too.
     """
-    from twisted.internet import reactor
-
     assert Client(url).health()["status"] == "ok"
     assert not reactor.running
     assert reactor.getDelayedCalls() == []

@@ -448,3 +448,52 @@ class RequestSequenceTests(SynchronousTestCase):
             stub.flush()
             self.assertEqual(self.successResultOf(first)["status"], "ok")
             self.failureResultOf(second, ProtocolError)
+
+
+class ReactorTests(SynchronousTestCase):
+    """
+    An L{AsyncClient} builds its connections on the reactor it is given,
+    TLS's write clock included (Twisted's default clock is the global
+    reactor, which a client on another reactor never runs).
+    """
+
+    def _connect(self, url: bytes) -> Any:
+        from twisted.internet.protocol import Factory, Protocol
+        from twisted.internet.testing import MemoryReactorClock
+        from twisted.web.client import URI
+
+        reactor = MemoryReactorClock()
+        client = AsyncClient("https://127.0.0.1:8443", reactor=reactor)
+        endpoint = client._http._agent._endpointFactory.endpointForURI(URI.fromBytes(url))
+        endpoint.connect(Factory.forProtocol(Protocol))
+        ((host, port, factory, timeout, _),) = reactor.tcpClients
+        return reactor, (host, port, timeout), factory
+
+    def test_https_clock_is_the_clients_reactor(self) -> None:
+        """The TLS factory of an https:// connection schedules on the client's reactor."""
+        from twisted.protocols.tls import TLSMemoryBIOFactory
+
+        reactor, address, factory = self._connect(b"https://127.0.0.1:8443/health")
+        self.assertEqual(address, ("127.0.0.1", 8443, 10.0))
+        tls = factory._wrappedFactory  # inside HostnameEndpoint's wrapper
+        self.assertIsInstance(tls, TLSMemoryBIOFactory)
+        self.assertIs(tls._clock, reactor)
+
+    def test_http_is_plain_tcp(self) -> None:
+        """An http:// connection is a plain TCP connection on the client's reactor."""
+        from twisted.protocols.tls import TLSMemoryBIOFactory
+
+        _, address, factory = self._connect(b"http://127.0.0.1:8000/health")
+        self.assertEqual(address, ("127.0.0.1", 8000, 10.0))
+        self.assertNotIsInstance(factory._wrappedFactory, TLSMemoryBIOFactory)
+
+    def test_other_schemes_refused(self) -> None:
+        """A scheme other than http or https is refused when connecting."""
+        from twisted.web.client import URI
+        from twisted.web.error import SchemeNotSupported
+
+        from twisted.internet.testing import MemoryReactorClock
+
+        client = AsyncClient("https://127.0.0.1:8443", reactor=MemoryReactorClock())
+        with self.assertRaises(SchemeNotSupported):
+            client._http._agent._endpointFactory.endpointForURI(URI.fromBytes(b"ftp://h:21/"))

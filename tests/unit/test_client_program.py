@@ -219,3 +219,79 @@ class FolderTests(SynchronousTestCase):
             q = Program()
             self.assertRaises(ValueError, q.upload_folder, root, path="x")
             self.assertEqual(q.instructions, [])
+
+
+class RemoteCompilationTests(SynchronousTestCase):
+    """
+    The additions to the 0.1.1 API for the remote-compilation flow: a module
+    C{language} and server builtins named as C{run}'s C{fn}.
+    """
+
+    def test_cuda_module(self) -> None:
+        """language="cuda" is written on the module upload; python is accepted too."""
+        p = Program()
+        p.upload(kind="module", language="cuda", source="__global__ void k() {}")
+        p.upload(kind="module", language="python", source="x = 1\n")
+        self.assertEqual(
+            p.instructions,
+            [
+                {
+                    "op": "upload",
+                    "kind": "module",
+                    "language": "cuda",
+                    "source": "__global__ void k() {}",
+                    "id": "upload_0",
+                },
+                {
+                    "op": "upload",
+                    "kind": "module",
+                    "language": "python",
+                    "source": "x = 1\n",
+                    "id": "upload_1",
+                },
+            ],
+        )
+
+    def test_no_language_is_the_0_1_1_instruction(self) -> None:
+        """Without language the module upload keeps 0.1.1's keys, in its order."""
+        p = Program()
+        p.upload(kind="module", source="x = 1\n")
+        self.assertEqual(
+            list(p.instructions[0].items()),
+            [("op", "upload"), ("kind", "module"), ("source", "x = 1\n"), ("id", "upload_0")],
+        )
+
+    def test_bad_language(self) -> None:
+        """An unknown language, or a language on another kind, is refused locally."""
+        p = Program()
+        with self.assertRaises(ValueError):
+            p.upload(kind="module", language="fortran", source="")
+        with self.assertRaises(TypeError):
+            p.upload(kind="bytes", language="cuda", value=b"")
+        self.assertEqual(p.instructions, [])
+
+    def test_builtin_function(self) -> None:
+        """run(fn="builtin.<name>") sends the name as the wire's string fn."""
+        p = Program()
+        source = p.upload(kind="module", language="cuda", source="__global__ void k() {}")
+        kernel = p.get_function(module=source, name="k")
+        image = p.run(fn="builtin.compile_cuda_binary", args=[kernel, {"arch": "sm_90a"}])
+        self.assertEqual(
+            p.instructions[-1],
+            {
+                "op": "run",
+                "id": image.id,
+                "fn": "builtin.compile_cuda_binary",
+                "args": [{"$ref": kernel.id}, {"arch": "sm_90a"}],
+            },
+        )
+
+    def test_bad_function_names(self) -> None:
+        """A string fn must be builtin.<identifier>; anything else is refused locally."""
+        p = Program()
+        for name in ("compile_cuda", "builtin.", "builtin.a-b", "builtin.x y", "$ref"):
+            with self.assertRaises(ValueError):
+                p.run(fn=name)
+        with self.assertRaises(TypeError):
+            p.run(fn={"$ref": "x"})  # type: ignore[arg-type]
+        self.assertEqual(p.instructions, [])

@@ -489,10 +489,9 @@ class ReactorTests(SynchronousTestCase):
 
     def test_other_schemes_refused(self) -> None:
         """A scheme other than http or https is refused when connecting."""
+        from twisted.internet.testing import MemoryReactorClock
         from twisted.web.client import URI
         from twisted.web.error import SchemeNotSupported
-
-        from twisted.internet.testing import MemoryReactorClock
 
         client = AsyncClient("https://127.0.0.1:8443", reactor=MemoryReactorClock())
         with self.assertRaises(SchemeNotSupported):

@@ -61,7 +61,8 @@ class ProgramResult:
     def verify_measurement(self, value: Mapping[str, Any]) -> dict[str, Any]:
         """
         The server's record of the C{benchmark} result C{value} (a dict the
-        program returned), once every number in C{value} matches it.
+        program returned, or part of one with its C{measurement_id}), once
+        every number C{value} holds matches it.
 
         @raise ValueError: C{value} names no record of this response, or
             differs from it (forged by the uploaded code), or the record
@@ -72,7 +73,8 @@ class ProgramResult:
         if ident is None or record is None:
             raise ValueError("the value names no measurement the server recorded")
         for key in MEASURED_KEYS:
-            if key in record and value.get(key) != record[key]:
+            # What the value claims must be what the server recorded.
+            if key in record and key in value and value[key] != record[key]:
                 raise ValueError(
                     f"{key} is {value.get(key)!r} in the value, {record[key]!r} in the record"
                 )

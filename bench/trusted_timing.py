@@ -282,6 +282,43 @@ def cost(rounds: int) -> dict[str, Any]:
     return result
 
 
+#: Runs with the reference client: a real benchmark against kcoral.
+REFERENCE_CLIENT = r"""
+import json, sys
+from kcoral import Client, Program
+p = Program()
+k = p.upload(kind="module", source=sys.argv[2], id="k")
+kern = p.get_function(module=k, name="kernel", id="kern")
+h = p.upload(kind="module", source=sys.argv[3], id="h")
+m = p.get_function(module=h, name="measure", id="m")
+r = p.run(fn=m, args=[kern, {"warmup": 5, "repeat": 30}, "matmul", False], id="run")
+p.return_(key="r", value=r)
+result = Client(sys.argv[1]).execute(p)
+print("@@REF@@" + json.dumps({"status": result.status, "r": result.results.get("r")}))
+"""
+
+
+def reference_client(port: int, site: str) -> dict[str, Any]:
+    """The reference client runs a benchmark on kcoral (the response has measurements)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    env["PYTHONPATH"] = site
+    done = subprocess.run(
+        [sys.executable, "-I", "-c", REFERENCE_CLIENT, f"http://127.0.0.1:{port}"]
+        + [corpus.MATMUL, corpus.HARNESS],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd="/tmp",
+    )
+    lines = [x for x in done.stdout.splitlines() if x.startswith("@@REF@@")]
+    if done.returncode != 0 or not lines:
+        return {"error": done.stderr[-2000:]}
+    out: dict[str, Any] = json.loads(lines[0][len("@@REF@@") :])
+    print(f"  reference client on kcoral: {json.dumps(out)[:400]}")
+    return out
+
+
 def start_reference(site: str, port: int, logs: Path) -> subprocess.Popen[bytes]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
     env.update(PYTHONPATH=site, TVM_FFI_DISABLE_TORCH_C_DLPACK="1", PYTHONUNBUFFERED="1")
@@ -335,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
         if "corpus" not in skip:
             print("corpus on kcoral")
             report["kcoral"] = run_corpus(server.port, "kcoral")
+        if os.path.isdir(args.ref_site):
+            report["reference_client_on_kcoral"] = reference_client(server.port, args.ref_site)
         if "fidelity" not in skip:
             print("fidelity and noise")
             report["fidelity_kcoral"] = fidelity(server.port, args.repeat)

@@ -303,7 +303,7 @@ def reference_client(port: int, site: str) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
     env["PYTHONPATH"] = site
     done = subprocess.run(
-        [sys.executable, "-I", "-c", REFERENCE_CLIENT, f"http://127.0.0.1:{port}"]
+        [sys.executable, "-c", REFERENCE_CLIENT, f"http://127.0.0.1:{port}"]
         + [corpus.MATMUL, corpus.HARNESS],
         env=env,
         capture_output=True,

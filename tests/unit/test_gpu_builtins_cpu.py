@@ -82,6 +82,46 @@ class BenchmarkConfigTests(SynchronousTestCase):
                 parse_benchmark_cfg(cfg)
             self.assertEqual(e.exception.kind, "parse", cfg)
 
+    def test_evaluator_options(self) -> None:
+        """Fresh inputs, audit and fingerprint options (docs/trusted-timing.md)."""
+
+        def factory(i: int) -> tuple[int, ...]:
+            return (i,)
+
+        def reference(*args: object) -> None:
+            return None
+
+        config = parse_benchmark_cfg(
+            {
+                "inputs": factory,
+                "audit": reference,
+                "audit_output": 1,
+                "audit_rtol": 0.1,
+                "fingerprint": True,
+                "outputs": [1],
+            }
+        )
+        self.assertIs(config.inputs, factory)
+        self.assertIs(config.audit, reference)
+        self.assertEqual((config.audit_output, config.audit_tolerances), (1, (0.1, 1e-3)))
+        self.assertEqual((config.fingerprint, config.outputs), (True, (1,)))
+        self.assertEqual(parse_benchmark_cfg({"rotate": 4}).rotate, 4)
+        for cfg in (
+            {"rotate": 0},
+            {"rotate": 2000},
+            {"rotate": True},
+            {"inputs": 3},
+            {"inputs": factory, "rotate": 2},
+            {"audit": "x"},
+            {"audit": reference, "audit_atol": -1},
+            {"fingerprint": "yes"},
+            {"outputs": [True]},
+            {"outputs": 1},
+        ):
+            with self.assertRaises(ExecutionError) as e:
+                parse_benchmark_cfg(cfg)
+            self.assertEqual(e.exception.kind, "parse", cfg)
+
     def test_split_cfg(self) -> None:
         """A trailing dict is the cfg; other arguments stay."""
         self.assertEqual(split_cfg((1, 2, {"repeat": 1})), ((1, 2), {"repeat": 1}))

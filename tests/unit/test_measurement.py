@@ -35,6 +35,13 @@ from kcoral.wire.channel import (
     read_message,
 )
 from kcoral.wire.render import Placement, render_result
+from kcoral.worker.gpu_builtins.activity import (
+    LATE_TOLERANCE_NS,
+    IterationActivity,
+    Window,
+    attribute,
+    summarize,
+)
 from kcoral.worker.measure import ChannelMeasurer, LocalMeasurer
 from tests.unit.test_workerproc import WorkerTestCase
 
@@ -187,6 +194,34 @@ class ParseRawTests(SynchronousTestCase):
         for data in bad:
             with self.assertRaises(ValueError, msg=repr(data)[:200]):
                 parse_raw(data)
+
+
+class AttributionTests(SynchronousTestCase):
+    """GPU records go to the iteration whose window their API call started in."""
+
+    def test_attribute(self) -> None:
+        windows = [Window(100, 200, 300), Window(400, 500, 600)]
+        api = [(50, 1), (150, 2), (160, 3), (450, 4), (700, 5)]
+        gpu = [
+            (60, 90, 1, "memset:8"),  # the flush, before the first window
+            (170, 190, 2, "kernel:gemm"),
+            (180, 260, 3, "kernel:side"),  # launched in window 0 from any stream
+            (470, 520, 4, "kernel:gemm"),
+            (710, 720, 5, "kernel:late"),  # launched after every window
+        ]
+        first, second = attribute(api, gpu, windows)
+        self.assertEqual(summarize(first), (("kernel:gemm", 1), ("kernel:side", 1)))
+        self.assertEqual(first.span_ms, (260 - 170) / 1e6)
+        self.assertEqual(summarize(second), (("kernel:gemm", 1),))
+        self.assertEqual(first.heaviest(), "kernel:side")
+        self.assertEqual(IterationActivity(()).span_ms, None)
+        self.assertEqual(IterationActivity(()).heaviest(), "")
+
+    def test_late(self) -> None:
+        """Activity ending past the tolerance after a mark is late."""
+        activity = IterationActivity(((0, 1000, "kernel:k"),))
+        self.assertFalse(activity.late(1000 - LATE_TOLERANCE_NS))
+        self.assertTrue(activity.late(999 - LATE_TOLERANCE_NS))
 
 
 class WorkerSideTests(SynchronousTestCase):

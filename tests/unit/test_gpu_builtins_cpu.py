@@ -65,6 +65,8 @@ class BenchmarkConfigTests(SynchronousTestCase):
         """An estimate of 0 gives 1000 calls."""
         self.assertEqual(iteration_count(100, 0.0), 1000)
         self.assertEqual(iteration_count(0, 1.0), 1)
+        # No more than the parent accepts in one measurement.
+        self.assertEqual(iteration_count(100, 1e-9), 1_000_000)
 
     def test_invalid(self) -> None:
         """Bad types and values are C{parse} errors."""
@@ -76,6 +78,7 @@ class BenchmarkConfigTests(SynchronousTestCase):
             {"repeat_ms": "10"},
             {"repeat_ms": float("nan")},
             {"flush_l2": 1},
+            {"repeat": 1_000_001},
             [1],
         ):
             with self.assertRaises(ExecutionError) as e:

@@ -21,7 +21,14 @@ import attrs
 import numpy as np
 
 from kcoral.errors import ExecutionError
-from kcoral.measurement import STABLE_CV, TIMER_CUPTI, TIMER_EVENTS, RawMeasurement, latency_stats
+from kcoral.measurement import (
+    MAX_ITERATIONS,
+    STABLE_CV,
+    TIMER_CUPTI,
+    TIMER_EVENTS,
+    RawMeasurement,
+    latency_stats,
+)
 from kcoral.worker.gpu_builtins.activity import (
     Driver,
     IterationActivity,
@@ -103,6 +110,10 @@ def parse_benchmark_cfg(cfg: Any) -> BenchmarkConfig:
                 raise ExecutionError("parse", f"benchmark: {key} must be an integer, got {value!r}")
             if value < 1:
                 raise ExecutionError("parse", f"benchmark: {key} must be at least 1, got {value}")
+            if value > MAX_ITERATIONS:
+                raise ExecutionError(
+                    "parse", f"benchmark: {key} must be at most {MAX_ITERATIONS}, got {value}"
+                )
             values[key] = int(value)
     if "flush_l2" in cfg:
         value = cfg["flush_l2"]
@@ -167,11 +178,12 @@ def split_cfg(args: Sequence[Any]) -> tuple[tuple[Any, ...], Any]:
 def iteration_count(budget_ms: float, estimate_ms: float) -> int:
     """
     Calls that fit C{budget_ms} when one takes C{estimate_ms}:
-    C{max(1, int(budget / estimate))}, 1000 when the estimate is 0.
+    C{max(1, int(budget / estimate))}, 1000 when the estimate is 0, and at
+    most L{MAX_ITERATIONS} (what the parent accepts in one measurement).
     """
     if estimate_ms <= 0:
         return 1000
-    return max(1, int(budget_ms / estimate_ms))
+    return min(MAX_ITERATIONS, max(1, int(budget_ms / estimate_ms)))
 
 
 def plan_counts(config: BenchmarkConfig, estimate_ms: float | None) -> tuple[int, int]:

@@ -47,6 +47,7 @@ __all__ = [
     "compile_stats",
     "configure_cache",
     "get_backend",
+    "warm_up",
 ]
 
 #: Seconds a compile may take unless the caller says otherwise.
@@ -126,6 +127,22 @@ def get_backend(name: str) -> Any:
         raise MissingBackend(
             f"no compiler backend named {name!r} (known: {', '.join(sorted(known)) or 'none'})"
         ) from None
+
+
+def warm_up() -> None:
+    """
+    BLOCKING: discover the backends and probe the nvcc toolchain once, so a
+    process forked after this (a worker from its template) does neither.
+    Never raises: what fails here is found again, and reported, at the
+    first compile.
+    """
+    try:
+        known = backends()
+    except DuplicateBackend:
+        return
+    nvcc = known.get("nvcc")
+    if nvcc is not None:
+        nvcc.versions()
 
 
 def configure_cache(directory: str | None, capacity_bytes: int = DEFAULT_CACHE_CAPACITY) -> None:

@@ -85,3 +85,26 @@ class ICompilerBackend(Interface):
             compiler's diagnostics (or on timeout), C{parse} for a bad arch or
             a disallowed flag, C{unavailable} without a toolchain.
         """
+
+
+class ICommandLineBackend(Interface):
+    """
+    Optional, beside L{ICompilerBackend}: a backend whose compile is one
+    command line that reads a source file and writes the image to a file.
+    The server runs such a compile for its shared cache directly in a
+    sandbox of its own, with no Python there (L{kcoral.server.compiles}):
+    the outcome is the command's exit status and the file it wrote.
+    """
+
+    def command(
+        source_path: str, output_path: str, arch: str, options: tuple[str, ...], tmpdir: str
+    ) -> tuple[list[str], dict[str, str]]:
+        """
+        The command that compiles C{source_path} for C{arch} into
+        C{output_path}, and its whole environment (C{TMPDIR} at C{tmpdir}).
+        C{compile} must run exactly this command.
+
+        @return: C{(argv, env)}; C{argv[0]} an absolute path.
+        @raise kcoral.errors.ExecutionError: C{parse} for a bad arch or a
+            disallowed flag, C{unavailable} without a toolchain.
+        """

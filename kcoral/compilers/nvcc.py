@@ -38,7 +38,7 @@ import attrs
 from twisted.plugin import IPlugin
 from zope.interface import implementer
 
-from kcoral.compilers.interfaces import KIND_BINARY, ICompilerBackend
+from kcoral.compilers.interfaces import KIND_BINARY, ICommandLineBackend, ICompilerBackend
 from kcoral.errors import ExecutionError
 
 __all__ = [
@@ -62,6 +62,9 @@ DIAGNOSTICS_LIMIT = 600
 #: Name of the source file inside the private directory; diagnostics read
 #: C{kernel.cu(LINE): error: ...}.
 SOURCE_NAME = "kernel.cu"
+
+#: Name of the image nvcc writes beside it (a cubin or a fatbin).
+OUTPUT_NAME = "module.bin"
 
 #: Characters a flag's value may hold (a C{-D} macro value, a C{-I}
 #: directory).  nvcc runs its sub-commands (the host preprocessor, cicc,
@@ -437,7 +440,7 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
         pass
 
 
-@implementer(IPlugin, ICompilerBackend)
+@implementer(IPlugin, ICompilerBackend, ICommandLineBackend)
 @attrs.define(eq=False)
 class NvccBackend:
     """
@@ -482,40 +485,38 @@ class NvccBackend:
             env["TMPDIR"] = tmpdir
         return env
 
+    def command(
+        self, source_path: str, output_path: str, arch: str, options: tuple[str, ...], tmpdir: str
+    ) -> tuple[list[str], dict[str, str]]:
+        validate_arch(arch)
+        args, fatbin = validate_options(options, self.workspace)
+        if arch.startswith("compute_"):
+            fatbin = True  # a cubin cannot hold PTX; ship it in a fatbin
+        nvcc, reason = self.locate()
+        if nvcc is None:
+            raise ExecutionError("unavailable", reason)
+        argv = [nvcc, "-fatbin" if fatbin else "-cubin", f"-arch={arch}", *args]
+        argv += ["-o", output_path, source_path]
+        return argv, self._environment(nvcc, tmpdir)
+
     def compile(self, source: str, arch: str, options: tuple[str, ...], timeout: float) -> bytes:
         if not isinstance(source, str):
             raise ExecutionError(
                 "parse", f"CUDA source must be a string, got {type(source).__name__}"
             )
         validate_arch(arch)
-        args, fatbin = validate_options(options, self.workspace)
-        if arch.startswith("compute_"):
-            fatbin = True  # a cubin cannot hold PTX; ship it in a fatbin
+        validate_options(options, self.workspace)
         if not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ExecutionError(
                 "parse", f"compile timeout must be a positive number, got {timeout!r}"
             )
-        nvcc, reason = self.locate()
-        if nvcc is None:
-            raise ExecutionError("unavailable", reason)
-
         with tempfile.TemporaryDirectory(prefix="kcoral-nvcc-") as tmp:
             src = os.path.join(tmp, SOURCE_NAME)
-            out = os.path.join(tmp, "kernel.fatbin" if fatbin else "kernel.cubin")
+            out = os.path.join(tmp, OUTPUT_NAME)
+            argv, env = self.command(src, out, arch, options, tmp)
             with open(src, "w", encoding="utf-8") as f:
                 f.write(source)
-            argv = [
-                nvcc,
-                "-fatbin" if fatbin else "-cubin",
-                f"-arch={arch}",
-                *args,
-                "-o",
-                out,
-                src,
-            ]
-            text = run_nvcc(
-                argv, cwd=tmp, env=self._environment(nvcc, tmp), arch=arch, timeout=timeout
-            )
+            text = run_nvcc(argv, cwd=tmp, env=env, arch=arch, timeout=timeout)
             try:
                 with open(out, "rb") as f:
                     return f.read()

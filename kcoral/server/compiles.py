@@ -27,7 +27,10 @@ whose entry is already there is answered without a compile.
 from __future__ import annotations
 
 import json
+import os
+import stat
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,6 +43,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from kcoral.compilers.cache import CompileCache, cache_key
+from kcoral.compilers.interfaces import ICommandLineBackend
 from kcoral.compilers.isolated import ANSWER_FD
 from kcoral.errors import ExecutionError
 from kcoral.wire.channel import CompileDone, CompileRequest
@@ -88,6 +92,28 @@ class _Collect(ProcessProtocol):
             self.err += data[: OUTPUT_BYTES - len(self.err)]
 
     def processEnded(self, reason: Failure) -> None:
+        self.ended.callback(None)
+
+
+class _Command(ProcessProtocol):
+    """A compile command's output (bounded, in arrival order) and exit status."""
+
+    def __init__(self) -> None:
+        self.output = bytearray()
+        self.status: int | None = None
+        self.ended: Deferred[None] = Deferred()
+
+    def connectionMade(self) -> None:
+        assert self.transport is not None
+        self.transport.closeStdin()
+
+    def childDataReceived(self, childFD: int, data: bytes) -> None:
+        if len(self.output) < OUTPUT_BYTES:
+            self.output += data[: OUTPUT_BYTES - len(self.output)]
+
+    def processEnded(self, reason: Failure) -> None:
+        code = getattr(reason.value, "exitCode", None)
+        self.status = code if isinstance(code, int) else None
         self.ended.callback(None)
 
 
@@ -188,8 +214,8 @@ class IsolatedCompiles:
             self.log.failure("compile for the shared cache failed", Failure())
             return CompileDone(kind="engine", error=f"{type(e).__name__}: {e}")
 
-    def _prepare(self, request: CompileRequest) -> tuple[str, tuple[bytes, float] | None]:
-        """BLOCKING: check C{request}; its key and the entry already stored, if any."""
+    def _prepare(self, request: CompileRequest) -> tuple[Any, str, tuple[bytes, float] | None]:
+        """BLOCKING: check C{request}; its backend, its key and the entry already stored."""
         check_request(request)
         # (Not backend.available(): for PyCUDA that would load the CUDA
         # driver library into the server; the compile itself says so.)
@@ -200,16 +226,99 @@ class IsolatedCompiles:
         entry = self._cache.read(key)
         if entry is not None:
             self._cache.touch(key)  # (workers' reads cannot: the cache is read-only there)
-        return key, entry
+        return backend, key, entry
 
     async def _compile(self, request: CompileRequest, timeout: float) -> CompileDone:
-        from kcoral.server.sandbox import remove_seat
-
-        key, entry = await self.run_blocking(self._prepare, request)
+        backend, key, entry = await self.run_blocking(self._prepare, request)
         if entry is not None:
             return CompileDone(key=key, seconds=entry[1], cached=True)
+        if ICommandLineBackend.providedBy(backend):
+            return await self._run_command(request, backend, key, timeout)
+        return await self._run_isolated(request, key, timeout)
+
+    def _seat(self) -> Path:
         self._count += 1
-        seat = self.scratch / f"compile-{self._count}"
+        return self.scratch / f"compile-{self._count}"
+
+    async def _run_command(
+        self, request: CompileRequest, backend: Any, key: str, timeout: float
+    ) -> CompileDone:
+        """
+        Run the backend's command line itself in a fresh sandbox: no Python
+        and no answer descriptor there; the outcome is the exit status the
+        kernel reports and the file the command wrote in its workspace.
+        """
+        from kcoral.server.sandbox import remove_seat
+
+        seat = self._seat()
+        work, inside, argv, env = await self.run_blocking(
+            self._command_seat, seat, request, backend
+        )
+        try:
+            executable, args, bwrap_env = self.sandbox.run_command(argv, work, env=env)
+            protocol = _Command()
+            started = time.monotonic()
+            transport = self.reactor.spawnProcess(
+                protocol, executable, args, env=bwrap_env, childFDs={0: "w", 1: "r", 2: "r"}
+            )
+            timed_out = False
+
+            def kill() -> None:
+                nonlocal timed_out
+                timed_out = True
+                try:
+                    transport.signalProcess("KILL")
+                except ProcessExitedAlready:
+                    pass
+
+            timer = self.reactor.callLater(timeout, kill)
+            await protocol.ended
+            if timer.active():
+                timer.cancel()
+            seconds = time.monotonic() - started
+            text = bytes(protocol.output).decode("utf-8", "replace")
+            text = text.replace(inside + "/", "").replace(inside, ".")
+            if timed_out:
+                return CompileDone(kind="compile", error=f"nvcc timed out after {timeout:g}s")
+            if protocol.status != 0:
+                from kcoral.compilers.nvcc import shorten
+
+                return CompileDone(
+                    kind="compile",
+                    error=f"nvcc failed for {request.arch} (exit status {protocol.status}):\n"
+                    + (shorten(text) or "(no diagnostics)"),
+                )
+            stored = await self.run_blocking(
+                _store_output, self.cache_dir, key, work / _OUTPUT, seconds
+            )
+            if not stored:
+                return CompileDone(kind="compile", error="nvcc succeeded but wrote no module image")
+            return CompileDone(key=key, seconds=seconds)
+        finally:
+            await self.run_blocking(remove_seat, seat)
+
+    def _command_seat(
+        self, seat: Path, request: CompileRequest, backend: Any
+    ) -> tuple[Path, str, list[str], dict[str, str]]:
+        """BLOCKING: a fresh seat holding the source, and the command for it."""
+        work = Path(self.sandbox.prepare_seat(seat))
+        inside = self.sandbox.worker_path(work)
+        argv, env = backend.command(
+            f"{inside}/{_SOURCE}",
+            f"{inside}/{_OUTPUT}",
+            request.arch,
+            tuple(request.options),
+            inside,
+        )
+        with open(work / _SOURCE, "x", encoding="utf-8") as f:
+            f.write(request.source)
+        return work, inside, argv, env
+
+    async def _run_isolated(self, request: CompileRequest, key: str, timeout: float) -> CompileDone:
+        """Run C{python -m kcoral.compilers.isolated} in a fresh sandbox (any backend)."""
+        from kcoral.server.sandbox import remove_seat
+
+        seat = self._seat()
         work = await self.run_blocking(self.sandbox.prepare_seat, seat)
         try:
             executable, argv, env = self.sandbox.run_command(
@@ -260,6 +369,35 @@ class IsolatedCompiles:
             return CompileDone(key=key, seconds=seconds)
         finally:
             await self.run_blocking(remove_seat, seat)
+
+
+#: The source and image names in a command compile's workspace.
+_SOURCE = "kernel.cu"
+_OUTPUT = "module.bin"
+
+
+def read_output(path: Path) -> bytes | None:
+    """
+    BLOCKING: the image a command wrote at C{path}, or C{None} unless it is
+    a regular file of at most L{MAX_IMAGE_BYTES} (a symbolic link, a FIFO
+    or a device the compile left there is not followed or read).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_IMAGE_BYTES:
+            return None
+        image = f.read(MAX_IMAGE_BYTES + 1)
+    return image if len(image) <= MAX_IMAGE_BYTES else None
+
+
+def _store_output(cache_dir: str, key: str, path: Path, seconds: float) -> bool:
+    """BLOCKING: store the image a command wrote at C{path} under C{key}."""
+    image = read_output(path)
+    return image is not None and _store(cache_dir, key, image, seconds)
 
 
 def _store(cache_dir: str, key: str, image: bytes, seconds: float) -> bool:

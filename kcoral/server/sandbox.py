@@ -783,9 +783,16 @@ class BubblewrapSandbox:
             "PYTHONNOUSERSITE": "1",
         }
 
-    def run_command(self, tail: list[str], work_dir: Path) -> tuple[str, list[str], dict[str, str]]:
-        """The command line that runs C{tail} (no GPUs) in this sandbox at C{work_dir}."""
-        return self._command(tail, work_dir, [])
+    def run_command(
+        self, tail: list[str], work_dir: Path, env: dict[str, str] | None = None
+    ) -> tuple[str, list[str], dict[str, str]]:
+        """
+        The command line that runs C{tail} (no GPUs) in this sandbox at
+        C{work_dir}; with C{env}, bwrap and so C{tail} get that environment
+        (plus the sandbox's own C{--setenv}s) instead of the server's.
+        """
+        executable, argv, full = self._command(tail, work_dir, [])
+        return executable, argv, full if env is None else dict(env)
 
     def probe_command(self, work_dir: Path, gpu_devices: list[str]) -> list[str]:
         """The startup probe's argv for one device configuration."""

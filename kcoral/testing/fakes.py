@@ -281,9 +281,11 @@ class FakeSandbox:
     def worker_path(self, work_dir: Path) -> str:
         return str(work_dir)
 
-    def run_command(self, tail: list[str], work_dir: Path) -> tuple[str, list[str], dict[str, str]]:
+    def run_command(
+        self, tail: list[str], work_dir: Path, env: dict[str, str] | None = None
+    ) -> tuple[str, list[str], dict[str, str]]:
         """C{tail} as it is (the server's isolated compiles)."""
-        return tail[0], list(tail), dict(self.env)
+        return tail[0], list(tail), dict(self.env if env is None else env)
 
     def template_command(
         self,

@@ -80,6 +80,12 @@ def preload(device: str, tensor_api: str) -> None:
         from kcoral.worker.gpu import import_gpu_modules
 
         import_gpu_modules(tensor_api)
+    # The compiler plugins, found once, and nvcc's version, probed once:
+    # every forked worker inherits both, so a compile (a cache hit above
+    # all) costs no plugin scan and no `nvcc --version` (issue 38).
+    from kcoral.compilers import warm_up
+
+    warm_up()
 
 
 class Template:

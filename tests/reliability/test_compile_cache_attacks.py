@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -200,9 +201,10 @@ def test_a_compile_cannot_plant_an_image_for_another_client(server: ServerProces
     assert "not allowed" in outcome, outcome
 
 
-#: A hostile toolchain: as nvcc's descendants would, it tries to write each
-#: of the compile process's descriptors through /proc, then reports what it
-#: could do as the "image".
+#: A hostile toolchain: as nvcc's descendants would, it tries to write a
+#: forged answer (a victim's key, its own bytes) on each descriptor of its
+#: parent through /proc and on its own output, then reports what it could
+#: do as the "image".
 HOSTILE_NVCC = r"""#!/bin/sh
 if [ "$1" = "--version" ]; then
   echo "Cuda compilation tools, release 13.0, V13.0.88"
@@ -214,26 +216,47 @@ for a in "$@"; do
   [ "$prev" = "-o" ] && out="$a"
   prev="$a"
 done
+forged='{"key": "VICTIM", "seconds": 0.0, "size": 4}'
 report=""
 for fd in 0 1 2 3; do
-  if (printf 'FORGED\n' > /proc/$PPID/fd/$fd) 2>/dev/null; then
+  if (printf '%s\nEVIL' "$forged" > /proc/$PPID/fd/$fd) 2>/dev/null; then
     report="$report fd$fd:written"
   else
     report="$report fd$fd:refused"
   fi
 done
+printf '%s\nEVIL' "$forged"
+printf '%s\nEVIL' "$forged" >&2
 printf '%s' "$report" > "$out"
 """
 
 
-@pytest.fixture(scope="module")
-def hostile_toolchain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    base = tmp_path_factory.mktemp("hostile-toolchain")
+def _hostile_bin(base: Path, victim_key: str) -> Path:
     bin_dir = base / "bin"
     bin_dir.mkdir()
     nvcc = bin_dir / "nvcc"
-    nvcc.write_text(HOSTILE_NVCC)
+    nvcc.write_text(HOSTILE_NVCC.replace("VICTIM", victim_key))
     nvcc.chmod(0o755)
+    return bin_dir
+
+
+def _victim_key(source: str) -> str:
+    from kcoral.compilers.cache import cache_key
+    from kcoral.compilers.source import add_extern_c
+
+    toolchain = {"nvcc": "13.0.88", "cuda": "13.0"}  # what HOSTILE_NVCC --version says
+    return cache_key(add_extern_c(source), "sm_90a", (), "nvcc", toolchain)
+
+
+OTHER = "__global__ void other(float *p) { p[0] = 2.0f; }\n"
+
+
+@pytest.fixture(scope="module")
+def hostile_toolchain(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[ServerProcess, Path]]:
+    base = tmp_path_factory.mktemp("hostile-toolchain")
+    bin_dir = _hostile_bin(base, _victim_key(OTHER))
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
     server = ServerProcess(
         ["--device", "cpu", "--sandbox", "bubblewrap", "--num-workers", "1"]
@@ -242,21 +265,86 @@ def hostile_toolchain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serv
         env=env,
     )
     server.start()
-    yield server
+    yield server, base / "compile"
     server.stop()
 
 
-def test_the_compiles_descendants_cannot_write_its_descriptors(
-    hostile_toolchain: ServerProcess,
+def test_a_hostile_toolchain_fills_only_its_own_entry(
+    hostile_toolchain: tuple[ServerProcess, Path],
 ) -> None:
     """
-    Issue 32, item 1: whatever runs below the isolated compile (here nvcc
-    itself, replaced by a script) cannot open the compile process's
-    descriptors through /proc (it is non-dumpable), so it cannot write the
-    answer; the server stores what nvcc wrote under the request's own key.
+    Issue 32, item 1: nvcc itself replaced by a script that writes a
+    forged answer (another kernel's key, its own bytes) wherever it can.
+    The server runs nvcc's command line directly in the compile's sandbox,
+    so there is no answer to forge: it stores what the command wrote, under
+    the key of the request it sent, and nothing under the other key.
     """
-    response = hostile_toolchain.execute(_compile_program(VICTIM, "victim"))
+    server, cache_dir = hostile_toolchain
+    response = server.execute(_compile_program(VICTIM, "victim"))
     body, parts = decode_response(response.headers["content-type"], response.body)
     assert body["status"] == "COMPLETED", body
-    report = decode_results(body["results"], parts)["image"].decode()
-    assert report.split() == ["fd0:refused", "fd1:refused", "fd2:refused", "fd3:refused"], report
+    report = decode_results(body["results"], parts)["image"]
+    assert report.startswith(b" fd0:"), report
+    assert sorted(p.name for p in cache_dir.glob("*.bin")) == [_victim_key(VICTIM) + ".bin"]
+
+
+def test_the_compiles_descendants_cannot_write_its_descriptors(tmp_path: Path) -> None:
+    """
+    Issue 32, item 1: below C{python -m kcoral.compilers.isolated} (the
+    compile of backends that are not one command line), nvcc's descendants
+    cannot open the compile process's descriptors through /proc (it is
+    non-dumpable), so they cannot write its answer on fd 3.
+    """
+    import subprocess
+
+    from kcoral.compilers.source import add_extern_c
+    from kcoral.server.compiles import parse_answer
+    from kcoral.server.sandbox import BubblewrapSandbox
+
+    bin_dir = _hostile_bin(tmp_path, _victim_key(OTHER))
+    sandbox = BubblewrapSandbox([str(bin_dir)])
+    work = sandbox.prepare_seat(tmp_path / "seat")
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+    executable, argv, env = sandbox.run_command(
+        [sys.executable, "-m", "kcoral.compilers.isolated"], work, env=env
+    )
+    request = {
+        "source": add_extern_c(VICTIM),
+        "arch": "sm_90a",
+        "options": [],
+        "backend": "nvcc",
+        "timeout": 60,
+    }
+    read, write = os.pipe()
+    try:
+        process = subprocess.Popen(
+            argv,
+            executable=executable,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            pass_fds=(3,),
+            preexec_fn=lambda: os.dup2(write, 3),
+        )
+        os.close(write)
+        write = -1
+        # (The answer is far smaller than a pipe's buffer.)
+        _, err = process.communicate(json.dumps(request).encode(), timeout=120)
+        with os.fdopen(read, "rb") as f:
+            read = -1
+            answer = f.read()
+    finally:
+        for fd in (read, write):
+            if fd >= 0:
+                os.close(fd)
+    parsed = parse_answer(answer)
+    assert parsed is not None, (answer[:500], err[-2000:])
+    fields, image = parsed
+    assert "kind" not in fields, fields
+    assert image.decode().split() == [
+        "fd0:refused",
+        "fd1:refused",
+        "fd2:refused",
+        "fd3:refused",
+    ], image

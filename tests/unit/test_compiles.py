@@ -8,15 +8,19 @@ the cache when the entry is there.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from twisted.internet.defer import Deferred, succeed
+from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
+from zope.interface import implementer
 
 from kcoral.compilers.cache import CompileCache, cache_key
+from kcoral.compilers.interfaces import ICommandLineBackend
 from kcoral.compilers.isolated import ANSWER_FD
 from kcoral.errors import ExecutionError
 from kcoral.server.compiles import IsolatedCompiles, check_request, parse_answer
@@ -222,3 +226,101 @@ class IsolatedCompilesTests(SynchronousTestCase):
         self.assertEqual(transport.signals, ["KILL"])
         self.reactor.spawned[-1]["protocol"].processEnded(None)
         self.assertEqual(self.successResultOf(d).kind, "compile")
+
+
+@implementer(ICommandLineBackend)
+class _CommandBackend(FakeCompilerBackend):
+    """A fake whose compile is one command line (as nvcc's is)."""
+
+    def command(
+        self, source_path: str, output_path: str, arch: str, options: tuple[str, ...], tmpdir: str
+    ) -> tuple[list[str], dict[str, str]]:
+        return ["/opt/cc", f"-arch={arch}", *options, "-o", output_path, source_path], {
+            "TMPDIR": tmpdir
+        }
+
+
+class CommandCompileTests(SynchronousTestCase):
+    """
+    A backend that provides L{ICommandLineBackend} is run directly in the
+    sandbox: no Python there and no answer to forge; the server takes the
+    exit status and the file the command wrote, under the request's key.
+    """
+
+    def setUp(self) -> None:
+        self.dir = Path(tempfile.mkdtemp())
+        self.addCleanup(shutil.rmtree, self.dir, True)
+        (self.dir / "scratch").mkdir()
+        self.reactor = ProcessReactor()
+        self.backend = _CommandBackend()
+        self.compiles = IsolatedCompiles(
+            self.reactor,
+            _Seats(),
+            str(self.dir / "cache"),
+            self.dir / "scratch",
+            _sync,
+            lookup_backend=lambda name: self.backend,
+        )
+
+    def _start(self) -> tuple[Deferred[CompileDone], dict[str, Any], Path]:
+        d = Deferred.fromCoroutine(self.compiles.compile(_request(), 30.0))
+        spawned = self.reactor.spawned[-1]
+        work = self.dir / "scratch" / "compile-1" / "work"
+        return d, spawned, work
+
+    def _end(self, spawned: dict[str, Any], code: int, output: bytes = b"") -> None:
+        from twisted.internet.error import ProcessDone, ProcessTerminated
+
+        protocol = spawned["protocol"]
+        if output:
+            protocol.childDataReceived(2, output)
+        reason = ProcessDone(0) if code == 0 else ProcessTerminated(exitCode=code)
+        protocol.processEnded(Failure(reason))
+
+    def test_command_and_key(self) -> None:
+        """The backend's own command runs; its image is stored under the request's key."""
+        d, spawned, work = self._start()
+        self.assertEqual(spawned["executable"], "/opt/cc")
+        self.assertIn("-O3", spawned["args"])
+        self.assertEqual((work / "kernel.cu").read_text(), KERNEL)
+        self.assertEqual(spawned["env"], {"TMPDIR": str(work)})
+        (work / "module.bin").write_bytes(b"IMAGE")
+        self._end(spawned, 0, b'{"key": "' + b"ab" * 32 + b'"}\n')
+        done = self.successResultOf(d)
+        key = cache_key(KERNEL, "sm_90a", ("-O3",), "fake", self.backend.versions())
+        self.assertEqual((done.key, done.error, done.cached), (key, None, False))
+        cache = CompileCache(str(self.dir / "cache"))
+        self.assertEqual(cache.read(key)[0], b"IMAGE")  # type: ignore[index]
+        self.assertIsNone(cache.read("ab" * 32))
+        self.assertFalse((self.dir / "scratch" / "compile-1").exists())
+
+    def test_failure(self) -> None:
+        """A non-zero exit is a C{compile} error with the workspace path stripped."""
+        d, spawned, work = self._start()
+        (work / "module.bin").write_bytes(b"IMAGE")
+        self._end(spawned, 2, f"{work}/kernel.cu(1): error: bad\n".encode())
+        done = self.successResultOf(d)
+        self.assertEqual(done.kind, "compile")
+        self.assertIn("exit status 2", done.error or "")
+        self.assertIn("kernel.cu(1): error: bad", done.error or "")
+        self.assertNotIn(str(work), done.error or "")
+        self.assertEqual(list((self.dir / "cache").glob("*.bin")), [])
+
+    def test_output_not_a_regular_file(self) -> None:
+        """A link (or FIFO) left as the output is not followed: nothing is stored."""
+        secret = self.dir / "secret"
+        secret.write_bytes(b"server secret")
+        d, spawned, work = self._start()
+        os.symlink(secret, work / "module.bin")
+        self._end(spawned, 0)
+        done = self.successResultOf(d)
+        self.assertEqual(done.kind, "compile")
+        self.assertEqual(list((self.dir / "cache").glob("*.bin")), [])
+
+    def test_timeout(self) -> None:
+        """Past its timeout the command is killed and the compile fails."""
+        d, spawned, work = self._start()
+        self.reactor.advance(30.0)
+        self.assertEqual(spawned["transport"].signals, ["KILL"])
+        self._end(spawned, 137)
+        self.assertEqual(self.successResultOf(d).error, "nvcc timed out after 30s")

@@ -147,6 +147,78 @@ def measure_nvcc(args: argparse.Namespace) -> dict[str, Any]:
     return {"cold": common.describe(times), "rate": rate}
 
 
+# -- the pieces -------------------------------------------------------------------
+
+
+def timed(argv: list[str], env: dict[str, str] | None = None, **kw: Any) -> float:
+    started = time.perf_counter()
+    subprocess.run(argv, env=env, check=True, capture_output=True, **kw)
+    return (time.perf_counter() - started) * 1e3
+
+
+def measure_pieces(args: argparse.Namespace) -> dict[str, Any]:
+    """
+    The suspects of issue 38, each alone: what the old paths paid per
+    request and the new ones pay once (or not at all).
+    """
+    from kcoral.compilers.cache import CompileCache, cache_key
+    from kcoral.server.sandbox import BubblewrapSandbox
+
+    nvcc = shutil.which("nvcc") or "nvcc"
+    n = args.requests
+    py = sys.executable
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(common.ROOT), env.get("PYTHONPATH")]))
+    pieces: dict[str, Any] = {
+        "nvcc --version": common.describe([timed([nvcc, "--version"]) for _ in range(n)]),
+        "python start": common.describe([timed([py, "-c", "pass"]) for _ in range(n)]),
+        "python + import kcoral.compilers": common.describe(
+            [timed([py, "-c", "import kcoral.compilers"], env) for _ in range(n)]
+        ),
+        "python + plugin scan (backends())": common.describe(
+            [timed([py, "-c", "import kcoral.compilers as c; c.backends()"], env) for _ in range(n)]
+        ),
+    }
+    with tempfile.TemporaryDirectory(prefix="kcoral-bench-pieces-") as tmp:
+        image = os.urandom(16 * 1024)
+        cache = CompileCache(os.path.join(tmp, "cache"))
+        source = kernel("saxpy")
+        versions = {"nvcc": "13.0.88", "cuda": "13.0"}
+        started = time.perf_counter()
+        for _ in range(1000):
+            key = cache_key(source, args.arch, ("-O3",), "nvcc", versions)
+        pieces["cache key (sha256 of the request)"] = {
+            "n": 1000,
+            "p50": (time.perf_counter() - started),
+        }
+        cache.put(key, image, 0.2)
+        started = time.perf_counter()
+        for _ in range(1000):
+            cache.read(key)
+        pieces["cache read (16 KiB image, sha256 checked)"] = {
+            "n": 1000,
+            "p50": (time.perf_counter() - started),
+        }
+        if shutil.which("bwrap"):
+            sandbox = BubblewrapSandbox([])
+            for i, (label, tail) in enumerate(
+                [
+                    ("bubblewrap sandbox start (/bin/true)", ["/bin/true"]),
+                    (
+                        "bubblewrap + python + plugin scan",
+                        [py, "-c", "import kcoral.compilers as c; c.backends()"],
+                    ),
+                ]
+            ):
+                times = []
+                for j in range(n):
+                    work = sandbox.prepare_seat(Path(tmp) / f"seat-{i}-{j}")
+                    executable, argv, benv = sandbox.run_command(tail, work)
+                    times.append(timed(argv, benv, executable=executable))
+                pieces[label] = common.describe(times)
+    return pieces
+
+
 # -- a server -----------------------------------------------------------------
 
 
@@ -192,8 +264,13 @@ def measure_kcoral(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         flags = ["--device", "cpu", "--num-workers", str(args.cores), "--sandbox", mode]
         flags += ["--log-dir", "", "--disk-cache-dir", os.path.join(tmp, "files")]
         flags += shlex.split(args.server_flags)
-        server = ServerProcess(flags, log_path=Path(tmp) / "server.log")
-        server.start(timeout=args.spawn_timeout)
+        log = Path(tmp) / "server.log"
+        server = ServerProcess(flags, log_path=log)
+        try:
+            server.start(timeout=args.spawn_timeout)
+        except RuntimeError:
+            sys.stderr.write(log.read_text(errors="replace")[-3000:])
+            raise
         try:
             result = measure_server("127.0.0.1", server.port, args, compile_program, True)
         finally:
@@ -308,6 +385,9 @@ def main() -> int:
     parser.add_argument("--output", default=str(common.RESULTS / "compile_node.json"))
     args = parser.parse_args()
 
+    pieces = measure_pieces(args)
+    for label, stats in pieces.items():
+        print(f"{label}: p50 {stats['p50']:.3f} ms")
     results: dict[str, Any] = {"nvcc": measure_nvcc(args)}
     print(f"nvcc alone: {common.fmt(results['nvcc']['cold'])}; {results['nvcc']['rate']:.2f}/s")
     for mode in [m for m in args.modes.split(",") if m]:
@@ -331,6 +411,7 @@ def main() -> int:
             "arch": args.arch,
             "requests": args.requests,
             "results": results,
+            "pieces": pieces,
             "table": text,
         },
     )

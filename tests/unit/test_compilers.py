@@ -39,6 +39,7 @@ from kcoral.compilers.nvcc import (
     NvccBackend,
     find_nvcc,
     parse_nvcc_version,
+    probe_versions,
     shorten,
     validate_arch,
     validate_options,
@@ -222,6 +223,53 @@ class NvccLocationTests(SynchronousTestCase):
             finally:
                 sys.path.remove(site)
             self.assertEqual(path, nvcc)
+
+
+class ProbeTests(SynchronousTestCase):
+    """
+    C{nvcc --version} runs once per toolchain (issue 38): the answer is
+    kept under the file's identity and asked again only when it changes.
+    """
+
+    def _nvcc(self, version: str) -> tuple[str, str]:
+        base = _mktemp(self)
+        calls = os.path.join(os.path.dirname(base), "calls")
+        text = (
+            f"#!/bin/sh\necho probed >> {calls}\n"
+            f"echo 'Cuda compilation tools, release {version}, V{version}.1'\n"
+        )
+        return _executable(os.path.join(base, "bin", "nvcc"), text), calls
+
+    def _calls(self, path: str) -> int:
+        with open(path) as f:
+            return len(f.readlines())
+
+    def test_once_per_toolchain(self):
+        """Asked twice, the same file is probed once; replaced, it is probed again."""
+        nvcc, calls = self._nvcc("13.0")
+        self.assertEqual(probe_versions(nvcc), {"nvcc": "13.0.1", "cuda": "13.0"})
+        self.assertEqual(NvccBackend(nvcc_path=nvcc).versions()["nvcc"], "13.0.1")
+        self.assertEqual(self._calls(calls), 1)
+        with open(nvcc, "w") as f:  # an upgrade in place: new size and mtime
+            f.write(
+                f"#!/bin/sh\necho probed >> {calls}\n"
+                "echo 'Cuda compilation tools, release 13.1, V13.1.7'\n"
+            )
+        os.utime(nvcc, ns=(1, 1))
+        self.assertEqual(probe_versions(nvcc), {"nvcc": "13.1.7", "cuda": "13.1"})
+        self.assertEqual(self._calls(calls), 2)
+
+    def test_missing(self):
+        """No file: no versions, nothing remembered."""
+        self.assertEqual(probe_versions(os.path.join(_mktemp(self), "nvcc")), {})
+
+    def test_warm_up(self):
+        """C{warm_up} discovers the backends before a fork."""
+        compilers._reset_for_tests()
+        self.addCleanup(compilers._reset_for_tests)
+        compilers.warm_up()
+        self.assertIsNotNone(compilers._known)
+        self.assertIn("nvcc", compilers._known)
 
 
 class ValidationTests(SynchronousTestCase):

@@ -2,12 +2,31 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    """
+    Run C{kcoral <subcommand>}.  Output to a reader that went away
+    (C{kcoral server --help | head}) ends the command quietly, with the
+    status a shell gives a process ended by SIGPIPE (141).
+    """
+    try:
+        status = _dispatch(sys.argv[1:] if argv is None else argv)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Later writes, and the interpreter's last flush, go nowhere.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 128 + signal.SIGPIPE
+    return status
+
+
+def _dispatch(args: list[str]) -> int:
     """Dispatch C{kcoral <subcommand>}: C{run} and C{health} are the client's."""
-    args = sys.argv[1:] if argv is None else argv
     from kcoral.client.install import report
 
     report(sys.stderr)  # the reference client installed beside us: one line

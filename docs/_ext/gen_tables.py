@@ -63,7 +63,10 @@ def _python_default(field: attrs.Attribute[Any]) -> str:
 
 
 def options_table() -> str:
-    """One row per flag of C{kcoral server} / C{twistd kcoral}."""
+    """
+    One row per flag of C{kcoral server} / C{twistd kcoral}, in one table
+    per topic (L{kcoral.server.tap.OPTION_GROUPS}, as C{--help} lists them).
+    """
     from kcoral.config import ServerConfig
     from kcoral.server import tap
 
@@ -82,20 +85,29 @@ def options_table() -> str:
         if any(row[0] == name for row in rows):
             continue
         rows.append((name, "none", method.__doc__ or ""))
-    lines = [
-        "| Flag | Env var | Default | `ServerConfig` field (Python default) | What it does |",
-        "| --- | --- | --- | --- | --- |",
-    ]
-    for name, default, doc in rows:
-        env = tap.ENV_VARS.get(name)
-        field = flag_fields.get(name)
-        target = (
-            f"`{field}` ({_python_default(fields[field])})" if field in fields else "none"
-        )
-        lines.append(
-            f"| `--{name}` | {_code(env) if env else 'none'} | {default} | {target} | {_help(doc)} |"
-        )
-    return "\n".join(lines) + "\n"
+    by_name = {row[0]: row for row in rows}
+    tables = []
+    # One table per topic, as `kcoral server --help` groups them.
+    for title, names in tap.grouped(list(by_name)):
+        lines = [
+            f"**{title}**",
+            "",
+            "| Flag | Env var | Default | `ServerConfig` field (Python default) | What it does |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for name in names:
+            _, default, doc = by_name[name]
+            env = tap.ENV_VARS.get(name)
+            field = flag_fields.get(name)
+            target = (
+                f"`{field}` ({_python_default(fields[field])})" if field in fields else "none"
+            )
+            lines.append(
+                f"| `--{name}` | {_code(env) if env else 'none'} | {default} | {target} "
+                f"| {_help(doc)} |"
+            )
+        tables.append("\n".join(lines) + "\n")
+    return "\n".join(tables)
 
 
 def fields_table() -> str:

@@ -11,7 +11,10 @@ by default), so tests can capture the twistd configuration without starting
 a reactor.
 
 A bad option is reported as one line, C{kcoral server: error: <message>},
-with exit status 2.
+with exit status 2.  A server that fails to start exits 1; its cause is the
+console mirror's C{server_start_failed} line, or, with C{--no-log-console},
+one line C{kcoral server: error: the server failed to start: <cause>} on
+standard error.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import contextlib
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import IO, Any
 
 from twisted.application.service import IService, IServiceMaker, ServiceMaker
@@ -143,12 +147,15 @@ def _declared_plugin() -> ServiceMaker:
     return plugin
 
 
-def _default_run_app(config: usage.Options) -> int:
+def _default_run_app(config: usage.Options, failures: IO[str] | None = None) -> int:
     """
     Run twistd's application runner in the foreground.
 
     Unlike C{twistd}, a graceful stop on SIGTERM or SIGINT exits with status
     0 rather than re-raising the signal; a server that failed to start exits 1.
+
+    @param failures: where a failed start is reported in one line, when
+        the console mirror does not show it (C{--no-log-console}).
     """
     from twisted.application.service import IServiceCollection
     from twisted.scripts.twistd import _SomeApplicationRunner  # type: ignore[attr-defined]
@@ -159,7 +166,11 @@ def _default_run_app(config: usage.Options) -> int:
     if application is None:
         return 1
     root = IServiceCollection(application).getServiceNamed("kcoral")
-    return 1 if getattr(root, "start_failure", None) else 0
+    failure = getattr(root, "start_failure", None)
+    if failure and failures is not None:
+        failures.write(f"kcoral server: error: the server failed to start: {failure}\n")
+        failures.flush()
+    return 1 if failure else 0
 
 
 def _exit_code(exc: SystemExit, err: IO[str]) -> int:
@@ -211,7 +222,7 @@ def main(
         err.write(_USAGE)
         err.write(f"kcoral: error: unknown command {command!r}\n")
         return 2
-    return _server(rest, out, err, env, _default_run_app if run_app is None else run_app)
+    return _server(rest, out, err, env, run_app)
 
 
 def _server(
@@ -219,7 +230,7 @@ def _server(
     out: IO[str],
     err: IO[str],
     env: Mapping[str, str],
-    run_app: Callable[[usage.Options], object],
+    run_app: Callable[[usage.Options], object] | None,
 ) -> int:
     from twisted.scripts.twistd import ServerOptions  # type: ignore[attr-defined]
 
@@ -242,6 +253,12 @@ def _server(
             "kcoral server: warning: CUDA_VISIBLE_DEVICES does not restrict the server; "
             "workers are pinned to the physical GPU ids given by --gpus\n"
         )
+
+    if run_app is None:
+        # Without the console mirror (or with it above ERROR) nothing would
+        # say why a start failed: one line on standard error does.
+        mirrored = config.log_console and config.log_level != "critical"
+        run_app = partial(_default_run_app, failures=None if mirrored else err)
 
     maker = _KcoralServiceMaker(_declared_plugin(), env)
 

@@ -95,6 +95,12 @@ CONSOLE_SKIPPED_KEYS = frozenset({"traceback", "versions", "config", "ops", "upl
 #: Longest console value before it is cut and followed by C{...}.
 CONSOLE_VALUE_LIMIT = 120
 
+#: Fields the console shows whole, whatever their length: an error's
+#: message ends with its remedy (C{server_start_failed}'s "bubblewrap
+#: cannot run (...); fix it, or choose --sandbox auto ...").  Its line
+#: breaks become spaces, so the event stays one line.
+CONSOLE_WHOLE_KEYS = frozenset({"error"})
+
 #: How much of C{repr(fields)} a reduced record keeps.
 UNENCODABLE_LIMIT = 2000
 
@@ -366,11 +372,13 @@ class JsonEventObserver:
             pass
 
 
-def _console_value(value: Any) -> str:
+def _console_value(value: Any, whole: bool = False) -> str:
     if isinstance(value, float):
         text = f"{value:.1f}"
     else:
         text = str(value)
+    if whole:
+        return " ".join(text.splitlines())
     if len(text) > CONSOLE_VALUE_LIMIT:
         text = text[:CONSOLE_VALUE_LIMIT] + "..."
     return text
@@ -385,7 +393,8 @@ class ConsoleObserver:
 
     C{traceback}, C{versions}, C{config}, C{ops}, C{uploads} and fields whose
     value is C{None} are skipped; floats print with one decimal; a value
-    longer than 120 characters is cut and followed by C{...}.  Each line is
+    longer than 120 characters is cut and followed by C{...}, except an
+    C{error} (L{CONSOLE_WHOLE_KEYS}), shown whole on one line.  Each line is
     flushed (through a L{BackgroundWriter}, gathered as for the events
     file).  Write errors are ignored.
 
@@ -415,7 +424,7 @@ class ConsoleObserver:
         for key, value in event_fields(event).items():
             if key in CONSOLE_SKIPPED_KEYS or value is None:
                 continue
-            parts.append(f"{key}={_console_value(value)}")
+            parts.append(f"{key}={_console_value(value, key in CONSOLE_WHOLE_KEYS)}")
         return " ".join(parts)
 
     def __call__(self, event: dict[str, Any]) -> None:

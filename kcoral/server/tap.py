@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -46,7 +47,15 @@ from kcoral.config import (
 if TYPE_CHECKING:
     from twisted.application.service import MultiService
 
-__all__ = ["ENV_VARS", "Options", "endpoint_description", "makeService", "with_backlog"]
+__all__ = [
+    "ENV_VARS",
+    "OPTION_GROUPS",
+    "Options",
+    "endpoint_description",
+    "grouped",
+    "makeService",
+    "with_backlog",
+]
 
 #: The listen queue of TCP and SSL ports given without C{backlog=}.
 DEFAULT_BACKLOG = 1024
@@ -158,6 +167,98 @@ _FIELD_FLAGS: Mapping[str, str] = {
     "front_ends": "front-ends",
     "lame_duck_seconds": "lame-duck-seconds",
 }
+
+#: The options of C{--help} (and of docs/configuration.md's table) by
+#: topic, in this order; an option named in no group is listed last, under
+#: L{OTHER_GROUP}.
+OPTION_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    (
+        "Listening and access",
+        (
+            "host",
+            "port",
+            "listen",
+            "listen-backlog",
+            "auth-token-file",
+            "public-metrics",
+            "max-connections",
+            "header-timeout-seconds",
+            "body-timeout-seconds",
+            "front-ends",
+            "lame-duck-seconds",
+        ),
+    ),
+    (
+        "Workers",
+        (
+            "device",
+            "gpus",
+            "num-workers",
+            "workers-per-gpu",
+            "max-requests-per-worker",
+            "spare-workers-per-gpu",
+            "worker-start",
+            "cuda-connections",
+            "tensor-api",
+            "reuse-scope",
+            "worker-termination-grace-seconds",
+        ),
+    ),
+    ("Sandbox", ("sandbox", "sandbox-readonly-path", "output-space-bytes")),
+    (
+        "Requests: queueing, budgets and sizes",
+        (
+            "worker-wait-timeout-seconds",
+            "max-queued-requests",
+            "finish-abandoned",
+            "default-timeout-seconds",
+            "max-timeout-seconds",
+            "max-request-bytes",
+            "max-bytes-in-flight",
+            "max-response-bytes",
+            "output-limit-bytes",
+            "max-output-limit-bytes",
+        ),
+    ),
+    ("Caches", ("cache-capacity-bytes", "disk-cache-dir", "disk-cache-capacity-mbytes")),
+    (
+        "Logs",
+        (
+            "log-dir",
+            "log-level",
+            "no-log-console",
+            "no-log-programs",
+            "log-retention-days",
+            "log-retention-mbytes",
+        ),
+    ),
+    ("Help", ("help", "version")),
+)
+
+#: The group of an option that L{OPTION_GROUPS} does not name.
+OTHER_GROUP = "Other"
+
+
+def grouped(names: Sequence[str]) -> list[tuple[str, list[str]]]:
+    """
+    C{names} (long options, without dashes) by L{OPTION_GROUPS}, in its
+    order of groups, as C{(title, names)} pairs with each group's names
+    sorted (as C{--help} lists them); the ones no group names come last,
+    under L{OTHER_GROUP}, in their own order.
+    """
+    present = list(dict.fromkeys(names))
+    groups = []
+    placed: set[str] = set()
+    for title, members in OPTION_GROUPS:
+        inside = sorted(name for name in members if name in present)
+        placed.update(inside)
+        if inside:
+            groups.append((title, inside))
+    rest = [name for name in present if name not in placed]
+    if rest:
+        groups.append((OTHER_GROUP, rest))
+    return groups
+
 
 _FIELD_RE = re.compile(r"\b(" + "|".join(_FIELD_FLAGS) + r")\b(?![=_])")
 
@@ -464,6 +565,43 @@ class Options(usage.Options):
         if not path:
             raise usage.UsageError("--sandbox-readonly-path needs a non-empty path")
         self["sandbox-readonly-path"].append(path)
+
+    def opt_help(self) -> None:
+        """
+        Display this help and exit.
+        """
+        print(self.__str__())
+        raise SystemExit(0)
+
+    opt_h = opt_help
+
+    def getUsage(self, width: int | None = None) -> str:
+        """
+        Twisted's usage text with the options grouped by topic
+        (L{OPTION_GROUPS}) instead of one alphabetical list.
+        """
+        from twisted.python.usage import docMakeChunks
+
+        if not width:
+            width = int(os.environ.get("COLUMNS", "80"))
+        short = {long: key for key, long in self.synonyms.items() if len(key) == 1}
+        dicts = {}
+        for opt in self.longOpt:
+            name = opt.rstrip("=")
+            dicts[name] = {
+                "long": name,
+                "short": short.get(name),
+                "doc": " ".join(self.docs[name].split()),
+                "optType": "parameter" if opt.endswith("=") else "flag",
+                "default": self.defaults.get(name),
+                "dispatch": self._dispatch.get(name),
+            }
+        sections = []
+        for title, names in grouped(list(dicts)):
+            chunks = docMakeChunks([dicts[name] for name in names], width)
+            sections.append(f"\n{title}:\n" + "".join(chunks))
+        longdesc = "\n".join(textwrap.wrap(self.longdesc, width)).strip()
+        return "".join(sections) + "\n" + longdesc + "\n"
 
     def opt_version(self) -> None:
         """

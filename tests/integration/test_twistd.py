@@ -277,6 +277,26 @@ def test_log_dir_cannot_be_created(tmp_path: Path) -> None:
     assert "Not a directory" in line
 
 
+def test_start_failure_without_console(tmp_path: Path) -> None:
+    """
+    With C{--no-log-console} a failed start still says why, in one line on
+    standard error, and exits 1 (issue 36, item 5).
+    """
+    (tmp_path / "afile").write_text("")
+    args = ["--device", "cpu", "--sandbox", "none", "--disk-cache-dir", "", "--no-log-console"]
+    process = _kcoral_server(
+        [*args, "--log-dir", "afile/logs", "--port", str(free_port())], tmp_path
+    )
+    code, output = _wait_exit(process, tmp_path)
+    assert code == 1, output[-4000:]
+    lines = [line for line in output.splitlines() if "afile/logs" in line]
+    assert len(lines) == 1, output[-4000:]
+    assert lines[0].startswith(
+        "kcoral server: error: the server failed to start: LogDirectoryError: cannot create "
+        "the log directory afile/logs: Not a directory"
+    ), lines
+
+
 def test_plugin_prints_each_event_once(tmp_path: Path) -> None:
     """
     Under plain twistd, twistd's log shows each event once: kcoral's console

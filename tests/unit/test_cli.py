@@ -5,6 +5,8 @@ Tests for L{kcoral.server.cli}, the C{kcoral} command.
 from __future__ import annotations
 
 import io
+import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -223,6 +225,44 @@ class ServerRunTests(SynchronousTestCase):
         self.assertEqual(run.configs, [])
 
 
+#: An option's first line in Twisted's usage text: C{  -h, --help  ...}.
+OPTION_LINE = r"^  (?:-\w,|   ) --([a-z-]+)"
+
+
+class ServerHelpTests(SynchronousTestCase):
+    """C{kcoral server --help} and C{-h}: the options grouped by topic."""
+
+    def test_short_help(self) -> None:
+        """C{-h} is C{--help}."""
+        short, long = Run(["server", "-h"]), Run(["server", "--help"])
+        self.assertEqual((short.code, short.err, short.configs), (0, "", []))
+        self.assertEqual(short.out, long.out)
+
+    def test_grouped(self) -> None:
+        """
+        The options come under L{tap.OPTION_GROUPS}' titles, in its order,
+        sorted within each; every option is listed once, and every option
+        has a group (a new flag needs its place in L{tap.OPTION_GROUPS}).
+        """
+        from kcoral.server import tap
+
+        out = Run(["server", "--help"]).out
+        self.assertTrue(out.startswith("Usage: kcoral server [options]\n"))
+        titles = [line[:-1] for line in out.splitlines() if line.endswith(":") and line[0] != " "]
+        expected = [title for title, _ in tap.OPTION_GROUPS]
+        self.assertEqual([t for t in titles if t in expected or t == tap.OTHER_GROUP], expected)
+        names = [n.rstrip("=") for n in tap.Options(environ={}).longOpt]
+        listed = re.findall(OPTION_LINE, out, re.M)
+        self.assertEqual(sorted(listed), sorted(names))
+        sections = re.split(r"^(\S.*):$", out, flags=re.M)
+        for title, members in tap.OPTION_GROUPS:
+            body = sections[sections.index(title) + 1]
+            found = re.findall(OPTION_LINE, body, re.M)
+            self.assertEqual(found, sorted(members))
+        grouped = {name for _, members in tap.OPTION_GROUPS for name in members}
+        self.assertEqual(sorted(set(names) - grouped), [])
+
+
 class TopLevelTests(SynchronousTestCase):
     """
     The C{kcoral} command outside C{server}.
@@ -363,3 +403,19 @@ class ModuleEntryTests(SynchronousTestCase):
         self.patch(sys, "stdout", stream)
         self.assertEqual(main(["--version"]), 0)
         self.assertTrue(stream.getvalue().startswith("kcoral "))
+
+    def test_reader_gone(self) -> None:
+        """
+        Help written to a pipe whose reader is gone (C{kcoral server --help
+        | head}) ends quietly with status 141, no C{BrokenPipeError}.
+        """
+        from kcoral.__main__ import main
+
+        read, write = os.pipe()
+        os.close(read)
+        stream = os.fdopen(write, "w")
+        self.addCleanup(stream.close)
+        self.patch(sys, "stdout", stream)
+        self.assertEqual(main(["server", "--help"]), 141)
+        stream.write("more")  # the stream now goes to /dev/null
+        stream.flush()

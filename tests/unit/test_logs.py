@@ -377,6 +377,19 @@ class ConsoleObserverTests(SynchronousTestCase):
         self.assertIn(" output_tail=" + "x" * 120 + "... ", line)
         self.assertIn(" short=" + "y" * 120 + "\n", line)
 
+    def test_error_shown_whole(self) -> None:
+        """
+        An C{error} is never cut (its remedy comes last), and its line
+        breaks become spaces: the event stays one line.
+        """
+        error = "SandboxError: --sandbox bubblewrap: bubblewrap cannot run (" + "e" * 200
+        error += "\nbwrap: setting up uid map: Permission denied); fix it, or choose "
+        error += "--sandbox auto to fall back to no sandbox"
+        line = self.line(kcoral_event("server_start_failed", error=error, other="z" * 200))
+        self.assertIn(" error=" + error.replace("\n", " ") + " ", line)
+        self.assertIn(" other=" + "z" * 120 + "...\n", line)
+        self.assertEqual(line.count("\n"), 1)
+
     def test_only_kcoral_events(self) -> None:
         """
         Events without C{kcoral_event} are not mirrored.

@@ -311,6 +311,12 @@ class ServerConfig:
         (declared or received, until the answer is sent); a request that
         would pass it is answered 503 without its body being kept; C{0}
         sets no cap.
+    @ivar max_channel_bytes: server memory that what workers send may take
+        at once, all workers of this process together (issue 32): a frame
+        over 64 KiB is read only once what reading and decoding it may cost
+        fits in it, and what decoded messages keep until their jobs end
+        must fit in it too (so both together stay within twice it,
+        L{kcoral.server.channelbudget}); C{0} sets no budget.
     @ivar finish_abandoned: run a program to its end when its client
         disconnects; by default a queued request leaves the line at once and
         a running program's worker is replaced.
@@ -381,6 +387,7 @@ class ServerConfig:
     finish_abandoned: bool = field(default=False, validator=_boolean)
     max_queued_requests: int = field(default=1024, validator=_INT)
     max_bytes_in_flight: int = field(default=2 * _GIB, validator=_INT)
+    max_channel_bytes: int = field(default=512 * _MIB, validator=_INT)
     front_ends: int = field(default=1, validator=[_strict_int, _at_least_one])
     front_end_index: int = field(default=0, validator=_INT)
     lame_duck_seconds: float = field(

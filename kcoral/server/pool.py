@@ -29,6 +29,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from kcoral.config import ServerConfig
+from kcoral.server.channelbudget import ChannelBudget
 from kcoral.server.gpus import GpuDevice, cuda_environment
 from kcoral.server.lease import Leases, LeaseUnavailable
 from kcoral.server.sandbox import ISandbox
@@ -333,6 +334,18 @@ class WorkerPool:
     worker_env: dict[str, str] = attrs.field(factory=dict)
     #: Runs workers' compiles for the shared compile cache (L{kcoral.server.compiles}).
     compiler: Any = None
+    #: What every worker's channel is read under, all workers together
+    #: (C{--max-channel-bytes}, L{kcoral.server.channelbudget}); C{None}: no budget.
+    channel_budget: ChannelBudget | None = attrs.field(
+        default=attrs.Factory(
+            lambda self: (
+                ChannelBudget(self.config.max_channel_bytes)
+                if getattr(self.config, "max_channel_bytes", 0) > 0
+                else None
+            ),
+            takes_self=True,
+        )
+    )
     _transients: int = 0
     _transient_workers: set[WorkerHandle] = attrs.field(factory=set)
     target: dict[str, str] = attrs.field(factory=dict)
@@ -668,6 +681,9 @@ class WorkerPool:
             worker = self.spawn_worker(self._reactor, executable=executable, args=args, **common)
         if self.compiler is not None:
             worker.compiler = self.compiler  # type: ignore[attr-defined]
+        protocol = getattr(worker, "protocol", None)
+        if self.channel_budget is not None and protocol is not None:
+            protocol.budget = self.channel_budget
         if getattr(self.config, "log_level", "info") == "debug":
             worker.trace_instructions = True  # type: ignore[attr-defined]
         if self.grant_watch:

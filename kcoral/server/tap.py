@@ -69,6 +69,7 @@ ENV_VARS: Mapping[str, str] = {
     "log-dir": "KCORAL_LOG_DIR",
     "spare-workers-per-gpu": "KCORAL_SPARE_WORKERS_PER_GPU",
     "cuda-connections": "KCORAL_CUDA_CONNECTIONS",
+    "max-channel-bytes": "KCORAL_MAX_CHANNEL_BYTES",
 }
 
 _DEFAULTS = ServerConfig(disk_cache_dir=None)
@@ -164,6 +165,7 @@ _FIELD_FLAGS: Mapping[str, str] = {
     "finish_abandoned": "finish-abandoned",
     "max_queued_requests": "max-queued-requests",
     "max_bytes_in_flight": "max-bytes-in-flight",
+    "max_channel_bytes": "max-channel-bytes",
     "front_ends": "front-ends",
     "lame_duck_seconds": "lame-duck-seconds",
 }
@@ -215,6 +217,7 @@ OPTION_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "max-timeout-seconds",
             "max-request-bytes",
             "max-bytes-in-flight",
+            "max-channel-bytes",
             "max-response-bytes",
             "output-limit-bytes",
             "max-output-limit-bytes",
@@ -483,6 +486,16 @@ class Options(usage.Options):
             _DEFAULTS.max_bytes_in_flight,
             "Request body bytes held at once, from their headers to their answers; a "
             "request over it gets a 503 and its body is discarded. 0: no cap.",
+        ),
+        _int_param(
+            "max-channel-bytes",
+            _DEFAULTS.max_channel_bytes,
+            "Server memory that messages from workers may take while they are read, all "
+            "workers together, and again what decoded results keep until their answers: a "
+            "message over 64 KiB waits until what reading it may cost fits; one that never "
+            "could, or results over the budget, fail their request (results whose JSON "
+            "would take over half of it are answered response_too_large). 0: no budget "
+            "(env KCORAL_MAX_CHANNEL_BYTES).",
         ),
         _int_param(
             "max-connections",
@@ -765,6 +778,7 @@ class Options(usage.Options):
                 finish_abandoned=bool(self["finish-abandoned"]),
                 max_queued_requests=self["max-queued-requests"],
                 max_bytes_in_flight=self["max-bytes-in-flight"],
+                max_channel_bytes=self._integer_from_env("max-channel-bytes"),
                 front_ends=self["front-ends"],
                 lame_duck_seconds=self["lame-duck-seconds"],
             )

@@ -33,11 +33,14 @@ from twisted.python.runtime import platform
 
 from kcoral.measurement import MeasurementFailed, evaluate, failed_record, parse_raw
 from kcoral.proctree import descendants_of
+from kcoral.server.channelbudget import ChannelBudget, ignore_cancel
 from kcoral.server.lease import MAINTENANCE
 from kcoral.wire import board
 from kcoral.wire.channel import (
+    CONTROL_FRAME_BYTES,
     CONTROL_LIMITS,
     FROM_WORKER_FD,
+    HEADER_DECODE_FACTOR,
     OUTCOME_SLACK_BYTES,
     TO_WORKER_FD,
     WORKER_CHANNEL_FDS,
@@ -67,6 +70,8 @@ from kcoral.wire.channel import (
     TornDown,
     decode,
     encode,
+    frame_cost,
+    header_cost,
     job_limits,
 )
 from kcoral.wire.program import Program
@@ -213,6 +218,16 @@ class WorkerProtocol(ProcessProtocol):
     C{on_violation}; from then on nothing more is read from the channel, so
     the parent keeps at most one frame within the limits whatever the
     worker writes.
+
+    With a C{budget} (L{kcoral.server.channelbudget.ChannelBudget}, one for
+    all workers), a frame over L{CONTROL_FRAME_BYTES} is read only once
+    what it may cost (L{frame_cost}) is reserved there: until then the
+    channel is not read.  Once its header is in, the reservation shrinks to
+    its estimate (L{header_cost}; a header whose estimate is over the
+    budget's decode share is refused); once the message is decoded it is
+    given back, and what the message keeps (its parts and header objects)
+    is counted as kept (L{ChannelBudget.keep}) until L{release_held} (its
+    job's end).
     """
 
     def __init__(
@@ -224,7 +239,21 @@ class WorkerProtocol(ProcessProtocol):
     ) -> None:
         self._on_message = on_message
         self._on_violation = on_violation
-        self._decoder = FrameDecoder(CONTROL_LIMITS)
+        self._decoder = FrameDecoder(CONTROL_LIMITS, admit=self._admit, inspect=self._inspect)
+        #: The server's budget for frames (C{None}: no budget).
+        self.budget: ChannelBudget | None = None
+        #: Reserved for the frame being read, and what its header keeps.
+        self._frame_reserved = 0
+        self._frame_keeps = 0
+        #: Reserved for messages already handled, until L{release_held}.
+        self.held = 0
+        #: The reservation the channel waits for, while it is not read.
+        self._waiting: Deferred[None] | None = None
+        #: How a granted reservation resumes reading: C{call_later(0, f)}
+        #: (the reactor's, set by L{WorkerProcess}), so the grant, made in
+        #: another worker's release, does not run this worker's messages
+        #: inside that one's; C{None}: at once.
+        self.call_later: Callable[..., Any] | None = None
         #: The parent's end of the descriptor socket (non-blocking), or
         #: C{None}: a frame naming descriptors is then a violation.
         self.descriptors = descriptors
@@ -249,27 +278,160 @@ class WorkerProtocol(ProcessProtocol):
 
     def childDataReceived(self, childFD: int, data: bytes) -> None:
         if childFD == FROM_WORKER_FD:
-            if self.channel_error is not None:
-                return
-            try:
-                frames = self._decoder.feed(data)
-            except ChannelError as e:
-                self.violation(str(e))
-                return
-            for frame in frames:
-                try:
-                    message = decode(frame, self._take, self._decoder.limits.max_payload_bytes)
-                except ChannelError as e:
-                    self.violation(str(e))
-                    return
-                self.frame_bytes = frame.size
-                self._on_message(message)
-                if self.channel_error is not None:
-                    return
+            self._channel_data(data)
         elif childFD == 1:
             self.stdout_tail.add(data)
         elif childFD == 2:
             self.stderr_tail.add(data)
+
+    def _channel_data(self, data: bytes) -> None:
+        if self.channel_error is not None:
+            return
+        try:
+            frames = self._decoder.feed(data)
+        except ChannelError as e:
+            self.violation(str(e))
+            return
+        for frame in frames:
+            reserved, keeps = self._frame_reserved, self._frame_keeps
+            self._frame_reserved = self._frame_keeps = 0
+            try:
+                message = decode(frame, self._take, self._decoder.limits.max_payload_bytes)
+            except ChannelError as e:
+                self._release(reserved)
+                self.violation(str(e))
+                return
+            if reserved:
+                # The frame is read; what the message keeps (its parts and
+                # header objects) is counted until its job ends.
+                self._release(reserved)
+                kept = min(reserved, keeps + len(frame.payload))
+                budget = self.budget
+                if budget is not None and not budget.keep(kept):
+                    self.violation(
+                        f"a {frame.type!r} message keeps {kept} bytes of server memory, and the "
+                        f"messages running programs keep are at the channel budget of "
+                        f"{budget.limit} (--max-channel-bytes)"
+                    )
+                    return
+                self.held += kept
+            self.frame_bytes = frame.size
+            self._on_message(message)
+            if self.channel_error is not None:
+                return
+
+    # -- the server's channel budget -----------------------------------------
+
+    def _admit(self, header_length: int, payload_length: int) -> bool:
+        """
+        Whether the frame announced may be read now (L{FrameDecoder.admit}):
+        small ones always; others once their cost is reserved.
+        """
+        budget = self.budget
+        size = header_length + payload_length
+        if budget is None or size <= CONTROL_FRAME_BYTES or self._frame_reserved:
+            return True
+        if self._waiting is not None:
+            return False
+        cost = frame_cost(header_length, payload_length, budget.decode_share)
+        if cost > budget.limit:
+            raise ChannelError(
+                f"a message of {size} bytes may take {cost} bytes of server memory to read, "
+                f"over the channel budget of {budget.limit} (--max-channel-bytes)"
+            )
+        if budget.try_reserve(cost):
+            self._frame_reserved = cost
+            return True
+        self._pause_channel()
+        waiting = self._waiting = budget.reserve(cost)
+        waiting.addCallbacks(lambda _: self._granted(cost), ignore_cancel)
+        return False
+
+    def _granted(self, cost: int) -> None:
+        self._waiting = None
+        self._frame_reserved = cost
+        if self.channel_error is not None:
+            self._release_frame()
+            return
+        self._resume_channel()
+        if self.call_later is not None:
+            self.call_later(0, self._channel_data, b"")
+        else:
+            self._channel_data(b"")
+
+    def _inspect(self, raw: bytes) -> None:
+        """
+        A frame's header is in (L{FrameDecoder.inspect}): shrink its
+        reservation from the worst case to the header's estimate, or refuse
+        a header that may take more than the budget's decode share.
+        """
+        budget = self.budget
+        if budget is None or not self._frame_reserved:
+            return
+        share = budget.decode_share
+        worst = HEADER_DECODE_FACTOR * len(raw)
+        estimate = header_cost(raw)
+        if worst > share and estimate > share:
+            raise ChannelError(
+                f"a message header of {len(raw)} bytes may take {estimate} bytes of server "
+                f"memory to decode, over {share}, half the channel budget "
+                "(--max-channel-bytes)"
+            )
+        keeps = min(estimate, worst)
+        spare = min(worst, share) - keeps
+        self._frame_keeps = keeps
+        if spare > 0:
+            self._frame_reserved -= spare
+            self._release(spare)
+
+    def _release(self, amount: int) -> None:
+        if amount > 0 and self.budget is not None:
+            self.budget.release(amount)
+
+    def _release_frame(self) -> None:
+        reserved, self._frame_reserved, self._frame_keeps = self._frame_reserved, 0, 0
+        self._release(reserved)
+
+    def release_held(self) -> None:
+        """The job is over: what its messages kept is no longer counted."""
+        held, self.held = self.held, 0
+        if held and self.budget is not None:
+            self.budget.release_kept(held)
+
+    def _release_all(self) -> None:
+        """The channel is done with: cancel a wait, release every reservation."""
+        waiting, self._waiting = self._waiting, None
+        if waiting is not None:
+            waiting.cancel()
+        self._release_frame()
+        self.release_held()
+
+    def _channel_pipe(self) -> Any:
+        pipes = getattr(self.transport, "pipes", None)
+        return None if pipes is None else pipes.get(FROM_WORKER_FD)
+
+    def _pause_channel(self) -> None:
+        pipe = self._channel_pipe()
+        if pipe is not None:
+            pipe.stopReading()
+
+    def _resume_channel(self) -> None:
+        pipe = self._channel_pipe()
+        if pipe is not None and not pipe.disconnected:
+            pipe.startReading()
+
+    def processExited(self, reason: Failure) -> None:
+        if self._waiting is not None:
+            # The worker is gone while its frame waited for the budget: what
+            # it wrote cannot be afforded and nobody will answer it.  Close
+            # the pipe, so that the process's end is not held up by it.
+            self._release_all()
+            close = getattr(self.transport, "closeChildFD", None)
+            if close is not None:
+                try:
+                    close(FROM_WORKER_FD)
+                except Exception:
+                    pass
 
     def _take(self, count: int) -> list[int]:
         """The descriptors of the frame being decoded (sent before it)."""
@@ -301,6 +463,12 @@ class WorkerProtocol(ProcessProtocol):
         if self.channel_error is not None:
             return
         self.channel_error = reason
+        # Nothing more is read: the frame's reservation (or its wait) goes;
+        # what earlier messages keep goes with their job.
+        waiting, self._waiting = self._waiting, None
+        if waiting is not None:
+            waiting.cancel()
+        self._release_frame()
         close = getattr(self.transport, "closeChildFD", None)
         if close is not None:
             try:
@@ -318,6 +486,7 @@ class WorkerProtocol(ProcessProtocol):
             pass
 
     def processEnded(self, reason: Failure) -> None:
+        self._release_all()
         # Fire with the exception, not the Failure: a Failure passed to
         # callback() would run the errback chain instead.
         self.ended.callback(reason.value or Exception("process ended"))
@@ -515,6 +684,7 @@ class WorkerProcess:
         except OSError:
             progress = None  # the worker announces instructions instead
         self.protocol = WorkerProtocol(self._message_received, self._poisoned, ours, progress)
+        self.protocol.call_later = getattr(reactor, "callLater", None)
         self.protocol.ended.addCallback(self._process_ended)
         self.started_at = reactor.seconds()
         return theirs
@@ -830,6 +1000,10 @@ class WorkerProcess:
 
     def _job_done(self, result: JobResult) -> JobResult:
         self._job = None
+        if self.protocol.held:
+            # What the job's messages keep is released once the answer is
+            # made from them (the callbacks after this one, at once).
+            IReactorTime(self._reactor).callLater(0, self.protocol.release_held)
         # After its outcome a worker has nothing to say until the next job.
         self.protocol.set_limits(CONTROL_LIMITS)
         if self.alive and self.protocol.drain():
@@ -1072,6 +1246,11 @@ class _RunningJob:
             if self.worker.grant_watch and self.worker.may_watch_next()
             else 0.0,
         )
+        budget = getattr(getattr(self.worker, "protocol", None), "budget", None)
+        if budget is not None and isinstance(messages[-1], Execute):
+            # Results too costly for the parent to decode are left out
+            # (oversize) by the worker, not refused here.
+            messages[-1] = attrs.evolve(messages[-1], max_decode_bytes=budget.decode_share)
         for message in messages[:-1]:
             self.worker.send(message)
         self.worker.send(messages[-1], now=True)

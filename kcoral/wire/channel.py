@@ -117,7 +117,7 @@ def _prefix_and_header(header: dict[str, Any], payload_length: int) -> bytes:
 def _decode_header(raw: bytes) -> dict[str, Any]:
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise ChannelError(f"malformed message header: {e}") from None
     if not isinstance(header, dict):
         raise ChannelError("message header must be a JSON object")
@@ -199,6 +199,43 @@ def job_limits(max_response_bytes: int, output_limit: int) -> FrameLimits:
     )
 
 
+#: What decoding a JSON header may take at most, per byte of it, in Python
+#: objects (measured: up to 33 for C{[{"":{}},...]}, 25 for C{[[],...]},
+#: 3.3 for a list of floats, 1-5 for strings).
+HEADER_DECODE_FACTOR = 40
+
+
+def frame_cost(header_length: int, payload_length: int, decode_limit: int) -> int:
+    """
+    Server memory that reading and decoding a frame may take, before its
+    header is seen: its bytes three times (the buffer, a copy, the decoded
+    text or the cut parts) and its header's objects, at most
+    C{decode_limit} (L{header_cost} is checked against it once the header
+    is in).
+    """
+    wire = _PREFIX.size + header_length + payload_length
+    return 3 * wire + min(HEADER_DECODE_FACTOR * header_length, decode_limit)
+
+
+def header_cost(raw: bytes) -> int:
+    """
+    An upper estimate of the memory C{json.loads} takes for the JSON text
+    C{raw} (counted in C{bytes.count} passes, never decoded): per value a
+    pointer and an object, per list an empty one, per object a small dict,
+    per string its object, per key a dict entry and the decoder's memo
+    (typed results, C{{"type":"integer","value":0}}, are estimated at about
+    twice what they take), and the text again
+    (four times where it is not ASCII: a string of astral characters).
+    L{frame_cost} counts the buffer, its copy and the decoded text apart.
+    """
+    text = (1 if raw.isascii() else 4) * len(raw)
+    values = 40 * (raw.count(b",") + 1)
+    containers = 64 * raw.count(b"[") + 200 * raw.count(b"{")
+    strings = 25 * raw.count(b'"')
+    keys = 64 * raw.count(b":")
+    return text + values + containers + strings + keys
+
+
 @attrs.define
 class FrameDecoder:
     """
@@ -211,13 +248,23 @@ class FrameDecoder:
     nothing more: every later C{feed} raises the same error.  C{limits} may
     be replaced between frames (the parent narrows them to what the current
     state allows).
+
+    C{admit}, when set, is asked about each frame once its prefix is in
+    (its header and payload lengths, within the limits) and may hold it:
+    C{False} stops parsing there until the next C{feed} (which may be
+    empty) asks again; C{inspect} sees each raw header before it is
+    decoded.  Both may raise L{ChannelError}.  (The parent reserves server
+    memory for a frame with them, L{kcoral.server.channelbudget}.)
     """
 
     limits: FrameLimits = DEFAULT_LIMITS
+    admit: Callable[[int, int], bool] | None = None
+    inspect: Callable[[bytes], None] | None = None
     _buffer: bytearray = attrs.field(factory=bytearray)
     #: The decoded header and payload length of the frame being read.
     _current: tuple[dict[str, Any], int] | None = None
     _header_end: int = 0
+    _admitted: bool = False
     _failed: ChannelError | None = None
 
     def feed(self, data: bytes) -> list[Frame]:
@@ -242,10 +289,18 @@ class FrameDecoder:
                     break
                 header_length, payload_length = _PREFIX.unpack_from(buffer)
                 self.limits.check(header_length, payload_length)
+                if not self._admitted:
+                    if self.admit is not None and not self.admit(header_length, payload_length):
+                        break
+                    self._admitted = True
                 header_end = _PREFIX.size + header_length
                 if len(buffer) < header_end:
                     break
-                header = _decode_header(bytes(buffer[_PREFIX.size : header_end]))
+                raw = _copy(buffer, _PREFIX.size, header_end)
+                if self.inspect is not None:
+                    self.inspect(raw)
+                header = _decode_header(raw)
+                del raw
                 self.limits.check_type(str(header.get("type", "")), header_length, payload_length)
                 del buffer[:header_end]
                 self._current = (header, payload_length)
@@ -253,9 +308,10 @@ class FrameDecoder:
             header, payload_length = self._current
             if len(buffer) < payload_length:
                 break
-            payload = bytes(buffer[:payload_length])
+            payload = _copy(buffer, 0, payload_length)
             del buffer[:payload_length]
             self._current = None
+            self._admitted = False
             frames.append(Frame(header, payload, self._header_end + payload_length))
         return frames
 
@@ -263,6 +319,12 @@ class FrameDecoder:
     def pending(self) -> int:
         """Bytes of an incomplete frame still buffered."""
         return len(self._buffer)
+
+
+def _copy(buffer: bytearray, start: int, end: int) -> bytes:
+    """C{bytes(buffer[start:end])} in one copy, not two."""
+    with memoryview(buffer) as view:
+        return bytes(view[start:end])
 
 
 def _read_exactly(stream: IO[bytes], count: int) -> bytes | None:
@@ -494,6 +556,10 @@ class Execute(ChannelMessage):
     request_id: str = attrs.field(default="", validator=_json(str))
     output_limit: int = attrs.field(default=1048576, validator=_json(int))
     max_response_bytes: int = attrs.field(default=268435456, validator=_json(int))
+    #: The most that decoding the JSON of the results sent (L{header_cost})
+    #: may take in the parent (its channel budget's share); results that
+    #: would take more are reported C{oversize}.  C{None}: no such bound.
+    max_decode_bytes: int | None = attrs.field(default=None, validator=_json(int, optional=True))
     #: The workspace's top-level name kept for the sandbox (C{.kcoral}), or C{None}.
     reserved: str | None = attrs.field(default=None, validator=_json(str, optional=True))
     #: The request's execution budget in seconds (bounds compiles in the

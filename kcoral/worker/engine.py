@@ -41,6 +41,7 @@ from kcoral.wire.channel import (
     Instruction,
     Outcome,
     Returned,
+    header_cost,
 )
 from kcoral.wire.errors import instruction_error, truncate_traceback
 from kcoral.wire.jsontext import json_dumps
@@ -385,7 +386,9 @@ class Engine:
                         "runtime", "program left background processes running; they were terminated"
                     ),
                 )
-        outcome = _fit_response(run.outcome(captured), request.max_response_bytes)
+        outcome = _fit_response(
+            run.outcome(captured), request.max_response_bytes, request.max_decode_bytes
+        )
         del run
         if retire is None and retiring:
             retire = RETIRE_REQUEST_LIMIT
@@ -416,37 +419,50 @@ class Engine:
 RETURNED_OVERHEAD = 256
 
 
-def _encoded_size(result: Any) -> int:
+def _encoded_size(result: Any) -> tuple[int, int]:
     """
-    The size of an encoded return in the response's JSON.
+    The size of an encoded return in the response's JSON, and what
+    decoding it takes the parent (L{header_cost}).
 
     @raise _Failure: C{serialization}, when the value has no JSON text (a
         lone surrogate such as C{'\\ud800'}, an integer past Python's digit
         limit such as C{10**5000}): that return fails, the ones before it stay.
     """
     try:
-        return len(json_dumps(result))
+        text = json_dumps(result)
+        return len(text), header_cost(text)
     except (ValueError, TypeError, RecursionError) as e:
         message = f"cannot encode the returned value: {_describe(e)}"
         raise _Failure("serialization", message, e) from None
 
 
-def _fit_response(outcome: Outcome, limit: int) -> Outcome:
+def _fit_response(outcome: Outcome, limit: int, max_decode: int | None = None) -> Outcome:
     """
     C{outcome}, or the same without its results and parts when either is
     over C{limit} (the parent reads no larger outcome, see
-    L{kcoral.wire.channel.job_limits}, and answers C{response_too_large}).
+    L{kcoral.wire.channel.job_limits}, and answers C{response_too_large}),
+    or when decoding the results' JSON would take the parent more than
+    C{max_decode} (its channel budget's share, L{header_cost}).
     """
     size = sum(len(part) for part in outcome.parts)
     if size <= limit:
         try:
-            results = len(json_dumps(outcome.results))
+            text = json_dumps(outcome.results)
         except (TypeError, ValueError):
             return outcome
-        if results <= limit + CONTROL_FRAME_BYTES:
+        results = len(text)
+        costly = max_decode is not None and header_cost(text) > max_decode - _OUTPUT_COST * (
+            len(outcome.stdout) + len(outcome.stderr)
+        )
+        if results <= limit + CONTROL_FRAME_BYTES and not costly:
             return outcome
         size += results
     return attrs.evolve(outcome, results={}, parts=(), oversize=size)
+
+
+#: What decoding a character of captured output may take the parent, at
+#: most (its JSON escape, six bytes, each decoded to four).
+_OUTPUT_COST = 24
 
 
 class _ProgramRun:
@@ -481,6 +497,8 @@ class _ProgramRun:
         #: Parts already sent with L{Returned} messages.
         self.streamed = 0
         self.streamed_bytes = 0
+        #: What decoding the returns sent ahead takes the parent (L{header_cost}).
+        self.streamed_cost = 0
         self.streaming = True
         self.results: dict[str, Any] = {}
         self.error: dict[str, Any] | None = None
@@ -775,7 +793,7 @@ class _ProgramRun:
             mark = self.parts.mark()
             try:
                 result = self._return(instruction)
-                encoded = _encoded_size(result)
+                encoded, cost = _encoded_size(result)
             except BaseException:
                 self.parts.rewind(mark)
                 raise
@@ -787,12 +805,19 @@ class _ProgramRun:
                 size = encoded + 6 * len(instruction.key) + RETURNED_OVERHEAD
                 size += sum(len(p) + 24 for p in new_parts)
                 limit = self.request.max_response_bytes
-                if self.parts.total_bytes > limit or self.streamed_bytes + size > limit:
-                    # Over the response limit: the outcome reports it
-                    # (oversize); nothing more is sent ahead.
+                max_decode = self.request.max_decode_bytes
+                if (
+                    self.parts.total_bytes > limit
+                    or self.streamed_bytes + size > limit
+                    or (max_decode is not None and self.streamed_cost + cost > max_decode)
+                ):
+                    # Over the response limit, or too costly for the parent
+                    # to decode: the outcome reports it (oversize); nothing
+                    # more is sent ahead.
                     self.streaming = False
                     return
                 self.streamed_bytes += size
+                self.streamed_cost += cost
                 self.engine.send(
                     Returned(instruction.key, self.results[instruction.key], new_parts)
                 )

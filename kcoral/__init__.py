@@ -21,6 +21,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "ServerConfig": "kcoral.config",
     "create_app": "kcoral.server.service",
+    "create_site": "kcoral.server.service",
     "KCoralService": "kcoral.server.service",
     "ExecutionError": "kcoral.errors",
     # The client API of kcoral 0.1.1, plus the async client.

@@ -57,7 +57,7 @@ from kcoral.server.frontends import (
     share_of,
 )
 from kcoral.server.gpus import GpuDevice, discover_gpus, select_gpus
-from kcoral.server.http import listen_all, make_site, port_hosts, raise_fd_limit
+from kcoral.server.http import KcoralSite, listen_all, make_site, port_hosts, raise_fd_limit
 from kcoral.server.lease import LeaseArbiter, Leases
 from kcoral.server.leasebroker import RemoteArbiter
 from kcoral.server.pool import WorkerPool
@@ -963,9 +963,32 @@ def create_app(config: ServerConfig | None = None, *, reactor: Reactor | None = 
 
     The service that owns the workers is C{app.kcoral_service}: attach it to
     an application (C{setServiceParent}) or call C{startService()} and wait
-    for C{service.ready} before serving C{app.resource()}.
+    for C{service.ready} before serving; serve it with L{create_site}.
     """
     server = KCoralService(config or ServerConfig(), None, reactor=reactor)
     app = server.api.app
     app.kcoral_service = server  # type: ignore[attr-defined]
     return app
+
+
+def create_site(app: Klein) -> KcoralSite:
+    """
+    The site to serve C{app} (made by L{create_app}) with: the server's own
+    L{kcoral.server.http.KcoralSite}, under its config's request limits and
+    deadlines (C{max_request_bytes}, the head and body timeouts, the
+    connection cap, C{max_bytes_in_flight}), with request bodies parsed as
+    they arrive, behind the token guard when C{auth_token_file} is set (the
+    file is read now).  A plain L{Site} over C{app.resource()} has none of
+    these: it would buffer any body, wait on any trickle, and skip the tokens.
+
+    Listen with it as you would with any site, for instance
+    C{strports.service("tcp:8000:interface=127.0.0.1", create_site(app))}.
+    """
+    server: KCoralService = app.kcoral_service  # type: ignore[attr-defined]
+    config = server.config
+    tokens = None
+    if config.auth_token_file is not None:
+        from kcoral.server.auth import load_tokens
+
+        tokens = load_tokens(config.auth_token_file)
+    return make_site(app.resource(), config, tokens, reactor=server._reactor)

@@ -69,6 +69,51 @@ class TreeTests(SynchronousTestCase):
         self.assertEqual([child.name for child in root], ["threads", "logs", "caches", "workers"])
 
 
+class CreateSiteTests(SynchronousTestCase):
+    """L{kcoral.create_site}: the server's own site for an embedded app."""
+
+    def test_limits_from_config(self) -> None:
+        """The site carries the config's request limits and deadlines."""
+        from kcoral import create_site
+        from kcoral.server.http import KcoralSite
+
+        config = attrs.evolve(
+            _config(),
+            max_request_bytes=12345,
+            header_timeout_seconds=7.0,
+            body_timeout_seconds=9.0,
+            max_connections=11,
+            max_bytes_in_flight=1 << 20,
+        )
+        site = create_site(create_app(config, reactor=MemoryReactorClock()))
+        self.assertIsInstance(site, KcoralSite)
+        self.assertEqual(
+            (
+                site.max_request_bytes,
+                site.header_timeout,
+                site.body_timeout,
+                site.max_connections,
+                site.max_bytes_in_flight,
+            ),
+            (12345, 7.0, 9.0, 11, 1 << 20),
+        )
+        self.assertIsNotNone(site.streamed_body)
+
+    def test_tokens(self) -> None:
+        """With C{auth_token_file}, the app is behind the token guard."""
+        from kcoral import create_site
+        from kcoral.server.auth import TokenGuard
+
+        path = self.mktemp()
+        with open(path, "w") as f:
+            f.write("alice " + "a" * 32 + "\n")
+        config = attrs.evolve(_config(), auth_token_file=path)
+        site = create_site(create_app(config, reactor=MemoryReactorClock()))
+        self.assertIsInstance(site.resource, TokenGuard)
+        plain = create_site(create_app(_config(), reactor=MemoryReactorClock()))
+        self.assertNotIsInstance(plain.resource, TokenGuard)
+
+
 class OrderTests(SynchronousTestCase):
     def make(self) -> tuple[KCoralService, list[RecordingService], list[str]]:
         root = KCoralService(_config(), reactor=MemoryReactorClock())

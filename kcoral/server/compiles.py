@@ -301,17 +301,23 @@ class IsolatedCompiles:
         self, seat: Path, request: CompileRequest, backend: Any
     ) -> tuple[Path, str, list[str], dict[str, str]]:
         """BLOCKING: a fresh seat holding the source, and the command for it."""
+        from kcoral.server.sandbox import remove_seat
+
         work = Path(self.sandbox.prepare_seat(seat))
-        inside = self.sandbox.worker_path(work)
-        argv, env = backend.command(
-            f"{inside}/{_SOURCE}",
-            f"{inside}/{_OUTPUT}",
-            request.arch,
-            tuple(request.options),
-            inside,
-        )
-        with open(work / _SOURCE, "x", encoding="utf-8") as f:
-            f.write(request.source)
+        try:
+            inside = self.sandbox.worker_path(work)
+            argv, env = backend.command(
+                f"{inside}/{_SOURCE}",
+                f"{inside}/{_OUTPUT}",
+                request.arch,
+                tuple(request.options),
+                inside,
+            )
+            with open(work / _SOURCE, "x", encoding="utf-8") as f:
+                f.write(request.source)
+        except BaseException:
+            remove_seat(seat)
+            raise
         return work, inside, argv, env
 
     async def _run_isolated(self, request: CompileRequest, key: str, timeout: float) -> CompileDone:

@@ -324,3 +324,15 @@ class CommandCompileTests(SynchronousTestCase):
         self.assertEqual(spawned["transport"].signals, ["KILL"])
         self._end(spawned, 137)
         self.assertEqual(self.successResultOf(d).error, "nvcc timed out after 30s")
+
+    def test_command_refused_leaves_no_seat(self) -> None:
+        """A command the backend refuses (no toolchain here) leaves no seat behind."""
+
+        def refuse(*args: Any) -> Any:
+            raise ExecutionError("unavailable", "nvcc not found")
+
+        self.backend.command = refuse  # type: ignore[method-assign]
+        done = self.successResultOf(Deferred.fromCoroutine(self.compiles.compile(_request(), 30.0)))
+        self.assertEqual((done.kind, done.error), ("unavailable", "nvcc not found"))
+        self.assertEqual(self.reactor.spawned, [])
+        self.assertEqual(list((self.dir / "scratch").iterdir()), [])

@@ -359,7 +359,7 @@ class WorkerProtocol(ProcessProtocol):
         else:
             self._channel_data(b"")
 
-    def _inspect(self, raw: bytes) -> None:
+    def _inspect(self, buffer: bytearray, start: int, end: int) -> None:
         """
         A frame's header is in (L{FrameDecoder.inspect}): shrink its
         reservation from the worst case to the header's estimate, or refuse
@@ -369,13 +369,15 @@ class WorkerProtocol(ProcessProtocol):
         if budget is None or not self._frame_reserved:
             return
         share = budget.decode_share
-        worst = HEADER_DECODE_FACTOR * len(raw)
-        estimate = header_cost(raw)
+        length = end - start
+        worst = HEADER_DECODE_FACTOR * length
+        # (Counting stops once over the share: a dense header is refused
+        # after one pass over it.)
+        estimate = header_cost(buffer, start, end, limit=share if worst > share else None)
         if worst > share and estimate > share:
             raise ChannelError(
-                f"a message header of {len(raw)} bytes may take {estimate} bytes of server "
-                f"memory to decode, over {share}, half the channel budget "
-                "(--max-channel-bytes)"
+                f"a message header of {length} bytes may take over {share} bytes of server "
+                "memory to decode, half the channel budget (--max-channel-bytes)"
             )
         keeps = min(estimate, worst)
         spare = min(worst, share) - keeps
@@ -632,6 +634,7 @@ class WorkerProcess:
         capture_bytes: int | None,
         grace_seconds: float,
         spawn_timeout: float = SPAWN_TIMEOUT_SECONDS,
+        workspace_bytes: int | None = None,
     ) -> WorkerProcess:
         """
         Fork the worker from C{template} (a L{kcoral.server.template.WorkerTemplate});
@@ -651,6 +654,7 @@ class WorkerProcess:
                 cwd=cwd,
                 workspace=workspace,
                 capture_bytes=capture_bytes,
+                workspace_bytes=workspace_bytes,
                 reader_factory=_WideReader if isinstance(reactor, PosixReactorBase) else None,
             )
         except BaseException:

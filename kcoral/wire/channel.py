@@ -217,23 +217,41 @@ def frame_cost(header_length: int, payload_length: int, decode_limit: int) -> in
     return 3 * wire + min(HEADER_DECODE_FACTOR * header_length, decode_limit)
 
 
-def header_cost(raw: bytes) -> int:
+def header_cost(
+    raw: bytes | bytearray, start: int = 0, end: int | None = None, limit: int | None = None
+) -> int:
     """
     An upper estimate of the memory C{json.loads} takes for the JSON text
-    C{raw} (counted in C{bytes.count} passes, never decoded): per value a
-    pointer and an object, per list an empty one, per object a small dict,
-    per string its object, per key a dict entry and the decoder's memo
-    (typed results, C{{"type":"integer","value":0}}, are estimated at about
-    twice what they take), and the text again
-    (four times where it is not ASCII: a string of astral characters).
+    C{raw[start:end]} (counted in C{count} passes over it, never decoded
+    nor copied): per value a pointer and an object, per list an empty one,
+    per object a small dict, per string its object, per key a dict entry
+    and the decoder's memo (typed results, C{{"type":"integer","value":0}},
+    are estimated at about twice what they take), and the text again (four
+    times where it is not ASCII: a string of astral characters).
     L{frame_cost} counts the buffer, its copy and the decoded text apart.
+
+    With C{limit}, it may stop counting once the estimate is over it (and
+    returns what it has, still over C{limit}).
     """
-    text = (1 if raw.isascii() else 4) * len(raw)
-    values = 40 * (raw.count(b",") + 1)
-    containers = 64 * raw.count(b"[") + 200 * raw.count(b"{")
-    strings = 25 * raw.count(b'"')
-    keys = 64 * raw.count(b":")
-    return text + values + containers + strings + keys
+    end = len(raw) if end is None else end
+    total = end - start
+    terms = (
+        (40, b","),
+        (200, b"{"),
+        (64, b":"),
+        (25, b'"'),
+        (64, b"["),
+    )
+    total += 40
+    for weight, token in terms:
+        if limit is not None and total > limit:
+            return total
+        total += weight * raw.count(token, start, end)
+    if limit is None or total <= limit:
+        with memoryview(raw) as view:
+            if not bytes(view[start:end]).isascii():
+                total += 3 * (end - start)
+    return total
 
 
 @attrs.define
@@ -253,13 +271,13 @@ class FrameDecoder:
     (its header and payload lengths, within the limits) and may hold it:
     C{False} stops parsing there until the next C{feed} (which may be
     empty) asks again; C{inspect} sees each raw header before it is
-    decoded.  Both may raise L{ChannelError}.  (The parent reserves server
+    decoded (the buffer and the header's bounds in it, not a copy).  Both may raise L{ChannelError}.  (The parent reserves server
     memory for a frame with them, L{kcoral.server.channelbudget}.)
     """
 
     limits: FrameLimits = DEFAULT_LIMITS
     admit: Callable[[int, int], bool] | None = None
-    inspect: Callable[[bytes], None] | None = None
+    inspect: Callable[[bytearray, int, int], None] | None = None
     _buffer: bytearray = attrs.field(factory=bytearray)
     #: The decoded header and payload length of the frame being read.
     _current: tuple[dict[str, Any], int] | None = None
@@ -296,9 +314,9 @@ class FrameDecoder:
                 header_end = _PREFIX.size + header_length
                 if len(buffer) < header_end:
                     break
-                raw = _copy(buffer, _PREFIX.size, header_end)
                 if self.inspect is not None:
-                    self.inspect(raw)
+                    self.inspect(buffer, _PREFIX.size, header_end)
+                raw = _copy(buffer, _PREFIX.size, header_end)
                 header = _decode_header(raw)
                 del raw
                 self.limits.check_type(str(header.get("type", "")), header_length, payload_length)

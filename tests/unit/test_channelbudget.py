@@ -84,6 +84,9 @@ class CostTests(SynchronousTestCase):
         self.assertGreaterEqual(header_cost(dense), 8 * 1000)
         text = json.dumps("x" * 10000).encode()
         self.assertLess(header_cost(text), 2 * len(text) + 200)
+        # Counting stops past a limit; the answer is still over it.
+        self.assertGreater(header_cost(dense, limit=100), 100)
+        self.assertEqual(header_cost(b"xx" + dense + b"yy", 2, 2 + len(dense)), header_cost(dense))
         self.assertGreater(
             header_cost(json.dumps("\U0001f600" * 100, ensure_ascii=False).encode()), 400
         )
@@ -108,7 +111,10 @@ class DecoderHooksTests(SynchronousTestCase):
             asked.append((header_length, payload_length))
             return allowed[0]
 
-        decoder = FrameDecoder(admit=admit, inspect=seen.append)
+        def inspect(buffer: bytearray, start: int, end: int) -> None:
+            seen.append(bytes(buffer[start:end]))
+
+        decoder = FrameDecoder(admit=admit, inspect=inspect)
         frame = encode_frame({"type": "x"}, b"abc")
         self.assertEqual(decoder.feed(frame), [])
         self.assertEqual(decoder.pending, len(frame))
@@ -121,7 +127,7 @@ class DecoderHooksTests(SynchronousTestCase):
     def test_inspect_refuses(self) -> None:
         """An C{inspect} that raises fails the decoder, as an invalid frame does."""
 
-        def inspect(raw: bytes) -> None:
+        def inspect(buffer: bytearray, start: int, end: int) -> None:
             raise ChannelError("too costly")
 
         decoder = FrameDecoder(inspect=inspect)

@@ -317,6 +317,11 @@ class ServerConfig:
         fits in it, and what decoded messages keep until their jobs end
         must fit in it too (so both together stay within twice it,
         L{kcoral.server.channelbudget}); C{0} sets no budget.
+    @ivar workspace_bytes: under bubblewrap, the size of the private tmpfs
+        a one-request worker (C{max_requests_per_worker} 1) gets as its
+        workspace, so that what a program writes never reaches the host's
+        disk (issue 32); C{0}, or a reused worker: the seat's host
+        directory, without a bound.
     @ivar finish_abandoned: run a program to its end when its client
         disconnects; by default a queued request leaves the line at once and
         a running program's worker is replaced.
@@ -388,6 +393,7 @@ class ServerConfig:
     max_queued_requests: int = field(default=1024, validator=_INT)
     max_bytes_in_flight: int = field(default=2 * _GIB, validator=_INT)
     max_channel_bytes: int = field(default=512 * _MIB, validator=_INT)
+    workspace_bytes: int = field(default=_GIB, validator=_INT)
     front_ends: int = field(default=1, validator=[_strict_int, _at_least_one])
     front_end_index: int = field(default=0, validator=_INT)
     lame_duck_seconds: float = field(

@@ -667,6 +667,7 @@ class WorkerPool:
                     cwd=self.sandbox.worker_path(work_dir),
                     workspace=_relative(work_dir, self.root_dir),
                     capture_bytes=getattr(self.sandbox, "capture_bytes", None),
+                    workspace_bytes=getattr(self.sandbox, "workspace_bytes", None),
                     **common,
                 )
             except TemplateError as e:

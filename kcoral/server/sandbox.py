@@ -284,6 +284,24 @@ def _mkdir_private(path: str) -> None:
     os.chmod(path, 0o700)
 
 
+def _workspace_bytes(config: Any) -> int | None:
+    """
+    The size of a worker's private workspace tmpfs: C{--workspace-bytes},
+    for workers that serve one request (a reused worker keeps the seat's
+    host directory, which the parent empties between its programs).
+    """
+    size = getattr(config, "workspace_bytes", 0)
+    if not size or getattr(config, "max_requests_per_worker", 1) != 1:
+        return None
+    return int(size)
+
+
+def _layout_paths(work_dir: str) -> list[str]:
+    """The reserved directories of a workspace at C{work_dir}, parents first."""
+    private = f"{work_dir}/{RESERVED}"
+    return [private, *(f"{private}/{sub}" for sub in RESERVED_SUBDIRS)]
+
+
 def _make_layout(work_dir: str, subdirs: Iterable[str]) -> None:
     _mkdir_private(os.path.join(work_dir, RESERVED))
     for sub in subdirs:
@@ -465,6 +483,12 @@ class BubblewrapSandbox:
     #: Bytes of the worker's private tmpfs at L{CAPTURE_DIR} that holds its
     #: captured stdout and stderr (C{None}: capture into the workspace).
     capture_bytes: int | None = attrs.field(default=None, kw_only=True)
+    #: Bytes of the private tmpfs each one-request worker gets as its
+    #: workspace (C{--workspace-bytes}), so that what a program writes
+    #: there never reaches the host's disk; C{None}: the seat's host
+    #: directory, bound (what a reused worker gets: the parent empties it
+    #: between programs).
+    workspace_bytes: int | None = attrs.field(default=None, kw_only=True)
     #: A host directory shared read-write by every worker at L{COMPILE_CACHE}
     #: (the compile cache), or C{None}.
     compile_cache: str | None = attrs.field(default=None, kw_only=True)
@@ -686,7 +710,15 @@ class BubblewrapSandbox:
             # Server files below a bound path (a log directory inside a
             # virtualenv or a --target directory): an empty tmpfs over them.
             argv += ["--size", "4096", "--tmpfs", path, "--remount-ro", path]
-        argv += ["--bind", resolved_work, WORKSPACE]
+        if self.workspace_bytes and spaces is None:
+            # A bounded tmpfs of the sandbox's own, with the layout the
+            # parent makes on the host: nothing written there reaches the
+            # host's disk, and it goes with the sandbox.
+            argv += ["--size", str(self.workspace_bytes), "--perms", "0700", "--tmpfs", WORKSPACE]
+            for path in _layout_paths(WORKSPACE):
+                argv += ["--perms", "0700", "--dir", path]
+        else:
+            argv += ["--bind", resolved_work, WORKSPACE]
         if spaces is not None:
             argv += ["--bind", os.path.realpath(os.fspath(spaces)), TEMPLATE_SPACES]
         argv += ["--proc", "/proc", "--dir", "/dev"]
@@ -1056,6 +1088,7 @@ async def _choose_sandbox(
         tuple(config.sandbox_readonly_paths or ()),
         bwrap=bwrap,
         capture_bytes=getattr(config, "output_space_bytes", None),
+        workspace_bytes=_workspace_bytes(config),
         hidden_paths=_server_paths(config),
     )
     if scratch is not None:

@@ -70,6 +70,7 @@ ENV_VARS: Mapping[str, str] = {
     "spare-workers-per-gpu": "KCORAL_SPARE_WORKERS_PER_GPU",
     "cuda-connections": "KCORAL_CUDA_CONNECTIONS",
     "max-channel-bytes": "KCORAL_MAX_CHANNEL_BYTES",
+    "workspace-bytes": "KCORAL_WORKSPACE_BYTES",
 }
 
 _DEFAULTS = ServerConfig(disk_cache_dir=None)
@@ -166,6 +167,7 @@ _FIELD_FLAGS: Mapping[str, str] = {
     "max_queued_requests": "max-queued-requests",
     "max_bytes_in_flight": "max-bytes-in-flight",
     "max_channel_bytes": "max-channel-bytes",
+    "workspace_bytes": "workspace-bytes",
     "front_ends": "front-ends",
     "lame_duck_seconds": "lame-duck-seconds",
 }
@@ -206,7 +208,7 @@ OPTION_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "worker-termination-grace-seconds",
         ),
     ),
-    ("Sandbox", ("sandbox", "sandbox-readonly-path", "output-space-bytes")),
+    ("Sandbox", ("sandbox", "sandbox-readonly-path", "output-space-bytes", "workspace-bytes")),
     (
         "Requests: queueing, budgets and sizes",
         (
@@ -486,6 +488,14 @@ class Options(usage.Options):
             _DEFAULTS.max_bytes_in_flight,
             "Request body bytes held at once, from their headers to their answers; a "
             "request over it gets a 503 and its body is discarded. 0: no cap.",
+        ),
+        _int_param(
+            "workspace-bytes",
+            _DEFAULTS.workspace_bytes,
+            "Under bubblewrap, the size of the private in-memory workspace (/work) of each "
+            "worker that serves one request: a program's files never reach the host's disk "
+            "and writes past it fail with ENOSPC. 0, or --max-requests-per-worker other "
+            "than 1: the seat's host directory, unbounded (env KCORAL_WORKSPACE_BYTES).",
         ),
         _int_param(
             "max-channel-bytes",
@@ -779,6 +789,7 @@ class Options(usage.Options):
                 max_queued_requests=self["max-queued-requests"],
                 max_bytes_in_flight=self["max-bytes-in-flight"],
                 max_channel_bytes=self._integer_from_env("max-channel-bytes"),
+                workspace_bytes=self._integer_from_env("workspace-bytes"),
                 front_ends=self["front-ends"],
                 lame_duck_seconds=self["lame-duck-seconds"],
             )

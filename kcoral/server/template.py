@@ -451,6 +451,7 @@ class WorkerTemplate:
         cwd: str,
         workspace: str | None = None,
         capture_bytes: int | None = None,
+        workspace_bytes: int | None = None,
         reader_factory: Any = None,
     ) -> ForkedTransport:
         """
@@ -478,6 +479,7 @@ class WorkerTemplate:
                 "cwd": cwd,
                 "workspace": workspace,
                 "capture_bytes": capture_bytes,
+                "workspace_bytes": workspace_bytes,
             }
             try:
                 send(json.dumps(request).encode() + b"\n", [fdmap[n] for n in numbers])

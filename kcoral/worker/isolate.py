@@ -12,7 +12,8 @@ earlier child) shares:
      every mount made private, so nothing done here reaches the template.
   2. L{mount_private_places}: the request's own workspace (a host
      directory the parent made for this worker, seen through the template's
-     bound C{spaces} directory) over the workspace path, the spaces
+     bound C{spaces} directory, or a bounded tmpfs with the same
+     directories) over the workspace path, the spaces
      directory itself hidden, a fresh bounded tmpfs for captured output.
      C{/tmp}, C{/dev/shm}, home and the caches are links into the
      workspace, so they are the request's own too (where C{/tmp} cannot
@@ -153,12 +154,29 @@ def mount_private_places(
     spaces: str,
     capture_dir: str | None,
     capture_bytes: int | None,
+    workspace_bytes: int | None = None,
 ) -> None:
     """
-    Bind this request's workspace, hide every other workspace, and give
-    captured output a fresh tmpfs.
+    Bind this request's workspace (or, with C{workspace_bytes}, mount a
+    tmpfs of that size there, with the directories the parent made in it),
+    hide every other workspace, and give captured output a fresh tmpfs.
     """
-    _mount(workspace_source, workspace, None, MS_BIND | MS_REC, None)
+    if workspace_bytes:
+        # What the program writes stays in memory, bounded, and goes with
+        # the sandbox: it never reaches the host's disk.  Its inodes are
+        # bounded too (one per 8 KiB, at least 65,536).
+        mode = stat.S_IMODE(os.stat(workspace_source).st_mode)
+        inodes = max(1 << 16, int(workspace_bytes) // 8192)
+        _mount(
+            "tmpfs",
+            workspace,
+            "tmpfs",
+            MS_NOSUID | MS_NODEV,
+            f"size={int(workspace_bytes)},nr_inodes={inodes},mode={mode:o}",
+        )
+        _copy_directories(workspace_source, workspace)
+    else:
+        _mount(workspace_source, workspace, None, MS_BIND | MS_REC, None)
     # Hidden under an empty read-only tmpfs (the mount is locked: it came
     # with the template's namespace, so it cannot be unmounted; nor can the
     # worker unmount the tmpfs, without capabilities and under seccomp).
@@ -172,6 +190,16 @@ def mount_private_places(
             MS_NOSUID | MS_NODEV,
             ",".join(filter(None, [size, "mode=0700"])),
         )
+
+
+def _copy_directories(source: str, target: str) -> None:
+    """Make in C{target} the directories of C{source} (the reserved layout), with their modes."""
+    for root, dirs, _ in os.walk(source):
+        relative = os.path.relpath(root, source)
+        for name in dirs:
+            made = os.path.normpath(os.path.join(target, relative, name))
+            os.mkdir(made)
+            os.chmod(made, stat.S_IMODE(os.stat(os.path.join(root, name)).st_mode))
 
 
 def own_tmp(private_tmp: str, links: Sequence[str]) -> None:

@@ -13,7 +13,7 @@ JSON object per line (L{kcoral.server.template} is the other end):
 
   - parent -> template: C{{"op": "fork", "id": N, "fds": [child fd, ...],
     "argv": [...], "env": {...}, "cwd": ..., "workspace": ...,
-    "capture_bytes": ...}}, with the listed descriptors attached
+    "capture_bytes": ..., "workspace_bytes": ...}}, with the listed descriptors attached
     (C{SCM_RIGHTS}, in the order of C{fds}): the child gets each at the
     named number, and nothing else.
   - template -> parent: C{{"op": "ready", "pid": P}} once, then
@@ -144,7 +144,12 @@ class Template:
                 f"a test child could not make its sandbox (wait status {status})"
             )
 
-    def isolate(self, workspace_source: str, capture_bytes: int | None) -> None:
+    def isolate(
+        self,
+        workspace_source: str,
+        capture_bytes: int | None,
+        workspace_bytes: int | None = None,
+    ) -> None:
         """
         In a child: its own namespaces and mounts, then (as PID 2 of its own
         PID namespace, under a tiny init: the caller's process only waits and
@@ -163,6 +168,7 @@ class Template:
             spaces=SPACES,
             capture_dir=self.args.capture_dir,
             capture_bytes=capture_bytes,
+            workspace_bytes=workspace_bytes,
         )
         if self.args.bound_tmp:
             isolate.own_tmp(self.args.private_tmp, self.args.bound_tmp)
@@ -258,7 +264,11 @@ class Template:
         _install_fds(fds, request["fds"])
         os.setsid()
         if self.args.isolation == "namespaces":
-            self.isolate(os.path.join(SPACES, request["workspace"]), request.get("capture_bytes"))
+            self.isolate(
+                os.path.join(SPACES, request["workspace"]),
+                request.get("capture_bytes"),
+                request.get("workspace_bytes"),
+            )
         isolate.set_name("kcoral-worker")
         os.environ.clear()
         os.environ.update(request["env"])

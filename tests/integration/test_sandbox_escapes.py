@@ -527,6 +527,23 @@ def default_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
         yield env
 
 
+@pytest.fixture(scope="module")
+def host_workspace_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    """
+    Two workers whose workspaces are host directories (C{--workspace-bytes
+    0}; what a reused worker gets), so that a test can see a file land there.
+    """
+    env = Env(
+        tmp_path_factory.mktemp("sandbox-host-workspace"),
+        "--num-workers",
+        "2",
+        "--workspace-bytes",
+        "0",
+    )
+    with env.server:
+        yield env
+
+
 READONLY_MODULE = "kcoral_escape_ro_module"
 
 
@@ -648,7 +665,8 @@ def test_other_seats_and_processes_invisible(default_env: Env) -> None:
     assert_healthy(server)
 
 
-def test_concurrent_worker_cannot_find_secret(default_env: Env) -> None:
+def test_concurrent_worker_cannot_find_secret(host_workspace_env: Env) -> None:
+    default_env = host_workspace_env
     server = default_env.server
     wait_all_idle(server, 2)
     name = f"secret-{random.randrange(10**9)}"
@@ -678,6 +696,37 @@ def test_concurrent_worker_cannot_find_secret(default_env: Env) -> None:
     assert result["found"] == [], result
     for listing in result["seats"].values():
         denied(listing, "ENOENT")
+    assert_healthy(server)
+
+
+def test_concurrent_worker_cannot_find_in_memory_secret(default_env: Env) -> None:
+    """
+    The same with the default one-request workers, whose workspace is a
+    tmpfs of their own (C{--workspace-bytes}): the secret is never on the
+    host, and the other worker finds it nowhere.
+    """
+    server = default_env.server
+    wait_all_idle(server, 2)
+    name = f"secret-{random.randrange(10**9)}"
+    secret = f"the secret {random.random()}"
+    writer_result: dict[str, Any] = {}
+
+    def writer() -> None:
+        writer_result["response"] = server.execute(
+            program("write_secret_and_sleep", name, secret, 6)
+        )
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        time.sleep(2)
+        assert glob.glob(os.path.join(default_env.server_tmp, "kcoral-*", "*", "work", name)) == []
+        result = call(server, "search_secret", name, secret, default_env.seat_dirs())
+        assert thread.is_alive()
+    finally:
+        thread.join()
+    assert json.loads(completed(writer_result["response"])["results"]["out"]["value"]) is True
+    assert result["found"] == [], result
     assert_healthy(server)
 
 

@@ -69,6 +69,7 @@ class DefaultsTests(SynchronousTestCase):
             "max_queued_requests": 1024,
             "max_bytes_in_flight": 2 * 1024**3,
             "max_channel_bytes": 512 * 1024**2,
+            "workspace_bytes": 1024**3,
             "front_ends": 1,
             "front_end_index": 0,
             "lame_duck_seconds": 0.0,

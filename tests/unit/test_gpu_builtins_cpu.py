@@ -6,7 +6,13 @@ everything that needs no GPU, PyCUDA or torch.
 
 from __future__ import annotations
 
+import contextlib
 import struct
+import sys
+import types
+from collections.abc import Iterator
+from typing import Any
+from unittest import mock
 
 import ml_dtypes
 import numpy as np
@@ -30,6 +36,7 @@ from kcoral.worker.gpu_builtins import (
     parse_tolerances,
     plan_counts,
     split_cfg,
+    timing,
 )
 
 
@@ -407,3 +414,145 @@ class SourceTests(SynchronousTestCase):
         with self.assertRaises(ExecutionError) as e:
             gpu_builtins.compile_cuda(object(), {})
         self.assertEqual(e.exception.kind, "runtime")
+
+
+class _Timeline:
+    """
+    A simulated GPU whose work runs when it is launched, on one clock
+    (ns) shared with the trace's timestamps; work a "thread" launches late
+    runs at the next L2 flush, between two iterations.
+    """
+
+    FLUSH_BYTES = 1 << 20
+
+    def __init__(self) -> None:
+        self.now = 0
+        self.gpu: list[tuple[int, int, str]] = []
+        self.pending: list[tuple[str, int]] = []
+
+    def tick(self, ns: int = 1_000) -> int:
+        self.now += ns
+        return self.now
+
+    def run(self, label: str, ns: int) -> None:
+        start = self.tick(10_000)
+        self.gpu.append((start, self.tick(ns), label))
+
+    def memset_d32_async(self, buffer: int, value: int, words: int) -> None:
+        for label, ns in self.pending:
+            self.run(label, ns)
+        self.pending.clear()
+        self.run(f"memset:{words * 4}", 30_000)
+
+
+class _SimulatedTrace:
+    def __init__(self, timeline: _Timeline) -> None:
+        self.timeline = timeline
+        self.gpu: list[tuple[int, int, str]] = []
+
+    def now(self) -> int:
+        return self.timeline.tick()
+
+    @contextlib.contextmanager
+    def session(self, driver: Any) -> Iterator[_SimulatedTrace]:
+        self.timeline.gpu = []
+        yield self
+        # The closing synchronize: what was launched late runs now.
+        for label, ns in self.timeline.pending:
+            self.timeline.run(label, ns)
+        self.gpu = list(self.timeline.gpu)
+
+
+class _SimulatedDriver:
+    def synchronize(self) -> None:
+        pass
+
+    def event(self) -> object:
+        return object()
+
+    def destroy(self, event: object) -> None:
+        pass
+
+    def mark(self, event: object, stream: int) -> None:
+        pass
+
+    def persisting_limit(self) -> int:
+        return 0
+
+    def clear_persisting(self) -> None:
+        pass
+
+
+class _Backend:
+    def l2_flush_buffer(self) -> tuple[int, int]:
+        return 0x1000, _Timeline.FLUSH_BYTES
+
+    def spin_function(self) -> None:
+        return None
+
+
+class _Measurer:
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+
+class TimedLoopTests(SynchronousTestCase):
+    """
+    L{timing._TimedLoop} over a simulated GPU: each call's activity is what
+    started in its window, the flush is in none, and what started between
+    iterations is flagged unless the evaluator's options put work there.
+    """
+
+    def measure(self, kernel: Any, cfg: dict[str, Any], timeline: _Timeline | None = None) -> Any:
+        timeline = timeline or _Timeline()
+        pycuda = types.ModuleType("pycuda")
+        driver = types.ModuleType("pycuda.driver")
+        driver.memset_d32_async = timeline.memset_d32_async  # type: ignore[attr-defined]
+        pycuda.driver = driver  # type: ignore[attr-defined]
+        self.patch(timing, "activity_trace", lambda: _SimulatedTrace(timeline))
+        config = parse_benchmark_cfg({"warmup": 2, "repeat": 4, **cfg})
+        with mock.patch.dict(sys.modules, {"pycuda": pycuda, "pycuda.driver": driver}):
+            loop = timing._TimedLoop(
+                _Backend(),
+                config,
+                timing._Inputs((timeline,), config),
+                driver=_SimulatedDriver(),  # type: ignore[arg-type]
+            )
+            return loop.measure(kernel, _Measurer())
+
+    def test_honest(self) -> None:
+        """Each span is the call's own kernel: the flush before it is left out."""
+        raw = self.measure(lambda t: t.run("kernel:gemm", 300_000), {})
+        self.assertEqual(raw.spans_ms, (0.3, 0.3, 0.3, 0.3))
+        self.assertEqual(raw.signatures, ((("kernel:gemm", 1),),))
+        self.assertEqual(raw.signature_of, (0, 0, 0, 0))
+        self.assertEqual(raw.flags, ())
+        self.assertEqual(raw.first_call_main, "kernel:gemm")
+
+    def test_launched_late(self) -> None:
+        """Work that starts after an iteration's synchronize flags the iteration."""
+
+        def kernel(t: _Timeline) -> None:
+            t.run("kernel:decoy", 1_000)
+            t.pending.append(("kernel:gemm", 300_000))
+
+        raw = self.measure(kernel, {})
+        self.assertEqual(raw.signatures, ((("kernel:decoy", 1),),))
+        late = [(i, code) for i, code, _ in raw.flags]
+        self.assertEqual(late, [(i, "outlived_iteration") for i in range(4)])
+        self.assertEqual(raw.flags[0][2], "kernel:gemm started after it")
+
+    def test_options_in_between(self) -> None:
+        """The input factory's own GPU work between iterations is not flagged."""
+
+        def inputs(i: int) -> tuple[Any, ...]:
+            timeline.run("kernel:fill", 50_000)
+            return (timeline,)
+
+        timeline = _Timeline()
+        raw = self.measure(lambda t: t.run("kernel:gemm", 300_000), {"inputs": inputs}, timeline)
+        self.assertEqual(raw.flags, ())
+        self.assertEqual(raw.spans_ms, (0.3, 0.3, 0.3, 0.3))

@@ -8,8 +8,11 @@ messages (L{kcoral.server.workerproc}) and the record in the response
 
 from __future__ import annotations
 
+import enum
 import io
 import json
+from collections import Counter
+from types import SimpleNamespace
 from typing import Any
 
 import attrs
@@ -37,9 +40,13 @@ from kcoral.wire.channel import (
 from kcoral.wire.render import Placement, render_result
 from kcoral.worker.gpu_builtins.activity import (
     LATE_TOLERANCE_NS,
+    WINDOW_SLACK_NS,
+    ActivityTrace,
     IterationActivity,
     Window,
+    after_windows,
     attribute,
+    started_late,
     summarize,
 )
 from kcoral.worker.measure import ChannelMeasurer, LocalMeasurer
@@ -197,31 +204,163 @@ class ParseRawTests(SynchronousTestCase):
 
 
 class AttributionTests(SynchronousTestCase):
-    """GPU records go to the iteration whose window their API call started in."""
+    """
+    GPU records go to the iteration whose window they started in; what
+    started between windows is what an iteration launched late.
+    """
 
     def test_attribute(self) -> None:
-        windows = [Window(100, 200, 300), Window(400, 500, 600)]
-        api = [(50, 1), (150, 2), (160, 3), (450, 4), (700, 5)]
+        windows = [Window(100_000, 200_000, 300_000), Window(400_000, 500_000, 600_000)]
         gpu = [
-            (60, 90, 1, "memset:8"),  # the flush, before the first window
-            (170, 190, 2, "kernel:gemm"),
-            (180, 260, 3, "kernel:side"),  # launched in window 0 from any stream
-            (470, 520, 4, "kernel:gemm"),
-            (710, 720, 5, "kernel:late"),  # launched after every window
+            (60_000, 90_000, "memset:8"),  # the flush, before the first window
+            (170_000, 190_000, "kernel:gemm"),
+            (180_000, 260_000, "kernel:side"),  # in window 0, any stream
+            (340_000, 380_000, "memset:8"),  # the flush before window 1
+            (470_000, 520_000, "kernel:gemm"),
+            (710_000, 720_000, "kernel:late"),  # after every window
         ]
-        first, second = attribute(api, gpu, windows)
+        first, second = attribute(gpu, windows)
         self.assertEqual(summarize(first), (("kernel:gemm", 1), ("kernel:side", 1)))
-        self.assertEqual(first.span_ms, (260 - 170) / 1e6)
+        self.assertEqual(first.span_ms, (260_000 - 170_000) / 1e6)
         self.assertEqual(summarize(second), (("kernel:gemm", 1),))
         self.assertEqual(first.heaviest(), "kernel:side")
         self.assertEqual(IterationActivity(()).span_ms, None)
         self.assertEqual(IterationActivity(()).heaviest(), "")
+
+    def test_window_edges(self) -> None:
+        """
+        A record that starts within the slack before a window's first
+        timestamp, or at its last, is the window's; earlier or later, not.
+        """
+        window = Window(100_000, 150_000, 200_000)
+        cases = [
+            (100_000 - WINDOW_SLACK_NS, True),
+            (100_000 - WINDOW_SLACK_NS - 1, False),
+            (200_000, True),
+            (200_001, False),
+        ]
+        for start, inside in cases:
+            (found,) = attribute([(start, start + 10, "kernel:k")], [window])
+            self.assertEqual(bool(found.records), inside, start)
+
+    def test_after_windows(self) -> None:
+        """Between a window's end and the next window's start; after the last, all."""
+        windows = [Window(100_000, 200_000, 300_000), Window(400_000, 500_000, 600_000)]
+        gpu = [
+            (250_000, 320_000, "kernel:gemm"),  # in window 0
+            (301_000, 302_000, "kernel:thread"),  # after window 0's synchronize
+            (340_000, 380_000, "memset:8"),  # the flush
+            (450_000, 460_000, "kernel:gemm"),
+            (900_000, 910_000, "kernel:thread"),
+        ]
+        gap0, gap1 = after_windows(gpu, windows)
+        self.assertEqual(summarize(gap0), (("kernel:thread", 1), ("memset:8", 1)))
+        self.assertEqual(summarize(gap1), (("kernel:thread", 1),))
+        self.assertEqual(after_windows(gpu[:1], windows)[0].records, ())
+
+    def test_started_late(self) -> None:
+        """Only what the loop does not put between iterations is flagged."""
+        flush: Counter[str] = Counter({"memset:8": 1})
+        between = [
+            IterationActivity(((1, 2, "memset:8"),)),
+            IterationActivity(()),
+            IterationActivity(((1, 2, "memset:8"), (3, 4, "kernel:gemm"))),
+            IterationActivity(((1, 2, "memset:8"), (3, 4, "memset:8"))),
+            IterationActivity(((3, 4, "kernel:gemm"),)),
+        ]
+        self.assertEqual(
+            started_late(between, flush),
+            {
+                2: "kernel:gemm started after it",
+                3: "memset:8 started after it",
+                4: "kernel:gemm started after it",
+            },
+        )
+        self.assertEqual(sorted(started_late(between, flush, frozenset({2, 4}))), [3])
+        self.assertEqual(sorted(started_late(between, Counter())), [0, 2, 3, 4])
 
     def test_late(self) -> None:
         """Activity ending past the tolerance after a mark is late."""
         activity = IterationActivity(((0, 1000, "kernel:k"),))
         self.assertFalse(activity.late(1000 - LATE_TOLERANCE_NS))
         self.assertTrue(activity.late(999 - LATE_TOLERANCE_NS))
+
+
+class _Kind(enum.IntEnum):
+    """The activity kinds cupti-python names (their values do not matter here)."""
+
+    DRIVER = 1
+    RUNTIME = 2
+    MEMCPY = 3
+    MEMSET = 4
+    CONCURRENT_KERNEL = 5
+    MEMCPY2 = 6
+
+
+class _Cupti:
+    """What L{ActivityTrace} calls of cupti-python, recording the calls."""
+
+    ActivityKind = _Kind
+
+    def __init__(self, records: list[Any]) -> None:
+        self.records = records
+        self.enabled: list[_Kind] = []
+        self.calls: list[str] = []
+        self._completed: Any = None
+
+    def activity_register_callbacks(self, requested: Any, completed: Any) -> None:
+        self.calls.append("register")
+        self._completed = completed
+
+    def activity_enable(self, kind: _Kind) -> None:
+        self.enabled.append(kind)
+
+    def activity_disable(self, kind: _Kind) -> None:
+        self.enabled.remove(kind)
+
+    def activity_flush_all(self, flag: int) -> None:
+        self.calls.append("flush")
+        self._completed(self.records)
+
+
+class _Driver:
+    def synchronize(self) -> None:
+        pass
+
+
+class ActivityTraceTests(SynchronousTestCase):
+    """A session enables GPU activity kinds only and keeps only what attribution needs."""
+
+    def test_session(self) -> None:
+        records = [
+            SimpleNamespace(kind=_Kind.DRIVER, start=1, end=2, correlation_id=7),
+            SimpleNamespace(kind=_Kind.CONCURRENT_KERNEL, start=10, end=20, name="gemm"),
+            SimpleNamespace(kind=_Kind.MEMCPY, start=30, end=40, copy_kind=2, bytes=64),
+            SimpleNamespace(kind=_Kind.MEMCPY2, start=50, end=60, bytes=32),
+            SimpleNamespace(kind=_Kind.MEMSET, start=70, end=80, bytes=8),
+        ]
+        cupti = _Cupti(records)
+        trace = ActivityTrace(cupti)
+        with trace.session(_Driver()):  # type: ignore[arg-type]
+            self.assertEqual(
+                sorted(cupti.enabled),
+                sorted([_Kind.CONCURRENT_KERNEL, _Kind.MEMCPY, _Kind.MEMSET, _Kind.MEMCPY2]),
+            )
+        self.assertEqual(cupti.enabled, [])
+        self.assertEqual(cupti.calls, ["register", "flush"])
+        self.assertEqual(
+            trace.gpu,
+            [
+                (10, 20, "kernel:gemm"),
+                (30, 40, "memcpy:2:64"),
+                (50, 60, "memcpy_p2p:32"),
+                (70, 80, "memset:8"),
+            ],
+        )
+        with trace.session(_Driver()):  # type: ignore[arg-type]
+            pass
+        self.assertEqual(cupti.calls, ["register", "flush", "flush"])
+        self.assertEqual(len(trace.gpu), 4)
 
 
 class WorkerSideTests(SynchronousTestCase):

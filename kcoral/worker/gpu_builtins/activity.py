@@ -5,16 +5,22 @@ over every stream and context of the worker, and the driver calls of its
 timed loop (ctypes on C{libcuda}: nothing an uploaded module patches in
 PyCUDA or torch reaches them).
 
-Each iteration is a host window: a device-wide synchronize, a timestamp,
-the call, an event on the calling stream waited for (a second
-timestamp), a device-wide synchronize and a third timestamp.  The GPU
-activity an iteration I{caused} is the kernels, copies and memsets whose
-API call (driver or runtime, any thread) started inside its window,
-matched by CUPTI's correlation ids; its span runs from the earliest start
-to the latest end of that activity.  Activity still running when the
-calling stream's event completed was on a stream the call did not join;
-activity still running after the synchronize was outside the context it
-synchronizes.
+Each iteration is a window of CUPTI timestamps: a device-wide
+synchronize, a timestamp, the call, an event on the calling stream waited
+for (a second timestamp), a device-wide synchronize and a third
+timestamp.  The GPU activity an iteration I{caused} is the kernels, copies
+and memsets that started inside its window (on any stream, from any
+thread): the synchronize before it finished everything this context had
+been given, so nothing started in the window was launched before it.  Its
+span runs from the earliest start to the latest end of that activity.
+Activity still running when the calling stream's event completed was on a
+stream the call did not join; activity still running after the
+synchronize, or starting after it and before the next window, was outside
+the context it synchronizes or launched late.
+
+Only GPU activity kinds are enabled: no driver or runtime API records,
+whose number (every call the loop and the program make) made closing the
+session cost more than the loop itself.
 """
 
 from __future__ import annotations
@@ -35,7 +41,9 @@ __all__ = [
     "IterationActivity",
     "Window",
     "activity_trace",
+    "after_windows",
     "attribute",
+    "started_late",
     "summarize",
 ]
 
@@ -49,6 +57,12 @@ CU_EVENT_DISABLE_TIMING = 0x2
 #: activity may end before it is flagged: the clocks of the host and the
 #: GPU records are converted to one timebase, not read from one clock.
 LATE_TOLERANCE_NS = 50_000
+
+#: How far (ns) before a window's first timestamp activity may start and
+#: still be the window's: the call's first launch comes microseconds after
+#: the timestamp, the flush before it ends before the synchronize returns
+#: (and a flush memset lasts tens of microseconds).
+WINDOW_SLACK_NS = 2_000
 
 #: Bytes of each activity buffer CUPTI fills.
 BUFFER_BYTES = 8 << 20
@@ -176,49 +190,86 @@ def summarize(activity: IterationActivity) -> tuple[tuple[str, int], ...]:
     return tuple(sorted(Counter(r[2] for r in activity.records).items()))
 
 
+def _by_start(
+    gpu: Sequence[tuple[int, int, str]],
+) -> tuple[list[tuple[int, int, str]], list[int]]:
+    records = sorted(gpu)
+    return records, [r[0] for r in records]
+
+
 def attribute(
-    api: Sequence[tuple[int, int]],
-    gpu: Sequence[tuple[int, int, int, str]],
+    gpu: Sequence[tuple[int, int, str]],
     windows: Sequence[Window],
 ) -> list[IterationActivity]:
     """
-    The GPU records (C{(start, end, correlation, label)}) each window
-    caused: those whose API call (C{(start, correlation)}) started in it.
+    The GPU records (C{(start, end, label)}) each window caused: those that
+    started in it (from L{WINDOW_SLACK_NS} before its first timestamp to
+    its last).
     """
-    calls = sorted(api)
-    starts = [c[0] for c in calls]
-    by_correlation: dict[int, list[tuple[int, int, str]]] = {}
-    for start, end, correlation, label in gpu:
-        by_correlation.setdefault(correlation, []).append((start, end, label))
+    records, starts = _by_start(gpu)
     out = []
     for window in windows:
-        low = bisect.bisect_left(starts, window.start)
+        low = bisect.bisect_left(starts, window.start - WINDOW_SLACK_NS)
         high = bisect.bisect_right(starts, window.end)
-        correlations = {calls[i][1] for i in range(low, high)}
-        records = [r for c in sorted(correlations) for r in by_correlation.get(c, ())]
-        out.append(IterationActivity(tuple(records)))
+        out.append(IterationActivity(tuple(records[low:high])))
     return out
+
+
+def after_windows(
+    gpu: Sequence[tuple[int, int, str]],
+    windows: Sequence[Window],
+) -> list[IterationActivity]:
+    """
+    For each window, the GPU records that started after it and before the
+    next one (the last window: any time after it).
+    """
+    records, starts = _by_start(gpu)
+    out = []
+    for i, window in enumerate(windows):
+        low = bisect.bisect_right(starts, window.end)
+        if i + 1 < len(windows):
+            high = bisect.bisect_left(starts, windows[i + 1].start - WINDOW_SLACK_NS)
+        else:
+            high = len(records)
+        out.append(IterationActivity(tuple(records[low : max(low, high)])))
+    return out
+
+
+def started_late(
+    between: Sequence[IterationActivity],
+    expected: Counter[str],
+    skip: frozenset[int] = frozenset(),
+) -> dict[int, str]:
+    """
+    The windows after which (L{after_windows}) activity other than the
+    C{expected} labels (how often each may occur there) started, each with
+    the first such label; the windows in C{skip} are not checked.
+    """
+    late = {}
+    for i, found in enumerate(between):
+        if i in skip or not found.records:
+            continue
+        unexpected = Counter(r[2] for r in found.records) - expected
+        if unexpected:
+            late[i] = f"{min(unexpected)} started after it"
+    return late
 
 
 @attrs.define(eq=False)
 class ActivityTrace:
     """
     CUPTI activity records of this process, collected while a session is
-    open: API calls (driver and runtime) with their correlation ids, and
-    kernels, copies and memsets with theirs.
+    open: kernels, copies and memsets, each as C{(start, end, label)}.
     """
 
     cupti: Any
-    api: list[tuple[int, int]] = attrs.field(factory=list)
-    gpu: list[tuple[int, int, int, str]] = attrs.field(factory=list)
+    gpu: list[tuple[int, int, str]] = attrs.field(factory=list)
     _registered: bool = False
     _open: bool = False
 
     def _kinds(self) -> tuple[Any, ...]:
         kind = self.cupti.ActivityKind
         return (
-            kind.DRIVER,
-            kind.RUNTIME,
             kind.CONCURRENT_KERNEL,
             kind.MEMCPY,
             kind.MEMSET,
@@ -230,19 +281,17 @@ class ActivityTrace:
 
     def _completed(self, activities: list[Any]) -> None:
         kind = self.cupti.ActivityKind
+        append = self.gpu.append
         for a in activities:
             k = a.kind
-            if k == kind.DRIVER or k == kind.RUNTIME:
-                self.api.append((a.start, a.correlation_id))
-            elif k == kind.CONCURRENT_KERNEL:
-                self.gpu.append((a.start, a.end, a.correlation_id, f"kernel:{a.name}"))
+            if k == kind.CONCURRENT_KERNEL:
+                append((a.start, a.end, f"kernel:{a.name}"))
             elif k == kind.MEMCPY:
-                label = f"memcpy:{int(a.copy_kind)}:{int(a.bytes)}"
-                self.gpu.append((a.start, a.end, a.correlation_id, label))
+                append((a.start, a.end, f"memcpy:{int(a.copy_kind)}:{int(a.bytes)}"))
             elif k == kind.MEMCPY2:
-                self.gpu.append((a.start, a.end, a.correlation_id, f"memcpy_p2p:{int(a.bytes)}"))
+                append((a.start, a.end, f"memcpy_p2p:{int(a.bytes)}"))
             elif k == kind.MEMSET:
-                self.gpu.append((a.start, a.end, a.correlation_id, f"memset:{int(a.bytes)}"))
+                append((a.start, a.end, f"memset:{int(a.bytes)}"))
 
     def now(self) -> int:
         """CUPTI's timestamp (ns), the timebase of its records."""
@@ -251,7 +300,7 @@ class ActivityTrace:
     @contextlib.contextmanager
     def session(self, driver: Driver) -> Iterator[ActivityTrace]:
         """Collect records inside the block; all of them are in when it ends."""
-        self.api, self.gpu = [], []
+        self.gpu = []
         if not self._registered:
             self.cupti.activity_register_callbacks(self._requested, self._completed)
             self._registered = True

@@ -14,6 +14,7 @@ import math
 import secrets
 import struct
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,8 +35,10 @@ from kcoral.worker.gpu_builtins.activity import (
     IterationActivity,
     Window,
     activity_trace,
+    after_windows,
     attribute,
     calling_stream,
+    started_late,
     summarize,
 )
 from kcoral.worker.gpu_builtins.closeness import check_close, mismatch_message, parse_tolerances
@@ -526,11 +529,29 @@ class _TimedLoop:
         finally:
             self.driver.destroy(self._event)
         mark("session_close")
-        found = attribute(trace.api, trace.gpu, [first, discovery, *windows])
-        trace.api, trace.gpu = [], []
-        raw = self._raw(found[1], found[2:], windows, warmup, repeat, overheads, options)
+        found = attribute(trace.gpu, [first, discovery, *windows])
+        between = after_windows(trace.gpu, windows)
+        trace.gpu = []
+        late = self._started_late(between, audit_at)
+        raw = self._raw(found[1], found[2:], windows, late, warmup, repeat, overheads, options)
         mark("attribution")
         return attrs.evolve(raw, first_call_main=found[0].heaviest())
+
+    def _started_late(self, between: list[IterationActivity], audit_at: int) -> dict[int, str]:
+        """
+        The iterations after whose synchronize, and before the next
+        iteration, activity started: launched late (a thread, another
+        context).  Between two iterations the loop itself only flushes the
+        L2 (one memset); the evaluator's options that use the GPU there
+        (C{inputs}, C{fingerprint}, the audited iteration) switch the check
+        off where they run.
+        """
+        if self.config.inputs is not None or self.config.fingerprint:
+            return {}
+        expected: Counter[str] = Counter()
+        if self._flush is not None:
+            expected[f"memset:{self._flush[1] // 4 * 4}"] = 1
+        return started_late(between, expected, frozenset({audit_at}))
 
     def _check(self, args: tuple[Any, ...]) -> str | None:
         started = time.perf_counter()
@@ -566,6 +587,7 @@ class _TimedLoop:
         discovery: IterationActivity,
         activity: list[IterationActivity],
         windows: list[Window],
+        started_late: dict[int, str],
         warmup: int,
         repeat: int,
         overheads: list[float],
@@ -584,6 +606,8 @@ class _TimedLoop:
             signature_of.append(index(found))
             if found.late(window.end):
                 self.flags.append((i, "outlived_iteration", ""))
+            elif i in started_late:
+                self.flags.append((i, "outlived_iteration", started_late[i]))
             elif found.late(window.stream_done):
                 self.flags.append((i, "unjoined_stream", ""))
         return RawMeasurement(

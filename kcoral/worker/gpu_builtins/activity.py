@@ -59,10 +59,11 @@ CU_EVENT_DISABLE_TIMING = 0x2
 LATE_TOLERANCE_NS = 50_000
 
 #: How far (ns) before a window's first timestamp activity may start and
-#: still be the window's: the call's first launch comes microseconds after
-#: the timestamp, the flush before it ends before the synchronize returns
-#: (and a flush memset lasts tens of microseconds).
-WINDOW_SLACK_NS = 2_000
+#: still be the window's.  None: the call's first launch reaches the GPU
+#: microseconds after the timestamp (the margin for the two clocks), while
+#: what started earlier is the loop's work before the window (the flush
+#: memset, which ends before the synchronize returns).
+WINDOW_SLACK_NS = 0
 
 #: Bytes of each activity buffer CUPTI fills.
 BUFFER_BYTES = 8 << 20
@@ -203,8 +204,8 @@ def attribute(
 ) -> list[IterationActivity]:
     """
     The GPU records (C{(start, end, label)}) each window caused: those that
-    started in it (from L{WINDOW_SLACK_NS} before its first timestamp to
-    its last).
+    started in it, from its first timestamp (less L{WINDOW_SLACK_NS}) to
+    its last.
     """
     records, starts = _by_start(gpu)
     out = []

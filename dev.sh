@@ -11,9 +11,11 @@ PY=${PYTHON:-python3}
 
 system_packages() {
     # bubblewrap isolates workers; chromium renders /status in a test;
-    # haproxy balances two nodes in tests/integration/test_haproxy.py.
+    # haproxy balances two nodes in tests/integration/test_haproxy.py;
+    # openssl makes the certificates and curl drives the server in the TLS
+    # tests (test_client_tls.py, test_auth_listen.py).
     local wanted=(bubblewrap)
-    [ "${1:-}" = test ] && wanted+=(chromium haproxy)
+    [ "${1:-}" = test ] && wanted+=(chromium haproxy openssl curl)
     local missing=()
     for pkg in "${wanted[@]}"; do
         dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")

@@ -282,16 +282,22 @@ class ActivityTrace:
 
     def _completed(self, activities: list[Any]) -> None:
         kind = self.cupti.ActivityKind
+        kernel, memcpy, memcpy2, memset = (
+            kind.CONCURRENT_KERNEL,
+            kind.MEMCPY,
+            kind.MEMCPY2,
+            kind.MEMSET,
+        )
         append = self.gpu.append
         for a in activities:
             k = a.kind
-            if k == kind.CONCURRENT_KERNEL:
+            if k == kernel:
                 append((a.start, a.end, f"kernel:{a.name}"))
-            elif k == kind.MEMCPY:
+            elif k == memcpy:
                 append((a.start, a.end, f"memcpy:{int(a.copy_kind)}:{int(a.bytes)}"))
-            elif k == kind.MEMCPY2:
+            elif k == memcpy2:
                 append((a.start, a.end, f"memcpy_p2p:{int(a.bytes)}"))
-            elif k == kind.MEMSET:
+            elif k == memset:
                 append((a.start, a.end, f"memset:{int(a.bytes)}"))
 
     def now(self) -> int:

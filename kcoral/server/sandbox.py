@@ -677,6 +677,7 @@ class BubblewrapSandbox:
         work_dir: Path,
         gpu_devices: list[str],
         spaces: Path | None = None,
+        bind_work: bool = False,
     ) -> tuple[str, list[str], dict[str, str]]:
         mounts = self.resolve_mounts()
         tail = [self.path_inside(tail[0]), *tail[1:]]
@@ -710,7 +711,7 @@ class BubblewrapSandbox:
             # Server files below a bound path (a log directory inside a
             # virtualenv or a --target directory): an empty tmpfs over them.
             argv += ["--size", "4096", "--tmpfs", path, "--remount-ro", path]
-        if self.workspace_bytes and spaces is None:
+        if self.workspace_bytes and spaces is None and not bind_work:
             # A bounded tmpfs of the sandbox's own, with the layout the
             # parent makes on the host: nothing written there reaches the
             # host's disk, and it goes with the sandbox.
@@ -822,8 +823,11 @@ class BubblewrapSandbox:
         The command line that runs C{tail} (no GPUs) in this sandbox at
         C{work_dir}; with C{env}, bwrap and so C{tail} get that environment
         (plus the sandbox's own C{--setenv}s) instead of the server's.
+        C{work_dir} is bound at L{WORKSPACE} even with L{workspace_bytes}
+        (the server's compiles: it writes the source there and reads the
+        image back, L{kcoral.server.compiles}).
         """
-        executable, argv, full = self._command(tail, work_dir, [])
+        executable, argv, full = self._command(tail, work_dir, [], bind_work=True)
         return executable, argv, full if env is None else dict(env)
 
     def probe_command(self, work_dir: Path, gpu_devices: list[str]) -> list[str]:

@@ -127,6 +127,26 @@ class BubblewrapCommandTests(_TempMixin, SynchronousTestCase):
                 node = node[part]
             self.assertEqual(node[parts[-1]], {})
 
+    def test_run_command_binds_its_workspace(self) -> None:
+        """
+        The server's compiles (C{run_command}) see the host workspace at
+        /work, where the server wrote the source and reads the image, even
+        when workers get a private tmpfs there (C{workspace_bytes}); the
+        given environment replaces the server's.
+        """
+        sandbox = BubblewrapSandbox([], workspace_bytes=1 << 20)
+        _, worker, _ = self.command(sandbox)
+        self.assertIn(
+            "--tmpfs", [worker[i] for i in range(len(worker)) if worker[i + 1 : i + 2] == ["/work"]]
+        )
+        _, argv, env = sandbox.run_command(["/usr/bin/true"], self.work, env={"PATH": "/bin"})
+        binds = [
+            argv[i + 1] for i, a in enumerate(argv) if a == "--bind" and argv[i + 2] == "/work"
+        ]
+        self.assertEqual(binds, [os.path.realpath(self.work)])
+        self.assertNotIn(["--tmpfs", "/work"], [argv[i : i + 2] for i in range(len(argv))])
+        self.assertEqual(env, {"PATH": "/bin"})
+
     def test_order(self) -> None:
         """Flags, mounts, devices, links, env, chdir and the root remount come in spec order."""
         executable, argv, _env = self.command(BubblewrapSandbox([]))

@@ -303,13 +303,17 @@ class ServerConfig:
         not extended by trickled bytes; C{0} sets none.
     @ivar body_timeout_seconds: time a client has to send a request body
         once its head arrived; C{0} sets none.
-    @ivar max_connections: open HTTP connections served at once; more are
-        answered 503 and closed; C{0} sets no cap.
+    @ivar max_connections: open HTTP connections served at once (kept below
+        the open-file limit); at it, the connection waiting longest for a
+        request head is closed to make room, and when all are in requests a
+        new one is answered 503 and closed; C{0} sets no cap but that of
+        the open-file limit.
     @ivar max_queued_requests: requests that may wait for a worker at once;
         one more is answered 503 at once; C{0} sets no cap.
     @ivar max_bytes_in_flight: request body bytes the server holds at once
-        (declared or received, until the answer is sent); a request that
-        would pass it is answered 503 without its body being kept; C{0}
+        (counted as they arrive, until the answer is sent); a request whose
+        declared length would pass it is answered 503 without its body
+        being read, one whose body grows past it has it dropped; C{0}
         sets no cap.
     @ivar max_channel_bytes: server memory that what workers send may take
         at once, all workers of this process together (issue 32): a frame
@@ -322,6 +326,18 @@ class ServerConfig:
         workspace, so that what a program writes never reaches the host's
         disk (issue 32); C{0}, or a reused worker: the seat's host
         directory, without a bound.
+    @ivar max_connections_per_client: open HTTP connections one client
+        address may have at once; at it, that address's connection waiting
+        longest for a request head is closed to make room (a 503 when all
+        are in requests); C{0} sets no cap.
+    @ivar first_header_timeout_seconds: time a new connection has to send
+        its first request head (at most C{header_timeout_seconds});
+        C{0} leaves it at that.
+    @ivar max_bytes_per_client: request body bytes one client address may
+        hold at once, counted as they arrive; past it that address's next
+        body is answered 503; C{0} sets no cap.
+    @ivar body_stall_seconds: a request body that goes this long without a
+        byte arriving is cut off (408) and its bytes released; C{0} never.
     @ivar finish_abandoned: run a program to its end when its client
         disconnects; by default a queued request leaves the line at once and
         a running program's worker is replaced.
@@ -394,6 +410,14 @@ class ServerConfig:
     max_bytes_in_flight: int = field(default=2 * _GIB, validator=_INT)
     max_channel_bytes: int = field(default=512 * _MIB, validator=_INT)
     workspace_bytes: int = field(default=_GIB, validator=_INT)
+    max_bytes_per_client: int = field(default=512 * _MIB, validator=_INT)
+    max_connections_per_client: int = field(default=1024, validator=_INT)
+    first_header_timeout_seconds: float = field(
+        default=10.0, converter=_to_float, validator=_FLOAT_NON_NEGATIVE
+    )
+    body_stall_seconds: float = field(
+        default=30.0, converter=_to_float, validator=_FLOAT_NON_NEGATIVE
+    )
     front_ends: int = field(default=1, validator=[_strict_int, _at_least_one])
     front_end_index: int = field(default=0, validator=_INT)
     lame_duck_seconds: float = field(

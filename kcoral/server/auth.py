@@ -123,6 +123,15 @@ class TokenGuard(Resource):
         self._tokens = tokens
         self._open = OPEN_PATHS | (METRICS_PATHS if public_metrics else frozenset())
 
+    def refuses(self, path: bytes, authorization: bytes | None) -> bool:
+        """
+        Whether a request for C{path} with this C{Authorization} value is
+        refused: the HTTP layer asks as soon as a request head is in, so a
+        request without a valid token never has its body read
+        (L{kcoral.server.http.LimitedRequest}).
+        """
+        return path not in self._open and self._tokens.client_for(authorization) is None
+
     def render(self, request: IRequest) -> Any:
         if request.path not in self._open:
             name = self._tokens.client_for(request.getHeader(b"authorization"))

@@ -58,7 +58,9 @@ __all__ = ["FrontEndsService", "BrokerConnection", "listen_reusing_port", "main"
 SPLIT_CAPS = (
     "cache_capacity_bytes",
     "max_bytes_in_flight",
+    "max_bytes_per_client",
     "max_connections",
+    "max_connections_per_client",
     "max_queued_requests",
 )
 

@@ -36,6 +36,7 @@ import json
 import math
 import os
 import sys
+import threading
 from collections.abc import Iterable, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
@@ -531,6 +532,11 @@ class RunDirectory:
         return cls(path=path, events_path=path / "events.jsonl", programs_dir=programs_dir)
 
 
+#: Programs saved under one request id at most (C{<id>.json}, C{<id>.2.json},
+#: ...); past it, more requests with that id are not saved.
+SAVED_PROGRAM_COPIES = 100
+
+
 @attrs.define
 class ProgramRecorder:
     """
@@ -558,32 +564,42 @@ class ProgramRecorder:
         """
         Write the program.  BLOCKING: the server calls it in a thread.
 
-        The bytes go to a temporary file that is then renamed, so a reader
-        never sees half a program.
+        The bytes go to a temporary file that is then linked to its name,
+        so a reader never sees half a program, and a saved program is
+        never replaced: a request id is the client's to choose, so a client
+        that reuses another's (they are on C{/status.json}) gets its program
+        saved as C{<request_id>.2.json} (then C{.3}, ...) beside the
+        other's.
 
-        @return: the file name (C{<request_id>.json}) for the
-            C{request_accepted} event's C{program} field, or C{None} when the
-            id is refused or the write failed.
+        @return: the file name (C{<request_id>.json}, or a numbered one) for
+            the C{request_accepted} event's C{program} field, or C{None}
+            when the id is refused or the write failed.
         """
         name = self.file_name(request_id)
         if name is None:
             return None
-        target = self.programs_dir / name
-        temporary = self.programs_dir / f".{name}.tmp"
+        temporary = self.programs_dir / f".{name}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
             self.programs_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
             # Programs are the clients' code: readable by the server's user only.
             fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             with os.fdopen(fd, "wb") as f:
                 f.write(program_bytes)
-            os.replace(temporary, target)
+            for number in range(1, SAVED_PROGRAM_COPIES + 1):
+                saved = name if number == 1 else f"{request_id}.{number}.json"
+                try:
+                    os.link(temporary, self.programs_dir / saved)
+                except FileExistsError:
+                    continue
+                return saved
+            return None
         except Exception:
+            return None
+        finally:
             try:
                 temporary.unlink()
             except OSError:
                 pass
-            return None
-        return name
 
 
 @attrs.define

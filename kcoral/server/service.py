@@ -57,7 +57,14 @@ from kcoral.server.frontends import (
     share_of,
 )
 from kcoral.server.gpus import GpuDevice, discover_gpus, select_gpus
-from kcoral.server.http import KcoralSite, listen_all, make_site, port_hosts, raise_fd_limit
+from kcoral.server.http import (
+    AcceptGuard,
+    KcoralSite,
+    listen_all,
+    make_site,
+    port_hosts,
+    raise_fd_limit,
+)
 from kcoral.server.lease import LeaseArbiter, Leases
 from kcoral.server.leasebroker import RemoteArbiter
 from kcoral.server.pool import WorkerPool
@@ -302,6 +309,14 @@ class LingerService(AsyncService):
             await deferLater(self._reactor, 0.02, lambda: None)
 
 
+def _socket_mode(path: str | bytes) -> str | None:
+    """The permission bits of the socket at C{path}, in octal (C{None}: gone)."""
+    try:
+        return oct(os.stat(path).st_mode & 0o777)
+    except OSError:
+        return None
+
+
 class ListeningPortService(AsyncService):
     """
     The HTTP ports: listen at start, stop listening at stop.
@@ -338,6 +353,7 @@ class ListeningPortService(AsyncService):
         self._public_metrics = public_metrics
         self._run_blocking = run_blocking
         self.ports: list[IListeningPort] = []
+        self._guards: list[AcceptGuard] = []
 
     @property
     def port(self) -> IListeningPort | None:
@@ -353,6 +369,18 @@ class ListeningPortService(AsyncService):
                 old=limits[0],
                 new=limits[1],
             )
+        fit = getattr(self._site, "fit_to_fd_limit", None)
+        if fit is not None and limits is not None:
+            wanted = self._site.max_connections  # type: ignore[attr-defined]
+            cap = fit(limits[1])
+            if cap != wanted:
+                self.log.warn(
+                    "serving at most {cap} connections, below the open-file limit {limit}",
+                    kcoral_event="connection_cap_lowered",
+                    cap=cap,
+                    wanted=wanted,
+                    limit=limits[1],
+                )
         tokens = None
         if self._token_file is not None:
             from kcoral.server.auth import TokenGuard, load_tokens
@@ -361,9 +389,10 @@ class ListeningPortService(AsyncService):
                 tokens = load_tokens(self._token_file)
             else:
                 tokens = await self._run_blocking(load_tokens, self._token_file)
-            self._site.resource = TokenGuard(
-                self._site.resource, tokens, public_metrics=self._public_metrics
-            )
+            guard = TokenGuard(self._site.resource, tokens, public_metrics=self._public_metrics)
+            self._site.resource = guard
+            # Heads are checked before their bodies are read (kcoral.server.http).
+            self._site.guard = guard  # type: ignore[attr-defined]
         if self._reuse_port:
             # Several front ends: each binds the same port (kcoral.server.frontends).
             self.ports = [
@@ -373,6 +402,10 @@ class ListeningPortService(AsyncService):
         else:
             self.ports = await listen_all(self._reactor, self._endpoints, self._site)
         for port in self.ports:
+            # Running out of descriptors pauses accepting, quietly.
+            accepting = AcceptGuard.install(port, self._site, self._reactor)  # type: ignore[arg-type]
+            if accepting is not None:
+                self._guards.append(accepting)
             address = port.getHost()
             self.log.info(
                 "listening on {host}:{port}",
@@ -381,6 +414,21 @@ class ListeningPortService(AsyncService):
                 port=getattr(address, "port", None),
                 path=getattr(address, "name", None),
                 clients=None if tokens is None else [name for _, name in tokens.entries],
+            )
+        sockets = [
+            path
+            for path in (getattr(port.getHost(), "name", None) for port in self.ports)
+            if path is not None
+        ]
+        if sockets and tokens is None:
+            self.log.warn(
+                "UNIX socket {paths} without --auth-token-file: every local user who can "
+                "open it can run code on this machine",
+                kcoral_event="unauthenticated_unix_socket",
+                paths=[
+                    p.decode("utf-8", "replace") if isinstance(p, bytes) else p for p in sockets
+                ],
+                modes=[_socket_mode(p) for p in sockets],
             )
         exposed = beyond_loopback(port_hosts(self.ports))
         if exposed and tokens is None:
@@ -393,6 +441,9 @@ class ListeningPortService(AsyncService):
 
     async def stop(self) -> None:
         ports, self.ports = self.ports, []
+        guards, self._guards = self._guards, []
+        for guard in guards:
+            guard.stop()
         for port in ports:
             await maybeDeferred(port.stopListening)
         drain = getattr(self._site, "drain", None)

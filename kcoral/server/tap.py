@@ -55,6 +55,7 @@ __all__ = [
     "grouped",
     "makeService",
     "with_backlog",
+    "with_owner_only",
 ]
 
 #: The listen queue of TCP and SSL ports given without C{backlog=}.
@@ -71,6 +72,10 @@ ENV_VARS: Mapping[str, str] = {
     "cuda-connections": "KCORAL_CUDA_CONNECTIONS",
     "max-channel-bytes": "KCORAL_MAX_CHANNEL_BYTES",
     "workspace-bytes": "KCORAL_WORKSPACE_BYTES",
+    "max-bytes-per-client": "KCORAL_MAX_BYTES_PER_CLIENT",
+    "body-stall-seconds": "KCORAL_BODY_STALL_SECONDS",
+    "max-connections-per-client": "KCORAL_MAX_CONNECTIONS_PER_CLIENT",
+    "first-header-timeout-seconds": "KCORAL_FIRST_HEADER_TIMEOUT_SECONDS",
 }
 
 _DEFAULTS = ServerConfig(disk_cache_dir=None)
@@ -168,6 +173,10 @@ _FIELD_FLAGS: Mapping[str, str] = {
     "max_bytes_in_flight": "max-bytes-in-flight",
     "max_channel_bytes": "max-channel-bytes",
     "workspace_bytes": "workspace-bytes",
+    "max_bytes_per_client": "max-bytes-per-client",
+    "body_stall_seconds": "body-stall-seconds",
+    "max_connections_per_client": "max-connections-per-client",
+    "first_header_timeout_seconds": "first-header-timeout-seconds",
     "front_ends": "front-ends",
     "lame_duck_seconds": "lame-duck-seconds",
 }
@@ -186,8 +195,11 @@ OPTION_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "auth-token-file",
             "public-metrics",
             "max-connections",
+            "max-connections-per-client",
+            "first-header-timeout-seconds",
             "header-timeout-seconds",
             "body-timeout-seconds",
+            "body-stall-seconds",
             "front-ends",
             "lame-duck-seconds",
         ),
@@ -219,6 +231,7 @@ OPTION_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "max-timeout-seconds",
             "max-request-bytes",
             "max-bytes-in-flight",
+            "max-bytes-per-client",
             "max-channel-bytes",
             "max-response-bytes",
             "output-limit-bytes",
@@ -508,9 +521,37 @@ class Options(usage.Options):
             "(env KCORAL_MAX_CHANNEL_BYTES).",
         ),
         _int_param(
+            "max-bytes-per-client",
+            _DEFAULTS.max_bytes_per_client,
+            "Request body bytes one client address may hold at once, counted as they "
+            "arrive; past it that address's next body gets a 503. 0: no cap "
+            "(env KCORAL_MAX_BYTES_PER_CLIENT).",
+        ),
+        _float_param(
+            "body-stall-seconds",
+            _DEFAULTS.body_stall_seconds,
+            "Seconds a request body may go without a byte arriving before it is cut off "
+            "(408) and its bytes released; 0: never (env KCORAL_BODY_STALL_SECONDS).",
+        ),
+        _int_param(
             "max-connections",
             _DEFAULTS.max_connections,
-            "Open HTTP connections served at once; more get a 503 and are closed. 0: no cap.",
+            "Open HTTP connections served at once, kept below the open-file limit; at it the "
+            "connection waiting longest for a request head is closed to make room, and when "
+            "all are in requests a new one gets a 503. 0: only the open-file limit.",
+        ),
+        _int_param(
+            "max-connections-per-client",
+            _DEFAULTS.max_connections_per_client,
+            "Open HTTP connections one client address may have; at it that address's "
+            "connection waiting longest for a request head is closed to make room. 0: no cap "
+            "(env KCORAL_MAX_CONNECTIONS_PER_CLIENT).",
+        ),
+        _float_param(
+            "first-header-timeout-seconds",
+            _DEFAULTS.first_header_timeout_seconds,
+            "Seconds a new connection has to send its first request head (408 after); "
+            "0: the header timeout (env KCORAL_FIRST_HEADER_TIMEOUT_SECONDS).",
         ),
         _float_param(
             "lame-duck-seconds",
@@ -681,6 +722,18 @@ class Options(usage.Options):
                 ) from None
         return value
 
+    def _float_from_env(self, flag: str) -> Any:
+        """L{_integer_from_env} for a number of seconds."""
+        value = self[flag]
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                raise usage.UsageError(
+                    f"{ENV_VARS[flag]} must be a number, got {value!r}"
+                ) from None
+        return value
+
     def postOptions(self) -> None:
         """
         Check the options and build C{self.config} and C{self.endpoint}.
@@ -790,6 +843,10 @@ class Options(usage.Options):
                 max_bytes_in_flight=self["max-bytes-in-flight"],
                 max_channel_bytes=self._integer_from_env("max-channel-bytes"),
                 workspace_bytes=self._integer_from_env("workspace-bytes"),
+                max_bytes_per_client=self._integer_from_env("max-bytes-per-client"),
+                max_connections_per_client=self._integer_from_env("max-connections-per-client"),
+                first_header_timeout_seconds=self._float_from_env("first-header-timeout-seconds"),
+                body_stall_seconds=self._float_from_env("body-stall-seconds"),
                 front_ends=self["front-ends"],
                 lame_duck_seconds=self["lame-duck-seconds"],
             )
@@ -797,7 +854,9 @@ class Options(usage.Options):
             raise usage.UsageError(_flag_message(str(e))) from None
         self["port"] = port
         descriptions = self["listen"] or [endpoint_description(host, port)]
-        self.endpoints = tuple(with_backlog(d, self["listen-backlog"]) for d in descriptions)
+        self.endpoints = tuple(
+            with_owner_only(with_backlog(d, self["listen-backlog"])) for d in descriptions
+        )
         if self.config.front_ends > 1:
             other = [d for d in self.endpoints if d.split(":", 1)[0].lower() not in ("tcp", "tcp6")]
             if other:
@@ -841,6 +900,22 @@ def with_backlog(description: str, backlog: int) -> str:
     kind = description.split(":", 1)[0].lower()
     if kind in ("tcp", "tcp6", "ssl") and "backlog=" not in description:
         return f"{description}:backlog={backlog}"
+    return description
+
+
+#: The mode of a UNIX socket given without C{mode=}: its owner only.
+DEFAULT_UNIX_MODE = "600"
+
+
+def with_owner_only(description: str) -> str:
+    """
+    Add C{mode=600} to a C{unix:} endpoint description that has no mode
+    (Twisted's default, 0666, lets every local user connect).
+    """
+    kind, _, rest = description.partition(":")
+    fields = rest.split(":")
+    if kind.lower() == "unix" and not any(f.startswith("mode=") for f in fields[1:]):
+        return f"{description}:mode={DEFAULT_UNIX_MODE}"
     return description
 
 

@@ -22,6 +22,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +122,14 @@ def _interruptible() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def _limited(fd_limit: int) -> None:
+    """L{_interruptible}, and at most C{fd_limit} open files, soft and hard."""
+    import resource
+
+    _interruptible()
+    resource.setrlimit(resource.RLIMIT_NOFILE, (fd_limit, fd_limit))
+
+
 @attrs.define
 class ServerProcess:
     """
@@ -134,6 +143,9 @@ class ServerProcess:
     port: int = attrs.field(factory=free_port)
     process: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
+    #: Soft and hard limit on the server's open files, when set (to start it
+    #: under a low hard limit, which it cannot raise).
+    fd_limit: int | None = None
 
     def start(self, timeout: float = 60.0) -> ServerProcess:
         env = dict(os.environ if self.env is None else self.env)
@@ -157,7 +169,9 @@ class ServerProcess:
             env=env,
             stdout=output,
             stderr=subprocess.STDOUT,
-            preexec_fn=_interruptible,
+            preexec_fn=_interruptible
+            if self.fd_limit is None
+            else partial(_limited, self.fd_limit),
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

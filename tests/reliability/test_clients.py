@@ -139,10 +139,20 @@ def test_slow_body_gets_408(server: tuple[ServerProcess, Path]) -> None:
 
 
 def test_connection_cap_refuses_cleanly(server: tuple[ServerProcess, Path]) -> None:
-    """Past --max-connections a connection gets a JSON 503 with Retry-After; then all is well."""
+    """
+    Past --max-connections, with every connection in a request (a head in,
+    its body to come), a connection gets a JSON 503 with Retry-After; then
+    all is well.  (Connections still waiting for a head would be closed to
+    make room instead: tests/reliability/test_connection_floods.py.)
+    """
     process, _ = server
     idle = [socket.create_connection(("127.0.0.1", process.port), timeout=30) for _ in range(100)]
     try:
+        for sock in idle:
+            sock.sendall(
+                b"POST /execute HTTP/1.1\r\nHost: x\r\nContent-Type: multipart/form-data; "
+                b"boundary=b\r\nContent-Length: 1000\r\n\r\n"
+            )
         time.sleep(0.5)  # let the server accept them all
         extra = socket.create_connection(("127.0.0.1", process.port), timeout=30)
         status, headers, body = split_response(read_all(extra))

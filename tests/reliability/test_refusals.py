@@ -42,6 +42,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerPro
         "--device", "cpu", "--sandbox", "none", "--num-workers", "1",
         "--log-dir", str(logs), "--auth-token-file", str(work / "tokens"),
         "--header-timeout-seconds", "2", "--body-timeout-seconds", "3",
+        "--body-stall-seconds", "2",
         "--max-connections", "8", "--max-request-bytes", "65536",
         "--max-bytes-in-flight", "4096", "--max-queued-requests", "1",
     ]  # fmt: skip
@@ -125,14 +126,19 @@ def test_every_refusal_is_counted(server: tuple[ServerProcess, Path]) -> None:
     refused("head_timeout", b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 100, 0.1)
     slow_body = post_head("multipart/form-data; boundary=b", 1000)
     refused("body_timeout", b"x" * 10, 0.5, prompt=slow_body)
+    refused("body_stalled", b"", prompt=post_head("multipart/form-data; boundary=b", 1000) + b"x")
     refused("body_too_large", post_head("multipart/form-data; boundary=b", 100_000))
     refused("uri_too_long", b"GET /" + b"a" * 20_000 + b" HTTP/1.1\r\n\r\n")
     refused("header_too_large", b"GET /health HTTP/1.1\r\nX-Big: " + b"a" * 200_000 + b"\r\n\r\n")
     many = b"".join(b"X-H%d: v\r\n" % i for i in range(600))
     refused("too_many_headers", b"GET /health HTTP/1.1\r\n" + many + b"\r\n")
 
+    # Eight connections in a request (a head in, the body to come): the
+    # server cannot close one of them to make room.
     idle = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(8)]
     try:
+        for sock in idle:
+            sock.sendall(post_head("multipart/form-data; boundary=b", 1000))
         time.sleep(0.3)
         refused("connection_cap", b"")
     finally:

@@ -7,6 +7,7 @@ L{StringTransport} and a L{Clock}, no sockets.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -29,8 +30,12 @@ from zope.interface import implementer
 
 from kcoral.server.auth import TokenGuard, parse_tokens
 from kcoral.server.http import (
+    ACCEPT_PAUSE_SECONDS,
     BACKLOG_PAUSE_BYTES,
+    LINGER_SECONDS,
     REFUSALS,
+    TROUBLE_LOG_INTERVAL,
+    AcceptGuard,
     KcoralSite,
     raise_fd_limit,
     raw_error_response,
@@ -373,14 +378,30 @@ class DrainTests(SynchronousTestCase):
         self.assertTrue(transport.disconnecting)
 
 
+#: A request head whose body is still to come: its connection is in a request.
+IN_REQUEST = b"POST /upload HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n"
+
+
 class ConnectionCapTests(SynchronousTestCase):
-    """Past the connection cap, new connections get a 503 and are closed."""
+    """
+    At the connection cap, the connection waiting longest for a request head
+    makes room; when every connection is in a request, new ones get a 503.
+    """
+
+    def connect_from(self, harness: Harness, host: str) -> tuple[Any, StringTransport]:
+        address = IPv4Address("TCP", host, 40000)
+        channel = harness.site.buildProtocol(address)
+        transport = StringTransport(peerAddress=address)
+        channel.makeConnection(transport)
+        return channel, transport
 
     def test_cap(self) -> None:
         """The connection over the cap is refused cleanly; a freed slot is reused."""
         harness = Harness(max_connections=2)
         first, _ = harness.connect()
-        harness.connect()
+        first.dataReceived(IN_REQUEST)
+        second, _ = harness.connect()
+        second.dataReceived(IN_REQUEST)
         refused, transport = harness.connect()
         ((status, headers, body),) = parse_responses(transport.value())
         self.assertEqual(status, 503)
@@ -391,6 +412,196 @@ class ConnectionCapTests(SynchronousTestCase):
         self.assertEqual(harness.site.open_connections, 1)
         _, transport = harness.connect()
         self.assertEqual(transport.value(), b"")
+
+    def test_waiting_connections_make_room(self) -> None:
+        """
+        At the cap, the oldest connection without a whole head is closed for
+        the new one: one that began a head gets the head deadline's 408, an
+        idle one is closed silently; connections in a request are kept.
+        """
+        harness = Harness(max_connections=3)
+        busy, busy_transport = harness.connect()
+        busy.dataReceived(IN_REQUEST)
+        trickling, trickling_transport = harness.connect()
+        trickling.dataReceived(b"GET /hello HTT")
+        silent, silent_transport = harness.connect()
+        with capturedLogs() as events:
+            _, transport = harness.connect()
+        self.assertEqual(transport.value(), b"")
+        ((status, headers, body),) = parse_responses(trickling_transport.value())
+        assert_error(self, status, headers, body, "request_timeout")
+        self.assertTrue(trickling_transport.disconnecting)
+        self.assertEqual(refusals(events), [])
+        self.assertEqual(
+            [e["count"] for e in events if e.get("kcoral_event") == "connections_evicted"], [1]
+        )
+        self.assertFalse(silent_transport.disconnecting)
+        harness.connect()
+        self.assertTrue(silent_transport.disconnecting)
+        self.assertEqual(silent_transport.value(), b"")
+        self.assertFalse(busy_transport.disconnecting)
+        self.assertEqual((harness.site.open_connections, harness.site.evicted_connections), (3, 2))
+
+    def test_fresh_before_idle(self) -> None:
+        """
+        A kept-alive connection that completed a request is closed only after
+        every connection that never sent a head.
+        """
+        harness = Harness(max_connections=2)
+        kept, kept_transport = harness.connect()
+        kept.dataReceived(b"GET /hello HTTP/1.1\r\nHost: x\r\n\r\n")
+        self.assertEqual(parse_responses(kept_transport.value())[0][0], 200)
+        _, fresh_transport = harness.connect()
+        newest, newest_transport = harness.connect()
+        self.assertTrue(fresh_transport.disconnecting)
+        self.assertFalse(kept_transport.disconnecting)
+        newest.dataReceived(IN_REQUEST)
+        harness.connect()
+        self.assertTrue(kept_transport.disconnecting)
+        self.assertFalse(newest_transport.disconnecting)
+
+    def test_per_client_cap(self) -> None:
+        """
+        One address at its cap makes room among its own connections, never
+        another address's; with all of its own in requests it is refused.
+        """
+        harness = Harness(max_connections=100, max_connections_per_client=2)
+        _, other_transport = self.connect_from(harness, "127.0.0.9")
+        first, first_transport = self.connect_from(harness, "127.0.0.2")
+        self.connect_from(harness, "127.0.0.2")
+        self.connect_from(harness, "127.0.0.2")
+        self.assertTrue(first_transport.disconnecting)
+        self.assertFalse(other_transport.disconnecting)
+        self.assertEqual(harness.site.client_connections, {"127.0.0.9": 1, "127.0.0.2": 2})
+        for channel in list(harness.site._fresh_of["127.0.0.2"]):
+            channel.dataReceived(IN_REQUEST)
+        _, transport = self.connect_from(harness, "127.0.0.2")
+        self.assertEqual(parse_responses(transport.value())[0][0], 503)
+        _, transport = self.connect_from(harness, "127.0.0.3")
+        self.assertEqual(transport.value(), b"")
+
+    def test_first_head_deadline(self) -> None:
+        """
+        A new connection has C{first_header_timeout} for its first head; a
+        kept-alive one has the header timeout for its next.
+        """
+        harness = Harness(header_timeout=30.0, first_header_timeout=5.0)
+        channel, transport = harness.connect()
+        channel.dataReceived(b"GET /hel")
+        harness.clock.advance(5)
+        self.assertEqual(parse_responses(transport.value())[0][0], 408)
+        channel, transport = harness.connect()
+        channel.dataReceived(b"GET /hello HTTP/1.1\r\nHost: x\r\n\r\n")
+        channel.dataReceived(b"GET /hel")
+        harness.clock.advance(5)
+        self.assertEqual(len(parse_responses(transport.value())), 1)
+        harness.clock.advance(25)
+        self.assertEqual(parse_responses(transport.value())[-1][0], 408)
+
+    def test_fit_to_fd_limit(self) -> None:
+        """The cap is kept a headroom below the open-file limit."""
+        harness = Harness(max_connections=4096)
+        self.assertEqual(harness.site.fit_to_fd_limit(1024), 768)
+        self.assertEqual(harness.site.fit_to_fd_limit(1 << 20), 768)
+        harness = Harness(max_connections=4096)
+        self.assertEqual(harness.site.fit_to_fd_limit(1 << 20), 4096)
+        harness = Harness(max_connections=0)
+        self.assertEqual(harness.site.fit_to_fd_limit(300), 44)
+        self.assertEqual(harness.site.fit_to_fd_limit(None), 44)
+
+
+class _ListeningSocket:
+    """A listening socket whose accept() fails with C{error} while it is set."""
+
+    def __init__(self) -> None:
+        self.error: int | None = None
+        self.accepted = 0
+
+    def accept(self) -> tuple[Any, Any]:
+        if self.error is not None:
+            raise OSError(self.error, os.strerror(self.error))
+        self.accepted += 1
+        return object(), ("127.0.0.1", 1)
+
+    def getsockname(self) -> tuple[str, int]:
+        return ("127.0.0.1", 8000)
+
+
+class _Port:
+    connected = True
+
+    def __init__(self) -> None:
+        self.socket = _ListeningSocket()
+        self.reading = True
+
+    def stopReading(self) -> None:
+        self.reading = False
+
+    def startReading(self) -> None:
+        self.reading = True
+
+
+class AcceptGuardTests(SynchronousTestCase):
+    """
+    Running out of descriptors pauses accepting, frees the oldest waiting
+    connections and logs once per interval, instead of spinning and logging
+    each failure.
+    """
+
+    def test_emfile_pauses(self) -> None:
+        """
+        EMFILE: the accept loop sees EAGAIN, the port stops reading and
+        resumes after a pause that doubles while it goes on; waiting
+        connections are closed; one event per interval counts the failures.
+        """
+        harness = Harness()
+        waiting = [harness.connect()[1] for _ in range(3)]
+        port = _Port()
+        real = port.socket
+        guard = AcceptGuard.install(port, harness.site, harness.clock)
+        assert guard is not None
+        self.assertIs(port.socket, guard)
+        self.assertEqual(guard.getsockname(), ("127.0.0.1", 8000))
+        real.error = errno.EMFILE
+        with capturedLogs() as events:
+            for _ in range(50):
+                with self.assertRaises(BlockingIOError):
+                    guard.accept()
+            self.assertFalse(port.reading)
+            self.assertTrue(all(t.disconnecting for t in waiting))
+            harness.clock.advance(ACCEPT_PAUSE_SECONDS[0])
+            self.assertTrue(port.reading)
+            with self.assertRaises(BlockingIOError):
+                guard.accept()
+            harness.clock.advance(ACCEPT_PAUSE_SECONDS[0])
+            self.assertFalse(port.reading)
+            harness.clock.advance(ACCEPT_PAUSE_SECONDS[0])
+            self.assertTrue(port.reading)
+            harness.clock.advance(TROUBLE_LOG_INTERVAL)
+            with self.assertRaises(BlockingIOError):
+                guard.accept()
+        failed = [e for e in events if e.get("kcoral_event") == "accept_failed"]
+        self.assertEqual(
+            [(e["count"], e["error"]) for e in failed], [(1, "EMFILE"), (51, "EMFILE")]
+        )
+        real.error = None
+        harness.clock.advance(1)
+        self.assertEqual(guard.accept()[1], ("127.0.0.1", 1))
+        with self.assertRaises(BlockingIOError):
+            real.error = errno.ENFILE
+            guard.accept()
+        guard.stop()
+        self.assertTrue(port.reading is False and guard._resume is None)
+
+    def test_other_errors_pass(self) -> None:
+        """Errors other than running out of resources reach Twisted as they are."""
+        port = _Port()
+        port.socket.error = errno.EPERM
+        guard = AcceptGuard.install(port, Harness().site, Clock())
+        assert guard is not None
+        with self.assertRaises(OSError) as caught:
+            guard.accept()
+        self.assertEqual(caught.exception.errno, errno.EPERM)
 
 
 class BytesInFlightTests(SynchronousTestCase):
@@ -450,6 +661,234 @@ class BytesInFlightTests(SynchronousTestCase):
         self.assertEqual(json.loads(body), {"over": True, "read": 0})
         _Routes.held[0].callback(b"{}")
         self.assertEqual(harness.site.bytes_in_flight, 0)
+
+
+class HeldBodyTests(SynchronousTestCase):
+    """
+    A body's bytes count as they arrive, per client address too, a head
+    without a valid token is refused before its body, and a body that stops
+    arriving is cut off (issue 32).
+    """
+
+    def connect_from(self, harness: Harness, host: str) -> tuple[Any, StringTransport]:
+        address = IPv4Address("TCP", host, 40000)
+        channel = harness.site.buildProtocol(address)
+        transport = StringTransport(peerAddress=address)
+        channel.makeConnection(transport)
+        return channel, transport
+
+    def test_declared_length_holds_nothing(self) -> None:
+        """A head declaring a body holds no bytes; the bytes count as they arrive."""
+        harness = Harness(max_request_bytes=10_000, max_bytes_in_flight=1500)
+        channel, _ = harness.connect()
+        channel.dataReceived(b"POST /hold HTTP/1.1\r\nHost: x\r\nContent-Length: 1400\r\n\r\n")
+        self.assertEqual(harness.site.bytes_in_flight, 0)
+        channel.dataReceived(b"a" * 300)
+        self.assertEqual(harness.site.bytes_in_flight, 300)
+        self.assertEqual(harness.site.client_bytes, {"127.0.0.1": 300})
+        channel.connectionLost(Failure(ConnectionDone()))
+        self.assertEqual((harness.site.bytes_in_flight, harness.site.client_bytes), (0, {}))
+
+    def test_heads_only_leave_room(self) -> None:
+        """
+        Eight heads declaring bodies that fill the cap and sending nothing
+        more do not keep a ninth request out.
+        """
+        _Routes.held.clear()
+        harness = Harness(max_request_bytes=10_000, max_bytes_in_flight=1500)
+        for n in range(8):
+            channel, _ = self.connect_from(harness, f"127.0.0.{n + 2}")
+            channel.dataReceived(b"POST /hold HTTP/1.1\r\nHost: x\r\nContent-Length: 1500\r\n\r\n")
+        _, _, body, _ = harness.exchange(
+            b"POST /flag HTTP/1.1\r\nHost: x\r\nContent-Length: 400\r\n\r\n" + b"c" * 400
+        )
+        self.assertEqual(json.loads(body), {"over": False, "read": 400})
+
+    def test_body_growing_past_cap_is_dropped(self) -> None:
+        """A body that grows past what is left is dropped and its bytes given back."""
+        harness = Harness(max_request_bytes=10_000, max_bytes_in_flight=1500)
+        first, first_transport = self.connect_from(harness, "127.0.0.2")
+        first.dataReceived(b"POST /flag HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n")
+        second, transport = harness.connect()
+        second.dataReceived(b"POST /flag HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n")
+        second.dataReceived(b"b" * 900)
+        first.dataReceived(b"a" * 400)
+        self.assertEqual(harness.site.bytes_in_flight, 1300)
+        first.dataReceived(b"a" * 600)
+        (response,) = parse_responses(first_transport.value())
+        self.assertEqual(json.loads(response[2]), {"over": True, "read": 0})
+        self.assertEqual(harness.site.bytes_in_flight, 900)
+        second.dataReceived(b"b" * 100)
+        (response,) = parse_responses(transport.value())
+        self.assertEqual(json.loads(response[2]), {"over": False, "read": 1000})
+
+    def test_per_client_cap(self) -> None:
+        """
+        One address holds at most C{max_bytes_per_client}: its next body is
+        refused while another address's fits.
+        """
+        _Routes.held.clear()
+        harness = Harness(
+            max_request_bytes=10_000, max_bytes_in_flight=100_000, max_bytes_per_client=1500
+        )
+        first, _ = self.connect_from(harness, "127.0.0.2")
+        first.dataReceived(
+            b"POST /hold HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n" + b"a" * 1000
+        )
+        second, transport = self.connect_from(harness, "127.0.0.2")
+        second.dataReceived(
+            b"POST /flag HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n" + b"b" * 1000
+        )
+        (response,) = parse_responses(transport.value())
+        self.assertEqual(json.loads(response[2]), {"over": True, "read": 0})
+        _, _, body, _ = harness.exchange(
+            b"POST /flag HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n" + b"c" * 1000
+        )
+        self.assertEqual(json.loads(body), {"over": False, "read": 1000})
+        self.assertEqual(harness.site.client_bytes, {"127.0.0.2": 1000})
+
+    def test_stalled_body_cut_off(self) -> None:
+        """
+        A body without a byte for C{body_stall_timeout} gets a 408
+        (C{body_stalled}) and its bytes are released; bytes that keep
+        arriving keep it alive.
+        """
+        harness = Harness(max_request_bytes=10_000, body_stall_timeout=5.0, body_timeout=300.0)
+        channel, transport = harness.connect()
+        channel.dataReceived(b"POST /hold HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n")
+        for _ in range(4):
+            harness.clock.advance(4)
+            channel.dataReceived(b"a" * 100)
+        self.assertEqual(transport.value(), b"")
+        self.assertEqual(harness.site.bytes_in_flight, 400)
+        with capturedLogs() as events:
+            harness.clock.advance(5)
+        (response,) = parse_responses(transport.value())
+        assert_error(self, response[0], response[1], response[2], "request_timeout")
+        self.assertEqual(response[0], 408)
+        self.assertEqual(refusals(events), [(408, "body_stalled")])
+        self.assertEqual(harness.site.bytes_in_flight, 0)
+
+    def guarded(self, **options: Any) -> Harness:
+        tokens = parse_tokens("tester token-0123456789abcdef\n")
+        harness = Harness(max_request_bytes=10_000, **options)
+        guard = TokenGuard(harness.site.resource, tokens)
+        harness.site.resource = guard
+        harness.site.guard = guard
+        return harness
+
+    def test_no_token_refused_at_head(self) -> None:
+        """
+        A head without a valid token is answered 401 at once: none of its
+        body is read or counted, and the connection closes after it.
+        """
+        harness = self.guarded(max_bytes_in_flight=1500)
+        channel, transport = harness.connect()
+        with capturedLogs() as events:
+            channel.dataReceived(
+                b"POST /upload HTTP/1.1\r\nHost: x\r\nContent-Length: 9000\r\n\r\n"
+            )
+        (response,) = parse_responses(transport.value())
+        assert_error(self, response[0], response[1], response[2], "unauthorized")
+        self.assertEqual(response[0], 401)
+        self.assertEqual(refusals(events), [(401, "unauthorized")])
+        self.assertTrue(transport.disconnecting)
+        channel.dataReceived(b"a" * 9000)
+        self.assertEqual(harness.site.bytes_in_flight, 0)
+
+    def test_token_admitted(self) -> None:
+        """With the token, the body is read as before."""
+        harness = self.guarded()
+        status, _, body, _ = harness.exchange(
+            b"POST /upload HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer token-0123456789abcdef"
+            b"\r\nContent-Length: 5\r\n\r\nhello"
+        )
+        self.assertEqual((status, json.loads(body)), (200, {"read": 5}))
+
+
+class _HalfClosingTransport(StringTransport):
+    """A L{StringTransport} that can close its writing side, as TCP can."""
+
+    write_closed = False
+
+    def loseWriteConnection(self) -> None:
+        self.write_closed = True
+
+
+class LingeringCloseTests(SynchronousTestCase):
+    """
+    A refused body's connection closes its writing side and reads and
+    discards for a while before closing, so the client reads the answer
+    rather than a reset (issue 32).
+    """
+
+    def connect(self, harness: Harness) -> tuple[Any, _HalfClosingTransport]:
+        address = IPv4Address("TCP", "127.0.0.1", 40000)
+        channel = harness.site.buildProtocol(address)
+        transport = _HalfClosingTransport(peerAddress=address)
+        channel.makeConnection(transport)
+        return channel, transport
+
+    def test_too_large_lingers(self) -> None:
+        """
+        A 413 half-closes; the body's bytes are discarded; the connection
+        closes once the client is quiet.
+        """
+        harness = Harness(max_request_bytes=1024)
+        channel, transport = self.connect(harness)
+        channel.dataReceived(
+            b"POST /answer/413 HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\n\r\n"
+        )
+        (response,) = parse_responses(transport.value())
+        self.assertEqual(response[0], 413)
+        self.assertTrue(transport.write_closed)
+        self.assertFalse(transport.disconnecting)
+        for _ in range(5):
+            harness.clock.advance(1)
+            channel.dataReceived(b"a" * 1000)
+        self.assertFalse(transport.disconnecting)
+        self.assertEqual(len(parse_responses(transport.value())), 1)
+        harness.clock.advance(2)
+        self.assertTrue(transport.disconnecting)
+        self.assertEqual(harness.clock.getDelayedCalls(), [])
+
+    def test_body_in_the_same_read(self) -> None:
+        """
+        Body bytes that arrive with the head (answered at once) are dropped
+        without pausing the transport: the client can finish sending.
+        """
+        harness = Harness(max_request_bytes=1024)
+        channel, transport = self.connect(harness)
+        channel.dataReceived(
+            b"POST /answer/413 HTTP/1.1\r\nHost: x\r\nContent-Length: 900000\r\n\r\n"
+            + b"a" * 300_000
+        )
+        self.assertEqual(parse_responses(transport.value())[0][0], 413)
+        self.assertTrue(transport.write_closed)
+        self.assertEqual(transport.producerState, "producing")
+        channel.dataReceived(b"a" * 600_000)
+        self.assertEqual(transport.producerState, "producing")
+        self.assertFalse(transport.disconnecting)
+
+    def test_linger_bounded(self) -> None:
+        """A client that keeps sending is closed after L{LINGER_SECONDS} all the same."""
+        harness = Harness(max_request_bytes=1024)
+        channel, transport = self.connect(harness)
+        channel.dataReceived(
+            b"POST /answer/413 HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\n\r\n"
+        )
+        for _ in range(int(LINGER_SECONDS)):
+            channel.dataReceived(b"a")
+            harness.clock.advance(1)
+        self.assertTrue(transport.disconnecting)
+
+    def test_answered_request_closes_at_once(self) -> None:
+        """A connection whose request was read whole closes without lingering."""
+        harness = Harness()
+        channel, transport = self.connect(harness)
+        channel.dataReceived(b"GET /hello HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        self.assertTrue(transport.disconnecting)
+        self.assertFalse(transport.write_closed)
 
 
 class StreamedBodyTests(SynchronousTestCase):
@@ -614,7 +1053,8 @@ class RefusalEventTests(SynchronousTestCase):
     def test_connection_cap(self) -> None:
         """A connection past the cap is a 503 connection_cap refusal."""
         harness = Harness(max_connections=1)
-        harness.connect()
+        channel, _ = harness.connect()
+        channel.dataReceived(IN_REQUEST)
         with capturedLogs() as events:
             _, transport = harness.connect()
         ((status, headers, _),) = parse_responses(transport.value())

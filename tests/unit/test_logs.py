@@ -478,6 +478,22 @@ class ProgramRecorderTests(SynchronousTestCase):
         self.assertEqual((directory / f"{request_id}.json").read_bytes(), program)
         self.assertEqual([p.name for p in directory.iterdir()], [f"{request_id}.json"])
 
+    def test_reused_id_never_overwrites(self) -> None:
+        """
+        A second program under a request id already saved (another client
+        reusing it) is saved beside the first, as C{<id>.2.json}, then
+        C{.3}: the first stays as it was (issue 32).
+        """
+        directory = temp_dir(self)
+        recorder = ProgramRecorder(directory)
+        request_id = "7d3e6f0e-8a43-4b7e-9a55-1f6c1f8f1a2b"
+        self.assertEqual(recorder.save(request_id, b"victim"), f"{request_id}.json")
+        self.assertEqual(recorder.save(request_id, b"other"), f"{request_id}.2.json")
+        self.assertEqual(recorder.save(request_id, b"third"), f"{request_id}.3.json")
+        self.assertEqual((directory / f"{request_id}.json").read_bytes(), b"victim")
+        self.assertEqual((directory / f"{request_id}.2.json").read_bytes(), b"other")
+        self.assertEqual(len(list(directory.iterdir())), 3)
+
     def test_refuses_bad_ids(self) -> None:
         """
         Ids that could leave the directory are refused with C{None}.

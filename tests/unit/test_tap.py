@@ -586,11 +586,24 @@ class BoundaryFlagTests(SynchronousTestCase):
             options.endpoints,
             (
                 "tcp:8000:interface=127.0.0.2:backlog=2048",
-                "unix:/run/kcoral.sock",
+                "unix:/run/kcoral.sock:mode=600",
                 "ssl:8443:privateKey=k.pem:certKey=c.pem:backlog=7",
             ),
         )
         self.assertEqual(options.endpoint, options.endpoints[0])
+
+    def test_unix_owner_only(self) -> None:
+        """
+        A UNIX socket without C{mode=} is its owner's only (0600, not
+        Twisted's 0666); a mode given is kept (issue 32).
+        """
+        options = parse(["--listen", "unix:/run/a.sock", "--listen", "unix:/run/b.sock:mode=660"])
+        self.assertEqual(
+            options.endpoints, ("unix:/run/a.sock:mode=600", "unix:/run/b.sock:mode=660")
+        )
+        reactor = MemoryReactor()
+        serverFromString(reactor, options.endpoints[0]).listen(Factory())
+        self.assertEqual(reactor.unixServers[0][3], 0o600)
 
     def test_listen_empty_rejected(self) -> None:
         """An empty endpoint description is a usage error."""

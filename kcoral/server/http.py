@@ -48,6 +48,7 @@ from twisted.internet.endpoints import serverFromString
 from twisted.internet.interfaces import IDelayedCall, IReactorFromThreads
 from twisted.internet.protocol import Protocol, connectionDone
 from twisted.logger import Logger, LogLevel
+from twisted.protocols.policies import ProtocolWrapper
 from twisted.python.failure import Failure
 from twisted.web.http import HTTPChannel
 from twisted.web.server import Request, Site
@@ -702,7 +703,11 @@ class KcoralChannel(HTTPChannel):
         """
         transport: Any = self.transport
         half_close = getattr(transport, "loseWriteConnection", None)
-        if half_close is None or getattr(transport, "disconnecting", False):
+        if (
+            half_close is None
+            or isinstance(transport, ProtocolWrapper)  # TLS: its attributes are the socket's
+            or getattr(transport, "disconnecting", False)
+        ):
             return False
         self._lingering = True
         self._cancel_deadline()
@@ -754,7 +759,11 @@ class KcoralChannel(HTTPChannel):
         """
         transport: Any = self.transport
         read = getattr(transport, "doRead", None)
-        if read is None or not getattr(transport, "connected", False):
+        if (
+            read is None
+            or isinstance(transport, ProtocolWrapper)
+            or not getattr(transport, "connected", False)
+        ):
             return  # TLS (its handshake comes first), in-memory transports
         try:
             read()

@@ -20,9 +20,11 @@ from twisted.internet.address import IPv4Address
 from twisted.internet.defer import Deferred
 from twisted.internet.error import ConnectionDone
 from twisted.internet.interfaces import IReactorFromThreads
+from twisted.internet.protocol import Factory
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 from twisted.logger import capturedLogs
+from twisted.protocols.policies import ProtocolWrapper, WrappingFactory
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SkipTest, SynchronousTestCase
 from twisted.web.iweb import IRequest
@@ -881,6 +883,23 @@ class LingeringCloseTests(SynchronousTestCase):
             channel.dataReceived(b"a")
             harness.clock.advance(1)
         self.assertTrue(transport.disconnecting)
+
+    def test_tls_closes_at_once(self) -> None:
+        """
+        A TLS connection (a protocol wrapper, whose attributes are its
+        socket's) cannot half-close under TLS: it is closed at once.
+        """
+        harness = Harness(max_request_bytes=1024)
+        address = IPv4Address("TCP", "127.0.0.1", 40000)
+        channel = harness.site.buildProtocol(address)
+        socket = _HalfClosingTransport(peerAddress=address)
+        ProtocolWrapper(WrappingFactory(Factory()), channel).makeConnection(socket)
+        channel.dataReceived(
+            b"POST /answer/413 HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\n\r\n"
+        )
+        self.assertEqual(parse_responses(socket.value())[0][0], 413)
+        self.assertFalse(socket.write_closed)
+        self.assertTrue(socket.disconnecting)
 
     def test_answered_request_closes_at_once(self) -> None:
         """A connection whose request was read whole closes without lingering."""

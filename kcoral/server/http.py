@@ -795,6 +795,8 @@ class KcoralChannel(HTTPChannel):
         if self._stall_timer is not None:
             self._last_bytes_at = self._now()
         if data and not self._handlingRequest:
+            if self.fresh and not self._partial_head and self._counted:
+                self.site.connection_trickling(self)
             self._partial_head = True
         super().dataReceived(data)
 
@@ -898,10 +900,14 @@ class KcoralSite(Site):
         #: Open connections by client address.
         self.client_connections: dict[str, int] = {}
         #: Connections not in a request, oldest first (dicts keep their
-        #: order): those that have not completed a head yet, and idle
-        #: kept-alive ones; in all and by client address.
+        #: order), in all and by client address, in the order they are
+        #: closed to make room: new ones that sent part of a head (from
+        #: their first byte), new ones that sent nothing yet, and idle
+        #: kept-alive ones.
+        self._trickling: dict[Any, None] = {}
         self._fresh: dict[Any, None] = {}
         self._idle: dict[Any, None] = {}
+        self._trickling_of: dict[str | None, dict[Any, None]] = {}
         self._fresh_of: dict[str | None, dict[Any, None]] = {}
         self._idle_of: dict[str | None, dict[Any, None]] = {}
         #: Connections closed to make room for new ones.
@@ -1011,6 +1017,16 @@ class KcoralSite(Site):
         self._fresh[channel] = None
         self._fresh_of.setdefault(host, {})[channel] = None
 
+    def connection_trickling(self, channel: Any) -> None:
+        """New C{channel} sent the first bytes of its head, not all of it."""
+        self._forget(channel)
+        self._trickling[channel] = None
+        self._trickling_of.setdefault(channel.client_host, {})[channel] = None
+
+    def waiting(self) -> int:
+        """Connections that have sent no whole request head yet."""
+        return len(self._trickling) + len(self._fresh)
+
     def connection_busy(self, channel: Any) -> None:
         """C{channel} has a whole request head: it is in a request."""
         self._forget(channel)
@@ -1038,7 +1054,11 @@ class KcoralSite(Site):
 
     def _forget(self, channel: Any) -> None:
         host = channel.client_host
-        for everyone, of in ((self._fresh, self._fresh_of), (self._idle, self._idle_of)):
+        for everyone, of in (
+            (self._trickling, self._trickling_of),
+            (self._fresh, self._fresh_of),
+            (self._idle, self._idle_of),
+        ):
             if everyone.pop(channel, 0) is None:
                 mine = of.get(host)
                 if mine is not None:
@@ -1050,13 +1070,19 @@ class KcoralSite(Site):
         """
         Close the connection of client address C{host} (or with
         C{everyone}, of any address) that has waited longest for its first
-        request head, else the one idle longest; C{False} when there is
-        none to close.
+        request head, one that began sending it first (a trickler: a client
+        sends its head at once, and it is read when the connection is
+        accepted), else the one idle longest; C{False} when there is none
+        to close.
         """
         if everyone:
-            pools = (self._fresh, self._idle)
+            pools = (self._trickling, self._fresh, self._idle)
         else:
-            pools = (self._fresh_of.get(host) or {}, self._idle_of.get(host) or {})
+            pools = (
+                self._trickling_of.get(host) or {},
+                self._fresh_of.get(host) or {},
+                self._idle_of.get(host) or {},
+            )
         for pool in pools:
             if pool:
                 victim = next(iter(pool))
@@ -1174,7 +1200,7 @@ class AcceptGuard:
 
     def _exhausted(self, code: int) -> None:
         for _ in range(ACCEPT_RELIEF_CONNECTIONS):
-            if not self._site._fresh or not self._site.evict(everyone=True):
+            if not self._site.waiting() or not self._site.evict(everyone=True):
                 break
         due = self.failures.happened(self._reactor)
         if due is not None:

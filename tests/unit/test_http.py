@@ -444,6 +444,19 @@ class ConnectionCapTests(SynchronousTestCase):
         self.assertFalse(busy_transport.disconnecting)
         self.assertEqual((harness.site.open_connections, harness.site.evicted_connections), (3, 2))
 
+    def test_tricklers_before_silent(self) -> None:
+        """
+        A connection that began a head and did not finish it goes before an
+        older one that has sent nothing yet (whose head may be on its way).
+        """
+        harness = Harness(max_connections=2)
+        _, silent_transport = harness.connect()
+        trickling, trickling_transport = harness.connect()
+        trickling.dataReceived(b"GET /hel")
+        harness.connect()
+        self.assertTrue(trickling_transport.disconnecting)
+        self.assertFalse(silent_transport.disconnecting)
+
     def test_fresh_before_idle(self) -> None:
         """
         A kept-alive connection that completed a request is closed only after

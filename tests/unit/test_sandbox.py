@@ -99,6 +99,30 @@ class BubblewrapCommandTests(_TempMixin, SynchronousTestCase):
             gpu_devices=gpu_devices or [],
         )
 
+    def test_private_workspace_only_for_workers(self) -> None:
+        """
+        With C{workspace_bytes} a worker's (and the probe's) workspace is a
+        tmpfs of that size with the reserved layout; a compile's
+        (C{run_command}), whose output the server reads on the host, and a
+        template's stay the host directory, bound.
+        """
+        sandbox = BubblewrapSandbox([], workspace_bytes=1 << 20)
+        _executable, argv, _env = self.command(sandbox)
+        at = argv.index("--tmpfs")
+        while argv[at + 1] != "/work":
+            at = argv.index("--tmpfs", at + 1)
+        self.assertEqual(argv[at - 4 : at], ["--size", str(1 << 20), "--perms", "0700"])
+        self.assertIn("/work/.kcoral/tmp", argv)
+        self.assertNotIn(os.path.realpath(self.work), argv)
+        for argv in (
+            sandbox.run_command(["true"], self.work)[1],
+            self.command(BubblewrapSandbox([]))[1],
+        ):
+            bound = argv.index("/work") - 2
+            self.assertEqual(argv[bound : bound + 2], ["--bind", os.path.realpath(self.work)])
+        probe = sandbox.probe_command(self.work, [])
+        self.assertIn(str(1 << 20), probe)
+
     def test_tmp_bound_when_runtime_under_tmp(self) -> None:
         """
         A read-only path under /tmp cannot sit below a /tmp symlink: the

@@ -205,3 +205,42 @@ def test_front_ends_refused(tmp_path: Path, flags: list[str], message: str) -> N
     )
     assert completed.returncode == 2, completed.stderr
     assert message in completed.stderr
+
+
+def test_lame_duck_every_front_end(tmp_path: Path) -> None:
+    """
+    SIGTERM with --lame-duck-seconds goes to the first front end; within a
+    report or two, /health answers 503 C{stopping} from every front end
+    (the kernel spreads new connections over both), while programs are
+    still run; a second SIGTERM ends the wait and the server exits 0.
+    """
+    server = _started(tmp_path, "--lame-duck-seconds", "60", "--max-requests-per-worker", "0")
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            seen = _front_ends_seen(server, 10)
+            if len(seen) == 2 and all(h["front_end"]["reporting"] == [0, 1] for h in seen.values()):
+                break
+            assert time.monotonic() < deadline, seen
+        assert server.process is not None
+        server.process.send_signal(signal.SIGTERM)
+        # A guard against a hang, far inside the 60 s lame duck.
+        deadline = time.monotonic() + 30
+        stopping: set[int] = set()
+        while stopping != {0, 1}:
+            assert time.monotonic() < deadline, stopping
+            response = request(server.port, "GET", "/health")
+            body = response.json()
+            if response.status == 503:
+                assert body["status"] == "stopping"
+                stopping.add(body["front_end"]["index"])
+            else:
+                assert (response.status, body["status"]) == (200, "ok")
+        answer = server.execute(_program(41))
+        assert answer.status == 200
+        assert answer.json()["status"] == "COMPLETED"
+        events = _events(tmp_path / "logs")
+        assert [e["seconds"] for e in events if e["event"] == "lame_duck_started"] == [60.0]
+    finally:
+        code = server.stop()
+    assert code == 0

@@ -71,10 +71,14 @@ def main() -> int:
 
     bench()
     rows = []
-    for buffer_bytes in (8 << 20, 1 << 20, 64 << 10, 16 << 10):
-        for flush_ms in (0, 1):
+    default_switch = sys.getswitchinterval()
+    variants = [(8 << 20, 0, default_switch), (8 << 20, 0, 0.0001), (16 << 10, 0, 0.0001)]
+    variants += [(8 << 20, 0, default_switch)]
+    for buffer_bytes, flush_ms, switch in variants:
+        if True:
             activity.BUFFER_BYTES = buffer_bytes
             period["ms"] = flush_ms
+            sys.setswitchinterval(switch)
             bench()  # buffers of the new size
             walls: dict[str, list[float]] = {"events": [], "activity": []}
             closes, callbacks, records, buffers = [], [], [], []
@@ -96,6 +100,7 @@ def main() -> int:
             row = {
                 "buffer_bytes": buffer_bytes,
                 "flush_period_ms": flush_ms,
+                "switch_interval_s": switch,
                 "events_ms": statistics.median(walls["events"]),
                 "activity_ms": statistics.median(walls["activity"]),
                 "session_close_ms": statistics.median(closes),

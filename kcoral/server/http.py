@@ -841,6 +841,13 @@ class KcoralChannel(HTTPChannel):
             self.site.connection_closed(self)
         super().connectionLost(reason)
 
+    def _send100Continue(self) -> None:
+        # A request refused for its token as soon as its head was in gets
+        # its 401 without first being invited to send the body.
+        if self.requests and getattr(self.requests[-1], "unauthorized", False):
+            return
+        super()._send100Continue()
+
     def checkPersistence(self, request: Any, version: bytes) -> bool:
         if getattr(getattr(self, "site", None), "draining", False):
             # The server is stopping: this answer is the connection's last,

@@ -811,6 +811,16 @@ class HeldBodyTests(SynchronousTestCase):
         channel.dataReceived(b"a" * 9000)
         self.assertEqual(harness.site.bytes_in_flight, 0)
 
+    def test_no_token_no_continue(self) -> None:
+        """A head asking C{Expect: 100-continue} without a token gets its 401, no 100."""
+        harness = self.guarded()
+        channel, transport = harness.connect()
+        channel.dataReceived(
+            b"POST /upload HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+            b"Content-Length: 9000\r\n\r\n"
+        )
+        self.assertTrue(transport.value().startswith(b"HTTP/1.1 401 "), transport.value()[:40])
+
     def test_token_admitted(self) -> None:
         """With the token, the body is read as before."""
         harness = self.guarded()

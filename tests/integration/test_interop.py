@@ -1106,7 +1106,9 @@ def test_response_too_large(client_impl: str, limits_server: ServerProcess) -> N
 
 
 def test_busy(client_impl: str, limits_server: ServerProcess) -> None:
-    slow = _simple_program("import time\ndef f():\n    time.sleep(4)\n    return 1\n")
+    # Long enough for a client that takes seconds to start (the reference
+    # client imports ml_dtypes: 1.3 s on a small machine) and its 1 s wait.
+    slow = _simple_program("import time\ndef f():\n    time.sleep(10)\n    return 1\n")
     results: list[Any] = []
     thread = threading.Thread(target=lambda: results.append(limits_server.execute(slow)))
     thread.start()

@@ -55,6 +55,8 @@ _setup_lock = threading.Lock()
 _in_reactor: Callable[..., Any] | None = None
 #: The reactor the blocking clients run on (None until the first call).
 _loop_reactor: Any = None
+#: Whether that reactor is Twisted's global one (not a private reactor).
+_loop_is_global = True
 
 
 def _private_reactor() -> Any:
@@ -108,7 +110,7 @@ def _stop_when_main_thread_ends(stop: Callable[[], None]) -> threading.Thread:
 
 def _runner() -> Callable[..., Any]:
     """crochet's C{run_in_reactor} wrapper, starting the reactor on first use."""
-    global _in_reactor, _loop_reactor
+    global _in_reactor, _loop_reactor, _loop_is_global
     with _setup_lock:
         if _in_reactor is None:
             import atexit
@@ -138,13 +140,26 @@ def _runner() -> Callable[..., Any]:
                 loop.setup()
             else:
                 loop.no_setup()
-            _loop_reactor = reactor
+            _loop_reactor, _loop_is_global = reactor, is_global
 
             def call(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
                 return function(*args, **kwargs)
 
             _in_reactor = loop.run_in_reactor(call)
         return _in_reactor
+
+
+def _forget_stopped_io_thread() -> None:
+    """
+    With a private reactor, clear the mark that a global reactor which ran in
+    this thread and stopped (C{react()} earlier in a script, a trial test)
+    left on it: crochet refuses to wait in the thread Twisted calls the I/O
+    thread, and the only reactor running now is the client's own.
+    """
+    from twisted.python import threadable
+
+    if not _loop_is_global and threadable.isInIOThread():
+        threadable.ioThread = None
 
 
 def client_reactor() -> Any:
@@ -216,6 +231,7 @@ class Client:
 
     def _wait(self, call: Callable[[AsyncClient], Deferred[_R]]) -> _R:
         eventual = _runner()(lambda: call(self._async()))
+        _forget_stopped_io_thread()
         try:
             return eventual.wait(None)  # type: ignore[no-any-return]
         except KeyboardInterrupt:

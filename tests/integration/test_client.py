@@ -183,3 +183,24 @@ def test_global_reactor_untouched(url: str) -> None:
     assert reactor.getDelayedCalls() == []
     running = [t.name for t in threading.enumerate()]
     assert "CrochetReactor" in running
+
+
+def test_after_the_global_reactor_ran_here(url: str) -> None:
+    """
+    A thread where the global reactor once ran (C{react()} earlier in a
+    script, a trial test before this one) is still marked as Twisted's I/O
+    thread after that reactor stopped; the blocking client, on a reactor of
+    its own, still waits there instead of failing with crochet's "must not be
+    run in the reactor thread".
+    """
+    from twisted.python import threadable
+
+    client = Client(url)
+    assert client.health()["status"] == "ok"  # the client's reactor runs
+    saved = threadable.ioThread
+    threadable.registerAsIOThread()
+    try:
+        assert threadable.isInIOThread()
+        assert client.health()["status"] == "ok"
+    finally:
+        threadable.ioThread = saved

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kcoral.server.sandbox import package_root
+from kcoral.server.sandbox import PACKAGE_MOUNT, WORKSPACE, package_root
 from kcoral.testing.live_server import ServerProcess
 from tests.reliability.conftest import assert_serves, body_of, requires_bwrap, run_program
 
@@ -29,7 +29,10 @@ import os
 
 def spy(log_dir, checkout):
     found = {}
-    for path in glob.glob(os.path.join(log_dir, "**"), recursive=True):
+    inside = os.path.join(checkout, os.path.basename(log_dir))
+    for path in glob.glob(os.path.join(log_dir, "**"), recursive=True) + glob.glob(
+        os.path.join(inside, "**"), recursive=True
+    ):
         try:
             with open(path, "rb") as f:
                 found[path] = f.read(200).decode("utf-8", "replace")
@@ -41,6 +44,17 @@ def spy(log_dir, checkout):
         listing = [type(e).__name__]
     return json.dumps({"found": found, "listing": listing})
 """
+
+
+def _checkout_inside() -> str:
+    """
+    Where a sandboxed program finds the checkout's package directory: its own
+    path, or L{PACKAGE_MOUNT} for a checkout under the workspace's C{/work}.
+    """
+    root = package_root()
+    if root == WORKSPACE or root.startswith(WORKSPACE + "/"):
+        return PACKAGE_MOUNT
+    return root
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +76,7 @@ def test_log_dir_in_checkout_invisible(log_dir: Path) -> None:
         secret = run_program("def f():\n    return 'log-secret-77'\n", "f")
         assert body_of(server.execute(secret))["status"] == "COMPLETED"
         assert list(log_dir.glob("runs/*/events.jsonl")), "the server writes its log"
-        response = server.execute(run_program(SPY, "spy", str(log_dir), package_root()))
+        response = server.execute(run_program(SPY, "spy", str(log_dir), _checkout_inside()))
         body = body_of(response)
         assert body["status"] == "COMPLETED", body
         seen = json.loads(body["results"]["out"]["value"])

@@ -30,28 +30,10 @@ from typing import Any
 import common
 from result_memory import Sampler
 
+from tests.reliability.test_channel_memory import DENSE_OUTCOME
+
 DEFAULT_SPAWN = "--device cpu --sandbox bubblewrap --log-dir '' --num-workers 4"
 
-DENSE = r"""
-import os
-import struct
-
-
-def send(count):
-    head = b'{"type":"outcome","status":"COMPLETED","results":{"out":{"value":['
-    tail = (
-        b'0]}},"error":null,"stdout":"","stderr":"","stdout_truncated":false,'
-        b'"stderr_truncated":false,"retire":null,"oversize":null,"part_sizes":[],'
-        b'"streamed_parts":0}'
-    )
-    body = b"0," * (count - 1)
-    os.write(4, struct.pack(">IQ", len(head) + len(body) + len(tail), 0))
-    for chunk in (head, body, tail):
-        view = memoryview(chunk)
-        while view:
-            view = view[os.write(4, view):]
-    return "sent"
-"""
 
 TEXT = "def text(n):\n    return 'y' * n\n"
 
@@ -136,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             port,
             pid,
             args.workers,
-            common.module_program(DENSE, [("send", [args.zeros], False)]),
+            common.module_program(DENSE_OUTCOME, [("send", [args.zeros], False)]),
         )
         honest = phase(
             host,

@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 from kcoral.testing.live_server import ServerProcess, free_port  # noqa: E402
+from tests.integration.test_client_tls import self_signed  # noqa: E402
 
 SCRIPT = """
 import json, sys, time
@@ -65,14 +66,7 @@ def main() -> None:
     args = parser.parse_args()
 
     root = Path(tempfile.mkdtemp(prefix="kcoral-bench-tls-"))
-    key, cert = root / "key.pem", root / "cert.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
-         "-keyout", str(key), "-out", str(cert)],
-        check=True,
-        capture_output=True,
-    )  # fmt: skip
+    key, cert = self_signed(root)
     tls_port = free_port()
     server = ServerProcess(["--device", "cpu", "--num-workers", "1", "--log-dir", ""])
     server.args += [

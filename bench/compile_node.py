@@ -162,7 +162,7 @@ def measure_pieces(args: argparse.Namespace) -> dict[str, Any]:
     request and the new ones pay once (or not at all).
     """
     from kcoral.compilers.cache import CompileCache, cache_key
-    from kcoral.server.sandbox import BubblewrapSandbox
+    from kcoral.server.sandbox.bubblewrap import BubblewrapSandbox
 
     nvcc = shutil.which("nvcc") or "nvcc"
     n = args.requests

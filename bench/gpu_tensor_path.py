@@ -4,7 +4,7 @@ The tensor data path on a GPU, in one batch (issue 15): what each copy costs
 and how fast a 64 MiB float32 round trip moves through our server.
 
 Part 1, in this process (PyCUDA, no server), the copies a worker can make
-with a sealed shared buffer (L{kcoral.wire.shared}):
+with a sealed shared buffer (L{kcoral.ipc.shared}):
 
  - C{h2d_mapped}: host to device straight from the read-only mapping of
    the memfd (pageable memory; what workers do today);
@@ -71,8 +71,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import common  # noqa: E402
 
+from kcoral.ipc import shared  # noqa: E402
 from kcoral.testing.live_server import ServerProcess  # noqa: E402
-from kcoral.wire import shared  # noqa: E402
 from kcoral.wire.multipart import decode_response  # noqa: E402
 from kcoral.wire.values import PartCollector  # noqa: E402
 

@@ -22,8 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kcoral.server.gpus import discover_gpus
-from kcoral.server.sandbox import BubblewrapSandbox
+from kcoral.server.leases.gpus import discover_gpus
+from kcoral.server.sandbox.bubblewrap import BubblewrapSandbox
 
 PROBE = """
 import json, os

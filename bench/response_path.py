@@ -2,7 +2,7 @@
 How fast the server's response path can send a large shared part, with a
 client that reads as fast as loopback allows (C{recv_into} one reused
 buffer): the part, a sealed memfd as a worker returns it, sent by
-L{kcoral.server.streaming.BodyProducer} through C{sendfile}
+L{kcoral.server.http.streaming.BodyProducer} through C{sendfile}
 (L{DirectSocket}) and through C{pread} slices, alternately, on the real
 reactor.  It isolates the server's side of a download: through a Python
 HTTP client (C{bench/gpu_tensor_path.py}) the client sets the pace.
@@ -30,8 +30,8 @@ from twisted.internet import reactor  # noqa: E402
 from twisted.web.resource import Resource  # noqa: E402
 from twisted.web.server import NOT_DONE_YET, Site  # noqa: E402
 
-from kcoral.server.streaming import BodyProducer, DirectSocket, body_length  # noqa: E402
-from kcoral.wire import shared  # noqa: E402
+from kcoral.ipc import shared  # noqa: E402
+from kcoral.server.http.streaming import BodyProducer, DirectSocket, body_length  # noqa: E402
 
 
 class _Part(Resource):

@@ -15,7 +15,7 @@ server sees it (the part sent with C{sendfile} from the worker's sealed
 buffer).  With
 C{--py-spy} it samples every thread of the server (idle ones too) and
 prints each thread's heaviest leaf frames: the reactor, the blob's write
-and hash threads (L{kcoral.wire.blobsink}), the pool.  Beside it, the bound:
+and hash threads (L{kcoral.ipc.blobsink}), the pool.  Beside it, the bound:
 SHA-256 of the same size on one core of this machine.
 
     python3 bench/transfer_profile.py [--size-mib 64] [--uploads 10] [--download] [--py-spy]

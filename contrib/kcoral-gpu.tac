@@ -15,7 +15,7 @@ from twisted.application import service
 
 from kcoral.config import ServerConfig
 from kcoral.server.service import makeService
-from kcoral.server.tap import endpoint_description
+from kcoral.server.cli.tap import endpoint_description
 
 HOST = "127.0.0.1"
 PORT = 8000

@@ -38,7 +38,7 @@ def _dispatch(args: list[str]) -> int:
         if args[0] == "run" and args[1:2] and not args[1].startswith("-"):
             name += f" {args[1]}"  # the tool
         return interruptible(name, lambda: command(args[1:]))
-    from kcoral.server.cli import main as cli_main
+    from kcoral.server.cli.command import main as cli_main
 
     return cli_main(args)
 

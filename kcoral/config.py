@@ -7,7 +7,7 @@ C{ServerConfig} verbatim, because they also appear in the C{server_started}
 log record.  Unlike the reference, values are checked when the object is
 built, so a bad configuration fails before any service starts.
 
-Nothing here imports Twisted; the command line (L{kcoral.server.tap}) turns
+Nothing here imports Twisted; the command line (L{kcoral.server.cli.tap}) turns
 flags and environment variables into a L{ServerConfig}, and the Python API
 (C{create_app(ServerConfig(...))}) builds one directly.  Change a value with
 C{attrs.evolve(config, field=value)}.
@@ -287,7 +287,7 @@ class ServerConfig:
         tensors: C{"auto"}, C{"torch"} or C{"pycuda"}.
     @ivar worker_start: how a new worker process is made: C{"fork"}, from
         a template process per device kind that did every import once
-        (L{kcoral.server.template}; the server falls back to C{"spawn"},
+        (L{kcoral.server.workers.template}; the server falls back to C{"spawn"},
         loudly, when a template cannot start), or C{"spawn"}, a new
         interpreter per worker.
     @ivar log_level: the least severe level written to C{events.jsonl} and
@@ -297,7 +297,7 @@ class ServerConfig:
     @ivar log_retention_mbytes: the oldest run directories are deleted while
         all of them together exceed this many MiB; C{0} sets no size bound.
     @ivar auth_token_file: the file of bearer tokens and client names
-        (L{kcoral.server.auth}); C{None} serves everyone.
+        (L{kcoral.server.http.auth}); C{None} serves everyone.
     @ivar public_metrics: serve C{/metrics} and C{/status} without a token.
     @ivar header_timeout_seconds: time a client has to send a request head,
         not extended by trickled bytes; C{0} sets none.
@@ -320,7 +320,7 @@ class ServerConfig:
         over 64 KiB is read only once what reading and decoding it may cost
         fits in it, and what decoded messages keep until their jobs end
         must fit in it too (so both together stay within twice it,
-        L{kcoral.server.channelbudget}); C{0} sets no budget.
+        L{kcoral.server.workers.channelbudget}); C{0} sets no budget.
     @ivar workspace_bytes: under bubblewrap, the size of the private tmpfs
         a one-request worker (C{max_requests_per_worker} 1) gets as its
         workspace, so that what a program writes never reaches the host's

@@ -2,7 +2,7 @@
 Generate the option tables of docs/configuration.md from the code.
 
 The tables sit between C{<!-- generated:NAME -->} and C{<!-- end generated -->}
-markers and are built from L{kcoral.server.tap.Options} (flags, their help,
+markers and are built from L{kcoral.server.cli.tap.Options} (flags, their help,
 environment variables and command-line defaults) and L{ServerConfig} (fields
 and Python defaults).  C{tests/unit/test_docs_tables.py} fails when the page
 and the code disagree; run C{python docs/_ext/gen_tables.py} to rewrite them.
@@ -46,7 +46,7 @@ def _code(value: Any) -> str:
 
 
 def _flag_fields() -> dict[str, str]:
-    from kcoral.server import tap
+    from kcoral.server.cli import tap
 
     fields = {flag: field for field, flag in tap._FIELD_FLAGS.items()}
     fields.update(_NEGATED)
@@ -65,10 +65,10 @@ def _python_default(field: attrs.Attribute[Any]) -> str:
 def options_table() -> str:
     """
     One row per flag of C{kcoral server} / C{twistd kcoral}, in one table
-    per topic (L{kcoral.server.tap.OPTION_GROUPS}, as C{--help} lists them).
+    per topic (L{kcoral.server.cli.tap.OPTION_GROUPS}, as C{--help} lists them).
     """
     from kcoral.config import ServerConfig
-    from kcoral.server import tap
+    from kcoral.server.cli import tap
 
     options = tap.Options(environ={})
     fields = {f.name: f for f in attrs.fields(ServerConfig)}

@@ -178,7 +178,7 @@ def _cache_for(cache_dir: str | None) -> CompileCache | None:
 
 
 #: Set (to C{1}) in a worker's environment when the server compiles its
-#: cacheable sources (L{configure_remote}, C{kcoral.server.compiles}).
+#: cacheable sources (L{configure_remote}, C{kcoral.server.workers.compiles}).
 COMPILE_IN_PARENT_ENV = "KCORAL_COMPILE_IN_PARENT"
 
 #: C{remote(source, arch, flags, backend, timeout) -> (key, seconds, cached)}.

@@ -92,7 +92,7 @@ class ICommandLineBackend(Interface):
     Optional, beside L{ICompilerBackend}: a backend whose compile is one
     command line that reads a source file and writes the image to a file.
     The server runs such a compile for its shared cache directly in a
-    sandbox of its own, with no Python there (L{kcoral.server.compiles}):
+    sandbox of its own, with no Python there (L{kcoral.server.workers.compiles}):
     the outcome is the command's exit status and the file it wrote.
     """
 

@@ -15,7 +15,7 @@ any shell among them) cannot do (issue 32, item 1):
    C{/proc/PID/fd/N} cannot be opened by another process of the same user
    in the sandbox (no capabilities there);
  - choose the key: the server computes it from the request it sent
-   (L{kcoral.server.compiles}); the answer names no key.
+   (L{kcoral.server.workers.compiles}); the answer names no key.
 They can still kill this process: the server then stores nothing.
 """
 

@@ -40,8 +40,8 @@ import attrs
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 
+from kcoral.ipc.shared import SharedBuffer
 from kcoral.wire.program import MEMORY_KINDS, is_digest
-from kcoral.wire.shared import SharedBuffer
 
 #: Upload kind whose blobs live in the disk cache.
 FILE_KIND = "file"

@@ -8,7 +8,7 @@ programs a second, while the workers could do ten times more.  With
 C{--front-ends N} the server runs N processes:
 
  - The first is the server as always, plus the lease broker
-   (L{kcoral.server.leasebroker}): its L{LeaseArbiter} decides for every
+   (L{kcoral.server.leases.broker}): its L{LeaseArbiter} decides for every
    front end's workers, over a Unix socket in a private directory.  It
    starts the others (L{FrontEndsService}) and restarts one that dies.
  - Each other front end (C{python -m kcoral.server.frontends SPEC}) is the
@@ -49,8 +49,8 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from kcoral.config import ServerConfig
-from kcoral.server.lease import LeaseArbiter
-from kcoral.server.leasebroker import LeaseBroker, RemoteArbiter, broker_factory
+from kcoral.server.leases.broker import LeaseBroker, RemoteArbiter, broker_factory
+from kcoral.server.leases.lease import LeaseArbiter
 
 __all__ = ["FrontEndsService", "BrokerConnection", "listen_reusing_port", "main"]
 

@@ -46,8 +46,6 @@ from twisted.python.threadpool import ThreadPool
 from twisted.web.server import Site
 
 from kcoral.config import ServerConfig
-from kcoral.server.app import KcoralAPI
-from kcoral.server.auth import beyond_loopback
 from kcoral.server.cache import BlobStore, DiskFileCache, MemoryBlobCache
 from kcoral.server.frontends import (
     REPORT_INTERVAL,
@@ -56,8 +54,9 @@ from kcoral.server.frontends import (
     listen_reusing_port,
     share_of,
 )
-from kcoral.server.gpus import GpuDevice, discover_gpus, select_gpus
-from kcoral.server.http import (
+from kcoral.server.http.app import KcoralAPI
+from kcoral.server.http.auth import beyond_loopback
+from kcoral.server.http.site import (
     AcceptGuard,
     KcoralSite,
     listen_all,
@@ -65,16 +64,17 @@ from kcoral.server.http import (
     port_hosts,
     raise_fd_limit,
 )
-from kcoral.server.lease import LeaseArbiter, Leases
-from kcoral.server.leasebroker import RemoteArbiter
-from kcoral.server.pool import WorkerPool
-from kcoral.server.sandbox import NoSandbox
+from kcoral.server.leases.broker import RemoteArbiter
+from kcoral.server.leases.gpus import GpuDevice, discover_gpus, select_gpus
+from kcoral.server.leases.lease import LeaseArbiter, Leases
+from kcoral.server.sandbox.bubblewrap import NoSandbox
+from kcoral.server.workers.pool import WorkerPool
 
 if TYPE_CHECKING:
-    from kcoral.server.logs import LogSetup
-    from kcoral.server.metrics import Metrics
-    from kcoral.server.sdnotify import SystemdNotifier
-    from kcoral.server.status import RecentRequests
+    from kcoral.server.observe.logs import LogSetup
+    from kcoral.server.observe.metrics import Metrics
+    from kcoral.server.observe.sdnotify import SystemdNotifier
+    from kcoral.server.observe.status import RecentRequests
 
 #: Runs a blocking callable in the I/O thread pool.
 RunBlocking = Callable[..., Deferred[Any]]
@@ -134,7 +134,7 @@ class LogWriterService(AsyncService):
     The server's log observers: installed at start (in a thread: they
     create the run directory), removed at stop.
 
-    @ivar log_setup: the installed L{kcoral.server.logs.LogSetup}.
+    @ivar log_setup: the installed L{kcoral.server.observe.logs.LogSetup}.
     """
 
     log = Logger()
@@ -153,7 +153,7 @@ class LogWriterService(AsyncService):
         self.log_setup: LogSetup | None = None
 
     async def start(self) -> None:
-        from kcoral.server.logs import install_observers
+        from kcoral.server.observe.logs import install_observers
 
         self.log_setup = await self._run_blocking(
             install_observers, self._config, extra_observers=self._observers, background=True
@@ -204,14 +204,14 @@ class WorkerPoolService(AsyncService):
         self._root_dir: Path | None = None
 
     async def start(self) -> None:
-        from kcoral.server.sandbox import choose_sandbox
+        from kcoral.server.sandbox.bubblewrap import choose_sandbox
 
         config, pool = self._config, self.pool
         minors = None
         if config.device == "gpu":
             pool.gpu_devices = await self._discover_gpus()
             minors = [device.minor for device in pool.gpu_devices.values()]
-        from kcoral.server import scratch
+        from kcoral.server.workers import scratch
 
         leftovers = await self._run_blocking(scratch.remove_leftovers)
         if leftovers:
@@ -232,11 +232,11 @@ class WorkerPoolService(AsyncService):
         if compile_cache is not None:
             # Workers share one compile cache, so resubmitting a kernel skips
             # nvcc whichever worker gets it (docs/compilers.md).
-            from kcoral.server.sandbox import COMPILE_CACHE, BubblewrapSandbox
+            from kcoral.server.sandbox.bubblewrap import COMPILE_CACHE, BubblewrapSandbox
 
             if isinstance(sandbox, BubblewrapSandbox):
                 from kcoral.compilers import COMPILE_IN_PARENT_ENV
-                from kcoral.server.compiles import IsolatedCompiles
+                from kcoral.server.workers.compiles import IsolatedCompiles
 
                 # Read-only for workers: the parent compiles into it, in a
                 # sandbox where no uploaded code runs (docs/security.md).
@@ -325,7 +325,7 @@ class ListeningPortService(AsyncService):
     endpoint, but its start returns the listening Deferred, so a port that
     cannot be bound fails the server's start, and the bound addresses are
     logged.  Before listening it raises the open-file limit and, with
-    C{token_file}, puts the API behind L{kcoral.server.auth.TokenGuard}
+    C{token_file}, puts the API behind L{kcoral.server.http.auth.TokenGuard}
     (the file is read in a thread); listening beyond loopback without a
     token is announced as a CRITICAL event.
     """
@@ -383,7 +383,7 @@ class ListeningPortService(AsyncService):
                 )
         tokens = None
         if self._token_file is not None:
-            from kcoral.server.auth import TokenGuard, load_tokens
+            from kcoral.server.http.auth import TokenGuard, load_tokens
 
             if self._run_blocking is None:
                 tokens = load_tokens(self._token_file)
@@ -391,7 +391,7 @@ class ListeningPortService(AsyncService):
                 tokens = await self._run_blocking(load_tokens, self._token_file)
             guard = TokenGuard(self._site.resource, tokens, public_metrics=self._public_metrics)
             self._site.resource = guard
-            # Heads are checked before their bodies are read (kcoral.server.http).
+            # Heads are checked before their bodies are read (kcoral.server.http.site).
             self._site.guard = guard  # type: ignore[attr-defined]
         if self._reuse_port:
             # Several front ends: each binds the same port (kcoral.server.frontends).
@@ -493,7 +493,7 @@ class _HealthReports(AsyncService):
     def _send(self) -> None:
         health = self._api.local_health()
         if self._api.metrics is not None:
-            from kcoral.server.metrics import METRICS_REPORT_KEY, pack_families
+            from kcoral.server.observe.metrics import METRICS_REPORT_KEY, pack_families
 
             packed = pack_families(self._api.metrics.families())
             if len(packed) <= METRICS_REPORT_LIMIT:
@@ -590,7 +590,7 @@ class KCoralService(service.MultiService):
             metrics=self.metrics,
         )
         if self.recent is not None:
-            from kcoral.server.status import STATUS_PAGE, status_snapshot
+            from kcoral.server.observe.status import STATUS_PAGE, status_snapshot
 
             recent = self.recent
             self.api.status_snapshot = lambda health: status_snapshot(health, recent)
@@ -717,7 +717,7 @@ class KCoralService(service.MultiService):
 
     def _start_retention(self, run_path: Path | None) -> None:
         """Prune old runs and saved programs hourly (docs/logs.md): a child started now."""
-        from kcoral.server.retention import RetentionPolicy, RetentionService
+        from kcoral.server.observe.retention import RetentionPolicy, RetentionService
 
         policy = RetentionPolicy.from_config(self.config)
         if run_path is None or not policy.enabled:
@@ -732,7 +732,7 @@ class KCoralService(service.MultiService):
         service.Service.startService(self)
         if self.notify_systemd and self.config.lease_broker is None:
             # Only the first front end speaks for the server (NotifyAccess=main).
-            from kcoral.server.sdnotify import SystemdNotifier
+            from kcoral.server.observe.sdnotify import SystemdNotifier
 
             self._notifier = SystemdNotifier.from_environment(self.environ)
         d = Deferred.fromCoroutine(self._start_children())
@@ -758,7 +758,7 @@ class KCoralService(service.MultiService):
             # The console mirror is not installed yet (the log directory
             # itself may be the cause): show the cause on the console anyway.
             # (Under plain twistd log_console is off: twistd's log shows it.)
-            from kcoral.server.logs import ConsoleObserver
+            from kcoral.server.observe.logs import ConsoleObserver
 
             console = ConsoleObserver()
             globalLogPublisher.addObserver(console)
@@ -901,14 +901,14 @@ def _observability(server: KCoralService) -> tuple[Metrics | None, RecentRequest
     (endpoint -> reason) and announced at start-up, never dropped silently.
     """
     try:
-        from kcoral.server.metrics import Metrics
+        from kcoral.server.observe.metrics import Metrics
     except ImportError as e:
         server.unavailable["/metrics"] = (
             f"{e} (install the server extra: pip install 'kcoral-server[server]')"
         )
         Metrics = None  # type: ignore[assignment,misc]
     try:
-        from kcoral.server.status import RecentRequests
+        from kcoral.server.observe.status import RecentRequests
     except ImportError as e:
         for endpoint in ("/status", "/status.json"):
             server.unavailable[endpoint] = str(e)
@@ -985,7 +985,7 @@ def makeService(
     C{contrib/kcoral.tac}): a server that fails to start makes the process
     exit with status 1 once twistd has shut down, and under a systemd
     C{Type=notify} unit it sends C{READY=1} once every worker is up and
-    C{STOPPING=1} when it begins to stop (L{kcoral.server.sdnotify}).
+    C{STOPPING=1} when it begins to stop (L{kcoral.server.observe.sdnotify}).
     """
     root = KCoralService(config, endpoint, reactor=reactor)
     root.exit_status_on_failure = 1
@@ -1025,7 +1025,7 @@ def create_app(config: ServerConfig | None = None, *, reactor: Reactor | None = 
 def create_site(app: Klein) -> KcoralSite:
     """
     The site to serve C{app} (made by L{create_app}) with: the server's own
-    L{kcoral.server.http.KcoralSite}, under its config's request limits and
+    L{kcoral.server.http.site.KcoralSite}, under its config's request limits and
     deadlines (C{max_request_bytes}, the head and body timeouts, the
     connection cap, C{max_bytes_in_flight}), with request bodies parsed as
     they arrive, behind the token guard when C{auth_token_file} is set (the
@@ -1039,7 +1039,7 @@ def create_site(app: Klein) -> KcoralSite:
     config = server.config
     tokens = None
     if config.auth_token_file is not None:
-        from kcoral.server.auth import load_tokens
+        from kcoral.server.http.auth import load_tokens
 
         tokens = load_tokens(config.auth_token_file)
     return make_site(app.resource(), config, tokens, reactor=server._reactor)

@@ -14,7 +14,7 @@ goes: nothing here starts a process, opens a port or touches a GPU.
     recording each release.
   - L{FakeTransport}, L{ProcessReactor}: a child process's transport and a
     memory reactor whose C{spawnProcess} records calls (for
-    L{kcoral.server.workerproc.WorkerProcess}).
+    L{kcoral.server.workers.workerproc.WorkerProcess}).
   - L{FakeBlobs}: a blob store that knows a fixed set of blobs.
   - L{EventRecorder}: a cache's C{on_event} callback that remembers calls.
   - L{SyncReactor}, L{SyncThreadPool}: a clock and a thread pool that run
@@ -57,13 +57,13 @@ from kcoral.compilers.interfaces import KIND_BINARY, ICompilerBackend
 from kcoral.compilers.nvcc import validate_arch, validate_options
 from kcoral.config import ServerConfig
 from kcoral.errors import ExecutionError
+from kcoral.ipc.shared import SharedBuffer
 from kcoral.server.cache import Pin, Resolution
-from kcoral.server.pool import PoolBusy, PoolStopping, Seat, WorkerHandle, WorkerPool
-from kcoral.server.sandbox import ISandbox
-from kcoral.server.workerproc import Job, JobResult
+from kcoral.server.sandbox.bubblewrap import ISandbox
+from kcoral.server.workers.pool import PoolBusy, PoolStopping, Seat, WorkerHandle, WorkerPool
+from kcoral.server.workers.workerproc import Job, JobResult
 from kcoral.wire.channel import TO_WORKER_FD, ChannelMessage, MessageDecoder, Outcome
 from kcoral.wire.multipart import encode_response, parse_request_body
-from kcoral.wire.shared import SharedBuffer
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")

@@ -29,8 +29,7 @@ from typing import IO, Any, ClassVar, TypeVar
 
 import attrs
 
-from kcoral.wire.jsontext import json_dumps
-from kcoral.wire.shared import (
+from kcoral.ipc.shared import (
     MAX_DESCRIPTORS,
     SharedBuffer,
     SharedMemoryError,
@@ -38,18 +37,19 @@ from kcoral.wire.shared import (
     receive_descriptors,
     send_descriptors,
 )
+from kcoral.wire.jsontext import json_dumps
 
 #: The worker reads the parent's messages on this fd ...
 TO_WORKER_FD = 3
 #: ... and writes its own on this one.  Fds 1 and 2 never carry channel bytes.
 FROM_WORKER_FD = 4
 #: Both sides pass descriptors on this one, a C{SOCK_SEQPACKET} unix socket
-#: (L{kcoral.wire.shared}): the sealed memfds of blobs and of large returned
+#: (L{kcoral.ipc.shared}): the sealed memfds of blobs and of large returned
 #: parts.  Each message's descriptors are sent just before the frame that
 #: names them (a frame's C{shared_parts}, a blob's C{size}), so the reader
 #: takes them when it decodes that frame.
 DESCRIPTOR_FD = 5
-#: The progress board (L{kcoral.wire.board}): the worker posts the index
+#: The progress board (L{kcoral.ipc.board}): the worker posts the index
 #: of the instruction it is about to run there, instead of an
 #: L{Instruction} message, unless an L{Execute} asks for announcements.
 PROGRESS_FD = 6
@@ -272,7 +272,7 @@ class FrameDecoder:
     C{False} stops parsing there until the next C{feed} (which may be
     empty) asks again; C{inspect} sees each raw header before it is
     decoded (the buffer and the header's bounds in it, not a copy).  Both may raise L{ChannelError}.  (The parent reserves server
-    memory for a frame with them, L{kcoral.server.channelbudget}.)
+    memory for a frame with them, L{kcoral.server.workers.channelbudget}.)
     """
 
     limits: FrameLimits = DEFAULT_LIMITS

@@ -34,7 +34,9 @@ from typing import IO, Any, Protocol
 
 import attrs
 
-from kcoral.wire.blobsink import BlobSink
+from kcoral.ipc.blobsink import BlobSink
+from kcoral.ipc.shared import SharedBuffer, SharedWriter
+from kcoral.ipc.shared import available as shared_memory_available
 from kcoral.wire.jsontext import json_dumps
 from kcoral.wire.program import (
     Program,
@@ -44,8 +46,6 @@ from kcoral.wire.program import (
     strict_json_loads,
     tensor_nbytes,
 )
-from kcoral.wire.shared import SharedBuffer, SharedWriter
-from kcoral.wire.shared import available as shared_memory_available
 
 #: Blobs of one request body that may land in sealed shared buffers.
 MAX_SHARED_BLOBS = 64

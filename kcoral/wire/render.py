@@ -17,6 +17,7 @@ from typing import Any, Protocol, Union
 
 import attrs
 
+from kcoral.ipc.shared import SharedBuffer
 from kcoral.wire.channel import Outcome
 from kcoral.wire.errors import (
     RESPONSE_TOO_LARGE_MESSAGE,
@@ -28,7 +29,6 @@ from kcoral.wire.errors import (
 from kcoral.wire.jsontext import json_dumps
 from kcoral.wire.multipart import encode_response
 from kcoral.wire.program import Program
-from kcoral.wire.shared import SharedBuffer
 
 #: A response body: bytes, or the chunks of a multipart body.
 Body = Union[bytes, list[Union[bytes, SharedBuffer]]]

@@ -19,8 +19,8 @@ from typing import Any
 
 import attrs
 
+from kcoral.ipc.shared import SHARE_THRESHOLD, SharedBuffer
 from kcoral.wire.program import DTYPES, ValidationError, normalize_path, tensor_nbytes
-from kcoral.wire.shared import SHARE_THRESHOLD, SharedBuffer
 
 #: Parts at least this large are hashed in a thread beside their copy.
 PARALLEL_HASH_BYTES = 4 << 20
@@ -111,7 +111,7 @@ class PartCollector:
         self.parts: list[bytes | SharedBuffer] = []
         self.total_bytes = 0
         #: Makes a sealed shared buffer of a part's bytes (a worker's
-        #: L{kcoral.wire.shared.share}): parts of L{SHARE_THRESHOLD} bytes or
+        #: L{kcoral.ipc.shared.share}): parts of L{SHARE_THRESHOLD} bytes or
         #: more are copied into one at once and cross to the parent as a
         #: descriptor; C{None} keeps every part as bytes.
         self._share = share

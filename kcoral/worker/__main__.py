@@ -23,7 +23,9 @@ from typing import IO, Any
 
 import attrs
 
-from kcoral.wire import board
+from kcoral.ipc import board
+from kcoral.ipc.shared import SharedBuffer
+from kcoral.ipc.shared import available as shared_memory_available
 from kcoral.wire.channel import (
     DESCRIPTOR_FD,
     FROM_WORKER_FD,
@@ -41,8 +43,6 @@ from kcoral.wire.channel import (
     read_message,
     write_message,
 )
-from kcoral.wire.shared import SharedBuffer
-from kcoral.wire.shared import available as shared_memory_available
 from kcoral.worker import runtime
 from kcoral.worker.builtins import registry_for
 from kcoral.worker.devices import make_backend, prepare_backend

@@ -32,6 +32,7 @@ from typing import Any
 import attrs
 
 from kcoral.errors import KINDS, ExecutionError, GPUAccessViolation
+from kcoral.ipc.shared import SharedBuffer, share
 from kcoral.wire.channel import (
     CONTROL_FRAME_BYTES,
     RETIRE_POISONED,
@@ -57,7 +58,6 @@ from kcoral.wire.program import (
     normalize_path,
     parse_program,
 )
-from kcoral.wire.shared import SharedBuffer, share
 from kcoral.wire.values import (
     PartCollector,
     SerializationError,
@@ -295,7 +295,7 @@ class Engine:
     #: parent keeps it if the worker crashes later; the outcome then carries
     #: only the parts not sent yet.
     stream_returns: bool = False
-    #: Make large binary parts sealed shared buffers (L{kcoral.wire.shared}),
+    #: Make large binary parts sealed shared buffers (L{kcoral.ipc.shared}),
     #: whose descriptors cross to the parent instead of their bytes.
     share_parts: bool = False
     #: Freeze what survives the first settle's collection (L{gc.freeze}):
@@ -306,7 +306,7 @@ class Engine:
     #: collector alone.
     freeze_after_first_settle: bool = False
     #: Posts the index of each instruction about to run on the progress
-    #: board (L{kcoral.wire.board}) instead of announcing it with an
+    #: board (L{kcoral.ipc.board}) instead of announcing it with an
     #: L{Instruction} message, unless the program's L{Execute} asks for
     #: announcements; C{None}: always announce.
     progress: Callable[[int], None] | None = None

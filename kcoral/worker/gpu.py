@@ -36,7 +36,7 @@ from zope.interface import implementer
 
 from kcoral.compilers.nvcc import find_nvcc
 from kcoral.errors import ExecutionError
-from kcoral.wire import shared
+from kcoral.ipc import shared
 from kcoral.wire.program import DTYPES
 from kcoral.wire.values import numpy_dtype
 from kcoral.worker.gpu_builtins import GPU_BUILTINS
@@ -125,7 +125,7 @@ def _refuse_dtoh(reason: str) -> None:
 def _copy_dtoh_shared(drv: Any, source: int, nbytes: int) -> shared.SharedBuffer | None:
     """
     C{nbytes} of device memory at C{source} copied into a new sealed buffer
-    (L{kcoral.wire.shared.fill}) whose writable mapping is page-locked for
+    (L{kcoral.ipc.shared.fill}) whose writable mapping is page-locked for
     the copy, then unlocked: the result's one host copy, at pinned-memory
     speed, and the buffer is what the parent streams the response from.
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from zope.interface import Attribute, Interface
 
 if TYPE_CHECKING:
-    from kcoral.wire.shared import SharedBuffer
+    from kcoral.ipc.shared import SharedBuffer
 
 
 class IDeviceBackend(Interface):
@@ -52,7 +52,7 @@ class IDeviceBackend(Interface):
         If C{value} is a tensor this backend knows, its C{(dtype, shape,
         little-endian C-contiguous bytes)}; else C{None}.  The bytes may be
         a view (the part collector copies it once, into the part) or a
-        sealed L{kcoral.wire.shared.SharedBuffer} the device copied into
+        sealed L{kcoral.ipc.shared.SharedBuffer} the device copied into
         (kept as the part).
         """
 

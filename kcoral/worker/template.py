@@ -9,7 +9,7 @@ millisecond where a new interpreter costs its imports (0.43 s for PyCUDA,
 5.4 s of CPU for torch).
 
 The parent talks to it over a Unix stream socket on fd L{TEMPLATE_FD}, one
-JSON object per line (L{kcoral.server.template} is the other end):
+JSON object per line (L{kcoral.server.workers.template} is the other end):
 
   - parent -> template: C{{"op": "fork", "id": N, "fds": [child fd, ...],
     "argv": [...], "env": {...}, "cwd": ..., "workspace": ...,

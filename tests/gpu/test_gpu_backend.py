@@ -74,7 +74,7 @@ def _random_bytes(dtype: str, shape: tuple[int, ...], seed: int = 0) -> bytes:
 
 def _part_bytes(part) -> bytes:
     """The bytes of a tensor_parts result (a shared buffer for large device tensors)."""
-    from kcoral.wire import shared
+    from kcoral.ipc import shared
 
     return part.tobytes() if isinstance(part, shared.SharedBuffer) else bytes(part)
 
@@ -125,7 +125,7 @@ class BackendTests(SynchronousTestCase):
         (page-locked for the copy, see REGISTER_HOST_BYTES) and back through
         a host view; byte-exact in both tensor APIs.
         """
-        from kcoral.wire import shared
+        from kcoral.ipc import shared
 
         shape = (512, 1024)
         for api in ["pycuda"] + (["torch"] if _HAS_TORCH else []):
@@ -144,7 +144,7 @@ class BackendTests(SynchronousTestCase):
         byte-exact at the threshold and at 64 MiB, in both tensor APIs; a
         non-contiguous one and a smaller one come back as host bytes.
         """
-        from kcoral.wire import shared
+        from kcoral.ipc import shared
         from kcoral.worker import gpu
 
         threshold = gpu.REGISTER_HOST_BYTES

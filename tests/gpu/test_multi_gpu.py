@@ -21,7 +21,7 @@ import attrs
 import numpy as np
 import pytest
 
-from kcoral.server.gpus import discover_gpus
+from kcoral.server.leases.gpus import discover_gpus
 from kcoral.testing.live_server import ServerProcess, sha256
 from kcoral.wire.multipart import decode_response
 from kcoral.wire.values import decode_results

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from kcoral.wire import shared
+from kcoral.ipc import shared
 
 pytestmark = [
     pytest.mark.integration,

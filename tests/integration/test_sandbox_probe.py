@@ -1,5 +1,5 @@
 """
-Integration tests for L{kcoral.server.sandbox} with the real reactor and
+Integration tests for L{kcoral.server.sandbox.bubblewrap} with the real reactor and
 real processes: the startup probe against the installed bwrap and against
 fake ones, the fallback choice, and what a program sees inside the sandbox.
 """
@@ -28,7 +28,7 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import TestCase
 
 from kcoral.config import ServerConfig
-from kcoral.server.sandbox import (
+from kcoral.server.sandbox.bubblewrap import (
     FALLBACK_PREFIX,
     BubblewrapSandbox,
     NoSandbox,

@@ -89,7 +89,7 @@ def test_run_directory(server: ServerProcess, log_dir: Path) -> None:
     directory = run_dir(log_dir)
     assert (directory / "events.jsonl").is_file()
     # Lines that belong to no request reach the file from a writer thread
-    # within 50 ms (kcoral.server.logs), so start-up events may still be on
+    # within 50 ms (kcoral.server.observe.logs), so start-up events may still be on
     # their way when /health first answers.
     deadline = time.monotonic() + 5
     while True:

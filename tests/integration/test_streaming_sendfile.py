@@ -1,5 +1,5 @@
 """
-L{kcoral.server.streaming} over real sockets: a shared buffer goes out
+L{kcoral.server.http.streaming} over real sockets: a shared buffer goes out
 with C{sendfile} when the response is a plain C{Content-Length} body on
 TCP, through the transport otherwise, and the client gets the same bytes
 in order either way (loopback, the real reactor).
@@ -18,8 +18,8 @@ from twisted.trial.unittest import SkipTest, TestCase
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Site
 
-from kcoral.server.streaming import BodyProducer, DirectSocket, body_length
-from kcoral.wire import shared
+from kcoral.ipc import shared
+from kcoral.server.http.streaming import BodyProducer, DirectSocket, body_length
 
 #: Past loopback's socket buffers, so the socket fills and drains many times.
 SIZE = 24 << 20

@@ -298,8 +298,8 @@ def test_the_compiles_descendants_cannot_write_its_descriptors(tmp_path: Path) -
     import subprocess
 
     from kcoral.compilers.source import add_extern_c
-    from kcoral.server.compiles import parse_answer
-    from kcoral.server.sandbox import BubblewrapSandbox
+    from kcoral.server.sandbox.bubblewrap import BubblewrapSandbox
+    from kcoral.server.workers.compiles import parse_answer
 
     bin_dir = _hostile_bin(tmp_path, _victim_key(OTHER))
     sandbox = BubblewrapSandbox([str(bin_dir)])

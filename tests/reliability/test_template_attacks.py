@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import pytest
 
-from kcoral.server.sandbox import CAPTURE_DIR, WORKSPACE
+from kcoral.server.sandbox.bubblewrap import CAPTURE_DIR, WORKSPACE
 from kcoral.testing.live_server import ServerProcess
 from tests.reliability.conftest import assert_serves, body_of, requires_bwrap, run_program
 

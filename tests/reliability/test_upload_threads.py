@@ -1,6 +1,6 @@
 """
 A large blob is written and hashed by two threads of the server
-(L{kcoral.wire.blobsink}); clients that misbehave in the middle of one must
+(L{kcoral.ipc.blobsink}); clients that misbehave in the middle of one must
 not leave threads, descriptors or memory behind, nor stall anyone else.
 """
 
@@ -17,9 +17,9 @@ from typing import Any
 import psutil
 import pytest
 
+from kcoral.ipc import blobsink
 from kcoral.testing.descriptors import MEMFD_PREFIX, descriptor_targets
 from kcoral.testing.live_server import ServerProcess, multipart_body
-from kcoral.wire import blobsink
 from tests.reliability.conftest import assert_serves, body_of, requires_bwrap
 
 pytestmark = [pytest.mark.integration, requires_bwrap]

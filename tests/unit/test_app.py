@@ -1,5 +1,5 @@
 """
-Tests for L{kcoral.server.app.KcoralAPI} through treq's L{StubTreq}, with a
+Tests for L{kcoral.server.http.app.KcoralAPI} through treq's L{StubTreq}, with a
 fake pool, blob store and thread pool: no processes, no network.
 """
 
@@ -18,11 +18,11 @@ from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.server import Request
 
 from kcoral.config import ServerConfig
-from kcoral.server.app import KcoralAPI
 from kcoral.server.cache import Resolution
-from kcoral.server.lease import LeaseArbiter
-from kcoral.server.pool import Seat
-from kcoral.server.workerproc import JobResult
+from kcoral.server.http.app import KcoralAPI
+from kcoral.server.leases.lease import LeaseArbiter
+from kcoral.server.workers.pool import Seat
+from kcoral.server.workers.workerproc import JobResult
 from kcoral.testing.fakes import (
     FakeBlobs,
     FakeSandbox,
@@ -170,7 +170,7 @@ class HealthTests(APITestCase):
         from treq.testing import RequestTraversalAgent
         from twisted.web.http_headers import Headers
 
-        from kcoral.server.metrics import Metrics
+        from kcoral.server.observe.metrics import Metrics
 
         self.make()
         self.api.metrics = Metrics()

@@ -1,5 +1,5 @@
 """
-Tests for C{gpu_count} programs in L{kcoral.server.app.KcoralAPI}: the
+Tests for C{gpu_count} programs in L{kcoral.server.http.app.KcoralAPI}: the
 one-request worker starts while no lease is held, on the least busy GPUs.
 Fake pool and workers on a clock; the lease arbiter is the real one.
 """
@@ -15,9 +15,9 @@ from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.trial.unittest import SynchronousTestCase
 
 from kcoral.config import ServerConfig
-from kcoral.server.app import KcoralAPI
-from kcoral.server.lease import LeaseArbiter
-from kcoral.server.workerproc import JobResult
+from kcoral.server.http.app import KcoralAPI
+from kcoral.server.leases.lease import LeaseArbiter
+from kcoral.server.workers.workerproc import JobResult
 from kcoral.testing.fakes import (
     FakeBlobs,
     FakeSandbox,

@@ -1,5 +1,5 @@
 """
-Tests for L{kcoral.server.auth}: the token file, the constant-time check,
+Tests for L{kcoral.server.http.auth}: the token file, the constant-time check,
 the guard in front of the API, and what counts as beyond loopback.
 """
 
@@ -12,7 +12,7 @@ from treq.testing import StubTreq
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.iweb import IRequest
 
-from kcoral.server.auth import (
+from kcoral.server.http.auth import (
     TokenFileError,
     TokenGuard,
     Tokens,

@@ -1,5 +1,5 @@
 """
-Tests for L{kcoral.wire.blobsink} and the streamed blobs that use it: past
+Tests for L{kcoral.ipc.blobsink} and the streamed blobs that use it: past
 a few megabytes a blob's memfd writes and SHA-256 run on two threads, and
 the buffer and the digest are the same as doing both on the reactor.
 """
@@ -16,9 +16,10 @@ from typing import Any
 
 import pytest
 
+from kcoral.ipc import blobsink, shared
+from kcoral.ipc.blobsink import BlobSink
 from kcoral.testing.live_server import multipart_body
-from kcoral.wire import blobsink, multipart, shared
-from kcoral.wire.blobsink import BlobSink
+from kcoral.wire import multipart
 from kcoral.wire.multipart import StreamedBody
 from kcoral.wire.program import ValidationError
 

@@ -1,4 +1,4 @@
-"""Tests for L{kcoral.wire.board}: the progress board a worker posts on."""
+"""Tests for L{kcoral.ipc.board}: the progress board a worker posts on."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from kcoral.wire import board, shared
+from kcoral.ipc import board, shared
 
 pytestmark = pytest.mark.skipif(not shared.available(), reason="no sealed memfds here")
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from twisted.trial.unittest import SkipTest, SynchronousTestCase
 
+from kcoral.ipc import shared
 from kcoral.server.cache import (
     BlobStore,
     DiskFileCache,
@@ -22,7 +23,6 @@ from kcoral.server.cache import (
     Resolution,
 )
 from kcoral.testing.fakes import EventRecorder, QueuedThreadReactor, SyncThreadPool
-from kcoral.wire import shared
 from kcoral.wire.program import is_digest
 
 MiB = 1024 * 1024

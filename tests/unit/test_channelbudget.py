@@ -1,4 +1,4 @@
-"""Tests for L{kcoral.server.channelbudget} and the channel's admission hooks."""
+"""Tests for L{kcoral.server.workers.channelbudget} and the channel's admission hooks."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 from twisted.internet.defer import CancelledError
 from twisted.trial.unittest import SynchronousTestCase
 
-from kcoral.server.channelbudget import ChannelBudget
+from kcoral.server.workers.channelbudget import ChannelBudget
 from kcoral.wire.channel import (
     HEADER_DECODE_FACTOR,
     ChannelError,

@@ -1,5 +1,5 @@
 """
-Tests for L{kcoral.server.cli}, the C{kcoral} command.
+Tests for L{kcoral.server.cli.command}, the C{kcoral} command.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from twisted.logger import ILogObserver
 from twisted.trial.unittest import SynchronousTestCase
 
 from kcoral.config import ServerConfig
-from kcoral.server import cli
+from kcoral.server.cli import command as cli
 
 BARE_ENV = {"HOME": "/home/op"}
 
@@ -139,7 +139,7 @@ class ServerRunTests(SynchronousTestCase):
             [
                 "--nodaemon",
                 "--pidfile=",
-                "--logger=kcoral.server.cli.stderr_log_observer",
+                "--logger=kcoral.server.cli.command.stderr_log_observer",
                 "kcoral",
                 "--port",
                 "8001",
@@ -244,7 +244,7 @@ class ServerHelpTests(SynchronousTestCase):
         sorted within each; every option is listed once, and every option
         has a group (a new flag needs its place in L{tap.OPTION_GROUPS}).
         """
-        from kcoral.server import tap
+        from kcoral.server.cli import tap
 
         out = Run(["server", "--help"]).out
         self.assertTrue(out.startswith("Usage: kcoral server [options]\n"))

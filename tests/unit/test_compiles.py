@@ -1,5 +1,5 @@
 """
-L{kcoral.server.compiles}: the server computes the cache key of a worker's
+L{kcoral.server.workers.compiles}: the server computes the cache key of a worker's
 compile from the request it sent, never from the compile's answer (issue
 32, item 1), checks the request before a sandbox starts, and answers from
 the cache when the entry is there.
@@ -23,7 +23,7 @@ from kcoral.compilers.cache import CompileCache, cache_key
 from kcoral.compilers.interfaces import ICommandLineBackend
 from kcoral.compilers.isolated import ANSWER_FD
 from kcoral.errors import ExecutionError
-from kcoral.server.compiles import IsolatedCompiles, check_request, parse_answer
+from kcoral.server.workers.compiles import IsolatedCompiles, check_request, parse_answer
 from kcoral.testing.fakes import FakeCompilerBackend, FakeSandbox, ProcessReactor
 from kcoral.wire.channel import CompileDone, CompileRequest
 

@@ -12,7 +12,7 @@ from types import ModuleType
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from kcoral.server import tap
+from kcoral.server.cli import tap
 
 ROOT = Path(__file__).resolve().parents[2]
 

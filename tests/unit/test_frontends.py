@@ -160,7 +160,7 @@ class HealthReportsTests(SynchronousTestCase):
         from twisted.internet.task import Clock
         from twisted.logger import globalLogPublisher
 
-        from kcoral.server.metrics import Metrics
+        from kcoral.server.observe.metrics import Metrics
         from kcoral.server.service import _HealthReports
 
         metrics = Metrics()
@@ -182,7 +182,7 @@ class HealthReportsTests(SynchronousTestCase):
         return sent, clock, events
 
     def test_metrics_travel_with_the_health(self) -> None:
-        from kcoral.server.metrics import METRICS_REPORT_KEY, unpack_families
+        from kcoral.server.observe.metrics import METRICS_REPORT_KEY, unpack_families
 
         sent, clock, _ = self.make(3)
         clock.advance(1.0)
@@ -191,7 +191,7 @@ class HealthReportsTests(SynchronousTestCase):
         self.assertIn("kcoral_worker_replacements", names)
 
     def test_too_large_metrics_left_out(self) -> None:
-        from kcoral.server.metrics import METRICS_REPORT_KEY
+        from kcoral.server.observe.metrics import METRICS_REPORT_KEY
 
         sent, clock, events = self.make(20_000)
         clock.advance(1.0)

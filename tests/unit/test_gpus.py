@@ -1,5 +1,5 @@
 """
-Tests for L{kcoral.server.gpus}: GPU discovery from fake driver files and
+Tests for L{kcoral.server.leases.gpus}: GPU discovery from fake driver files and
 nvidia-smi output, and what each worker is told to see.
 """
 
@@ -13,7 +13,7 @@ from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import SynchronousTestCase
 
-from kcoral.server.gpus import (
+from kcoral.server.leases.gpus import (
     GpuDevice,
     GpuDiscoveryError,
     cuda_environment,
@@ -24,8 +24,8 @@ from kcoral.server.gpus import (
     read_proc_gpus,
     select_gpus,
 )
-from kcoral.server.pool import WorkerPool
-from kcoral.server.sandbox import BubblewrapSandbox, NoSandbox
+from kcoral.server.sandbox.bubblewrap import BubblewrapSandbox, NoSandbox
+from kcoral.server.workers.pool import WorkerPool
 from kcoral.testing.fakes import FakeSandbox, FakeSpawner, FakeWorker, pool_config
 
 #: What the driver writes (seen on a two-H200 machine), with placeholders.

@@ -1,5 +1,5 @@
 """
-Tests for L{kcoral.server.http}: every refusal of the HTTP layer is the
+Tests for L{kcoral.server.http.site}: every refusal of the HTTP layer is the
 protocol's JSON ERROR body with the right status, and request heads and
 bodies have deadlines that trickling cannot extend.  In memory: a
 L{StringTransport} and a L{Clock}, no sockets.
@@ -30,8 +30,9 @@ from twisted.trial.unittest import SkipTest, SynchronousTestCase
 from twisted.web.iweb import IRequest
 from zope.interface import implementer
 
-from kcoral.server.auth import TokenGuard, parse_tokens
-from kcoral.server.http import (
+from kcoral.ipc import shared
+from kcoral.server.http.auth import TokenGuard, parse_tokens
+from kcoral.server.http.site import (
     ACCEPT_PAUSE_SECONDS,
     BACKLOG_PAUSE_BYTES,
     LINGER_SECONDS,
@@ -43,7 +44,6 @@ from kcoral.server.http import (
     raw_error_response,
 )
 from kcoral.testing.live_server import multipart_body
-from kcoral.wire import shared
 from kcoral.wire.program import ValidationError
 
 from .test_blobsink import hold_hashing

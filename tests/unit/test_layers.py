@@ -25,6 +25,7 @@ UPPER = ("kcoral.server", "kcoral.worker", "kcoral.client", "kcoral.testing")
 #: Layer -> module prefixes none of its modules may import.
 FORBIDDEN: dict[str, tuple[str, ...]] = {
     "wire": ("twisted", *HTTP, *CUDA, *UPPER, "kcoral.compilers"),
+    "ipc": ("twisted", *HTTP, *CUDA, *UPPER, "kcoral.compilers", "kcoral.wire"),
     "worker": ("twisted.internet", *HTTP, "kcoral.server", "kcoral.client", "kcoral.testing"),
     "server": (*CUDA, "kcoral.worker", "kcoral.client", "kcoral.testing"),
     "client": (*CUDA, "kcoral.server", "kcoral.worker", "kcoral.testing"),

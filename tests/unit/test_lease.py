@@ -1,5 +1,5 @@
 """
-Tests for L{kcoral.server.lease}: exclusive, FIFO, all-or-nothing GPU leases.
+Tests for L{kcoral.server.leases.lease}: exclusive, FIFO, all-or-nothing GPU leases.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from twisted.internet.defer import CancelledError
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from kcoral.server.lease import MAINTENANCE, LeaseArbiter, LeaseUnavailable
+from kcoral.server.leases.lease import MAINTENANCE, LeaseArbiter, LeaseUnavailable
 
 
 class LeaseArbiterTests(SynchronousTestCase):
@@ -126,7 +126,7 @@ class LabelsDuringTests(SynchronousTestCase):
 
 def test_single_other_request() -> None:
     """Only one other request (not a warm-up, not ourselves) is named."""
-    from kcoral.server.app import _single_other_request
+    from kcoral.server.http.app import _single_other_request
 
     assert _single_other_request({"me", "other"}, "me") == "other"
     assert _single_other_request({"me", "warmup:gpu0/w1"}, "me") is None

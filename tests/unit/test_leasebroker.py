@@ -1,5 +1,5 @@
 """
-Tests for L{kcoral.server.leasebroker}: front ends in other processes share
+Tests for L{kcoral.server.leases.broker}: front ends in other processes share
 one arbiter through the broker, and every rule of the lease holds across
 them.  In memory: AMP over L{twisted.test.iosim} connections, a L{Clock}.
 """
@@ -19,8 +19,8 @@ from twisted.logger import capturedLogs
 from twisted.test import iosim
 from twisted.trial.unittest import SynchronousTestCase
 
-from kcoral.server.lease import MAINTENANCE, Grant, LeaseArbiter, LeaseUnavailable
-from kcoral.server.leasebroker import LeaseBroker, RemoteArbiter, broker_factory
+from kcoral.server.leases.broker import LeaseBroker, RemoteArbiter, broker_factory
+from kcoral.server.leases.lease import MAINTENANCE, Grant, LeaseArbiter, LeaseUnavailable
 
 #: Process ids no process can have (above any pid_max): a lost front end's
 #: holder is killed by the broker, and a test must never name a real one.

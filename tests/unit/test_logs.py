@@ -1,5 +1,5 @@
 """
-Tests for L{kcoral.server.logs}.
+Tests for L{kcoral.server.observe.logs}.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from twisted.python.logfile import LogFile
 from twisted.trial.unittest import SynchronousTestCase
 
 from kcoral.config import ServerConfig
-from kcoral.server.logs import (
+from kcoral.server.observe.logs import (
     ConsoleObserver,
     JsonEventObserver,
     LogDirectoryError,
@@ -735,7 +735,7 @@ class TestBackgroundWriter:
     def test_order_and_close(self) -> None:
         import io
 
-        from kcoral.server.logwriter import BackgroundWriter
+        from kcoral.server.observe.logwriter import BackgroundWriter
 
         target = io.StringIO()
         writer = BackgroundWriter(target)
@@ -751,8 +751,8 @@ class TestBackgroundWriter:
     def test_binary_and_broken_streams(self) -> None:
         import io
 
-        from kcoral.server.logs import JsonEventObserver
-        from kcoral.server.logwriter import BackgroundWriter
+        from kcoral.server.observe.logs import JsonEventObserver
+        from kcoral.server.observe.logwriter import BackgroundWriter
 
         target = io.BytesIO()
         writer = BackgroundWriter(target)
@@ -774,7 +774,7 @@ def test_timestamps_match_datetime() -> None:
     """The per-second cache formats exactly as datetime does, edges included."""
     from datetime import datetime, timezone
 
-    from kcoral.server.logs import format_timestamp
+    from kcoral.server.observe.logs import format_timestamp
 
     for t in (0.0, 1.9995, 1767225599.001, 1767225599.9999995, 1767225600.0005, 1.0009995):
         moment = datetime.fromtimestamp(t, timezone.utc)
@@ -788,8 +788,8 @@ def test_request_lines_written_when_it_finishes() -> None:
 
     from twisted.logger import LogLevel
 
-    from kcoral.server.logs import JsonEventObserver
-    from kcoral.server.logwriter import BackgroundWriter
+    from kcoral.server.observe.logs import JsonEventObserver
+    from kcoral.server.observe.logwriter import BackgroundWriter
 
     target = io.StringIO()
     writer = BackgroundWriter(target, interval=3600)

@@ -2,7 +2,7 @@
 Tests for L{kcoral.measurement} (the statistics, validity and wall-clock
 envelope the parent computes from a worker's raw measurement), the worker's
 L{kcoral.worker.measure} side, the parent's handling of the measurement
-messages (L{kcoral.server.workerproc}) and the record in the response
+messages (L{kcoral.server.workers.workerproc}) and the record in the response
 (L{kcoral.wire.render}).  No GPU: the raw measurements are written here.
 """
 
@@ -27,7 +27,7 @@ from kcoral.measurement import (
     evaluate,
     parse_raw,
 )
-from kcoral.server.workerproc import JobResult
+from kcoral.server.workers.workerproc import JobResult
 from kcoral.wire.channel import (
     Measurement,
     MeasurementResult,

@@ -1,5 +1,5 @@
 """
-Tests for L{kcoral.server.metrics}.
+Tests for L{kcoral.server.observe.metrics}.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from twisted.logger import Logger, LogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
-from kcoral.server.http import REFUSALS
-from kcoral.server.metrics import Metrics, pack_families, unpack_families
+from kcoral.server.http.site import REFUSALS
+from kcoral.server.observe.metrics import Metrics, pack_families, unpack_families
 
 
 def parsed(body: bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -352,7 +352,7 @@ class RequestDurationAndBuildInfoTests(SynchronousTestCase):
 
     def test_open_requests_bounded(self) -> None:
         """Requests that never finish are forgotten beyond a bound."""
-        from kcoral.server import metrics
+        from kcoral.server.observe import metrics
 
         self.patch(metrics, "MAX_OPEN_REQUESTS", 3)
         for i in range(5):
@@ -450,14 +450,14 @@ class MissingPrometheusTests(SynchronousTestCase):
         import sys
 
         # A module set to None in sys.modules fails to import.
-        saved = sys.modules.get("kcoral.server.metrics")
-        sys.modules["kcoral.server.metrics"] = None  # type: ignore[assignment]
+        saved = sys.modules.get("kcoral.server.observe.metrics")
+        sys.modules["kcoral.server.observe.metrics"] = None  # type: ignore[assignment]
 
         def restore() -> None:
             if saved is None:
-                sys.modules.pop("kcoral.server.metrics", None)
+                sys.modules.pop("kcoral.server.observe.metrics", None)
             else:
-                sys.modules["kcoral.server.metrics"] = saved
+                sys.modules["kcoral.server.observe.metrics"] = saved
 
         self.addCleanup(restore)
 
@@ -482,7 +482,7 @@ class MissingPrometheusTests(SynchronousTestCase):
         [event] = [e for e in events if e.get("kcoral_event") == "endpoint_unavailable"]
         self.assertEqual(event["endpoint"], "/metrics")
         self.assertEqual(event["log_level"].name, "warn")
-        self.assertIn("kcoral.server.metrics", event["error"])
+        self.assertIn("kcoral.server.observe.metrics", event["error"])
 
     def test_all_endpoints_when_installed(self) -> None:
         server = self.make_server()

@@ -20,7 +20,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from twisted.trial.unittest import SynchronousTestCase
 
-from kcoral.server import tap
+from kcoral.server.cli import tap
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -222,7 +222,7 @@ class SystemdUnitTests(SynchronousTestCase):
             sections = _unit(path)
             service = dict(sections["Service"])
             self.assertEqual(service["Restart"], "on-failure")
-            # Readiness over $NOTIFY_SOCKET (kcoral.server.sdnotify), from the server only.
+            # Readiness over $NOTIFY_SOCKET (kcoral.server.observe.sdnotify), from the server only.
             self.assertEqual(service["Type"], "notify")
             self.assertEqual(service["NotifyAccess"], "main")
             self.assertGreaterEqual(int(service["LimitNOFILE"]), 65536)

@@ -1,5 +1,5 @@
 """
-Tests for L{kcoral.server.pool.WorkerPool} with fake workers on a
+Tests for L{kcoral.server.workers.pool.WorkerPool} with fake workers on a
 L{MemoryReactorClock}: no processes, no sleeps.
 """
 
@@ -13,8 +13,8 @@ from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import SynchronousTestCase
 
 from kcoral.config import ServerConfig
-from kcoral.server.lease import LeaseArbiter
-from kcoral.server.pool import (
+from kcoral.server.leases.lease import LeaseArbiter
+from kcoral.server.workers.pool import (
     GRANT_WATCH_ENV,
     BudgetSpent,
     PoolBusy,
@@ -24,7 +24,7 @@ from kcoral.server.pool import (
     cores_to_spare,
     watch_allowed,
 )
-from kcoral.server.workerproc import Job, JobResult
+from kcoral.server.workers.workerproc import Job, JobResult
 from kcoral.testing.fakes import FakeSandbox, FakeSpawner, FakeWorker, pool_config
 from kcoral.wire.channel import Outcome
 
@@ -848,7 +848,7 @@ class TemplateTests(PoolTestCase):
 
     def test_fallback_when_no_template_starts(self) -> None:
         """A template that cannot start leaves its seats spawning, loudly."""
-        from kcoral.server.sandbox import SandboxError
+        from kcoral.server.sandbox.bubblewrap import SandboxError
 
         def broken(**kw: Any) -> Any:
             raise SandboxError("no template here")
@@ -875,7 +875,7 @@ class TemplateTests(PoolTestCase):
 
     def test_forks_from_ready_template(self) -> None:
         """A seat whose template is ready forks its replacement through it."""
-        from kcoral.server.template import WorkerTemplate
+        from kcoral.server.workers.template import WorkerTemplate
 
         pool = self.make_pool()
         template = WorkerTemplate("cpu", self.reactor)
@@ -909,7 +909,7 @@ class TemplateTests(PoolTestCase):
         only (bubblewrap); without device isolation its first GPU's
         template forks it (CUDA_VISIBLE_DEVICES names the set).
         """
-        from kcoral.server.template import WorkerTemplate
+        from kcoral.server.workers.template import WorkerTemplate
 
         pool = self.make_pool(pool_config(device="gpu", gpus=(0, 1)))
         templates = {}
@@ -929,7 +929,7 @@ class TemplateTests(PoolTestCase):
         A template whose first worker cannot start is given up at startup:
         the seat is spawned, and so is every later worker of that template.
         """
-        from kcoral.server.template import WorkerTemplate
+        from kcoral.server.workers.template import WorkerTemplate
 
         self.reactor = MemoryReactorClock()
         spawner = FakeSpawner()
@@ -967,7 +967,7 @@ class TemplateTests(PoolTestCase):
         A template that fails while serving is started again after a
         back-off that doubles while restarts fail; meanwhile its seats spawn.
         """
-        from kcoral.server.template import TemplateError, WorkerTemplate
+        from kcoral.server.workers.template import TemplateError, WorkerTemplate
 
         pool = self.make_pool()
         template = WorkerTemplate("cpu", self.reactor)

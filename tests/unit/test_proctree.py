@@ -74,7 +74,7 @@ def test_worker_tree_is_the_worker_and_its_descendants(
     """
     from types import SimpleNamespace
 
-    from kcoral.server import workerproc
+    from kcoral.server.workers import workerproc
 
     child, grandchild = family
     worker = SimpleNamespace(pid=child)

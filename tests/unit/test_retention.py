@@ -1,6 +1,6 @@
 # -*- test-case-name: tests.unit.test_retention -*-
 """
-Tests for L{kcoral.server.retention}: pruning by age and total size on real
+Tests for L{kcoral.server.observe.retention}: pruning by age and total size on real
 temporary directories, with file times set explicitly; the timer on a Clock.
 """
 
@@ -18,7 +18,7 @@ from twisted.logger import globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
 from kcoral.config import ServerConfig
-from kcoral.server.retention import (
+from kcoral.server.observe.retention import (
     INTERVAL_SECONDS,
     PruneResult,
     RetentionPolicy,

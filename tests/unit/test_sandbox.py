@@ -1,5 +1,5 @@
 """
-Tests for L{kcoral.server.sandbox}: the bubblewrap command line, workspace
+Tests for L{kcoral.server.sandbox.bubblewrap}: the bubblewrap command line, workspace
 preparation and clearing, and the sandbox choice without a probe.
 """
 
@@ -17,8 +17,8 @@ from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import SynchronousTestCase
 from zope.interface.verify import verifyObject
 
-from kcoral.server import sandbox as sandbox_module
-from kcoral.server.sandbox import (
+from kcoral.server.sandbox import bubblewrap as sandbox_module
+from kcoral.server.sandbox.bubblewrap import (
     PACKAGE_MOUNT,
     RESERVED_SUBDIRS,
     RUNTIME_MOUNT,
@@ -625,7 +625,7 @@ class ServerImportDirsTests(_TempMixin, SynchronousTestCase):
     """
 
     def setUp(self) -> None:
-        import kcoral.server.sandbox as module
+        import kcoral.server.sandbox.bubblewrap as module
 
         self.module = module
         # Plan mounts as on a machine whose runtime lies outside the workspace.
@@ -674,7 +674,7 @@ class ServerImportDirsTests(_TempMixin, SynchronousTestCase):
 
 
 def _fresh_layout(tmp_path: Path, subdirs: tuple[str, ...] = ("output", "tmp")) -> Path:
-    from kcoral.server.sandbox import _make_layout, _mkdir_private
+    from kcoral.server.sandbox.bubblewrap import _make_layout, _mkdir_private
 
     work = tmp_path / "work"
     _mkdir_private(str(work))
@@ -683,7 +683,7 @@ def _fresh_layout(tmp_path: Path, subdirs: tuple[str, ...] = ("output", "tmp")) 
 
 
 def test_clean_layout_is_clean(tmp_path: Path) -> None:
-    from kcoral.server.sandbox import is_clean_layout
+    from kcoral.server.sandbox.bubblewrap import is_clean_layout
 
     work = _fresh_layout(tmp_path)
     assert is_clean_layout(work, ("output", "tmp"))
@@ -693,7 +693,7 @@ def test_clean_layout_is_clean(tmp_path: Path) -> None:
 
 def test_what_a_program_leaves_makes_it_unclean(tmp_path: Path) -> None:
     """A file anywhere, a changed mode, a link for a directory, a missing one."""
-    from kcoral.server.sandbox import RESERVED, is_clean_layout
+    from kcoral.server.sandbox.bubblewrap import RESERVED, is_clean_layout
 
     subdirs = ("output", "tmp")
     cases = {
@@ -723,6 +723,6 @@ def test_what_a_program_leaves_makes_it_unclean(tmp_path: Path) -> None:
 
 
 def test_a_missing_workspace_is_not_clean(tmp_path: Path) -> None:
-    from kcoral.server.sandbox import is_clean_layout
+    from kcoral.server.sandbox.bubblewrap import is_clean_layout
 
     assert not is_clean_layout(tmp_path / "gone", ("output",))

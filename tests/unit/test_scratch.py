@@ -1,4 +1,4 @@
-"""Tests for L{kcoral.server.scratch}: what a killed server left is removed at the next start."""
+"""Tests for L{kcoral.server.workers.scratch}: what a killed server left is removed at the next start."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 import stat
 from pathlib import Path
 
-from kcoral.server import scratch
+from kcoral.server.workers import scratch
 
 #: Above Linux's largest pid_max (2**22): never a running process.
 DEAD_PID = 2**22 + 17

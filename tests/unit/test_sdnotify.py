@@ -1,5 +1,5 @@
 """
-Tests for L{kcoral.server.sdnotify} and the server's use of it: messages
+Tests for L{kcoral.server.observe.sdnotify} and the server's use of it: messages
 received on a real Unix datagram socket named by C{NOTIFY_SOCKET}, as
 systemd binds it for a C{Type=notify} unit.
 """
@@ -14,7 +14,7 @@ from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import SynchronousTestCase
 
 from kcoral.config import ServerConfig
-from kcoral.server.sdnotify import NOTIFY_SOCKET, SystemdNotifier
+from kcoral.server.observe.sdnotify import NOTIFY_SOCKET, SystemdNotifier
 from kcoral.server.service import KCoralService, makeService
 from kcoral.testing.fakes import RecordingService
 

@@ -1,4 +1,4 @@
-"""Tests for L{kcoral.server.seccomp} and its place in the bwrap command line."""
+"""Tests for L{kcoral.server.sandbox.seccomp} and its place in the bwrap command line."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import os
 import stat
 from pathlib import Path
 
-from kcoral.server.sandbox import SECCOMP_FD, SHELL, BubblewrapSandbox
-from kcoral.server.seccomp import build_filter, write_filter
+from kcoral.server.sandbox.bubblewrap import SECCOMP_FD, SHELL, BubblewrapSandbox
+from kcoral.server.sandbox.seccomp import build_filter, write_filter
 
 
 def test_filter_is_a_bpf_program() -> None:

@@ -75,7 +75,7 @@ class CreateSiteTests(SynchronousTestCase):
     def test_limits_from_config(self) -> None:
         """The site carries the config's request limits and deadlines."""
         from kcoral import create_site
-        from kcoral.server.http import KcoralSite
+        from kcoral.server.http.site import KcoralSite
 
         config = attrs.evolve(
             _config(),
@@ -102,7 +102,7 @@ class CreateSiteTests(SynchronousTestCase):
     def test_tokens(self) -> None:
         """With C{auth_token_file}, the app is behind the token guard."""
         from kcoral import create_site
-        from kcoral.server.auth import TokenGuard
+        from kcoral.server.http.auth import TokenGuard
 
         path = self.mktemp()
         with open(path, "w") as f:

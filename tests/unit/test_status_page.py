@@ -1,5 +1,5 @@
 """
-Tests for L{kcoral.server.status}.
+Tests for L{kcoral.server.observe.status}.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 from twisted.logger import Logger, LogPublisher
 from twisted.trial.unittest import SkipTest, SynchronousTestCase
 
-from kcoral.server.status import STATUS_PAGE, RecentRequests, status_snapshot
+from kcoral.server.observe.status import STATUS_PAGE, RecentRequests, status_snapshot
 
 HEALTH: dict[str, Any] = {
     "status": "ok",

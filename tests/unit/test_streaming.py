@@ -1,4 +1,4 @@
-"""The response body producer (kcoral.server.streaming)."""
+"""The response body producer (kcoral.server.http.streaming)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from kcoral.server.streaming import BodyProducer, body_length, shared_bytes
-from kcoral.wire import shared
+from kcoral.ipc import shared
+from kcoral.server.http.streaming import BodyProducer, body_length, shared_bytes
 
 pytestmark = pytest.mark.skipif(not shared.available(), reason="no sealed memfds here")
 

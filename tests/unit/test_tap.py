@@ -1,5 +1,5 @@
 """
-Tests for L{kcoral.server.tap}, the C{kcoral} twistd plugin and
+Tests for L{kcoral.server.cli.tap}, the C{kcoral} twistd plugin and
 C{contrib/kcoral.tac}.
 """
 
@@ -25,7 +25,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from zope.interface.verify import verifyObject
 
 from kcoral.config import ServerConfig, default_cache_capacity, default_disk_cache_dir
-from kcoral.server import tap
+from kcoral.server.cli import tap
 
 ROOT = Path(__file__).resolve().parents[2]
 TACS = (ROOT / "contrib" / "kcoral-gpu.tac", ROOT / "contrib" / "kcoral-cpu.tac")
@@ -674,11 +674,11 @@ class PluginTests(SynchronousTestCase):
     def test_options(self) -> None:
         """
         The plugin's options are L{tap.Options} and its module, imported
-        only when used, is L{kcoral.server.tap}.
+        only when used, is L{kcoral.server.cli.tap}.
         """
         plugin = self.find()
         self.assertIs(plugin.options, tap.Options)
-        self.assertEqual(plugin.module, "kcoral.server.tap")
+        self.assertEqual(plugin.module, "kcoral.server.cli.tap")
 
     def test_lazy(self) -> None:
         """
@@ -689,12 +689,12 @@ class PluginTests(SynchronousTestCase):
 
         saved = {
             name: sys.modules.pop(name)
-            for name in ["kcoral.server.tap", "twisted.internet.reactor"]
+            for name in ["kcoral.server.cli.tap", "twisted.internet.reactor"]
             if name in sys.modules
         }
         self.addCleanup(sys.modules.update, saved)
         importlib.reload(module)
-        self.assertNotIn("kcoral.server.tap", sys.modules)
+        self.assertNotIn("kcoral.server.cli.tap", sys.modules)
         self.assertNotIn("twisted.internet.reactor", sys.modules)
 
     def test_twistd_rejects_bad_input(self) -> None:

@@ -1,5 +1,5 @@
 """
-Tests for L{kcoral.server.template}: the parent's side of a worker
+Tests for L{kcoral.server.workers.template}: the parent's side of a worker
 template, driven by its messages (no template process: C{connect} takes a
 fake sender, the reactor is a L{MemoryReactorClock}).
 """
@@ -15,7 +15,7 @@ from twisted.internet.testing import MemoryReactorClock
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 
-from kcoral.server.template import LOST_STATUS, TemplateError, WorkerTemplate, host_pid
+from kcoral.server.workers.template import LOST_STATUS, TemplateError, WorkerTemplate, host_pid
 
 
 class Recorder(ProcessProtocol):

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from kcoral.ipc import shared
 from kcoral.testing.live_server import multipart_body
-from kcoral.wire import shared
 from kcoral.wire.multipart import (
     MAX_SHARED_BLOBS,
     Blob,

@@ -1,4 +1,4 @@
-"""Sealed shared buffers and their descriptors (kcoral.wire.shared, the channel's use of them)."""
+"""Sealed shared buffers and their descriptors (kcoral.ipc.shared, the channel's use of them)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,17 @@ import tempfile
 
 import pytest
 
+from kcoral.ipc import shared
+from kcoral.ipc.shared import (
+    SharedMemoryError,
+    adopt,
+    drain_descriptors,
+    receive_descriptors,
+    send_descriptors,
+    share,
+    socket_pair,
+)
 from kcoral.testing.descriptors import memfd_count, no_collection
-from kcoral.wire import shared
 from kcoral.wire.channel import (
     Blob,
     ChannelError,
@@ -21,15 +30,6 @@ from kcoral.wire.channel import (
     read_frame,
     read_message,
     write_message,
-)
-from kcoral.wire.shared import (
-    SharedMemoryError,
-    adopt,
-    drain_descriptors,
-    receive_descriptors,
-    send_descriptors,
-    share,
-    socket_pair,
 )
 
 pytestmark = pytest.mark.skipif(not shared.available(), reason="no sealed memfds here")
@@ -232,7 +232,7 @@ def test_more_parts_than_one_message_passes() -> None:
 
 
 def test_a_job_passes_at_most_max_shared_blobs() -> None:
-    from kcoral.server.workerproc import MAX_SHARED_BLOBS, Job
+    from kcoral.server.workers.workerproc import MAX_SHARED_BLOBS, Job
 
     blobs = {f"{i:064x}": share(b"b" * 100) for i in range(MAX_SHARED_BLOBS + 6)}
     job = Job("r", "{}", None, blobs, 1.0, 100, 100)  # type: ignore[arg-type]

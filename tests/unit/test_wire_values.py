@@ -11,11 +11,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from kcoral.wire import shared
+from kcoral.ipc import shared
+from kcoral.ipc.shared import SHARE_THRESHOLD
 from kcoral.wire.errors import json_dumps
 from kcoral.wire.multipart import decode_response, encode_response
 from kcoral.wire.program import DTYPES, ValidationError
-from kcoral.wire.shared import SHARE_THRESHOLD
 from kcoral.wire.values import (
     PARALLEL_HASH_BYTES,
     DecodedFile,

@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kcoral.ipc import shared
 from kcoral.testing.descriptors import memfd_count, no_collection
 from kcoral.testing.fakes import FakeCudaLibrary
-from kcoral.wire import shared
 from kcoral.wire.values import PartCollector
 from kcoral.worker import gpu
 

@@ -24,8 +24,8 @@ import psutil
 import pytest
 
 from kcoral.errors import ExecutionError
+from kcoral.ipc import shared
 from kcoral.testing.fakes import RecordingLease
-from kcoral.wire import shared
 from kcoral.wire.channel import ChannelMessage, Execute, Instruction, Outcome, Returned, encode
 from kcoral.worker.builtins import cpu_builtins
 from kcoral.worker.devices import CpuBackend, make_backend

@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kcoral.ipc import shared
 from kcoral.testing.fakes import FakeCudaLibrary
-from kcoral.wire import shared
 from kcoral.worker import gpu
 
 pytestmark = pytest.mark.skipif(not shared.available(), reason="no sealed memfds here")

@@ -1,5 +1,5 @@
 """
-Tests for L{kcoral.server.workerproc.WorkerProcess} over a fake
+Tests for L{kcoral.server.workers.workerproc.WorkerProcess} over a fake
 L{IReactorProcess}: no processes, no sleeps.
 """
 
@@ -18,9 +18,11 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 from zope.interface.verify import verifyObject
 
-from kcoral.server import workerproc
-from kcoral.server.lease import LeaseArbiter
-from kcoral.server.workerproc import (
+from kcoral.ipc import board
+from kcoral.ipc.shared import available as shared_memory_available
+from kcoral.server.leases.lease import LeaseArbiter
+from kcoral.server.workers import workerproc
+from kcoral.server.workers.workerproc import (
     FROM_WORKER_FD,
     IDLE_WATCH_SECONDS,
     TO_WORKER_FD,
@@ -30,7 +32,6 @@ from kcoral.server.workerproc import (
     WorkerStartError,
 )
 from kcoral.testing.fakes import FakeTransport, ProcessReactor
-from kcoral.wire import board
 from kcoral.wire.channel import (
     PROGRESS_FD,
     ChannelMessage,
@@ -50,7 +51,6 @@ from kcoral.wire.channel import (
     encode,
     encode_frame,
 )
-from kcoral.wire.shared import available as shared_memory_available
 
 
 @attrs.frozen
@@ -357,7 +357,7 @@ class JobTests(WorkerTestCase):
 class ProgressBoardTests(WorkerTestCase):
     """
     Where a program was when it ended without an outcome comes from the
-    worker's progress board (kcoral.wire.board), checked, when the worker
+    worker's progress board (kcoral.ipc.board), checked, when the worker
     posts instead of announcing.
     """
 

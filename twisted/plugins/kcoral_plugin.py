@@ -2,7 +2,7 @@
 """
 The C{kcoral} twistd plugin: C{twistd -n kcoral [options]}.
 
-Kept to one lazy L{ServiceMaker}: C{kcoral.server.tap} is imported only when
+Kept to one lazy L{ServiceMaker}: C{kcoral.server.cli.tap} is imported only when
 twistd runs the C{kcoral} subcommand, so listing plugins stays cheap.
 """
 
@@ -10,7 +10,7 @@ from twisted.application.service import ServiceMaker
 
 kcoral = ServiceMaker(
     "kcoral",
-    "kcoral.server.tap",
+    "kcoral.server.cli.tap",
     "A KCoral-compatible server that compiles, runs and times GPU programs.",
     "kcoral",
 )

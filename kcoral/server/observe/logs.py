@@ -57,7 +57,7 @@ from twisted.logger import (
 from twisted.python.logfile import BaseLogFile, LogFile
 from zope.interface import implementer
 
-from kcoral.server.logwriter import BackgroundWriter
+from kcoral.server.observe.logwriter import BackgroundWriter
 
 __all__ = [
     "CONSOLE_SKIPPED_KEYS",
@@ -663,8 +663,8 @@ def install_observers(
         L{ProgramRecorder}.  C{log_dir=None}: nothing touches the disk.
       - C{config.log_console}: a L{ConsoleObserver} and a text observer for
         Twisted's own events at warning level or above.
-      - C{extra_observers} (for instance L{kcoral.server.metrics.Metrics} and
-        L{kcoral.server.status.RecentRequests}) are added after those, so
+      - C{extra_observers} (for instance L{kcoral.server.observe.metrics.Metrics} and
+        L{kcoral.server.observe.status.RecentRequests}) are added after those, so
         L{LogSetup.close} removes them too.
 
     @param config: a L{kcoral.config.ServerConfig} (only C{log_dir},

@@ -29,12 +29,12 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from kcoral.config import ServerConfig
-from kcoral.server.channelbudget import ChannelBudget
-from kcoral.server.gpus import GpuDevice, cuda_environment
-from kcoral.server.lease import Leases, LeaseUnavailable
-from kcoral.server.sandbox import ISandbox
-from kcoral.server.template import TemplateError, WorkerTemplate
-from kcoral.server.workerproc import Job, JobResult, WorkerProcess, worker_command_args
+from kcoral.server.leases.gpus import GpuDevice, cuda_environment
+from kcoral.server.leases.lease import Leases, LeaseUnavailable
+from kcoral.server.sandbox.bubblewrap import ISandbox
+from kcoral.server.workers.channelbudget import ChannelBudget
+from kcoral.server.workers.template import TemplateError, WorkerTemplate
+from kcoral.server.workers.workerproc import Job, JobResult, WorkerProcess, worker_command_args
 from kcoral.wire.render import Placement
 
 
@@ -332,10 +332,10 @@ class WorkerPool:
     active: int = 0
     #: Extra environment variables for every worker (e.g. the compile cache).
     worker_env: dict[str, str] = attrs.field(factory=dict)
-    #: Runs workers' compiles for the shared compile cache (L{kcoral.server.compiles}).
+    #: Runs workers' compiles for the shared compile cache (L{kcoral.server.workers.compiles}).
     compiler: Any = None
     #: What every worker's channel is read under, all workers together
-    #: (C{--max-channel-bytes}, L{kcoral.server.channelbudget}); C{None}: no budget.
+    #: (C{--max-channel-bytes}, L{kcoral.server.workers.channelbudget}); C{None}: no budget.
     channel_budget: ChannelBudget | None = attrs.field(
         default=attrs.Factory(
             lambda self: (

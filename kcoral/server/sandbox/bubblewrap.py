@@ -474,11 +474,11 @@ class BubblewrapSandbox:
     hidden_paths: tuple[str, ...] = attrs.field(
         default=(), kw_only=True, converter=_to_path_strings
     )
-    #: The compiled seccomp filter (L{kcoral.server.seccomp}) bwrap loads
+    #: The compiled seccomp filter (L{kcoral.server.sandbox.seccomp}) bwrap loads
     #: before it starts the worker, or C{None} for none.
     seccomp_path: str | None = attrs.field(default=None, kw_only=True)
     #: The filter of worker templates' sandboxes (the worker filter less
-    #: L{kcoral.server.seccomp.TEMPLATE_ALLOWED}), or C{None} for none.
+    #: L{kcoral.server.sandbox.seccomp.TEMPLATE_ALLOWED}), or C{None} for none.
     template_seccomp_path: str | None = attrs.field(default=None, kw_only=True)
     #: Bytes of the worker's private tmpfs at L{CAPTURE_DIR} that holds its
     #: captured stdout and stderr (C{None}: capture into the workspace).
@@ -749,7 +749,7 @@ class BubblewrapSandbox:
             argv += ["--remount-ro", "/proc"]
         if self.compile_cache is not None:
             # Read-only: the parent writes every entry (compiles run in a
-            # sandbox of their own, kcoral.server.compiles).
+            # sandbox of their own, kcoral.server.workers.compiles).
             argv += ["--ro-bind", self.compile_cache, COMPILE_CACHE]
         if self.capture_bytes is not None:
             # Captured output stays in the sandbox's memory, bounded: a
@@ -825,7 +825,7 @@ class BubblewrapSandbox:
         (plus the sandbox's own C{--setenv}s) instead of the server's.
         C{work_dir} is bound at L{WORKSPACE} even with L{workspace_bytes}
         (the server's compiles: it writes the source there and reads the
-        image back, L{kcoral.server.compiles}).
+        image back, L{kcoral.server.workers.compiles}).
         """
         executable, argv, full = self._command(tail, work_dir, [], bind_work=True)
         return executable, argv, full if env is None else dict(env)
@@ -1067,7 +1067,7 @@ def choose_sandbox(
         C{sandbox_readonly_paths}, C{device}, C{gpus}).
     @param bwrap: the bwrap executable to probe and use.
     @param gpu_minors: the device node minors of the configured GPUs (from
-        L{kcoral.server.gpus}); when not given, each GPU id is taken to be
+        L{kcoral.server.leases.gpus}); when not given, each GPU id is taken to be
         its minor (spec 6.2's fallback).
     @param scratch: the server's scratch root: the seccomp filter is
         compiled into it (none without it, or without libseccomp).
@@ -1096,7 +1096,7 @@ async def _choose_sandbox(
         hidden_paths=_server_paths(config),
     )
     if scratch is not None:
-        from kcoral.server.seccomp import TEMPLATE_ALLOWED, SeccompUnavailable, write_filter
+        from kcoral.server.sandbox.seccomp import TEMPLATE_ALLOWED, SeccompUnavailable, write_filter
 
         try:
             sandbox.seccomp_path = await deferToThreadPool(

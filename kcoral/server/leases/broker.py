@@ -44,7 +44,7 @@ from twisted.logger import Logger
 from twisted.protocols import amp
 from twisted.python.failure import Failure
 
-from kcoral.server.lease import (
+from kcoral.server.leases.lease import (
     EXCLUSIVE,
     Grant,
     HoldInterval,

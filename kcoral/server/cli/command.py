@@ -2,7 +2,7 @@
 """
 The C{kcoral} command.
 
-C{kcoral server [options]} checks its options with L{kcoral.server.tap.Options}
+C{kcoral server [options]} checks its options with L{kcoral.server.cli.tap.Options}
 (the same parser as C{twistd kcoral}), then runs twistd in the foreground
 with the C{kcoral} plugin, as Tahoe-LAFS's C{tahoe run} does: it builds
 twistd's C{ServerOptions} from C{--nodaemon --pidfile= kcoral [options]} and
@@ -38,7 +38,7 @@ __all__ = ["TWISTD_ARGS", "main", "quiet_log_observer", "stderr_log_observer", "
 TWISTD_ARGS: tuple[str, ...] = (
     "--nodaemon",
     "--pidfile=",
-    "--logger=kcoral.server.cli.stderr_log_observer",
+    "--logger=kcoral.server.cli.command.stderr_log_observer",
 )
 
 _USAGE = """\
@@ -84,7 +84,7 @@ def quiet_log_observer() -> ILogObserver:
     """
     from twisted.logger import LogLevel
 
-    from kcoral.server.logs import twisted_console_observer
+    from kcoral.server.observe.logs import twisted_console_observer
 
     observer: ILogObserver = twisted_console_observer(sys.stderr, LogLevel.warn)
     return observer
@@ -99,7 +99,7 @@ def twistd_args(flags: Sequence[str], *, quiet: bool = False) -> list[str]:
     if not quiet:
         return [*TWISTD_ARGS, "kcoral", *flags]
     args = [a for a in TWISTD_ARGS if not a.startswith("--logger=")]
-    return [*args, "--logger=kcoral.server.cli.quiet_log_observer", "kcoral", *flags]
+    return [*args, "--logger=kcoral.server.cli.command.quiet_log_observer", "kcoral", *flags]
 
 
 def _version() -> str:
@@ -130,9 +130,9 @@ class _KcoralServiceMaker:
         return options
 
     def makeService(self, options: usage.Options) -> IService:
-        # The plugin's module (kcoral.server.tap), asked for kcoral's own
+        # The plugin's module (kcoral.server.cli.tap), asked for kcoral's own
         # console mirror: `kcoral server` leaves kcoral events out of twistd's.
-        from kcoral.server import tap
+        from kcoral.server.cli import tap
 
         assert isinstance(options, tap.Options)
         service: IService = tap.makeService(options, console_mirror=True)
@@ -234,7 +234,7 @@ def _server(
 ) -> int:
     from twisted.scripts.twistd import ServerOptions  # type: ignore[attr-defined]
 
-    from kcoral.server import tap
+    from kcoral.server.cli import tap
 
     options = tap.Options(environ=env)
     options.synopsis = _SERVER_SYNOPSIS  # type: ignore[attr-defined]

@@ -29,10 +29,12 @@ from twisted.web.resource import IResource
 from werkzeug.exceptions import HTTPException
 
 from kcoral.config import ServerConfig
+from kcoral.ipc.shared import SharedBuffer
 from kcoral.server.cache import Resolution
-from kcoral.server.lease import PURPOSES, Leases
-from kcoral.server.logs import event_level_for_finish_reason
-from kcoral.server.pool import (
+from kcoral.server.http.streaming import BodyProducer, DirectSocket, body_length, shared_bytes
+from kcoral.server.leases.lease import PURPOSES, Leases
+from kcoral.server.observe.logs import event_level_for_finish_reason
+from kcoral.server.workers.pool import (
     STOPPING_MESSAGE,
     BudgetSpent,
     PoolBusy,
@@ -40,8 +42,7 @@ from kcoral.server.pool import (
     WorkerPool,
     WorkerStartFailed,
 )
-from kcoral.server.streaming import BodyProducer, DirectSocket, body_length, shared_bytes
-from kcoral.server.workerproc import Job, JobResult
+from kcoral.server.workers.workerproc import Job, JobResult
 from kcoral.wire.errors import (
     BUSY_MESSAGE,
     REQUEST_KIND_HEADERS,
@@ -74,10 +75,9 @@ from kcoral.wire.render import (
     render_cache_miss,
     render_result,
 )
-from kcoral.wire.shared import SharedBuffer
 
 if TYPE_CHECKING:
-    from kcoral.server.metrics import Metrics
+    from kcoral.server.observe.metrics import Metrics
 
 _T = TypeVar("_T")
 
@@ -318,7 +318,7 @@ class KcoralAPI:
             return b""
         peers = None
         if self.peer_health is not None:
-            from kcoral.server.metrics import METRICS_REPORT_KEY, unpack_families
+            from kcoral.server.observe.metrics import METRICS_REPORT_KEY, unpack_families
 
             own = self.config.front_end_index
             peers = {
@@ -512,7 +512,7 @@ class KcoralAPI:
             raise PoolBusy("server saturated")
         streamed = getattr(request, "body_parser", None)
         if streamed is not None:
-            # The body was parsed and hashed as it arrived (kcoral.server.http).
+            # The body was parsed and hashed as it arrived (kcoral.server.http.site).
             if streamed.settling:
                 # A large blob's threads may still be on its last bytes:
                 # wait for them on a pool thread, not the reactor.
@@ -683,7 +683,7 @@ def _too_large() -> RequestError:
 def _client_identity(request: IRequest) -> str | None:
     """
     Who sent C{request}, for the reuse scope: the client name of its bearer
-    token when the server has tokens (L{kcoral.server.auth}), else the TCP
+    token when the server has tokens (L{kcoral.server.http.auth}), else the TCP
     peer's address (C{None} when the transport has none).
     """
     name = getattr(request, "client_name", None)

@@ -9,7 +9,7 @@ pipes, sends the child's ends over the template's Unix socket
 (C{SCM_RIGHTS}) and returns a L{ForkedTransport}, a Twisted process
 transport whose pid arrives when the template reports the fork and whose
 end arrives when the template reports the child's C{waitpid} status.  A
-L{kcoral.server.workerproc.WorkerProcess} runs on it exactly as on a
+L{kcoral.server.workers.workerproc.WorkerProcess} runs on it exactly as on a
 spawned process, so the pool does not care how a worker was made.
 
 Pids come back as the template sees them; inside a bubblewrap sandbox that

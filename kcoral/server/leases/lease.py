@@ -47,7 +47,7 @@ PURPOSES = ("warmup", "context_create", "context_teardown")
 class Leases(Protocol):
     """
     What the pool, the workers and the API use of a lease: L{LeaseArbiter}
-    in one process, L{kcoral.server.leasebroker.RemoteArbiter} in a front
+    in one process, L{kcoral.server.leases.broker.RemoteArbiter} in a front
     end whose leases another process keeps.
     """
 
@@ -248,7 +248,7 @@ class LeaseArbiter:
             the Deferred's callbacks do).
         @param next_in_line: called once, when this request becomes the
             first in line for a GPU another holds: its grant is the next
-            hand-over (L{kcoral.server.workerproc} lets the worker watch
+            hand-over (L{kcoral.server.workers.workerproc} lets the worker watch
             for it without sleeping).
         """
         gpus = checked_request(self.gpus, gpus, mode)

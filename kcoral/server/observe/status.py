@@ -27,7 +27,7 @@ from typing import Any
 from twisted.logger import ILogObserver
 from zope.interface import implementer
 
-from kcoral.server.logs import format_timestamp
+from kcoral.server.observe.logs import format_timestamp
 
 __all__ = ["FAILURE_EVENTS", "FAILURE_REASONS", "STATUS_PAGE", "RecentRequests", "status_snapshot"]
 
@@ -223,7 +223,7 @@ def status_snapshot(health: Mapping[str, Any], recent: RecentRequests) -> dict[s
         first), C{refusal_counts} (every refusal since start by status and
         reason), and
         C{sandbox} (the worker isolation in use: C{bubblewrap} or C{none}),
-        C{worker_start} (C{fork} or C{spawn}, L{kcoral.server.template}).
+        C{worker_start} (C{fork} or C{spawn}, L{kcoral.server.workers.template}).
     """
     workers = [
         {

@@ -248,7 +248,7 @@ class IsolatedCompiles:
         and no answer descriptor there; the outcome is the exit status the
         kernel reports and the file the command wrote in its workspace.
         """
-        from kcoral.server.sandbox import remove_seat
+        from kcoral.server.sandbox.bubblewrap import remove_seat
 
         seat = self._seat()
         work, inside, argv, env = await self.run_blocking(
@@ -301,7 +301,7 @@ class IsolatedCompiles:
         self, seat: Path, request: CompileRequest, backend: Any
     ) -> tuple[Path, str, list[str], dict[str, str]]:
         """BLOCKING: a fresh seat holding the source, and the command for it."""
-        from kcoral.server.sandbox import remove_seat
+        from kcoral.server.sandbox.bubblewrap import remove_seat
 
         work = Path(self.sandbox.prepare_seat(seat))
         try:
@@ -322,7 +322,7 @@ class IsolatedCompiles:
 
     async def _run_isolated(self, request: CompileRequest, key: str, timeout: float) -> CompileDone:
         """Run C{python -m kcoral.compilers.isolated} in a fresh sandbox (any backend)."""
-        from kcoral.server.sandbox import remove_seat
+        from kcoral.server.sandbox.bubblewrap import remove_seat
 
         seat = self._seat()
         work = await self.run_blocking(self.sandbox.prepare_seat, seat)

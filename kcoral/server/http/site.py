@@ -69,7 +69,7 @@ TRANSPORT_READ_BYTES = 256 * 1024
 TRANSPORT_SEND_BYTES = 1 << 20
 
 #: Bytes of a streamed body that may wait for their blob's hash (on a
-#: thread, L{kcoral.wire.blobsink}) before the connection stops reading; it
+#: thread, L{kcoral.ipc.blobsink}) before the connection stops reading; it
 #: reads again once they are down to the second figure, several of the hash
 #: thread's pieces, so the hash never waits for the socket.  Most of them
 #: are already in the blob's memfd (its own memory); the chunks not yet
@@ -227,7 +227,7 @@ class LimitedRequest(Request):
     past what is left is dropped, its bytes released, and answered 503.
 
     C{client_name} is the name of the bearer token the request carried
-    (L{kcoral.server.auth}), or C{None} when the server has no tokens: the
+    (L{kcoral.server.http.auth}), or C{None} when the server has no tokens: the
     client identity that worker reuse is scoped by.
     """
 
@@ -930,7 +930,7 @@ class KcoralSite(Site):
         self.max_bytes_per_client = max_bytes_per_client
         self.client_bytes: dict[str, int] = {}
         self.body_stall_timeout = body_stall_timeout
-        #: The token guard in front of the resource (L{kcoral.server.auth}),
+        #: The token guard in front of the resource (L{kcoral.server.http.auth}),
         #: asked about each request head; C{None}: the server has no tokens.
         self.guard: Any = None
         self.displayTracebacks = False
@@ -1243,11 +1243,11 @@ class AcceptGuard:
 def make_site(resource: Any, config: Any, tokens: Any = None, **kwargs: Any) -> KcoralSite:
     """
     The site serving C{resource} under C{config}'s HTTP limits, behind a
-    L{kcoral.server.auth.TokenGuard} when C{tokens} is given.
+    L{kcoral.server.http.auth.TokenGuard} when C{tokens} is given.
     """
     guard = None
     if tokens is not None:
-        from kcoral.server.auth import TokenGuard
+        from kcoral.server.http.auth import TokenGuard
 
         resource = guard = TokenGuard(resource, tokens, public_metrics=config.public_metrics)
     site = KcoralSite(

@@ -3,7 +3,7 @@
 Retention for the log directory: old run directories and saved programs.
 
 Every server start adds a run directory under C{<log_dir>/runs/} (events
-and saved programs, see L{kcoral.server.logs}), and a busy server saves one
+and saved programs, see L{kcoral.server.observe.logs}), and a busy server saves one
 program per request, so without pruning the log directory only grows.
 L{prune} applies an age bound and a total size bound: whole run
 directories first, oldest first, then the current run's saved programs.

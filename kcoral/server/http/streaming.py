@@ -3,7 +3,7 @@
 Writing a response body whose large parts are sealed shared buffers.
 
 A worker's large returned tensor reaches the parent as a memfd
-(L{kcoral.wire.shared.SharedBuffer}).  L{BodyProducer} streams the body's
+(L{kcoral.ipc.shared.SharedBuffer}).  L{BodyProducer} streams the body's
 chunks to the client as the transport asks for them (a pull producer
 registered with the request), reading each shared buffer a slice at a time
 with C{pread}: the parent never holds more than about one slice of a result
@@ -29,7 +29,7 @@ from twisted.internet.interfaces import IPullProducer, ISSLTransport
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
-from kcoral.wire.shared import READ_CHUNK, SharedBuffer
+from kcoral.ipc.shared import READ_CHUNK, SharedBuffer
 
 #: A response body's chunks: bytes as they are, shared buffers read in slices.
 Chunk = bytes | SharedBuffer

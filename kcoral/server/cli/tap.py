@@ -794,7 +794,7 @@ class Options(usage.Options):
             raise usage.UsageError("--listen-backlog must be at least 1")
         token_file = self["auth-token-file"] or None
         if token_file is not None:
-            from kcoral.server.auth import TokenFileError, load_tokens
+            from kcoral.server.http.auth import TokenFileError, load_tokens
 
             try:
                 load_tokens(token_file)

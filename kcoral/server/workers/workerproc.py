@@ -31,11 +31,20 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.python.runtime import platform
 
+from kcoral.ipc import board
+from kcoral.ipc.shared import (
+    SharedBuffer,
+    SharedMemoryError,
+    drain_descriptors,
+    receive_descriptors,
+    send_descriptors,
+    socket_pair,
+)
+from kcoral.ipc.shared import available as shared_memory_available
 from kcoral.measurement import MeasurementFailed, evaluate, failed_record, parse_raw
 from kcoral.proctree import descendants_of
-from kcoral.server.channelbudget import ChannelBudget, ignore_cancel
-from kcoral.server.lease import MAINTENANCE
-from kcoral.wire import board
+from kcoral.server.leases.lease import MAINTENANCE
+from kcoral.server.workers.channelbudget import ChannelBudget, ignore_cancel
 from kcoral.wire.channel import (
     CONTROL_FRAME_BYTES,
     CONTROL_LIMITS,
@@ -75,15 +84,6 @@ from kcoral.wire.channel import (
     job_limits,
 )
 from kcoral.wire.program import Program
-from kcoral.wire.shared import (
-    SharedBuffer,
-    SharedMemoryError,
-    drain_descriptors,
-    receive_descriptors,
-    send_descriptors,
-    socket_pair,
-)
-from kcoral.wire.shared import available as shared_memory_available
 
 #: Blobs of one job passed to the worker as descriptors, at most.
 MAX_SHARED_BLOBS = 64
@@ -219,7 +219,7 @@ class WorkerProtocol(ProcessProtocol):
     the parent keeps at most one frame within the limits whatever the
     worker writes.
 
-    With a C{budget} (L{kcoral.server.channelbudget.ChannelBudget}, one for
+    With a C{budget} (L{kcoral.server.workers.channelbudget.ChannelBudget}, one for
     all workers), a frame over L{CONTROL_FRAME_BYTES} is read only once
     what it may cost (L{frame_cost}) is reserved there: until then the
     channel is not read.  Once its header is in, the reservation shrinks to
@@ -257,7 +257,7 @@ class WorkerProtocol(ProcessProtocol):
         #: The parent's end of the descriptor socket (non-blocking), or
         #: C{None}: a frame naming descriptors is then a violation.
         self.descriptors = descriptors
-        #: The worker's progress board (L{kcoral.wire.board}), or C{None}:
+        #: The worker's progress board (L{kcoral.ipc.board}), or C{None}:
         #: the worker then announces instructions on the channel.
         self.board = board
         self.stdout_tail = _Tail()
@@ -545,7 +545,7 @@ class WorkerProcess:
     _ready_timer: IDelayedCall | None = None
     _kill_timer: IDelayedCall | None = None
     _killing: bool = False
-    #: Runs this worker's L{CompileRequest}s (L{kcoral.server.compiles}), or
+    #: Runs this worker's L{CompileRequest}s (L{kcoral.server.workers.compiles}), or
     #: C{None}: they are answered C{unavailable}.
     compiler: Any = None
     #: How the process was made: C{"spawn"} or C{"fork"} (by a template).
@@ -637,10 +637,10 @@ class WorkerProcess:
         workspace_bytes: int | None = None,
     ) -> WorkerProcess:
         """
-        Fork the worker from C{template} (a L{kcoral.server.template.WorkerTemplate});
+        Fork the worker from C{template} (a L{kcoral.server.workers.template.WorkerTemplate});
         otherwise as L{spawn}.  C{pid} is set once the template reports the fork.
 
-        @raise kcoral.server.template.TemplateError: the template cannot fork now.
+        @raise kcoral.server.workers.template.TemplateError: the template cannot fork now.
         """
         worker = cls(seat, generation, gpus, reactor, leases, grace_seconds)
         worker.made = "fork"
@@ -943,7 +943,7 @@ class WorkerProcess:
             granted(None)
             return
         # Context creations share the GPU with each other (batched), never
-        # with a measurement (kcoral.server.lease, maintenance mode).
+        # with a measurement (kcoral.server.leases.lease, maintenance mode).
         d = self._leases.acquire(
             self, self.gpus, label=f"context_create:{self.seat}", mode=MAINTENANCE
         )

@@ -230,7 +230,9 @@ class ISandbox(Interface):
 
 def package_root() -> str:
     """The resolved directory that contains the C{kcoral} package."""
-    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
+    import kcoral
+
+    return os.path.dirname(os.path.dirname(os.path.realpath(kcoral.__file__)))
 
 
 def server_import_dirs(

@@ -60,8 +60,8 @@ from kcoral.errors import ExecutionError
 from kcoral.ipc.shared import SharedBuffer
 from kcoral.server.cache import Pin, Resolution
 from kcoral.server.sandbox.bubblewrap import ISandbox
+from kcoral.server.workers.job import Job, JobResult
 from kcoral.server.workers.pool import PoolBusy, PoolStopping, Seat, WorkerHandle, WorkerPool
-from kcoral.server.workers.workerproc import Job, JobResult
 from kcoral.wire.channel import TO_WORKER_FD, ChannelMessage, MessageDecoder, Outcome
 from kcoral.wire.multipart import encode_response, parse_request_body
 

@@ -16,7 +16,7 @@ import attrs
 import pytest
 
 from kcoral.client.results import program_result
-from kcoral.server.workers.workerproc import JobResult
+from kcoral.server.workers.job import JobResult
 from kcoral.wire.channel import Outcome
 from kcoral.wire.render import Placement, render_result
 

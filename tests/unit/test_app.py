@@ -21,8 +21,8 @@ from kcoral.config import ServerConfig
 from kcoral.server.cache import Resolution
 from kcoral.server.http.app import KcoralAPI
 from kcoral.server.leases.lease import LeaseArbiter
+from kcoral.server.workers.job import JobResult
 from kcoral.server.workers.pool import Seat
-from kcoral.server.workers.workerproc import JobResult
 from kcoral.testing.fakes import (
     FakeBlobs,
     FakeSandbox,

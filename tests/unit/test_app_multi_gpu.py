@@ -17,7 +17,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from kcoral.config import ServerConfig
 from kcoral.server.http.app import KcoralAPI
 from kcoral.server.leases.lease import LeaseArbiter
-from kcoral.server.workers.workerproc import JobResult
+from kcoral.server.workers.job import JobResult
 from kcoral.testing.fakes import (
     FakeBlobs,
     FakeSandbox,

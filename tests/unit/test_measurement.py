@@ -27,7 +27,7 @@ from kcoral.measurement import (
     evaluate,
     parse_raw,
 )
-from kcoral.server.workers.workerproc import JobResult
+from kcoral.server.workers.job import JobResult
 from kcoral.wire.channel import (
     Measurement,
     MeasurementResult,

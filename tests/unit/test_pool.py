@@ -14,6 +14,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from kcoral.config import ServerConfig
 from kcoral.server.leases.lease import LeaseArbiter
+from kcoral.server.workers.job import Job, JobResult
 from kcoral.server.workers.pool import (
     GRANT_WATCH_ENV,
     BudgetSpent,
@@ -24,7 +25,6 @@ from kcoral.server.workers.pool import (
     cores_to_spare,
     watch_allowed,
 )
-from kcoral.server.workers.workerproc import Job, JobResult
 from kcoral.testing.fakes import FakeSandbox, FakeSpawner, FakeWorker, pool_config
 from kcoral.wire.channel import Outcome
 

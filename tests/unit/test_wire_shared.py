@@ -232,7 +232,7 @@ def test_more_parts_than_one_message_passes() -> None:
 
 
 def test_a_job_passes_at_most_max_shared_blobs() -> None:
-    from kcoral.server.workers.workerproc import MAX_SHARED_BLOBS, Job
+    from kcoral.server.workers.job import MAX_SHARED_BLOBS, Job
 
     blobs = {f"{i:064x}": share(b"b" * 100) for i in range(MAX_SHARED_BLOBS + 6)}
     job = Job("r", "{}", None, blobs, 1.0, 100, 100)  # type: ignore[arg-type]

@@ -22,12 +22,11 @@ from kcoral.ipc import board
 from kcoral.ipc.shared import available as shared_memory_available
 from kcoral.server.leases.lease import LeaseArbiter
 from kcoral.server.workers import workerproc
+from kcoral.server.workers.job import Job, JobResult
 from kcoral.server.workers.workerproc import (
     FROM_WORKER_FD,
     IDLE_WATCH_SECONDS,
     TO_WORKER_FD,
-    Job,
-    JobResult,
     WorkerProcess,
     WorkerStartError,
 )

@@ -34,6 +34,7 @@ from kcoral.server.cache import Resolution
 from kcoral.server.http.streaming import BodyProducer, DirectSocket, body_length, shared_bytes
 from kcoral.server.leases.lease import PURPOSES, Leases
 from kcoral.server.observe.logs import event_level_for_finish_reason
+from kcoral.server.workers.job import Job, JobResult
 from kcoral.server.workers.pool import (
     STOPPING_MESSAGE,
     BudgetSpent,
@@ -42,7 +43,6 @@ from kcoral.server.workers.pool import (
     WorkerPool,
     WorkerStartFailed,
 )
-from kcoral.server.workers.workerproc import Job, JobResult
 from kcoral.wire.errors import (
     BUSY_MESSAGE,
     REQUEST_KIND_HEADERS,

@@ -33,8 +33,9 @@ from kcoral.server.leases.gpus import GpuDevice, cuda_environment
 from kcoral.server.leases.lease import Leases, LeaseUnavailable
 from kcoral.server.sandbox.bubblewrap import ISandbox
 from kcoral.server.workers.channelbudget import ChannelBudget
+from kcoral.server.workers.job import Job, JobResult
 from kcoral.server.workers.template import TemplateError, WorkerTemplate
-from kcoral.server.workers.workerproc import Job, JobResult, WorkerProcess, worker_command_args
+from kcoral.server.workers.workerproc import WorkerProcess, worker_command_args
 from kcoral.wire.render import Placement
 
 

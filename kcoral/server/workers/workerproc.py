@@ -45,6 +45,7 @@ from kcoral.measurement import MeasurementFailed, evaluate, failed_record, parse
 from kcoral.proctree import descendants_of
 from kcoral.server.leases.lease import MAINTENANCE
 from kcoral.server.workers.channelbudget import ChannelBudget, ignore_cancel
+from kcoral.server.workers.job import Job, JobResult
 from kcoral.wire.channel import (
     CONTROL_FRAME_BYTES,
     CONTROL_LIMITS,
@@ -53,7 +54,6 @@ from kcoral.wire.channel import (
     OUTCOME_SLACK_BYTES,
     TO_WORKER_FD,
     WORKER_CHANNEL_FDS,
-    Blob,
     ChannelError,
     ChannelMessage,
     CompileDone,
@@ -83,10 +83,6 @@ from kcoral.wire.channel import (
     header_cost,
     job_limits,
 )
-from kcoral.wire.program import Program
-
-#: Blobs of one job passed to the worker as descriptors, at most.
-MAX_SHARED_BLOBS = 64
 
 #: Measurements (benchmark calls) one program may have the parent compute.
 MAX_MEASUREMENTS = 1000
@@ -107,89 +103,6 @@ EXIT_AFTER_TEARDOWN_SECONDS = 1.0
 
 class WorkerStartError(Exception):
     """The worker failed or timed out before reporting ready."""
-
-
-@attrs.frozen
-class Job:
-    """
-    One program for a worker to run: what L{Execute} and its L{Blob}s carry,
-    plus what only the parent needs (the parsed program, the time budget).
-    """
-
-    request_id: str
-    program_text: str
-    program: Program
-    blobs: dict[str, bytes | SharedBuffer]
-    timeout_seconds: float
-    output_limit: int
-    max_response_bytes: int
-    workspace: str = ""
-    reserved: str | None = None
-
-    def messages(self, announce: bool = True, watch_next: float = 0.0) -> list[ChannelMessage]:
-        """
-        The blobs, then the L{Execute} message, in sending order.  At most
-        L{MAX_SHARED_BLOBS} blobs go as descriptors (the descriptor socket
-        queues a few hundred messages before the worker reads them); any
-        more travel inline.
-        """
-        blobs: list[ChannelMessage] = []
-        shared = 0
-        for digest, data in self.blobs.items():
-            if isinstance(data, SharedBuffer):
-                if shared >= MAX_SHARED_BLOBS:
-                    data = data.tobytes()
-                else:
-                    shared += 1
-            blobs.append(Blob(digest, data))
-        return [
-            *blobs,
-            Execute(
-                program=self.program_text,
-                workspace=self.workspace,
-                request_id=self.request_id,
-                output_limit=self.output_limit,
-                max_response_bytes=self.max_response_bytes,
-                reserved=self.reserved,
-                timeout_seconds=float(self.timeout_seconds),
-                announce=announce,
-                watch_next_seconds=watch_next,
-            ),
-        ]
-
-
-@attrs.frozen
-class JobResult:
-    """
-    How a job ended, as seen by the parent.
-
-    C{ending} is C{"outcome"} (the worker answered with C{outcome}),
-    C{"crashed"} (the process died; C{instruction_index} says where, if known),
-    C{"timeout"} (the budget ran out and the worker is being killed) or
-    C{"invalid"} (the worker broke the control channel: a frame over its
-    limits, a malformed message, or one out of order; C{detail} says which,
-    and the worker is being killed).
-    """
-
-    ending: str
-    outcome: Outcome | None = None
-    instruction_index: int | None = None
-    exit_code: int | None = None
-    output_tail: str = ""
-    lease_wait_seconds: float = 0.0
-    lease_held_seconds: float = 0.0
-    #: When each announced instruction started, and when the job ended
-    #: (reactor time), to tell which request held the GPU meanwhile.
-    instruction_started: dict[int, float] = attrs.field(factory=dict)
-    ended_at: float = 0.0
-    detail: str = ""
-    #: Returns the worker finished before it crashed (C{returned} messages):
-    #: their results and binary parts, kept for the answer.
-    results: dict[str, Any] = attrs.field(factory=dict)
-    parts: tuple[bytes | SharedBuffer, ...] = ()
-    #: The parent's own record of every measurement it computed for the
-    #: program (L{kcoral.measurement}), in order: the response carries them.
-    measurements: tuple[dict[str, Any], ...] = ()
 
 
 class _Tail:

@@ -31,6 +31,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "client": (*CUDA, "kcoral.server", "kcoral.worker", "kcoral.testing"),
     "compilers": ("twisted.internet", *HTTP, *UPPER),
     "config": ("twisted", *HTTP, *CUDA, *UPPER, "kcoral.compilers", "kcoral.wire"),
+    "gateway": (*CUDA, "kcoral.worker", "kcoral.client", "kcoral.testing"),
 }
 
 

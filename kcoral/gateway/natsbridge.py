@@ -1,0 +1,363 @@
+# -*- test-case-name: tests.unit.test_natsbridge -*-
+"""
+nats-py (asyncio) beside a Twisted reactor, without switching the reactor.
+
+L{NatsBridge} runs one asyncio event loop in a thread of its own and one
+nats-py client on it.  Reactor code hands it coroutine functions
+(C{call}) and gets Deferreds back, fired on the reactor thread through
+C{reactor.callFromThread}; long-running loops (KV watches, pull
+subscriptions) run with C{spawn} and deliver what they see with C{deliver},
+which also lands on the reactor thread.  Cancelling a Deferred cancels its
+asyncio task.  Every error of the loop's side arrives as a failure of the
+Deferred concerned, or as a logged event: nothing escapes silently.
+
+Used by the gateway (L{kcoral.gateway.service}) and by a node that joins a
+pool (L{kcoral.server.join}).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import ssl
+import threading
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import attrs
+from twisted.internet.defer import Deferred
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client
+    from nats.js import JetStreamContext
+
+__all__ = ["NatsBridge", "NatsCredentials", "NotConnected", "ensure_consumer", "load_credentials"]
+
+_T = TypeVar("_T")
+
+#: What C{call} and C{spawn} run: a coroutine function of the client and
+#: its JetStream context.
+NatsWork = Callable[["Client", "JetStreamContext"], Awaitable[_T]]
+
+#: The JWT marker of a NATS C{.creds} file.
+CREDS_MARKER = "-----BEGIN NATS USER JWT-----"
+
+
+class NotConnected(Exception):
+    """The bridge has no NATS connection (not started, or stopped)."""
+
+
+@attrs.frozen(kw_only=True)
+class NatsCredentials:
+    """
+    How to authenticate to nats-server: a user and password (static
+    C{accounts} in the server's configuration), or a C{.creds} file
+    (decentralised JWT auth), or nothing.
+    """
+
+    user: str | None = None
+    password: str | None = None
+    creds_file: str | None = None
+
+    def connect_options(self) -> dict[str, Any]:
+        """The keyword arguments of C{nats.connect} these credentials need."""
+        if self.creds_file is not None:
+            return {"user_credentials": self.creds_file}
+        if self.user is not None:
+            return {"user": self.user, "password": self.password or ""}
+        return {}
+
+
+def load_credentials(path: str) -> NatsCredentials:
+    """
+    Read a credentials file: a NATS C{.creds} file (JWT and nkey seed), or
+    a JSON object C{{"user": ..., "password": ...}}.
+
+    @raise ValueError: the file is neither.
+    """
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if CREDS_MARKER in text:
+        return NatsCredentials(creds_file=path)
+    try:
+        data = json.loads(text)
+    except ValueError:
+        raise ValueError(f"{path}: not a NATS .creds file nor a JSON user/password") from None
+    if (
+        not isinstance(data, dict)
+        or not isinstance(data.get("user"), str)
+        or not isinstance(data.get("password"), str)
+    ):
+        raise ValueError(f'{path}: expected {{"user": "...", "password": "..."}}')
+    return NatsCredentials(user=data["user"], password=data["password"])
+
+
+@attrs.define(eq=False)
+class NatsBridge:
+    """
+    One NATS connection on an asyncio loop in its own thread.
+
+    @ivar servers: the NATS URLs (C{nats://host:port}, C{tls://...}).
+    @ivar credentials: how to authenticate.
+    @ivar tls: a client TLS context for C{tls://} servers, or C{None}.
+    @ivar name: the connection name nats-server shows.
+    """
+
+    _reactor: Any
+    servers: list[str]
+    credentials: NatsCredentials = attrs.field(factory=NatsCredentials)
+    tls: ssl.SSLContext | None = None
+    name: str = "kcoral"
+    #: Seconds between reconnect attempts after the connection is lost.
+    reconnect_wait: float = 0.5
+    #: Seconds a connect attempt may take.
+    connect_timeout: float = 2.0
+    #: Called on the reactor thread with C{True} / C{False} as the
+    #: connection comes and goes.
+    on_connection: Callable[[bool], None] | None = None
+
+    _loop: asyncio.AbstractEventLoop | None = None
+    _thread: threading.Thread | None = None
+    _client: Client | None = None
+    _js: JetStreamContext | None = None
+    connected: bool = False
+    _stopping: bool = False
+
+    log = Logger()
+
+    # -- life ---------------------------------------------------------------
+
+    def start(self) -> Deferred[None]:
+        """
+        Start the loop's thread and connect; fires once connected (and
+        keeps reconnecting in the background after that), or fails when
+        the first connect fails.
+        """
+        if self._thread is not None:
+            raise RuntimeError("bridge already started")
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        self._thread = threading.Thread(
+            target=self._run_loop, args=(loop,), name=f"nats-{self.name}", daemon=True
+        )
+        self._thread.start()
+        return self._submit(lambda: self._connect())
+
+    def _run_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_forever()
+        finally:
+            try:
+                pending = asyncio.all_tasks(loop)
+                for task in pending:
+                    task.cancel()
+                if pending:
+                    loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            finally:
+                loop.close()
+
+    async def _connect(self) -> None:
+        import nats
+
+        async def disconnected() -> None:
+            self._set_connected(False)
+
+        async def reconnected() -> None:
+            self._set_connected(True)
+
+        async def error(e: Exception) -> None:
+            self._from_loop(self.log.warn, "nats {name}: {error}", name=self.name, error=repr(e))
+
+        options: dict[str, Any] = dict(self.credentials.connect_options())
+        if self.tls is not None:
+            options["tls"] = self.tls
+        client = await nats.connect(
+            servers=list(self.servers),
+            name=self.name,
+            allow_reconnect=True,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=self.reconnect_wait,
+            connect_timeout=self.connect_timeout,
+            disconnected_cb=disconnected,
+            reconnected_cb=reconnected,
+            error_cb=error,
+            **options,
+        )
+        self._client = client
+        self._js = client.jetstream()
+        self._set_connected(True)
+
+    def _set_connected(self, connected: bool) -> None:
+        def note() -> None:
+            was, self.connected = self.connected, connected
+            if was != connected:
+                self.log.info(
+                    "nats {name}: {state}",
+                    kcoral_event="nats_connection",
+                    name=self.name,
+                    state="connected" if connected else "disconnected",
+                    connected=connected,
+                )
+                if self.on_connection is not None:
+                    self.on_connection(connected)
+
+        self._reactor.callFromThread(note)
+
+    def stop(self) -> Deferred[None]:
+        """Drain and close the connection, then end the loop's thread."""
+        if self._loop is None or self._stopping:
+            return Deferred.fromCoroutine(_done())
+        self._stopping = True
+        loop, thread = self._loop, self._thread
+
+        async def close() -> None:
+            client = self._client
+            if client is not None and not client.is_closed:
+                try:
+                    await asyncio.wait_for(client.close(), 2.0)
+                except Exception:
+                    pass
+
+        d = self._submit(close)
+
+        def end(result: object) -> object:
+            loop.call_soon_threadsafe(loop.stop)
+            self.connected = False
+            return result
+
+        def joined(result: object) -> Deferred[None]:
+            from twisted.internet.threads import deferToThread
+
+            if thread is None:
+                return Deferred.fromCoroutine(_done())
+            return deferToThread(thread.join, 5.0)
+
+        d.addBoth(end)
+        d.addCallback(joined)
+        return d
+
+    # -- work ---------------------------------------------------------------
+
+    def call(self, work: NatsWork[_T], timeout: float | None = None) -> Deferred[_T]:
+        """
+        Run C{work(client, jetstream)} on the loop; the Deferred fires
+        (on the reactor thread) with its result.  Cancelling the Deferred
+        cancels the task.  C{timeout} bounds the whole call.
+        """
+
+        async def run() -> _T:
+            client, js = self._require()
+            if timeout is None:
+                return await work(client, js)
+            return await asyncio.wait_for(work(client, js), timeout)
+
+        return self._submit(run)
+
+    def spawn(self, work: NatsWork[None]) -> Deferred[None]:
+        """
+        Run a long-lived C{work} (a watch, a pull loop) on the loop; the
+        Deferred fires when it ends, fails with its error, and cancelling it
+        ends it.  C{work} reports what it sees with L{deliver}.
+        """
+        return self.call(work)
+
+    def deliver(self, f: Callable[..., object], *args: Any, **kwargs: Any) -> None:
+        """From the loop: run C{f(*args, **kwargs)} on the reactor thread, errors logged."""
+
+        def guarded() -> None:
+            try:
+                f(*args, **kwargs)
+            except Exception:
+                self.log.failure("nats {name}: delivery to {f} failed", name=self.name, f=f)
+
+        self._reactor.callFromThread(guarded)
+
+    def _from_loop(self, f: Callable[..., object], *args: Any, **kwargs: Any) -> None:
+        self._reactor.callFromThread(f, *args, **kwargs)
+
+    def _require(self) -> tuple[Client, JetStreamContext]:
+        client, js = self._client, self._js
+        if client is None or js is None or client.is_closed:
+            raise NotConnected("no NATS connection")
+        return client, js
+
+    def _submit(self, make: Callable[[], Awaitable[_T]]) -> Deferred[_T]:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return _failed(NotConnected("NATS bridge not running"))
+        holder: dict[str, asyncio.Future[_T]] = {}
+
+        def cancel(_: Deferred[_T]) -> None:
+            future = holder.get("future")
+            if future is not None:
+                loop.call_soon_threadsafe(future.cancel)
+
+        d: Deferred[_T] = Deferred(cancel)
+
+        def settle(future: asyncio.Future[_T]) -> None:
+            if d.called:
+                if not future.cancelled() and future.exception() is not None:
+                    # The Deferred was cancelled first: the error is moot.
+                    pass
+                return
+            if future.cancelled():
+                d.errback(Failure(asyncio.CancelledError()))
+                return
+            error = future.exception()
+            if error is not None:
+                d.errback(Failure(error))
+            else:
+                d.callback(future.result())
+
+        def done(future: asyncio.Future[_T]) -> None:
+            self._reactor.callFromThread(settle, future)
+
+        def begin() -> None:
+            task = asyncio.ensure_future(make())
+            holder["future"] = task
+            task.add_done_callback(done)
+
+        try:
+            loop.call_soon_threadsafe(begin)
+        except RuntimeError as e:
+            return _failed(NotConnected(str(e)))
+        return d
+
+
+async def ensure_consumer(
+    js: JetStreamContext, compat: str, gpus: int, ack_wait: float = 30.0
+) -> str:
+    """
+    Create the durable pull consumer of C{(compat, gpus)} if it does not
+    exist yet (idempotent: the same configuration every time); its name.
+    """
+    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+    from kcoral.gateway.jobs import STREAM, consumer_name, job_subject
+
+    name = consumer_name(compat, gpus)
+    await js.add_consumer(
+        STREAM,
+        ConsumerConfig(
+            durable_name=name,
+            filter_subject=job_subject(compat, gpus),
+            ack_policy=AckPolicy.EXPLICIT,
+            deliver_policy=DeliverPolicy.ALL,
+            ack_wait=ack_wait,
+            max_ack_pending=-1,
+        ),
+    )
+    return name
+
+
+async def _done() -> None:
+    return None
+
+
+def _failed(error: Exception) -> Deferred[Any]:
+    d: Deferred[Any] = Deferred()
+    d.errback(Failure(error))
+    return d

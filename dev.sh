@@ -13,9 +13,11 @@ system_packages() {
     # bubblewrap isolates workers; chromium renders /status in a test;
     # haproxy balances two nodes in tests/integration/test_haproxy.py;
     # openssl makes the certificates and curl drives the server in the TLS
-    # tests (test_client_tls.py, test_auth_listen.py).
+    # tests (test_client_tls.py, test_auth_listen.py); nats-server carries a
+    # pool's control traffic in the gateway and node-join tests
+    # (kcoral/testing/nats.py).
     local wanted=(bubblewrap)
-    [ "${1:-}" = test ] && wanted+=(chromium haproxy openssl curl)
+    [ "${1:-}" = test ] && wanted+=(chromium haproxy openssl curl nats-server)
     local missing=()
     for pkg in "${wanted[@]}"; do
         dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")

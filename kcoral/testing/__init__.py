@@ -9,6 +9,8 @@ examples share it.
   - L{kcoral.testing.live_server}: blocking helpers that start a real
     C{kcoral server} and speak the wire protocol to it (integration tests,
     benchmarks, examples).
+  - L{kcoral.testing.nats}: a real C{nats-server} on loopback with the
+    pool's users and subject permissions (gateway and node-join tests).
 
 Layer rule: the top layer beside the entry points; it may import any kcoral
 package, and nothing in C{kcoral} outside this package imports it.

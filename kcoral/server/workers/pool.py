@@ -16,7 +16,6 @@ import os
 import re
 import shutil
 import sys
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -34,6 +33,7 @@ from kcoral.server.leases.lease import Leases, LeaseUnavailable
 from kcoral.server.sandbox.bubblewrap import ISandbox
 from kcoral.server.workers.channelbudget import ChannelBudget
 from kcoral.server.workers.job import Job, JobResult
+from kcoral.server.workers.line import STOPPING_MESSAGE, PoolBusy, PoolStopping, WaitingLine
 from kcoral.server.workers.template import TemplateError, WorkerTemplate
 from kcoral.server.workers.workerproc import WorkerProcess, worker_command_args
 from kcoral.wire.render import Placement
@@ -71,29 +71,6 @@ class WorkerHandle(Protocol):
     def kill_at_once(self) -> None: ...
     def retire(self) -> Deferred[int | None]: ...
     def stop(self) -> Deferred[int | None]: ...
-
-
-class PoolBusy(Exception):
-    """
-    No worker could be had: the wait timed out or the pool is closing.
-
-    @ivar queue_ms: how long the request waited, when it did.
-    """
-
-    def __init__(self, message: str = "server saturated", queue_ms: float | None = None) -> None:
-        super().__init__(message)
-        self.queue_ms = queue_ms
-
-
-#: The message of the 503 a stopping server answers a request it cannot run.
-STOPPING_MESSAGE = "server stopping"
-
-
-class PoolStopping(PoolBusy):
-    """The pool is closing (the server is stopping): the request did not run."""
-
-    def __init__(self, queue_ms: float | None = None) -> None:
-        super().__init__(STOPPING_MESSAGE, queue_ms)
 
 
 class WorkerStartFailed(Exception):
@@ -258,13 +235,6 @@ class SeatUse:
         return None
 
 
-@attrs.define(eq=False)
-class _Waiter:
-    deferred: Deferred[Seat]
-    timer: IDelayedCall | None = None
-    client: str | None = None
-
-
 def _safe_name(worker_id: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "-", worker_id)
 
@@ -321,7 +291,14 @@ class WorkerPool:
     root_dir: Path
     seats: list[Seat] = attrs.field(factory=list)
     _idle: list[Seat] = attrs.field(factory=list)
-    _waiters: deque[_Waiter] = attrs.field(factory=deque)
+    #: Requests waiting for a seat (L{WaitingLine}), at most
+    #: C{--max-queued-requests} of them.
+    line: WaitingLine[Seat] = attrs.field(
+        default=attrs.Factory(
+            lambda self: WaitingLine(self._reactor, self.config.max_queued_requests),
+            takes_self=True,
+        )
+    )
     _assigned: dict[int | None, int] = attrs.field(factory=dict)
     _replacing: set[Seat] = attrs.field(factory=set)
     _pending: set[Deferred[Any]] = attrs.field(factory=set)
@@ -760,11 +737,7 @@ class WorkerPool:
             if call.active():
                 call.cancel()
         self._spare_retry.clear()
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if waiter.timer is not None and waiter.timer.active():
-                waiter.timer.cancel()
-            waiter.deferred.errback(PoolStopping())
+        self.line.close()
 
     def kill_now(self) -> int:
         """
@@ -969,32 +942,7 @@ class WorkerPool:
         seat = self._take_idle(client)
         if seat is not None:
             return self._fit_for(seat, client)
-        if timeout <= 0:
-            return _failed(PoolBusy("server saturated"))
-        cap = getattr(self.config, "max_queued_requests", 0)
-        if cap and len(self._waiters) >= cap:
-            # A bounded line: each waiter holds its request's blobs.
-            return _failed(PoolBusy("server saturated"))
-
-        def cancel(d: Deferred[Seat]) -> None:
-            self._drop_waiter(waiter)
-
-        waiter = _Waiter(Deferred(cancel), client=client)
-        waiter.timer = self._reactor.callLater(timeout, self._wait_expired, waiter)
-        self._waiters.append(waiter)
-        return waiter.deferred
-
-    def _drop_waiter(self, waiter: _Waiter) -> None:
-        if waiter in self._waiters:
-            self._waiters.remove(waiter)
-        if waiter.timer is not None and waiter.timer.active():
-            waiter.timer.cancel()
-
-    def _wait_expired(self, waiter: _Waiter) -> None:
-        waiter.timer = None
-        if waiter in self._waiters:
-            self._waiters.remove(waiter)
-            waiter.deferred.errback(PoolBusy("server saturated"))
+        return self.line.join(timeout, client)
 
     def _take_idle(self, client: str | None = None) -> Seat | None:
         if not self._idle:
@@ -1397,19 +1345,18 @@ class WorkerPool:
             return
         seat.status = "idle"
         self._idle.append(seat)
-        while self._waiters and self._idle:
-            waiter = self._waiters.popleft()
-            if waiter.timer is not None and waiter.timer.active():
-                waiter.timer.cancel()
-            taken = self._take_idle(waiter.client)
-            assert taken is not None
-            self._fit_for(taken, waiter.client).chainDeferred(waiter.deferred)
+        self.line.serve(self._serve_waiter)
+
+    def _serve_waiter(self, client: str | None) -> Deferred[Seat] | None:
+        """An idle seat for the head of the line (L{WaitingLine.serve}), if any."""
+        seat = self._take_idle(client)
+        return None if seat is None else self._fit_for(seat, client)
 
     # -- load accounting -------------------------------------------------------
 
     @property
     def queue_length(self) -> int:
-        return len(self._waiters)
+        return len(self.line)
 
     @property
     def capacity(self) -> int:
@@ -1465,7 +1412,9 @@ def _remove_trees(paths: list[Path]) -> None:
 __all__ = [
     "BudgetSpent",
     "CancelledError",
+    "STOPPING_MESSAGE",
     "PoolBusy",
+    "PoolStopping",
     "Seat",
     "SeatUse",
     "Spare",

@@ -343,15 +343,12 @@ class ServerConfig:
         a running program's worker is replaced.
     @ivar front_ends: server processes sharing the port and the GPUs' leases
         (L{kcoral.server.frontends}): each runs its own event loop and its
-        share of the seats; C{1} is one process.
+        share of the seats; C{1} is one process.  Which of them a process
+        is, is not part of the configuration (L{kcoral.server.topology}).
     @ivar lame_duck_seconds: at a graceful stop, how long the server keeps
         serving every request while C{/health} answers 503 C{stopping}, before
         its ports close: longer than a load balancer takes to mark it down
         (HAProxy's C{inter} x C{fall}); C{0} closes them at once.
-    @ivar front_end_index: which of them this process is (C{0}: the first,
-        which also keeps the leases); set by the first for the others.
-    @ivar lease_broker: the Unix socket of the first front end's lease
-        broker, for the others; C{None} in the first.
     """
 
     gpus: tuple[int, ...] = field(default=(0,), converter=_to_gpus, validator=_gpu_ids)
@@ -419,11 +416,9 @@ class ServerConfig:
         default=30.0, converter=_to_float, validator=_FLOAT_NON_NEGATIVE
     )
     front_ends: int = field(default=1, validator=[_strict_int, _at_least_one])
-    front_end_index: int = field(default=0, validator=_INT)
     lame_duck_seconds: float = field(
         default=0.0, converter=_to_float, validator=_FLOAT_NON_NEGATIVE
     )
-    lease_broker: Path | None = field(default=None, converter=_to_optional_path)
 
     def __attrs_post_init__(self) -> None:
         """Check the rules that involve more than one field."""
@@ -448,11 +443,6 @@ class ServerConfig:
             )
         if self.sandbox_readonly_paths and self.sandbox == "none":
             raise ValueError("sandbox_readonly_paths requires sandbox='bubblewrap'")
-        if self.front_end_index >= self.front_ends:
-            raise ValueError(
-                f"front_end_index must be below front_ends ({self.front_ends}), "
-                f"got {self.front_end_index}"
-            )
         seats = self.num_workers if self.cpu_mode else self.workers_per_gpu
         if self.front_ends > seats:
             raise ValueError(
@@ -461,9 +451,9 @@ class ServerConfig:
                 "each front end needs a seat"
             )
 
-    def _my_share(self, count: int) -> int:
-        """Of C{count} seats or spares, how many are this front end's (every N-th)."""
-        return len(range(self.front_end_index, count, self.front_ends))
+    def _share(self, count: int, front_end: int) -> int:
+        """Of C{count} seats or spares, how many are front end C{front_end}'s (every N-th)."""
+        return len(range(front_end, count, self.front_ends))
 
     @property
     def cpu_mode(self) -> bool:
@@ -481,19 +471,24 @@ class ServerConfig:
 
     @property
     def spares_per_group(self) -> int:
+        """The first front end's L{spares_of} (with one front end, all of them)."""
+        return self.spares_of(0)
+
+    def spares_of(self, front_end: int) -> int:
         """
-        Warm spares kept per GPU (CPU mode: for the pool): the configured
-        number, or by default L{DEFAULT_SPARE_WORKERS_PER_GPU} in GPU mode
-        with C{max_requests_per_worker} set (fresh workers: every request
-        retires one), and none in CPU mode or when workers are reused
-        without limit (a replacement is then rare, and spares would only
-        hold device memory).
+        Warm spares kept per GPU (CPU mode: for the pool) by front end
+        C{front_end} (every N-th of them): the configured number, or by
+        default L{DEFAULT_SPARE_WORKERS_PER_GPU} in GPU mode with
+        C{max_requests_per_worker} set (fresh workers: every request retires
+        one), and none in CPU mode or when workers are reused without limit
+        (a replacement is then rare, and spares would only hold device
+        memory).
         """
         if self.spare_workers_per_gpu is not None:
-            return self._my_share(self.spare_workers_per_gpu)
+            return self._share(self.spare_workers_per_gpu, front_end)
         if self.cpu_mode or self.max_requests_per_worker == 0:
             return 0
-        return self._my_share(DEFAULT_SPARE_WORKERS_PER_GPU)
+        return self._share(DEFAULT_SPARE_WORKERS_PER_GPU, front_end)
 
     @property
     def work_queues(self) -> int:
@@ -511,10 +506,11 @@ class ServerConfig:
             return FRESH_CUDA_CONNECTIONS
         return CUDA_DEFAULT_CONNECTIONS
 
-    def seats(self) -> list[tuple[str, int | None]]:
+    def seats(self, front_end: int = 0) -> list[tuple[str, int | None]]:
         """
-        Every worker seat of this process, in start order: its name and its
-        GPU (C{None} in CPU mode).
+        Every worker seat of front end C{front_end} (C{0}: the first, or the
+        only one), in start order: its name and its GPU (C{None} in CPU
+        mode).
 
         GPU mode: C{gpu<id>/w<index>} for each id in C{gpus} order and each
         index below C{workers_per_gpu}.  CPU mode: C{cpu/w<index>} for each
@@ -522,7 +518,7 @@ class ServerConfig:
         of the process occupying it.  With several front ends, each has every
         C{front_ends}-th index from its own, so names stay unique.
         """
-        first, step = self.front_end_index, self.front_ends
+        first, step = front_end, self.front_ends
         if self.cpu_mode:
             return [(f"cpu/w{i}", None) for i in range(first, self.num_workers, step)]
         return [
@@ -531,9 +527,9 @@ class ServerConfig:
             for i in range(first, self.workers_per_gpu, step)
         ]
 
-    def worker_ids(self) -> list[str]:
+    def worker_ids(self, front_end: int = 0) -> list[str]:
         """The names of L{seats}."""
-        return [name for name, _gpu in self.seats()]
+        return [name for name, _gpu in self.seats(front_end)]
 
     def as_log_dict(self) -> dict[str, Any]:
         """

@@ -11,10 +11,11 @@ C{--front-ends N} the server runs N processes:
    (L{kcoral.server.leases.broker}): its L{LeaseArbiter} decides for every
    front end's workers, over a Unix socket in a private directory.  It
    starts the others (L{FrontEndsService}) and restarts one that dies.
- - Each other front end (C{python -m kcoral.server.frontends SPEC}) is the
-   same server with a L{RemoteArbiter} in place of the arbiter, its share of
-   the seats and spares (every N-th), and its share of the caps (memory
-   cache, bytes in flight, connections, queue).
+ - Each other front end (C{python -m kcoral.server.frontend_main SPEC}) is
+   the same server with a L{RemoteArbiter} in place of the arbiter, its
+   share of the seats and spares (every N-th), and its share of the caps
+   (memory cache, bytes in flight, connections, queue): what each front end
+   is, and gets, is decided in one place, L{kcoral.server.topology}.
  - All of them listen on the same TCP port with C{SO_REUSEPORT}: the kernel
    spreads connections evenly over them, and a keep-alive connection (so a
    C{CACHE_MISS} and its retry) stays with one process.  The first checks
@@ -31,7 +32,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import socket
 import sys
 import tempfile
@@ -39,7 +39,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import attrs
 from twisted.internet import error as twisted_error
 from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.internet.endpoints import UNIXClientEndpoint, connectProtocol
@@ -52,17 +51,7 @@ from kcoral.config import ServerConfig
 from kcoral.server.leases.broker import LeaseBroker, RemoteArbiter, broker_factory
 from kcoral.server.leases.lease import LeaseArbiter
 
-__all__ = ["FrontEndsService", "BrokerConnection", "listen_reusing_port", "main"]
-
-#: Caps that are the server's whole, split between its front ends.
-SPLIT_CAPS = (
-    "cache_capacity_bytes",
-    "max_bytes_in_flight",
-    "max_bytes_per_client",
-    "max_connections",
-    "max_connections_per_client",
-    "max_queued_requests",
-)
+__all__ = ["BrokerConnection", "FrontEndsService", "listen_reusing_port", "merge_health"]
 
 #: Seconds before a front end that died is started again (doubling, at most the second).
 RESTART_DELAY = (0.5, 30.0)
@@ -118,18 +107,6 @@ def listen_reusing_port(
     finally:
         sock.close()  # the reactor holds its own descriptor of it
     return listening
-
-
-def share_of(config: ServerConfig, index: int, broker: Path | None) -> ServerConfig:
-    """Front end C{index}'s configuration: its seats, its part of the caps, its logs."""
-    caps = {}
-    for name in SPLIT_CAPS:
-        whole = getattr(config, name)
-        caps[name] = whole if not whole else max(1, -(-whole // config.front_ends))
-    log_dir = config.log_dir
-    if log_dir is not None and index:
-        log_dir = log_dir / f"front-end-{index}"
-    return attrs.evolve(config, front_end_index=index, lease_broker=broker, log_dir=log_dir, **caps)
 
 
 #: Seconds between a front end's health reports to the others.
@@ -242,15 +219,20 @@ class FrontEndsService:
     def _spawn(self, index: int) -> None:
         assert self._dir is not None
         spec = self._dir / f"front-end-{index}.json"
-        config = share_of(self._config, index, self.broker_path)
-        document = {"config": config.as_log_dict(), "endpoints": self._endpoints}
+        # The whole server's config and this front end's place: it takes its
+        # own share of them (kcoral.server.topology).
+        document = {
+            "config": self._config.as_log_dict(),
+            "front_end": {"index": index, "broker": str(self.broker_path)},
+            "endpoints": self._endpoints,
+        }
         spec.write_text(json.dumps(document))
         process = _FrontEnd(self, index, self._reactor.seconds())
         self._processes[index] = process
         self._reactor.spawnProcess(
             process,
             sys.executable,
-            [sys.executable, "-m", "kcoral.server.frontends", str(spec)],
+            [sys.executable, "-m", "kcoral.server.frontend_main", str(spec)],
             env=dict(os.environ),
             childFDs={0: "w", 1: 1, 2: 2},
         )
@@ -349,32 +331,3 @@ class BrokerConnection:
         )
         if self._reactor.running:
             self._reactor.stop()
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """C{python -m kcoral.server.frontends SPEC}: run one front end other than the first."""
-    from twisted.internet import reactor
-    from twisted.logger import globalLogBeginner
-
-    from kcoral.server.service import makeService
-
-    args = list(sys.argv[1:] if argv is None else argv)
-    spec = json.loads(Path(args[0]).read_text())
-    config = ServerConfig(**spec["config"])
-    # kcoral's own console mirror writes its events; Twisted's go nowhere.
-    globalLogBeginner.beginLoggingTo([], redirectStandardIO=False)
-    root = makeService(config, spec["endpoints"], reactor=reactor)
-    root.exit_status_on_failure = None
-    # A front end that cannot start (the broker is gone, say) ends; the
-    # first front end starts it again.
-    root.ready.addErrback(lambda _: reactor.stop())  # type: ignore[attr-defined]
-    # The supervisor stops this process with SIGTERM: a graceful stop.
-    reactor.callWhenRunning(root.startService)  # type: ignore[attr-defined]
-    reactor.addSystemEventTrigger("before", "shutdown", root.stopService)  # type: ignore[attr-defined]
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the terminal's ^C is the supervisor's
-    reactor.run()  # type: ignore[attr-defined]
-    return 1 if getattr(root, "start_failure", None) else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -26,7 +26,6 @@ from __future__ import annotations
 import atexit
 import gc
 import os
-import shutil
 import sys
 import traceback
 import uuid
@@ -37,37 +36,27 @@ from typing import TYPE_CHECKING, Any
 from klein import Klein
 from twisted.application import service
 from twisted.internet.defer import CancelledError, Deferred, maybeDeferred
-from twisted.internet.interfaces import IListeningPort
-from twisted.internet.task import LoopingCall, deferLater
+from twisted.internet.task import deferLater
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import ILogObserver, Logger, globalLogPublisher
 from twisted.python.failure import Failure
 from twisted.python.threadpool import ThreadPool
-from twisted.web.server import Site
 
 from kcoral.config import ServerConfig
 from kcoral.server.cache import BlobStore, DiskFileCache, MemoryBlobCache
-from kcoral.server.frontends import (
-    REPORT_INTERVAL,
-    BrokerConnection,
-    FrontEndsService,
-    listen_reusing_port,
-    share_of,
+from kcoral.server.children import (
+    CacheService,
+    LingerService,
+    ListeningPortService,
+    LogWriterService,
+    Reactor,
+    ThreadPoolService,
+    WorkerPoolService,
 )
 from kcoral.server.http.app import KcoralAPI
-from kcoral.server.http.auth import beyond_loopback
-from kcoral.server.http.site import (
-    AcceptGuard,
-    KcoralSite,
-    listen_all,
-    make_site,
-    port_hosts,
-    raise_fd_limit,
-)
-from kcoral.server.leases.broker import RemoteArbiter
-from kcoral.server.leases.gpus import GpuDevice, discover_gpus, select_gpus
-from kcoral.server.leases.lease import LeaseArbiter, Leases
+from kcoral.server.http.site import KcoralSite, make_site
 from kcoral.server.sandbox.bubblewrap import NoSandbox
+from kcoral.server.topology import FrontEnd, HealthReports, Topology
 from kcoral.server.workers.pool import WorkerPool
 
 if TYPE_CHECKING:
@@ -76,14 +65,6 @@ if TYPE_CHECKING:
     from kcoral.server.observe.sdnotify import SystemdNotifier
     from kcoral.server.observe.status import RecentRequests
 
-#: Runs a blocking callable in the I/O thread pool.
-RunBlocking = Callable[..., Deferred[Any]]
-
-#: The reactor the server runs on.  It is used for time, threads, processes
-#: and TCP, which no single Twisted interface covers; each part receives it
-#: typed as the interface it uses (C{IReactorTime} for the pool and leases).
-Reactor = Any
-
 
 def _reactor(reactor: Reactor | None) -> Reactor:
     if reactor is None:
@@ -91,445 +72,6 @@ def _reactor(reactor: Reactor | None) -> Reactor:
 
         return global_reactor
     return reactor
-
-
-class AsyncService(service.Service):
-    """
-    A child service whose start and stop are coroutines: C{startService}
-    and C{stopService} return their Deferreds, which the root waits for.
-    """
-
-    async def start(self) -> None:
-        """Bring the part up (after C{running} is set)."""
-
-    async def stop(self) -> None:
-        """Take the part down (after C{running} is cleared)."""
-
-    def startService(self) -> Deferred[None]:  # type: ignore[override]
-        super().startService()
-        return Deferred.fromCoroutine(self.start())
-
-    def stopService(self) -> Deferred[None]:
-        super().stopService()
-        return Deferred.fromCoroutine(self.stop())
-
-
-class ThreadPoolService(service.Service):
-    """Starts and stops a L{ThreadPool} with the server."""
-
-    def __init__(self, threadpool: ThreadPool) -> None:
-        self.threadpool = threadpool
-
-    def startService(self) -> None:
-        super().startService()
-        self.threadpool.start()
-
-    def stopService(self) -> None:
-        super().stopService()
-        self.threadpool.stop()
-
-
-class LogWriterService(AsyncService):
-    """
-    The server's log observers: installed at start (in a thread: they
-    create the run directory), removed at stop.
-
-    @ivar log_setup: the installed L{kcoral.server.observe.logs.LogSetup}.
-    """
-
-    log = Logger()
-
-    def __init__(
-        self,
-        config: ServerConfig,
-        observers: list[ILogObserver],
-        run_blocking: RunBlocking,
-        on_ready: Callable[[LogSetup], None],
-    ) -> None:
-        self._config = config
-        self._observers = observers
-        self._run_blocking = run_blocking
-        self._on_ready = on_ready
-        self.log_setup: LogSetup | None = None
-
-    async def start(self) -> None:
-        from kcoral.server.observe.logs import install_observers
-
-        self.log_setup = await self._run_blocking(
-            install_observers, self._config, extra_observers=self._observers, background=True
-        )
-        self._on_ready(self.log_setup)
-
-    async def stop(self) -> None:
-        self.log.info("server stopped", kcoral_event="server_stopped")
-        if self.log_setup is not None:
-            self.log_setup.close()
-            self.log_setup = None
-
-
-class CacheService(AsyncService):
-    """The disk file cache, trimmed to its capacity before any request."""
-
-    def __init__(self, disk_cache: DiskFileCache, run_blocking: RunBlocking) -> None:
-        self._disk_cache = disk_cache
-        self._run_blocking = run_blocking
-
-    async def start(self) -> None:
-        await self._run_blocking(self._disk_cache.evict)
-
-
-class WorkerPoolService(AsyncService):
-    """
-    The worker pool: probes the sandbox and starts every worker; at stop,
-    refuses new work, lets running requests finish, then stops the workers.
-    """
-
-    log = Logger()
-
-    def __init__(
-        self,
-        config: ServerConfig,
-        reactor: Reactor,
-        pool: WorkerPool,
-        leases: Leases,
-        api: KcoralAPI,
-        run_blocking: RunBlocking,
-    ) -> None:
-        self._config = config
-        self._reactor = reactor
-        self.pool = pool
-        self._leases = leases
-        self._api = api
-        self._run_blocking = run_blocking
-        self._root_dir: Path | None = None
-
-    async def start(self) -> None:
-        from kcoral.server.sandbox.bubblewrap import choose_sandbox
-
-        config, pool = self._config, self.pool
-        minors = None
-        if config.device == "gpu":
-            pool.gpu_devices = await self._discover_gpus()
-            minors = [device.minor for device in pool.gpu_devices.values()]
-        from kcoral.server.workers import scratch
-
-        leftovers = await self._run_blocking(scratch.remove_leftovers)
-        if leftovers:
-            self.log.info(
-                "removed {count} scratch directories of servers that are gone",
-                kcoral_event="leftovers_removed",
-                count=len(leftovers),
-                names=leftovers,
-            )
-        self._root_dir = await self._run_blocking(scratch.make_root)
-        sandbox = await choose_sandbox(
-            self._reactor, config, self.log, gpu_minors=minors, scratch=self._root_dir
-        )
-        self._api.sandbox_name = sandbox.name
-        pool.sandbox = sandbox
-        pool.root_dir = self._root_dir
-        compile_cache = await self._run_blocking(_compile_cache_dir, config)
-        if compile_cache is not None:
-            # Workers share one compile cache, so resubmitting a kernel skips
-            # nvcc whichever worker gets it (docs/compilers.md).
-            from kcoral.server.sandbox.bubblewrap import COMPILE_CACHE, BubblewrapSandbox
-
-            if isinstance(sandbox, BubblewrapSandbox):
-                from kcoral.compilers import COMPILE_IN_PARENT_ENV
-                from kcoral.server.workers.compiles import IsolatedCompiles
-
-                # Read-only for workers: the parent compiles into it, in a
-                # sandbox where no uploaded code runs (docs/security.md).
-                sandbox.compile_cache = str(compile_cache)
-                pool.worker_env["KCORAL_COMPILE_CACHE_DIR"] = COMPILE_CACHE
-                pool.worker_env[COMPILE_IN_PARENT_ENV] = "1"
-                pool.compiler = IsolatedCompiles(
-                    self._reactor, sandbox, str(compile_cache), self._root_dir, self._run_blocking
-                )
-            else:
-                pool.worker_env["KCORAL_COMPILE_CACHE_DIR"] = str(compile_cache)
-        await pool.start()
-        self.log.info(
-            "pool ready: {workers} workers, sandbox {sandbox}",
-            kcoral_event="pool_ready",
-            sandbox=sandbox.name,
-            mode=config.device,
-            target=pool.target,
-            versions=pool.versions,
-            workers=len(pool.seats),
-        )
-
-    async def _discover_gpus(self) -> dict[int, GpuDevice]:
-        """The configured GPUs' device nodes and UUIDs, found without CUDA (in a thread)."""
-        found = await self._run_blocking(discover_gpus)
-        selected = select_gpus(found, self._config.distinct_gpus)
-        self.log.info(
-            "GPUs: {gpus}",
-            kcoral_event="gpus_discovered",
-            gpus=[device.as_log_dict() for device in selected.values()],
-            discovered=len(found),
-        )
-        return selected
-
-    async def stop(self) -> None:
-        self._leases.close()
-        # Queued requests get 503 now; running ones finish with their budgets.
-        self.pool.stop_waiters()
-        await self._api.wait_idle()
-        await self.pool.stop()
-        if self._root_dir is not None:
-            await self._run_blocking(shutil.rmtree, self._root_dir, True)
-        self.log.info("shutdown complete", kcoral_event="shutdown_complete")
-
-
-#: How long a stopping server keeps answering (503, then closing the
-#: connection) on keep-alive connections that are still open once its
-#: programs are done, before it exits and drops them.
-DRAIN_LINGER_SECONDS = 0.5
-
-
-class LingerService(AsyncService):
-    """
-    At stop, after the workers: wait until every HTTP connection has
-    closed, at most L{DRAIN_LINGER_SECONDS}.  A proxy's pooled connection
-    that carries one more request meanwhile gets a 503 and is closed (the
-    site drains); only one idle for the whole linger is dropped at exit.
-    Behind HAProxy a request sent on such a connection as the process
-    exited was lost, in about one failover in five (test_haproxy).
-    """
-
-    def __init__(self, reactor: Reactor, site: Any, linger: float = DRAIN_LINGER_SECONDS) -> None:
-        self._reactor = reactor
-        self._site = site
-        self._linger = linger
-
-    async def stop(self) -> None:
-        deadline = self._reactor.seconds() + self._linger
-        while getattr(self._site, "open_connections", 0) > 0 and self._reactor.seconds() < deadline:
-            await deferLater(self._reactor, 0.02, lambda: None)
-
-
-def _socket_mode(path: str | bytes) -> str | None:
-    """The permission bits of the socket at C{path}, in octal (C{None}: gone)."""
-    try:
-        return oct(os.stat(path).st_mode & 0o777)
-    except OSError:
-        return None
-
-
-class ListeningPortService(AsyncService):
-    """
-    The HTTP ports: listen at start, stop listening at stop.
-
-    Like L{twisted.application.strports.service} for each C{--listen}
-    endpoint, but its start returns the listening Deferred, so a port that
-    cannot be bound fails the server's start, and the bound addresses are
-    logged.  Before listening it raises the open-file limit and, with
-    C{token_file}, puts the API behind L{kcoral.server.http.auth.TokenGuard}
-    (the file is read in a thread); listening beyond loopback without a
-    token is announced as a CRITICAL event.
-    """
-
-    log = Logger()
-
-    def __init__(
-        self,
-        reactor: Reactor,
-        endpoint: str | Sequence[str],
-        site: Site,
-        *,
-        token_file: Path | None = None,
-        public_metrics: bool = False,
-        run_blocking: RunBlocking | None = None,
-        reuse_port: bool = False,
-        first: bool = True,
-    ) -> None:
-        self._reactor = reactor
-        self._reuse_port = reuse_port
-        self._first = first
-        self._endpoints = (endpoint,) if isinstance(endpoint, str) else tuple(endpoint)
-        self._site = site
-        self._token_file = token_file
-        self._public_metrics = public_metrics
-        self._run_blocking = run_blocking
-        self.ports: list[IListeningPort] = []
-        self._guards: list[AcceptGuard] = []
-
-    @property
-    def port(self) -> IListeningPort | None:
-        """The first listening port (C{None} when not listening)."""
-        return self.ports[0] if self.ports else None
-
-    async def start(self) -> None:
-        limits = raise_fd_limit()
-        if limits is not None and limits[0] != limits[1]:
-            self.log.info(
-                "open file limit raised from {old} to {new}",
-                kcoral_event="fd_limit_raised",
-                old=limits[0],
-                new=limits[1],
-            )
-        fit = getattr(self._site, "fit_to_fd_limit", None)
-        if fit is not None and limits is not None:
-            wanted = self._site.max_connections  # type: ignore[attr-defined]
-            cap = fit(limits[1])
-            if cap != wanted:
-                self.log.warn(
-                    "serving at most {cap} connections, below the open-file limit {limit}",
-                    kcoral_event="connection_cap_lowered",
-                    cap=cap,
-                    wanted=wanted,
-                    limit=limits[1],
-                )
-        tokens = None
-        if self._token_file is not None:
-            from kcoral.server.http.auth import TokenGuard, load_tokens
-
-            if self._run_blocking is None:
-                tokens = load_tokens(self._token_file)
-            else:
-                tokens = await self._run_blocking(load_tokens, self._token_file)
-            guard = TokenGuard(self._site.resource, tokens, public_metrics=self._public_metrics)
-            self._site.resource = guard
-            # Heads are checked before their bodies are read (kcoral.server.http.site).
-            self._site.guard = guard  # type: ignore[attr-defined]
-        if self._reuse_port:
-            # Several front ends: each binds the same port (kcoral.server.frontends).
-            self.ports = [
-                listen_reusing_port(self._reactor, d, self._site, self._first)
-                for d in self._endpoints
-            ]
-        else:
-            self.ports = await listen_all(self._reactor, self._endpoints, self._site)
-        for port in self.ports:
-            # Running out of descriptors pauses accepting, quietly.
-            accepting = AcceptGuard.install(port, self._site, self._reactor)  # type: ignore[arg-type]
-            if accepting is not None:
-                self._guards.append(accepting)
-            address = port.getHost()
-            self.log.info(
-                "listening on {host}:{port}",
-                kcoral_event="server_listening",
-                host=getattr(address, "host", None),
-                port=getattr(address, "port", None),
-                path=getattr(address, "name", None),
-                clients=None if tokens is None else [name for _, name in tokens.entries],
-            )
-        sockets = [
-            path
-            for path in (getattr(port.getHost(), "name", None) for port in self.ports)
-            if path is not None
-        ]
-        if sockets and tokens is None:
-            self.log.warn(
-                "UNIX socket {paths} without --auth-token-file: every local user who can "
-                "open it can run code on this machine",
-                kcoral_event="unauthenticated_unix_socket",
-                paths=[
-                    p.decode("utf-8", "replace") if isinstance(p, bytes) else p for p in sockets
-                ],
-                modes=[_socket_mode(p) for p in sockets],
-            )
-        exposed = beyond_loopback(port_hosts(self.ports))
-        if exposed and tokens is None:
-            self.log.critical(
-                "LISTENING BEYOND LOOPBACK ({addresses}) WITHOUT --auth-token-file: "
-                "anyone who can reach this port can run code on this machine",
-                kcoral_event="unauthenticated_exposure",
-                addresses=exposed,
-            )
-
-    async def stop(self) -> None:
-        ports, self.ports = self.ports, []
-        guards, self._guards = self._guards, []
-        for guard in guards:
-            guard.stop()
-        for port in ports:
-            await maybeDeferred(port.stopListening)
-        drain = getattr(self._site, "drain", None)
-        if drain is not None:
-            drain()
-
-
-class _BrokerConnectionService(AsyncService):
-    """A front end other than the first connects to the lease broker before anything else."""
-
-    def __init__(self, reactor: Reactor, leases: RemoteArbiter, config: ServerConfig) -> None:
-        assert config.lease_broker is not None
-        self._connection = BrokerConnection(reactor, leases, config.lease_broker)
-
-    async def start(self) -> None:
-        await self._connection.start()
-
-    async def stop(self) -> None:
-        self._connection.stop()
-
-
-#: The most packed metrics a front end's report carries (bytes).
-METRICS_REPORT_LIMIT = 32_000
-
-
-class _HealthReports(AsyncService):
-    """Every second, this front end's own /health figures go to the others."""
-
-    log = Logger()
-
-    def __init__(
-        self, reactor: Reactor, api: KcoralAPI, report: Callable[[int, dict[str, Any]], None]
-    ) -> None:
-        self._api = api
-        self._report = report
-        self._too_large_said = False
-        self._loop = LoopingCall(self._send)
-        self._loop.clock = reactor
-
-    def send_now(self) -> None:
-        """Report at once (the lame duck has begun: the others must say so too)."""
-        try:
-            self._send()
-        except Exception:
-            self.log.failure("a health report failed")
-
-    def _send(self) -> None:
-        health = self._api.local_health()
-        if self._api.metrics is not None:
-            from kcoral.server.observe.metrics import METRICS_REPORT_KEY, pack_families
-
-            packed = pack_families(self._api.metrics.families())
-            if len(packed) <= METRICS_REPORT_LIMIT:
-                health[METRICS_REPORT_KEY] = packed
-            elif not self._too_large_said:
-                # An AMP value holds 64 KiB: the health figures must still go.
-                self._too_large_said = True
-                self.log.warn(
-                    "this front end's metrics ({size} bytes packed) are too large to "
-                    "report: the others' /metrics leave them out",
-                    size=len(packed),
-                )
-        self._report(self._api.config.front_end_index, health)
-
-    async def start(self) -> None:
-        self._loop.start(REPORT_INTERVAL, now=True).addErrback(
-            lambda failure: self.log.failure("health reports stopped", failure)
-        )
-
-    async def stop(self) -> None:
-        if self._loop.running:
-            self._loop.stop()
-
-
-class _FrontEndsChild(AsyncService):
-    """The first front end starts the others once it listens, and stops them first."""
-
-    def __init__(self, front_ends: FrontEndsService, grace: float) -> None:
-        self.front_ends = front_ends
-        self._grace = grace
-
-    async def start(self) -> None:
-        self.front_ends.start()
-
-    async def stop(self) -> None:
-        await self.front_ends.stop(self._grace)
 
 
 class KCoralService(service.MultiService):
@@ -550,32 +92,40 @@ class KCoralService(service.MultiService):
         endpoint: str | Sequence[str] | None = None,
         *,
         reactor: Reactor | None = None,
+        front_end: FrontEnd | None = None,
     ) -> None:
+        """
+        @param config: the whole server's configuration.
+        @param endpoint: the HTTP endpoint descriptions to listen on; none
+            for L{create_app}'s service.
+        @param front_end: which front end this process is, when the first
+            front end started it (L{kcoral.server.frontend_main}); the
+            first, or the only one, by default.
+        """
         super().__init__()
         self.setName("kcoral")
-        whole = config
-        if config.front_ends > 1 and config.lease_broker is None:
-            # The first of several front ends: its share of the caps (the
-            # others get theirs from it, kcoral.server.frontends).
-            config = share_of(config, 0, None)
+        #: This process's place among the front ends, and what follows from it.
+        self.topology = Topology(config, front_end or FrontEnd())
+        config = self.topology.config
         self.config = config
         self._reactor = _reactor(reactor)
         self.threadpool = ThreadPool(minthreads=0, maxthreads=4, name="kcoral-io")
-        gpus = () if config.device == "cpu" else tuple(dict.fromkeys(config.gpus))
-        self.leases: LeaseArbiter | RemoteArbiter
-        if config.lease_broker is not None:
-            # A front end other than the first: the first's broker decides.
-            self.leases = RemoteArbiter(gpus, self._reactor)
-        else:
-            self.leases = LeaseArbiter(gpus, self._reactor)
+        self.leases = self.topology.leases(config.distinct_gpus, self._reactor)
         self.memory_cache = MemoryBlobCache(config.cache_capacity_bytes, self._cache_event)
         self.disk_cache = DiskFileCache(
             config.disk_cache_dir, config.disk_cache_capacity_mbytes, self._cache_event
         )
         self.blobs = BlobStore(self.memory_cache, self.disk_cache, self.threadpool, self._reactor)
+        index = self.topology.front_end.index
         # The probed sandbox replaces NoSandbox when the workers start.
         self.pool = WorkerPool(
-            config, self._reactor, self.leases, NoSandbox(), self.run_blocking, Path(".")
+            config,
+            self._reactor,
+            self.leases,
+            NoSandbox(),
+            self.run_blocking,
+            Path("."),
+            front_end=index,
         )
         #: Endpoints that cannot work in this installation -> why.
         self.unavailable: dict[str, str] = {}
@@ -588,6 +138,7 @@ class KCoralService(service.MultiService):
             self.threadpool,
             self._reactor,
             metrics=self.metrics,
+            front_end=index,
         )
         if self.recent is not None:
             from kcoral.server.observe.status import STATUS_PAGE, status_snapshot
@@ -622,11 +173,7 @@ class KCoralService(service.MultiService):
         self.logs = LogWriterService(config, observers, self.run_blocking, self._logs_ready)
         children: list[service.Service] = [
             _named(ThreadPoolService(self.threadpool), "threads"),
-            *(
-                [_named(_BrokerConnectionService(self._reactor, self.leases, config), "broker")]
-                if isinstance(self.leases, RemoteArbiter)
-                else []
-            ),
+            *self.topology.before_logs(self._reactor, self.leases),
             _named(self.logs, "logs"),
             _named(CacheService(self.disk_cache, self.run_blocking), "caches"),
             _named(
@@ -637,44 +184,26 @@ class KCoralService(service.MultiService):
             ),
         ]
         if endpoint is not None and endpoint != ():
+            endpoints = (endpoint,) if isinstance(endpoint, str) else tuple(endpoint)
             site = make_site(self.api.resource(), config, reactor=self._reactor)
             http = ListeningPortService(
                 self._reactor,
-                endpoint,
+                endpoints,
                 site,
                 token_file=config.auth_token_file,
                 public_metrics=config.public_metrics,
                 run_blocking=self.run_blocking,
-                reuse_port=config.front_ends > 1,
-                first=config.lease_broker is None,
+                reuse_port=self.topology.several,
+                first=self.topology.front_end.first,
             )
             # Stopped in reverse order: the port, the workers, then the linger.
             children.insert(
                 children.index(self.logs) + 2, _named(LingerService(self._reactor, site), "linger")
             )
             children.append(_named(http, "http"))
-            if config.front_ends > 1 and isinstance(self.leases, LeaseArbiter):
-                endpoints = (endpoint,) if isinstance(endpoint, str) else tuple(endpoint)
-                front_ends = FrontEndsService(self._reactor, whole, endpoints, self.leases)
-                children.append(
-                    _named(
-                        _FrontEndsChild(
-                            front_ends, config.worker_termination_grace_seconds * 2 + 10
-                        ),
-                        "front-ends",
-                    )
-                )
-                broker = front_ends.broker
-                self.api.peer_health = lambda: broker.reports
-                report: Callable[[int, dict[str, Any]], None] = broker.report
-            elif config.front_ends > 1 and isinstance(self.leases, RemoteArbiter):
-                remote = self.leases
-                self.api.peer_health = lambda: remote.peer_reports
-                report = remote.report
-            if config.front_ends > 1:
-                children.append(
-                    _named(_HealthReports(self._reactor, self.api, report), "health-reports")
-                )
+            children.extend(
+                self.topology.after_http(self._reactor, self.api, self.leases, endpoints)
+            )
         for child in children:
             child.setServiceParent(self)
 
@@ -730,7 +259,7 @@ class KCoralService(service.MultiService):
 
     def startService(self) -> None:
         service.Service.startService(self)
-        if self.notify_systemd and self.config.lease_broker is None:
+        if self.notify_systemd and self.topology.speaks_for_the_server:
             # Only the first front end speaks for the server (NotifyAccess=main).
             from kcoral.server.observe.sdnotify import SystemdNotifier
 
@@ -842,11 +371,11 @@ class KCoralService(service.MultiService):
         seconds = self.config.lame_duck_seconds
         if seconds <= 0 or "http" not in self.namedServices or not self.ready.called:
             return  # no lame duck, or the server never came up
-        if self.start_failure is not None or self.config.lease_broker is not None:
+        if self.start_failure is not None or not self.topology.speaks_for_the_server:
             return
         self.api.stopping = True
         reports = self.namedServices.get("health-reports")
-        if isinstance(reports, _HealthReports) and reports.running:
+        if isinstance(reports, HealthReports) and reports.running:
             reports.send_now()
         self.log.info(
             "lame duck: /health answers 503 for {seconds} s while requests are still served",
@@ -875,22 +404,6 @@ class KCoralService(service.MultiService):
 def _named(child: service.Service, name: str) -> service.Service:
     child.setName(name)
     return child
-
-
-def _compile_cache_dir(config: ServerConfig) -> Path | None:
-    """
-    Blocking: the compile cache directory beside the disk file cache
-    (C{~/.cache/kcoral/compile} by default), created 0700; C{None} when the
-    disk cache is disabled or the directory cannot be made.
-    """
-    if config.disk_cache_dir is None or config.disk_cache_capacity_mbytes == 0:
-        return None
-    path = Path(config.disk_cache_dir).parent / "compile"
-    try:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    except OSError:
-        return None
-    return path
 
 
 def _observability(server: KCoralService) -> tuple[Metrics | None, RecentRequests | None]:
@@ -976,7 +489,11 @@ def install_second_signal(reactor: Reactor, stop_now: Callable[[], None]) -> Any
 
 
 def makeService(
-    config: ServerConfig, endpoint: str | Sequence[str], *, reactor: Reactor | None = None
+    config: ServerConfig,
+    endpoint: str | Sequence[str],
+    *,
+    reactor: Reactor | None = None,
+    front_end: FrontEnd | None = None,
 ) -> KCoralService:
     """
     Build the root service for C{config}, serving HTTP on C{endpoint}.
@@ -986,8 +503,10 @@ def makeService(
     exit with status 1 once twistd has shut down, and under a systemd
     C{Type=notify} unit it sends C{READY=1} once every worker is up and
     C{STOPPING=1} when it begins to stop (L{kcoral.server.observe.sdnotify}).
+    C{front_end} is the wiring of a front end other than the first
+    (L{kcoral.server.frontend_main}).
     """
-    root = KCoralService(config, endpoint, reactor=reactor)
+    root = KCoralService(config, endpoint, reactor=reactor, front_end=front_end)
     root.exit_status_on_failure = 1
     root.freeze_when_ready = True
     root.notify_systemd = True

@@ -68,7 +68,7 @@ def _second(server: ServerProcess) -> psutil.Process:
     (child,) = [
         p
         for p in psutil.Process(server.process.pid).children()
-        if "kcoral.server.frontends" in " ".join(p.cmdline())
+        if "kcoral.server.frontend_main" in " ".join(p.cmdline())
     ]
     return child
 

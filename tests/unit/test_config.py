@@ -75,9 +75,7 @@ class DefaultsTests(SynchronousTestCase):
             "max_connections_per_client": 1024,
             "first_header_timeout_seconds": 10.0,
             "front_ends": 1,
-            "front_end_index": 0,
             "lame_duck_seconds": 0.0,
-            "lease_broker": None,
         }
         self.assertEqual(attrs.asdict(config, recurse=False), expected)
 
@@ -451,20 +449,27 @@ class FrontEndsTests(SynchronousTestCase):
     """Several front ends: every N-th seat and spare is each one's; the rules."""
 
     def test_seats_are_split(self) -> None:
-        gpu = ServerConfig(gpus=(0, 1), workers_per_gpu=5, front_ends=2, front_end_index=1)
-        self.assertEqual(gpu.worker_ids(), ["gpu0/w1", "gpu0/w3", "gpu1/w1", "gpu1/w3"])
+        """Front end i has every N-th seat from index i."""
+        gpu = ServerConfig(gpus=(0, 1), workers_per_gpu=5, front_ends=2)
+        self.assertEqual(gpu.worker_ids(1), ["gpu0/w1", "gpu0/w3", "gpu1/w1", "gpu1/w3"])
         cpu = ServerConfig(device="cpu", num_workers=3, front_ends=2)
         self.assertEqual(cpu.worker_ids(), ["cpu/w0", "cpu/w2"])
+        self.assertEqual(cpu.worker_ids(0), cpu.worker_ids())
 
     def test_spares_are_split(self) -> None:
-        first = ServerConfig(spare_workers_per_gpu=3, front_ends=2)
-        second = attrs.evolve(first, front_end_index=1)
-        self.assertEqual((first.spares_per_group, second.spares_per_group), (2, 1))
-        fresh = ServerConfig(front_ends=2, front_end_index=1)
-        self.assertEqual(fresh.spares_per_group, 2)
+        """Front end i keeps every N-th spare from index i."""
+        config = ServerConfig(spare_workers_per_gpu=3, front_ends=2)
+        self.assertEqual((config.spares_of(0), config.spares_of(1)), (2, 1))
+        self.assertEqual(config.spares_per_group, config.spares_of(0))
+        fresh = ServerConfig(front_ends=2)
+        self.assertEqual(fresh.spares_of(1), 2)
+
+    def test_no_wiring_fields(self) -> None:
+        """Which front end a process is is wiring, not configuration."""
+        names = {a.name for a in attrs.fields(ServerConfig)}
+        self.assertFalse(names & {"front_end_index", "lease_broker"})
 
     def test_rules(self) -> None:
-        with self.assertRaisesRegex(ValueError, "front_end_index must be below"):
-            ServerConfig(front_ends=2, front_end_index=2)
+        """Every front end needs a seat."""
         with self.assertRaisesRegex(ValueError, "each front end needs a seat"):
             ServerConfig(device="cpu", num_workers=1, front_ends=2)

@@ -1,52 +1,19 @@
 """
-Tests for L{kcoral.server.frontends}: what each front end gets, and the
-shared port.
+Tests for L{kcoral.server.frontends}: the shared port, the merged health
+and the broker's socket place (what each front end gets:
+C{tests.unit.test_topology}).
 """
 
 from __future__ import annotations
 
 import os
 import socket
-from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
-from twisted.internet.defer import ensureDeferred
 from twisted.internet.protocol import Factory, Protocol
 from twisted.trial.unittest import SynchronousTestCase
 
-from kcoral.config import ServerConfig
-from kcoral.server.frontends import listen_reusing_port, merge_health, share_of
-
-
-class ShareTests(SynchronousTestCase):
-    def test_caps_logs_and_broker(self) -> None:
-        config = ServerConfig(
-            device="cpu",
-            num_workers=4,
-            front_ends=3,
-            log_dir=Path("/srv/logs"),
-            cache_capacity_bytes=1000,
-            max_bytes_in_flight=10,
-            max_connections=0,
-            max_queued_requests=7,
-        )
-        first = share_of(config, 0, None)
-        third = share_of(config, 2, Path("/run/broker.sock"))
-        self.assertEqual(first.log_dir, Path("/srv/logs"))
-        self.assertEqual(third.log_dir, Path("/srv/logs/front-end-2"))
-        self.assertEqual((third.front_end_index, third.lease_broker), (2, Path("/run/broker.sock")))
-        # Caps are split (rounded up); 0 (no cap) stays 0.
-        self.assertEqual(
-            (
-                third.cache_capacity_bytes,
-                third.max_bytes_in_flight,
-                third.max_connections,
-                third.max_queued_requests,
-            ),
-            (334, 4, 0, 3),
-        )
-        self.assertEqual(third.worker_ids(), ["cpu/w2"])
+from kcoral.server.frontends import listen_reusing_port, merge_health
 
 
 class _Reactor:
@@ -147,56 +114,3 @@ class SocketPlaceTests(SynchronousTestCase):
         self.assertEqual(frontends._socket_parent(), "/tmp")
         self.patch(tempfile, "tempdir", "/var/tmp")
         self.assertEqual(frontends._socket_parent(), "/var/tmp")
-
-
-class HealthReportsTests(SynchronousTestCase):
-    """
-    L{kcoral.server.service._HealthReports}: every second, this front end's
-    health with its packed metrics; metrics too large for one AMP value are
-    left out (once said), never the health.
-    """
-
-    def make(self, samples: int) -> tuple[list[tuple[int, dict[str, Any]]], Any, list[Any]]:
-        from twisted.internet.task import Clock
-        from twisted.logger import globalLogPublisher
-
-        from kcoral.server.observe.metrics import Metrics
-        from kcoral.server.service import _HealthReports
-
-        metrics = Metrics()
-        for i in range(samples):
-            metrics.worker_replacements.labels(f"reason-{i:05d}-{'x' * 40}").inc()
-        api = SimpleNamespace(
-            config=SimpleNamespace(front_end_index=1),
-            local_health=lambda: {"front_end": {"index": 1}},
-            metrics=metrics,
-        )
-        sent: list[tuple[int, dict[str, Any]]] = []
-        events: list[Any] = []
-        globalLogPublisher.addObserver(events.append)
-        self.addCleanup(globalLogPublisher.removeObserver, events.append)
-        clock = Clock()
-        reports = _HealthReports(clock, api, lambda i, h: sent.append((i, h)))  # type: ignore[arg-type]
-        self.successResultOf(ensureDeferred(reports.start()))
-        self.addCleanup(lambda: self.successResultOf(ensureDeferred(reports.stop())))
-        return sent, clock, events
-
-    def test_metrics_travel_with_the_health(self) -> None:
-        from kcoral.server.observe.metrics import METRICS_REPORT_KEY, unpack_families
-
-        sent, clock, _ = self.make(3)
-        clock.advance(1.0)
-        self.assertEqual([i for i, _ in sent], [1, 1])
-        names = {f["name"] for f in unpack_families(sent[-1][1][METRICS_REPORT_KEY])}
-        self.assertIn("kcoral_worker_replacements", names)
-
-    def test_too_large_metrics_left_out(self) -> None:
-        from kcoral.server.observe.metrics import METRICS_REPORT_KEY
-
-        sent, clock, events = self.make(20_000)
-        clock.advance(1.0)
-        self.assertEqual(len(sent), 2)
-        self.assertTrue(all(METRICS_REPORT_KEY not in health for _, health in sent))
-        self.assertEqual(sent[0][1]["front_end"], {"index": 1})
-        said = [e for e in events if "too large to report" in e.get("log_format", "")]
-        self.assertEqual(len(said), 1)

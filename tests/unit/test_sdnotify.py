@@ -16,6 +16,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from kcoral.config import ServerConfig
 from kcoral.server.observe.sdnotify import NOTIFY_SOCKET, SystemdNotifier
 from kcoral.server.service import KCoralService, makeService
+from kcoral.server.topology import FrontEnd
 from kcoral.testing.fakes import RecordingService
 
 
@@ -95,9 +96,14 @@ class ServerNotifiesTests(SynchronousTestCase):
     """The root service says READY=1 once every child is up, STOPPING=1 at stop."""
 
     def make(
-        self, listener: _Listener, config: ServerConfig | None = None
+        self,
+        listener: _Listener,
+        config: ServerConfig | None = None,
+        front_end: FrontEnd | None = None,
     ) -> tuple[KCoralService, RecordingService]:
-        root = makeService(config or _config(), "tcp:port=0", reactor=MemoryReactorClock())
+        root = makeService(
+            config or _config(), "tcp:port=0", reactor=MemoryReactorClock(), front_end=front_end
+        )
         root.exit_status_on_failure = None
         root.freeze_when_ready = False
         root.environ = {NOTIFY_SOCKET: listener.variable}
@@ -149,15 +155,11 @@ class ServerNotifiesTests(SynchronousTestCase):
         self.successResultOf(embedded.ready)
         self.assertEqual(embedded.environ, {NOTIFY_SOCKET: listener.variable})
         other = ServerConfig(
-            device="cpu",
-            num_workers=2,
-            log_dir=None,
-            disk_cache_dir=None,
-            front_ends=2,
-            front_end_index=1,
-            lease_broker="/nonexistent/broker.sock",
+            device="cpu", num_workers=2, log_dir=None, disk_cache_dir=None, front_ends=2
         )
-        root, workers = self.make(listener, other)
+        root, workers = self.make(
+            listener, other, FrontEnd(index=1, broker="/nonexistent/broker.sock")
+        )
         root.startService()
         workers.started.callback(None)
         self.assertEqual(listener.messages(), [])

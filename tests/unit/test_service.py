@@ -14,7 +14,8 @@ from twisted.web.resource import Resource
 from twisted.web.server import Site
 
 from kcoral.config import ServerConfig
-from kcoral.server.service import KCoralService, ListeningPortService, create_app, makeService
+from kcoral.server.children import ListeningPortService
+from kcoral.server.service import KCoralService, create_app, makeService
 from kcoral.testing.fakes import RecordingService, SyncReactor, SyncThreadPool
 
 
@@ -42,7 +43,7 @@ class TreeTests(SynchronousTestCase):
         """
         from types import SimpleNamespace
 
-        from kcoral.server.service import DRAIN_LINGER_SECONDS, LingerService
+        from kcoral.server.children import DRAIN_LINGER_SECONDS, LingerService
 
         clock = Clock()
         site = SimpleNamespace(open_connections=2)

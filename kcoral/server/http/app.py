@@ -212,6 +212,9 @@ class KcoralAPI:
     metrics: Metrics | None = None
     status_snapshot: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     status_page: bytes | None = None
+    #: This process's index among the server's front ends
+    #: (L{kcoral.server.topology}; C{0}: the first, or the only one).
+    front_end: int = 0
     #: With several front ends: the other front ends' last health reports,
     #: by index (L{kcoral.server.frontends}); C{None} in a lone server.
     peer_health: Callable[[], dict[int, dict[str, Any]]] | None = None
@@ -244,7 +247,7 @@ class KcoralAPI:
         from kcoral.server.frontends import merge_health
 
         peers = self.peer_health()
-        merged = merge_health(own, peers, self.config.front_end_index)
+        merged = merge_health(own, peers, self.front_end)
         if any(h.get("status") == "stopping" for h in peers.values()):
             # The first front end is in its lame duck: every front end says so.
             merged["status"] = "stopping"
@@ -298,7 +301,7 @@ class KcoralAPI:
             "templates": {t.name: t.state for t in pool.templates.values()},
             # This process's place among the server's front ends (--front-ends):
             # its load, workers and spares above are its own share.
-            "front_end": {"index": self.config.front_end_index, "of": self.config.front_ends},
+            "front_end": {"index": self.front_end, "of": self.config.front_ends},
         }
 
     @app.route("/health", methods=["GET"])
@@ -320,7 +323,7 @@ class KcoralAPI:
         if self.peer_health is not None:
             from kcoral.server.observe.metrics import METRICS_REPORT_KEY, unpack_families
 
-            own = self.config.front_end_index
+            own = self.front_end
             peers = {
                 index: unpack_families(health[METRICS_REPORT_KEY])
                 for index, health in self.peer_health().items()
@@ -328,7 +331,7 @@ class KcoralAPI:
             }
         body, headers = self.metrics.expose(
             peers,
-            self.config.front_end_index,
+            self.front_end,
             accept=_header(request, b"accept"),
             accept_encoding=_header(request, b"accept-encoding"),
         )

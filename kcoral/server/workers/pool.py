@@ -289,6 +289,9 @@ class WorkerPool:
     sandbox: ISandbox
     _run_blocking: Callable[..., Deferred[Any]]
     root_dir: Path
+    #: This process's index among the server's front ends
+    #: (L{kcoral.server.topology}): its seats and spares are every N-th from it.
+    front_end: int = 0
     seats: list[Seat] = attrs.field(factory=list)
     _idle: list[Seat] = attrs.field(factory=list)
     #: Requests waiting for a seat (L{WaitingLine}), at most
@@ -362,7 +365,7 @@ class WorkerPool:
 
     def __attrs_post_init__(self) -> None:
         # This process's seats (with several front ends, every N-th).
-        self.seats = [Seat(name, gpu) for name, gpu in self.config.seats()]
+        self.seats = [Seat(name, gpu) for name, gpu in self.config.seats(self.front_end)]
         for seat in self.seats:
             self._assigned.setdefault(seat.gpu_id, 0)
 
@@ -1149,7 +1152,7 @@ class WorkerPool:
 
     @property
     def spares_wanted(self) -> int:
-        return int(getattr(self.config, "spares_per_group", 0) or 0)
+        return self.config.spares_of(self.front_end)
 
     def _ready_spare(self, gpu: int | None) -> Spare | None:
         """The spare of C{gpu} that has been ready longest, if any."""
@@ -1165,7 +1168,7 @@ class WorkerPool:
             prefix = "cpu" if gpu is None else f"gpu{gpu}"
             # With several front ends each numbers its spares apart (s1, s3,
             # ... and s2, s4, ...), so a name is unique in the server's logs.
-            step, first = self.config.front_ends, self.config.front_end_index
+            step, first = self.config.front_ends, self.front_end
             serial = (self._spare_serial - 1) * step + first + 1
             spare = Spare(f"{prefix}/s{serial}", gpu)
             self.spares.append(spare)

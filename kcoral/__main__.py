@@ -38,6 +38,10 @@ def _dispatch(args: list[str]) -> int:
         if args[0] == "run" and args[1:2] and not args[1].startswith("-"):
             name += f" {args[1]}"  # the tool
         return interruptible(name, lambda: command(args[1:]))
+    if args[:1] == ["gateway"]:
+        from kcoral.gateway.command import main as gateway_main
+
+        return gateway_main(args[1:])
     from kcoral.server.cli.command import main as cli_main
 
     return cli_main(args)

@@ -46,6 +46,7 @@ Usage: kcoral <command> [options]
 
 Commands:
   server     Run the KCoral server in the foreground (kcoral server --help).
+  gateway    Run the gateway of a pool of nodes on NATS (kcoral gateway --help).
   run        Run a tool on a KCoral server (kcoral run python|shell|... --help).
   health     Print a KCoral server's /health (kcoral health --help).
 

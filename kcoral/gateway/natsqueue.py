@@ -1,0 +1,260 @@
+# -*- test-case-name: tests.integration.test_gateway -*-
+"""
+L{IJobQueue} on NATS: the gateway creates the job stream and both KV
+buckets (nodes only bind to them), publishes jobs, writes cancel claims,
+and watches the presence and claims buckets, handing what it sees to the
+reactor (L{PoolView}, L{Dispatcher}).  The watches are started again
+whenever the connection comes back (a nats-server restart loses ephemeral
+consumers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import attrs
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.logger import Logger
+from zope.interface import implementer
+
+from kcoral.gateway.dispatch import IJobQueue, QueueRefused
+from kcoral.gateway.jobs import (
+    CLAIMS_BUCKET,
+    CLAIMS_TTL,
+    JOB_SUBJECTS,
+    NODES_BUCKET,
+    STREAM,
+    Claim,
+    Presence,
+    SchemaError,
+)
+from kcoral.gateway.natsbridge import NatsBridge, ensure_consumer
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client
+    from nats.js import JetStreamContext
+
+__all__ = ["NatsJobQueue"]
+
+#: Seconds a publish or a KV call may take before it counts as failed.
+CALL_TIMEOUT = 5.0
+
+
+@implementer(IJobQueue)
+@attrs.define(eq=False)
+class NatsJobQueue:
+    """
+    @ivar queue_size: the stream's C{max_msgs} (discard new: a full queue
+        refuses the publish).
+    @ivar presence_timeout: the nodes bucket's TTL.
+    @ivar claims_ttl: the claims bucket's TTL (longer than any queue wait).
+    """
+
+    bridge: NatsBridge
+    queue_size: int
+    presence_timeout: float
+    claims_ttl: float = CLAIMS_TTL
+    on_presence: Callable[[Presence], None] = lambda p: None
+    on_node_removed: Callable[[str], None] = lambda n: None
+    on_claim: Callable[[str, Claim], None] = lambda j, c: None
+    #: Messages waiting in the stream, as last read (L{refresh_depth}).
+    depth: int | None = None
+    _watches: list[Deferred[None]] = attrs.field(factory=list)
+
+    log = Logger()
+
+    @property
+    def connected(self) -> bool:
+        return self.bridge.connected
+
+    # -- set-up ----------------------------------------------------------------
+
+    def setup(self) -> Deferred[None]:
+        """Create (or check) the stream and the buckets, then start watching."""
+        queue_size, presence_timeout, claims_ttl = (
+            self.queue_size,
+            self.presence_timeout,
+            self.claims_ttl,
+        )
+
+        async def create(client: Client, js: JetStreamContext) -> None:
+            from nats.js.api import (
+                DiscardPolicy,
+                RetentionPolicy,
+                StorageType,
+                StreamConfig,
+            )
+            from nats.js.errors import BadRequestError
+
+            config = StreamConfig(
+                name=STREAM,
+                subjects=[JOB_SUBJECTS],
+                retention=RetentionPolicy.WORK_QUEUE,
+                storage=StorageType.FILE,
+                max_msgs=queue_size,
+                discard=DiscardPolicy.NEW,
+                duplicate_window=120.0,
+            )
+            try:
+                await js.add_stream(config)
+            except BadRequestError:
+                # It exists with another size (an earlier --queue-size).
+                await js.update_stream(config)
+            await js.create_key_value(
+                bucket=NODES_BUCKET, ttl=presence_timeout, history=1, storage=StorageType.FILE
+            )
+            await js.create_key_value(
+                bucket=CLAIMS_BUCKET, ttl=claims_ttl, history=1, storage=StorageType.FILE
+            )
+
+        d = self.bridge.call(create, timeout=CALL_TIMEOUT * 2)
+        d.addCallback(lambda _: self.watch())
+        return d
+
+    def watch(self) -> None:
+        """(Re)start the presence and claims watches."""
+        for running in self._watches:
+            running.cancel()
+        self._watches = [
+            self._spawn_watch(NODES_BUCKET, self._presence_entry),
+            self._spawn_watch(CLAIMS_BUCKET, self._claim_entry),
+        ]
+
+    def connection_changed(self, connected: bool) -> None:
+        """The bridge's connection came back: watch again (from the current values)."""
+        if connected and self._watches:
+            self.watch()
+
+    def _spawn_watch(
+        self, bucket: str, deliver: Callable[[str, bytes, str | None], None]
+    ) -> Deferred[None]:
+        bridge = self.bridge
+
+        async def run(client: Client, js: JetStreamContext) -> None:
+            kv = await js.key_value(bucket)
+            watcher = await kv.watchall()
+            try:
+                async for entry in watcher:
+                    if entry is None:
+                        continue
+                    bridge.deliver(deliver, entry.key, entry.value or b"", entry.operation)
+            finally:
+                try:
+                    await asyncio.wait_for(watcher.stop(), 1.0)
+                except Exception:
+                    pass
+
+        d = bridge.spawn(run)
+
+        def ended(failure: Any) -> None:
+            if failure.check(asyncio.CancelledError, CancelledError):
+                return None
+            self.log.warn(
+                "watch of {bucket} ended: {error}; restarted on reconnect",
+                kcoral_event="nats_watch_ended",
+                bucket=bucket,
+                error=repr(failure.value),
+            )
+            return None
+
+        d.addErrback(ended)
+        return d
+
+    def _presence_entry(self, key: str, value: bytes, operation: str | None) -> None:
+        if operation in ("DEL", "PURGE"):
+            self.on_node_removed(key)
+            return
+        try:
+            presence = Presence.decode(value)
+        except SchemaError as e:
+            self.log.warn(
+                "bad presence record under {key}: {error}",
+                kcoral_event="bad_presence",
+                key=key,
+                error=str(e),
+            )
+            return
+        if presence.node != key:
+            self.log.warn(
+                "presence record of {node} under the key {key}: ignored",
+                kcoral_event="bad_presence",
+                key=key,
+                node=presence.node,
+            )
+            return
+        self.on_presence(presence)
+
+    def _claim_entry(self, key: str, value: bytes, operation: str | None) -> None:
+        if operation in ("DEL", "PURGE"):
+            return
+        try:
+            claim = Claim.decode(value)
+        except SchemaError:
+            return
+        self.on_claim(key, claim)
+
+    # -- IJobQueue -------------------------------------------------------------
+
+    def prepare(self, compat: str, gpus: int) -> Deferred[None]:
+        async def run(client: Client, js: JetStreamContext) -> None:
+            await ensure_consumer(js, compat, gpus)
+
+        return self._refusing(self.bridge.call(run, timeout=CALL_TIMEOUT))
+
+    def publish(self, subject: str, data: bytes, job: str) -> Deferred[None]:
+        async def run(client: Client, js: JetStreamContext) -> None:
+            await js.publish(subject, data, stream=STREAM, headers={"Nats-Msg-Id": job})
+
+        return self._refusing(self.bridge.call(run, timeout=CALL_TIMEOUT))
+
+    def _refusing(self, d: Deferred[None]) -> Deferred[None]:
+        def refused(failure: Any) -> None:
+            from nats.js.errors import APIError
+
+            error = failure.value
+            if isinstance(error, APIError):
+                text = f"{error.description or ''}".lower()
+                full = "maximum messages" in text or error.err_code in (10077,)
+                raise QueueRefused(str(error.description or error), full=full)
+            raise QueueRefused(f"{type(error).__name__}: {error}", full=False)
+
+        d.addErrback(refused)
+        return d
+
+    def cancel(self, job: str) -> Deferred[Claim | None]:
+        async def run(client: Client, js: JetStreamContext) -> Claim | None:
+            from nats.js.errors import KeyWrongLastSequenceError
+
+            kv = await js.key_value(CLAIMS_BUCKET)
+            try:
+                await kv.create(job, Claim(cancelled=True).encode())
+            except KeyWrongLastSequenceError:
+                entry = await kv.get(job)
+                return Claim.decode(entry.value or b"")
+            return None
+
+        return self.bridge.call(run, timeout=CALL_TIMEOUT)
+
+    def refresh_depth(self) -> Deferred[None]:
+        """Read how many jobs wait in the stream (for /health)."""
+
+        async def run(client: Client, js: JetStreamContext) -> int:
+            info = await js.stream_info(STREAM)
+            return int(info.state.messages)
+
+        d = self.bridge.call(run, timeout=CALL_TIMEOUT)
+
+        def got(depth: int) -> None:
+            self.depth = depth
+
+        def failed(_: Any) -> None:
+            self.depth = None
+
+        return d.addCallbacks(got, failed)
+
+    def stop(self) -> None:
+        for running in self._watches:
+            running.cancel()
+        self._watches = []

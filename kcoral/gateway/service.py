@@ -1,0 +1,296 @@
+# -*- test-case-name: tests.unit.test_gateway_service -*-
+"""
+The gateway's service tree: L{GatewayConfig} and L{makeService}.
+
+The root L{GatewayService} owns, in start order: the I/O thread pool, the
+NATS bridge and the job queue on it (stream and buckets created, presence
+and claims watched), the dispatcher's checks, and the HTTP ports.  It stops
+in reverse: the ports first, then every waiting job is answered, then NATS.
+"""
+
+from __future__ import annotations
+
+import ssl
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import attrs
+from attrs import field
+from attrs.validators import ge, gt, instance_of, optional
+from twisted.application.service import MultiService
+from twisted.internet.defer import Deferred, maybeDeferred
+from twisted.logger import Logger
+from twisted.python.threadpool import ThreadPool
+
+from kcoral.config import ServerConfig
+from kcoral.gateway.api import GatewayAPI, GatewaySettings, GatewaySite, PoolGuard
+from kcoral.gateway.dispatch import Dispatcher
+from kcoral.gateway.jobs import DEFAULT_PRESENCE_TIMEOUT, Claim, Presence
+from kcoral.gateway.natsbridge import NatsBridge, NatsCredentials, load_credentials
+from kcoral.gateway.natsqueue import NatsJobQueue
+from kcoral.gateway.pool import PoolView
+from kcoral.server.cache import BlobStore, DiskFileCache, MemoryBlobCache
+from kcoral.server.http.site import AcceptGuard, listen_all, raise_fd_limit
+
+__all__ = ["GatewayConfig", "GatewayService", "makeService"]
+
+#: Seconds between reads of the job stream's depth (for /health).
+DEPTH_INTERVAL = 1.0
+
+_SERVER_DEFAULTS = ServerConfig(disk_cache_dir=None)
+
+#: Set when a gateway built with C{exit_on_failure} failed to start (the
+#: C{kcoral gateway} command's exit status).
+START_FAILED: list[str] = []
+
+
+def _strings(values: Iterable[str]) -> tuple[str, ...]:
+    return tuple(str(v) for v in values)
+
+
+@attrs.frozen(kw_only=True)
+class GatewayConfig:
+    """
+    @ivar nats_urls: the NATS servers (C{nats://} or C{tls://}).
+    @ivar credentials_file: the gateway's NATS credentials
+        (L{kcoral.gateway.natsbridge.load_credentials}), or C{None}.
+    @ivar nats_ca_file: CA bundle for C{tls://} NATS servers, or C{None}.
+    @ivar endpoints: the HTTP listening ports (endpoint descriptions).
+    @ivar public_url: the base URL nodes reach this gateway at.
+    @ivar queue_size: the job stream's message limit.
+    @ivar queue_timeout: seconds a job waits for a node before 503.
+    @ivar presence_timeout: seconds a silent node counts as present.
+    @ivar preference_window: seconds a job waits for the node a client named.
+    """
+
+    nats_urls: tuple[str, ...] = field(converter=_strings)
+    credentials_file: Path | None = field(default=None, validator=optional(instance_of(Path)))
+    nats_ca_file: Path | None = field(default=None, validator=optional(instance_of(Path)))
+    endpoints: tuple[str, ...] = field(converter=_strings)
+    public_url: str = field(validator=instance_of(str))
+    auth_token_file: Path | None = field(default=None, validator=optional(instance_of(Path)))
+    public_metrics: bool = False
+    queue_size: int = field(default=1024, validator=[instance_of(int), ge(1)])
+    queue_timeout: float = field(default=300.0, validator=gt(0))
+    presence_timeout: float = field(default=DEFAULT_PRESENCE_TIMEOUT, validator=gt(0))
+    preference_window: float = field(default=2.0, validator=ge(0))
+    result_grace: float = field(default=60.0, validator=gt(0))
+    max_request_bytes: int = field(default=_SERVER_DEFAULTS.max_request_bytes, validator=ge(1))
+    max_response_bytes: int = field(default=_SERVER_DEFAULTS.max_response_bytes, validator=ge(1))
+    cache_capacity_bytes: int = field(
+        default=_SERVER_DEFAULTS.cache_capacity_bytes, validator=ge(0)
+    )
+    disk_cache_dir: Path | None = field(default=None, validator=optional(instance_of(Path)))
+    disk_cache_mbytes: int = field(
+        default=_SERVER_DEFAULTS.disk_cache_capacity_mbytes, validator=ge(0)
+    )
+    default_timeout_seconds: float = _SERVER_DEFAULTS.default_timeout_seconds
+    max_timeout_seconds: float = _SERVER_DEFAULTS.max_timeout_seconds
+    node_name: str = "kcoral-gateway"
+
+
+def _tls_context(ca_file: Path | None) -> ssl.SSLContext | None:
+    if ca_file is None:
+        return None
+    return ssl.create_default_context(cafile=str(ca_file))
+
+
+class GatewayService(MultiService):
+    """The gateway: thread pool, NATS, dispatcher, HTTP."""
+
+    log = Logger()
+
+    def __init__(self, config: GatewayConfig, reactor: Any) -> None:
+        super().__init__()
+        self.config = config
+        self._reactor = reactor
+        self.threadpool = ThreadPool(minthreads=0, maxthreads=4, name="kcoral-gateway-io")
+        self.pool = PoolView(presence_timeout=config.presence_timeout)
+        self.bridge = NatsBridge(
+            reactor,
+            list(config.nats_urls),
+            credentials=NatsCredentials(),
+            tls=_tls_context(config.nats_ca_file),
+            name=config.node_name,
+            on_connection=self._connection,
+        )
+        self.queue = NatsJobQueue(
+            bridge=self.bridge,
+            queue_size=config.queue_size,
+            presence_timeout=config.presence_timeout,
+            on_presence=self._presence,
+            on_node_removed=self._node_removed,
+            on_claim=self._claim,
+        )
+        self.dispatcher = Dispatcher(
+            self.queue,
+            self.pool,
+            reactor,
+            queue_timeout=config.queue_timeout,
+            result_grace=config.result_grace,
+        )
+        memory = MemoryBlobCache(config.cache_capacity_bytes)
+        disk = DiskFileCache(config.disk_cache_dir, config.disk_cache_mbytes)
+        self.blobs = BlobStore(memory, disk, self.threadpool, reactor)
+        self.api = GatewayAPI(
+            settings=GatewaySettings(
+                public_url=config.public_url,
+                queue_size=config.queue_size,
+                queue_timeout=config.queue_timeout,
+                preference_window=config.preference_window,
+                max_request_bytes=config.max_request_bytes,
+                default_timeout=config.default_timeout_seconds,
+                max_timeout=config.max_timeout_seconds,
+            ),
+            dispatcher=self.dispatcher,
+            pool=self.pool,
+            queue=self.queue,
+            blobs=self.blobs,
+            threadpool=self.threadpool,
+            reactor=reactor,
+        )
+        # Client tokens are read at start (L{_start}).
+        self.guard = PoolGuard(self.api.resource(), self.dispatcher)
+        defaults = _SERVER_DEFAULTS
+        self.site = GatewaySite(
+            self.guard,
+            max_result_bytes=config.max_response_bytes + (1 << 20),
+            max_request_bytes=config.max_request_bytes,
+            header_timeout=defaults.header_timeout_seconds,
+            body_timeout=defaults.body_timeout_seconds,
+            max_connections=defaults.max_connections,
+            max_connections_per_client=defaults.max_connections_per_client,
+            first_header_timeout=defaults.first_header_timeout_seconds,
+            max_bytes_in_flight=defaults.max_bytes_in_flight,
+            max_bytes_per_client=defaults.max_bytes_per_client,
+            body_stall_timeout=defaults.body_stall_seconds,
+            reactor=reactor,
+        )
+        self.site.guard = self.guard
+        self.ports: list[Any] = []
+        self._guards: list[AcceptGuard] = []
+        self._depth_call: Any = None
+        #: Fires once the gateway listens (twistd ignores startService's result).
+        self.ready: Deferred[None] = Deferred()
+        self.ready.addErrback(lambda _: None)
+        #: Stop the reactor when the start fails (C{twistd}, C{kcoral gateway}).
+        self.exit_on_failure = False
+
+    # -- NATS events, on the reactor thread ----------------------------------------
+
+    def _connection(self, connected: bool) -> None:
+        now = self._reactor.seconds()
+        if connected:
+            self.pool.resume(now)
+            self.queue.connection_changed(True)
+        else:
+            self.pool.suspend()
+
+    def _presence(self, presence: Presence) -> None:
+        if self.pool.update(presence, self._reactor.seconds()):
+            self.log.info(
+                "node {node} joined: {seats} seats, {gpus} GPUs, class {compat}",
+                kcoral_event="node_joined",
+                node=presence.node,
+                seats=presence.seats,
+                gpus=presence.gpus,
+                compat=presence.compat,
+            )
+
+    def _node_removed(self, node: str) -> None:
+        if self.pool.remove(node):
+            self.log.info("node {node} left", kcoral_event="node_left", node=node)
+
+    def _claim(self, job: str, claim: Claim) -> None:
+        self.dispatcher.claimed(job, claim)
+
+    # -- life --------------------------------------------------------------------
+
+    def startService(self) -> None:
+        super().startService()
+        self.threadpool.start()
+        self.api.started_at = self._reactor.seconds()
+        d = Deferred.fromCoroutine(self._start())
+
+        def failed(failure: Any) -> None:
+            self.log.failure("gateway failed to start", failure, kcoral_event="server_start_failed")
+            if not self.ready.called:
+                self.ready.errback(failure)
+            if self.exit_on_failure:
+                START_FAILED.append(str(failure.value))
+                self._reactor.stop()
+
+        d.addCallbacks(lambda _: self.ready.callback(None), failed)
+
+    async def _start(self) -> None:
+        config = self.config
+        if config.credentials_file is not None:
+            self.bridge.credentials = load_credentials(str(config.credentials_file))
+        if config.auth_token_file is not None:
+            from kcoral.server.http.auth import TokenGuard, load_tokens
+
+            self.guard.clients = TokenGuard(
+                self.api.resource(),
+                load_tokens(config.auth_token_file),
+                public_metrics=config.public_metrics,
+            )
+        await self.bridge.start()
+        await self.queue.setup()
+        self.dispatcher.start()
+        self._refresh_depth()
+        raise_fd_limit()
+        self.ports = await listen_all(self._reactor, self.config.endpoints, self.site)
+        for port in self.ports:
+            accepting = AcceptGuard.install(port, self.site, self._reactor)
+            if accepting is not None:
+                self._guards.append(accepting)
+            address = port.getHost()
+            self.log.info(
+                "gateway listening on {host}:{port}, nodes reach it at {public_url}",
+                kcoral_event="server_listening",
+                host=getattr(address, "host", None),
+                port=getattr(address, "port", None),
+                public_url=self.config.public_url,
+            )
+
+    def _refresh_depth(self) -> None:
+        def again(_: object) -> None:
+            if self.running:
+                self._depth_call = self._reactor.callLater(DEPTH_INTERVAL, self._refresh_depth)
+
+        self.queue.refresh_depth().addBoth(again)
+
+    def stopService(self) -> Deferred[None]:
+        return Deferred.fromCoroutine(self._stop())
+
+    async def _stop(self) -> None:
+        await maybeDeferred(super().stopService)
+        if self._depth_call is not None and self._depth_call.active():
+            self._depth_call.cancel()
+        for guard in self._guards:
+            guard.stop()
+        for port in self.ports:
+            await maybeDeferred(port.stopListening)
+        self.ports = []
+        self.dispatcher.stop()
+        self.queue.stop()
+        try:
+            await self.bridge.stop()
+        except Exception:
+            self.log.failure("NATS bridge did not stop cleanly")
+        self.threadpool.stop()
+
+    @property
+    def port(self) -> Any:
+        """The first listening port, or C{None}."""
+        return self.ports[0] if self.ports else None
+
+
+def makeService(config: GatewayConfig, reactor: Any = None) -> GatewayService:
+    """The gateway's root service for C{config}."""
+    if reactor is None:
+        from twisted.internet import reactor as default
+
+        reactor = default
+    return GatewayService(config, reactor)

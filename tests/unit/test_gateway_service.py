@@ -1,0 +1,185 @@
+"""
+C{kcoral gateway}'s options, twistd plugin and .tac
+(L{kcoral.gateway.tap}, L{kcoral.gateway.service}), and its guard of the
+node-facing routes (L{kcoral.gateway.api.PoolGuard}).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from twisted.application.service import IServiceMaker
+from twisted.internet.task import Clock
+from twisted.plugin import getPlugins
+from twisted.python import usage
+from zope.interface.verify import verifyObject
+
+from kcoral.gateway import tap
+from kcoral.gateway.api import GatewayRequest, PoolGuard, _pool_job
+from kcoral.gateway.dispatch import Dispatcher, PendingJob
+from kcoral.gateway.jobs import JobMessage
+from kcoral.gateway.pool import PoolView
+from kcoral.gateway.service import GatewayConfig, GatewayService
+from kcoral.testing.gateway import FakeJobQueue
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def parse(*args: str) -> tap.Options:
+    options = tap.Options()
+    options.parseOptions(list(args))
+    return options
+
+
+def test_options() -> None:
+    """The flags become a L{GatewayConfig}; the public URL follows the port."""
+    config = parse(
+        "--nats",
+        "nats://127.0.0.1:4222,nats://127.0.0.1:4223",
+        "--port",
+        "9100",
+        "--queue-size",
+        "7",
+        "--presence-timeout",
+        "2.5",
+        "--preference-window",
+        "0",
+    ).config
+    assert config.nats_urls == ("nats://127.0.0.1:4222", "nats://127.0.0.1:4223")
+    assert config.public_url == "http://127.0.0.1:9100"
+    assert config.endpoints == ("tcp:port=9100:interface=127.0.0.1:backlog=1024",)
+    assert (config.queue_size, config.presence_timeout, config.preference_window) == (7, 2.5, 0.0)
+    tls = parse(
+        "--nats",
+        "tls://nats.example:4222",
+        "--listen",
+        "ssl:9443:privateKey=k.pem:certKey=c.pem",
+        "--public-url",
+        "https://gw.example:9443/",
+    ).config
+    assert tls.public_url == "https://gw.example:9443"
+    wild = parse("--nats", "nats://x:1", "--host", "0.0.0.0", "--port", "9001").config
+    assert wild.public_url == "http://127.0.0.1:9001"
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        [],
+        ["--nats", "http://x"],
+        ["--nats", "nats://x", "--queue-size", "0"],
+        ["--nats", "nats://x", "--queue-size", "many"],
+        ["--nats", "nats://x", "--presence-timeout", "0"],
+        ["--nats", "nats://x", "--preference-window", "-1"],
+        ["--nats", "nats://x", "--port", "70000"],
+        ["--nats", "nats://x", "--public-url", "ftp://x"],
+        ["--nats", "nats://x", "--queue-timeout", "nan"],
+        ["--nats", "nats://x", "--nats-credentials", "/nonexistent/creds"],
+        ["--nats", "nats://x", "--auth-token-file", "/nonexistent/tokens"],
+    ],
+)
+def test_options_refused(args: list[str]) -> None:
+    """Bad flags are usage errors."""
+    with pytest.raises(usage.UsageError):
+        parse(*args)
+
+
+def test_plugin() -> None:
+    """twistd finds the C{kcoral-gateway} plugin, and it provides L{IServiceMaker}."""
+    import sys
+
+    sys.path.insert(0, str(ROOT))
+    try:
+        import twisted.plugins
+
+        makers = {p.tapname: p for p in getPlugins(IServiceMaker, twisted.plugins)}
+    finally:
+        sys.path.remove(str(ROOT))
+    maker = makers["kcoral-gateway"]
+    assert verifyObject(IServiceMaker, maker)
+    assert maker.options is tap.Options or isinstance(maker.options(), tap.Options)
+
+
+def test_make_service(tmp_path: Path) -> None:
+    """The service tree is built without connecting or listening."""
+    creds = tmp_path / "gw.json"
+    creds.write_text(json.dumps({"user": "gateway", "password": "pw"}))
+    options = parse("--nats", "nats://127.0.0.1:4222", "--nats-credentials", str(creds))
+    service = tap.makeService(options)
+    assert isinstance(service, GatewayService)
+    assert service.exit_on_failure
+    assert service.config.credentials_file == creds
+    assert service.site.guard is service.guard
+    assert service.site.max_result_bytes > service.config.max_response_bytes
+
+
+def test_tac_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """contrib/kcoral-gateway.tac builds an application (nothing starts)."""
+    from twisted.application.service import IServiceCollection, loadApplication
+
+    monkeypatch.chdir(tmp_path)
+    application = loadApplication(str(ROOT / "contrib" / "kcoral-gateway.tac"), "python")
+    services = list(IServiceCollection(application))
+    assert len(services) == 1 and isinstance(services[0], GatewayService)
+
+
+def test_config_validates() -> None:
+    """The config refuses impossible values."""
+    with pytest.raises((TypeError, ValueError)):
+        GatewayConfig(nats_urls=["nats://x"], endpoints=[], public_url="http://x", queue_size=0)
+
+
+def _dispatcher_with_job(token: str = "secret") -> Dispatcher:
+    dispatcher = Dispatcher(FakeJobQueue(), PoolView(presence_timeout=3.0), Clock())
+    message = JobMessage(
+        job="j1", request_id="r", program="{}", deadline=10.0, token=token, gateway="http://g"
+    )
+    dispatcher.jobs["j1"] = PendingJob(message=message, compat="a" * 16, gpus=0, timeout_seconds=1)
+    return dispatcher
+
+
+def test_guard_job_token() -> None:
+    """Node-facing paths need their own job's token; client paths the client tokens."""
+    guard = PoolGuard(None, _dispatcher_with_job())  # type: ignore[arg-type]
+    blob = b"/_pool/jobs/j1/blobs/" + b"0" * 64
+    assert not guard.refuses(blob, b"Bearer secret")
+    assert not guard.refuses(b"/_pool/jobs/j1/result", b"Bearer secret")
+    assert guard.refuses(blob, b"Bearer wrong")
+    assert guard.refuses(blob, None)
+    assert guard.refuses(b"/_pool/jobs/j2/result", b"Bearer secret")
+    assert guard.refuses(b"/_pool/jobs/../result", b"Bearer secret")
+    assert not guard.refuses(b"/execute", None)
+    assert _pool_job(b"/_pool/jobs/j1/result") == "j1"
+    assert _pool_job(b"/_pool/jobs/a.b/result") is None
+
+    class Clients:
+        def refuses(self, path: bytes, authorization: bytes | None) -> bool:
+            return authorization != b"Bearer client"
+
+    guarded = PoolGuard(None, _dispatcher_with_job(), Clients())  # type: ignore[arg-type]
+    assert guarded.refuses(b"/execute", None)
+    assert not guarded.refuses(b"/execute", b"Bearer client")
+    # A client token is no job token, a job token no client token.
+    assert guarded.refuses(b"/_pool/jobs/j1/result", b"Bearer client")
+    assert guarded.refuses(b"/execute", b"Bearer secret")
+
+
+def test_result_limit() -> None:
+    """Result posts may be as large as a response; other bodies keep the request limit."""
+
+    class Site:
+        max_request_bytes = 10
+        max_result_bytes = 1000
+        _parsePOSTFormSubmission = False
+
+    class Channel:
+        site = Site()
+        _path = b"/_pool/jobs/j1/result"
+
+    request = GatewayRequest.__new__(GatewayRequest)
+    request.channel = Channel()
+    assert request._limit() == 1000
+    Channel._path = b"/execute"
+    assert request._limit() == 10

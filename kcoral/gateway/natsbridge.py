@@ -41,6 +41,9 @@ _T = TypeVar("_T")
 #: its JetStream context.
 NatsWork = Callable[["Client", "JetStreamContext"], Awaitable[_T]]
 
+#: Seconds between two log lines of the same connection error.
+ERROR_LOG_INTERVAL = 60.0
+
 #: The JWT marker of a NATS C{.creds} file.
 CREDS_MARKER = "-----BEGIN NATS USER JWT-----"
 
@@ -168,8 +171,16 @@ class NatsBridge:
         async def reconnected() -> None:
             self._set_connected(True)
 
+        last: dict[str, float] = {}
+
         async def error(e: Exception) -> None:
-            self._from_loop(self.log.warn, "nats {name}: {error}", name=self.name, error=repr(e))
+            # The same error again (a server down, retried twice a second)
+            # is logged once a minute.
+            text, now = repr(e), asyncio.get_running_loop().time()
+            if now - last.get(text, -ERROR_LOG_INTERVAL) < ERROR_LOG_INTERVAL:
+                return
+            last[text] = now
+            self._from_loop(self.log.warn, "nats {name}: {error}", name=self.name, error=text)
 
         options: dict[str, Any] = dict(self.credentials.connect_options())
         if self.tls is not None:

@@ -10,6 +10,7 @@ in reverse: the ports first, then every waiting job is answered, then NATS.
 
 from __future__ import annotations
 
+import asyncio
 import ssl
 from collections.abc import Iterable
 from pathlib import Path
@@ -19,7 +20,7 @@ import attrs
 from attrs import field
 from attrs.validators import ge, gt, instance_of, optional
 from twisted.application.service import MultiService
-from twisted.internet.defer import Deferred, maybeDeferred
+from twisted.internet.defer import CancelledError, Deferred, maybeDeferred
 from twisted.logger import Logger
 from twisted.python.threadpool import ThreadPool
 
@@ -235,12 +236,14 @@ class GatewayService(MultiService):
                 load_tokens(config.auth_token_file),
                 public_metrics=config.public_metrics,
             )
-        await self.bridge.start()
-        await self.queue.setup()
+        # NATS may come later: until it does, new work is answered 503 and
+        # /health says so; nats-py keeps trying meanwhile.
+        connected = self.bridge.start()
+        connected.addCallback(lambda _: self.queue.setup())
+        connected.addCallbacks(self._nats_ready, self._nats_failed)
         self.dispatcher.start()
-        self._refresh_depth()
         raise_fd_limit()
-        self.ports = await listen_all(self._reactor, self.config.endpoints, self.site)
+        self.ports = await listen_all(self._reactor, config.endpoints, self.site)
         for port in self.ports:
             accepting = AcceptGuard.install(port, self.site, self._reactor)
             if accepting is not None:
@@ -251,8 +254,29 @@ class GatewayService(MultiService):
                 kcoral_event="server_listening",
                 host=getattr(address, "host", None),
                 port=getattr(address, "port", None),
-                public_url=self.config.public_url,
+                public_url=config.public_url,
             )
+
+    def _nats_ready(self, _: object) -> None:
+        self.log.info(
+            "job queue ready on {servers}",
+            kcoral_event="nats_connection",
+            name=self.bridge.name,
+            state="ready",
+            connected=True,
+            servers=list(self.config.nats_urls),
+        )
+        self._refresh_depth()
+
+    def _nats_failed(self, failure: Any) -> None:
+        if failure.check(CancelledError, asyncio.CancelledError) or not self.running:
+            return
+        self.log.failure(
+            "gateway could not set up its job queue", failure, kcoral_event="server_start_failed"
+        )
+        if self.exit_on_failure and self.running:
+            START_FAILED.append(str(failure.value))
+            self._reactor.stop()
 
     def _refresh_depth(self) -> None:
         def again(_: object) -> None:

@@ -31,6 +31,7 @@ DISTRIBUTION_OF = {
     "cupti": "cupti-python",
     "tvm_ffi": "apache-tvm-ffi",
     "prometheus_client": "prometheus-client",
+    "nats": "nats-py",
 }
 
 #: Imported only when present, never required: the worker hands tensors to

@@ -1,0 +1,392 @@
+#!/usr/bin/env python3
+"""
+C{kcoral gateway} against going direct to a node (issue 37's targets).
+
+Self-contained: starts its own C{nats-server} (C{--nats-server PATH}, else
+the one on C{PATH}), a gateway and CPU nodes that join it (C{kcoral server
+--join}), all on loopback, and stops them at the end.
+
+Phases (C{--phases}, comma-separated; all by default):
+
+  - C{latency}: null-program p50 through the gateway and direct to the
+    node it runs on, one request at a time on a keep-alive connection
+    (target: the gateway adds at most 2 ms);
+  - C{kills}: C{--jobs} programs from C{--concurrency} threads while a
+    node is SIGKILLed (and a fresh one joins) every C{--kill-every}
+    seconds; each program appends its job tag to a file, so a double
+    execution shows; every answer must be COMPLETED, 503 or 502 (target:
+    0 double executions, 0 lost answers);
+  - C{bigblob}: a C{--big-mib} blob up and the same bytes back, through
+    the gateway and direct (target: within 1.5x);
+  - C{throughput}: null-program requests/s from C{--concurrency} clients
+    through the gateway with one node, then with three (target: at least
+    2.7x on a machine with the cores, e.g. 16).
+
+Prints each figure and writes C{bench/results/gateway.json} (C{--output}).
+
+Example (the GPU machine's 16 cores, CPU nodes)::
+
+    python3 bench/gateway.py --node-workers 4 --concurrency 24
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import common  # noqa: E402
+
+from kcoral.testing.gateway import GatewayProcess  # noqa: E402
+from kcoral.testing.live_server import ServerProcess  # noqa: E402
+from kcoral.testing.nats import NatsServer  # noqa: E402
+
+NULL = common.module_program("def noop():\n    return None\n", [("noop", [], False)])
+
+MARK_SOURCE = (
+    "import os\n"
+    "def mark(path, tag):\n"
+    "    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)\n"
+    "    try:\n"
+    "        os.write(fd, (tag + '\\n').encode())\n"
+    "    finally:\n"
+    "        os.close(fd)\n"
+    "    return tag\n"
+)
+
+ECHO_SOURCE = "def echo(x):\n    return bytes(x)\n"
+
+
+class Pool:
+    """nats-server, a gateway and joined CPU nodes, on loopback."""
+
+    def __init__(self, args: argparse.Namespace, tmp: Path) -> None:
+        self.args = args
+        self.tmp = tmp
+        self.node_ids = [f"node-{i}" for i in range(args.max_nodes)]
+        self.nats = NatsServer(node_ids=self.node_ids, directory=tmp / "nats")
+        self.gateway: GatewayProcess | None = None
+        self.nodes: dict[str, ServerProcess] = {}
+        self.free_ids = list(self.node_ids)
+
+    def start(self) -> Pool:
+        if self.args.nats_server:
+            os.environ["PATH"] = (
+                str(Path(self.args.nats_server).resolve().parent) + os.pathsep + os.environ["PATH"]
+            )
+        self.nats.start()
+        limit = str(self.args.big_mib * 1024 * 1024 + 16 * 1024 * 1024)
+        self.gateway = GatewayProcess(
+            self.nats.url,
+            self.nats.credentials_file("gateway"),
+            args=[
+                "--max-request-bytes",
+                limit,
+                "--max-response-bytes",
+                limit,
+                "--queue-timeout",
+                "120",
+            ],
+            log_path=self.tmp / "gateway.log",
+        ).start()
+        return self
+
+    @property
+    def port(self) -> int:
+        assert self.gateway is not None
+        return self.gateway.port
+
+    def add_node(self) -> str:
+        node_id = self.free_ids.pop(0)
+        limit = str(self.args.big_mib * 1024 * 1024 + 16 * 1024 * 1024)
+        server = ServerProcess(
+            [
+                "--device",
+                "cpu",
+                "--num-workers",
+                str(self.args.node_workers),
+                "--max-requests-per-worker",
+                "0",
+                "--sandbox",
+                self.args.sandbox,
+                "--log-dir",
+                "",
+                "--max-request-bytes",
+                limit,
+                "--max-response-bytes",
+                limit,
+                "--join",
+                self.nats.url,
+                "--node-id",
+                node_id,
+                "--credentials",
+                str(self.nats.credentials_file(node_id)),
+            ],
+            log_path=self.tmp / f"{node_id}.log",
+        )
+        self.nodes[node_id] = server.start(timeout=180)
+        self.wait_nodes(len(self.nodes))
+        return node_id
+
+    def wait_nodes(self, count: int) -> None:
+        assert self.gateway is not None
+        self.gateway.wait_for_nodes(count, timeout=120)
+
+    def kill_node(self, node_id: str) -> None:
+        import psutil
+
+        server = self.nodes.pop(node_id)
+        assert server.process is not None
+        try:
+            tree = psutil.Process(server.process.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            tree = []
+        server.process.send_signal(signal.SIGKILL)
+        server.process.wait()
+        for child in tree:
+            try:
+                child.kill()
+            except psutil.NoSuchProcess:
+                pass
+
+    def stop_node(self, node_id: str) -> None:
+        self.nodes.pop(node_id).stop()
+
+    def stop(self) -> None:
+        for server in self.nodes.values():
+            server.stop()
+        self.nodes.clear()
+        if self.gateway is not None:
+            self.gateway.stop()
+        self.nats.cleanup()
+
+
+def null_one(conn: common.Connection, _i: int) -> float:
+    reply = conn.execute(NULL)
+    if reply.outcome != "COMPLETED":
+        raise RuntimeError(f"null program answered {reply.outcome}: {reply.describe_error()}")
+    return reply.wall_ms
+
+
+def latency(pool: Pool, args: argparse.Namespace) -> dict[str, Any]:
+    """Null-program p50 through the gateway and direct to its one node."""
+    node = next(iter(pool.nodes.values()))
+    out: dict[str, Any] = {}
+    for label, port in (("direct", node.port), ("gateway", pool.port), ("direct2", node.port)):
+        common.run_concurrent("127.0.0.1", port, 1, args.warmup, null_one)
+        walls, _ = common.run_concurrent("127.0.0.1", port, 1, args.sequential, null_one)
+        out[label] = common.describe(walls)
+        print(f"  {label:<8} {common.fmt(out[label])}")
+    direct = min(out["direct"]["p50"], out["direct2"]["p50"])
+    out["added_p50_ms"] = out["gateway"]["p50"] - direct
+    print(f"  the gateway adds {out['added_p50_ms']:.2f} ms p50 (target <= 2 ms)")
+    return out
+
+
+def kills(pool: Pool, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """C{--jobs} marked programs while nodes die and join."""
+    marks = tmp / "marks"
+    outcomes: dict[str, int] = {}
+    answered: dict[str, str] = {}
+    lost: list[str] = []
+    tags = [uuid.uuid4().hex for _ in range(args.jobs)]
+    lock = threading.Lock()
+    stop = threading.Event()
+    killed = 0
+
+    def one(conn: common.Connection, i: int) -> str:
+        program = common.module_program(MARK_SOURCE, [("mark", [str(marks), tags[i]], False)])
+        try:
+            reply = conn.execute(program)
+        except Exception as e:  # noqa: BLE001 - counted
+            conn.close()
+            with lock:
+                lost.append(f"{tags[i]}: {type(e).__name__}: {e}")
+            return "lost"
+        if reply.status == 200 and reply.outcome == "COMPLETED":
+            outcome = "COMPLETED"
+        elif reply.status in (502, 503):
+            outcome = str(reply.status)
+        else:
+            outcome = f"other {reply.status} {reply.outcome}"
+            with lock:
+                lost.append(f"{tags[i]}: {outcome}: {reply.describe_error()}")
+        with lock:
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+            answered[tags[i]] = outcome
+        return outcome
+
+    def killer() -> None:
+        nonlocal killed
+        rng = random.Random(args.seed)
+        while not stop.wait(args.kill_every):
+            if len(pool.nodes) < 2:
+                continue
+            victim = rng.choice(sorted(pool.nodes))
+            pool.kill_node(victim)
+            killed += 1
+            if pool.free_ids:
+                try:
+                    pool.add_node()
+                except Exception as e:  # noqa: BLE001 - reported
+                    print(f"  a replacement node failed to join: {e}")
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    started = time.perf_counter()
+    try:
+        common.run_concurrent("127.0.0.1", pool.port, args.concurrency, args.jobs, one)
+    finally:
+        stop.set()
+        thread.join()
+    seconds = time.perf_counter() - started
+    runs: dict[str, int] = {}
+    if marks.exists():
+        for line in marks.read_text().split():
+            runs[line] = runs.get(line, 0) + 1
+    doubles = sorted(t for t, n in runs.items() if n > 1)
+    # COMPLETED means run exactly once; 503 means never run.
+    completed_wrong = [t for t, o in answered.items() if o == "COMPLETED" and runs.get(t) != 1]
+    busy_but_ran = [t for t, o in answered.items() if o == "503" and runs.get(t, 0) > 0]
+    out = {
+        "jobs": args.jobs,
+        "seconds": seconds,
+        "nodes_killed": killed,
+        "outcomes": outcomes,
+        "double_executions": len(doubles),
+        "lost_answers": len(lost),
+        "lost_examples": lost[:5],
+        "runs_recorded": sum(runs.values()),
+        "completed_not_run_once": len(completed_wrong),
+        "503_but_ran": len(busy_but_ran),
+    }
+    print(
+        f"  {args.jobs} jobs in {seconds:.1f} s, {killed} nodes killed: {outcomes}; "
+        f"double executions {len(doubles)}, lost answers {len(lost)} (targets 0, 0); "
+        f"COMPLETED not run once {len(completed_wrong)}, 503 that ran {len(busy_but_ran)}"
+    )
+    return out
+
+
+def bigblob(pool: Pool, args: argparse.Namespace) -> dict[str, Any]:
+    """A C{--big-mib} blob up and back, direct and through the gateway (fresh blob each)."""
+    node = next(iter(pool.nodes.values()))
+    out: dict[str, Any] = {}
+    for label, port in (("direct", node.port), ("gateway", pool.port)):
+        blob = os.urandom(args.big_mib * 1024 * 1024)
+        digest = hashlib.sha256(blob).hexdigest()
+        program = {
+            "instructions": [
+                {"op": "upload", "id": "m", "kind": "module", "source": ECHO_SOURCE},
+                {"op": "get_function", "id": "f", "module": {"$ref": "m"}, "name": "echo"},
+                {"op": "upload", "id": "b", "kind": "bytes", "blob": digest},
+                {"op": "run", "id": "r", "fn": {"$ref": "f"}, "args": [{"$ref": "b"}]},
+                {"op": "return", "key": "out", "value": {"$ref": "r"}},
+            ]
+        }
+        conn = common.Connection("127.0.0.1", port, timeout=600)
+        try:
+            reply, attempts, wall_ms = conn.execute_like_client(program, [blob])
+        finally:
+            conn.close()
+        if reply.outcome != "COMPLETED":
+            raise RuntimeError(f"{label}: {reply.outcome}: {reply.describe_error()}")
+        back = next(iter(reply.parts.values()), b"")
+        if hashlib.sha256(back).hexdigest() != digest:
+            raise RuntimeError(f"{label}: the bytes came back different")
+        out[label] = {"wall_ms": wall_ms, "attempts": attempts}
+        print(
+            f"  {label:<8} {args.big_mib} MiB up and back in {wall_ms:.0f} ms ({attempts} attempts)"
+        )
+        del blob, back, reply
+    out["ratio"] = out["gateway"]["wall_ms"] / out["direct"]["wall_ms"]
+    print(f"  gateway / direct = {out['ratio']:.2f}x (target <= 1.5x)")
+    return out
+
+
+def throughput(pool: Pool, args: argparse.Namespace) -> dict[str, Any]:
+    """Null-program requests/s through the gateway with one node, then three."""
+    out: dict[str, Any] = {}
+    while len(pool.nodes) > 1:
+        pool.stop_node(sorted(pool.nodes)[-1])
+    pool.wait_nodes(1)
+    for count in (1, 3):
+        while len(pool.nodes) < count:
+            pool.add_node()
+        common.run_concurrent("127.0.0.1", pool.port, args.concurrency, args.warmup * 4, null_one)
+        walls, seconds = common.run_concurrent(
+            "127.0.0.1", pool.port, args.concurrency, args.requests, null_one, args.max_seconds
+        )
+        rate = len(walls) / seconds
+        out[f"nodes_{count}"] = {"requests": len(walls), "seconds": seconds, "per_second": rate}
+        print(f"  {count} node(s): {len(walls)} requests in {seconds:.2f} s = {rate:.1f} req/s")
+    out["ratio"] = out["nodes_3"]["per_second"] / out["nodes_1"]["per_second"]
+    print(f"  3 nodes / 1 node = {out['ratio']:.2f}x (target >= 2.7x with the cores)")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nats-server", help="the nats-server executable [default: on PATH]")
+    parser.add_argument(
+        "--phases", default="latency,kills,bigblob,throughput", help="comma-separated phases"
+    )
+    parser.add_argument("--node-workers", type=int, default=2, help="--num-workers of each node")
+    parser.add_argument("--sandbox", default="none", help="--sandbox of each node")
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--sequential", type=int, default=200)
+    parser.add_argument("--jobs", type=int, default=1000)
+    parser.add_argument("--kill-every", type=float, default=5.0, help="seconds between kills")
+    parser.add_argument("--seed", type=int, default=37)
+    parser.add_argument("--big-mib", type=int, default=256)
+    parser.add_argument("--requests", "-n", type=int, default=1000)
+    parser.add_argument("--concurrency", "-c", type=int, default=8)
+    parser.add_argument("--max-seconds", type=float, default=60.0)
+    parser.add_argument(
+        "--output", default=str(Path(__file__).resolve().parent / "results" / "gateway.json")
+    )
+    args = parser.parse_args(argv)
+    args.max_nodes = 12
+    phases = [p.strip() for p in args.phases.split(",") if p.strip()]
+    tmp = Path(tempfile.mkdtemp(prefix="kcoral-bench-gateway-"))
+    pool = Pool(args, tmp).start()
+    results: dict[str, Any] = {"cpus": os.cpu_count(), "args": vars(args)}
+    try:
+        pool.add_node()
+        if "latency" in phases:
+            print("latency (null program, sequential):")
+            results["latency"] = latency(pool, args)
+        if "bigblob" in phases:
+            print(f"{args.big_mib} MiB round trip:")
+            results["bigblob"] = bigblob(pool, args)
+        if "kills" in phases:
+            while len(pool.nodes) < 3:
+                pool.add_node()
+            print(f"{args.jobs} jobs with node kills every {args.kill_every:.0f} s:")
+            results["kills"] = kills(pool, args, tmp)
+        if "throughput" in phases:
+            print(f"throughput (null program, concurrency {args.concurrency}):")
+            results["throughput"] = throughput(pool, args)
+    finally:
+        pool.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    common.write_result(args.output, results)
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,434 @@
+"""
+C{kcoral gateway} end to end: a real C{nats-server} on loopback
+(L{kcoral.testing.nats}), a real gateway and real CPU nodes that join it
+(C{kcoral server --join}), driven by the reference client 0.1.1 unchanged
+where the client matters and by raw HTTP where the exact answer does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from kcoral.testing.gateway import GatewayProcess
+from kcoral.testing.live_server import ServerProcess, post_program
+from kcoral.testing.nats import NatsServer, nats_server_binary
+
+from .refclient import RefClientUnavailable, _clean_env, _run, ensure_venv
+
+pytestmark = pytest.mark.skipif(
+    nats_server_binary() is None, reason="nats-server is not installed (./dev.sh install)"
+)
+
+NODES = ("node-a", "node-b", "node-c")
+PRESENCE_TIMEOUT = 3.0
+
+#: A module whose function appends a line to a file (the proof of each run),
+#: sleeps, and returns the pid and interval it ran in.
+SIDE_EFFECT = (
+    "import os, time\n"
+    "def f(path, seconds):\n"
+    "    start = time.time()\n"
+    "    with open(path, 'a') as fh:\n"
+    "        fh.write('ran %d\\n' % os.getpid())\n"
+    "    time.sleep(seconds)\n"
+    "    return [os.getpid(), start, time.time()]\n"
+)
+
+
+def side_effect_program(path: Path, seconds: float) -> dict[str, Any]:
+    return {
+        "instructions": [
+            {"op": "upload", "id": "m", "kind": "module", "source": SIDE_EFFECT},
+            {"op": "get_function", "id": "f", "module": {"$ref": "m"}, "name": "f"},
+            {"op": "run", "id": "r", "fn": {"$ref": "f"}, "args": [str(path), seconds]},
+            {"op": "return", "key": "out", "value": {"$ref": "r"}},
+        ]
+    }
+
+
+class Pool:
+    """A nats-server, a gateway and nodes, all on loopback; stopped in reverse."""
+
+    def __init__(self, tmp: Path, *gateway_args: str) -> None:
+        self.tmp = tmp
+        self.nats = NatsServer(node_ids=NODES, directory=tmp / "nats")
+        self.gateway: GatewayProcess | None = None
+        self.gateway_args = gateway_args
+        self.nodes: dict[str, ServerProcess] = {}
+
+    def start(self) -> Pool:
+        self.nats.start()
+        self.gateway = GatewayProcess(
+            self.nats.url,
+            self.nats.credentials_file("gateway"),
+            args=["--presence-timeout", str(PRESENCE_TIMEOUT), *self.gateway_args],
+            log_path=self.tmp / "gateway.log",
+        ).start()
+        return self
+
+    @property
+    def port(self) -> int:
+        assert self.gateway is not None
+        return self.gateway.port
+
+    @property
+    def url(self) -> str:
+        assert self.gateway is not None
+        return self.gateway.url
+
+    def node(self, node_id: str, *, seats: int = 1, extra: tuple[str, ...] = ()) -> ServerProcess:
+        """Start node C{node_id} and wait until the gateway sees it."""
+        assert self.gateway is not None
+        server = ServerProcess(
+            [
+                "--device",
+                "cpu",
+                "--num-workers",
+                str(seats),
+                "--sandbox",
+                "none",
+                "--log-dir",
+                "",
+                "--join",
+                self.nats.url,
+                "--node-id",
+                node_id,
+                "--credentials",
+                str(self.nats.credentials_file(node_id)),
+                *extra,
+            ],
+            log_path=self.tmp / f"{node_id}.log",
+        )
+        self.nodes[node_id] = server.start(timeout=120)
+        self.wait_for(lambda h: node_id in {n["node"] for n in h["gateway"]["nodes"]})
+        return server
+
+    def kill_node(self, node_id: str) -> None:
+        """SIGKILL the node and every process below it."""
+        server = self.nodes.pop(node_id)
+        assert server.process is not None
+        try:
+            tree = psutil.Process(server.process.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            tree = []
+        server.process.send_signal(signal.SIGKILL)
+        server.process.wait()
+        for child in tree:
+            try:
+                child.kill()
+            except psutil.NoSuchProcess:
+                pass
+
+    def health(self) -> dict[str, Any]:
+        assert self.gateway is not None
+        return self.gateway.health()
+
+    def wait_for(
+        self, condition: Callable[[dict[str, Any]], bool], timeout: float = 60.0
+    ) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            health = self.health()
+            if condition(health):
+                return health
+            if time.monotonic() > deadline:
+                raise AssertionError(f"gateway never got there: {health['gateway']}")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        for server in self.nodes.values():
+            server.stop()
+        self.nodes.clear()
+        if self.gateway is not None:
+            self.gateway.stop()
+        self.nats.cleanup()
+
+
+@pytest.fixture
+def pool(tmp_path: Path) -> Iterator[Pool]:
+    pool = Pool(tmp_path).start()
+    try:
+        yield pool
+    finally:
+        pool.stop()
+
+
+@pytest.fixture(scope="module")
+def refclient_python() -> Path:
+    try:
+        return ensure_venv() / "bin" / "python"
+    except RefClientUnavailable as e:  # pragma: no cover - needs PyPI
+        pytest.skip(str(e))
+
+
+#: Runs in the reference client's virtualenv: argv = URL, headers JSON, the
+#: program kind; prints one JSON line with the results and each HTTP attempt.
+REF_SCRIPT = r"""
+import json, sys, hashlib
+from kcoral import Client, Program, KCoralError
+
+url, headers, blob_hex = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+attempts = []
+
+def hook(response):
+    response.read()
+    response.request.read()
+    status = None
+    if response.headers.get("content-type", "").startswith("application/json"):
+        status = json.loads(response.content).get("status")
+    elif response.headers.get("content-type", "").startswith("multipart/form-data"):
+        status = "multipart"
+    attempts.append({"http": response.status_code, "status": status,
+                     "blobs": response.request.content.count(b'name="blob:'),
+                     "node": response.headers.get("x-kcoral-node")})
+
+client = Client(url, headers=headers or None)
+client._http.event_hooks["response"].append(hook)
+blob = bytes.fromhex(blob_hex)
+p = Program()
+m = p.upload(kind="module", source="import hashlib\ndef f(x):\n    return hashlib.sha256(x).hexdigest()\n")
+f = p.get_function(module=m, name="f")
+x = p.upload(kind="bytes", value=blob)
+p.return_(key="h", value=p.run(fn=f, args=[x]))
+out = {"attempts": attempts}
+try:
+    r = client.execute(p)
+    out.update(status=r.status, h=r.results.get("h"), error=r.error)
+except KCoralError as e:
+    out.update(status="raised", code=e.status_code, kind=e.kind, message=str(e))
+print("RESULT " + json.dumps(out), flush=True)
+"""
+
+
+def ref_execute(
+    python: Path, url: str, blob: bytes, headers: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """One C{execute} of the hashing program by the reference client, with its attempts."""
+    result = _run(
+        [str(python), "-I", "-", url, json.dumps(headers or {}), blob.hex()],
+        _clean_env(),
+        180,
+        None,
+        script=REF_SCRIPT,
+    )
+    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, result.stdout + result.stderr
+    out: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :])
+    return out
+
+
+def test_cache_miss_answered_by_gateway_then_reused_on_other_node(
+    pool: Pool, refclient_python: Path
+) -> None:
+    """
+    The gateway answers the first CACHE_MISS for the whole pool; a request
+    that then lands on the other node sends no blob again: that node
+    fetches it from the gateway.
+    """
+    pool.node("node-a")
+    pool.node("node-b")
+    blob = os.urandom(70_000)
+    expected = hashlib.sha256(blob).hexdigest()
+    first = ref_execute(refclient_python, pool.url, blob)
+    assert first["status"] == "COMPLETED", first
+    assert first["h"] == expected
+    assert [(a["status"], a["blobs"]) for a in first["attempts"]] == [
+        ("CACHE_MISS", 0),
+        ("COMPLETED", 1),
+    ]
+    ran_on = first["attempts"][-1]["node"]
+    assert ran_on in ("node-a", "node-b")
+    other = "node-b" if ran_on == "node-a" else "node-a"
+    # The client asks for the other node (a preference): no miss, no blob sent.
+    second = ref_execute(refclient_python, pool.url, blob, {"X-KCoral-Node": other})
+    assert second["status"] == "COMPLETED", second
+    assert second["h"] == expected
+    assert [(a["status"], a["blobs"], a["node"]) for a in second["attempts"]] == [
+        ("COMPLETED", 0, other)
+    ]
+
+
+def _run_concurrently(pool: Pool, programs: list[dict[str, Any]]) -> list[Any]:
+    results: list[Any] = [None] * len(programs)
+
+    def one(i: int) -> None:
+        try:
+            results[i] = post_program(pool.port, programs[i], timeout=300)
+        except Exception as e:  # recorded, asserted below
+            results[i] = e
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(programs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def test_seat_limits_under_concurrency(pool: Pool, tmp_path: Path) -> None:
+    """
+    Eight concurrent programs on two one-seat nodes: every one completes,
+    and no node ever runs two at once (their run intervals never overlap).
+    """
+    pool.node("node-a")
+    pool.node("node-b")
+    marks = tmp_path / "marks"
+    programs = [side_effect_program(marks, 0.5) for _ in range(8)]
+    responses = _run_concurrently(pool, programs)
+    by_node: dict[str, list[tuple[float, float]]] = {}
+    for response in responses:
+        assert not isinstance(response, Exception), response
+        assert response.status == 200, response.body
+        body = response.json()
+        assert body["status"] == "COMPLETED", body
+        _pid, start, end = body["results"]["out"]
+        by_node.setdefault(response.headers["x-kcoral-node"], []).append((start, end))
+    assert set(by_node) <= {"node-a", "node-b"}
+    for intervals in by_node.values():
+        intervals.sort()
+        for (_, end), (start, _) in zip(intervals, intervals[1:], strict=False):
+            assert start >= end, intervals
+    assert len(marks.read_text().splitlines()) == 8
+
+
+def test_node_joining_mid_run_takes_work(pool: Pool, tmp_path: Path) -> None:
+    """
+    With the only node's seat held by a long program, a node that joins
+    takes the next job; nothing about the gateway changes.
+    """
+    pool.node("node-a")
+    long_result: list[Any] = []
+    holder = threading.Thread(
+        target=lambda: long_result.append(
+            post_program(pool.port, side_effect_program(tmp_path / "long", 20.0), timeout=300)
+        )
+    )
+    holder.start()
+    pool.wait_for(lambda h: h["load"]["requests_in_progress"] == 1)
+    pool.node("node-b")
+    response = post_program(pool.port, side_effect_program(tmp_path / "short", 0.0), timeout=300)
+    assert response.status == 200 and response.json()["status"] == "COMPLETED"
+    assert response.headers["x-kcoral-node"] == "node-b"
+    holder.join()
+    assert long_result[0].headers["x-kcoral-node"] == "node-a"
+
+
+def test_sigkill_mid_program_gives_502_and_no_second_run(pool: Pool, tmp_path: Path) -> None:
+    """
+    SIGKILL of the node running a program: the client gets 502 "outcome
+    unknown", and the side-effect file proves no other node ran it again.
+    """
+    pool.node("node-a")
+    pool.node("node-b")
+    marks = tmp_path / "marks"
+    answer: list[Any] = []
+    client = threading.Thread(
+        target=lambda: answer.append(
+            post_program(pool.port, side_effect_program(marks, 60.0), timeout=300)
+        )
+    )
+    client.start()
+    deadline = time.monotonic() + 120
+    while not marks.exists() or not marks.read_text():
+        assert time.monotonic() < deadline, "the program never started"
+        time.sleep(0.05)
+    pool.wait_for(lambda h: h["load"]["requests_in_progress"] == 1)
+    # Which node holds it: the one whose free seats dropped, or ask both.
+    busy = [n["node"] for n in pool.health()["gateway"]["nodes"] if n["free"] == 0]
+    victim = busy[0] if busy else "node-a"
+    pool.kill_node(victim)
+    client.join()
+    response = answer[0]
+    assert response.status == 502, response.body
+    body = response.json()
+    assert body["status"] == "ERROR"
+    assert "outcome is unknown" in body["error"]["message"]
+    assert response.headers.get("x-kcoral-node") == victim
+    # The surviving node is idle and would have taken a retry by now.
+    time.sleep(PRESENCE_TIMEOUT)
+    assert len(marks.read_text().splitlines()) == 1
+
+
+def test_every_node_gone_gives_503_never_run(pool: Pool, tmp_path: Path) -> None:
+    """With every node gone, the gateway answers 503 with Retry-After and nothing runs."""
+    pool.node("node-a")
+    pool.kill_node("node-a")
+    pool.wait_for(lambda h: h["gateway"]["pool"]["nodes"] == 0)
+    marks = tmp_path / "marks"
+    response = post_program(pool.port, side_effect_program(marks, 0.0))
+    assert response.status == 503, response.body
+    assert response.headers.get("retry-after") == "1"
+    assert response.json()["error"]["kind"] == "busy"
+    # A node joining later does not run it either.
+    pool.node("node-b")
+    time.sleep(PRESENCE_TIMEOUT)
+    assert not marks.exists()
+
+
+def test_nats_restart_loses_no_queued_job(pool: Pool, tmp_path: Path) -> None:
+    """
+    Jobs queued behind a busy node survive a nats-server restart (file
+    storage): every one completes once the node and gateway reconnect.
+    """
+    pool.node("node-a")
+    marks = tmp_path / "marks"
+    programs = [side_effect_program(marks, 3.0)] + [
+        side_effect_program(marks, 0.0) for _ in range(3)
+    ]
+    results: list[Any] = []
+    runner = threading.Thread(target=lambda: results.extend(_run_concurrently(pool, programs)))
+    runner.start()
+    pool.wait_for(
+        lambda h: h["load"]["requests_in_progress"] == 1 and h["load"]["requests_waiting"] == 3
+    )
+    pool.nats.restart()
+    runner.join()
+    for response in results:
+        assert not isinstance(response, Exception), response
+        assert response.status == 200, response.body
+        assert response.json()["status"] == "COMPLETED", response.body
+    assert len(marks.read_text().splitlines()) == 4
+
+
+ROUND_TRIP = "import hashlib\ndef f(x):\n    return bytes(x)\n"
+
+
+@pytest.mark.slow
+def test_256_mib_blob_and_result_round_trip(tmp_path: Path) -> None:
+    """A 256 MiB blob up and the same 256 MiB back, through the gateway, intact."""
+    limit = str(300 * 1024 * 1024)
+    pool = Pool(tmp_path, "--max-request-bytes", limit, "--max-response-bytes", limit).start()
+    try:
+        pool.node(
+            "node-a",
+            extra=("--max-request-bytes", limit, "--max-response-bytes", limit),
+        )
+        blob = os.urandom(256 * 1024 * 1024)
+        digest = hashlib.sha256(blob).hexdigest()
+        program = {
+            "instructions": [
+                {"op": "upload", "id": "m", "kind": "module", "source": ROUND_TRIP},
+                {"op": "get_function", "id": "f", "module": {"$ref": "m"}, "name": "f"},
+                {"op": "upload", "id": "b", "kind": "bytes", "blob": digest},
+                {"op": "run", "id": "r", "fn": {"$ref": "f"}, "args": [{"$ref": "b"}]},
+                {"op": "return", "key": "out", "value": {"$ref": "r"}},
+            ]
+        }
+        response = post_program(pool.port, program, [blob], timeout=600)
+        assert response.status == 200, response.body[:500]
+        assert response.headers["content-type"].startswith("multipart/form-data")
+        start = response.body.index(blob[:4096])
+        assert hashlib.sha256(response.body[start : start + len(blob)]).hexdigest() == digest
+    finally:
+        pool.stop()

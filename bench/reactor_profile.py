@@ -72,7 +72,7 @@ CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
             "kcoral/server/observe/metrics.py",
             "kcoral/server/observe/status.py",
             "kcoral/server/workers/scratch.py",
-            "kcoral/server/sandbox/bubblewrap.py",
+            "kcoral/server/sandbox/",
         ),
     ),
     (

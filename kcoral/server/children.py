@@ -176,7 +176,7 @@ class WorkerPoolService(AsyncService):
         self._root_dir: Path | None = None
 
     async def start(self) -> None:
-        from kcoral.server.sandbox.bubblewrap import choose_sandbox
+        from kcoral.server.sandbox.probe import choose_sandbox
 
         config, pool = self._config, self.pool
         minors = None

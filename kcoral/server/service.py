@@ -55,7 +55,7 @@ from kcoral.server.children import (
 )
 from kcoral.server.http.app import KcoralAPI
 from kcoral.server.http.site import KcoralSite, make_site
-from kcoral.server.sandbox.bubblewrap import NoSandbox
+from kcoral.server.sandbox.nosandbox import NoSandbox
 from kcoral.server.topology import FrontEnd, HealthReports, Topology
 from kcoral.server.workers.pool import WorkerPool
 

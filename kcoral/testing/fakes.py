@@ -59,7 +59,7 @@ from kcoral.config import ServerConfig
 from kcoral.errors import ExecutionError
 from kcoral.ipc.shared import SharedBuffer
 from kcoral.server.cache import Pin, Resolution
-from kcoral.server.sandbox.bubblewrap import ISandbox
+from kcoral.server.sandbox.interface import ISandbox
 from kcoral.server.workers.job import Job, JobResult
 from kcoral.server.workers.pool import PoolBusy, PoolStopping, Seat, WorkerHandle, WorkerPool
 from kcoral.wire.channel import TO_WORKER_FD, ChannelMessage, MessageDecoder, Outcome
@@ -255,6 +255,8 @@ class FakeSandbox:
 
     name = "none"
     reserved = None
+    capture_bytes = None
+    workspace_bytes = None
 
     def __init__(self, isolates_devices: bool = False, env: dict[str, str] | None = None) -> None:
         self.isolates_devices = isolates_devices

@@ -28,14 +28,10 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import TestCase
 
 from kcoral.config import ServerConfig
-from kcoral.server.sandbox.bubblewrap import (
-    FALLBACK_PREFIX,
-    BubblewrapSandbox,
-    NoSandbox,
-    SandboxError,
-    choose_sandbox,
-    probe_sandbox,
-)
+from kcoral.server.sandbox.bubblewrap import BubblewrapSandbox
+from kcoral.server.sandbox.interface import SandboxError
+from kcoral.server.sandbox.nosandbox import NoSandbox
+from kcoral.server.sandbox.probe import FALLBACK_PREFIX, choose_sandbox, probe_sandbox
 
 pytestmark = pytest.mark.integration
 

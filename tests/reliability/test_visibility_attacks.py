@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from kcoral.server.sandbox.bubblewrap import PACKAGE_MOUNT, WORKSPACE, package_root
+from kcoral.server.sandbox.bubblewrap import PACKAGE_MOUNT, WORKSPACE
+from kcoral.server.sandbox.interface import package_root
 from kcoral.testing.live_server import ServerProcess
 from tests.reliability.conftest import assert_serves, body_of, requires_bwrap, run_program
 

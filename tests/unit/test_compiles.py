@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from twisted.internet.defer import Deferred, succeed
+from twisted.internet.error import ProcessDone, ProcessTerminated
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 from zope.interface import implementer
@@ -152,7 +153,7 @@ class IsolatedCompilesTests(SynchronousTestCase):
         self.assertEqual(sent["source"], KERNEL)
         protocol = spawned["protocol"]
         protocol.childDataReceived(ANSWER_FD, data)
-        protocol.processEnded(None)
+        protocol.processEnded(Failure(ProcessDone(0)))
         return d
 
     def test_key_from_the_request(self) -> None:
@@ -182,7 +183,7 @@ class IsolatedCompilesTests(SynchronousTestCase):
         d = Deferred.fromCoroutine(self.compiles.compile(_request(), 30.0))
         protocol = self.reactor.spawned[-1]["protocol"]
         protocol.childDataReceived(1, json.dumps({"key": "ab" * 32, "seconds": 0}).encode())
-        protocol.processEnded(None)
+        protocol.processEnded(Failure(ProcessDone(0)))
         done = self.successResultOf(d)
         self.assertEqual(done.kind, "compile")
         self.assertEqual(list((self.dir / "cache").glob("*.bin")), [])
@@ -224,7 +225,7 @@ class IsolatedCompilesTests(SynchronousTestCase):
         transport = self.reactor.spawned[-1]["transport"]
         self.reactor.advance(16.0)
         self.assertEqual(transport.signals, ["KILL"])
-        self.reactor.spawned[-1]["protocol"].processEnded(None)
+        self.reactor.spawned[-1]["protocol"].processEnded(Failure(ProcessTerminated(signal=9)))
         self.assertEqual(self.successResultOf(d).kind, "compile")
 
 
@@ -269,8 +270,6 @@ class CommandCompileTests(SynchronousTestCase):
         return d, spawned, work
 
     def _end(self, spawned: dict[str, Any], code: int, output: bytes = b"") -> None:
-        from twisted.internet.error import ProcessDone, ProcessTerminated
-
         protocol = spawned["protocol"]
         if output:
             protocol.childDataReceived(2, output)

@@ -24,7 +24,8 @@ from kcoral.server.leases.gpus import (
     read_proc_gpus,
     select_gpus,
 )
-from kcoral.server.sandbox.bubblewrap import BubblewrapSandbox, NoSandbox
+from kcoral.server.sandbox.bubblewrap import BubblewrapSandbox
+from kcoral.server.sandbox.nosandbox import NoSandbox
 from kcoral.server.workers.pool import WorkerPool
 from kcoral.testing.fakes import FakeSandbox, FakeSpawner, FakeWorker, pool_config
 

@@ -848,7 +848,7 @@ class TemplateTests(PoolTestCase):
 
     def test_fallback_when_no_template_starts(self) -> None:
         """A template that cannot start leaves its seats spawning, loudly."""
-        from kcoral.server.sandbox.bubblewrap import SandboxError
+        from kcoral.server.sandbox.interface import SandboxError
 
         def broken(**kw: Any) -> Any:
             raise SandboxError("no template here")

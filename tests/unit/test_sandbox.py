@@ -18,17 +18,11 @@ from twisted.trial.unittest import SynchronousTestCase
 from zope.interface.verify import verifyObject
 
 from kcoral.server.sandbox import bubblewrap as sandbox_module
-from kcoral.server.sandbox.bubblewrap import (
-    PACKAGE_MOUNT,
-    RESERVED_SUBDIRS,
-    RUNTIME_MOUNT,
-    BubblewrapSandbox,
-    ISandbox,
-    NoSandbox,
-    SandboxError,
-    choose_sandbox,
-    package_root,
-)
+from kcoral.server.sandbox.bubblewrap import PACKAGE_MOUNT, RUNTIME_MOUNT, BubblewrapSandbox
+from kcoral.server.sandbox.interface import ISandbox, SandboxError, package_root
+from kcoral.server.sandbox.nosandbox import NoSandbox
+from kcoral.server.sandbox.probe import choose_sandbox
+from kcoral.server.sandbox.seats import RESERVED_SUBDIRS
 
 
 def _worker_python(path: str = sys.executable) -> str:
@@ -674,16 +668,16 @@ class ServerImportDirsTests(_TempMixin, SynchronousTestCase):
 
 
 def _fresh_layout(tmp_path: Path, subdirs: tuple[str, ...] = ("output", "tmp")) -> Path:
-    from kcoral.server.sandbox.bubblewrap import _make_layout, _mkdir_private
+    from kcoral.server.sandbox.seats import make_layout, mkdir_private
 
     work = tmp_path / "work"
-    _mkdir_private(str(work))
-    _make_layout(str(work), subdirs)
+    mkdir_private(str(work))
+    make_layout(str(work), subdirs)
     return work
 
 
 def test_clean_layout_is_clean(tmp_path: Path) -> None:
-    from kcoral.server.sandbox.bubblewrap import is_clean_layout
+    from kcoral.server.sandbox.seats import is_clean_layout
 
     work = _fresh_layout(tmp_path)
     assert is_clean_layout(work, ("output", "tmp"))
@@ -693,7 +687,7 @@ def test_clean_layout_is_clean(tmp_path: Path) -> None:
 
 def test_what_a_program_leaves_makes_it_unclean(tmp_path: Path) -> None:
     """A file anywhere, a changed mode, a link for a directory, a missing one."""
-    from kcoral.server.sandbox.bubblewrap import RESERVED, is_clean_layout
+    from kcoral.server.sandbox.seats import RESERVED, is_clean_layout
 
     subdirs = ("output", "tmp")
     cases = {
@@ -723,6 +717,6 @@ def test_what_a_program_leaves_makes_it_unclean(tmp_path: Path) -> None:
 
 
 def test_a_missing_workspace_is_not_clean(tmp_path: Path) -> None:
-    from kcoral.server.sandbox.bubblewrap import is_clean_layout
+    from kcoral.server.sandbox.seats import is_clean_layout
 
     assert not is_clean_layout(tmp_path / "gone", ("output",))

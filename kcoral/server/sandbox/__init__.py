@@ -1,7 +1,10 @@
 """
 The sandbox room: how a worker or a compile is confined.
 
-C{bubblewrap} (the L{ISandbox} seam, bubblewrap and the no-sandbox mode,
-the seat layout and the start-up probe) and C{seccomp} (the system-call
-filter bubblewrap loads).
+C{interface} (the L{ISandbox} seam and L{SandboxError}), C{bubblewrap}
+(L{BubblewrapSandbox}: the bwrap command lines and mount plan),
+C{nosandbox} (L{NoSandbox}), C{seats} (a seat's workspace and reserved
+layout on the host), C{probe} (the start-up probe and C{choose_sandbox}),
+C{collect} (a helper process's bounded output, killed on a timeout) and
+C{seccomp} (the system-call filter bubblewrap loads).
 """

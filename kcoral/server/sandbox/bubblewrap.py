@@ -2,23 +2,15 @@
 """
 Worker filesystem isolation with bubblewrap (server spec section 6).
 
-An L{ISandbox} turns "run C{python -m kcoral.worker ...} in this seat" into
-the executable, argv and environment handed to C{reactor.spawnProcess}, and
-owns the host side of each seat's private workspace:
+L{BubblewrapSandbox} is the L{ISandbox} under which a worker runs in
+C{bwrap}: its workspace is bound at C{/work}, runtime dependencies are
+read-only, the network and other namespaces are private (section 6.2).  It
+turns "run C{python -m kcoral.worker ...} in this seat" into the
+executable, argv and environment handed to C{reactor.spawnProcess}.
 
-  - L{BubblewrapSandbox}: the worker runs under C{bwrap}; its workspace is
-    bound at C{/work}, runtime dependencies are read-only, the network and
-    other namespaces are private (section 6.2).
-  - L{NoSandbox}: the worker runs directly with the server's filesystem,
-    network and environment (section 6.6).
-
-L{probe_sandbox} runs the real bwrap command line once per device
-configuration at startup; L{choose_sandbox} falls back to L{NoSandbox} with a
-warning when the probe fails (section 6.5).
-
-C{prepare_seat} and C{clear_workspace} do file-system work and must run in a
-thread. C{command} and C{worker_path} are cheap: the read-only mount plan is
-resolved once (by the probe, in a thread) and cached.
+C{command} and C{worker_path} are cheap: the read-only mount plan is
+resolved once (by the start-up probe, L{kcoral.server.sandbox.probe}, in a
+thread) and cached.  The seat's host side is L{kcoral.server.sandbox.seats}.
 """
 
 from __future__ import annotations
@@ -26,24 +18,25 @@ from __future__ import annotations
 import glob
 import os
 import shlex
-import shutil
-import signal
-import stat
 import sys
-import tempfile
-import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import attrs
-from twisted.internet.defer import Deferred
-from twisted.internet.error import ProcessExitedAlready
-from twisted.internet.protocol import ProcessProtocol
-from twisted.internet.threads import deferToThreadPool
-from twisted.logger import Logger
-from twisted.python.failure import Failure
-from zope.interface import Attribute, Interface, implementer
+from zope.interface import implementer
+
+from kcoral.server.sandbox.interface import ISandbox, SandboxError, package_root
+from kcoral.server.sandbox.seats import (
+    RESERVED,
+    RESERVED_SUBDIRS,
+    KeepTree,
+    empty_directory,
+    is_clean_layout,
+    layout_paths,
+    make_layout,
+    make_seat,
+)
 
 #: Where the seat's workspace appears inside the sandbox.
 WORKSPACE = "/work"
@@ -69,22 +62,6 @@ TEMPLATE_SPACES = "/run/kcoral/spaces"
 
 #: Capabilities a worker template keeps inside its own user namespace.
 TEMPLATE_CAPABILITIES = ("CAP_SYS_ADMIN", "CAP_NET_ADMIN", "CAP_SETPCAP", "CAP_SYS_RESOURCE")
-
-#: The reserved top-level directory of a workspace.
-RESERVED = ".kcoral"
-
-#: Subdirectories of the reserved directory, recreated (mode 0700) after every clear.
-RESERVED_SUBDIRS = (
-    "tmp",
-    "home",
-    "cache",
-    "cuda",
-    "triton",
-    "extensions",
-    "libraries",
-    "output",
-    "shm",
-)
 
 #: Runtime directories bound read-only when they exist, in this order.
 RUNTIME_PATHS = (
@@ -130,109 +107,8 @@ PROBE_PROGRAM = (
     f"print({PROBE_MARKER!r}, flush=True)\n"
 )
 
-#: Runs the probe's command in a new session (its own process group, so a
-#: timeout can kill everything it started), stdin on /dev/null, stderr merged
-#: into stdout.
-_SESSION_TRAMPOLINE = (
-    "import os, sys\n"
-    "os.setsid()\n"
-    "fd = os.open(os.devnull, os.O_RDONLY)\n"
-    "os.dup2(fd, 0)\n"
-    "os.dup2(1, 2)\n"
-    "os.execv(sys.argv[1], sys.argv[1:])\n"
-)
-
-#: How much probe output is kept for the failure message.
-PROBE_OUTPUT_TAIL = 8192
-
-FALLBACK_PREFIX = (
-    "bubblewrap could not start; filesystem isolation is disabled for this server run: "
-)
-
-
-class SandboxError(Exception):
-    """The sandbox cannot be built for this configuration (the message says why)."""
-
-
-class ISandbox(Interface):
-    """How worker processes are isolated, and the host side of their workspaces."""
-
-    name = Attribute("C{'bubblewrap'} or C{'none'}.")
-    reserved = Attribute(
-        "The reserved top-level directory name of a workspace (C{'.kcoral'}), or C{None} "
-        "when uploads may use any name."
-    )
-    isolates_devices = Attribute(
-        "C{True} when a worker sees only the device nodes of its own GPUs (so CUDA "
-        "numbers them from 0), C{False} when it sees every GPU of the machine."
-    )
-
-    def prepare_seat(seat_dir: Path) -> Path:
-        """
-        BLOCKING (run in a thread): create C{<seat_dir>/work} (mode 0700) and the
-        reserved layout beneath it.
-
-        @return: the resolved host path of the work directory.
-        """
-
-    def clear_workspace(work_dir: Path) -> None:
-        """
-        BLOCKING (run in a thread): remove everything inside C{work_dir}
-        without following symbolic links, keep the directory itself, then
-        recreate the reserved layout.
-
-        @raise OSError: the workspace could not be cleared; retire the worker.
-        """
-
-    def workspace_is_clean(work_dir: Path) -> bool:
-        """
-        Whether C{work_dir} is as L{clear_workspace} leaves it (the reserved
-        layout, every directory empty and private), read with a few bounded
-        calls, so it may run on the reactor: a program that wrote nothing
-        needs no clear.  C{False} when in doubt.
-        """
-
-    def command(
-        *, python: str, worker_args: list[str], work_dir: Path, gpu_devices: list[str]
-    ) -> tuple[str, list[str], dict[str, str]]:
-        """
-        The C{(executable, argv, env)} to pass to C{reactor.spawnProcess} for a
-        worker running C{python -m kcoral.worker *worker_args} in C{work_dir}.
-
-        @param gpu_devices: the worker's GPUs: device node paths
-            (C{'/dev/nvidia0'}) or minor numbers (C{'0'}); empty for a CPU worker.
-        @raise SandboxError: the command line would be unsafe or cannot be built.
-        """
-
-    def worker_path(work_dir: Path) -> str:
-        """The path under which the worker sees C{work_dir}."""
-
-    def template_command(
-        *,
-        python: str,
-        template_args: list[str],
-        template_dir: Path,
-        spaces_dir: Path,
-        gpu_devices: list[str],
-    ) -> tuple[str, list[str], dict[str, str]]:
-        """
-        The C{(executable, argv, env)} of a worker template
-        (C{python -m kcoral.worker.template *template_args}) whose children
-        are workers seeing C{gpu_devices}, each with its own workspace below
-        C{spaces_dir}; the template's own (unused) workspace is C{template_dir}.
-
-        @raise SandboxError: the command line would be unsafe or cannot be built.
-        """
-
 
 # -- helpers ---------------------------------------------------------------
-
-
-def package_root() -> str:
-    """The resolved directory that contains the C{kcoral} package."""
-    import kcoral
-
-    return os.path.dirname(os.path.dirname(os.path.realpath(kcoral.__file__)))
 
 
 def server_import_dirs(
@@ -275,142 +151,6 @@ def _is_within(path: str, root: str) -> bool:
     if root == "/":
         return True
     return path == root or path.startswith(root.rstrip("/") + "/")
-
-
-def _mkdir_private(path: str) -> None:
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        if not stat.S_ISDIR(os.lstat(path).st_mode):
-            raise
-    os.chmod(path, 0o700)
-
-
-def _workspace_bytes(config: Any) -> int | None:
-    """
-    The size of a worker's private workspace tmpfs: C{--workspace-bytes},
-    for workers that serve one request (a reused worker keeps the seat's
-    host directory, which the parent empties between its programs).
-    """
-    size = getattr(config, "workspace_bytes", 0)
-    if not size or getattr(config, "max_requests_per_worker", 1) != 1:
-        return None
-    return int(size)
-
-
-def _layout_paths(work_dir: str) -> list[str]:
-    """The reserved directories of a workspace at C{work_dir}, parents first."""
-    private = f"{work_dir}/{RESERVED}"
-    return [private, *(f"{private}/{sub}" for sub in RESERVED_SUBDIRS)]
-
-
-def _make_layout(work_dir: str, subdirs: Iterable[str]) -> None:
-    _mkdir_private(os.path.join(work_dir, RESERVED))
-    for sub in subdirs:
-        _mkdir_private(os.path.join(work_dir, RESERVED, sub))
-
-
-#: A tree of names to keep while clearing: C{{}} marks a kept leaf.
-KeepTree = dict[str, "KeepTree"]
-
-
-def _clear_dir_fd(dirfd: int, keep: KeepTree | None = None) -> None:
-    """
-    Remove every entry of the directory open at C{dirfd}; never follows links.
-
-    Entries named in C{keep} stay: a leaf is left alone entirely, an inner
-    node is kept as a directory and cleared with its subtree.
-    """
-    keep = keep or {}
-    with os.scandir(dirfd) as it:
-        names = [entry.name for entry in it]
-    for name in names:
-        kept = keep.get(name)
-        if kept is not None and not kept:
-            continue
-        st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
-        if stat.S_ISDIR(st.st_mode):
-            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dirfd)
-            try:
-                os.fchmod(fd, 0o700)
-                _clear_dir_fd(fd, kept)
-            finally:
-                os.close(fd)
-            if kept is None:
-                os.rmdir(name, dir_fd=dirfd)
-        else:
-            os.unlink(name, dir_fd=dirfd)
-
-
-def empty_directory(path: Path | str, keep: KeepTree | None = None) -> None:
-    """
-    BLOCKING: remove everything inside C{path} but keep C{path} itself (its
-    inode may be bind-mounted). Read-only files and directories are removed
-    too; symbolic links are unlinked, never followed, and C{path} itself must
-    not be a link.
-
-    @param keep: relative paths to keep (see L{_clear_dir_fd}): the mount
-        points that a running sandbox has inside this directory.  Removing
-        one would unmount it in that sandbox.
-    """
-    fd = os.open(os.fspath(path), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    try:
-        os.fchmod(fd, 0o700)
-        _clear_dir_fd(fd, keep)
-    finally:
-        os.close(fd)
-
-
-def _names(path: str, limit: int) -> list[str] | None:
-    """At most C{limit} entry names of directory C{path}; C{None} if it has more."""
-    names: list[str] = []
-    with os.scandir(path) as it:
-        for entry in it:
-            if len(names) == limit:
-                return None
-            names.append(entry.name)
-    return names
-
-
-def _private_directory(path: str) -> bool:
-    """A directory itself (not a link to one) with mode 0700."""
-    st = os.lstat(path)
-    return stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700
-
-
-def is_clean_layout(work_dir: Path | str, subdirs: Sequence[str]) -> bool:
-    """
-    Whether C{work_dir} holds the reserved layout with C{subdirs} and nothing
-    else: every directory private (0700) and the subdirectories empty, as
-    L{empty_directory} and L{_make_layout} leave it.  At most a few dozen
-    system calls whatever a program did (listings stop early), so the
-    reactor may ask; any doubt (an error included) answers C{False}.
-    """
-    work = os.fspath(work_dir)
-    reserved = os.path.join(work, RESERVED)
-    try:
-        if not _private_directory(work) or _names(work, 1) != [RESERVED]:
-            return False
-        if not _private_directory(reserved):
-            return False
-        names = _names(reserved, len(subdirs))
-        if names is None or sorted(names) != sorted(subdirs):
-            return False
-        for sub in subdirs:
-            path = os.path.join(reserved, sub)
-            if not _private_directory(path) or _names(path, 0) != []:
-                return False
-    except OSError:
-        return False
-    return True
-
-
-def _prepare_seat(seat_dir: Path, subdirs: Sequence[str]) -> Path:
-    os.makedirs(seat_dir, mode=0o700, exist_ok=True)
-    work = os.path.join(os.fspath(seat_dir), "work")
-    _mkdir_private(work)
-    _make_layout(work, subdirs)
-    return Path(os.path.realpath(work))
 
 
 def _gpu_node(device: str) -> str:
@@ -502,11 +242,11 @@ class BubblewrapSandbox:
     # ISandbox
 
     def prepare_seat(self, seat_dir: Path) -> Path:
-        return _prepare_seat(seat_dir, RESERVED_SUBDIRS)
+        return make_seat(seat_dir, RESERVED_SUBDIRS)
 
     def clear_workspace(self, work_dir: Path) -> None:
         empty_directory(work_dir, self._mount_points_in_workspace())
-        _make_layout(os.fspath(work_dir), RESERVED_SUBDIRS)
+        make_layout(os.fspath(work_dir), RESERVED_SUBDIRS)
 
     def workspace_is_clean(self, work_dir: Path) -> bool:
         # (Mount points kept inside the private tmp directory make it
@@ -718,7 +458,7 @@ class BubblewrapSandbox:
             # parent makes on the host: nothing written there reaches the
             # host's disk, and it goes with the sandbox.
             argv += ["--size", str(self.workspace_bytes), "--perms", "0700", "--tmpfs", WORKSPACE]
-            for path in _layout_paths(WORKSPACE):
+            for path in layout_paths(WORKSPACE):
                 argv += ["--perms", "0700", "--dir", path]
         else:
             argv += ["--bind", resolved_work, WORKSPACE]
@@ -836,326 +576,3 @@ class BubblewrapSandbox:
         """The startup probe's argv for one device configuration."""
         tail = [sys.executable, "-I", "-S", "-c", PROBE_PROGRAM]
         return self._command(tail, work_dir, list(gpu_devices))[1]
-
-
-# -- no sandbox ------------------------------------------------------------
-
-
-@implementer(ISandbox)
-@attrs.define
-class NoSandbox:
-    """Workers run directly, with the server's filesystem and network (spec 6.6)."""
-
-    name: ClassVar[str] = "none"
-    reserved: ClassVar[None] = None
-    isolates_devices: ClassVar[bool] = False
-
-    def prepare_seat(self, seat_dir: Path) -> Path:
-        return _prepare_seat(seat_dir, ("output",))
-
-    def clear_workspace(self, work_dir: Path) -> None:
-        empty_directory(work_dir)
-        _make_layout(os.fspath(work_dir), ("output",))
-
-    def workspace_is_clean(self, work_dir: Path) -> bool:
-        return is_clean_layout(work_dir, ("output",))
-
-    def worker_path(self, work_dir: Path) -> str:
-        return os.fspath(work_dir)
-
-    def command(
-        self, *, python: str, worker_args: list[str], work_dir: Path, gpu_devices: list[str]
-    ) -> tuple[str, list[str], dict[str, str]]:
-        env = {k: v for k, v in os.environ.items() if isinstance(v, str)}
-        pkg = package_root()
-        existing = [p for p in env.get("PYTHONPATH", "").split(":") if p]
-        env["PYTHONPATH"] = ":".join([pkg, *(p for p in existing if p != pkg)])
-        return python, [python, "-m", "kcoral.worker", *worker_args], env
-
-    def template_command(
-        self,
-        *,
-        python: str,
-        template_args: list[str],
-        template_dir: Path,
-        spaces_dir: Path,
-        gpu_devices: list[str],
-    ) -> tuple[str, list[str], dict[str, str]]:
-        """The template runs unsandboxed; its children get fresh directories only."""
-        _, _, env = self.command(
-            python=python, worker_args=[], work_dir=template_dir, gpu_devices=gpu_devices
-        )
-        argv = [python, "-m", "kcoral.worker.template", *template_args, "--isolation", "none"]
-        return python, argv, env
-
-
-# -- startup probe -----------------------------------------------------------
-
-
-class _CollectingProtocol(ProcessProtocol):
-    """Collect a child's output (bounded) and fire C{ended} with the exit status."""
-
-    def __init__(self, limit: int = 4 * PROBE_OUTPUT_TAIL) -> None:
-        self.output = bytearray()
-        self.limit = limit
-        self.ended: Deferred[int] = Deferred()
-
-    def connectionMade(self) -> None:
-        transport: Any = self.transport
-        transport.closeStdin()
-
-    def childDataReceived(self, childFD: int, data: bytes) -> None:
-        self.output += data
-        if len(self.output) > self.limit:
-            del self.output[: len(self.output) - self.limit]
-
-    def processEnded(self, reason: Failure) -> None:
-        value: Any = reason.value
-        code = getattr(value, "exitCode", None)
-        sig = getattr(value, "signal", None)
-        status = code if code is not None else -(sig or 0)
-        self.ended.callback(status)
-
-
-async def _run_in_session(reactor: Any, argv: list[str], timeout: float) -> tuple[int, bytes, bool]:
-    """
-    Run C{argv} (C{argv[0]} a path) in a new session with stdin on /dev/null
-    and stderr merged into stdout. On timeout, SIGKILL its process group and
-    wait for it to end.
-
-    @return: C{(status, output, timed_out)}; a signal gives a negative status.
-    """
-    proto = _CollectingProtocol()
-    env = {k: v for k, v in os.environ.items() if isinstance(v, str)}
-    trampoline = [sys.executable, "-I", "-S", "-c", _SESSION_TRAMPOLINE, *argv]
-    transport = reactor.spawnProcess(
-        proto, sys.executable, trampoline, env=env, childFDs={0: "w", 1: "r", 2: "r"}
-    )
-    timed_out = False
-
-    def kill() -> None:
-        nonlocal timed_out
-        timed_out = True
-        pid = transport.pid
-        if pid is None:
-            return
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            # Not (yet) a group leader: kill the process itself.
-            try:
-                transport.signalProcess("KILL")
-            except ProcessExitedAlready:
-                pass
-
-    timer = reactor.callLater(timeout, kill)
-    status = await proto.ended
-    if timer.active():
-        timer.cancel()
-    return status, bytes(proto.output), timed_out
-
-
-def _timeout_message(timeout: float) -> str:
-    return f"bubblewrap startup probe timed out after {float(timeout)!r}s"
-
-
-def _exit_message(status: int, output: bytes) -> str:
-    tail = output[-PROBE_OUTPUT_TAIL:].decode("utf-8", "replace").strip()
-    return f"bubblewrap startup probe exited with status {status}: {tail or 'no readiness confirmation'}"
-
-
-def _prepare_probe(sandbox: BubblewrapSandbox) -> tuple[str, Path, Path]:
-    """BLOCKING: find bwrap, resolve the mount plan, create the probe's seat."""
-    found = shutil.which(sandbox.bwrap)
-    if found is None:
-        raise SandboxError("bubblewrap isolation requires bwrap on PATH; install bubblewrap")
-    sandbox.resolve_mounts()
-    seat = Path(tempfile.mkdtemp(prefix="kcoral-sandbox-"))
-    try:
-        work = sandbox.prepare_seat(seat)
-    except BaseException:
-        shutil.rmtree(seat, ignore_errors=True)
-        raise
-    return os.path.abspath(found), seat, work
-
-
-def remove_seat(seat: Path) -> None:
-    """BLOCKING: remove a sandbox seat, read-only leftovers included."""
-    empty_directory(seat)
-    os.rmdir(seat)
-
-
-async def probe_sandbox(
-    reactor: Any,
-    sandbox: BubblewrapSandbox,
-    *,
-    gpu_device_sets: list[list[str]],
-    timeout: float = 10.0,
-) -> str | None:
-    """
-    Run the real bubblewrap command line once per distinct device
-    configuration (an empty list is the CPU configuration) with a tiny
-    program that checks its workspace and prints L{PROBE_MARKER}.
-
-    Sets C{sandbox.executable} and C{sandbox.disable_userns} as a side effect.
-
-    @param reactor: an C{IReactorProcess}, C{IReactorTime} and
-        C{IReactorThreads} provider.
-    @return: C{None} if bubblewrap works, else the failure message (spec 6.5).
-    """
-    if not sys.platform.startswith("linux"):
-        return "bubblewrap isolation requires Linux"
-    pool = reactor.getThreadPool()
-    try:
-        bwrap, seat, work = await deferToThreadPool(reactor, pool, _prepare_probe, sandbox)
-    except SandboxError as e:
-        return str(e)
-    except OSError as e:
-        return f"could not create the bubblewrap probe workspace: {e}"
-
-    error: str | None = None
-    try:
-        sandbox.executable = bwrap
-        status, output, timed_out = await _run_in_session(reactor, [bwrap, "--help"], timeout)
-        if timed_out:
-            error = _timeout_message(timeout)
-        else:
-            sandbox.disable_userns = b"--disable-userns" in output
-            distinct: list[list[str]] = []
-            for devices in gpu_device_sets or [[]]:
-                if list(devices) not in distinct:
-                    distinct.append(list(devices))
-            for index, devices in enumerate(distinct):
-                if index:
-                    await deferToThreadPool(reactor, pool, sandbox.clear_workspace, work)
-                try:
-                    argv = sandbox.probe_command(work, devices)
-                except SandboxError as e:
-                    error = str(e)
-                    break
-                status, output, timed_out = await _run_in_session(reactor, argv, timeout)
-                if timed_out:
-                    error = _timeout_message(timeout)
-                    break
-                if status != 0 or PROBE_MARKER not in output.decode("utf-8", "replace").split():
-                    error = _exit_message(status, output)
-                    break
-    finally:
-        try:
-            await deferToThreadPool(reactor, pool, remove_seat, seat)
-        except OSError as e:
-            if error is None:
-                error = f"could not remove the bubblewrap probe workspace: {e}"
-    return error
-
-
-def choose_sandbox(
-    reactor: Any,
-    config: Any,
-    log: Logger | None = None,
-    *,
-    bwrap: str = "bwrap",
-    gpu_minors: Sequence[int] | None = None,
-    scratch: Path | None = None,
-) -> Deferred[Any]:
-    """
-    Pick the server run's L{ISandbox}: L{NoSandbox} for C{sandbox="none"}
-    (no probe); else probe bubblewrap.  When the probe fails, C{"bubblewrap"}
-    fails with L{SandboxError} (the server does not start) and C{"auto"}
-    falls back to L{NoSandbox} with a C{sandbox_disabled} WARNING event and
-    a C{RuntimeWarning}.
-
-    @param config: a C{kcoral.config.ServerConfig} (C{sandbox},
-        C{sandbox_readonly_paths}, C{device}, C{gpus}).
-    @param bwrap: the bwrap executable to probe and use.
-    @param gpu_minors: the device node minors of the configured GPUs (from
-        L{kcoral.server.leases.gpus}); when not given, each GPU id is taken to be
-        its minor (spec 6.2's fallback).
-    @param scratch: the server's scratch root: the seccomp filter is
-        compiled into it (none without it, or without libseccomp).
-    @return: a Deferred firing with the L{ISandbox} provider.
-    """
-    return Deferred.fromCoroutine(
-        _choose_sandbox(reactor, config, log or _log, bwrap, gpu_minors, scratch)
-    )
-
-
-async def _choose_sandbox(
-    reactor: Any,
-    config: Any,
-    log: Logger,
-    bwrap: str,
-    gpu_minors: Sequence[int] | None,
-    scratch: Path | None = None,
-) -> Any:
-    if config.sandbox == "none":
-        return NoSandbox()
-    sandbox = BubblewrapSandbox(
-        tuple(config.sandbox_readonly_paths or ()),
-        bwrap=bwrap,
-        capture_bytes=getattr(config, "output_space_bytes", None),
-        workspace_bytes=_workspace_bytes(config),
-        hidden_paths=_server_paths(config),
-    )
-    if scratch is not None:
-        from kcoral.server.sandbox.seccomp import TEMPLATE_ALLOWED, SeccompUnavailable, write_filter
-
-        try:
-            sandbox.seccomp_path = await deferToThreadPool(
-                reactor, reactor.getThreadPool(), write_filter, scratch
-            )
-            sandbox.template_seccomp_path = await deferToThreadPool(
-                reactor,
-                reactor.getThreadPool(),
-                write_filter,
-                scratch,
-                "template-seccomp.bpf",
-                TEMPLATE_ALLOWED,
-            )
-        except (SeccompUnavailable, OSError) as e:
-            log.warn(
-                "no seccomp filter for the sandbox: {error}",
-                kcoral_event="seccomp_unavailable",
-                error=str(e),
-            )
-    if config.device == "gpu":
-        minors = list(gpu_minors) if gpu_minors is not None else list(config.gpus)
-        device_sets = [[str(minor)] for minor in dict.fromkeys(minors)]
-    else:
-        device_sets = [[]]
-    error = await probe_sandbox(reactor, sandbox, gpu_device_sets=device_sets)
-    if error is None:
-        return sandbox
-    if config.sandbox != "auto":
-        # The operator asked for the sandbox: never run programs without it.
-        raise SandboxError(
-            f"--sandbox bubblewrap: bubblewrap cannot run ({error}); fix it, or choose "
-            "--sandbox auto to fall back to no sandbox"
-        )
-    full_text = FALLBACK_PREFIX + error
-    log.warn(
-        "bubblewrap could not start; filesystem isolation is disabled for this server run: {error}",
-        kcoral_event="sandbox_disabled",
-        sandbox="none",
-        error=error,
-        message=full_text,
-    )
-    warnings.warn(full_text, RuntimeWarning, stacklevel=2)
-    return NoSandbox()
-
-
-def _server_paths(config: Any) -> tuple[str, ...]:
-    """The server's directories no worker may see: logs and caches."""
-    paths = []
-    for name in ("log_dir", "disk_cache_dir"):
-        value = getattr(config, name, None)
-        if value:
-            paths.append(os.fspath(value))
-    cache = getattr(config, "disk_cache_dir", None)
-    if cache:
-        # The compile cache beside it (its host path; workers use their bind).
-        paths.append(os.path.join(os.path.dirname(os.fspath(cache)), "compile"))
-    return tuple(paths)
-
-
-_log = Logger(namespace="kcoral.server.sandbox")

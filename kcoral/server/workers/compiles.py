@@ -33,12 +33,11 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 from twisted.internet.defer import Deferred
-from twisted.internet.error import ProcessExitedAlready
-from twisted.internet.protocol import ProcessProtocol
+from twisted.internet.interfaces import IReactorProcess
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
@@ -46,7 +45,12 @@ from kcoral.compilers.cache import CompileCache, cache_key
 from kcoral.compilers.interfaces import ICommandLineBackend
 from kcoral.compilers.isolated import ANSWER_FD
 from kcoral.errors import ExecutionError
+from kcoral.server.sandbox.collect import Sink, run_bounded
+from kcoral.server.sandbox.seats import remove_seat
 from kcoral.wire.channel import CompileDone, CompileRequest
+
+if TYPE_CHECKING:
+    from kcoral.server.sandbox.bubblewrap import BubblewrapSandbox
 
 #: Largest image taken from a compile (a cubin is kilobytes to a few MiB).
 MAX_IMAGE_BYTES = 256 * 1024 * 1024
@@ -62,59 +66,6 @@ GRACE_SECONDS = 10.0
 
 #: Backends whose flags follow nvcc's policy (checked here before a compile).
 NVCC_FAMILY = frozenset({"nvcc", "tvmffi", "sourcemodule"})
-
-
-class _Collect(ProcessProtocol):
-    """
-    Feed the request on stdin; keep the answer from L{ANSWER_FD} (bounded)
-    and bounded stdout and stderr; report the end.
-    """
-
-    def __init__(self, request: bytes) -> None:
-        self._request = request
-        self.answer = bytearray()
-        self.answer_overflow = False
-        self.err = bytearray()
-        self.ended: Deferred[None] = Deferred()
-
-    def connectionMade(self) -> None:
-        assert self.transport is not None
-        self.transport.writeToChild(0, self._request)
-        self.transport.closeStdin()
-
-    def childDataReceived(self, childFD: int, data: bytes) -> None:
-        if childFD == ANSWER_FD:
-            room = MAX_IMAGE_BYTES + ANSWER_LINE_BYTES - len(self.answer)
-            if len(data) > room:
-                self.answer_overflow = True
-            self.answer += data[: max(room, 0)]
-        elif len(self.err) < OUTPUT_BYTES:
-            self.err += data[: OUTPUT_BYTES - len(self.err)]
-
-    def processEnded(self, reason: Failure) -> None:
-        self.ended.callback(None)
-
-
-class _Command(ProcessProtocol):
-    """A compile command's output (bounded, in arrival order) and exit status."""
-
-    def __init__(self) -> None:
-        self.output = bytearray()
-        self.status: int | None = None
-        self.ended: Deferred[None] = Deferred()
-
-    def connectionMade(self) -> None:
-        assert self.transport is not None
-        self.transport.closeStdin()
-
-    def childDataReceived(self, childFD: int, data: bytes) -> None:
-        if len(self.output) < OUTPUT_BYTES:
-            self.output += data[: OUTPUT_BYTES - len(self.output)]
-
-    def processEnded(self, reason: Failure) -> None:
-        code = getattr(reason.value, "exitCode", None)
-        self.status = code if isinstance(code, int) else None
-        self.ended.callback(None)
 
 
 def check_request(request: CompileRequest) -> None:
@@ -193,8 +144,8 @@ class IsolatedCompiles:
         L{ExecutionError} C{unavailable} when there is none.
     """
 
-    reactor: Any
-    sandbox: Any
+    reactor: IReactorProcess
+    sandbox: BubblewrapSandbox
     cache_dir: str
     scratch: Path
     run_blocking: Callable[..., Deferred[Any]]
@@ -248,44 +199,32 @@ class IsolatedCompiles:
         and no answer descriptor there; the outcome is the exit status the
         kernel reports and the file the command wrote in its workspace.
         """
-        from kcoral.server.sandbox.bubblewrap import remove_seat
-
         seat = self._seat()
         work, inside, argv, env = await self.run_blocking(
             self._command_seat, seat, request, backend
         )
         try:
             executable, args, bwrap_env = self.sandbox.run_command(argv, work, env=env)
-            protocol = _Command()
             started = time.monotonic()
-            transport = self.reactor.spawnProcess(
-                protocol, executable, args, env=bwrap_env, childFDs={0: "w", 1: "r", 2: "r"}
+            finished = await run_bounded(
+                self.reactor,
+                executable,
+                args,
+                env=bwrap_env,
+                sinks={"output": Sink((1, 2), OUTPUT_BYTES)},
+                timeout=timeout,
             )
-            timed_out = False
-
-            def kill() -> None:
-                nonlocal timed_out
-                timed_out = True
-                try:
-                    transport.signalProcess("KILL")
-                except ProcessExitedAlready:
-                    pass
-
-            timer = self.reactor.callLater(timeout, kill)
-            await protocol.ended
-            if timer.active():
-                timer.cancel()
             seconds = time.monotonic() - started
-            text = bytes(protocol.output).decode("utf-8", "replace")
+            text = finished.output["output"].decode("utf-8", "replace")
             text = text.replace(inside + "/", "").replace(inside, ".")
-            if timed_out:
+            if finished.timed_out:
                 return CompileDone(kind="compile", error=f"nvcc timed out after {timeout:g}s")
-            if protocol.status != 0:
+            if finished.exit_code != 0:
                 from kcoral.compilers.nvcc import shorten
 
                 return CompileDone(
                     kind="compile",
-                    error=f"nvcc failed for {request.arch} (exit status {protocol.status}):\n"
+                    error=f"nvcc failed for {request.arch} (exit status {finished.exit_code}):\n"
                     + (shorten(text) or "(no diagnostics)"),
                 )
             stored = await self.run_blocking(
@@ -301,8 +240,6 @@ class IsolatedCompiles:
         self, seat: Path, request: CompileRequest, backend: Any
     ) -> tuple[Path, str, list[str], dict[str, str]]:
         """BLOCKING: a fresh seat holding the source, and the command for it."""
-        from kcoral.server.sandbox.bubblewrap import remove_seat
-
         work = Path(self.sandbox.prepare_seat(seat))
         try:
             inside = self.sandbox.worker_path(work)
@@ -322,46 +259,37 @@ class IsolatedCompiles:
 
     async def _run_isolated(self, request: CompileRequest, key: str, timeout: float) -> CompileDone:
         """Run C{python -m kcoral.compilers.isolated} in a fresh sandbox (any backend)."""
-        from kcoral.server.sandbox.bubblewrap import remove_seat
-
         seat = self._seat()
         work = await self.run_blocking(self.sandbox.prepare_seat, seat)
         try:
             executable, argv, env = self.sandbox.run_command(
                 [sys.executable, "-m", "kcoral.compilers.isolated"], work
             )
-            protocol = _Collect(
-                json.dumps(
-                    {
-                        "source": request.source,
-                        "arch": request.arch,
-                        "options": list(request.options),
-                        "backend": request.backend,
-                        "timeout": timeout,
-                    }
-                ).encode()
-            )
-            transport = self.reactor.spawnProcess(
-                protocol,
+            request_bytes = json.dumps(
+                {
+                    "source": request.source,
+                    "arch": request.arch,
+                    "options": list(request.options),
+                    "backend": request.backend,
+                    "timeout": timeout,
+                }
+            ).encode()
+            finished = await run_bounded(
+                self.reactor,
                 executable,
                 argv,
                 env=env,
-                childFDs={0: "w", 1: "r", 2: "r", ANSWER_FD: "r"},
+                sinks={
+                    "answer": Sink((ANSWER_FD,), MAX_IMAGE_BYTES + ANSWER_LINE_BYTES),
+                    "err": Sink((1, 2), OUTPUT_BYTES),
+                },
+                timeout=timeout + GRACE_SECONDS,
+                stdin=request_bytes,
             )
-
-            def kill() -> None:
-                try:
-                    transport.signalProcess("KILL")
-                except ProcessExitedAlready:
-                    pass
-
-            timer = self.reactor.callLater(timeout + GRACE_SECONDS, kill)
-            await protocol.ended
-            if timer.active():
-                timer.cancel()
-            parsed = None if protocol.answer_overflow else parse_answer(protocol.answer)
+            answer = finished.output["answer"]
+            parsed = None if "answer" in finished.overflowed else parse_answer(answer)
             if parsed is None:
-                tail = bytes(protocol.err[-2048:]).decode("utf-8", "replace")
+                tail = bytes(finished.output["err"][-2048:]).decode("utf-8", "replace")
                 return CompileDone(kind="compile", error=f"the compile did not finish: {tail}")
             fields, image = parsed
             if "kind" in fields:

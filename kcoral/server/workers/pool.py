@@ -30,7 +30,7 @@ from twisted.python.failure import Failure
 from kcoral.config import ServerConfig
 from kcoral.server.leases.gpus import GpuDevice, cuda_environment
 from kcoral.server.leases.lease import Leases, LeaseUnavailable
-from kcoral.server.sandbox.bubblewrap import ISandbox
+from kcoral.server.sandbox.interface import ISandbox
 from kcoral.server.workers.channelbudget import ChannelBudget
 from kcoral.server.workers.job import Job, JobResult
 from kcoral.server.workers.line import STOPPING_MESSAGE, PoolBusy, PoolStopping, WaitingLine

@@ -18,12 +18,13 @@ from kcoral.server.sandbox.collect import Finished, Sink, kill_group, run_bounde
 
 pytestmark = pytest.mark.integration
 
-#: Echoes stdin to fd 3, writes a lot on stdout and a line on stderr, exits 7.
+#: Answers its stdin upper-cased on fd 3, writes a lot on stdout and a line
+#: on stderr, exits 7.
 _CHILD = (
     "import os, sys\n"
     "data = sys.stdin.buffer.read()\n"
     "os.write(3, data.upper())\n"
-    "sys.stdout.write('x' * 100000); sys.stdout.flush()\n"
+    "sys.stdout.write('x' * 100000 + 'end'); sys.stdout.flush()\n"
     "sys.stderr.write('done\\n'); sys.stderr.flush()\n"
     "sys.exit(7)\n"
 )
@@ -42,7 +43,11 @@ class RealProcessTests(TestCase):
             sys.executable,
             [sys.executable, "-I", "-c", _CHILD],
             env=env,
-            sinks={"answer": Sink((3,), 100), "out": Sink((1, 2), 1000, tail=True)},
+            sinks={
+                "answer": Sink((3,), 100),
+                "out": Sink((1,), 1000, tail=True),
+                "err": Sink((2,), 100),
+            },
             timeout=30.0,
             stdin=b"request",
         )
@@ -51,7 +56,8 @@ class RealProcessTests(TestCase):
             self.assertEqual(bytes(finished.output["answer"]), b"REQUEST")
             out = bytes(finished.output["out"])
             self.assertEqual(len(out), 1000)
-            self.assertTrue(out.endswith(b"done\n"), out[-20:])
+            self.assertEqual(out, b"x" * 997 + b"end")
+            self.assertEqual(bytes(finished.output["err"]), b"done\n")
             self.assertEqual(finished.overflowed, frozenset({"out"}))
             self.assertEqual((finished.status, finished.timed_out), (7, False))
 

@@ -410,9 +410,7 @@ class WorkerPool:
         (C{template_failed}) and its workers are spawned instead
         (C{worker_start_fallback}).
         """
-        make = getattr(self.sandbox, "template_command", None)
-        if make is None:
-            return  # a sandbox that cannot run templates (a test's fake)
+        make = self.sandbox.template_command
         keys: list[int | None] = list(dict.fromkeys(seat.gpu_id for seat in self.seats))
         starting = []
         for key in keys:
@@ -485,8 +483,8 @@ class WorkerPool:
 
     def _restart_template(self, key: int | None) -> None:
         self._template_restarts.pop(key, None)
-        make = getattr(self.sandbox, "template_command", None)
-        if self.closing or make is None:
+        make = self.sandbox.template_command
+        if self.closing:
             return
         old = self.templates[key]
         template = WorkerTemplate(old.name, self._reactor)
@@ -529,7 +527,7 @@ class WorkerPool:
 
     def _template_for(self, gpus: tuple[int, ...]) -> WorkerTemplate | None:
         """The ready template that can fork a worker for C{gpus}, if any."""
-        if len(gpus) > 1 and getattr(self.sandbox, "isolates_devices", False):
+        if len(gpus) > 1 and self.sandbox.isolates_devices:
             # Under bubblewrap a template sees only its own GPU's device
             # node: multi-GPU one-request workers are spawned.
             return None
@@ -621,7 +619,7 @@ class WorkerPool:
         env = {**env, **self.worker_env}
         if devices:
             # CUDA device i is gpus[i], whatever the front end was given.
-            isolated = bool(getattr(self.sandbox, "isolates_devices", False))
+            isolated = self.sandbox.isolates_devices
             env.update(
                 cuda_environment(
                     devices,
@@ -647,8 +645,8 @@ class WorkerPool:
                     args=worker_args,
                     cwd=self.sandbox.worker_path(work_dir),
                     workspace=_relative(work_dir, self.root_dir),
-                    capture_bytes=getattr(self.sandbox, "capture_bytes", None),
-                    workspace_bytes=getattr(self.sandbox, "workspace_bytes", None),
+                    capture_bytes=self.sandbox.capture_bytes,
+                    workspace_bytes=self.sandbox.workspace_bytes,
                     **common,
                 )
             except TemplateError as e:
@@ -1053,11 +1051,9 @@ class WorkerPool:
     def _workspace_is_clean(self, work_dir: Path | None) -> bool:
         """
         Whether C{work_dir} needs no clear (L{ISandbox.workspace_is_clean},
-        a few bounded calls on the reactor); C{False} for a sandbox that
-        cannot tell.
+        a few bounded calls on the reactor); C{False} without a workspace.
         """
-        check = getattr(self.sandbox, "workspace_is_clean", None)
-        return work_dir is not None and check is not None and bool(check(work_dir))
+        return work_dir is not None and self.sandbox.workspace_is_clean(work_dir)
 
     def _replace(self, seat: Seat, reason: str, failure: Failure | None = None) -> None:
         worker = seat.worker

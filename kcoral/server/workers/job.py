@@ -1,15 +1,17 @@
 # -*- test-case-name: tests.unit.test_wire_shared,tests.unit.test_workerproc -*-
 """
 What the pool hands a worker and what it gets back: L{Job} (one program to
-run) and L{JobResult} (how it ended).  A leaf: it imports nothing of the pool
-or of the worker process, so both (and the HTTP application) can name it.
+run) and L{JobResult} (how it ended), and L{WorkerHandle}, what the pool
+uses of a worker process.  A leaf: it imports nothing of the pool or of the
+worker process, so both (and the HTTP application) can name it.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
+from twisted.internet.defer import Deferred
 
 from kcoral.ipc.shared import SharedBuffer
 from kcoral.wire.channel import Blob, ChannelMessage, Execute, Outcome
@@ -100,3 +102,37 @@ class JobResult:
     #: The parent's own record of every measurement it computed for the
     #: program (L{kcoral.measurement}), in order: the response carries them.
     measurements: tuple[dict[str, Any], ...] = ()
+
+
+class WorkerHandle(Protocol):
+    """
+    What the pool, and a request holding a seat, use of a worker process:
+    L{kcoral.server.workers.workerproc.WorkerProcess}, or a fake in tests.
+    """
+
+    #: The name it answers to in logs and leases: its seat's (a spare's
+    #: until a seat adopts it), and that seat's generation.
+    seat: str
+    generation: int
+
+    @property
+    def pid(self) -> int | None: ...
+    @property
+    def alive(self) -> bool: ...
+    @property
+    def busy(self) -> bool: ...
+    @property
+    def started_at(self) -> float: ...
+    @property
+    def info(self) -> dict[str, Any]: ...
+    @property
+    def ready(self) -> Deferred[dict[str, Any]]: ...
+    @property
+    def ended(self) -> Deferred[int | None]: ...
+
+    def run(self, job: Job) -> Deferred[JobResult]: ...
+    def kill(self) -> Deferred[int | None]: ...
+    def kill_now(self) -> None: ...
+    def kill_at_once(self) -> None: ...
+    def retire(self) -> Deferred[int | None]: ...
+    def stop(self) -> Deferred[int | None]: ...

@@ -19,7 +19,7 @@ import sys
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import attrs
 from twisted.internet.defer import CancelledError, Deferred, DeferredList, succeed
@@ -31,46 +31,14 @@ from kcoral.config import ServerConfig
 from kcoral.server.leases.gpus import GpuDevice, cuda_environment
 from kcoral.server.leases.lease import Leases, LeaseUnavailable
 from kcoral.server.sandbox.interface import ISandbox
+from kcoral.server.workers.backoff import Backoff
 from kcoral.server.workers.channelbudget import ChannelBudget
-from kcoral.server.workers.job import Job, JobResult
+from kcoral.server.workers.job import Job, JobResult, WorkerHandle
 from kcoral.server.workers.line import STOPPING_MESSAGE, PoolBusy, PoolStopping, WaitingLine
+from kcoral.server.workers.spares import Spare, WarmSpares
 from kcoral.server.workers.template import TemplateError, WorkerTemplate
 from kcoral.server.workers.workerproc import WorkerProcess, worker_command_args
 from kcoral.wire.render import Placement
-
-
-class WorkerHandle(Protocol):
-    """
-    What the pool, and a request holding a seat, use of a worker process:
-    L{WorkerProcess}, or a fake in tests.
-    """
-
-    #: The name it answers to in logs and leases: its seat's (a spare's
-    #: until a seat adopts it), and that seat's generation.
-    seat: str
-    generation: int
-
-    @property
-    def pid(self) -> int | None: ...
-    @property
-    def alive(self) -> bool: ...
-    @property
-    def busy(self) -> bool: ...
-    @property
-    def started_at(self) -> float: ...
-    @property
-    def info(self) -> dict[str, Any]: ...
-    @property
-    def ready(self) -> Deferred[dict[str, Any]]: ...
-    @property
-    def ended(self) -> Deferred[int | None]: ...
-
-    def run(self, job: Job) -> Deferred[JobResult]: ...
-    def kill(self) -> Deferred[int | None]: ...
-    def kill_now(self) -> None: ...
-    def kill_at_once(self) -> None: ...
-    def retire(self) -> Deferred[int | None]: ...
-    def stop(self) -> Deferred[int | None]: ...
 
 
 class WorkerStartFailed(Exception):
@@ -103,28 +71,6 @@ class Seat:
     #: When the next replacement is tried (reactor seconds), while backing off.
     respawn_at: float | None = None
     _respawn_call: Any = None
-
-    @property
-    def gpus(self) -> tuple[int, ...]:
-        return () if self.gpu_id is None else (self.gpu_id,)
-
-
-@attrs.define(eq=False)
-class Spare:
-    """
-    A warm worker kept beside the seats of its GPU (C{None}: the CPU pool),
-    started and ready (its context created under the maintenance lease),
-    waiting to refill a seat whose worker retires.
-    """
-
-    spare_id: str
-    gpu_id: int | None
-    worker: WorkerHandle | None = None
-    seat_dir: Path | None = None
-    work_dir: Path | None = None
-    #: C{starting} or C{ready}.
-    status: str = "starting"
-    ready_at: float | None = None
 
     @property
     def gpus(self) -> tuple[int, ...]:
@@ -352,16 +298,39 @@ class WorkerPool:
     #: The configured GPUs by id (discovered at start; an id missing here
     #: stands for itself: node C{/dev/nvidia<id>}, no UUID).
     gpu_devices: dict[int, GpuDevice] = attrs.field(factory=dict)
-    #: Warm spares, starting or ready, of every GPU (L{Spare}).
-    spares: list[Spare] = attrs.field(factory=list)
-    _spare_serial: int = 0
-    #: Spare starts that failed in a row, per GPU, and the backoff timer.
-    _spare_failures: dict[int | None, int] = attrs.field(factory=dict)
-    _spare_retry: dict[int | None, Any] = attrs.field(factory=dict)
+    #: Warm spares, starting or ready, of every GPU (L{WarmSpares}).
+    warm: WarmSpares = attrs.field(
+        default=attrs.Factory(lambda self: self._warm_spares(), takes_self=True)
+    )
     #: Retired workers not gone yet (their teardown or exit in progress).
     _retiring: set[WorkerHandle] = attrs.field(factory=set)
 
     log = Logger()
+
+    def _warm_spares(self) -> WarmSpares:
+        return WarmSpares(
+            self._reactor,
+            self.config.spares_of(self.front_end),
+            lambda name: self.root_dir / _safe_name(name),
+            lambda directory: self._run_blocking(self.sandbox.prepare_seat, directory),
+            lambda name, gpus, work_dir: self._spawn(
+                name, 0, gpus, work_dir, self.config.max_requests_per_worker
+            ),
+            lambda paths: self._run_blocking(_remove_trees, paths),
+            backoff=self.backoff,
+            front_ends=self.config.front_ends,
+            front_end_index=self.front_end,
+        )
+
+    @property
+    def backoff(self) -> Backoff:
+        """The wait before the next try after replacements fail in a row."""
+        return Backoff(self.respawn_backoff_initial, self.respawn_backoff_max)
+
+    @property
+    def spares(self) -> list[Spare]:
+        """The warm spares, starting or ready, of every GPU."""
+        return self.warm.spares
 
     def __attrs_post_init__(self) -> None:
         # This process's seats (with several front ends, every N-th).
@@ -401,7 +370,7 @@ class WorkerPool:
             seat.status = "idle"
         self._idle = list(reversed(self.seats))
         for gpu in self._groups():
-            self._fill_spares(gpu)
+            self.warm.fill(gpu)
 
     async def start_templates(self) -> None:
         """
@@ -734,10 +703,7 @@ class WorkerPool:
             call, seat._respawn_call, seat.respawn_at = seat._respawn_call, None, None
             if call is not None and call.active():
                 call.cancel()
-        for call in self._spare_retry.values():
-            if call.active():
-                call.cancel()
-        self._spare_retry.clear()
+        self.warm.close()
         self.line.close()
 
     def kill_now(self) -> int:
@@ -749,7 +715,7 @@ class WorkerPool:
         self.stop_waiters()
         workers = [seat.worker for seat in self.seats if seat.worker is not None]
         workers += list(self._transient_workers)
-        workers += [spare.worker for spare in self.spares if spare.worker is not None]
+        workers += self.warm.workers()
         workers += list(self._retiring)
         killed = 0
         for worker in workers:
@@ -794,27 +760,16 @@ class WorkerPool:
         )
 
     async def _stop_workers(self) -> None:
-        spares = list(self.spares)
-        # A spare still starting cannot read Exit yet: it goes at once (no
-        # request runs any more, so no lease is needed to kill it).
-        ends = []
-        for spare in spares:
-            if spare.worker is None:
-                continue
-            if spare.status == "ready":
-                ends.append(spare.worker.stop())
-            else:
-                ends.append(spare.worker.ended)
-                spare.worker.kill_at_once()
-        pending = list(self._pending)
+        ends, spare_dirs = self.warm.stop()
+        pending = list(self._pending | self.warm.pending)
         if pending:
             await DeferredList(pending, consumeErrors=True)
         stops = [seat.worker.stop() for seat in self.seats if seat.worker is not None]
         await DeferredList(stops + ends, consumeErrors=True)
-        self.spares = []
+        self.warm.forget()
         await self.stop_templates()
         dirs = [seat.seat_dir for seat in self.seats if seat.seat_dir is not None]
-        dirs += [spare.seat_dir for spare in spares if spare.seat_dir is not None]
+        dirs += spare_dirs
         await self._run_blocking(_remove_trees, dirs)
 
     # -- one request's seat ----------------------------------------------------
@@ -997,8 +952,8 @@ class WorkerPool:
             pid=None if old is None else old.pid,
             reason="reuse_scope",
         )
-        spare = self._ready_spare(seat.gpu_id)
-        if spare is not None and not self.closing:
+        spare = None if self.closing else self.warm.take(seat.gpu_id)
+        if spare is not None:
             # The request that caused the replacement need not wait for it.
             self._adopt(seat, spare, old, "reuse_scope", offer=False)
             seat.status = "busy"
@@ -1071,8 +1026,8 @@ class WorkerPool:
             pid=None if worker is None else worker.pid,
             reason=reason,
         )
-        spare = self._ready_spare(seat.gpu_id)
-        if spare is not None and not self.closing:
+        spare = None if self.closing else self.warm.take(seat.gpu_id)
+        if spare is not None:
             self._replacing.discard(seat)
             self._adopt(seat, spare, worker, reason)
             return
@@ -1085,10 +1040,7 @@ class WorkerPool:
             if isinstance(result, Failure) and not self.closing:
                 seat.respawn_failures += 1
                 seat.respawn_error = result.getErrorMessage()
-                delay = min(
-                    self.respawn_backoff_initial * 2 ** (seat.respawn_failures - 1),
-                    self.respawn_backoff_max,
-                )
+                delay = self.backoff.delay(seat.respawn_failures)
                 self.log.error(
                     "could not replace worker {worker_id}: {error}",
                     kcoral_event="worker_replace_failed",
@@ -1146,124 +1098,6 @@ class WorkerPool:
         """The GPUs that keep spares (C{None}: the CPU pool), in configured order."""
         return list(dict.fromkeys(seat.gpu_id for seat in self.seats))
 
-    @property
-    def spares_wanted(self) -> int:
-        return self.config.spares_of(self.front_end)
-
-    def _ready_spare(self, gpu: int | None) -> Spare | None:
-        """The spare of C{gpu} that has been ready longest, if any."""
-        ready = [s for s in self.spares if s.gpu_id == gpu and s.status == "ready"]
-        return min(ready, key=lambda s: s.ready_at or 0.0) if ready else None
-
-    def _fill_spares(self, gpu: int | None) -> None:
-        """Start spares of C{gpu} until it has as many as configured."""
-        if self.closing or gpu in self._spare_retry:
-            return
-        while sum(1 for s in self.spares if s.gpu_id == gpu) < self.spares_wanted:
-            self._spare_serial += 1
-            prefix = "cpu" if gpu is None else f"gpu{gpu}"
-            # With several front ends each numbers its spares apart (s1, s3,
-            # ... and s2, s4, ...), so a name is unique in the server's logs.
-            step, first = self.config.front_ends, self.front_end
-            serial = (self._spare_serial - 1) * step + first + 1
-            spare = Spare(f"{prefix}/s{serial}", gpu)
-            self.spares.append(spare)
-            d = Deferred.fromCoroutine(self._start_spare(spare))
-            self._pending.add(d)
-            d.addBoth(self._spare_started, d)
-
-    def _spare_started(self, result: object, d: Deferred[None]) -> None:
-        self._pending.discard(d)
-        if isinstance(result, Failure):
-            self.log.failure("starting a spare failed", result)
-
-    async def _start_spare(self, spare: Spare) -> None:
-        """Start one spare; on failure, back off before the GPU's next try."""
-        spare.seat_dir = self.root_dir / _safe_name(spare.spare_id)
-        try:
-            spare.work_dir = await self._run_blocking(self.sandbox.prepare_seat, spare.seat_dir)
-            if self.closing:
-                raise PoolStopping()
-            worker = self._spawn(
-                spare.spare_id,
-                0,
-                spare.gpus,
-                spare.work_dir,
-                self.config.max_requests_per_worker,
-            )
-            spare.worker = worker
-            worker.ended.addCallback(self._spare_ended, spare, worker)
-            info = await worker.ready
-        except Exception as e:
-            if spare in self.spares:
-                self.spares.remove(spare)
-            if spare.worker is not None and spare.worker.alive:
-                await spare.worker.kill()
-            await self._run_blocking(_remove_trees, [spare.seat_dir])
-            if self.closing:
-                return
-            failures = self._spare_failures.get(spare.gpu_id, 0) + 1
-            self._spare_failures[spare.gpu_id] = failures
-            delay = min(
-                self.respawn_backoff_initial * 2 ** (failures - 1), self.respawn_backoff_max
-            )
-            self.log.error(
-                "spare {spare_id} failed to start: {error}",
-                kcoral_event="spare_failed",
-                spare_id=spare.spare_id,
-                gpu_id=spare.gpu_id,
-                error=str(e),
-                failures=failures,
-                retry_in_seconds=delay,
-            )
-            if spare.gpu_id not in self._spare_retry:
-                self._spare_retry[spare.gpu_id] = self._reactor.callLater(
-                    delay, self._retry_spares, spare.gpu_id
-                )
-            return
-        self._spare_failures.pop(spare.gpu_id, None)
-        if spare not in self.spares:
-            return
-        spare.status = "ready"
-        spare.ready_at = self._reactor.seconds()
-        self.log.info(
-            "spare {spare_id} ready (pid {pid})",
-            kcoral_event="spare_ready",
-            spare_id=spare.spare_id,
-            gpu_id=spare.gpu_id,
-            pid=worker.pid,
-            startup_ms=(spare.ready_at - worker.started_at) * 1000.0,
-            arch=info.get("target", {}).get("arch"),
-        )
-        # A seat being replaced in place right now keeps its own start;
-        # the spare waits for the next retirement.
-
-    def _retry_spares(self, gpu: int | None) -> None:
-        self._spare_retry.pop(gpu, None)
-        self._fill_spares(gpu)
-
-    def _spare_ended(self, code: int | None, spare: Spare, worker: WorkerHandle) -> int | None:
-        """A ready spare died on its own: drop it and start another."""
-        if spare in self.spares and spare.worker is worker and spare.status == "ready":
-            if self.closing:
-                # Stopped with the pool (L{stop} removes its directory).
-                return code
-            self.spares.remove(spare)
-            self.log.warn(
-                "spare {spare_id} exited (code {code})",
-                kcoral_event="spare_exited",
-                spare_id=spare.spare_id,
-                gpu_id=spare.gpu_id,
-                pid=worker.pid,
-                code=code,
-            )
-            if spare.seat_dir is not None:
-                self._run_blocking(_remove_trees, [spare.seat_dir]).addErrback(
-                    lambda f: self.log.failure("removing a spare's directory failed", f)
-                )
-            self._fill_spares(spare.gpu_id)
-        return code
-
     def _adopt(
         self,
         seat: Seat,
@@ -1279,7 +1113,6 @@ class WorkerPool:
         removed) and a new spare starts.
         """
         assert spare.worker is not None
-        self.spares.remove(spare)
         old_dir = seat.seat_dir
         seat.generation += 1
         worker = spare.worker
@@ -1317,22 +1150,11 @@ class WorkerPool:
         d.addBoth(done)
         if offer:
             self._offer(seat)
-        self._fill_spares(seat.gpu_id)
+        self.warm.fill(seat.gpu_id)
 
     def spare_status(self, now: float) -> list[dict[str, Any]]:
         """Per-spare status for /health and /status (spares take no requests)."""
-        return [
-            {
-                "spare_id": spare.spare_id,
-                "gpu_id": spare.gpu_id,
-                "state": spare.status,
-                "pid": None if spare.worker is None else spare.worker.pid,
-                "uptime_seconds": 0.0
-                if spare.worker is None or not spare.worker.alive
-                else round(now - spare.worker.started_at, 3),
-            }
-            for spare in self.spares
-        ]
+        return self.warm.status(now)
 
     def _offer(self, seat: Seat) -> None:
         if self.closing:

@@ -274,6 +274,8 @@ class ServerConfig:
         sandbox with a loud warning) or C{"none"}.
     @ivar sandbox_readonly_paths: extra read-only mounts inside the sandbox.
     @ivar worker_termination_grace_seconds: SIGTERM to SIGKILL window.
+    @ivar gpu_monitor_interval: seconds between the GPU monitor's readings
+        of every GPU (NVML; kcoral.server.leases.monitor); 0 turns it off.
     @ivar max_request_bytes: largest accepted request body.
     @ivar max_response_bytes: largest response body.
     @ivar output_limit_bytes: default per-stream stdout/stderr capture.
@@ -378,6 +380,9 @@ class ServerConfig:
     sandbox_readonly_paths: tuple[Path, ...] = field(default=(), converter=_to_paths)
     worker_termination_grace_seconds: float = field(
         default=5.0, converter=_to_float, validator=_FLOAT_NON_NEGATIVE
+    )
+    gpu_monitor_interval: float = field(
+        default=0.2, converter=_to_float, validator=_FLOAT_NON_NEGATIVE
     )
     max_request_bytes: int = field(default=256 * _MIB, validator=_INT)
     max_response_bytes: int = field(default=256 * _MIB, validator=_INT)

@@ -36,6 +36,7 @@ __all__ = [
     "TIMER_EVENTS",
     "RawMeasurement",
     "Validity",
+    "add_monitor_reasons",
     "evaluate",
     "latency_stats",
     "parse_raw",
@@ -443,6 +444,22 @@ def _check_envelope(
             f"{allowed:.3f} ms allowed (timer patched, or most of each call's "
             "time spent off the GPU)",
         )
+
+
+def add_monitor_reasons(
+    result: dict[str, Any], reasons: Sequence[tuple[str, str]], summary: Mapping[str, Any]
+) -> None:
+    """
+    Add the parent's GPU monitor's reasons (C{(code, text)}: C{interference},
+    C{throttled}) to a result's C{validity}, and its summary of the GPU's
+    state during the timed loop as C{"gpu"}
+    (L{kcoral.server.leases.monitor.judge_samples}).
+    """
+    validity = Validity(list(result.get("validity", {}).get("reasons", [])))
+    for code, text in reasons:
+        validity.add(code, text)
+    result["validity"] = validity.as_dict()
+    result["gpu"] = dict(summary)
 
 
 def failed_record(message: str, record: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -204,6 +204,14 @@ class KCoralService(service.MultiService):
             children.extend(
                 self.topology.after_http(self._reactor, self.api, self.leases, endpoints)
             )
+        if self.topology.role == "alone" and self.leases.gpus and config.gpu_monitor_interval > 0:
+            # NVML through a thread (kcoral.server.leases.monitor); with
+            # several front ends the workers of the others are not known here.
+            from kcoral.server.leases.monitor import GpuMonitorService
+
+            monitor = GpuMonitorService(self.leases, self._reactor, self.run_blocking)
+            monitor.monitor.interval = config.gpu_monitor_interval
+            children.append(_named(monitor, "gpu-monitor"))
         for child in children:
             child.setServiceParent(self)
 

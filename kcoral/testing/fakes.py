@@ -27,6 +27,8 @@ goes: nothing here starts a process, opens a port or touches a GPU.
   - L{FakeServer} (with L{json_reply}, L{result_reply}, L{completed},
     L{cache_miss}): an in-memory KCoral server for client tests.
   - L{FakeCompilerBackend}: an L{ICompilerBackend} that needs no toolchain.
+  - L{FakeGpuSampler}, L{FakeProcessTable}, L{MonitoredWorker}: the GPU
+    monitor's NVML, procfs and workers (L{kcoral.server.leases.monitor}).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ from kcoral.config import ServerConfig
 from kcoral.errors import ExecutionError
 from kcoral.ipc.shared import SharedBuffer
 from kcoral.server.cache import Pin, Resolution
+from kcoral.server.leases.nvml import GpuSample, IGpuSampler, ProcessUse, SamplerUnavailable
 from kcoral.server.sandbox.interface import ISandbox
 from kcoral.server.workers.job import Job, JobResult
 from kcoral.server.workers.pool import PoolBusy, PoolStopping, Seat, WorkerHandle, WorkerPool
@@ -776,3 +779,109 @@ class FakeCudaLibrary:
     def cuMemHostUnregister(self, pointer: int) -> int:
         self.calls.append(("unregister", pointer))
         return 0
+
+
+@implementer(IGpuSampler)
+@attrs.define
+class FakeGpuSampler:
+    """
+    An L{IGpuSampler} that reads a scripted GPU: the test sets what the
+    next readings show (C{processes}, C{usage}, clocks, throttle bits);
+    each reading is stamped with C{clock}'s time and returns the usage
+    samples newer than asked for, as NVML does.
+    """
+
+    clock: Clock
+    names: dict[int, str] = attrs.field(factory=lambda: {0: "NVIDIA H200"})
+    processes: dict[int, tuple[int, ...]] = attrs.field(factory=dict)
+    usage: dict[int, list[ProcessUse]] = attrs.field(factory=dict)
+    sm_clock_mhz: int = 1980
+    throttle: int = 0
+    broken: bool = False
+    reads: int = 0
+
+    def name(self, gpu: int) -> str:
+        if self.broken or gpu not in self.names:
+            raise SamplerUnavailable(f"no GPU {gpu}")
+        return self.names[gpu]
+
+    def use(self, gpu: int, pid: int, sm: int = 50, mem: int = 5, at: float | None = None) -> None:
+        """A per-process utilization sample of C{pid} at C{at} (default: now)."""
+        stamp = self.clock.seconds() if at is None else at
+        self.usage.setdefault(gpu, []).append(ProcessUse(pid, sm, mem, stamp))
+
+    def sample(self, gpu: int, usage_since: float) -> GpuSample:
+        self.name(gpu)
+        self.reads += 1
+        return GpuSample(
+            gpu=gpu,
+            taken_at=self.clock.seconds(),
+            processes=self.processes.get(gpu, ()),
+            usage=tuple(u for u in self.usage.get(gpu, ()) if u.at > usage_since),
+            sm_clock_mhz=self.sm_clock_mhz,
+            mem_clock_mhz=3201,
+            sm_clock_max_mhz=1980,
+            throttle=self.throttle,
+            temperature_c=40,
+            power_w=300.0,
+        )
+
+
+@attrs.define
+class FakeProcessTable:
+    """
+    A process table for the GPU monitor: C{pid -> (parent, name, started,
+    pid namespace)}; C{kill} removes a process (and records it).
+    """
+
+    table: dict[int, tuple[int, str, int, int]] = attrs.field(factory=dict)
+    killed: list[int] = attrs.field(factory=list)
+
+    def add(self, pid: int, parent: int, name: str = "python3", ns: int = 1) -> None:
+        started = max((entry[2] for entry in self.table.values()), default=0) + 1
+        self.table[pid] = (parent, name, started, ns)
+
+    def kill(self, pid: int) -> None:
+        self.killed.append(pid)
+        self.table.pop(pid, None)
+
+    def parent_of(self, pid: int) -> int | None:
+        entry = self.table.get(pid)
+        return None if entry is None else entry[0]
+
+    def name_of(self, pid: int) -> str | None:
+        entry = self.table.get(pid)
+        return None if entry is None else entry[1]
+
+    def started_at(self, pid: int) -> int | None:
+        entry = self.table.get(pid)
+        return None if entry is None else entry[2]
+
+    def pid_namespace(self, pid: int) -> int | None:
+        entry = self.table.get(pid)
+        return None if entry is None else entry[3]
+
+    def descendants(self, pid: int) -> list[int]:
+        found: list[int] = []
+        pending = [pid]
+        while pending:
+            parent = pending.pop()
+            for child, entry in sorted(self.table.items()):
+                if entry[0] == parent and child not in found and child != pid:
+                    found.append(child)
+                    pending.append(child)
+        return found
+
+
+@attrs.define(eq=False)
+class MonitoredWorker:
+    """A worker as the GPU monitor sees it: its pid, seat, request and violations."""
+
+    pid: int | None
+    seat: str = "gpu0/w0"
+    alive: bool = True
+    request_id: str | None = None
+    violations: list[str] = attrs.field(factory=list)
+
+    def gpu_violation(self, reason: str, location: str = "") -> None:
+        self.violations.append(reason)

@@ -48,6 +48,7 @@ class DefaultsTests(SynchronousTestCase):
             "sandbox": "bubblewrap",
             "sandbox_readonly_paths": (),
             "worker_termination_grace_seconds": 5.0,
+            "gpu_monitor_interval": 0.2,
             "max_request_bytes": 256 * 1024**2,
             "max_response_bytes": 256 * 1024**2,
             "output_limit_bytes": 1024**2,

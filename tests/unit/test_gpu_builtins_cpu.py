@@ -38,6 +38,7 @@ from kcoral.worker.gpu_builtins import (
     split_cfg,
     timing,
 )
+from kcoral.worker.gpu_builtins.timing import MAX_RETRIES, disturbed
 
 
 class BenchmarkConfigTests(SynchronousTestCase):
@@ -55,6 +56,25 @@ class BenchmarkConfigTests(SynchronousTestCase):
         self.assertFalse(config.needs_estimate)
         self.assertEqual(plan_counts(config, None), (3, 7))
         self.assertFalse(config.flush_l2)
+
+    def test_retry_on_interference(self) -> None:
+        """retry_on_interference is a count from 0 to MAX_RETRIES; anything else is refused."""
+        self.assertEqual(parse_benchmark_cfg({}).retry_on_interference, 0)
+        self.assertEqual(parse_benchmark_cfg({"retry_on_interference": 3}).retry_on_interference, 3)
+        for bad in (True, -1, MAX_RETRIES + 1, 1.5, "2"):
+            with self.assertRaises(ExecutionError) as caught:
+                parse_benchmark_cfg({"retry_on_interference": bad})
+            self.assertEqual(caught.exception.kind, "parse")
+
+    def test_disturbed(self) -> None:
+        """Only the GPU monitor's reasons make a result worth measuring again."""
+        flagged = {"validity": {"ok": False, "reasons": ["interference: process 9"]}}
+        throttled = {"validity": {"ok": False, "reasons": ["throttled: sw_power_cap"]}}
+        other = {"validity": {"ok": False, "reasons": ["envelope: too fast"]}}
+        self.assertTrue(disturbed(flagged))
+        self.assertTrue(disturbed(throttled))
+        self.assertFalse(disturbed(other))
+        self.assertFalse(disturbed({}))
 
     def test_one_count_still_needs_estimate(self) -> None:
         """Only C{repeat} given: the warm-up count comes from the estimate."""

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import attrs
+from twisted.internet.defer import Deferred
 from twisted.trial.unittest import SynchronousTestCase
 
 from kcoral.errors import ExecutionError
@@ -29,6 +30,9 @@ from kcoral.measurement import (
 )
 from kcoral.server.workers.job import JobResult
 from kcoral.wire.channel import (
+    Instruction,
+    LeaseAcquire,
+    LeaseRelease,
     Measurement,
     MeasurementResult,
     MeasureStart,
@@ -427,6 +431,74 @@ class ParentTests(WorkerTestCase):
         self.assertEqual(records[0]["latency_ms_median"], 2.0)
         self.assertIn("error", records[2])
         self.assertFalse(records[2]["validity"]["ok"])
+
+    def test_monitor_judges_gpu_measurements(self) -> None:
+        """
+        With a GPU monitor on the leases, a GPU worker's result and the
+        parent's record carry the monitor's reasons and summary; the
+        answer waits for its verdict.
+        """
+        judged: list[tuple[Any, ...]] = []
+        verdict: Deferred[Any] = Deferred()
+
+        class Monitor:
+            def judge(self, *args: Any) -> Deferred[Any]:
+                judged.append(args)
+                return verdict
+
+        self.leases.monitor = Monitor()
+        worker = self.ready_worker(gpus=(0,))
+        d = worker.run(self.job())
+        self.deliver(worker, LeaseAcquire())
+        before = len(self.transport.messages())
+        self.deliver(worker, MeasureStart())
+        self.reactor.advance(0.021)
+        self.deliver(worker, MeasureStop())
+        self.deliver(worker, Measurement(raw().to_json()))
+        self.assertEqual(len(self.transport.messages()), before)  # waits for the monitor
+        self.assertIs(judged[0][0], worker)
+        self.assertEqual(judged[0][1], (0,))
+        self.assertAlmostEqual(judged[0][3] - judged[0][2], 0.021)
+        verdict.callback(([("interference", "process 9 used GPU 0")], {"samples": 3}))
+        answer = self.transport.messages()[-1]
+        assert isinstance(answer, MeasurementResult) and answer.result is not None
+        self.assertEqual(
+            answer.result["validity"],
+            {"ok": False, "reasons": ["interference: process 9 used GPU 0"]},
+        )
+        self.assertEqual(answer.result["gpu"], {"samples": 3})
+        self.deliver(worker, LeaseRelease())
+        self.deliver(worker, Outcome(status="COMPLETED"))
+        record = self.successResultOf(d).measurements[0]
+        self.assertEqual(record["validity"], answer.result["validity"])
+        self.assertEqual(record["gpu"], {"samples": 3})
+
+    def test_gpu_violation_fails_the_program(self) -> None:
+        """
+        The GPU monitor's kill of a process the program started fails the
+        program with gpu_access at the running instruction, and kills the worker.
+        """
+        program = SimpleNamespace(
+            instructions=(SimpleNamespace(op="upload", id="m"), SimpleNamespace(op="run", id="r"))
+        )
+        worker = self.ready_worker()
+        d = worker.run(self.job(program=program))
+        self.deliver(worker, Instruction(1))
+        worker.gpu_violation("process 9 (python3) used GPU 0", "process 9 (python3)")
+        result: JobResult = self.successResultOf(d)
+        assert result.outcome is not None and result.outcome.error is not None
+        self.assertEqual(result.outcome.status, "FAILED")
+        error = result.outcome.error
+        self.assertEqual(
+            (error["kind"], error["message"], error["instruction_index"], error["instruction_id"]),
+            ("gpu_access", "process 9 (python3) used GPU 0", 1, "r"),
+        )
+        self.assertEqual(error["location"], "process 9 (python3)")
+        self.assertTrue(worker._killing)
+        # Between programs: the worker is poisoned (killed) instead.
+        other = self.ready_worker()
+        other.gpu_violation("late", "")
+        self.assertEqual(other.protocol.channel_error, "late")
 
     def test_out_of_order_is_a_violation(self) -> None:
         for messages, detail in [

@@ -32,6 +32,7 @@ DISTRIBUTION_OF = {
     "tvm_ffi": "apache-tvm-ffi",
     "prometheus_client": "prometheus-client",
     "nats": "nats-py",
+    "pynvml": "nvidia-ml-py",
 }
 
 #: Imported only when present, never required: the worker hands tensors to

@@ -151,6 +151,7 @@ _FIELD_FLAGS: Mapping[str, str] = {
     "sandbox": "sandbox",
     "sandbox_readonly_paths": "sandbox-readonly-path",
     "worker_termination_grace_seconds": "worker-termination-grace-seconds",
+    "gpu_monitor_interval": "gpu-monitor-interval",
     "max_request_bytes": "max-request-bytes",
     "max_response_bytes": "max-response-bytes",
     "output_limit_bytes": "output-limit-bytes",
@@ -218,6 +219,7 @@ OPTION_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "tensor-api",
             "reuse-scope",
             "worker-termination-grace-seconds",
+            "gpu-monitor-interval",
         ),
     ),
     ("Sandbox", ("sandbox", "sandbox-readonly-path", "output-space-bytes", "workspace-bytes")),
@@ -382,6 +384,13 @@ class Options(usage.Options):
             "worker-termination-grace-seconds",
             _DEFAULTS.worker_termination_grace_seconds,
             "Seconds a stopped worker gets to exit before SIGKILL, spent once.",
+        ),
+        _float_param(
+            "gpu-monitor-interval",
+            _DEFAULTS.gpu_monitor_interval,
+            "Seconds between the GPU monitor's NVML readings of every GPU (it kills GPU "
+            "processes a program started and flags benchmarks disturbed by other processes "
+            "or throttling; docs/trusted-timing.md); 0 turns it off.",
         ),
         _float_param(
             "worker-wait-timeout-seconds",
@@ -821,6 +830,7 @@ class Options(usage.Options):
                 sandbox=sandbox,
                 sandbox_readonly_paths=self["sandbox-readonly-path"],
                 worker_termination_grace_seconds=self["worker-termination-grace-seconds"],
+                gpu_monitor_interval=self["gpu-monitor-interval"],
                 max_request_bytes=self["max-request-bytes"],
                 max_response_bytes=self["max-response-bytes"],
                 output_limit_bytes=self["output-limit-bytes"],

@@ -197,6 +197,10 @@ class LeaseArbiter:
     _quarantined: set[int] = attrs.field(factory=set)
     history: dict[int, deque[HoldInterval]] = attrs.field(factory=dict)
     closed: bool = False
+    #: The GPU monitor watching these GPUs, once it runs
+    #: (L{kcoral.server.leases.monitor.GpuMonitorService}): workers have
+    #: their timed loops judged by it.
+    monitor: Any = None
 
     log = Logger()
 

@@ -311,6 +311,27 @@ class Metrics:
             ["status", "reason"],
             registry=self.registry,
         )
+        # The GPU monitor (kcoral.server.leases.monitor), by GPU.
+        self.gpu_events = {
+            "gpu_interference": Counter(
+                "kcoral_gpu_interference",
+                "Leases during which another process used the GPU.",
+                ["gpu"],
+                registry=self.registry,
+            ),
+            "gpu_throttled": Counter(
+                "kcoral_gpu_throttled",
+                "Leases during which the GPU's clocks were throttled.",
+                ["gpu"],
+                registry=self.registry,
+            ),
+            "gpu_descendant_killed": Counter(
+                "kcoral_gpu_descendants_killed",
+                "Processes started by a program that used a GPU, killed.",
+                ["gpu"],
+                registry=self.registry,
+            ),
+        }
         for reason, status in REFUSALS.items():
             self.refusals.labels(status=str(status), reason=reason)
         for reason in FINISH_REASONS:
@@ -367,6 +388,8 @@ class Metrics:
             self.refusals.labels(status=str(status), reason=reason).inc()
         elif name == "worker_retired":
             self.worker_replacements.labels(reason=str(event.get("reason") or "unknown")).inc()
+        elif name in self.gpu_events:
+            self.gpu_events[name].labels(gpu=str(event.get("gpu_id"))).inc()
         elif name in self._cache_counters:
             count = _number(event.get("count", 1))
             if count is not None and count > 0:

@@ -41,7 +41,13 @@ from kcoral.ipc.shared import (
     socket_pair,
 )
 from kcoral.ipc.shared import available as shared_memory_available
-from kcoral.measurement import MeasurementFailed, evaluate, failed_record, parse_raw
+from kcoral.measurement import (
+    MeasurementFailed,
+    add_monitor_reasons,
+    evaluate,
+    failed_record,
+    parse_raw,
+)
 from kcoral.proctree import descendants_of
 from kcoral.server.leases.lease import MAINTENANCE
 from kcoral.server.workers.channelbudget import ChannelBudget, ignore_cancel
@@ -83,6 +89,7 @@ from kcoral.wire.channel import (
     header_cost,
     job_limits,
 )
+from kcoral.wire.errors import instruction_error
 
 #: Measurements (benchmark calls) one program may have the parent compute.
 MAX_MEASUREMENTS = 1000
@@ -941,6 +948,24 @@ class WorkerProcess:
             self._kill_timer = self._reactor.callLater(self._grace_seconds, self.kill_now)
         return self._ended_copy()
 
+    @property
+    def request_id(self) -> str | None:
+        """The request whose program runs now, if any (the GPU monitor's reports name it)."""
+        return None if self._job is None else self._job.job.request_id
+
+    def gpu_violation(self, reason: str, location: str = "") -> None:
+        """
+        The GPU monitor saw this worker's program break the lease (a process
+        it started used a GPU: L{kcoral.server.leases.monitor}): its program
+        fails with C{gpu_access} (C{reason}; C{location} names the process),
+        and the worker is killed.
+        """
+        if not self.alive:
+            return
+        if self._job is not None and self._job.gpu_violation(reason, location):
+            return
+        self.protocol.violation(reason)
+
     def kill_now(self) -> None:
         """
         SIGKILL the worker's whole tree at once (its grace is spent); a GPU
@@ -1215,6 +1240,33 @@ class _RunningJob:
         self._finish(JobResult("timeout", instruction_index=self._where()))
         self.worker.kill()
 
+    def gpu_violation(self, reason: str, location: str) -> bool:
+        """
+        Fail the program with C{gpu_access} at the instruction running (the
+        GPU monitor killed a process it started) and kill the worker;
+        C{False} when no instruction of it is known to be running.
+        """
+        if self.done.called:
+            return True
+        index = self._where()
+        instructions = getattr(self.job.program, "instructions", ())
+        if index is None or not 0 <= index < len(instructions):
+            return False
+        instruction = instructions[index]
+        error = instruction_error(
+            "gpu_access",
+            reason,
+            index,
+            instruction.op,
+            getattr(instruction, "id", None),
+            cuda_call="a CUDA context (seen by NVML)",
+            location=location,
+        )
+        outcome = Outcome(status="FAILED", error=error)
+        self._finish(JobResult("outcome", outcome=outcome))
+        self.worker.kill()
+        return True
+
     # -- messages -------------------------------------------------------------
 
     def message_received(self, message: ChannelMessage) -> None:
@@ -1344,8 +1396,28 @@ class _RunningJob:
             self.worker.send(MeasurementResult(error=e.message))
             return
         result["measurement_id"] = header["id"]
-        self.measurements.append({**header, **result})
-        self.worker.send(MeasurementResult(result=result))
+        record = {**header, **result}
+        self.measurements.append(record)
+        monitor = getattr(self.worker._leases, "monitor", None)
+        if monitor is None or not self.worker.gpus:
+            self.worker.send(MeasurementResult(result=result))
+            return
+        # The GPU monitor's verdict on the timed loop (kcoral.server.leases.monitor).
+        d = monitor.judge(
+            self.worker, self.worker.gpus, self._measure_started, self._measure_stopped
+        )
+
+        def judged(verdict: tuple[list[tuple[str, str]], dict[str, Any]]) -> None:
+            add_monitor_reasons(result, *verdict)
+            record.update(validity=result["validity"], gpu=result["gpu"])
+
+        def send(_: None) -> None:
+            if not self.done.called:
+                self.worker.send(MeasurementResult(result=result))
+
+        d.addCallback(judged)
+        d.addErrback(lambda f: self.worker.log.failure("the GPU monitor failed", f))
+        d.addCallback(send)
 
     def _returned(self, message: Returned) -> None:
         """

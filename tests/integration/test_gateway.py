@@ -24,7 +24,7 @@ from kcoral.testing.gateway import GatewayProcess
 from kcoral.testing.live_server import ServerProcess, post_program
 from kcoral.testing.nats import NatsServer, nats_server_binary
 
-from .refclient import RefClientUnavailable, _clean_env, _run, ensure_venv
+from .refclient import RefClientUnavailable, ensure_venv, run_client
 
 pytestmark = pytest.mark.skipif(
     nats_server_binary() is None, reason="nats-server is not installed (./dev.sh install)"
@@ -44,7 +44,7 @@ SIDE_EFFECT = (
     "    with open(path, 'a') as fh:\n"
     "        fh.write('ran %d\\n' % os.getpid())\n"
     "    time.sleep(seconds)\n"
-    "    return [os.getpid(), start, time.time()]\n"
+    "    return '%d %r %r' % (os.getpid(), start, time.time())\n"
 )
 
 
@@ -180,7 +180,7 @@ REF_SCRIPT = r"""
 import json, sys, hashlib
 from kcoral import Client, Program, KCoralError
 
-url, headers, blob_hex = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+url, headers, blob_path = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
 attempts = []
 
 def hook(response):
@@ -197,7 +197,7 @@ def hook(response):
 
 client = Client(url, headers=headers or None)
 client._http.event_hooks["response"].append(hook)
-blob = bytes.fromhex(blob_hex)
+blob = open(blob_path, "rb").read()
 p = Program()
 m = p.upload(kind="module", source="import hashlib\ndef f(x):\n    return hashlib.sha256(x).hexdigest()\n")
 f = p.get_function(module=m, name="f")
@@ -213,17 +213,9 @@ print("RESULT " + json.dumps(out), flush=True)
 """
 
 
-def ref_execute(
-    python: Path, url: str, blob: bytes, headers: dict[str, str] | None = None
-) -> dict[str, Any]:
+def ref_execute(url: str, blob: Path, headers: dict[str, str] | None = None) -> dict[str, Any]:
     """One C{execute} of the hashing program by the reference client, with its attempts."""
-    result = _run(
-        [str(python), "-I", "-", url, json.dumps(headers or {}), blob.hex()],
-        _clean_env(),
-        180,
-        None,
-        script=REF_SCRIPT,
-    )
+    result = run_client(REF_SCRIPT, url, json.dumps(headers or {}), str(blob), timeout=180)
     lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, result.stdout + result.stderr
     out: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :])
@@ -241,8 +233,10 @@ def test_cache_miss_answered_by_gateway_then_reused_on_other_node(
     pool.node("node-a")
     pool.node("node-b")
     blob = os.urandom(70_000)
+    blob_file = pool.tmp / "blob"
+    blob_file.write_bytes(blob)
     expected = hashlib.sha256(blob).hexdigest()
-    first = ref_execute(refclient_python, pool.url, blob)
+    first = ref_execute(pool.url, blob_file)
     assert first["status"] == "COMPLETED", first
     assert first["h"] == expected
     assert [(a["status"], a["blobs"]) for a in first["attempts"]] == [
@@ -253,7 +247,7 @@ def test_cache_miss_answered_by_gateway_then_reused_on_other_node(
     assert ran_on in ("node-a", "node-b")
     other = "node-b" if ran_on == "node-a" else "node-a"
     # The client asks for the other node (a preference): no miss, no blob sent.
-    second = ref_execute(refclient_python, pool.url, blob, {"X-KCoral-Node": other})
+    second = ref_execute(pool.url, blob_file, {"X-KCoral-Node": other})
     assert second["status"] == "COMPLETED", second
     assert second["h"] == expected
     assert [(a["status"], a["blobs"], a["node"]) for a in second["attempts"]] == [
@@ -294,8 +288,8 @@ def test_seat_limits_under_concurrency(pool: Pool, tmp_path: Path) -> None:
         assert response.status == 200, response.body
         body = response.json()
         assert body["status"] == "COMPLETED", body
-        _pid, start, end = body["results"]["out"]
-        by_node.setdefault(response.headers["x-kcoral-node"], []).append((start, end))
+        _pid, start, end = body["results"]["out"]["value"].split()
+        by_node.setdefault(response.headers["x-kcoral-node"], []).append((float(start), float(end)))
     assert set(by_node) <= {"node-a", "node-b"}
     for intervals in by_node.values():
         intervals.sort()

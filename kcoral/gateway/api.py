@@ -145,13 +145,38 @@ def _refuse(request: IRequest, status: int, kind: str, message: str) -> bytes:
 
 
 class GatewayRequest(LimitedRequest):
-    """A L{LimitedRequest} whose node-facing result posts may be as large as a response."""
+    """
+    A L{LimitedRequest} whose node-facing result posts may be as large as a
+    response, and count only against the gateway's bytes in flight, not
+    against their address's share (C{--max-bytes-per-client}): a node's
+    results are bounded by its jobs, and a node may share an address with
+    clients.
+    """
+
+    def _node_route(self) -> bool:
+        path = getattr(self.channel, "_path", None) or b""
+        return bool(path.startswith(b"/_pool/"))
 
     def _limit(self) -> int | None:
-        path = getattr(self.channel, "_path", None) or b""
-        if path.startswith(b"/_pool/"):
+        if self._node_route():
             return getattr(self._site(), "max_result_bytes", None)
         return super()._limit()
+
+    def _admits(self, length: int) -> bool:
+        if not self._node_route():
+            return super()._admits(length)
+        admits = getattr(self._site(), "admits_bytes", None)
+        return admits is None or bool(admits(length))
+
+    def _reserve(self, size: int, force: bool = False) -> bool:
+        site = self._site()
+        if self._node_route() and self._reserved_at is None and site is not None:
+            if getattr(site, "reserve_bytes", None) is not None:
+                # As LimitedRequest's first reservation, with no address.
+                self._reserved_at = site
+                self._peer = None
+                self.notifyFinish().addBoth(self._release)
+        return bool(super()._reserve(size, force))
 
 
 class GatewaySite(KcoralSite):
@@ -456,6 +481,8 @@ class GatewayAPI:
             return b""
         finally:
             pending.transfers -= 1
+            # A node busy moving a large blob may be late with its presence.
+            self.pool.touch(pending.node, self._reactor.seconds())
             self.log.info(
                 "job {job}: blob {digest} sent",
                 kcoral_event="job_blob_sent",
@@ -468,10 +495,16 @@ class GatewayAPI:
     async def _result(self, request: IRequest, job: str) -> bytes:
         if getattr(request, "too_large", False):
             return _refuse(request, 413, "request_too_large", "result exceeds the size limit")
+        if getattr(request, "over_capacity", False):
+            request.setHeader(b"Retry-After", b"1")
+            return _refuse(request, 503, "busy", "gateway saturated; post the result again")
         try:
             head = parse_result_headers(lambda name: _header(request, name.lower().encode("ascii")))
         except SchemaError as e:
             return _refuse(request, 400, "parse", str(e))
+        pending = self.dispatcher.jobs.get(job)
+        if pending is not None:
+            self.pool.touch(head.node or pending.node, self._reactor.seconds())
         content = request.content
         length = int(getattr(request, "body_bytes", 0) or 0)
         if content is None:

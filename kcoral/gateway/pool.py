@@ -51,6 +51,15 @@ class PoolView:
             self.joined += 1
         return new
 
+    def touch(self, node: str | None, now: float) -> None:
+        """
+        A sign of life from C{node} other than its presence record (it is
+        fetching a blob or posting a result): it counts as seen now.
+        """
+        state = self.nodes.get(node) if node is not None else None
+        if state is not None:
+            state.seen = max(state.seen, now)
+
     def remove(self, node: str) -> bool:
         """A node's key was deleted (a node that stops cleanly); whether it was known."""
         if self.nodes.pop(node, None) is None:

@@ -404,7 +404,17 @@ ROUND_TRIP = "import hashlib\ndef f(x):\n    return bytes(x)\n"
 def test_256_mib_blob_and_result_round_trip(tmp_path: Path) -> None:
     """A 256 MiB blob up and the same 256 MiB back, through the gateway, intact."""
     limit = str(300 * 1024 * 1024)
-    pool = Pool(tmp_path, "--max-request-bytes", limit, "--max-response-bytes", limit).start()
+    # Moving 256 MiB keeps a node's reactor busy for seconds on a small
+    # machine: a longer presence timeout than the other tests.
+    pool = Pool(
+        tmp_path,
+        "--max-request-bytes",
+        limit,
+        "--max-response-bytes",
+        limit,
+        "--presence-timeout",
+        "30",
+    ).start()
     try:
         pool.node(
             "node-a",
@@ -424,7 +434,9 @@ def test_256_mib_blob_and_result_round_trip(tmp_path: Path) -> None:
         response = post_program(pool.port, program, [blob], timeout=600)
         assert response.status == 200, response.body[:500]
         assert response.headers["content-type"].startswith("multipart/form-data")
-        start = response.body.index(blob[:4096])
+        assert int(response.headers["content-length"]) == len(response.body)
+        start = response.body.find(blob[:4096])
+        assert start >= 0, (len(response.body), response.body[:600])
         assert hashlib.sha256(response.body[start : start + len(blob)]).hexdigest() == digest
     finally:
         pool.stop()

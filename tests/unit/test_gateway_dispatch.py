@@ -68,6 +68,18 @@ class PoolViewTests(SynchronousTestCase):
         self.assertEqual(pool.summary(13.5)["nodes"], 0)
         self.assertEqual((pool.joined, pool.left), (1, 1))
 
+    def test_touch(self) -> None:
+        """A node's blob fetch or result post counts as seen; an unknown node stays unknown."""
+        pool = PoolView(presence_timeout=3.0)
+        pool.update(presence("n1"), 0.0)
+        pool.touch("n1", 2.5)
+        self.assertTrue(pool.present("n1", 5.0))
+        pool.touch("n1", 1.0)
+        self.assertTrue(pool.present("n1", 5.0))
+        pool.touch("n2", 2.0)
+        pool.touch(None, 2.0)
+        self.assertFalse(pool.present("n2", 2.0))
+
     def test_summary(self) -> None:
         """Seats, free seats and GPUs of the present nodes."""
         pool = PoolView(presence_timeout=3.0)

@@ -183,3 +183,36 @@ def test_result_limit() -> None:
     assert request._limit() == 1000
     Channel._path = b"/execute"
     assert request._limit() == 10
+
+
+def test_node_routes_skip_the_per_client_share() -> None:
+    """A result post counts against the gateway's bytes in flight only, not its address's share."""
+    from twisted.internet.testing import StringTransport
+
+    from kcoral.gateway.api import GatewaySite
+
+    site = GatewaySite(
+        None,
+        max_result_bytes=1000,
+        max_request_bytes=100,
+        max_bytes_in_flight=10_000,
+        max_bytes_per_client=50,
+    )
+
+    def request(path: bytes) -> GatewayRequest:
+        channel = site.buildProtocol(None)
+        channel.makeConnection(StringTransport())  # peer 192.168.1.1
+        channel._path = path
+        return GatewayRequest(channel)
+
+    client = request(b"/execute")
+    assert client._reserve(40)
+    assert site.client_bytes == {"192.168.1.1": 40}
+    # Another client body from the same address does not fit its share...
+    assert not request(b"/execute")._admits(80)
+    # ...a node's result post does, and leaves the share alone.
+    result = request(b"/_pool/jobs/j1/result")
+    assert result._admits(80)
+    assert result._reserve(80)
+    assert site.client_bytes == {"192.168.1.1": 40}
+    assert site.bytes_in_flight == 120

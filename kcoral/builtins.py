@@ -34,6 +34,16 @@ def benchmark(fn: Any, *args: Any) -> dict[str, Any]:
     return _call("builtin.benchmark", fn, *args)
 
 
+def compare(a: Any, b: Any, *args: Any) -> dict[str, Any]:
+    """
+    Is C{b(*args)} faster than C{a(*args)}?  Their iterations interleaved in
+    a random order under one lease; both medians, the ratio of B's to A's,
+    its 95 % interval and a verdict (C{faster}, C{slower} or
+    C{indistinguishable}); a trailing dict is the configuration.
+    """
+    return _call("builtin.compare", a, b, *args)
+
+
 def compile_tirx(kernel: Any, bindings: Any = None) -> Any:
     """Compile a TVM TIRx kernel for CUDA; needs TVM in the worker."""
     table = _runtime.current_builtins()

@@ -156,6 +156,12 @@ class RawMeasurement:
     #: The label of the activity with the most GPU time in the benchmark's
     #: first call (before the warm-up), C{""} if it caused none.
     first_call_main: str = ""
+    #: A paired comparison (C{compare}): which function each timed
+    #: iteration called (0: A, 1: B), in the randomized order they ran;
+    #: empty for a C{benchmark}.  C{discovery} is then A's discovery run's
+    #: summary and C{discovery_b} B's.
+    sides: tuple[int, ...] = ()
+    discovery_b: int = -1
 
     def to_json(self) -> dict[str, Any]:
         """The JSON form L{parse_raw} reads back."""
@@ -174,6 +180,8 @@ class RawMeasurement:
             "options": dict(self.options),
             "notes": list(self.notes),
             "first_call_main": self.first_call_main,
+            "sides": list(self.sides),
+            "discovery_b": self.discovery_b,
         }
 
 
@@ -204,6 +212,9 @@ def _list(value: Any, name: str, limit: int) -> list[Any]:
     return value
 
 
+#: Fields a measurement may leave out (a benchmark's has no sides).
+_OPTIONAL_FIELDS = frozenset({"sides", "discovery_b"})
+
 _OPTION_KEYS = frozenset({"rotate", "fresh_inputs", "audit", "fingerprint", "cold_l2"})
 
 
@@ -216,7 +227,7 @@ def parse_raw(data: Any) -> RawMeasurement:
     if not isinstance(data, dict):
         raise ValueError("a measurement must be an object")
     expected = set(attrs.fields_dict(RawMeasurement))
-    missing, extra = expected - data.keys(), data.keys() - expected
+    missing, extra = expected - data.keys() - _OPTIONAL_FIELDS, data.keys() - expected
     if missing or extra:
         raise ValueError(f"measurement fields: missing {sorted(missing)}, unknown {sorted(extra)}")
     timer = data["timer"]
@@ -275,7 +286,16 @@ def parse_raw(data: Any) -> RawMeasurement:
         options=dict(options),
         notes=tuple(_text(n, "notes") for n in _list(data["notes"], "notes", 16)),
         first_call_main=_text(data["first_call_main"], "first_call_main"),
+        sides=_sides(data.get("sides", []), repeat),
+        discovery_b=_int(data.get("discovery_b", -1), "discovery_b", -1, count - 1),
     )
+
+
+def _sides(value: Any, repeat: int) -> tuple[int, ...]:
+    sides = tuple(_int(s, "sides", 0, 1) for s in _list(value, "sides", MAX_ITERATIONS))
+    if sides and (len(sides) != repeat or 0 not in sides or 1 not in sides):
+        raise ValueError("'sides' must name A (0) or B (1) for every timed iteration, both used")
+    return sides
 
 
 def latency_stats(samples_ms: Sequence[float]) -> dict[str, Any]:
@@ -325,6 +345,8 @@ def evaluate(raw: RawMeasurement, wall_ms: float | None) -> dict[str, Any]:
         it (C{None}: not known, the envelope is not checked).
     @raise MeasurementFailed: no timed iteration caused any GPU activity.
     """
+    if raw.sides:
+        return evaluate_pair(raw, wall_ms)
     validity = Validity()
     timed = [s for s in raw.spans_ms if s is not None]
     base: dict[str, Any] = {
@@ -444,6 +466,117 @@ def _check_envelope(
             f"{allowed:.3f} ms allowed (timer patched, or most of each call's "
             "time spent off the GPU)",
         )
+
+
+#: Bootstrap resamples behind C{compare}'s confidence interval.
+BOOTSTRAP_RESAMPLES = 4000
+#: The interval's confidence.
+CONFIDENCE = 0.95
+
+
+def _side(raw: RawMeasurement, side: int) -> RawMeasurement:
+    """One function's iterations of a paired measurement, as a benchmark's."""
+    chosen = [i for i, s in enumerate(raw.sides) if s == side]
+    renumber = {i: k for k, i in enumerate(chosen)}
+    flags = tuple(
+        (renumber[i], code, detail) if i >= 0 else (i, code, detail)
+        for i, code, detail in raw.flags
+        if i in renumber or (i < 0 and side == 0)
+    )
+    return attrs.evolve(
+        raw,
+        repeat=len(chosen),
+        spans_ms=tuple(raw.spans_ms[i] for i in chosen),
+        signature_of=tuple(raw.signature_of[i] for i in chosen) if raw.signature_of else (),
+        discovery=raw.discovery if side == 0 else raw.discovery_b,
+        flags=flags,
+        # The first call's check is A's (the one whose first call was traced).
+        first_call_main=raw.first_call_main if side == 0 else "",
+        sides=(),
+        discovery_b=-1,
+    )
+
+
+def ratio_interval(
+    a_ms: Sequence[float],
+    b_ms: Sequence[float],
+    resamples: int = BOOTSTRAP_RESAMPLES,
+    confidence: float = CONFIDENCE,
+    seed: int = 34,
+) -> tuple[float, float]:
+    """
+    The percentile bootstrap interval of C{median(b) / median(a)}: both
+    samples resampled with replacement, independently, C{resamples} times
+    (a fixed seed: the same spans give the same interval).
+    """
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    a = np.asarray(a_ms, dtype=float)
+    b = np.asarray(b_ms, dtype=float)
+    a_medians = np.median(rng.choice(a, size=(resamples, a.size)), axis=1)
+    b_medians = np.median(rng.choice(b, size=(resamples, b.size)), axis=1)
+    ratios = b_medians / np.maximum(a_medians, 1e-12)
+    tail = (1 - confidence) / 2 * 100
+    low, high = np.percentile(ratios, [tail, 100 - tail])
+    return float(low), float(high)
+
+
+def verdict_of(low: float, high: float) -> str:
+    """B against A from the ratio's interval: C{faster}, C{slower} or C{indistinguishable}."""
+    if high < 1.0:
+        return "faster"
+    if low > 1.0:
+        return "slower"
+    return "indistinguishable"
+
+
+def evaluate_pair(raw: RawMeasurement, wall_ms: float | None) -> dict[str, Any]:
+    """
+    The C{compare} result of a paired measurement: each function's
+    statistics and checks (as a benchmark's), the ratio of B's median to
+    A's, its 95 % bootstrap interval and the verdict; the wall-clock
+    envelope over the whole interleaved loop.
+
+    @raise MeasurementFailed: a function's timed iterations caused no GPU activity.
+    """
+    validity = Validity()
+    sides: dict[str, dict[str, Any]] = {}
+    spans: dict[str, list[float]] = {}
+    for name, side in (("a", 0), ("b", 1)):
+        part = _side(raw, side)
+        try:
+            result = evaluate(part, None)
+        except MeasurementFailed as e:
+            record = {"timing": raw.timer, name: e.record, "validity": e.record["validity"]}
+            raise MeasurementFailed(
+                f"compare: function {name.upper()}: {e.message}", record
+            ) from None
+        for reason in result.pop("validity")["reasons"]:
+            code, _, text = reason.partition(": ")
+            validity.add(code, f"function {name.upper()}: {text}")
+        for key in ("flush_l2", "timing", "warmup"):
+            result.pop(key, None)
+        sides[name] = result
+        spans[name] = [s for s in part.spans_ms if s is not None]
+    if wall_ms is not None:
+        timed = spans["a"] + spans["b"]
+        _check_envelope(raw, timed, statistics.median(timed), wall_ms, validity)
+    low, high = ratio_interval(spans["a"], spans["b"])
+    ratio = sides["b"]["latency_ms_median"] / max(sides["a"]["latency_ms_median"], 1e-12)
+    return {
+        "a": sides["a"],
+        "b": sides["b"],
+        "ratio": ratio,
+        "ratio_ci95": [low, high],
+        "verdict": verdict_of(low, high),
+        "order": "randomized",
+        "warmup": raw.warmup,
+        "repeat": raw.repeat // 2,
+        "flush_l2": raw.flush_l2,
+        "timing": raw.timer,
+        "validity": validity.as_dict(),
+    }
 
 
 def add_monitor_reasons(

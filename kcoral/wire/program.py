@@ -62,6 +62,7 @@ BUILTINS: Mapping[str, bool] = MappingProxyType(
         "builtin.compile_cutedsl": True,
         "builtin.compile_triton": True,
         "builtin.benchmark": False,
+        "builtin.compare": False,
         "builtin.check_close": False,
         "builtin.assert_close": False,
         "builtin.kernel": False,

@@ -38,7 +38,7 @@ from kcoral.worker.gpu_builtins import (
     split_cfg,
     timing,
 )
-from kcoral.worker.gpu_builtins.timing import MAX_RETRIES, disturbed
+from kcoral.worker.gpu_builtins.timing import MAX_RETRIES, disturbed, parse_compare_cfg
 
 
 class BenchmarkConfigTests(SynchronousTestCase):
@@ -64,6 +64,15 @@ class BenchmarkConfigTests(SynchronousTestCase):
         for bad in (True, -1, MAX_RETRIES + 1, 1.5, "2"):
             with self.assertRaises(ExecutionError) as caught:
                 parse_benchmark_cfg({"retry_on_interference": bad})
+            self.assertEqual(caught.exception.kind, "parse")
+
+    def test_compare_cfg(self) -> None:
+        """compare takes benchmark's counts, budgets and flush_l2, none of its options."""
+        config = parse_compare_cfg({"warmup": 3, "repeat": 20, "flush_l2": False})
+        self.assertEqual((config.warmup, config.repeat, config.flush_l2), (3, 20, False))
+        for bad in ({"audit": abs}, {"rotate": 2}, {"repeat": 0}, {"retry_on_interference": 1}):
+            with self.assertRaises(ExecutionError) as caught:
+                parse_compare_cfg(bad)
             self.assertEqual(caught.exception.kind, "parse")
 
     def test_disturbed(self) -> None:

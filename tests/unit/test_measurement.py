@@ -27,6 +27,8 @@ from kcoral.measurement import (
     RawMeasurement,
     evaluate,
     parse_raw,
+    ratio_interval,
+    verdict_of,
 )
 from kcoral.server.workers.job import JobResult
 from kcoral.wire.channel import (
@@ -559,3 +561,98 @@ class RecordInResponseTests(SynchronousTestCase):
 
     def test_absent_without_measurements(self) -> None:
         self.assertNotIn("measurements", self.render(()))
+
+
+def pair(a_ms: list[float], b_ms: list[float], **kw: Any) -> RawMeasurement:
+    """A compare's measurement: A's and B's spans interleaved A, B, A, B, ..."""
+    spans = tuple(s for ab in zip(a_ms, b_ms, strict=True) for s in ab)
+    n = len(spans)
+    fields: dict[str, Any] = {
+        "repeat": n,
+        "spans_ms": spans,
+        "signatures": (GEMM, DECOY),
+        "signature_of": (0, 1) * (n // 2),
+        "discovery": 0,
+        "discovery_b": 1,
+        "sides": (0, 1) * (n // 2),
+    }
+    fields.update(kw)
+    return raw(**fields)
+
+
+class CompareTests(SynchronousTestCase):
+    """C{compare}'s statistics, computed by the parent (kcoral.measurement.evaluate_pair)."""
+
+    def test_b_faster(self) -> None:
+        """B at 95 % of A's time, little noise: ratio near 0.95, faster, valid."""
+        a = [2.0 + 0.002 * (i % 5) for i in range(30)]
+        b = [1.9 + 0.002 * (i % 5) for i in range(30)]
+        result = evaluate(pair(a, b), sum(a) + sum(b) + 60 * 0.05)
+        self.assertAlmostEqual(result["ratio"], 1.9 / 2.0, places=2)
+        low, high = result["ratio_ci95"]
+        self.assertLess(low, result["ratio"])
+        self.assertLess(high, 1.0)
+        self.assertEqual(result["verdict"], "faster")
+        self.assertEqual(result["validity"], {"ok": True, "reasons": []})
+        self.assertEqual((result["a"]["repeat"], result["b"]["repeat"]), (30, 30))
+        self.assertAlmostEqual(result["a"]["latency_ms_median"], 2.004)
+        self.assertEqual(result["repeat"], 30)
+
+    def test_slower_and_indistinguishable(self) -> None:
+        a = [2.0] * 20
+        self.assertEqual(evaluate(pair(a, [2.2] * 20), None)["verdict"], "slower")
+        noisy = [1.0 + (i % 7) * 0.3 for i in range(20)]
+        same = evaluate(pair(noisy, list(reversed(noisy))), None)
+        self.assertEqual(same["verdict"], "indistinguishable")
+        low, high = same["ratio_ci95"]
+        self.assertTrue(low <= 1.0 <= high)
+
+    def test_interval_is_reproducible(self) -> None:
+        a = [2.0 + 0.01 * (i % 3) for i in range(20)]
+        b = [2.0 + 0.01 * (i % 4) for i in range(20)]
+        self.assertEqual(ratio_interval(a, b), ratio_interval(a, b))
+        self.assertEqual(verdict_of(0.9, 0.99), "faster")
+        self.assertEqual(verdict_of(1.01, 1.2), "slower")
+        self.assertEqual(verdict_of(0.99, 1.01), "indistinguishable")
+
+    def test_each_side_checked_against_its_discovery(self) -> None:
+        """B doing A's work in one iteration is B's activity mismatch; A's stays clean."""
+        measured = pair([2.0] * 10, [1.0] * 10, signature_of=(0, 1) * 4 + (0, 0) + (0, 1) * 5)
+        result = evaluate(measured, None)
+        self.assertFalse(result["validity"]["ok"])
+        (reason,) = result["validity"]["reasons"]
+        self.assertTrue(reason.startswith("activity_mismatch: function B: 1 timed iterations"))
+
+    def test_flags_go_to_their_side(self) -> None:
+        measured = pair([2.0] * 5, [1.0] * 5, flags=((3, "unjoined_stream", ""),))
+        (reason,) = evaluate(measured, None)["validity"]["reasons"]
+        self.assertTrue(reason.startswith("unjoined_stream: function B:"), reason)
+        self.assertIn("(1)", reason)  # B's second iteration
+
+    def test_envelope_over_the_whole_loop(self) -> None:
+        """Spans adding up to more than the loop's wall time are flagged."""
+        result = evaluate(pair([2.0] * 10, [2.0] * 10), 10.0)
+        self.assertTrue(result["validity"]["reasons"][0].startswith("envelope:"))
+
+    def test_silent_side_fails(self) -> None:
+        measured = pair([2.0] * 5, [1.0] * 5)
+        silent = attrs.evolve(
+            measured,
+            spans_ms=tuple(None if i % 2 else s for i, s in enumerate(measured.spans_ms)),
+            signature_of=tuple(-1 if i % 2 else s for i, s in enumerate(measured.signature_of)),
+        )
+        with self.assertRaises(MeasurementFailed) as caught:
+            evaluate(silent, None)
+        self.assertIn("compare: function B", caught.exception.message)
+
+    def test_parse_sides(self) -> None:
+        """Sides round-trip; a benchmark's JSON without them still parses; bad sides are refused."""
+        measured = pair([2.0] * 3, [1.0] * 3)
+        self.assertEqual(parse_raw(measured.to_json()), measured)
+        data = raw().to_json()
+        del data["sides"], data["discovery_b"]
+        self.assertEqual(parse_raw(data), raw())
+        for sides in ([0] * 6, [0, 1, 2, 0, 1, 0], [0, 1]):
+            bad = measured.to_json()
+            bad["sides"] = sides
+            self.assertRaises(ValueError, parse_raw, bad)

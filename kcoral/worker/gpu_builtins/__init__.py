@@ -53,6 +53,7 @@ from kcoral.worker.gpu_builtins.timing import (
     BenchmarkConfig,
     EventTimer,
     benchmark,
+    compare,
     iteration_count,
     latency_stats,
     parse_benchmark_cfg,
@@ -67,6 +68,7 @@ from kcoral.worker.runtime import gpu_backend as current_backend
 GPU_BUILTINS: dict[str, tuple[Callable[..., Any], bool]] = registered(
     {
         "builtin.benchmark": benchmark,
+        "builtin.compare": compare,
         "builtin.check_close": check_close,
         "builtin.assert_close": assert_close,
         "builtin.randn": randn,
@@ -89,6 +91,7 @@ __all__ = [
     "add_extern_c",
     "assert_close",
     "benchmark",
+    "compare",
     "check_close",
     "compare_arrays",
     "compile_cuda",

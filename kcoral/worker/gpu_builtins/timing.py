@@ -339,6 +339,47 @@ def benchmark(fn: Any, *args: Any) -> dict[str, Any]:
     return result
 
 
+def parse_compare_cfg(cfg: Any) -> BenchmarkConfig:
+    """
+    Validate a C{compare} cfg: C{benchmark}'s counts, budgets and
+    C{flush_l2} (the counts are per function); none of its evaluator's
+    options.
+
+    @raise ExecutionError: C{parse} for a wrong type or value, or an option.
+    """
+    cfg = check_cfg(cfg, "compare")
+    allowed = {"warmup_ms", "repeat_ms", "warmup", "repeat", "flush_l2"}
+    unknown = sorted(set(cfg) - allowed)
+    if unknown:
+        raise ExecutionError(
+            "parse", f"compare: unknown cfg key(s) {unknown} (allowed: {sorted(allowed)})"
+        )
+    return parse_benchmark_cfg(cfg)
+
+
+def compare(a: Any, b: Any, *args: Any) -> dict[str, Any]:
+    """
+    Is C{b} faster than C{a}?  Both are called with the same C{args} (a
+    trailing C{dict} is the cfg), their timed iterations interleaved in a
+    random order under one lease; the parent computes each one's
+    statistics, the ratio of B's median to A's, its 95 % bootstrap
+    interval and the verdict (L{kcoral.measurement.evaluate_pair}).
+    """
+    args, cfg = split_cfg(args)
+    if not callable(a) or not callable(b):
+        raise ExecutionError("runtime", "compare expects two compiled module handles")
+    config = parse_compare_cfg(cfg)
+    backend = gpu_backend()
+    try:
+        loop = _TimedLoop(backend, config, _Inputs(args, config))
+        raw = loop.measure_pair(a, b, current_measurer())
+    except ExecutionError:
+        raise
+    except (RuntimeError, *cuda_errors()) as e:  # type: ignore[misc]
+        raise ExecutionError("runtime", f"{type(e).__name__}: {e}") from e
+    return loop.submit(raw)
+
+
 def _clone(value: Any) -> Any:
     """A copy of a device tensor at its own addresses; anything else as is."""
     if is_torch_tensor(value) and getattr(value, "is_cuda", False):
@@ -630,6 +671,8 @@ class _TimedLoop:
         repeat: int,
         overheads: list[float],
         options: dict[str, Any],
+        discovery_b: IterationActivity | None = None,
+        sides: tuple[int, ...] = (),
     ) -> RawMeasurement:
         table: dict[tuple[tuple[str, int], ...], int] = {}
 
@@ -639,6 +682,7 @@ class _TimedLoop:
             return table.setdefault(summarize(found), len(table))
 
         first = index(discovery)
+        second = -1 if discovery_b is None else index(discovery_b)
         signature_of = []
         for i, (found, window) in enumerate(zip(activity, windows, strict=True)):
             signature_of.append(index(found))
@@ -661,7 +705,78 @@ class _TimedLoop:
             overhead_ms=sorted(overheads)[len(overheads) // 2],
             excluded_ms=self.excluded_ms,
             options=options,
+            sides=sides,
+            discovery_b=second,
         )
+
+    def measure_pair(
+        self, a: Callable[..., Any], b: Callable[..., Any], measurer: Any
+    ) -> RawMeasurement:
+        """
+        C{compare}'s measurement: both functions' first calls, warm-ups and
+        discovery runs, the calibration, then C{repeat} timed iterations of
+        each in one loop, in an order shuffled with C{secrets}, all under
+        one lease and one CUPTI session.
+        """
+        self._measurer = measurer
+        trace = activity_trace()
+        if trace is None:
+            raise ExecutionError(
+                "unavailable", "compare: needs CUPTI activity records (cupti-python), not found"
+            )
+        self._event = self.driver.event()
+        windows = []
+        try:
+            with trace.session(self.driver):
+                first = self._iteration(a, self._before(0, -1), trace)
+                first_b = self._iteration(b, self._before(0, -1), trace)
+                warmup, repeat = self._warm(a)
+                self.warm(b, warmup)
+                discovery_a = self._iteration(a, self._before(0, -1), trace)
+                discovery_b = self._iteration(b, self._before(0, -1), trace)
+                overheads = []
+                empty = self._empty_call()
+                for _ in range(CALIBRATION_CALLS):
+                    started = time.perf_counter()
+                    self._option_ms = 0.0
+                    self._iteration(empty, self._before(0, -1), trace)
+                    elapsed = (time.perf_counter() - started) * 1000.0
+                    overheads.append(elapsed - self._option_ms)
+                self._option_ms = 0.0
+                order = [0] * repeat + [1] * repeat
+                secrets.SystemRandom().shuffle(order)
+                functions = (a, b)
+                measurer.start()
+                try:
+                    for i, side in enumerate(order):
+                        windows.append(
+                            self._iteration(functions[side], self._before(i, i - 1), trace)
+                        )
+                finally:
+                    measurer.stop()
+                self.excluded_ms += self._option_ms
+                if self._flush is not None and self.driver.persisting_limit():
+                    self.flags.append((len(order) - 1, "persisting_l2", "after the last call"))
+                    self.driver.clear_persisting()
+        finally:
+            self.driver.destroy(self._event)
+        found = attribute(trace.gpu, [first, first_b, discovery_a, discovery_b, *windows])
+        between = after_windows(trace.gpu, windows)
+        trace.gpu = []
+        late = self._started_late(between, -1)
+        raw = self._raw(
+            found[2],
+            found[4:],
+            windows,
+            late,
+            warmup,
+            2 * repeat,
+            overheads,
+            {},
+            discovery_b=found[3],
+            sides=tuple(order),
+        )
+        return attrs.evolve(raw, first_call_main=found[0].heaviest())
 
     def _measure_events(
         self, fn: Callable[..., Any], warmup: int, repeat: int, options: dict[str, Any]

@@ -16,12 +16,14 @@ C{attrs.evolve(config, field=value)}.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import attrs
 from attrs import field
+from attrs.validators import instance_of, optional
 
 __all__ = [
     "DEFAULT_SPARE_WORKERS_PER_GPU",
@@ -62,6 +64,10 @@ LOG_LEVELS = ("debug", "info", "warn", "error", "critical")
 DEFAULT_SPARE_WORKERS_PER_GPU = 4
 
 _KIB = 1024
+
+#: A pool node id (a NATS KV key and subject token), and a NATS server URL.
+_NODE_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+_NATS_URL = re.compile(r"^(nats|tls)://[^\s/]+$")
 _MIB = 1024**2
 _GIB = 1024**3
 
@@ -351,6 +357,13 @@ class ServerConfig:
         serving every request while C{/health} answers 503 C{stopping}, before
         its ports close: longer than a load balancer takes to mark it down
         (HAProxy's C{inter} x C{fall}); C{0} closes them at once.
+    @ivar join_url: the NATS URL(s), comma-separated, of a gateway's pool
+        this server joins as a node (L{kcoral.server.join}); C{None} joins
+        none.  Set with C{join_node_id} and C{join_credentials}.
+    @ivar join_node_id: the node's id in the pool (its NATS user's presence
+        key): letters, digits, C{-} and C{_}.
+    @ivar join_credentials: the node's NATS credentials file (a C{.creds}
+        file, or JSON C{{"user": ..., "password": ...}}).
     """
 
     gpus: tuple[int, ...] = field(default=(0,), converter=_to_gpus, validator=_gpu_ids)
@@ -424,9 +437,13 @@ class ServerConfig:
     lame_duck_seconds: float = field(
         default=0.0, converter=_to_float, validator=_FLOAT_NON_NEGATIVE
     )
+    join_url: str | None = field(default=None, validator=optional(instance_of(str)))
+    join_node_id: str | None = field(default=None, validator=optional(instance_of(str)))
+    join_credentials: Path | None = field(default=None, converter=_to_optional_path)
 
     def __attrs_post_init__(self) -> None:
         """Check the rules that involve more than one field."""
+        self._check_join()
         if self.device == "gpu" and not self.gpus:
             raise ValueError("gpus must name at least one GPU in GPU mode")
         repeated = sorted({gpu for gpu in self.gpus if self.gpus.count(gpu) > 1})
@@ -455,6 +472,26 @@ class ServerConfig:
                 f"{'of the pool' if self.cpu_mode else 'per GPU'} ({seats}): "
                 "each front end needs a seat"
             )
+
+    def _check_join(self) -> None:
+        """The join fields come together, with a node id and NATS URLs that fit."""
+        given = [self.join_url, self.join_node_id, self.join_credentials]
+        if all(value is None for value in given):
+            return
+        if any(value is None for value in given):
+            raise ValueError("join_url, join_node_id and join_credentials go together")
+        assert self.join_url is not None and self.join_node_id is not None
+        if not _NODE_ID.match(self.join_node_id):
+            raise ValueError(
+                f"join_node_id must be 1-128 letters, digits, '-' or '_', got {self.join_node_id!r}"
+            )
+        for url in self.join_url.split(","):
+            if not _NATS_URL.match(url.strip()):
+                raise ValueError(
+                    f"join_url must be nats://HOST:PORT or tls://HOST:PORT, got {url!r}"
+                )
+        if self.front_ends > 1:
+            raise ValueError("join_url needs front_ends 1: one process pulls the pool's jobs")
 
     def _share(self, count: int, front_end: int) -> int:
         """Of C{count} seats or spares, how many are front end C{front_end}'s (every N-th)."""

@@ -84,6 +84,15 @@ def valid_id(value: object) -> TypeGuard[str]:
     return isinstance(value, str) and _ID.match(value) is not None
 
 
+def node_inbox(node_id: str) -> str:
+    """
+    The reply-subject prefix node C{node_id} connects with (nats-py's
+    C{inbox_prefix}): its NATS user may subscribe to C{<prefix>.>} only, so
+    it cannot read replies meant for the gateway or another node.
+    """
+    return f"_INBOX_{node_id}"
+
+
 def canonical_compat(target: Mapping[str, Any], versions: Mapping[str, Any]) -> bytes:
     """The canonical JSON of a node's C{target} and C{versions} (as /health reports them)."""
     return json.dumps(

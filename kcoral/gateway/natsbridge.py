@@ -120,6 +120,10 @@ class NatsBridge:
     #: Called on the reactor thread with C{True} / C{False} as the
     #: connection comes and goes.
     on_connection: Callable[[bool], None] | None = None
+    #: The prefix of the connection's reply subjects (nats-py's
+    #: C{inbox_prefix}); a node uses its own (L{kcoral.gateway.jobs.node_inbox}),
+    #: the only one its NATS user may subscribe to.
+    inbox_prefix: str | None = None
 
     _loop: asyncio.AbstractEventLoop | None = None
     _thread: threading.Thread | None = None
@@ -185,6 +189,8 @@ class NatsBridge:
         options: dict[str, Any] = dict(self.credentials.connect_options())
         if self.tls is not None:
             options["tls"] = self.tls
+        if self.inbox_prefix is not None:
+            options["inbox_prefix"] = self.inbox_prefix
         client = await nats.connect(
             servers=list(self.servers),
             name=self.name,

@@ -204,6 +204,13 @@ class KCoralService(service.MultiService):
             children.extend(
                 self.topology.after_http(self._reactor, self.api, self.leases, endpoints)
             )
+            if config.join_url is not None:
+                # A node of a gateway's pool (--join): started once the port
+                # listens, stopped (its jobs finished) before it closes.
+                from kcoral.server.join.service import JoinService
+
+                join = JoinService(config, self._reactor, lambda: http.ports, self.run_blocking)
+                children.append(_named(join, "join"))
         if self.topology.role == "alone" and self.leases.gpus and config.gpu_monitor_interval > 0:
             # NVML through a thread (kcoral.server.leases.monitor); with
             # several front ends the workers of the others are not known here.

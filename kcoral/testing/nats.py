@@ -38,37 +38,33 @@ from typing import Any
 
 import attrs
 
+from kcoral.gateway.jobs import CLAIMS_BUCKET, NODES_BUCKET, STREAM, node_inbox
 from kcoral.testing.live_server import free_port
 
 __all__ = [
+    "CLAIMS_BUCKET",
     "GATEWAY_USER",
+    "JOBS_STREAM",
+    "NODES_BUCKET",
     "NatsServer",
     "gateway_permissions",
     "nats_config",
     "nats_server_binary",
+    "node_inbox",
     "node_permissions",
 ]
 
 #: The gateway's NATS user name in the generated configuration.
 GATEWAY_USER = "gateway"
 
-#: The JetStream stream of jobs and the key-value buckets of the pool (the
-#: names of L{kcoral.gateway.jobs}; repeated here so the permissions read
-#: on their own).
-JOBS_STREAM = "KCORAL_JOBS"
-NODES_BUCKET = "kcoral-nodes"
-CLAIMS_BUCKET = "kcoral-claims"
+#: The JetStream stream of jobs (L{kcoral.gateway.jobs.STREAM}).
+JOBS_STREAM = STREAM
 
 
 def nats_server_binary() -> str | None:
     """The C{nats-server} executable on C{PATH} (Debian: C{/usr/sbin}), or C{None}."""
     path = os.environ.get("PATH", "") + os.pathsep + "/usr/sbin" + os.pathsep + "/usr/local/sbin"
     return shutil.which("nats-server", path=path)
-
-
-def node_inbox(node_id: str) -> str:
-    """The reply-subject prefix a node connects with (C{inbox_prefix} of nats-py)."""
-    return f"_INBOX_{node_id}"
 
 
 def node_permissions(node_id: str) -> dict[str, Any]:

@@ -77,6 +77,9 @@ class DefaultsTests(SynchronousTestCase):
             "first_header_timeout_seconds": 10.0,
             "front_ends": 1,
             "lame_duck_seconds": 0.0,
+            "join_url": None,
+            "join_node_id": None,
+            "join_credentials": None,
         }
         self.assertEqual(attrs.asdict(config, recurse=False), expected)
 

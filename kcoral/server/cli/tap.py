@@ -180,6 +180,9 @@ _FIELD_FLAGS: Mapping[str, str] = {
     "first_header_timeout_seconds": "first-header-timeout-seconds",
     "front_ends": "front-ends",
     "lame_duck_seconds": "lame-duck-seconds",
+    "join_url": "join",
+    "join_node_id": "node-id",
+    "join_credentials": "credentials",
 }
 
 #: The options of C{--help} (and of docs/configuration.md's table) by
@@ -241,6 +244,7 @@ OPTION_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     ("Caches", ("cache-capacity-bytes", "disk-cache-dir", "disk-cache-capacity-mbytes")),
+    ("Joining a gateway's pool", ("join", "node-id", "credentials")),
     (
         "Logs",
         (
@@ -571,6 +575,29 @@ class Options(usage.Options):
         ),
         ["sandbox", None, _DEFAULTS.sandbox, f"Worker isolation, {_choices(SANDBOXES)}."],
         [
+            "join",
+            None,
+            None,
+            "Join a kcoral gateway's pool through this NATS URL (nats://HOST:PORT or "
+            "tls://HOST:PORT; several comma-separated): pull its jobs, run them, post the "
+            "results to the gateway. Needs --node-id and --credentials; the server then "
+            "listens on loopback only. [default: no pool]",
+        ],
+        [
+            "node-id",
+            None,
+            None,
+            "This node's id in the pool (--join): letters, digits, '-' and '_'; its NATS "
+            "user may write only this presence key.",
+        ],
+        [
+            "credentials",
+            None,
+            None,
+            "The node's NATS credentials file (--join): a NATS .creds file, or JSON "
+            '{"user": ..., "password": ...}.',
+        ],
+        [
             "reuse-scope",
             None,
             _DEFAULTS.reuse_scope,
@@ -859,6 +886,9 @@ class Options(usage.Options):
                 body_stall_seconds=self._float_from_env("body-stall-seconds"),
                 front_ends=self["front-ends"],
                 lame_duck_seconds=self["lame-duck-seconds"],
+                join_url=self["join"] or None,
+                join_node_id=self["node-id"] or None,
+                join_credentials=self["credentials"] or None,
             )
         except ValueError as e:
             raise usage.UsageError(_flag_message(str(e))) from None
@@ -873,7 +903,28 @@ class Options(usage.Options):
                 raise usage.UsageError(
                     f"--front-ends needs plain TCP endpoints (tcp:...), not {other[0]!r}"
                 )
+        if self.config.join_url is not None:
+            self._check_join()
         self.endpoint = self.endpoints[0]
+
+    def _check_join(self) -> None:
+        """
+        A node that joins a pool listens on loopback only (its jobs come
+        through NATS), and its credentials file must be readable.
+        """
+        from kcoral.server.join.options import JoinListenError, check_join_endpoints
+
+        try:
+            check_join_endpoints(self.endpoints)
+        except JoinListenError as e:
+            raise usage.UsageError(f"--join: {e}") from None
+        from kcoral.gateway.natsbridge import load_credentials
+
+        assert self.config.join_credentials is not None
+        try:
+            load_credentials(str(self.config.join_credentials))
+        except (OSError, ValueError) as e:
+            raise usage.UsageError(f"--credentials: {e}") from None
 
     @staticmethod
     def _parse_gpus(value: str) -> tuple[int, ...]:

@@ -1,0 +1,287 @@
+# -*- test-case-name: tests.unit.test_join -*-
+"""
+The node's seat loop: one job per free seat, claimed before it runs.
+
+L{JobPuller} asks the queue (L{kcoral.server.join.queue.IJobQueue}) for
+as many jobs as it has free seats, one long poll at a time.  Each job it
+gets holds a seat until its result is posted:
+
+  1. a malformed message is dropped (C{term});
+  2. a job past its deadline is acknowledged and skipped (the gateway has
+     answered its client 503 by then);
+  3. a job that prefers another node, inside its preference window, is
+     given back with a delay (C{nak});
+  4. otherwise the node creates the job's claim: only the first claim
+     wins, so a job runs at most once, and a job the gateway cancelled
+     (its C{{"cancelled": true}} claim came first) never runs;
+  5. the message is acknowledged, and the job runs if the claim was won.
+
+When the queue fails (NATS lost), the loop waits with a doubling backoff
+and tries again; jobs already running carry on and post their results
+over HTTP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+from twisted.internet.defer import Deferred, DeferredList
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from kcoral.gateway.jobs import JobMessage, SchemaError
+from kcoral.server.join.queue import Delivery, IJobQueue
+
+__all__ = ["JobPuller"]
+
+
+@attrs.define(eq=False)
+class JobPuller:
+    """
+    Pulls, claims and starts jobs for C{seats} seats.
+
+    @ivar run_job: runs a claimed job to its posted result; its Deferred
+        must not fail (the runner logs its own errors).
+    @ivar on_change: called when the free seat count changes (the presence
+        announcer refreshes the node's key).
+    @ivar poll_timeout: seconds one fetch waits for a job.
+    @ivar backoff: seconds before the first retry after a failed fetch,
+        doubled up to C{max_backoff}.
+    """
+
+    queue: IJobQueue
+    _clock: IReactorTime
+    node_id: str
+    seats: int
+    run_job: Callable[[JobMessage], Deferred[None]]
+    on_change: Callable[[], None] = lambda: None
+    poll_timeout: float = 1.0
+    backoff: float = 0.5
+    max_backoff: float = 10.0
+    #: Prepares the queue again after a failure (consumers re-bound).
+    reprepare: Callable[[], Deferred[None]] | None = None
+
+    #: Seats taken by jobs being claimed or run, by job id (or a
+    #: placeholder while the message is being read).
+    _held: dict[object, Deferred[None]] = attrs.field(factory=dict)
+    _fetching: bool = False
+    _stopped: bool = True
+    _retry: IDelayedCall | None = None
+    _preparing: bool = False
+    _delay: float = 0.0
+    _failing: bool = False
+    #: Jobs run, claims lost, skipped (deadline, malformed), handed back.
+    counts: dict[str, int] = attrs.field(
+        factory=lambda: {"run": 0, "lost": 0, "late": 0, "malformed": 0, "deferred": 0}
+    )
+
+    log = Logger()
+
+    @property
+    def busy(self) -> int:
+        """Seats held by jobs (being claimed or running)."""
+        return len(self._held)
+
+    @property
+    def free(self) -> int:
+        return max(0, self.seats - self.busy)
+
+    def start(self) -> None:
+        """Start pulling."""
+        self._stopped = False
+        self._delay = self.backoff
+        self._pump()
+
+    def stop(self) -> Deferred[Any]:
+        """Stop pulling; fires when every job this node holds has ended."""
+        self._stopped = True
+        if self._retry is not None and self._retry.active():
+            self._retry.cancel()
+        self._retry = None
+        return DeferredList(list(self._held.values()), consumeErrors=True)
+
+    def kick(self) -> None:
+        """Pull now if a seat is free and no pull is waiting (NATS is back)."""
+        if self._retry is not None and self._retry.active():
+            self._retry.cancel()
+            self._retry = None
+        self._pump()
+
+    # -- the loop -------------------------------------------------------------
+
+    def _pump(self) -> None:
+        if (
+            self._stopped
+            or self._fetching
+            or self._preparing
+            or self._retry is not None
+            or self.free == 0
+        ):
+            return
+        self._fetching = True
+        d = self.queue.fetch(self.free, self.poll_timeout)
+        d.addCallbacks(self._fetched, self._fetch_failed)
+        d.addErrback(self._bug)
+
+    def _fetched(self, deliveries: list[Delivery]) -> None:
+        self._fetching = False
+        if self._failing:
+            self._failing = False
+            self.log.info(
+                "pulling jobs again",
+                kcoral_event="join_pulling",
+                node=self.node_id,
+            )
+        self._delay = self.backoff
+        for delivery in deliveries:
+            if self._stopped or self.free == 0:
+                # Not ours to run: straight back to the queue for another node.
+                self._give_back(delivery)
+                continue
+            self._take(delivery)
+        self._pump()
+
+    def _fetch_failed(self, failure: Failure) -> None:
+        self._fetching = False
+        if self._stopped:
+            return
+        delay = self._delay
+        self._delay = min(self._delay * 2, self.max_backoff)
+        log = self.log.info if self._failing else self.log.warn
+        self._failing = True
+        log(
+            "cannot pull jobs ({error}); {running} running job(s) still post their "
+            "results over HTTP; retrying in {delay} s",
+            kcoral_event="join_pull_failed",
+            node=self.node_id,
+            error=_describe(failure),
+            running=self.busy,
+            delay=delay,
+        )
+        self._retry = self._clock.callLater(delay, self._retried)
+
+    def _retried(self) -> None:
+        self._retry = None
+        if self.reprepare is None:
+            self._pump()
+            return
+        # Re-bind the consumers first: a restarted nats-server or a
+        # recreated stream leaves the old pull subscriptions useless.
+        self._preparing = True
+        d = self.reprepare()
+
+        def prepared(result: object) -> None:
+            self._preparing = False
+            if isinstance(result, Failure):
+                self._fetch_failed(result)
+            else:
+                self._pump()
+
+        d.addBoth(prepared)
+        d.addErrback(self._bug)
+
+    def _give_back(self, delivery: Delivery) -> None:
+        d = delivery.nak(0.0)
+        d.addErrback(self._ack_failed, "nak")
+
+    def _take(self, delivery: Delivery) -> None:
+        key = object()
+        done: Deferred[None] = Deferred()
+        self._held[key] = done
+        self.on_change()
+        d = Deferred.fromCoroutine(self._handle(delivery))
+        d.addErrback(self._bug)
+
+        def release(_: object) -> None:
+            del self._held[key]
+            done.callback(None)
+            self.on_change()
+            self._pump()
+
+        d.addBoth(release)
+
+    async def _handle(self, delivery: Delivery) -> None:
+        try:
+            job = JobMessage.decode(delivery.data)
+        except SchemaError as e:
+            self.counts["malformed"] += 1
+            self.log.warn(
+                "dropping a malformed job message: {error}",
+                kcoral_event="join_job_malformed",
+                error=str(e),
+            )
+            await self._settle(delivery.term(), "term")
+            return
+        now = self._clock.seconds()
+        if now >= job.deadline:
+            self.counts["late"] += 1
+            self.log.info(
+                "job {job} is past its deadline; skipped",
+                kcoral_event="join_job_late",
+                job=job.job,
+                request_id=job.request_id,
+            )
+            await self._settle(delivery.ack(), "ack")
+            return
+        if job.preferred_elsewhere(self.node_id, now):
+            self.counts["deferred"] += 1
+            await self._settle(delivery.nak(job.prefer_until - now), "nak")
+            return
+        try:
+            won = await self.queue.claim(job.job)
+        except Exception as e:
+            # Unknown whether the claim landed: leave the message to be
+            # delivered again; the claim decides then.
+            self.log.warn(
+                "job {job}: claim failed ({error}); leaving it to the queue",
+                kcoral_event="join_claim_failed",
+                job=job.job,
+                error=repr(e),
+            )
+            await self._settle(delivery.nak(0.0), "nak")
+            return
+        await self._settle(delivery.ack(), "ack")
+        if not won:
+            self.counts["lost"] += 1
+            self.log.info(
+                "job {job}: claimed elsewhere or cancelled; skipped",
+                kcoral_event="join_claim_lost",
+                job=job.job,
+                request_id=job.request_id,
+            )
+            return
+        self.counts["run"] += 1
+        self.log.info(
+            "job {job} claimed by {node}",
+            kcoral_event="join_job_claimed",
+            job=job.job,
+            request_id=job.request_id,
+            node=self.node_id,
+        )
+        await self.run_job(job)
+
+    async def _settle(self, d: Deferred[None], what: str) -> None:
+        try:
+            await d
+        except Exception as e:
+            self._ack_failed(Failure(e), what)
+
+    def _ack_failed(self, failure: Failure, what: str) -> None:
+        # Redelivered later, the claim keeps it from running twice.
+        self.log.warn(
+            "{what} of a job message failed: {error}",
+            kcoral_event="join_ack_failed",
+            what=what,
+            error=failure.getErrorMessage(),
+        )
+
+    def _bug(self, failure: Failure) -> None:
+        self.log.failure("job puller error", failure)
+
+
+def _describe(failure: Failure) -> str:
+    """A failure as a short text, its type included (a bare TimeoutError has no message)."""
+    return f"{failure.type.__name__}: {failure.getErrorMessage()}"  # type: ignore[union-attr]

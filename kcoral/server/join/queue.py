@@ -1,0 +1,241 @@
+# -*- test-case-name: tests.integration.test_node_join -*-
+"""
+The pool's NATS side as one node sees it: its job consumers, the claims
+bucket and its presence key.
+
+L{IJobQueue} is what the puller and the presence announcer need;
+L{NatsJobQueue} provides it over L{kcoral.gateway.natsbridge.NatsBridge}
+(nats-py on its own asyncio loop), and L{kcoral.testing.fakes}-style fakes
+provide it in unit tests.  Every method returns a Deferred that fires on
+the reactor thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import attrs
+from twisted.internet.defer import Deferred
+from zope.interface import Interface, implementer
+
+from kcoral.gateway.jobs import (
+    CLAIMS_BUCKET,
+    MAX_GPUS,
+    NODES_BUCKET,
+    STREAM,
+    Claim,
+    Presence,
+    SchemaError,
+    consumer_name,
+)
+
+if TYPE_CHECKING:
+    from kcoral.gateway.natsbridge import NatsBridge
+
+__all__ = ["Delivery", "IJobQueue", "NatsJobQueue"]
+
+
+@attrs.frozen
+class Delivery:
+    """
+    One job message pulled from the queue, with its acknowledgements.
+
+    @ivar data: the message body (a L{kcoral.gateway.jobs.JobMessage}'s JSON).
+    @ivar ack: done with it: it leaves the queue.
+    @ivar nak: give it back, to be delivered again after C{delay} seconds.
+    @ivar term: drop it for good (a malformed message).
+    """
+
+    data: bytes
+    ack: Callable[[], Deferred[None]]
+    nak: Callable[[float], Deferred[None]]
+    term: Callable[[], Deferred[None]]
+
+
+class IJobQueue(Interface):
+    """A node's view of the pool's queue, claims and presence."""
+
+    def fetch(count: int, timeout: float) -> Deferred[list[Delivery]]:
+        """
+        At most C{count} jobs, waiting up to about C{timeout} seconds for
+        the first; an empty list when none came.
+        """
+
+    def claim(job: str) -> Deferred[bool]:
+        """
+        Create job C{job}'s claim for this node (create-only): C{True} when
+        this node won, C{False} when a claim (another node's, or the
+        gateway's cancel) was there first.
+        """
+
+    def put_presence(presence: Presence) -> Deferred[None]:
+        """Put this node's presence key."""
+
+    def delete_presence() -> Deferred[None]:
+        """Remove this node's presence key (a clean leave)."""
+
+
+@implementer(IJobQueue)
+@attrs.define(eq=False)
+class NatsJobQueue:
+    """
+    L{IJobQueue} over NATS: the durable pull consumers C{jobs-<compat>-<g>}
+    for every C{g} up to the node's GPU count, and the two KV buckets.
+
+    L{prepare} creates (idempotently) and binds the consumers once the
+    bridge is connected; it is called again after a failed fetch, so a
+    stream recreated by the gateway is picked up.
+    """
+
+    bridge: NatsBridge
+    node_id: str
+    compat: str
+    gpus: int
+    #: Seconds a consumer waits for an acknowledgement before redelivering
+    #: (a node that died between pulling and claiming).
+    ack_wait: float = 30.0
+    _subs: list[Any] = attrs.field(factory=list)
+    _nodes: Any = None
+    _claims: Any = None
+
+    def prepare(self) -> Deferred[None]:
+        """Create and bind the consumers and open the buckets (on the loop)."""
+        from kcoral.gateway.natsbridge import ensure_consumer
+
+        gpus = min(self.gpus, MAX_GPUS)
+
+        async def work(client: Any, js: Any) -> None:
+            subs = []
+            # Jobs needing the most GPUs first: fewer nodes can take them.
+            for g in range(gpus, -1, -1):
+                name = await ensure_consumer(js, self.compat, g, ack_wait=self.ack_wait)
+                subs.append(await js.pull_subscribe_bind(name, STREAM))
+            nodes = await js.key_value(NODES_BUCKET)
+            claims = await js.key_value(CLAIMS_BUCKET)
+            old, self._subs = self._subs, subs
+            self._nodes, self._claims = nodes, claims
+            for sub in old:
+                try:
+                    await sub.unsubscribe()
+                except Exception:
+                    pass
+
+        return self.bridge.call(work, timeout=30.0)
+
+    @property
+    def prepared(self) -> bool:
+        return bool(self._subs) and self._claims is not None
+
+    def consumers(self) -> list[str]:
+        """The consumer names this node pulls from."""
+        return [consumer_name(self.compat, g) for g in range(min(self.gpus, MAX_GPUS), -1, -1)]
+
+    def fetch(self, count: int, timeout: float) -> Deferred[list[Delivery]]:
+        import nats.errors
+
+        bridge = self.bridge
+        subs = list(self._subs)
+
+        async def work(client: Any, js: Any) -> list[Any]:
+            messages: list[Any] = []
+            for index, sub in enumerate(subs):
+                wanted = count - len(messages)
+                if wanted <= 0:
+                    break
+                # Long-poll the last consumer only; the others are asked
+                # whether they have anything now.
+                wait = timeout if index == len(subs) - 1 else min(timeout, 0.05)
+                try:
+                    messages += await sub.fetch(wanted, timeout=wait)
+                except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                    # Nothing there within the wait.
+                    continue
+            return messages
+
+        def wrap(messages: list[Any]) -> list[Delivery]:
+            return [_delivery(bridge, m) for m in messages]
+
+        if not subs:
+            return _failed(RuntimeError("job consumers not prepared"))
+        # The whole fetch is bounded beyond the long poll, so a silent
+        # connection cannot hold the seat loop forever.
+        d = bridge.call(work, timeout=timeout + 5.0)
+        d.addCallback(wrap)
+        return d
+
+    def claim(self, job: str) -> Deferred[bool]:
+        import nats.js.errors
+
+        claims = self._claims
+        node = self.node_id
+        mine = Claim(node=node)
+
+        async def work(client: Any, js: Any) -> bool:
+            if claims is None:
+                raise RuntimeError("claims bucket not open")
+            try:
+                await claims.create(job, mine.encode())
+                return True
+            except nats.js.errors.KeyWrongLastSequenceError:
+                return False
+            except (nats.errors.TimeoutError, TimeoutError):
+                # The create may have landed: read the claim back.
+                entry = await claims.get(job)
+                try:
+                    return Claim.decode(entry.value or b"") == mine
+                except SchemaError:
+                    return False
+
+        return self.bridge.call(work, timeout=15.0)
+
+    def put_presence(self, presence: Presence) -> Deferred[None]:
+        nodes = self._nodes
+        key = self.node_id
+
+        async def work(client: Any, js: Any) -> None:
+            if nodes is None:
+                raise RuntimeError("nodes bucket not open")
+            await nodes.put(key, presence.encode())
+
+        return self.bridge.call(work, timeout=5.0)
+
+    def delete_presence(self) -> Deferred[None]:
+        nodes = self._nodes
+        key = self.node_id
+
+        async def work(client: Any, js: Any) -> None:
+            if nodes is not None:
+                await nodes.delete(key)
+
+        return self.bridge.call(work, timeout=2.0)
+
+
+def _delivery(bridge: NatsBridge, message: Any) -> Delivery:
+    """A pulled message with acknowledgements that run on the bridge's loop."""
+
+    async def ack(client: Any, js: Any) -> None:
+        await message.ack()
+
+    async def term(client: Any, js: Any) -> None:
+        await message.term()
+
+    def nak(delay: float) -> Deferred[None]:
+        async def work(client: Any, js: Any) -> None:
+            await message.nak(delay=max(0.0, delay))
+
+        return bridge.call(work, timeout=5.0)
+
+    return Delivery(
+        data=bytes(message.data),
+        ack=lambda: bridge.call(ack, timeout=5.0),
+        nak=nak,
+        term=lambda: bridge.call(term, timeout=5.0),
+    )
+
+
+def _failed(error: Exception) -> Deferred[Any]:
+    d: Deferred[Any] = Deferred()
+    d.errback(error)
+    return d

@@ -1,0 +1,358 @@
+# -*- test-case-name: tests.integration.test_node_join -*-
+"""
+Real nodes (C{kcoral server --device cpu --join ...}) in a pool on a real
+nats-server, with L{kcoral.testing.pool.PoolStandIn} in the gateway's
+place: it publishes jobs, cancels, serves blobs and takes results.
+
+Programs leave a side effect (a line in a file, one per run), so "never
+run" and "run once" are read from the file system, not from what the node
+says.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import nats
+import pytest
+
+from kcoral.gateway.jobs import JOB_SUBJECTS, NODES_BUCKET, job_subject, node_inbox
+from kcoral.gateway.natsbridge import load_credentials
+from kcoral.testing.live_server import ServerProcess
+from kcoral.testing.nats import NatsServer
+from kcoral.testing.pool import PoolStandIn
+
+pytestmark = pytest.mark.integration
+
+NODE_ARGS = ["--device", "cpu", "--sandbox", "none", "--log-dir", "", "--disk-cache-dir", ""]
+
+#: Appends "<tag> <pid>" to a file, then returns the blob's length.
+MARK = (
+    "import os\n"
+    "def f(path, tag, b):\n"
+    "    with open(path, 'a') as out:\n"
+    "        out.write(f'{tag} {os.getpid()}\\n')\n"
+    "    return len(b)\n"
+)
+
+#: Sleeps, then appends its tag.
+SLOW = (
+    "import time\n"
+    "def f(path, tag, s):\n"
+    "    time.sleep(s)\n"
+    "    with open(path, 'a') as out:\n"
+    "        out.write(tag + '\\n')\n"
+    "    return tag\n"
+)
+
+
+def program(source: str, args: list[Any], blob: bytes | None = None) -> dict[str, Any]:
+    instructions: list[dict[str, Any]] = [
+        {"op": "upload", "kind": "module", "id": "m", "source": source},
+        {"op": "get_function", "id": "f", "module": {"$ref": "m"}, "name": "f"},
+    ]
+    run_args: list[Any] = list(args)
+    if blob is not None:
+        digest = hashlib.sha256(blob).hexdigest()
+        instructions.append({"op": "upload", "kind": "bytes", "id": "b", "blob": digest})
+        run_args.append({"$ref": "b"})
+    instructions += [
+        {"op": "run", "id": "r", "fn": {"$ref": "f"}, "args": run_args},
+        {"op": "return", "key": "r", "value": {"$ref": "r"}},
+    ]
+    return {"instructions": instructions}
+
+
+def marks(path: Path) -> list[str]:
+    if not path.exists():
+        return []
+    return [line.split()[0] for line in path.read_text().splitlines() if line]
+
+
+def wait_for(predicate: Any, timeout: float = 30.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"{what} not reached in time")
+
+
+@pytest.fixture(scope="module")
+def nats_server() -> Iterator[NatsServer]:
+    with NatsServer(node_ids=("node-a", "node-b", "node-c")) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def pool(nats_server: NatsServer) -> Iterator[PoolStandIn]:
+    with PoolStandIn(nats_server) as stand_in:
+        yield stand_in
+
+
+def node_args(
+    nats_server: NatsServer, node_id: str, *extra: str, credentials: Path | None = None
+) -> list[str]:
+    return [
+        *NODE_ARGS,
+        *extra,
+        "--join",
+        nats_server.url,
+        "--node-id",
+        node_id,
+        "--credentials",
+        str(credentials or nats_server.credentials_file(node_id)),
+    ]
+
+
+def start_node(nats_server: NatsServer, node_id: str, log: Path, *extra: str) -> ServerProcess:
+    return ServerProcess(node_args(nats_server, node_id, *extra), log_path=log).start()
+
+
+def exit_status(
+    nats_server: NatsServer, node_id: str, log: Path, *extra: str, credentials: Path | None = None
+) -> int | None:
+    """
+    The exit status of a node that must fail to start (its HTTP port may
+    answer /health for a moment before the join fails the start).
+    """
+    node = ServerProcess(
+        node_args(nats_server, node_id, *extra, credentials=credentials), log_path=log
+    )
+    try:
+        node.start()
+    except RuntimeError:
+        pass
+    assert node.process is not None
+    try:
+        return node.process.wait(60)
+    finally:
+        node.stop()
+
+
+@pytest.fixture(scope="module")
+def node_a(
+    nats_server: NatsServer, pool: PoolStandIn, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    log = tmp_path_factory.mktemp("node-a") / "node.log"
+    node = start_node(nats_server, "node-a", log, "--num-workers", "2")
+    try:
+        pool.wait_presence("node-a")
+        yield node
+    finally:
+        node.stop()
+
+
+def test_job_runs_with_blob_from_gateway(
+    node_a: ServerProcess, pool: PoolStandIn, tmp_path: Path
+) -> None:
+    """
+    A job runs on the node: the blob it lacks is fetched from the gateway
+    with the job's token (once: the second job finds it cached), the
+    node's own response is posted back, and the claim names the node.
+    """
+    presence = pool.wait_presence("node-a")
+    assert presence.seats == 2 and presence.gpus == 0
+    blob = os.urandom(3000)
+    out = tmp_path / "runs"
+    first = pool.publish(program(MARK, [str(out), "one"], blob), presence.compat, blobs=[blob])
+    result = pool.wait_result(first.job)
+    assert result.status == 200 and result.node == "node-a"
+    body = result.json()
+    assert body["status"] == "COMPLETED" and body["request_id"] == first.request_id
+    assert body["results"]["r"]["value"] == len(blob)
+    assert pool.fetches[first.job] == [hashlib.sha256(blob).hexdigest()]
+    claim = pool.claim_of(first.job)
+    assert claim is not None and claim.node == "node-a"
+    second = pool.publish(program(MARK, [str(out), "two"], blob), presence.compat, blobs=[blob])
+    assert pool.wait_result(second.job).json()["status"] == "COMPLETED"
+    assert second.job not in pool.fetches
+    assert marks(out) == ["one", "two"]
+
+
+def test_cancelled_claim_never_runs(
+    node_a: ServerProcess, pool: PoolStandIn, tmp_path: Path
+) -> None:
+    """
+    A job whose cancel claim came first is taken off the queue by the node
+    and never run: no side effect, no result.
+    """
+    presence = pool.wait_presence("node-a")
+    out = tmp_path / "runs"
+    job = "cancelled-" + os.urandom(4).hex()
+    assert pool.cancel(job)
+    pool.publish(program(MARK, [str(out), "no"], b"x"), presence.compat, blobs=[b"x"], job=job)
+    # The node claims before it acknowledges: an empty queue means it decided.
+    wait_for(lambda: pool.queued() == 0, what="the job leaving the queue")
+    # A job published after it runs, so the node is past the cancelled one.
+    after = pool.publish(program(MARK, [str(out), "yes"], b"y"), presence.compat, blobs=[b"y"])
+    pool.wait_result(after.job)
+    assert marks(out) == ["yes"]
+    assert job not in pool.results
+    claim = pool.claim_of(job)
+    assert claim is not None and claim.cancelled
+
+
+def test_claim_wins_once_under_a_race(
+    node_a: ServerProcess, nats_server: NatsServer, pool: PoolStandIn, tmp_path: Path
+) -> None:
+    """
+    Two nodes, each job published twice (the same job id on the queue, as
+    after a redelivery): both nodes race for the claims, and each job runs
+    exactly once and is posted once.
+    """
+    node_b = start_node(nats_server, "node-b", tmp_path / "node-b.log", "--num-workers", "2")
+    try:
+        presence = pool.wait_presence("node-b")
+        out = tmp_path / "runs"
+        jobs = [f"race-{i}-{os.urandom(3).hex()}" for i in range(12)]
+        for job in jobs:
+            message = pool.publish(
+                program(MARK, [str(out), job], b"r"), presence.compat, blobs=[b"r"], job=job
+            )
+            pool.republish(message, presence.compat)
+        for job in jobs:
+            pool.wait_result(job)
+        wait_for(lambda: pool.queued() == 0, what="an empty queue")
+        runs = Counter(marks(out))
+        assert runs == Counter(dict.fromkeys(jobs, 1))
+        posts = Counter(job for job, _ in pool.posts if job in jobs)
+        assert posts == Counter(dict.fromkeys(jobs, 1))
+        winners = {job: pool.claim_of(job) for job in jobs}
+        assert all(c is not None and c.node in ("node-a", "node-b") for c in winners.values())
+    finally:
+        node_b.stop()
+
+
+def test_blob_hash_mismatch_refused(
+    node_a: ServerProcess, pool: PoolStandIn, tmp_path: Path
+) -> None:
+    """
+    A gateway serving bytes that do not match the blob's hash: the node
+    refuses the blob, the program never runs, and the result is an engine
+    error naming the blob.
+    """
+    presence = pool.wait_presence("node-a")
+    blob = os.urandom(2048)
+    digest = hashlib.sha256(blob).hexdigest()
+    pool.corrupt[digest] = os.urandom(len(blob))
+    out = tmp_path / "runs"
+    job = pool.publish(program(MARK, [str(out), "bad"], blob), presence.compat, blobs=[blob])
+    result = pool.wait_result(job.job)
+    assert result.status == 500
+    body = result.json()
+    assert body["status"] == "ERROR" and body["error"]["kind"] == "engine"
+    assert digest in body["error"]["message"] and "refused" in body["error"]["message"]
+    assert marks(out) == []
+
+
+def test_wrong_credentials_refused(nats_server: NatsServer, tmp_path: Path) -> None:
+    """A node whose password nats-server refuses does not start, and says why."""
+    wrong = nats_server.write_credentials(tmp_path / "wrong.json", "node-c", "not-its-password")
+    log = tmp_path / "node.log"
+    assert exit_status(nats_server, "node-c", log, credentials=wrong) == 1
+    assert "refused the credentials of node node-c" in log.read_text()
+
+
+def test_node_cannot_publish_jobs_or_pose_as_another(
+    nats_server: NatsServer, pool: PoolStandIn
+) -> None:
+    """
+    With a node's own credentials file and reply prefix (as C{--join} uses
+    them), publishing a job and writing another node's presence key are
+    refused by nats-server: neither lands.
+    """
+    credentials = load_credentials(str(nats_server.credentials_file("node-c")))
+    errors: list[str] = []
+
+    async def attempt() -> tuple[int, list[str]]:
+        async def error_cb(e: Exception) -> None:
+            errors.append(str(e).lower())
+
+        client = await nats.connect(
+            nats_server.url,
+            inbox_prefix=node_inbox("node-c"),
+            allow_reconnect=False,
+            error_cb=error_cb,
+            **credentials.connect_options(),
+        )
+        try:
+            js = client.jetstream()
+            before = (await js.stream_info("KCORAL_JOBS")).state.messages
+            with pytest.raises(nats.errors.TimeoutError):
+                await js.publish(job_subject("0" * 16, 0), b'{"job": "forged"}', timeout=1)
+            nodes = await js.key_value(NODES_BUCKET)
+            with pytest.raises(nats.errors.TimeoutError):
+                await nodes.put("node-a", b'{"node": "node-a"}')
+            await client.flush()
+            return before, errors
+        finally:
+            await client.close()
+
+    import asyncio
+
+    before, seen = asyncio.run(attempt())
+    assert pool.queued() == before
+    assert any("permissions violation" in e and "kcoral.jobs." in e for e in seen), seen
+    assert any("permissions violation" in e and "$kv.kcoral-nodes.node-a" in e for e in seen)
+    assert JOB_SUBJECTS.startswith("kcoral.jobs.")
+
+
+def test_presence_expires_after_sigkill(
+    nats_server: NatsServer, pool: PoolStandIn, tmp_path: Path
+) -> None:
+    """A node killed with SIGKILL leaves no presence behind once the TTL passes."""
+    node = start_node(nats_server, "node-c", tmp_path / "node.log")
+    try:
+        pool.wait_presence("node-c")
+        assert node.process is not None
+        node.process.send_signal(signal.SIGKILL)
+        node.process.wait(30)
+        wait_for(lambda: "node-c" not in pool.presence(), what="node-c's key expiring")
+    finally:
+        node.stop()
+
+
+def test_running_job_delivers_while_nats_is_down(
+    nats_server: NatsServer, pool: PoolStandIn, tmp_path: Path
+) -> None:
+    """
+    nats-server stops while a job runs: the job's result still reaches the
+    gateway over HTTP; once nats-server is back, the node pulls again.
+    """
+    node = start_node(nats_server, "node-c", tmp_path / "node.log")
+    try:
+        presence = pool.wait_presence("node-c")
+        out = tmp_path / "runs"
+        slow = pool.publish(program(SLOW, [str(out), "slow", 3.0]), presence.compat)
+        wait_for(lambda: pool.claim_of(slow.job) or None, what="the claim")
+        nats_server.stop()
+        try:
+            result = pool.wait_result(slow.job)
+            assert result.json()["results"]["r"]["value"] == "slow"
+        finally:
+            nats_server.start()
+            pool.reconnect()
+        after = pool.publish(program(SLOW, [str(out), "after", 0]), presence.compat)
+        assert pool.wait_result(after.job).json()["status"] == "COMPLETED"
+        assert marks(out) == ["slow", "after"]
+        log = (tmp_path / "node.log").read_text()
+        assert "join_nats_lost" in log
+    finally:
+        node.stop()
+
+
+def test_refuses_to_listen_beyond_loopback(nats_server: NatsServer, tmp_path: Path) -> None:
+    """C{--join} with a port other machines could reach stops at once, saying so."""
+    log = tmp_path / "node.log"
+    status = exit_status(nats_server, "node-c", log, "--listen", "tcp:0:interface=0.0.0.0")
+    assert status not in (0, None)
+    assert "listens on loopback only" in log.read_text()

@@ -1,0 +1,428 @@
+"""
+The node side of a pool (L{kcoral.server.join}) on fakes and a
+L{task.Clock}: the seat loop's claims, skips and backoff, the presence
+key, the blob check, and the loopback-only rule.  The real thing, with
+nats-server and node processes, is tests/integration/test_node_join.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, cast
+
+import attrs
+from treq.testing import StubTreq
+from twisted.internet.defer import Deferred, fail, succeed
+from twisted.internet.task import Clock
+from twisted.python import usage
+from twisted.trial.unittest import SynchronousTestCase
+from twisted.web.resource import Resource
+from zope.interface import implementer
+from zope.interface.verify import verifyObject
+
+from kcoral.gateway.jobs import BlobRef, Claim, JobMessage, Presence
+from kcoral.server.cli.tap import Options
+from kcoral.server.join.local import LocalResponse
+from kcoral.server.join.options import JoinListenError, check_join_endpoints
+from kcoral.server.join.presence import PresenceAnnouncer
+from kcoral.server.join.puller import JobPuller
+from kcoral.server.join.queue import Delivery, IJobQueue
+from kcoral.server.join.transfer import BlobRefused, GatewayLink
+
+NOW = 1_000_000.0
+
+
+@attrs.define
+class Claims:
+    """A create-only claims bucket shared by fake queues (the race)."""
+
+    entries: dict[str, Claim] = attrs.field(factory=dict)
+
+    def create(self, job: str, claim: Claim) -> bool:
+        if job in self.entries:
+            return False
+        self.entries[job] = claim
+        return True
+
+
+@implementer(IJobQueue)
+@attrs.define
+class FakeQueue:
+    node: str
+    claims: Claims = attrs.field(factory=Claims)
+    fetches: list[tuple[int, Deferred[list[Delivery]]]] = attrs.field(factory=list)
+    settled: list[tuple[str, bytes, float | None]] = attrs.field(factory=list)
+    presences: list[Presence] = attrs.field(factory=list)
+    deleted: int = 0
+    fail_claims: bool = False
+
+    def fetch(self, count: int, timeout: float) -> Deferred[list[Delivery]]:
+        d: Deferred[list[Delivery]] = Deferred()
+        self.fetches.append((count, d))
+        return d
+
+    def claim(self, job: str) -> Deferred[bool]:
+        if self.fail_claims:
+            return fail(TimeoutError("no answer"))
+        return succeed(self.claims.create(job, Claim(node=self.node)))
+
+    def put_presence(self, presence: Presence) -> Deferred[None]:
+        self.presences.append(presence)
+        return succeed(None)
+
+    def delete_presence(self) -> Deferred[None]:
+        self.deleted += 1
+        return succeed(None)
+
+    def delivery(self, data: bytes) -> Delivery:
+        def note(what: str, delay: float | None = None) -> Deferred[None]:
+            self.settled.append((what, data, delay))
+            return succeed(None)
+
+        return Delivery(
+            data=data,
+            ack=lambda: note("ack"),
+            nak=lambda delay: note("nak", delay),
+            term=lambda: note("term"),
+        )
+
+    def what(self) -> list[str]:
+        return [what for what, _, _ in self.settled]
+
+
+def job(name: str = "j1", **changes: Any) -> bytes:
+    fields: dict[str, Any] = {
+        "job": name,
+        "request_id": f"req-{name}",
+        "program": "{}",
+        "deadline": NOW + 30,
+        "token": "t",
+        "gateway": "http://127.0.0.1:1",
+    }
+    fields.update(changes)
+    return JobMessage(**fields).encode()
+
+
+@attrs.define
+class Runs:
+    """A stand-in for the runner: each run waits until fired."""
+
+    started: list[str] = attrs.field(factory=list)
+    pending: dict[str, Deferred[None]] = attrs.field(factory=dict)
+
+    def __call__(self, message: JobMessage) -> Deferred[None]:
+        self.started.append(message.job)
+        d: Deferred[None] = Deferred()
+        self.pending[message.job] = d
+        return d
+
+    def finish(self, name: str) -> None:
+        self.pending.pop(name).callback(None)
+
+
+def puller(
+    seats: int = 2, node: str = "node-a", queue: FakeQueue | None = None, **kw: Any
+) -> tuple[JobPuller, FakeQueue, Runs, Clock]:
+    clock = Clock()
+    clock.advance(NOW)
+    queue = queue or FakeQueue(node)
+    runs = Runs()
+    p = JobPuller(queue, clock, node, seats, runs, **kw)
+    return p, queue, runs, clock
+
+
+class PullerTests(SynchronousTestCase):
+    def test_fake_queue_is_a_queue(self) -> None:
+        """The fake provides the interface the puller uses."""
+        verifyObject(IJobQueue, FakeQueue("n"))
+
+    def test_one_job_per_free_seat(self) -> None:
+        """Each fetch asks for the free seats; a running job holds one until it ends."""
+        p, queue, runs, _ = puller(seats=2)
+        p.start()
+        self.assertEqual([count for count, _ in queue.fetches], [2])
+        queue.fetches[0][1].callback([queue.delivery(job("j1"))])
+        self.assertEqual(runs.started, ["j1"])
+        self.assertEqual(queue.what(), ["ack"])
+        self.assertEqual((p.busy, p.free), (1, 1))
+        self.assertEqual([count for count, _ in queue.fetches], [2, 1])
+        queue.fetches[1][1].callback([queue.delivery(job("j2"))])
+        # Both seats taken: no fetch until one frees.
+        self.assertEqual(len(queue.fetches), 2)
+        runs.finish("j1")
+        self.assertEqual([count for count, _ in queue.fetches], [2, 1, 1])
+        self.assertEqual(queue.claims.entries["j1"], Claim(node="node-a"))
+
+    def test_claim_wins_once_under_a_race(self) -> None:
+        """Two nodes get the same job: the create-only claim lets one run it."""
+        claims = Claims()
+        a, qa, runs_a, _ = puller(node="node-a", queue=FakeQueue("node-a", claims))
+        b, qb, runs_b, _ = puller(node="node-b", queue=FakeQueue("node-b", claims))
+        a.start()
+        b.start()
+        qa.fetches[0][1].callback([qa.delivery(job("j1"))])
+        qb.fetches[0][1].callback([qb.delivery(job("j1"))])
+        self.assertEqual((runs_a.started, runs_b.started), (["j1"], []))
+        # The loser acknowledged its copy: it leaves the queue.
+        self.assertEqual(qb.what(), ["ack"])
+        self.assertEqual(b.counts["lost"], 1)
+        self.assertEqual(b.busy, 0)
+
+    def test_cancelled_job_never_runs(self) -> None:
+        """A job whose cancel claim came first is acknowledged and not run."""
+        p, queue, runs, _ = puller()
+        queue.claims.entries["j1"] = Claim(cancelled=True)
+        p.start()
+        queue.fetches[0][1].callback([queue.delivery(job("j1"))])
+        self.assertEqual(runs.started, [])
+        self.assertEqual(queue.what(), ["ack"])
+        self.assertEqual(queue.claims.entries["j1"], Claim(cancelled=True))
+
+    def test_late_job_skipped(self) -> None:
+        """A job past its deadline is acknowledged, not claimed, not run."""
+        p, queue, runs, _ = puller()
+        p.start()
+        queue.fetches[0][1].callback([queue.delivery(job("j1", deadline=NOW - 1))])
+        self.assertEqual((runs.started, queue.claims.entries), ([], {}))
+        self.assertEqual(queue.what(), ["ack"])
+
+    def test_preferred_elsewhere_given_back_with_delay(self) -> None:
+        """Inside another node's preference window the job goes back with the rest of it."""
+        p, queue, runs, _ = puller()
+        p.start()
+        data = job("j1", prefer="node-b", prefer_until=NOW + 2.5)
+        queue.fetches[0][1].callback([queue.delivery(data)])
+        self.assertEqual(runs.started, [])
+        self.assertEqual(queue.settled, [("nak", data, 2.5)])
+        # After the window, or for the preferred node itself, it runs.
+        queue.fetches[1][1].callback(
+            [queue.delivery(job("j2", prefer="node-a", prefer_until=NOW + 9))]
+        )
+        self.assertEqual(runs.started, ["j2"])
+
+    def test_malformed_message_dropped(self) -> None:
+        """A message that is not a job is terminated, and the seat stays free."""
+        p, queue, runs, _ = puller()
+        p.start()
+        queue.fetches[0][1].callback([queue.delivery(b"{not json")])
+        self.assertEqual(queue.what(), ["term"])
+        self.assertEqual((runs.started, p.busy), ([], 0))
+
+    def test_unknown_claim_outcome_left_to_queue(self) -> None:
+        """A claim that got no answer: the job is given back, not run."""
+        p, queue, runs, _ = puller()
+        queue.fail_claims = True
+        p.start()
+        queue.fetches[0][1].callback([queue.delivery(job("j1"))])
+        self.flushLoggedErrors()
+        self.assertEqual(runs.started, [])
+        self.assertEqual(queue.what(), ["nak"])
+
+    def test_fetch_failure_backs_off(self) -> None:
+        """A failed fetch waits, doubling, and prepares the queue again before the next."""
+        prepared: list[int] = []
+
+        def reprepare() -> Deferred[None]:
+            prepared.append(1)
+            return succeed(None)
+
+        p, queue, _, clock = puller(reprepare=reprepare)
+        p.start()
+        queue.fetches[0][1].errback(ConnectionError("nats gone"))
+        self.assertEqual(len(queue.fetches), 1)
+        clock.advance(0.4)
+        self.assertEqual(len(queue.fetches), 1)
+        clock.advance(0.1)
+        self.assertEqual((len(queue.fetches), len(prepared)), (2, 1))
+        queue.fetches[1][1].errback(ConnectionError("nats gone"))
+        clock.advance(0.9)
+        self.assertEqual(len(queue.fetches), 2)
+        clock.advance(0.1)
+        self.assertEqual(len(queue.fetches), 3)
+        # Success resets the backoff.
+        queue.fetches[2][1].callback([])
+        self.assertEqual(len(queue.fetches), 4)
+        queue.fetches[3][1].errback(ConnectionError("nats gone"))
+        clock.advance(0.5)
+        self.assertEqual(len(queue.fetches), 5)
+
+    def test_stop_gives_back_and_waits(self) -> None:
+        """Stopping gives back jobs fetched after it and fires once held jobs end."""
+        p, queue, runs, _ = puller(seats=2)
+        p.start()
+        queue.fetches[0][1].callback([queue.delivery(job("j1"))])
+        stopped = p.stop()
+        self.assertNoResult(stopped)
+        queue.fetches[1][1].callback([queue.delivery(job("j2"))])
+        self.assertEqual(runs.started, ["j1"])
+        self.assertEqual(queue.what(), ["ack", "nak"])
+        runs.finish("j1")
+        self.successResultOf(stopped)
+        self.assertEqual(len(queue.fetches), 2)
+
+
+class PresenceTests(SynchronousTestCase):
+    def test_put_every_interval_and_on_change(self) -> None:
+        """The key is put at start, every second, and when the free seats change; deleted at stop."""
+        clock = Clock()
+        queue = FakeQueue("node-a")
+        free = [2]
+        base = Presence(node="node-a", compat="0" * 16, seats=2, free=2)
+        announcer = PresenceAnnouncer(queue, clock, base, lambda: free[0])
+        announcer.start()
+        self.assertEqual(len(queue.presences), 1)
+        clock.advance(1.0)
+        self.assertEqual(len(queue.presences), 2)
+        free[0] = 1
+        announcer.changed()
+        self.assertEqual(queue.presences[-1].free, 1)
+        self.assertEqual(queue.presences[-1].at, clock.seconds())
+        self.successResultOf(announcer.stop())
+        self.assertEqual(queue.deleted, 1)
+        clock.advance(5.0)
+        self.assertEqual(len(queue.presences), 3)
+        self.assertEqual(clock.getDelayedCalls(), [])
+
+
+class _Blob(Resource):
+    isLeaf = True
+
+    def __init__(self, body: bytes, code: int = 200) -> None:
+        super().__init__()
+        self.body, self.code = body, code
+        self.seen: list[Any] = []
+
+    def render_GET(self, request: Any) -> bytes:
+        self.seen.append(request.getHeader(b"authorization"))
+        request.setResponseCode(self.code)
+        return self.body
+
+    def render_POST(self, request: Any) -> bytes:
+        self.seen.append(
+            {
+                k.decode(): v[0].decode()
+                for k, v in request.requestHeaders.getAllRawHeaders()
+                if k.lower().startswith(b"x-kcoral") or k.lower() == b"authorization"
+            }
+        )
+        request.setResponseCode(204)
+        return b""
+
+
+def link(resource: Resource) -> tuple[GatewayLink, StubTreq]:
+    stub = StubTreq(resource)
+    return GatewayLink(cast(Any, stub), Clock(), "node-a"), stub
+
+
+class TransferTests(SynchronousTestCase):
+    blob = b"hello blob"
+    ref = BlobRef(sha256=hashlib.sha256(b"hello blob").hexdigest(), size=len(b"hello blob"))
+    message = JobMessage.decode(job("j1"))
+
+    def fetch(self, served: bytes, code: int = 200) -> tuple[Deferred[bytes], _Blob]:
+        resource = _Blob(served, code)
+        gateway, stub = link(resource)
+        d = Deferred.fromCoroutine(gateway.fetch_blob(self.message, self.ref))
+        stub.flush()
+        return d, resource
+
+    def test_blob_checked_and_token_sent(self) -> None:
+        """A matching blob is returned; the request carried the job's token."""
+        d, resource = self.fetch(self.blob)
+        self.assertEqual(self.successResultOf(d), self.blob)
+        self.assertEqual(resource.seen, [b"Bearer t"])
+
+    def test_hash_mismatch_refused(self) -> None:
+        """Bytes of the right size but the wrong content are refused."""
+        d, _ = self.fetch(b"hello blub")
+        error = self.failureResultOf(d, BlobRefused).value
+        self.assertIn("SHA-256", error.reason)
+
+    def test_size_mismatch_refused(self) -> None:
+        """More or fewer bytes than announced are refused."""
+        self.failureResultOf(self.fetch(self.blob + b"!")[0], BlobRefused)
+        self.failureResultOf(self.fetch(self.blob[:-1])[0], BlobRefused)
+
+    def test_refused_by_gateway(self) -> None:
+        """A non-200 from the gateway is a refused blob."""
+        d, _ = self.fetch(b"", 401)
+        self.assertIn("401", self.failureResultOf(d, BlobRefused).value.reason)
+
+    def test_result_posted_with_head(self) -> None:
+        """The node server's status and content type travel as headers, with the token."""
+        resource = _Blob(b"")
+        gateway, stub = link(resource)
+        d = Deferred.fromCoroutine(
+            gateway.post_result(
+                self.message, LocalResponse(503, "application/json", b"{}", retry_after="1")
+            )
+        )
+        stub.flush()
+        self.assertEqual(self.successResultOf(d), 204)
+        (headers,) = resource.seen
+        self.assertEqual(headers["Authorization"], "Bearer t")
+        self.assertEqual(headers["X-Kcoral-Result-Status"], "503")
+        self.assertEqual(headers["X-Kcoral-Result-Content-Type"], "application/json")
+        self.assertEqual(headers["X-Kcoral-Result-Retry-After"], "1")
+        self.assertEqual(headers["X-Kcoral-Result-Node"], "node-a")
+
+
+class LoopbackOnlyTests(SynchronousTestCase):
+    def test_loopback_accepted(self) -> None:
+        """TCP on 127.0.0.1 or ::1 (and UNIX sockets beside them) pass."""
+        check_join_endpoints(["tcp:port=8000:interface=127.0.0.1"])
+        check_join_endpoints(["tcp6:8000:interface=\\:\\:1", "unix:/run/k.sock"])
+
+    def test_reachable_refused(self) -> None:
+        """Any interface, a wildcard, TLS, or no TCP port at all: refused."""
+        for endpoints in (
+            ["tcp:8000"],
+            ["tcp:port=8000:interface=0.0.0.0"],
+            ["tcp:port=8000:interface=10.0.0.5"],
+            ["ssl:8443:interface=127.0.0.1:privateKey=k.pem"],
+            ["unix:/run/k.sock"],
+        ):
+            self.assertRaises(JoinListenError, check_join_endpoints, endpoints)
+
+    def parse(self, *args: str) -> Options:
+        options = Options(environ={})
+        options.parseOptions(["--device", "cpu", *args])
+        return options
+
+    def test_flags(self) -> None:
+        """--join, --node-id and --credentials go together, on loopback only."""
+        import tempfile
+
+        with tempfile.NamedTemporaryFile("w", suffix=".json") as creds:
+            creds.write('{"user": "node-a", "password": "p"}')
+            creds.flush()
+            join = ["--join", "nats://127.0.0.1:4222", "--node-id", "node-a"]
+            options = self.parse(*join, "--credentials", creds.name)
+            self.assertEqual(options.config.join_node_id, "node-a")
+            error = self.assertRaises(usage.UsageError, self.parse, *join)
+            self.assertIn("go together", str(error))
+            error = self.assertRaises(
+                usage.UsageError,
+                self.parse,
+                *join,
+                "--credentials",
+                creds.name,
+                "--host",
+                "0.0.0.0",
+            )
+            self.assertIn("loopback only", str(error))
+            error = self.assertRaises(
+                usage.UsageError,
+                self.parse,
+                "--join",
+                "nats://127.0.0.1:4222",
+                "--node-id",
+                "a.b",
+                "--credentials",
+                creds.name,
+            )
+            self.assertIn("--node-id", str(error))
+        error = self.assertRaises(
+            usage.UsageError, self.parse, *join, "--credentials", "/nonexistent/creds"
+        )
+        self.assertIn("--credentials", str(error))

@@ -215,7 +215,11 @@ def _list(value: Any, name: str, limit: int) -> list[Any]:
 #: Fields a measurement may leave out (a benchmark's has no sides).
 _OPTIONAL_FIELDS = frozenset({"sides", "discovery_b"})
 
-_OPTION_KEYS = frozenset({"rotate", "fresh_inputs", "audit", "fingerprint", "cold_l2"})
+_OPTION_KEYS = frozenset(
+    {"rotate", "fresh_inputs", "audit", "fingerprint", "cold_l2", "bytes", "flops"}
+)
+#: Options that are amounts of work (plausibility): positive, finite numbers.
+_WORK_KEYS = frozenset({"bytes", "flops"})
 
 
 def parse_raw(data: Any) -> RawMeasurement:
@@ -265,7 +269,10 @@ def parse_raw(data: Any) -> RawMeasurement:
     if not isinstance(options, dict) or not set(options) <= _OPTION_KEYS:
         raise ValueError(f"'options' must be an object with keys among {sorted(_OPTION_KEYS)}")
     for key, value in options.items():
-        if isinstance(value, bool) or (key == "rotate" and isinstance(value, int) and value > 0):
+        if key in _WORK_KEYS:
+            if _ms(value, key) > 0:
+                continue
+        elif isinstance(value, bool) or (key == "rotate" and isinstance(value, int) and value > 0):
             continue
         raise ValueError(f"option {key!r} has a bad value")
     flush_l2 = data["flush_l2"]
@@ -577,6 +584,90 @@ def evaluate_pair(raw: RawMeasurement, wall_ms: float | None) -> dict[str, Any]:
         "timing": raw.timer,
         "validity": validity.as_dict(),
     }
+
+
+@attrs.frozen
+class DevicePeak:
+    """
+    A GPU's vendor peaks: memory bandwidth (bytes/s) and dense FLOP/s by
+    precision (no sparsity), for the plausibility check.
+    """
+
+    name: str
+    bandwidth: float
+    flops: Mapping[str, float]
+    source: str = ""
+
+
+#: Vendor peaks by device name (NVML's name contains the key).  H200 SXM and
+#: H100 SXM, NVIDIA's datasheets: 4.8 and 3.35 TB/s HBM3e/HBM3; FP32
+#: 67 TFLOP/s; TF32, BF16 and FP8 Tensor Core 989, 1,979 and 3,958 TFLOP/s
+#: *with sparsity*, halved here (dense).
+PEAKS: dict[str, DevicePeak] = {
+    "H200": DevicePeak(
+        "NVIDIA H200",
+        4.8e12,
+        {"fp32": 67e12, "tf32": 494.5e12, "bf16": 989.5e12, "fp8": 1979e12},
+        "NVIDIA H200 Tensor Core GPU datasheet (SXM)",
+    ),
+    "H100": DevicePeak(
+        "NVIDIA H100",
+        3.35e12,
+        {"fp32": 67e12, "tf32": 494.5e12, "bf16": 989.5e12, "fp8": 1979e12},
+        "NVIDIA H100 Tensor Core GPU datasheet (SXM)",
+    ),
+}
+
+#: A time this much below the roofline bound is flagged (span rounding).
+IMPOSSIBLE_SLACK = 0.02
+
+
+def peak_for(name: str) -> DevicePeak | None:
+    """The peaks of the device NVML calls C{name}, if the table knows it."""
+    for key, peak in PEAKS.items():
+        if key in name:
+            return peak
+    return None
+
+
+def check_plausibility(
+    result: dict[str, Any], options: Mapping[str, Any], peak: DevicePeak
+) -> None:
+    """
+    With the work the evaluator declared (C{options}' C{bytes}, C{flops}),
+    add C{"plausibility"} to a benchmark result: the rates achieved at the
+    median, their fractions of C{peak}, and the roofline bound (the least
+    time any kernel needs for that much traffic and arithmetic at the
+    device's best precision); a median below the bound is flagged
+    C{impossible} in C{validity}.
+    """
+    moved, work = options.get("bytes"), options.get("flops")
+    if not moved and not work:
+        return
+    seconds = result["latency_ms_median"] / 1000.0
+    out: dict[str, Any] = {"device": peak.name, "peak_bandwidth_bytes_per_s": peak.bandwidth}
+    bound = 0.0
+    if moved:
+        rate = moved / seconds if seconds > 0 else math.inf
+        out["bytes_per_s"] = rate
+        out["fraction_of_peak_bandwidth"] = rate / peak.bandwidth
+        bound = max(bound, moved / peak.bandwidth)
+    if work and peak.flops:
+        rate = work / seconds if seconds > 0 else math.inf
+        out["flop_per_s"] = rate
+        out["fraction_of_peak_flops"] = {p: rate / f for p, f in peak.flops.items()}
+        bound = max(bound, work / max(peak.flops.values()))
+    out["roofline_bound_ms"] = bound * 1000.0
+    result["plausibility"] = out
+    if seconds < bound * (1 - IMPOSSIBLE_SLACK):
+        validity = Validity(list(result.get("validity", {}).get("reasons", [])))
+        validity.add(
+            "impossible",
+            f"the median {seconds * 1000.0:.4f} ms is below the {bound * 1000.0:.4f} ms "
+            f"that {peak.name} needs at its peaks for the declared work "
+            f"({moved or 0:.4g} bytes, {work or 0:.4g} FLOP)",
+        )
+        result["validity"] = validity.as_dict()
 
 
 def add_monitor_reasons(

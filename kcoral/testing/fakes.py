@@ -805,6 +805,10 @@ class FakeGpuSampler:
             raise SamplerUnavailable(f"no GPU {gpu}")
         return self.names[gpu]
 
+    def memory_bandwidth(self, gpu: int) -> float | None:
+        self.name(gpu)
+        return 6016 / 8 * 3201e6 * 2  # an H200's bus and memory clock
+
     def use(self, gpu: int, pid: int, sm: int = 50, mem: int = 5, at: float | None = None) -> None:
         """A per-process utilization sample of C{pid} at C{at} (default: now)."""
         stamp = self.clock.seconds() if at is None else at

@@ -75,6 +75,14 @@ class BenchmarkConfigTests(SynchronousTestCase):
                 parse_compare_cfg(bad)
             self.assertEqual(caught.exception.kind, "parse")
 
+    def test_declared_work(self) -> None:
+        """bytes and flops are positive numbers, kept for the parent's plausibility check."""
+        config = parse_benchmark_cfg({"bytes": 1e9, "flops": 2})
+        self.assertEqual((config.work_bytes, config.work_flops), (1e9, 2.0))
+        for bad in (0, -1, "1", True, float("nan")):
+            with self.assertRaises(ExecutionError):
+                parse_benchmark_cfg({"bytes": bad})
+
     def test_disturbed(self) -> None:
         """Only the GPU monitor's reasons make a result worth measuring again."""
         flagged = {"validity": {"ok": False, "reasons": ["interference: process 9"]}}

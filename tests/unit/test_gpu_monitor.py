@@ -19,6 +19,7 @@ from kcoral.server.leases.lease import EXCLUSIVE, MAINTENANCE, LeaseArbiter
 from kcoral.server.leases.monitor import (
     EXCUSE_SECONDS,
     GpuMonitor,
+    GpuMonitorService,
     ProcFs,
     classify,
     main_pid,
@@ -393,3 +394,44 @@ class ResultTests(SynchronousTestCase):
         self.assertIn('kcoral_gpu_interference_total{gpu="0"} 1.0', text)
         self.assertIn('kcoral_gpu_throttled_total{gpu="0"} 1.0', text)
         self.assertIn('kcoral_gpu_descendants_killed_total{gpu="1"} 1.0', text)
+
+
+class ServiceTests(SynchronousTestCase):
+    def test_started_with_peaks(self) -> None:
+        """Once NVML reads every GPU, the leases get the monitor, with each GPU's peaks."""
+        s = Setup()
+        service = GpuMonitorService(s.leases, s.clock, at_once, sampler=s.sampler)
+        with capturedLogs() as events:
+            service.startService()
+        self.assertIs(s.leases.monitor, service.monitor)
+        peak = service.monitor.peak_of((0,))
+        assert peak is not None
+        self.assertEqual(peak.name, "NVIDIA H200")
+        started = [e for e in events if e.get("kcoral_event") == "gpu_monitor_started"]
+        self.assertAlmostEqual(started[0]["bandwidth_nvml"][0] / 1e12, 4.81, places=2)
+        service.stopService()
+        self.assertIsNone(s.leases.monitor)
+
+    def test_unknown_device_uses_nvml_bandwidth(self) -> None:
+        s = Setup()
+        s.sampler.names[0] = "Some GPU"
+        service = GpuMonitorService(s.leases, s.clock, at_once, sampler=s.sampler)
+        service.startService()
+        peak = service.monitor.peak_of((0,))
+        assert peak is not None
+        self.assertEqual((peak.name, peak.flops), ("Some GPU", {}))
+        service.stopService()
+
+    def test_unavailable(self) -> None:
+        """No NVML: logged, and nothing is judged."""
+        s = Setup()
+        s.sampler.broken = True
+        service = GpuMonitorService(s.leases, s.clock, at_once, sampler=s.sampler)
+        with capturedLogs() as events:
+            service.startService()
+        self.assertIsNone(s.leases.monitor)
+        self.assertEqual(
+            [e["kcoral_event"] for e in events if e.get("kcoral_event")],
+            ["gpu_monitor_unavailable"],
+        )
+        service.stopService()

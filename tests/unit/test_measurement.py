@@ -23,10 +23,13 @@ from kcoral.errors import ExecutionError
 from kcoral.measurement import (
     TIMER_CUPTI,
     TIMER_EVENTS,
+    DevicePeak,
     MeasurementFailed,
     RawMeasurement,
+    check_plausibility,
     evaluate,
     parse_raw,
+    peak_for,
     ratio_interval,
     verdict_of,
 )
@@ -448,6 +451,9 @@ class ParentTests(WorkerTestCase):
                 judged.append(args)
                 return verdict
 
+            def peak_of(self, gpus: tuple[int, ...]) -> DevicePeak | None:
+                return peak_for("NVIDIA H200")
+
         self.leases.monitor = Monitor()
         worker = self.ready_worker(gpus=(0,))
         d = worker.run(self.job())
@@ -456,7 +462,8 @@ class ParentTests(WorkerTestCase):
         self.deliver(worker, MeasureStart())
         self.reactor.advance(0.021)
         self.deliver(worker, MeasureStop())
-        self.deliver(worker, Measurement(raw().to_json()))
+        # 2 ms for 4.8 GB: at the H200's 4.8 TB/s it needs 1 ms; fine.
+        self.deliver(worker, Measurement(raw(options={"bytes": 4.8e9}).to_json()))
         self.assertEqual(len(self.transport.messages()), before)  # waits for the monitor
         self.assertIs(judged[0][0], worker)
         self.assertEqual(judged[0][1], (0,))
@@ -469,11 +476,13 @@ class ParentTests(WorkerTestCase):
             {"ok": False, "reasons": ["interference: process 9 used GPU 0"]},
         )
         self.assertEqual(answer.result["gpu"], {"samples": 3})
+        self.assertAlmostEqual(answer.result["plausibility"]["fraction_of_peak_bandwidth"], 0.5)
         self.deliver(worker, LeaseRelease())
         self.deliver(worker, Outcome(status="COMPLETED"))
         record = self.successResultOf(d).measurements[0]
         self.assertEqual(record["validity"], answer.result["validity"])
         self.assertEqual(record["gpu"], {"samples": 3})
+        self.assertEqual(record["plausibility"], answer.result["plausibility"])
 
     def test_gpu_violation_fails_the_program(self) -> None:
         """
@@ -656,3 +665,68 @@ class CompareTests(SynchronousTestCase):
             bad = measured.to_json()
             bad["sides"] = sides
             self.assertRaises(ValueError, parse_raw, bad)
+
+
+class PlausibilityTests(SynchronousTestCase):
+    """The declared work against the device's peaks (kcoral.measurement.check_plausibility)."""
+
+    def result(self, median_ms: float) -> dict[str, Any]:
+        return {"latency_ms_median": median_ms, "validity": {"ok": True, "reasons": []}}
+
+    def test_table(self) -> None:
+        h200 = peak_for("NVIDIA H200")
+        assert h200 is not None
+        self.assertEqual(h200.bandwidth, 4.8e12)
+        self.assertEqual(h200.flops["bf16"], 989.5e12)
+        self.assertIsNone(peak_for("NVIDIA GeForce GT 710"))
+
+    def test_fractions(self) -> None:
+        """A 1 GiB copy (read and write: 2 GiB) in 0.5 ms, and FLOPs against each precision."""
+        peak = peak_for("NVIDIA H200")
+        assert peak is not None
+        result = self.result(1.0)
+        check_plausibility(result, {"bytes": 2.4e9, "flops": 67e9}, peak)
+        out = result["plausibility"]
+        self.assertAlmostEqual(out["fraction_of_peak_bandwidth"], 0.5)
+        self.assertAlmostEqual(out["fraction_of_peak_flops"]["fp32"], 1.0)
+        self.assertAlmostEqual(out["roofline_bound_ms"], 0.5)
+        self.assertTrue(result["validity"]["ok"])
+
+    def test_impossible(self) -> None:
+        """Faster than the roofline allows: flagged, naming the bound."""
+        peak = peak_for("NVIDIA H200")
+        assert peak is not None
+        result = self.result(0.1)
+        check_plausibility(result, {"bytes": 4.8e9}, peak)  # needs 1 ms
+        self.assertFalse(result["validity"]["ok"])
+        self.assertTrue(result["validity"]["reasons"][0].startswith("impossible: the median"))
+        # FLOPs are bounded by the best precision's peak (FP8 here).
+        result = self.result(1.0)
+        check_plausibility(result, {"flops": 1979e9 * 1.5}, peak)
+        self.assertFalse(result["validity"]["ok"])
+        result = self.result(1.0)
+        check_plausibility(result, {"flops": 1979e9 * 0.99}, peak)
+        self.assertTrue(result["validity"]["ok"])
+
+    def test_nothing_declared(self) -> None:
+        result = self.result(1.0)
+        peak = peak_for("H200")
+        assert peak is not None
+        check_plausibility(result, {}, peak)
+        self.assertNotIn("plausibility", result)
+
+    def test_bandwidth_only_peak(self) -> None:
+        """A device the table lacks: NVML's bandwidth, no FLOP bound."""
+        peak = DevicePeak("Other", 1e12, {})
+        result = self.result(1.0)
+        check_plausibility(result, {"bytes": 1e9, "flops": 1e15}, peak)
+        self.assertAlmostEqual(result["plausibility"]["fraction_of_peak_bandwidth"], 1.0)
+        self.assertNotIn("fraction_of_peak_flops", result["plausibility"])
+
+    def test_parse_work_options(self) -> None:
+        data = raw(options={"bytes": 1e9, "flops": 2e9}).to_json()
+        self.assertEqual(parse_raw(data).options, {"bytes": 1e9, "flops": 2e9})
+        for bad in (-1, 0, "1e9", float("inf"), True):
+            data = raw().to_json()
+            data["options"] = {"bytes": bad}
+            self.assertRaises(ValueError, parse_raw, data)

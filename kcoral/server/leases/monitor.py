@@ -50,6 +50,7 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from kcoral.measurement import DevicePeak, peak_for
 from kcoral.proctree import descendants_of
 from kcoral.server.leases.lease import EXCLUSIVE, HoldInterval
 from kcoral.server.leases.nvml import (
@@ -338,6 +339,9 @@ class GpuMonitor:
     _usage_since: dict[int, float] = attrs.field(factory=dict)
     #: Holds already reported as interfered with / throttled (once each).
     _reported: set[tuple[str, int, int, float]] = attrs.field(factory=set)
+    #: Each GPU's peaks for the plausibility check (L{GpuMonitorService}
+    #: sets them from the device names and NVML's memory bus).
+    peaks: dict[int, DevicePeak] = attrs.field(factory=dict)
     #: The processes killed so far (pid, start time): NVML may list them
     #: until their parent reaps them.
     _killed: set[tuple[int, int]] = attrs.field(factory=set)
@@ -588,6 +592,10 @@ class GpuMonitor:
 
     # -- measurements ---------------------------------------------------------
 
+    def peak_of(self, gpus: Sequence[int]) -> DevicePeak | None:
+        """The peaks of a measurement's (first) GPU, when known."""
+        return self.peaks.get(gpus[0]) if gpus else None
+
     def judge(
         self, worker: Any, gpus: Sequence[int], start: float, stop: float
     ) -> Deferred[tuple[list[tuple[str, str]], dict[str, Any]]]:
@@ -643,12 +651,32 @@ class GpuMonitorService(Service):
     def startService(self) -> None:
         super().startService()
         gpus = tuple(self.leases.gpus)
-        d = self._run_blocking(lambda: [self.monitor.sampler.name(gpu) for gpu in gpus])
+        sampler = self.monitor.sampler
+        d = self._run_blocking(
+            lambda: [(sampler.name(gpu), sampler.memory_bandwidth(gpu)) for gpu in gpus]
+        )
         d.addCallbacks(self._ready, self._unavailable)
 
-    def _ready(self, names: list[str]) -> None:
+    def _ready(self, devices: list[tuple[str, float | None]]) -> None:
         if not self.running:
             return
+        names = [name for name, _ in devices]
+        for gpu, (name, bandwidth) in zip(self.leases.gpus, devices, strict=True):
+            peak = peak_for(name)
+            if peak is None and bandwidth:
+                peak = DevicePeak(name, bandwidth, {}, "NVML: memory bus width x clock")
+            if peak is not None:
+                self.monitor.peaks[gpu] = peak
+            if peak is not None and bandwidth and abs(bandwidth / peak.bandwidth - 1) > 0.1:
+                self.log.warn(
+                    "GPU {gpu_id}: NVML's memory bandwidth {nvml} B/s differs from the "
+                    "table's {table} B/s for {name}",
+                    kcoral_event="gpu_peak_mismatch",
+                    gpu_id=gpu,
+                    name=name,
+                    nvml=bandwidth,
+                    table=peak.bandwidth,
+                )
         self.leases.monitor = self.monitor
         self.monitor.start()
         self.log.info(
@@ -656,6 +684,7 @@ class GpuMonitorService(Service):
             kcoral_event="gpu_monitor_started",
             gpu_ids=list(self.leases.gpus),
             names=names,
+            bandwidth_nvml=[bandwidth for _, bandwidth in devices],
             interval=self.monitor.interval,
         )
 

@@ -106,6 +106,12 @@ class IGpuSampler(Interface):
         @raise SamplerUnavailable: no such GPU, or NVML cannot be used.
         """
 
+    def memory_bandwidth(gpu: int) -> float | None:  # type: ignore[misc]
+        """
+        The theoretical memory bandwidth (bytes/s: bus width x the highest
+        memory clock x 2 transfers per clock), C{None} if not known.
+        """
+
     def sample(gpu: int, usage_since: float) -> GpuSample:  # type: ignore[misc]
         """
         Read C{gpu} now, with the per-process utilization samples taken
@@ -151,6 +157,16 @@ class NvmlSampler:
         handle = self._handle(gpu)
         name = self._nvml.nvmlDeviceGetName(handle)
         return name.decode() if isinstance(name, bytes) else str(name)
+
+    def memory_bandwidth(self, gpu: int) -> float | None:
+        handle = self._handle(gpu)
+        nvml = self._nvml
+        try:
+            bits = nvml.nvmlDeviceGetMemoryBusWidth(handle)
+            mhz = nvml.nvmlDeviceGetMaxClockInfo(handle, nvml.NVML_CLOCK_MEM)
+        except nvml.NVMLError:
+            return None
+        return float(bits) / 8 * float(mhz) * 1e6 * 2
 
     def sample(self, gpu: int, usage_since: float) -> GpuSample:
         handle = self._handle(gpu)

@@ -44,6 +44,7 @@ from kcoral.ipc.shared import available as shared_memory_available
 from kcoral.measurement import (
     MeasurementFailed,
     add_monitor_reasons,
+    check_plausibility,
     evaluate,
     failed_record,
     parse_raw,
@@ -1409,6 +1410,11 @@ class _RunningJob:
 
         def judged(verdict: tuple[list[tuple[str, str]], dict[str, Any]]) -> None:
             add_monitor_reasons(result, *verdict)
+            peak = monitor.peak_of(self.worker.gpus)
+            if peak is not None and "latency_ms_median" in result:
+                check_plausibility(result, raw.options, peak)
+                if "plausibility" in result:
+                    record["plausibility"] = result["plausibility"]
             record.update(validity=result["validity"], gpu=result["gpu"])
 
         def send(_: None) -> None:

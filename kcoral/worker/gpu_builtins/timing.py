@@ -83,6 +83,10 @@ class BenchmarkConfig:
     #: after filling the arguments at C{outputs} with a sentinel first.
     fingerprint: bool = False
     outputs: tuple[int, ...] = ()
+    #: The work one call does, as the evaluator declares it (bytes moved,
+    #: FLOPs): the parent checks the time against the device's peaks.
+    work_bytes: float | None = None
+    work_flops: float | None = None
     #: Measure again, up to this many times, while the parent's GPU monitor
     #: flags the result (C{interference} or C{throttled}: issue 34).
     retry_on_interference: int = 0
@@ -198,6 +202,14 @@ def _parse_options(cfg: dict[str, Any], values: dict[str, Any]) -> None:
         values["fingerprint"] = bool(value)
     if "outputs" in cfg:
         values["outputs"] = _index_list(cfg["outputs"], "outputs")
+    for key in ("bytes", "flops"):
+        if cfg.get(key) is not None:
+            value = cfg[key]
+            if not is_number(value) or not math.isfinite(value) or value <= 0:
+                raise ExecutionError(
+                    "parse", f"benchmark: {key} must be a positive number, got {value!r}"
+                )
+            values[f"work_{key}"] = float(value)
 
 
 def split_cfg(args: Sequence[Any]) -> tuple[tuple[Any, ...], Any]:
@@ -824,6 +836,10 @@ class _TimedLoop:
             options["audit"] = True
         if self.config.fingerprint:
             options["fingerprint"] = True
+        if self.config.work_bytes is not None:
+            options["bytes"] = self.config.work_bytes
+        if self.config.work_flops is not None:
+            options["flops"] = self.config.work_flops
         return options
 
     def submit(self, raw: RawMeasurement) -> dict[str, Any]:

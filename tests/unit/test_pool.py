@@ -881,7 +881,7 @@ class TemplateTests(PoolTestCase):
         template = WorkerTemplate("cpu", self.reactor)
         template.connect(lambda data, fds: None)
         template.message({"op": "ready", "pid": 1})
-        pool.templates = {None: template}
+        pool.templates.templates = {None: template}
         self.assertEqual(pool.worker_start, "fork")
         forked: list[dict[str, Any]] = []
 
@@ -917,7 +917,7 @@ class TemplateTests(PoolTestCase):
             templates[gpu] = WorkerTemplate(f"gpu{gpu}", self.reactor)
             templates[gpu].connect(lambda data, fds: None)
             templates[gpu].message({"op": "ready", "pid": 1})
-        pool.templates = dict(templates)
+        pool.templates.templates = dict(templates)
         self.assertIs(pool._template_for((1,)), templates[1])
         self.assertIs(pool._template_for((0, 1)), templates[0])
         self.sandbox.isolates_devices = True
@@ -944,7 +944,7 @@ class TemplateTests(PoolTestCase):
         template = WorkerTemplate("cpu", self.reactor)
         template.connect(lambda data, fds: None)
         template.message({"op": "ready", "pid": 1})
-        pool.templates = {None: template}
+        pool.templates.templates = {None: template}
         forked: list[FakeWorker] = []
 
         def fork(reactor: Any, **kw: Any) -> FakeWorker:
@@ -973,12 +973,12 @@ class TemplateTests(PoolTestCase):
         template = WorkerTemplate("cpu", self.reactor)
         template.connect(lambda data, fds: None)
         template.message({"op": "ready", "pid": 1})
-        template.on_failure = pool._template_lost
-        pool.templates = {None: template}
+        template.on_failure = pool.templates.lost
+        pool.templates.templates = {None: template}
         attempts: list[WorkerTemplate] = []
         outcomes = [False, True]
 
-        async def start(_: WorkerPool, new: WorkerTemplate, key: int | None, make: Any) -> None:
+        async def start(_: WorkerPool, new: WorkerTemplate, key: int | None) -> None:
             attempts.append(new)
             if not outcomes.pop(0):
                 new.broken("cannot start")

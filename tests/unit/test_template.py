@@ -10,12 +10,20 @@ import json
 import os
 from typing import Any
 
+from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.protocol import ProcessProtocol
 from twisted.internet.testing import MemoryReactorClock
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 
-from kcoral.server.workers.template import LOST_STATUS, TemplateError, WorkerTemplate, host_pid
+from kcoral.server.workers.backoff import Backoff
+from kcoral.server.workers.template import (
+    LOST_STATUS,
+    TemplateError,
+    WorkerTemplate,
+    WorkerTemplates,
+    host_pid,
+)
 
 
 class Recorder(ProcessProtocol):
@@ -216,3 +224,87 @@ class HostPidTests(SynchronousTestCase):
     def test_not_below(self) -> None:
         """A pid no process below the root has: C{None}."""
         self.assertIsNone(host_pid(os.getpid(), 2**22 + 1))
+
+
+class WorkerTemplatesTests(SynchronousTestCase):
+    """L{WorkerTemplates}: start, restart after a back-off, stop."""
+
+    def setUp(self) -> None:
+        self.reactor = MemoryReactorClock()
+        self.launched: list[tuple[WorkerTemplate, int | None]] = []
+        self.fail_keys: set[int | None] = set()
+
+    def launch(self, template: WorkerTemplate, key: int | None) -> Deferred[None]:
+        self.launched.append((template, key))
+        if key in self.fail_keys:
+            template.broken("cannot start")
+            self.failureResultOf(template.ready, TemplateError)
+            return fail(TemplateError("cannot start"))
+        template.connect(lambda data, fds: None)
+        template.message({"op": "ready", "pid": len(self.launched)})
+        return succeed(None)
+
+    def make(self) -> WorkerTemplates:
+        return WorkerTemplates(self.reactor, self.launch, backoff=Backoff(1.0, 4.0))
+
+    def test_start(self) -> None:
+        """One template per key, each named for its device; all ready: fork."""
+        templates = self.make()
+        self.successResultOf(Deferred.fromCoroutine(templates.start([None, 0, 1, 0])))
+        self.assertEqual([t.name for t in templates.values()], ["cpu", "gpu0", "gpu1"])
+        self.assertEqual(templates.worker_start, "fork")
+        self.assertIs(templates.ready_for((1,), isolated=True), templates[1])
+        self.assertIs(templates.ready_for((0, 1), isolated=False), templates[0])
+        self.assertIsNone(templates.ready_for((0, 1), isolated=True))
+
+    def test_failed_start_spawns(self) -> None:
+        """A template that does not start leaves its workers to be spawned."""
+        self.fail_keys = {1}
+        templates = self.make()
+        self.successResultOf(Deferred.fromCoroutine(templates.start([0, 1])))
+        self.assertEqual(templates.worker_start, "spawn")
+        self.assertIsNone(templates.ready_for((1,), isolated=True))
+        self.assertIs(templates.ready_for((0,), isolated=True), templates[0])
+        self.assertEqual(len(templates), 2)
+
+    def test_restart_backs_off(self) -> None:
+        """A template lost while serving is restarted after a doubling wait."""
+        templates = self.make()
+        self.successResultOf(Deferred.fromCoroutine(templates.start([None])))
+        first = templates[None]
+        self.fail_keys = {None}
+        first.broken("socket closed")
+        self.assertEqual(templates.worker_start, "spawn")
+        self.reactor.advance(1.0)
+        self.assertEqual(len(self.launched), 2)
+        self.reactor.advance(1.9)
+        self.assertEqual(len(self.launched), 2)  # the wait doubled
+        self.fail_keys = set()
+        self.reactor.advance(0.1)
+        self.assertEqual(len(self.launched), 3)
+        self.assertIs(templates[None], self.launched[-1][0])
+        self.assertEqual(templates.worker_start, "fork")
+        # Restarted: the count starts over.
+        templates[None].broken("socket closed")
+        [restart] = self.reactor.getDelayedCalls()
+        self.assertEqual(restart.getTime() - self.reactor.seconds(), 1.0)
+
+    def test_closed_restarts_nothing(self) -> None:
+        templates = self.make()
+        self.successResultOf(Deferred.fromCoroutine(templates.start([None])))
+        templates[None].broken("socket closed")
+        templates.close()
+        self.reactor.advance(10)
+        self.assertEqual(len(self.launched), 1)
+
+    def test_stop(self) -> None:
+        """Stopping cancels a pending restart and forgets every template."""
+        templates = self.make()
+        self.successResultOf(Deferred.fromCoroutine(templates.start([None, 0])))
+        templates[0].broken("socket closed")
+        self.assertEqual(len(self.reactor.getDelayedCalls()), 1)
+        self.successResultOf(Deferred.fromCoroutine(templates.stop()))
+        self.assertEqual(self.reactor.getDelayedCalls(), [])
+        self.assertEqual(len(templates), 0)
+        self.reactor.advance(10)
+        self.assertEqual(len(self.launched), 2)

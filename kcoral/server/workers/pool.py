@@ -23,7 +23,7 @@ from typing import Any
 
 import attrs
 from twisted.internet.defer import CancelledError, Deferred, DeferredList, succeed
-from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
@@ -36,7 +36,7 @@ from kcoral.server.workers.channelbudget import ChannelBudget
 from kcoral.server.workers.job import Job, JobResult, WorkerHandle
 from kcoral.server.workers.line import STOPPING_MESSAGE, PoolBusy, PoolStopping, WaitingLine
 from kcoral.server.workers.spares import Spare, WarmSpares
-from kcoral.server.workers.template import TemplateError, WorkerTemplate
+from kcoral.server.workers.template import TemplateError, WorkerTemplate, WorkerTemplates
 from kcoral.server.workers.workerproc import WorkerProcess, worker_command_args
 from kcoral.wire.render import Placement
 
@@ -290,11 +290,16 @@ class WorkerPool:
     #: The worker templates by GPU id (C{None}: the CPU template), once
     #: L{start_templates} started them; a seat whose template is missing or
     #: failed spawns its workers instead.
-    templates: dict[int | None, WorkerTemplate] = attrs.field(factory=dict)
-    #: Templates that failed while serving, by key: restarts in a row
-    #: that failed, and the pending restart.
-    _template_failures: dict[int | None, int] = attrs.field(factory=dict)
-    _template_restarts: dict[int | None, IDelayedCall] = attrs.field(factory=dict)
+    templates: WorkerTemplates = attrs.field(
+        default=attrs.Factory(
+            lambda self: WorkerTemplates(
+                self._reactor,
+                lambda template, key: Deferred.fromCoroutine(self._start_template(template, key)),
+                backoff=self.backoff,
+            ),
+            takes_self=True,
+        )
+    )
     #: The configured GPUs by id (discovered at start; an id missing here
     #: stands for itself: node C{/dev/nvidia<id>}, no UUID).
     gpu_devices: dict[int, GpuDevice] = attrs.field(factory=dict)
@@ -373,49 +378,18 @@ class WorkerPool:
             self.warm.fill(gpu)
 
     async def start_templates(self) -> None:
-        """
-        Start a worker template per device kind (one per GPU, one for CPU
-        workers) and wait until each is ready; any that fails is logged
-        (C{template_failed}) and its workers are spawned instead
-        (C{worker_start_fallback}).
-        """
-        make = self.sandbox.template_command
-        keys: list[int | None] = list(dict.fromkeys(seat.gpu_id for seat in self.seats))
-        starting = []
-        for key in keys:
-            name = "cpu" if key is None else f"gpu{key}"
-            template = WorkerTemplate(name, self._reactor)
-            self.templates[key] = template
-            starting.append(Deferred.fromCoroutine(self._start_template(template, key, make)))
-        results = await DeferredList(starting, consumeErrors=True)
-        for template in self.templates.values():
-            template.on_failure = self._template_lost
-        failed = [
-            name
-            for (ok, _), name in zip(
-                results, [t.name for t in self.templates.values()], strict=True
-            )
-            if not ok
-        ]
-        if failed:
-            self.log.error(
-                "worker templates {templates} did not start: new workers are spawned, "
-                "each paying its imports",
-                kcoral_event="worker_start_fallback",
-                templates=failed,
-                errors=[t.error for t in self.templates.values() if t.state == "failed"],
-            )
+        """Start a worker template per device kind (L{WorkerTemplates.start})."""
+        await self.templates.start(seat.gpu_id for seat in self.seats)
 
-    async def _start_template(
-        self, template: WorkerTemplate, gpu_id: int | None, make: Any
-    ) -> None:
+    async def _start_template(self, template: WorkerTemplate, gpu_id: int | None) -> None:
+        """Start C{template}'s process in the sandbox; wait until it is ready."""
         directory = self.root_dir / f"template-{template.name}"
         work_dir = await self._run_blocking(self.sandbox.prepare_seat, directory)
         devices = (
             [] if gpu_id is None else [self.gpu_devices.get(gpu_id) or GpuDevice(gpu_id, gpu_id)]
         )
         try:
-            executable, args, env = make(
+            executable, args, env = self.sandbox.template_command(
                 python=sys.executable,
                 template_args=[
                     "--device",
@@ -433,77 +407,18 @@ class WorkerPool:
         template.start(executable, args, {**env, **self.worker_env}, path=str(work_dir))
         await template.ready
 
-    def _template_lost(self, template: WorkerTemplate) -> None:
-        """
-        A template failed while serving: its seats spawn meanwhile, and it
-        is started again after a back-off (0.5 s, doubling up to a minute
-        while restarts keep failing).
-        """
-        key = next((k for k, t in self.templates.items() if t is template), None)
-        if self.closing or self.templates.get(key) is not template:
-            return
-        failures = self._template_failures.get(key, 0)
-        delay = min(self.respawn_backoff_initial * 2**failures, self.respawn_backoff_max)
-        self._template_failures[key] = failures + 1
-        pending = self._template_restarts.get(key)
-        if pending is not None and pending.active():
-            return
-        self._template_restarts[key] = self._reactor.callLater(delay, self._restart_template, key)
-
-    def _restart_template(self, key: int | None) -> None:
-        self._template_restarts.pop(key, None)
-        make = self.sandbox.template_command
-        if self.closing:
-            return
-        old = self.templates[key]
-        template = WorkerTemplate(old.name, self._reactor)
-        template.on_failure = self._template_lost
-        self.templates[key] = template
-
-        def started(_: object) -> None:
-            self._template_failures.pop(key, None)
-
-        def failed(failure: Failure) -> None:
-            # template_failed is logged; try again later.
-            if template.on_failure is not None and not self.closing:
-                template.on_failure(template)
-
-        d = Deferred.fromCoroutine(self._start_template(template, key, make))
-        d.addCallbacks(started, failed)
-
     @property
     def worker_start(self) -> str:
-        """
-        How new workers are made now: C{"fork"} when every template is
-        ready, else C{"spawn"} (configured so, or a template failed: its
-        seats spawn).
-        """
-        templates = list(self.templates.values())
-        if templates and all(t.state == "ready" for t in templates):
-            return "fork"
-        return "spawn"
+        """How new workers are made now (L{WorkerTemplates.worker_start})."""
+        return self.templates.worker_start
 
     async def stop_templates(self) -> None:
         """Stop every template (after their workers)."""
-        for call in self._template_restarts.values():
-            if call.active():
-                call.cancel()
-        self._template_restarts.clear()
-        templates, self.templates = list(self.templates.values()), {}
-        for template in templates:
-            template.on_failure = None
-        await DeferredList([t.stop() for t in templates], consumeErrors=True)
+        await self.templates.stop()
 
     def _template_for(self, gpus: tuple[int, ...]) -> WorkerTemplate | None:
         """The ready template that can fork a worker for C{gpus}, if any."""
-        if len(gpus) > 1 and self.sandbox.isolates_devices:
-            # Under bubblewrap a template sees only its own GPU's device
-            # node: multi-GPU one-request workers are spawned.
-            return None
-        template = self.templates.get(gpus[0] if gpus else None)
-        if template is None or template.state != "ready":
-            return None
-        return template
+        return self.templates.ready_for(gpus, self.sandbox.isolates_devices)
 
     async def _start_seat(self, seat: Seat, phase: str) -> None:
         seat.generation += 1
@@ -704,6 +619,7 @@ class WorkerPool:
             if call is not None and call.active():
                 call.cancel()
         self.warm.close()
+        self.templates.close()
         self.line.close()
 
     def kill_now(self) -> int:

@@ -22,18 +22,20 @@ from __future__ import annotations
 import json
 import os
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import attrs
 from twisted.internet import process
-from twisted.internet.defer import Deferred, succeed
+from twisted.internet.defer import Deferred, DeferredList, succeed
 from twisted.internet.error import ProcessExitedAlready
-from twisted.internet.interfaces import IReactorSocket
+from twisted.internet.interfaces import IDelayedCall, IReactorSocket
 from twisted.internet.protocol import ProcessProtocol, ServerFactory
 from twisted.logger import Logger
 from twisted.protocols.basic import LineOnlyReceiver
 from twisted.python.failure import Failure
+
+from kcoral.server.workers.backoff import Backoff
 
 #: The template's end of its socket (L{kcoral.worker.template.TEMPLATE_FD}).
 TEMPLATE_FD = 3
@@ -490,3 +492,141 @@ class WorkerTemplate:
         transport = ForkedTransport(self._reactor, proto, child_fds, start, reader_factory)
         self._children[request_id] = transport
         return transport
+
+
+@attrs.define(eq=False)
+class WorkerTemplates(Mapping[int | None, WorkerTemplate]):
+    """
+    A pool's worker templates, one per device kind by key (a GPU id; C{None}:
+    the CPU template), and their life cycle: started together, a template
+    that fails while serving started again after a back-off (doubling while
+    restarts keep failing), stopped together.  A key whose template is
+    missing or failed has its workers spawned instead.
+
+    How one template's process is started (its sandbox command line, its
+    directory, its devices) is the pool's: C{launch(template, key)}, which
+    fires once the template is ready.
+    """
+
+    _reactor: Any
+    _launch: Callable[[WorkerTemplate, int | None], Deferred[None]]
+    #: The wait before a failed template is started again.
+    backoff: Backoff = Backoff()
+    templates: dict[int | None, WorkerTemplate] = attrs.field(factory=dict)
+    closing: bool = False
+    #: Restarts in a row that failed, and the pending restart, by key.
+    _failures: dict[int | None, int] = attrs.field(factory=dict)
+    _restarts: dict[int | None, IDelayedCall] = attrs.field(factory=dict)
+
+    log = Logger()
+
+    def __getitem__(self, key: int | None) -> WorkerTemplate:
+        return self.templates[key]
+
+    def __iter__(self) -> Iterator[int | None]:
+        return iter(self.templates)
+
+    def __len__(self) -> int:
+        return len(self.templates)
+
+    async def start(self, keys: Iterable[int | None]) -> None:
+        """
+        Start a template per key and wait until each is ready; any that
+        fails is logged (C{template_failed}) and its workers are spawned
+        instead (C{worker_start_fallback}).
+        """
+        starting = []
+        for key in dict.fromkeys(keys):
+            name = "cpu" if key is None else f"gpu{key}"
+            template = WorkerTemplate(name, self._reactor)
+            self.templates[key] = template
+            starting.append(self._launch(template, key))
+        results = await DeferredList(starting, consumeErrors=True)
+        for template in self.templates.values():
+            template.on_failure = self.lost
+        names = [t.name for t in self.templates.values()]
+        failed = [name for (ok, _), name in zip(results, names, strict=True) if not ok]
+        if failed:
+            self.log.error(
+                "worker templates {templates} did not start: new workers are spawned, "
+                "each paying its imports",
+                kcoral_event="worker_start_fallback",
+                templates=failed,
+                errors=[t.error for t in self.templates.values() if t.state == "failed"],
+            )
+
+    def lost(self, template: WorkerTemplate) -> None:
+        """
+        A template failed while serving: its workers spawn meanwhile, and it
+        is started again after the back-off.
+        """
+        key = next((k for k, t in self.templates.items() if t is template), None)
+        if self.closing or self.templates.get(key) is not template:
+            return
+        failures = self._failures.get(key, 0) + 1
+        self._failures[key] = failures
+        pending = self._restarts.get(key)
+        if pending is not None and pending.active():
+            return
+        self._restarts[key] = self._reactor.callLater(
+            self.backoff.delay(failures), self._restart, key
+        )
+
+    def _restart(self, key: int | None) -> None:
+        self._restarts.pop(key, None)
+        if self.closing:
+            return
+        template = WorkerTemplate(self.templates[key].name, self._reactor)
+        template.on_failure = self.lost
+        self.templates[key] = template
+
+        def started(_: object) -> None:
+            self._failures.pop(key, None)
+
+        def failed(failure: Failure) -> None:
+            # template_failed is logged; try again later.
+            if template.on_failure is not None and not self.closing:
+                template.on_failure(template)
+
+        self._launch(template, key).addCallbacks(started, failed)
+
+    @property
+    def worker_start(self) -> str:
+        """
+        How new workers are made now: C{"fork"} when every template is
+        ready, else C{"spawn"} (configured so, or a template failed: its
+        workers spawn).
+        """
+        templates = list(self.templates.values())
+        if templates and all(t.state == "ready" for t in templates):
+            return "fork"
+        return "spawn"
+
+    def ready_for(self, gpus: tuple[int, ...], isolated: bool) -> WorkerTemplate | None:
+        """
+        The ready template that can fork a worker for C{gpus}, if any.
+
+        @param isolated: each template sees only its own GPU's device node
+            (bubblewrap): multi-GPU workers are spawned.
+        """
+        if len(gpus) > 1 and isolated:
+            return None
+        template = self.templates.get(gpus[0] if gpus else None)
+        if template is None or template.state != "ready":
+            return None
+        return template
+
+    def close(self) -> None:
+        """Restart nothing any more (the pool is closing)."""
+        self.closing = True
+
+    async def stop(self) -> None:
+        """Stop every template (after their workers)."""
+        for call in self._restarts.values():
+            if call.active():
+                call.cancel()
+        self._restarts.clear()
+        templates, self.templates = list(self.templates.values()), {}
+        for template in templates:
+            template.on_failure = None
+        await DeferredList([t.stop() for t in templates], consumeErrors=True)

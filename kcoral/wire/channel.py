@@ -593,6 +593,11 @@ class Execute(ChannelMessage):
     #: answered and settled (0: it sleeps in C{read} at once): the parent
     #: gives some only where a core is spare for every worker.
     watch_next_seconds: float = attrs.field(default=0.0, validator=_json(float, int))
+    #: This is the worker's last program: it answers with C{retire}
+    #: C{request_limit} and leaves.  The parent decides: it counts each
+    #: worker's programs against C{--max-requests-per-worker}.  By default a
+    #: worker serves one program, unless told it may serve another.
+    last: bool = attrs.field(default=True, validator=_json(bool))
 
 
 @_message("lease_granted")

@@ -57,12 +57,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", choices=("cpu", "gpu"), required=True)
     parser.add_argument("--gpu-ordinal", type=int, default=0)
     parser.add_argument("--tensor-api", choices=("auto", "torch", "pycuda"), default="auto")
-    parser.add_argument(
-        "--max-requests",
-        type=int,
-        default=1,
-        help="programs served before the worker retires; 0 means unlimited",
-    )
     return parser.parse_args(argv)
 
 
@@ -80,12 +74,13 @@ def serve(
     inbox: IO[bytes],
     outbox: IO[bytes],
     device: str,
-    max_requests: int = 1,
     descriptors: socket.socket | None = None,
     **backend_options: Any,
 ) -> int:
     """
     Handshake, then run programs until told to exit; return the exit status.
+    The worker retires after the program the parent marks as its last
+    (L{Execute.last}): the parent alone counts its requests.
 
     With C{descriptors} (the channel's descriptor socket), blobs may arrive
     and large returned parts leave as sealed shared buffers.
@@ -132,7 +127,6 @@ def serve(
         outbox, Ready(pid=os.getpid(), target=target, versions=versions, device=backend.name)
     )
     lease.release()
-    served = 0
     socket_identity = None if descriptors is None else _identity(descriptors)
     blobs: dict[str, bytes | SharedBuffer] = {}
     while True:
@@ -142,9 +136,7 @@ def serve(
         if isinstance(message, Blob):
             blobs[message.digest] = message.data
         elif isinstance(message, Execute):
-            served += 1
-            retiring = max_requests > 0 and served >= max_requests
-            outcome = engine.run(message, blobs, retiring=retiring)
+            outcome = engine.run(message, blobs, retiring=message.last)
             for blob in blobs.values():
                 if isinstance(blob, SharedBuffer):
                     blob.close()
@@ -293,7 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.device == "gpu":
         options = {"gpu_ordinal": args.gpu_ordinal, "tensor_api": args.tensor_api}
     try:
-        return serve(inbox, outbox, args.device, args.max_requests, descriptors, **options)
+        return serve(inbox, outbox, args.device, descriptors, **options)
     except BrokenPipeError:
         return 1
     finally:

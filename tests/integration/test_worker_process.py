@@ -58,7 +58,9 @@ class Worker:
     def receive(self) -> ChannelMessage | None:
         return read_message(self.inbox)
 
-    def execute(self, workspace: str, instructions: list[Any], **blobs: bytes) -> None:
+    def execute(
+        self, workspace: str, instructions: list[Any], last: bool = True, **blobs: bytes
+    ) -> None:
         for data in blobs.values():
             self.send(Blob(hashlib.sha256(data).hexdigest(), data))
         self.send(
@@ -69,6 +71,7 @@ class Worker:
                 output_limit=1024,
                 max_response_bytes=1 << 20,
                 reserved=None,
+                last=last,
             )
         )
 
@@ -186,8 +189,8 @@ def test_crash_inside_instruction(workspace: str) -> None:
 
 
 def test_reuse_two_programs(tmp_path: Any) -> None:
-    """With --max-requests 0 one process serves two programs, then exits on `exit`."""
-    worker = Worker("--max-requests", "0")
+    """Told it may serve another, one process serves two programs, then exits on `exit`."""
+    worker = Worker()
     try:
         assert worker.receive().TYPE == "ready"  # type: ignore[union-attr]
         for n in range(2):
@@ -207,6 +210,7 @@ def test_reuse_two_programs(tmp_path: Any) -> None:
                     {"op": "run", "id": "r", "fn": {"$ref": "f"}, "args": []},
                     {"op": "return", "key": "r", "value": {"$ref": "r"}},
                 ],
+                last=False,
             )
             outcome, _ = worker.outcome()
             assert outcome.status == "COMPLETED", outcome.error
@@ -218,16 +222,16 @@ def test_reuse_two_programs(tmp_path: Any) -> None:
         assert worker.close() == 0
 
 
-def test_max_requests_two(tmp_path: Any) -> None:
-    """With --max-requests 2 the second outcome carries retire request_limit."""
-    worker = Worker("--max-requests", "2")
+def test_last_program_retires(tmp_path: Any) -> None:
+    """The program the parent marks as the last one carries retire request_limit."""
+    worker = Worker()
     try:
         assert worker.receive().TYPE == "ready"  # type: ignore[union-attr]
         retire = []
         for n in range(2):
             ws = tmp_path / f"ws{n}"
             ws.mkdir()
-            worker.execute(str(ws), PROGRAM, b=b"abc")
+            worker.execute(str(ws), PROGRAM, last=n == 1, b=b"abc")
             outcome, _ = worker.outcome()
             retire.append(outcome.retire)
         assert retire == [None, "request_limit"]

@@ -613,6 +613,33 @@ class SeatTests(PoolTestCase):
         self.assertEqual(len(self.spawned), 2)
         self.assertEqual(pool.seats[0].generation, 2)
 
+    def test_pool_tells_the_last_request(self) -> None:
+        """
+        The pool alone counts a worker's requests: each job says whether it
+        is the worker's last, and after the last the worker is retired.
+        """
+        pool = self.make_pool(
+            pool_config(num_workers=1, max_requests_per_worker=3, reuse_scope="any")
+        )
+        for _ in range(3):
+            self.successResultOf(self.use_seat(pool))
+        first = self.spawned[0]
+        self.assertEqual([job.last for job in first.jobs], [False, False, True])
+        self.assertEqual(self.uses[0].retire_reason(), "request_limit")
+        self.assertTrue(first.retired)
+        first.exit(0)
+        self.successResultOf(self.use_seat(pool))
+        self.assertEqual([job.last for job in self.spawned[1].jobs], [False])
+
+    def test_unlimited_never_last(self) -> None:
+        pool = self.make_pool(
+            pool_config(num_workers=1, max_requests_per_worker=0, reuse_scope="any")
+        )
+        for _ in range(3):
+            self.successResultOf(self.use_seat(pool))
+        self.assertEqual([job.last for job in self.spawned[0].jobs], [False] * 3)
+        self.assertFalse(self.spawned[0].retired)
+
     def test_worker_asks_to_retire(self) -> None:
         """An outcome that names a retire reason retires the worker."""
         pool = self.make_pool(pool_config(num_workers=1, max_requests_per_worker=0))

@@ -37,6 +37,9 @@ class Job:
     max_response_bytes: int
     workspace: str = ""
     reserved: str | None = None
+    #: The worker's last program (L{Execute.last}): the pool sets it, from
+    #: the requests its worker served and C{--max-requests-per-worker}.
+    last: bool = True
 
     def messages(self, announce: bool = True, watch_next: float = 0.0) -> list[ChannelMessage]:
         """
@@ -66,6 +69,7 @@ class Job:
                 timeout_seconds=float(self.timeout_seconds),
                 announce=announce,
                 watch_next_seconds=watch_next,
+                last=self.last,
             ),
         ]
 

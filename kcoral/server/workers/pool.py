@@ -101,6 +101,8 @@ class SeatUse:
     result: JobResult | None = None
     #: The request was cancelled (its client left) while its program ran.
     abandoned: bool = False
+    #: The worker was told this is its last program (L{Job.last}).
+    last: bool = False
 
     @property
     def worker_id(self) -> str:
@@ -124,6 +126,16 @@ class SeatUse:
         """Where the request ran, as the response reports it."""
         return Placement(self.seat.worker_id, self.seat.gpu_id, self.gpus)
 
+    def _is_last(self) -> bool:
+        """
+        Whether this is the worker's last request: a multi-GPU program's
+        worker serves one, a seat's worker C{--max-requests-per-worker}
+        (0: no limit).  The pool alone counts; the worker is told
+        (L{Job.last}) and retires after answering.
+        """
+        limit = self._pool.config.max_requests_per_worker
+        return self.multi_gpu or (limit > 0 and self.seat.served + 1 >= limit)
+
     async def run(self, job: Job) -> JobResult:
         """
         Run C{job} on this worker, in its workspace.
@@ -141,7 +153,9 @@ class SeatUse:
             workspace=sandbox.worker_path(self.work_dir),
             reserved=sandbox.reserved,
             timeout_seconds=timeout,
+            last=self._is_last(),
         )
+        self.last = job.last
         self.timeout_seconds = timeout
         try:
             result: JobResult = await self.worker.run(job)
@@ -175,10 +189,8 @@ class SeatUse:
         assert result.outcome is not None
         if result.outcome.retire:
             return result.outcome.retire
-        limit = self._pool.config.max_requests_per_worker
-        if limit and self.seat.served + 1 >= limit:
-            return "request_limit"
-        return None
+        # Told it was its last (a worker that answers otherwise goes anyway).
+        return "request_limit" if self.last else None
 
 
 def _safe_name(worker_id: str) -> str:
@@ -318,9 +330,7 @@ class WorkerPool:
             self.config.spares_of(self.front_end),
             lambda name: self.root_dir / _safe_name(name),
             lambda directory: self._run_blocking(self.sandbox.prepare_seat, directory),
-            lambda name, gpus, work_dir: self._spawn(
-                name, 0, gpus, work_dir, self.config.max_requests_per_worker
-            ),
+            lambda name, gpus, work_dir: self._spawn(name, 0, gpus, work_dir),
             lambda paths: self._run_blocking(_remove_trees, paths),
             backoff=self.backoff,
             front_ends=self.config.front_ends,
@@ -430,7 +440,6 @@ class WorkerPool:
             seat.generation,
             seat.gpus,
             seat.work_dir,
-            self.config.max_requests_per_worker,
         )
         seat.worker = worker
         seat.served = 0
@@ -485,13 +494,11 @@ class WorkerPool:
         generation: int,
         gpus: tuple[int, ...],
         work_dir: Path,
-        max_requests: int,
     ) -> WorkerHandle:
         """Start a worker process that sees exactly C{gpus} (none: a CPU worker)."""
         devices = [self.gpu_devices.get(gpu) or GpuDevice(gpu, gpu) for gpu in gpus]
         worker_args = worker_command_args(
             "gpu" if gpus else "cpu",
-            max_requests=max_requests,
             tensor_api=getattr(self.config, "tensor_api", "auto"),
         )
         executable, args, env = self.sandbox.command(
@@ -575,7 +582,7 @@ class WorkerPool:
         self._transients += 1
         directory = self.root_dir / f"{_safe_name(seat.worker_id)}-multi{self._transients}"
         work_dir = await self._run_blocking(self.sandbox.prepare_seat, directory)
-        worker = self._spawn(seat.worker_id, 0, gpus, work_dir, 1)
+        worker = self._spawn(seat.worker_id, 0, gpus, work_dir)
         self._transient_workers.add(worker)
 
         def forget(result: int | None) -> int | None:

@@ -1619,13 +1619,14 @@ def worker_child_fds(descriptors: socket.socket, progress: int | None = None) ->
     return fds
 
 
-def worker_command_args(device: str, *, max_requests: int, tensor_api: str) -> list[str]:
-    """The worker's own arguments (after C{python -m kcoral.worker})."""
+def worker_command_args(device: str, *, tensor_api: str) -> list[str]:
+    """
+    The worker's own arguments (after C{python -m kcoral.worker}).  How many
+    programs it serves is the parent's to decide, job by job (L{Job.last}).
+    """
     return [
         "--device",
         device,
-        "--max-requests",
-        str(max_requests),
         "--tensor-api",
         tensor_api,
     ]

@@ -2,10 +2,11 @@
 Generate the option tables of docs/configuration.md from the code.
 
 The tables sit between C{<!-- generated:NAME -->} and C{<!-- end generated -->}
-markers and are built from L{kcoral.server.cli.tap.Options} (flags, their help,
-environment variables and command-line defaults) and L{ServerConfig} (fields
-and Python defaults).  C{tests/unit/test_docs_tables.py} fails when the page
-and the code disagree; run C{python docs/_ext/gen_tables.py} to rewrite them.
+markers and are built from the one table of options,
+L{kcoral.server.cli.options.OPTIONS} (flags, fields, environment variables,
+command-line defaults, help and topics), and from L{ServerConfig} (fields and
+Python defaults).  C{tests/unit/test_docs_tables.py} fails when the page and
+the code disagree; run C{python docs/_ext/gen_tables.py} to rewrite them.
 """
 
 from __future__ import annotations
@@ -24,9 +25,6 @@ PAGE = ROOT / "docs" / "configuration.md"
 #: Flags whose command-line default depends on the machine.
 _MACHINE_DEFAULTS = {"disk-cache-dir": "see below", "cache-capacity-bytes": "RAM / 8"}
 
-#: Flags that set a field by their absence (C{--no-X} clears field X).
-_NEGATED = {"no-log-console": "log_console", "no-log-programs": "log_programs"}
-
 _MARKER = re.compile(r"(<!-- generated:(?P<name>[a-z-]+) -->\n)(.*?)(<!-- end generated -->)", re.S)
 
 
@@ -36,21 +34,12 @@ def _cell(text: str) -> str:
 
 
 def _help(doc: str) -> str:
-    doc = re.sub(r"\s*\(env [A-Z_]+\)", "", doc)
     doc = re.sub(r"\s*\[default: [^\]]*\]", "", doc)
     return _cell(doc)
 
 
 def _code(value: Any) -> str:
     return f"`{value}`"
-
-
-def _flag_fields() -> dict[str, str]:
-    from kcoral.server.cli import tap
-
-    fields = {flag: field for field, flag in tap._FIELD_FLAGS.items()}
-    fields.update(_NEGATED)
-    return fields
 
 
 def _python_default(field: attrs.Attribute[Any]) -> str:
@@ -62,33 +51,31 @@ def _python_default(field: attrs.Attribute[Any]) -> str:
     return _code(repr(default))
 
 
+def _default(option: Any) -> str:
+    """An option's command-line default, as the table shows it."""
+    from kcoral.server.cli.options import REPEAT, SWITCH
+
+    if option.kind == SWITCH:
+        return "off"
+    if option.kind == REPEAT:
+        return "none"
+    return _MACHINE_DEFAULTS.get(option.flag, _code(option.default))
+
+
 def options_table() -> str:
     """
-    One row per flag of C{kcoral server} / C{twistd kcoral}, in one table
-    per topic (L{kcoral.server.cli.tap.OPTION_GROUPS}, as C{--help} lists them).
+    One row per option of C{kcoral server} / C{twistd kcoral}, in one table
+    per topic (L{kcoral.server.cli.options.OPTION_GROUPS}, as C{--help}
+    lists them).
     """
     from kcoral.config import ServerConfig
-    from kcoral.server.cli import tap
+    from kcoral.server.cli.options import by_flag, grouped
 
-    options = tap.Options(environ={})
+    options = by_flag()
     fields = {f.name: f for f in attrs.fields(ServerConfig)}
-    flag_fields = _flag_fields()
-    rows = []
-    for name, _short, default, doc, *_ in options.optParameters:
-        rows.append((name, _MACHINE_DEFAULTS.get(name, _code(default)), doc))
-    for name, _short, doc in options.optFlags:
-        rows.append((name, "off", doc))
-    for name in sorted(options.synonyms):
-        method = getattr(options, "opt_" + name.replace("-", "_"), None)
-        if method is None or name in ("help", "version") or len(name) == 1:
-            continue
-        if any(row[0] == name for row in rows):
-            continue
-        rows.append((name, "none", method.__doc__ or ""))
-    by_name = {row[0]: row for row in rows}
     tables = []
     # One table per topic, as `kcoral server --help` groups them.
-    for title, names in tap.grouped(list(by_name)):
+    for title, names in grouped(list(options)):
         lines = [
             f"**{title}**",
             "",
@@ -96,15 +83,12 @@ def options_table() -> str:
             "| --- | --- | --- | --- | --- |",
         ]
         for name in names:
-            _, default, doc = by_name[name]
-            env = tap.ENV_VARS.get(name)
-            field = flag_fields.get(name)
-            target = (
-                f"`{field}` ({_python_default(fields[field])})" if field in fields else "none"
-            )
+            option = options[name]
+            field = option.field
+            target = f"`{field}` ({_python_default(fields[field])})" if field in fields else "none"
             lines.append(
-                f"| `--{name}` | {_code(env) if env else 'none'} | {default} | {target} "
-                f"| {_help(doc)} |"
+                f"| `--{name}` | {_code(option.env)} | {_default(option)} | {target} "
+                f"| {_help(option.help)} |"
             )
         tables.append("\n".join(lines) + "\n")
     return "\n".join(tables)
@@ -113,14 +97,14 @@ def options_table() -> str:
 def fields_table() -> str:
     """One row per L{ServerConfig} field, with the flag that sets it."""
     from kcoral.config import ServerConfig
+    from kcoral.server.cli.options import FIELD_FLAGS
 
-    flags = {field: flag for flag, field in _flag_fields().items()}
     lines = [
         "| Field | Python default | Flag |",
         "| --- | --- | --- |",
     ]
     for field in attrs.fields(ServerConfig):
-        flag = flags.get(field.name)
+        flag = FIELD_FLAGS.get(field.name)
         lines.append(
             f"| `{field.name}` | {_python_default(field)} | {f'`--{flag}`' if flag else 'none'} |"
         )

@@ -435,3 +435,20 @@ class ServiceTests(SynchronousTestCase):
             ["gpu_monitor_unavailable"],
         )
         service.stopService()
+
+
+class WiringTests(SynchronousTestCase):
+    def test_service_runs_the_monitor_on_gpu_servers(self) -> None:
+        """A GPU server alone runs the monitor (unless the interval is 0); a CPU server does not."""
+        from twisted.internet.testing import MemoryReactorClock
+
+        from kcoral.config import ServerConfig
+        from kcoral.server.service import KCoralService
+
+        def children(**kw: Any) -> list[str]:
+            config = ServerConfig(log_dir=None, disk_cache_dir=None, **kw)
+            return [s.name for s in KCoralService(config, None, reactor=MemoryReactorClock())]
+
+        self.assertIn("gpu-monitor", children(device="gpu", gpus=(0,)))
+        self.assertNotIn("gpu-monitor", children(device="gpu", gpus=(0,), gpu_monitor_interval=0))
+        self.assertNotIn("gpu-monitor", children(device="cpu"))

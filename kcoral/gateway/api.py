@@ -33,7 +33,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from twisted.internet.defer import CancelledError, Deferred, fail
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
-from twisted.protocols.basic import FileSender
 from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
 from twisted.web.resource import IResource, Resource
@@ -401,20 +400,20 @@ class GatewayAPI:
                 response_bytes=outcome.body_length,
                 elapsed_ms=elapsed_ms,
             )
-            if outcome.body_length <= INLINE_RELAY_BYTES:
+            spooled = _SpooledFile.of(body, outcome.body_length)
+            if spooled is None or outcome.body_length <= INLINE_RELAY_BYTES:
                 data = body.read()
                 delivered.callback(True)
                 return data
-            sender = FileSender()
+            # Sent with sendfile from the spooled body where the socket allows
+            # (plain TCP), else in slices: as a node sends a result of its own.
+            producer = BodyProducer(request, [spooled], direct=DirectSocket.of(request))
             try:
-                await sender.beginFileTransfer(body, request)
+                await producer.start()
             except CancelledError:
-                sender.stopProducing()
+                producer.stop()
                 raise
-            except Exception:
-                delivered.callback(False)
-                raise
-            delivered.callback(True)
+            delivered.callback(producer.written == outcome.body_length)
             return b""
         except BaseException:
             if not delivered.called:
@@ -569,6 +568,35 @@ class GatewayAPI:
             finish_reason=reason,
             **fields,
         )
+
+
+class _SpooledFile:
+    """
+    A spooled request body read like a sealed shared buffer
+    (L{kcoral.ipc.shared.SharedBuffer}'s C{fileno}, C{len} and C{pread}),
+    so L{BodyProducer} relays it, with C{sendfile} where it can.
+    """
+
+    def __init__(self, file: IO[bytes], length: int) -> None:
+        self._file = file
+        self._fd = file.fileno()
+        self._length = length
+
+    @classmethod
+    def of(cls, file: IO[bytes], length: int) -> Any:
+        try:
+            return cls(file, length)
+        except (AttributeError, OSError, io.UnsupportedOperation):
+            return None
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def __len__(self) -> int:
+        return self._length
+
+    def pread(self, offset: int, size: int) -> bytes:
+        return os.pread(self._fd, min(size, self._length - offset), offset)
 
 
 def _nothing() -> None:

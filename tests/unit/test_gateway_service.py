@@ -216,3 +216,19 @@ def test_node_routes_skip_the_per_client_share() -> None:
     assert result._reserve(80)
     assert site.client_bytes == {"192.168.1.1": 40}
     assert site.bytes_in_flight == 120
+
+
+def test_spooled_result_reads_like_a_shared_buffer(tmp_path: Path) -> None:
+    """A spooled result body offers what the body producer reads: fileno, length, pread."""
+    import io
+
+    from kcoral.gateway.api import _SpooledFile
+
+    path = tmp_path / "body"
+    path.write_bytes(b"0123456789")
+    with open(path, "rb") as f:
+        spooled = _SpooledFile.of(f, 8)
+        assert spooled is not None
+        assert len(spooled) == 8 and spooled.fileno() == f.fileno()
+        assert spooled.pread(2, 100) == b"234567"
+    assert _SpooledFile.of(io.BytesIO(b"x"), 1) is None

@@ -56,6 +56,11 @@ CLAIMS_TTL = 24 * 3600.0
 #: The most GPUs a program asks for (protocol: C{gpu_count} 1..8).
 MAX_GPUS = 8
 
+#: Seconds a node that is not a job's preferred node hands it back for
+#: (NAK) at a time, inside the preference window: a NAK's delay keeps the
+#: message from every node, the preferred one included, so it is short.
+PREFER_RETRY_SECONDS = 0.1
+
 #: Node-facing HTTP routes of the gateway.
 POOL_PREFIX = "/_pool/jobs/"
 
@@ -275,6 +280,13 @@ class JobMessage:
     def preferred_elsewhere(self, node: str, now: float) -> bool:
         """Whether C{node} should leave this job to the preferred node for now (NAK with a delay)."""
         return self.prefer is not None and self.prefer != node and now < self.prefer_until
+
+    def defer_seconds(self, now: float) -> float:
+        """
+        The delay of the NAK that leaves this job to its preferred node: a
+        moment (L{PREFER_RETRY_SECONDS}) at a time, never past the window.
+        """
+        return min(PREFER_RETRY_SECONDS, max(0.0, self.prefer_until - now))
 
 
 @attrs.frozen(kw_only=True)

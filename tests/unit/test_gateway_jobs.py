@@ -83,6 +83,10 @@ def test_job_preference() -> None:
     assert not job.preferred_elsewhere("node-1", 10.0)
     assert not job.preferred_elsewhere("node-2", 50.0)
     assert not _job(prefer=None).preferred_elsewhere("node-2", 10.0)
+    # Handed back a moment at a time, never past the window.
+    assert job.defer_seconds(10.0) == jobs.PREFER_RETRY_SECONDS
+    assert job.defer_seconds(49.95) == pytest.approx(0.05)
+    assert job.defer_seconds(60.0) == 0.0
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ from twisted.web.resource import Resource
 from zope.interface import implementer
 from zope.interface.verify import verifyObject
 
-from kcoral.gateway.jobs import BlobRef, Claim, JobMessage, Presence
+from kcoral.gateway.jobs import PREFER_RETRY_SECONDS, BlobRef, Claim, JobMessage, Presence
 from kcoral.server.cli.tap import Options
 from kcoral.server.join.local import LocalResponse
 from kcoral.server.join.options import JoinListenError, check_join_endpoints
@@ -187,13 +187,17 @@ class PullerTests(SynchronousTestCase):
         self.assertEqual(queue.what(), ["ack"])
 
     def test_preferred_elsewhere_given_back_with_delay(self) -> None:
-        """Inside another node's preference window the job goes back with the rest of it."""
+        """
+        Inside another node's preference window the job goes back for a
+        moment at a time (a NAK's delay would keep it from the preferred
+        node too).
+        """
         p, queue, runs, _ = puller()
         p.start()
         data = job("j1", prefer="node-b", prefer_until=NOW + 2.5)
         queue.fetches[0][1].callback([queue.delivery(data)])
         self.assertEqual(runs.started, [])
-        self.assertEqual(queue.settled, [("nak", data, 2.5)])
+        self.assertEqual(queue.settled, [("nak", data, PREFER_RETRY_SECONDS)])
         # After the window, or for the preferred node itself, it runs.
         queue.fetches[1][1].callback(
             [queue.delivery(job("j2", prefer="node-a", prefer_until=NOW + 9))]

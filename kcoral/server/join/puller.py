@@ -228,7 +228,7 @@ class JobPuller:
             return
         if job.preferred_elsewhere(self.node_id, now):
             self.counts["deferred"] += 1
-            await self._settle(delivery.nak(job.prefer_until - now), "nak")
+            await self._settle(delivery.nak(job.defer_seconds(now)), "nak")
             return
         try:
             won = await self.queue.claim(job.job)

@@ -58,6 +58,9 @@ CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
         (
             "kcoral/wire/channel.py",
             "kcoral/server/workers/workerproc.py",
+            "kcoral/server/workers/workerprotocol.py",
+            "kcoral/server/workers/runningjob.py",
+            "kcoral/server/workers/processes.py",
             "twisted/internet/process.py",
         ),
     ),

@@ -16,7 +16,7 @@ passes it as fd L{kcoral.wire.channel.PROGRESS_FD}.  The worker maps it,
 closes the fd, and writes into the mapping; the parent never maps it, it
 reads and clears it with C{pread}/C{pwrite}.  What it reads is the claim of code
 that may be hostile, so the parent checks it against the program before
-it uses it (L{kcoral.server.workers.workerproc}).
+it uses it (L{kcoral.server.workers.runningjob}).
 """
 
 from __future__ import annotations

@@ -65,6 +65,7 @@ from kcoral.server.leases.nvml import GpuSample, IGpuSampler, ProcessUse, Sample
 from kcoral.server.sandbox.interface import ISandbox
 from kcoral.server.workers.job import Job, JobResult
 from kcoral.server.workers.pool import PoolBusy, PoolStopping, Seat, WorkerHandle, WorkerPool
+from kcoral.server.workers.workerproc import WorkerSettings
 from kcoral.wire.channel import TO_WORKER_FD, ChannelMessage, MessageDecoder, Outcome
 from kcoral.wire.multipart import encode_response, parse_request_body
 
@@ -120,7 +121,10 @@ class FakeWorker:
         gpus: tuple[int, ...] = (),
         result: JobResult | None = None,
         env: dict[str, str] | None = None,
+        settings: WorkerSettings | None = None,
     ) -> None:
+        #: What the pool made it with.
+        self.settings = settings or WorkerSettings(grace_seconds=5.0)
         self.seat = seat
         self.generation = generation
         self.gpus = gpus
@@ -213,9 +217,10 @@ class FakeSpawner:
         generation: int,
         gpus: tuple[int, ...],
         env: dict[str, str] | None = None,
+        settings: WorkerSettings | None = None,
         **kw: object,
     ) -> FakeWorker:
-        worker = FakeWorker(seat, generation, gpus, env=env)
+        worker = FakeWorker(seat, generation, gpus, env=env, settings=settings)
         self.spawned.append(worker)
         if self.auto_ready:
             worker.come_up(self.arch)

@@ -2,7 +2,7 @@
 Tests for L{kcoral.measurement} (the statistics, validity and wall-clock
 envelope the parent computes from a worker's raw measurement), the worker's
 L{kcoral.worker.measure} side, the parent's handling of the measurement
-messages (L{kcoral.server.workers.workerproc}) and the record in the response
+messages (L{kcoral.server.workers.runningjob}) and the record in the response
 (L{kcoral.wire.render}).  No GPU: the raw measurements are written here.
 """
 

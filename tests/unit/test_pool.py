@@ -574,7 +574,7 @@ class SeatTests(PoolTestCase):
         """Only a server that logs DEBUG has its workers log each instruction."""
         for level, traced in (("info", False), ("debug", True)):
             pool = self.make_pool(pool_config(num_workers=1, log_level=level))
-            self.assertEqual(getattr(pool.seats[0].worker, "trace_instructions", False), traced)
+            self.assertEqual(pool.seats[0].worker.settings.trace_instructions, traced)
 
     def test_clean_workspace_is_not_cleared(self) -> None:
         """
@@ -1038,18 +1038,18 @@ class WatchNextTests(PoolTestCase):
     def test_only_while_one_seat_is_taken(self) -> None:
         pool = self.make_pool(grant_watch=True)
         workers = [seat.worker for seat in pool.seats]
-        self.assertTrue(all(w.grant_watch for w in workers))
+        self.assertTrue(all(w.settings.grant_watch for w in workers))
         first = self.successResultOf(pool.acquire(10))
-        self.assertTrue(first.worker.may_watch_next())
+        self.assertTrue(first.worker.settings.may_watch_next())
         second = self.successResultOf(pool.acquire(10))
-        self.assertFalse(first.worker.may_watch_next())
-        self.assertFalse(second.worker.may_watch_next())
+        self.assertFalse(first.worker.settings.may_watch_next())
+        self.assertFalse(second.worker.settings.may_watch_next())
         pool.release(first)
-        self.assertTrue(second.worker.may_watch_next())
+        self.assertTrue(second.worker.settings.may_watch_next())
 
     def test_not_told_where_workers_may_not_watch(self) -> None:
         pool = self.make_pool(grant_watch=False)
-        self.assertFalse(any(hasattr(seat.worker, "may_watch_next") for seat in pool.seats))
+        self.assertFalse(any(seat.worker.settings.grant_watch for seat in pool.seats))
 
 
 class CoresToSpareTests(SynchronousTestCase):

@@ -72,18 +72,15 @@ def test_worker_tree_is_the_worker_and_its_descendants(
     process first, then its descendants, from procfs, or from psutil's scan
     where the kernel has no children files.
     """
-    from types import SimpleNamespace
-
-    from kcoral.server.workers import workerproc
+    from kcoral.server.workers import processes
 
     child, grandchild = family
-    worker = SimpleNamespace(pid=child)
-    tree = workerproc.WorkerProcess._tree(worker)  # type: ignore[arg-type]
+    tree = processes.process_tree(child)
     assert [p.pid for p in tree] == [child, grandchild]
-    monkeypatch.setattr(workerproc, "descendants_of", lambda pid: None)
-    tree = workerproc.WorkerProcess._tree(worker)  # type: ignore[arg-type]
+    monkeypatch.setattr(processes, "descendants_of", lambda pid: None)
+    tree = processes.process_tree(child)
     assert [p.pid for p in tree] == [child, grandchild]
-    assert workerproc.WorkerProcess._tree(SimpleNamespace(pid=None)) == []  # type: ignore[arg-type]
+    assert processes.process_tree(None) == []
 
 
 def test_quiet_tasks_are_not_read() -> None:

@@ -22,17 +22,16 @@ from kcoral.ipc import board
 from kcoral.ipc.shared import available as shared_memory_available
 from kcoral.server.leases.lease import LeaseArbiter
 from kcoral.server.workers import workerproc
+from kcoral.server.workers.channelbudget import ChannelBudget
 from kcoral.server.workers.job import Job, JobResult
-from kcoral.server.workers.workerproc import (
-    FROM_WORKER_FD,
-    IDLE_WATCH_SECONDS,
-    TO_WORKER_FD,
-    WorkerProcess,
-    WorkerStartError,
-)
+from kcoral.server.workers.processes import flush_pipe
+from kcoral.server.workers.runningjob import IDLE_WATCH_SECONDS
+from kcoral.server.workers.workerproc import WorkerProcess, WorkerSettings, WorkerStartError
 from kcoral.testing.fakes import FakeTransport, ProcessReactor
 from kcoral.wire.channel import (
+    FROM_WORKER_FD,
     PROGRESS_FD,
+    TO_WORKER_FD,
     ChannelMessage,
     CompileDone,
     CompileRequest,
@@ -77,7 +76,7 @@ class WorkerTestCase(SynchronousTestCase):
             executable="/usr/bin/python3",
             args=["python3", "-m", "kcoral.worker"],
             env={},
-            grace_seconds=5.0,
+            settings=WorkerSettings(grace_seconds=5.0),
         )
         self.transport: FakeTransport = self.reactor.spawned[-1]["transport"]
         return worker
@@ -139,6 +138,34 @@ class SpawnTests(WorkerTestCase):
         self.assertEqual(worker.info, info)
         # The start timer is gone.
         self.assertEqual(self.reactor.getDelayedCalls(), [])
+
+    def test_settings_at_construction(self) -> None:
+        """
+        The L{WorkerSettings} given to C{spawn} are the worker's from its
+        start: its channel reads against the budget, its start may take the
+        spawn timeout, and its kill waits the grace.
+        """
+        budget = ChannelBudget(1 << 20)
+        worker = WorkerProcess.spawn(
+            self.reactor,
+            seat="cpu/w0",
+            generation=1,
+            gpus=(),
+            leases=self.leases,
+            executable="/usr/bin/python3",
+            args=["python3", "-m", "kcoral.worker"],
+            env={},
+            settings=WorkerSettings(grace_seconds=2.0, spawn_timeout=7.0, channel_budget=budget),
+        )
+        self.assertIs(worker.protocol.budget, budget)
+        self.reactor.advance(6.9)
+        self.assertNoResult(worker.ready)
+        self.reactor.advance(0.2)
+        self.failureResultOf(worker.ready, WorkerStartError)
+        # The timeout started the kill: SIGKILL follows after the grace.
+        [kill] = self.reactor.getDelayedCalls()
+        self.assertAlmostEqual(kill.getTime() - self.reactor.seconds(), 2.0)
+        self.end(worker, -9)
 
     def test_spawn_timeout(self) -> None:
         worker = self.spawn()
@@ -206,7 +233,7 @@ class JobTests(WorkerTestCase):
         """
         for trace in (False, True):
             worker = self.ready_worker()
-            worker.trace_instructions = trace
+            worker.settings = attrs.evolve(worker.settings, trace_instructions=trace)
             with capturedLogs() as events:
                 d = worker.run(self.job())
                 self.deliver(worker, Instruction(0))
@@ -374,7 +401,7 @@ class ProgressBoardTests(WorkerTestCase):
         worker.run(self._job())
         self.assertIs(self.transport.messages()[-1].header()["announce"], False)
         self.deliver(worker, Outcome(status="COMPLETED"))
-        worker.trace_instructions = True
+        worker.settings = attrs.evolve(worker.settings, trace_instructions=True)
         worker.run(self._job())
         self.assertIs(self.transport.messages()[-1].header()["announce"], True)
 
@@ -463,7 +490,7 @@ class LeaseBudgetTests(WorkerTestCase):
         other = object()
         self.successResultOf(self.leases.acquire(other, (0,)))
         worker = self.ready_worker()
-        worker.grant_watch = True
+        worker.settings = attrs.evolve(worker.settings, grant_watch=True)
         worker.run(self.job())
         self.deliver(worker, LeaseAcquire())
         self.assertEqual(self.transport.messages()[-1].TYPE, "lease_next")
@@ -475,7 +502,7 @@ class LeaseBudgetTests(WorkerTestCase):
         self.deliver(worker, Outcome(status="COMPLETED"))
 
         self.successResultOf(self.leases.acquire(other, (0,)))
-        worker.grant_watch = False
+        worker.settings = attrs.evolve(worker.settings, grant_watch=False)
         worker.run(self.job())
         self.deliver(worker, LeaseAcquire())
         self.assertEqual(self.transport.messages()[-1].TYPE, "execute")
@@ -485,7 +512,7 @@ class LeaseBudgetTests(WorkerTestCase):
         worker.run(self.job())
         self.assertEqual(self.transport.messages()[-1].watch_next_seconds, 0.0)
         self.deliver(worker, Outcome(status="COMPLETED"))
-        worker.grant_watch = True
+        worker.settings = attrs.evolve(worker.settings, grant_watch=True)
         worker.run(self.job())
         self.assertEqual(self.transport.messages()[-1].watch_next_seconds, IDLE_WATCH_SECONDS)
 
@@ -496,8 +523,10 @@ class LeaseBudgetTests(WorkerTestCase):
         """
         others_running = [True]
         worker = self.ready_worker()
-        worker.grant_watch = True
-        worker.may_watch_next = lambda: not others_running[0]
+        worker.settings = attrs.evolve(worker.settings, grant_watch=True)
+        worker.settings = attrs.evolve(
+            worker.settings, may_watch_next=lambda: not others_running[0]
+        )
         worker.run(self.job())
         self.assertEqual(self.transport.messages()[-1].watch_next_seconds, 0.0)
         self.deliver(worker, Outcome(status="COMPLETED"))
@@ -758,20 +787,20 @@ class CompileRequestTests(WorkerTestCase):
 
     def test_compile_answered(self) -> None:
         worker = self.ready_worker()
-        worker.compiler = _Compiler()
+        worker.settings = attrs.evolve(worker.settings, compiler=_Compiler())
         d = worker.run(self.job(timeout=10.0))
         self.reactor.advance(4.0)
         self.deliver(worker, self.request())
         # The compile may use what is left of the request's budget.
-        self.assertEqual(worker.compiler.requests[0][1], 6.0)
-        worker.compiler.pending.callback(CompileDone(key="ab" * 32, seconds=1.0))
+        self.assertEqual(worker.settings.compiler.requests[0][1], 6.0)
+        worker.settings.compiler.pending.callback(CompileDone(key="ab" * 32, seconds=1.0))
         self.assertEqual(self.transport.messages()[-1], CompileDone(key="ab" * 32, seconds=1.0))
         self.deliver(worker, Outcome(status="COMPLETED"))
         self.assertEqual(self.successResultOf(d).ending, "outcome")
 
     def test_message_while_compiling_poisons(self) -> None:
         worker = self.ready_worker()
-        worker.compiler = _Compiler()
+        worker.settings = attrs.evolve(worker.settings, compiler=_Compiler())
         d = worker.run(self.job())
         self.deliver(worker, self.request())
         self.deliver(worker, self.request())
@@ -909,7 +938,7 @@ class ContextOnTheLeaseTests(WorkerTestCase):
     def test_program_start_and_grant_leave_at_once(self) -> None:
         """
         A job's L{Execute} and a lease grant are flushed to the worker's
-        pipe in the turn that wrote them (L{workerproc._flush}).
+        pipe in the turn that wrote them (L{kcoral.server.workers.processes.flush_pipe}).
         """
         worker = self.spawn()
         self.deliver(worker, LeaseAcquire())
@@ -994,7 +1023,7 @@ class ContextOnTheLeaseTests(WorkerTestCase):
         thawed when the lease is granted.
         """
         signals: list[int] = []
-        self.patch(workerproc, "_signal_all", lambda victims, signum: signals.append(signum))
+        self.patch(workerproc, "signal_all", lambda victims, signum: signals.append(signum))
         worker = self.retiring_worker()
         self.leases.release(worker)
         self.successResultOf(self.leases.acquire("measuring", (0,)))
@@ -1079,7 +1108,7 @@ class KillBeforeThePidIsKnownTests(WorkerTestCase):
         worker.pid = None
         self.patch(
             workerproc,
-            "_signal_all",
+            "signal_all",
             lambda victims, signum: signalled.append((worker.pid, signum)),
         )
         self.patch(WorkerProcess, "_tree", lambda w: [] if w.pid is None else [object()])
@@ -1097,7 +1126,7 @@ class KillBeforeThePidIsKnownTests(WorkerTestCase):
 
 class FlushTests(SynchronousTestCase):
     """
-    L{workerproc._flush}: a message the worker waits for (a lease grant, a
+    L{kcoral.server.workers.processes.flush_pipe}: a message the worker waits for (a lease grant, a
     program start) leaves in the reactor turn that wrote it.
     """
 
@@ -1117,9 +1146,9 @@ class FlushTests(SynchronousTestCase):
         writer.write(b"granted")
         os.set_blocking(read_end, False)
         self.assertRaises(BlockingIOError, os.read, read_end, 100)
-        workerproc._flush(transport, 0)
+        flush_pipe(transport, 0)
         self.assertEqual(os.read(read_end, 100), b"granted")
 
     def test_without_pipes_nothing_happens(self) -> None:
         """A transport without pipes (a test's) is left alone."""
-        workerproc._flush(FakeTransport(pid=1), 0)
+        flush_pipe(FakeTransport(pid=1), 0)

@@ -252,7 +252,7 @@ class LeaseArbiter:
             the Deferred's callbacks do).
         @param next_in_line: called once, when this request becomes the
             first in line for a GPU another holds: its grant is the next
-            hand-over (L{kcoral.server.workers.workerproc} lets the worker watch
+            hand-over (L{kcoral.server.workers.runningjob} lets the worker watch
             for it without sleeping).
         """
         gpus = checked_request(self.gpus, gpus, mode)

@@ -35,9 +35,10 @@ from kcoral.server.workers.backoff import Backoff
 from kcoral.server.workers.channelbudget import ChannelBudget
 from kcoral.server.workers.job import Job, JobResult, WorkerHandle
 from kcoral.server.workers.line import STOPPING_MESSAGE, PoolBusy, PoolStopping, WaitingLine
+from kcoral.server.workers.processes import worker_command_args
 from kcoral.server.workers.spares import Spare, WarmSpares
 from kcoral.server.workers.template import TemplateError, WorkerTemplate, WorkerTemplates
-from kcoral.server.workers.workerproc import WorkerProcess, worker_command_args
+from kcoral.server.workers.workerproc import WorkerProcess, WorkerSettings
 from kcoral.wire.render import Placement
 
 
@@ -292,7 +293,7 @@ class WorkerPool:
     spawn_worker: Callable[..., WorkerHandle] = WorkerProcess.spawn
     #: Workers watch awake for their grant when next in line, and for their
     #: next program for a moment after one that ran alone
-    #: (L{WorkerProcess.grant_watch}, L{serving_one}):
+    #: (L{WorkerSettings.grant_watch}, L{serving_one}):
     #: by default where L{cores_to_spare}; C{KCORAL_GRANT_WATCH} in the
     #: server's environment overrides (C{0} never, C{1} always).
     grant_watch: bool = attrs.field(
@@ -526,7 +527,14 @@ class WorkerPool:
             "gpus": gpus,
             "leases": self.leases,
             "env": env,
-            "grace_seconds": self.config.worker_termination_grace_seconds,
+            "settings": WorkerSettings(
+                grace_seconds=self.config.worker_termination_grace_seconds,
+                compiler=self.compiler,
+                channel_budget=self.channel_budget,
+                trace_instructions=self.config.log_level == "debug",
+                grant_watch=self.grant_watch,
+                may_watch_next=self.serving_one,
+            ),
         }
         if template is not None:
             try:
@@ -550,22 +558,12 @@ class WorkerPool:
                 )
         if worker is None:
             worker = self.spawn_worker(self._reactor, executable=executable, args=args, **common)
-        if self.compiler is not None:
-            worker.compiler = self.compiler  # type: ignore[attr-defined]
-        protocol = getattr(worker, "protocol", None)
-        if self.channel_budget is not None and protocol is not None:
-            protocol.budget = self.channel_budget
-        if getattr(self.config, "log_level", "info") == "debug":
-            worker.trace_instructions = True  # type: ignore[attr-defined]
-        if self.grant_watch:
-            worker.grant_watch = True  # type: ignore[attr-defined]
-            worker.may_watch_next = self.serving_one  # type: ignore[attr-defined]
         return worker
 
     def serving_one(self) -> bool:
         """
         Whether at most one seat is taken: a worker answering now may watch
-        awake for its next program (L{WorkerProcess.may_watch_next}).
+        awake for its next program (L{WorkerSettings.may_watch_next}).
         """
         return self.active <= 1
 

@@ -66,7 +66,7 @@ class WorkerTransport(process.Process):
 
 
 def spawn_process(
-    reactor: Any,
+    reactor: IReactorProcess,
     protocol: ProcessProtocol,
     executable: str,
     args: list[str],

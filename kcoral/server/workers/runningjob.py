@@ -30,6 +30,7 @@ from kcoral.measurement import (
     failed_record,
     parse_raw,
 )
+from kcoral.server.leases.lease import Leases
 from kcoral.server.workers.job import Job, JobResult
 from kcoral.wire.channel import (
     OUTCOME_SLACK_BYTES,
@@ -71,8 +72,8 @@ class RunningJob:
     job: Job
     on_instruction: Callable[[int], None] | None
     reactor: IReactorTime
-    #: The worker's lease arbiter (L{kcoral.server.leases.lease.Leases}).
-    leases: Any
+    #: The worker's lease arbiter.
+    leases: Leases
     done: Deferred[JobResult] = attrs.field(factory=Deferred)
     instruction_index: int | None = None
     instruction_started: dict[int, float] = attrs.field(factory=dict)

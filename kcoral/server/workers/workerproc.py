@@ -21,7 +21,7 @@ import os
 import signal
 import socket
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import psutil
@@ -34,7 +34,7 @@ from twisted.python.failure import Failure
 from kcoral.ipc import board
 from kcoral.ipc.shared import available as shared_memory_available
 from kcoral.ipc.shared import send_descriptors, socket_pair
-from kcoral.server.leases.lease import MAINTENANCE
+from kcoral.server.leases.lease import MAINTENANCE, Leases
 from kcoral.server.workers.channelbudget import ChannelBudget
 from kcoral.server.workers.job import Job, JobResult
 from kcoral.server.workers.processes import (
@@ -63,6 +63,10 @@ from kcoral.wire.channel import (
     encode,
     job_limits,
 )
+
+if TYPE_CHECKING:
+    from kcoral.server.workers.compiles import IsolatedCompiles
+    from kcoral.server.workers.template import WorkerTemplate
 
 #: How long a worker may take to report ready.
 SPAWN_TIMEOUT_SECONDS = 60.0
@@ -93,7 +97,7 @@ class WorkerSettings:
     #: Runs this worker's L{CompileRequest}s (an
     #: L{kcoral.server.workers.compiles.IsolatedCompiles}), or C{None}:
     #: they are answered C{unavailable}.
-    compiler: Any = None
+    compiler: IsolatedCompiles | None = None
     #: The server's budget for large channel frames
     #: (L{WorkerProtocol.budget}), or C{None}: no budget.
     channel_budget: ChannelBudget | None = None
@@ -130,7 +134,7 @@ class WorkerProcess:
     generation: int
     gpus: tuple[int, ...]
     _reactor: IReactorTime
-    _leases: Any
+    _leases: Leases
     settings: WorkerSettings
     protocol: WorkerProtocol = attrs.field(init=False)
     pid: int | None = None
@@ -167,7 +171,7 @@ class WorkerProcess:
         seat: str,
         generation: int,
         gpus: tuple[int, ...],
-        leases: Any,
+        leases: Leases,
         executable: str,
         args: list[str],
         env: dict[str, str],
@@ -202,8 +206,8 @@ class WorkerProcess:
         seat: str,
         generation: int,
         gpus: tuple[int, ...],
-        leases: Any,
-        template: Any,
+        leases: Leases,
+        template: WorkerTemplate,
         args: list[str],
         env: dict[str, str],
         cwd: str,
@@ -522,10 +526,12 @@ class WorkerProcess:
         d = self._leases.acquire(
             self, self.gpus, label=f"context_create:{self.seat}", mode=MAINTENANCE
         )
-        d.addCallbacks(
-            granted,
-            lambda f: None if f.check(CancelledError) else self.kill(),
-        )
+
+        def failed(f: Failure) -> None:
+            if not f.check(CancelledError):
+                self.kill()
+
+        d.addCallbacks(granted, failed)
 
     def send(self, message: ChannelMessage, *, now: bool = False) -> None:
         """

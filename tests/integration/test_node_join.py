@@ -332,12 +332,15 @@ def test_running_job_delivers_while_nats_is_down(
     try:
         presence = pool.wait_presence("node-c")
         out = tmp_path / "runs"
-        slow = pool.publish(program(SLOW, [str(out), "slow", 3.0]), presence.compat)
+        slow = pool.publish(
+            program(SLOW, [str(out), "slow", 3.0]), presence.compat, prefer="node-c", prefer_for=120
+        )
         wait_for(lambda: pool.claim_of(slow.job) or None, what="the claim")
         nats_server.stop()
         try:
             result = pool.wait_result(slow.job)
             assert result.json()["results"]["r"]["value"] == "slow"
+            assert result.node == "node-c"
         finally:
             nats_server.start()
             pool.reconnect()
@@ -356,3 +359,35 @@ def test_refuses_to_listen_beyond_loopback(nats_server: NatsServer, tmp_path: Pa
     status = exit_status(nats_server, "node-c", log, "--listen", "tcp:0:interface=0.0.0.0")
     assert status not in (0, None)
     assert "listens on loopback only" in log.read_text()
+
+
+def test_node_with_tokens_runs_jobs(
+    nats_server: NatsServer, pool: PoolStandIn, tmp_path: Path
+) -> None:
+    """
+    A node whose port wants bearer tokens (--auth-token-file) still runs
+    its pool's jobs: it sends its own /execute the file's first token.
+    """
+    tokens = tmp_path / "tokens"
+    tokens.write_text("operator s3cret-token-for-the-test\n")
+    tokens.chmod(0o600)
+    node = start_node(
+        nats_server, "node-c", tmp_path / "node.log", "--auth-token-file", str(tokens)
+    )
+    try:
+        presence = pool.wait_presence("node-c")
+        out = tmp_path / "runs"
+        # Preferred for longer than the test: node-a, if running, leaves it alone.
+        job = pool.publish(
+            program(MARK, [str(out), "tok"], b"t"),
+            presence.compat,
+            blobs=[b"t"],
+            prefer="node-c",
+            prefer_for=120,
+        )
+        result = pool.wait_result(job.job)
+        assert result.status == 200 and result.json()["status"] == "COMPLETED"
+        assert result.node == "node-c"
+        assert marks(out) == ["tok"]
+    finally:
+        node.stop()

@@ -10,7 +10,8 @@ gets holds a seat until its result is posted:
   2. a job past its deadline is acknowledged and skipped (the gateway has
      answered its client 503 by then);
   3. a job that prefers another node, inside its preference window, is
-     given back with a delay (C{nak});
+     given back for a moment (C{nak} with a short delay), so the preferred
+     node can pull it while the window lasts;
   4. otherwise the node creates the job's claim: only the first claim
      wins, so a job runs at most once, and a job the gateway cancelled
      (its C{{"cancelled": true}} claim came first) never runs;
@@ -227,6 +228,9 @@ class JobPuller:
             await self._settle(delivery.ack(), "ack")
             return
         if job.preferred_elsewhere(self.node_id, now):
+            # Back to the queue for a moment, not the whole window: the
+            # queue hands it to whichever node pulls next, so the preferred
+            # one gets its chances while the window lasts.
             self.counts["deferred"] += 1
             await self._settle(delivery.nak(job.defer_seconds(now)), "nak")
             return

@@ -440,3 +440,61 @@ def test_256_mib_blob_and_result_round_trip(tmp_path: Path) -> None:
         assert hashlib.sha256(response.body[start : start + len(blob)]).hexdigest() == digest
     finally:
         pool.stop()
+
+
+def test_client_disconnect_cancels_a_queued_job(pool: Pool, tmp_path: Path) -> None:
+    """
+    A client that leaves while its job waits behind a busy node: the job is
+    cancelled, and the node never runs it once its seat frees.
+    """
+    import http.client
+
+    from kcoral.testing.live_server import multipart_body
+
+    pool.node("node-a")
+    holder = threading.Thread(
+        target=post_program,
+        args=(pool.port, side_effect_program(tmp_path / "long", 5.0)),
+        kwargs={"timeout": 300},
+    )
+    holder.start()
+    pool.wait_for(lambda h: h["load"]["requests_in_progress"] == 1)
+    marks = tmp_path / "marks"
+    content_type, body = multipart_body(side_effect_program(marks, 0.0))
+    connection = http.client.HTTPConnection("127.0.0.1", pool.port, timeout=60)
+    connection.request("POST", "/execute", body=body, headers={"Content-Type": content_type})
+    pool.wait_for(lambda h: h["load"]["requests_waiting"] == 1)
+    connection.close()
+    health = pool.wait_for(lambda h: h["load"]["requests_waiting"] == 0)
+    assert health["gateway"]["requests"].get("client_disconnected") == 1
+    holder.join()
+    # The seat is free again and the queue has been drained: nothing ran.
+    pool.wait_for(lambda h: h["gateway"]["pool"]["free_seats"] == 1)
+    time.sleep(PRESENCE_TIMEOUT)
+    assert not marks.exists()
+
+
+def test_nats_down_503_for_new_work_running_jobs_still_answer(pool: Pool, tmp_path: Path) -> None:
+    """
+    With nats-server gone, a running job still delivers its result over
+    HTTP, and a new request is answered 503 (never run).
+    """
+    pool.node("node-a", seats=2)
+    answer: list[Any] = []
+    running = threading.Thread(
+        target=lambda: answer.append(
+            post_program(pool.port, side_effect_program(tmp_path / "running", 4.0), timeout=300)
+        )
+    )
+    running.start()
+    pool.wait_for(lambda h: h["load"]["requests_in_progress"] == 1)
+    pool.nats.kill()
+    pool.wait_for(lambda h: h["gateway"]["nats"] == "disconnected")
+    marks = tmp_path / "marks"
+    refused = post_program(pool.port, side_effect_program(marks, 0.0), timeout=120)
+    assert refused.status == 503, refused.body
+    assert refused.headers.get("retry-after") == "1"
+    running.join()
+    assert answer[0].status == 200, answer[0].body
+    assert answer[0].json()["status"] == "COMPLETED"
+    assert not marks.exists()

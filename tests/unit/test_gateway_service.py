@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from twisted.application.service import IServiceMaker
@@ -232,3 +233,20 @@ def test_spooled_result_reads_like_a_shared_buffer(tmp_path: Path) -> None:
         assert len(spooled) == 8 and spooled.fileno() == f.fileno()
         assert spooled.pread(2, 100) == b"234567"
     assert _SpooledFile.of(io.BytesIO(b"x"), 1) is None
+
+
+def test_command() -> None:
+    """C{kcoral gateway}: a usage error is one line and status 2; good flags reach twistd."""
+    import io
+
+    from kcoral.gateway.command import main
+
+    err = io.StringIO()
+    assert main(["--queue-size", "0", "--nats", "nats://x:1"], stderr=err) == 2
+    assert err.getvalue().startswith("kcoral gateway: error: ")
+    seen: list[Any] = []
+    status = main(["--nats", "nats://127.0.0.1:4222", "--port", "9123"], run_app=seen.append)
+    assert status == 0
+    [config] = seen
+    assert config["nodaemon"] and config.subCommand == "kcoral-gateway"
+    assert config.subOptions.config.public_url == "http://127.0.0.1:9123"

@@ -102,12 +102,17 @@ class NatsJobQueue:
             except BadRequestError:
                 # It exists with another size (an earlier --queue-size).
                 await js.update_stream(config)
-            await js.create_key_value(
-                bucket=NODES_BUCKET, ttl=presence_timeout, history=1, storage=StorageType.FILE
-            )
-            await js.create_key_value(
-                bucket=CLAIMS_BUCKET, ttl=claims_ttl, history=1, storage=StorageType.FILE
-            )
+            for bucket, ttl in ((NODES_BUCKET, presence_timeout), (CLAIMS_BUCKET, claims_ttl)):
+                try:
+                    await js.create_key_value(
+                        bucket=bucket, ttl=ttl, history=1, storage=StorageType.FILE
+                    )
+                except BadRequestError:
+                    # It exists with another TTL (an earlier --presence-timeout).
+                    info = await js.stream_info(f"KV_{bucket}")
+                    await js.update_stream(
+                        info.config.evolve(max_age=ttl, duplicate_window=min(120.0, ttl))
+                    )
 
         d = self.bridge.call(create, timeout=CALL_TIMEOUT * 2)
         d.addCallback(lambda _: self.watch())

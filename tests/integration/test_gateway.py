@@ -29,8 +29,6 @@ from .refclient import RefClientUnavailable, ensure_venv, run_client
 pytestmark = pytest.mark.skipif(
     nats_server_binary() is None, reason="nats-server is not installed (./dev.sh install)"
 )
-# Nodes join with kcoral.server.join (the node half of issue 37).
-pytest.importorskip("kcoral.server.join.service")
 
 NODES = ("node-a", "node-b", "node-c")
 PRESENCE_TIMEOUT = 3.0
@@ -498,3 +496,24 @@ def test_nats_down_503_for_new_work_running_jobs_still_answer(pool: Pool, tmp_pa
     assert answer[0].status == 200, answer[0].body
     assert answer[0].json()["status"] == "COMPLETED"
     assert not marks.exists()
+
+
+def test_gateway_restart_with_new_settings(pool: Pool, tmp_path: Path) -> None:
+    """
+    A gateway started again with another --queue-size and --presence-timeout
+    on the same nats-server adopts the stream and buckets, and serves.
+    """
+    assert pool.gateway is not None
+    pool.gateway.stop()
+    pool.gateway = GatewayProcess(
+        pool.nats.url,
+        pool.nats.credentials_file("gateway"),
+        args=["--presence-timeout", "5", "--queue-size", "16"],
+        log_path=tmp_path / "gateway-2.log",
+    ).start()
+    pool.node("node-a")
+    health = pool.health()
+    assert health["status"] == "ok"
+    assert health["gateway"]["queue_size"] == 16
+    response = post_program(pool.port, side_effect_program(tmp_path / "marks", 0.0))
+    assert response.status == 200 and response.json()["status"] == "COMPLETED"

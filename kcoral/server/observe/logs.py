@@ -40,7 +40,7 @@ import threading
 from collections.abc import Iterable, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import attrs
 from twisted.logger import (
@@ -58,6 +58,9 @@ from twisted.python.logfile import BaseLogFile, LogFile
 from zope.interface import implementer
 
 from kcoral.server.observe.logwriter import BackgroundWriter
+
+if TYPE_CHECKING:
+    from kcoral.config import ServerConfig
 
 __all__ = [
     "CONSOLE_SKIPPED_KEYS",
@@ -641,7 +644,7 @@ class LogSetup:
 
 
 def install_observers(
-    config: Any,
+    config: ServerConfig,
     *,
     publisher: LogPublisher | None = None,
     log_beginner: LogBeginner | None = None,
@@ -689,7 +692,7 @@ def install_observers(
     """
     if publisher is None:
         publisher = globalLogPublisher
-    level = LogLevel.levelWithName(getattr(config, "log_level", "info"))
+    level = LogLevel.levelWithName(config.log_level)
     observers: list[Any] = []
     writers: list[BackgroundWriter] = []
     run_dir = None

@@ -280,7 +280,7 @@ class WorkerPool:
         default=attrs.Factory(
             lambda self: (
                 ChannelBudget(self.config.max_channel_bytes)
-                if getattr(self.config, "max_channel_bytes", 0) > 0
+                if self.config.max_channel_bytes > 0
                 else None
             ),
             takes_self=True,
@@ -358,7 +358,7 @@ class WorkerPool:
 
     async def start(self) -> None:
         """Start every seat's worker; fail if any cannot start or targets differ."""
-        if getattr(self.config, "worker_start", "spawn") == "fork":
+        if self.config.worker_start == "fork":
             await self.start_templates()
         results = await DeferredList(
             [Deferred.fromCoroutine(self._start_seat(seat, "startup")) for seat in self.seats],
@@ -406,7 +406,7 @@ class WorkerPool:
                     "--device",
                     "cpu" if gpu_id is None else "gpu",
                     "--tensor-api",
-                    getattr(self.config, "tensor_api", "auto"),
+                    self.config.tensor_api,
                 ],
                 template_dir=work_dir,
                 spaces_dir=self.root_dir,
@@ -500,7 +500,7 @@ class WorkerPool:
         devices = [self.gpu_devices.get(gpu) or GpuDevice(gpu, gpu) for gpu in gpus]
         worker_args = worker_command_args(
             "gpu" if gpus else "cpu",
-            tensor_api=getattr(self.config, "tensor_api", "auto"),
+            tensor_api=self.config.tensor_api,
         )
         executable, args, env = self.sandbox.command(
             python=sys.executable,
@@ -516,7 +516,7 @@ class WorkerPool:
                 cuda_environment(
                     devices,
                     isolated=isolated,
-                    connections=getattr(self.config, "work_queues", None),
+                    connections=self.config.work_queues,
                 )
             )
         template = self._template_for(gpus)
@@ -847,7 +847,7 @@ class WorkerPool:
         it served nobody yet, the scope is C{any}, or it served only this
         client (an unknown client is never the same as another).
         """
-        if seat.owner is None or getattr(self.config, "reuse_scope", "address") == "any":
+        if seat.owner is None or self.config.reuse_scope == "any":
             return True
         return client is not None and seat.owner == client
 
@@ -894,7 +894,7 @@ class WorkerPool:
         return seat
 
     def _gpu_order(self, gpu: int | None) -> int:
-        gpus = list(getattr(self.config, "gpus", ()))
+        gpus = list(self.config.gpus)
         return gpus.index(gpu) if gpu in gpus else 0
 
     def release(self, seat: Seat, *, retire: str | None = None, clean: bool = False) -> None:

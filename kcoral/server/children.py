@@ -181,8 +181,8 @@ class WorkerPoolService(AsyncService):
         config, pool = self._config, self.pool
         minors = None
         if config.device == "gpu":
-            pool.gpu_devices = await self._discover_gpus()
-            minors = [device.minor for device in pool.gpu_devices.values()]
+            pool.maker.gpu_devices = await self._discover_gpus()
+            minors = [device.minor for device in pool.maker.gpu_devices.values()]
         from kcoral.server.workers import scratch
 
         leftovers = await self._run_blocking(scratch.remove_leftovers)
@@ -213,13 +213,13 @@ class WorkerPoolService(AsyncService):
                 # Read-only for workers: the parent compiles into it, in a
                 # sandbox where no uploaded code runs (docs/security.md).
                 sandbox.compile_cache = str(compile_cache)
-                pool.worker_env["KCORAL_COMPILE_CACHE_DIR"] = COMPILE_CACHE
-                pool.worker_env[COMPILE_IN_PARENT_ENV] = "1"
-                pool.compiler = IsolatedCompiles(
+                pool.maker.worker_env["KCORAL_COMPILE_CACHE_DIR"] = COMPILE_CACHE
+                pool.maker.worker_env[COMPILE_IN_PARENT_ENV] = "1"
+                pool.maker.compiler = IsolatedCompiles(
                     self._reactor, sandbox, str(compile_cache), self._root_dir, self._run_blocking
                 )
             else:
-                pool.worker_env["KCORAL_COMPILE_CACHE_DIR"] = str(compile_cache)
+                pool.maker.worker_env["KCORAL_COMPILE_CACHE_DIR"] = str(compile_cache)
         await pool.start()
         self.log.info(
             "pool ready: {workers} workers, sandbox {sandbox}",

@@ -222,8 +222,8 @@ class PoolSpawnTests(SynchronousTestCase):
             lambda f, *a, **k: maybeDeferred(f, *a, **k),
             Path("/nonexistent-kcoral-root"),
         )
-        pool.spawn_worker = spawner
-        pool.gpu_devices = {0: FOUND[0], 1: FOUND[1]}
+        pool.maker.spawn_worker = spawner
+        pool.maker.gpu_devices = {0: FOUND[0], 1: FOUND[1]}
         self.successResultOf(Deferred.fromCoroutine(pool.start()))
         return sandbox, spawner.spawned
 

@@ -15,16 +15,8 @@ from twisted.trial.unittest import SynchronousTestCase
 from kcoral.config import ServerConfig
 from kcoral.server.leases.lease import LeaseArbiter
 from kcoral.server.workers.job import Job, JobResult
-from kcoral.server.workers.pool import (
-    GRANT_WATCH_ENV,
-    BudgetSpent,
-    PoolBusy,
-    Seat,
-    SeatUse,
-    WorkerPool,
-    cores_to_spare,
-    watch_allowed,
-)
+from kcoral.server.workers.maker import GRANT_WATCH_ENV, WorkerMaker, cores_to_spare, watch_allowed
+from kcoral.server.workers.pool import BudgetSpent, PoolBusy, Seat, SeatUse, WorkerPool
 from kcoral.testing.fakes import FakeSandbox, FakeSpawner, FakeWorker, pool_config
 from kcoral.wire.channel import Outcome
 
@@ -35,6 +27,7 @@ class PoolTestCase(SynchronousTestCase):
         config: ServerConfig | None = None,
         auto_ready: bool = True,
         leases: Any = None,
+        grant_watch: bool | None = None,
         **fields: Any,
     ) -> WorkerPool:
         self.reactor = MemoryReactorClock()
@@ -51,7 +44,9 @@ class PoolTestCase(SynchronousTestCase):
             Path("/nonexistent-kcoral-root"),
             **fields,
         )
-        pool.spawn_worker = self.spawner
+        pool.maker.spawn_worker = self.spawner
+        if grant_watch is not None:
+            pool.maker.grant_watch = grant_watch
         self.successResultOf(Deferred.fromCoroutine(pool.start()))
         return pool
 
@@ -463,7 +458,7 @@ class StopTests(PoolTestCase):
             lambda f, *a, **k: maybeDeferred(f, *a, **k),
             Path("/nonexistent-kcoral-root"),
         )
-        pool.spawn_worker = spawn  # type: ignore[assignment]
+        pool.maker.spawn_worker = spawn  # type: ignore[assignment]
         failure = self.failureResultOf(Deferred.fromCoroutine(pool.start()), RuntimeError)
         self.assertTrue(str(failure.value).startswith("a pool serves one target"))
 
@@ -892,7 +887,7 @@ class TemplateTests(PoolTestCase):
             lambda f, *a, **k: maybeDeferred(f, *a, **k),
             Path("/nonexistent-kcoral-root"),
         )
-        pool.spawn_worker = spawner
+        pool.maker.spawn_worker = spawner
         self.successResultOf(Deferred.fromCoroutine(pool.start()))
         self.assertEqual(len(spawner.spawned), 2)
         self.assertEqual(pool.worker_start, "spawn")
@@ -918,7 +913,7 @@ class TemplateTests(PoolTestCase):
             worker.come_up()
             return worker
 
-        pool.fork_worker = fork
+        pool.maker.fork_worker = fork
         seat = self.successResultOf(pool.acquire(10))
         pool.release(seat, retire="request_limit")
         old = seat.worker
@@ -945,11 +940,11 @@ class TemplateTests(PoolTestCase):
             templates[gpu].connect(lambda data, fds: None)
             templates[gpu].message({"op": "ready", "pid": 1})
         pool.templates.templates = dict(templates)
-        self.assertIs(pool._template_for((1,)), templates[1])
-        self.assertIs(pool._template_for((0, 1)), templates[0])
+        self.assertIs(pool.maker.template_for((1,)), templates[1])
+        self.assertIs(pool.maker.template_for((0, 1)), templates[0])
         self.sandbox.isolates_devices = True
-        self.assertIsNone(pool._template_for((0, 1)))
-        self.assertIs(pool._template_for((1,)), templates[1])
+        self.assertIsNone(pool.maker.template_for((0, 1)))
+        self.assertIs(pool.maker.template_for((1,)), templates[1])
 
     def test_forked_worker_failing_at_startup_falls_back(self) -> None:
         """
@@ -981,8 +976,8 @@ class TemplateTests(PoolTestCase):
             forked.append(worker)
             return worker
 
-        pool.fork_worker = fork
-        pool.spawn_worker = spawner
+        pool.maker.fork_worker = fork
+        pool.maker.spawn_worker = spawner
         self.successResultOf(Deferred.fromCoroutine(pool.start()))
         self.assertEqual(len(forked), 1)
         self.assertEqual(len(spawner.spawned), 1)
@@ -1005,7 +1000,7 @@ class TemplateTests(PoolTestCase):
         attempts: list[WorkerTemplate] = []
         outcomes = [False, True]
 
-        async def start(_: WorkerPool, new: WorkerTemplate, key: int | None) -> None:
+        async def start(_: WorkerMaker, new: WorkerTemplate, key: int | None) -> None:
             attempts.append(new)
             if not outcomes.pop(0):
                 new.broken("cannot start")
@@ -1014,7 +1009,7 @@ class TemplateTests(PoolTestCase):
             new.connect(lambda data, fds: None)
             new.message({"op": "ready", "pid": 2})
 
-        self.patch(WorkerPool, "_start_template", start)
+        self.patch(WorkerMaker, "_start_template", start)
         template.broken("socket closed")
         self.assertEqual(pool.worker_start, "spawn")
         self.reactor.advance(pool.respawn_backoff_initial)

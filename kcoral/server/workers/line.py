@@ -18,7 +18,9 @@ from typing import Any, Generic, TypeVar
 
 import attrs
 from twisted.internet.defer import Deferred, fail
-from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.internet.interfaces import IDelayedCall
+
+from kcoral.server.workers.reactor import Clock
 
 T = TypeVar("T")
 
@@ -62,7 +64,7 @@ class WaitingLine(Generic[T]):
         blobs); C{0}: no limit.
     """
 
-    _clock: IReactorTime
+    _clock: Clock
     limit: int = 0
     _waiters: deque[_Waiter[T]] = attrs.field(factory=deque)
     closed: bool = False

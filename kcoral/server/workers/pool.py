@@ -12,33 +12,26 @@ ready, so no request ever waits for a process start it did not cause.
 
 from __future__ import annotations
 
-import os
-import re
-import shutil
-import sys
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import attrs
-from twisted.internet.defer import CancelledError, Deferred, DeferredList, succeed
-from twisted.internet.interfaces import IReactorTime
+from twisted.internet.defer import CancelledError, Deferred, DeferredList, fail, succeed
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from kcoral.config import ServerConfig
-from kcoral.server.leases.gpus import GpuDevice, cuda_environment
 from kcoral.server.leases.lease import Leases, LeaseUnavailable
 from kcoral.server.sandbox.interface import ISandbox
 from kcoral.server.workers.backoff import Backoff
-from kcoral.server.workers.channelbudget import ChannelBudget
 from kcoral.server.workers.job import Job, JobResult, WorkerHandle
 from kcoral.server.workers.line import STOPPING_MESSAGE, PoolBusy, PoolStopping, WaitingLine
-from kcoral.server.workers.processes import worker_command_args
+from kcoral.server.workers.maker import WorkerMaker, remove_trees, safe_name
+from kcoral.server.workers.reactor import WorkerReactor
 from kcoral.server.workers.spares import Spare, WarmSpares
-from kcoral.server.workers.template import TemplateError, WorkerTemplate, WorkerTemplates
-from kcoral.server.workers.workerproc import WorkerProcess, WorkerSettings
+from kcoral.server.workers.template import WorkerTemplates
 from kcoral.wire.render import Placement
 
 
@@ -194,45 +187,6 @@ class SeatUse:
         return "request_limit" if self.last else None
 
 
-def _safe_name(worker_id: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]", "-", worker_id)
-
-
-#: The environment switch for workers' watching awake: C{0} never, C{1}
-#: always, unset where L{cores_to_spare}.
-GRANT_WATCH_ENV = "KCORAL_GRANT_WATCH"
-
-
-def watch_allowed(config: ServerConfig, environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether workers may watch awake (L{GRANT_WATCH_ENV}, else L{cores_to_spare})."""
-    switch = environ.get(GRANT_WATCH_ENV)
-    if switch in ("0", "1"):
-        return switch == "1"
-    return cores_to_spare(config)
-
-
-def cores_to_spare(config: ServerConfig, cpus: int | None = None) -> bool:
-    """
-    Whether this machine (C{cpus}, by default the cores this process may
-    run on) has a core for every process of the server that may be busy at
-    once (each worker and warm spare, each front end, the lease broker)
-    and one more per GPU: the worker first in line for that GPU, which
-    polls for its grant awake rather than sleeping
-    (L{kcoral.wire.channel.LeaseNext}).  Only then does a worker's watching
-    for its grant, or for its next program after an answer, never take a
-    core another process needs.
-    """
-    if cpus is None:
-        cpus = len(os.sched_getaffinity(0))
-    spares = config.spares_per_group * config.front_ends
-    broker = 1 if config.front_ends > 1 else 0
-    if config.cpu_mode:
-        return cpus >= config.num_workers + spares + config.front_ends + broker
-    gpus = len(config.distinct_gpus)
-    busy = (config.workers_per_gpu + spares) * gpus + config.front_ends + broker
-    return cpus >= busy + gpus
-
-
 @attrs.define(eq=False)
 class WorkerPool:
     """
@@ -242,7 +196,7 @@ class WorkerPool:
     """
 
     config: ServerConfig
-    _reactor: IReactorTime
+    _reactor: WorkerReactor
     leases: Leases
     #: Replaced by the probed sandbox when the server starts.
     sandbox: ISandbox
@@ -270,52 +224,24 @@ class WorkerPool:
     respawn_backoff_initial: float = 0.5
     respawn_backoff_max: float = 60.0
     active: int = 0
-    #: Extra environment variables for every worker (e.g. the compile cache).
-    worker_env: dict[str, str] = attrs.field(factory=dict)
-    #: Runs workers' compiles for the shared compile cache (L{kcoral.server.workers.compiles}).
-    compiler: Any = None
-    #: What every worker's channel is read under, all workers together
-    #: (C{--max-channel-bytes}, L{kcoral.server.workers.channelbudget}); C{None}: no budget.
-    channel_budget: ChannelBudget | None = attrs.field(
-        default=attrs.Factory(
-            lambda self: (
-                ChannelBudget(self.config.max_channel_bytes)
-                if self.config.max_channel_bytes > 0
-                else None
-            ),
-            takes_self=True,
-        )
-    )
-    _transients: int = 0
-    _transient_workers: set[WorkerHandle] = attrs.field(factory=set)
     target: dict[str, str] = attrs.field(factory=dict)
     versions: dict[str, str] = attrs.field(factory=dict)
-    spawn_worker: Callable[..., WorkerHandle] = WorkerProcess.spawn
-    #: Workers watch awake for their grant when next in line, and for their
-    #: next program for a moment after one that ran alone
-    #: (L{WorkerSettings.grant_watch}, L{serving_one}):
-    #: by default where L{cores_to_spare}; C{KCORAL_GRANT_WATCH} in the
-    #: server's environment overrides (C{0} never, C{1} always).
-    grant_watch: bool = attrs.field(
-        default=attrs.Factory(lambda self: watch_allowed(self.config), takes_self=True)
-    )
-    fork_worker: Callable[..., WorkerHandle] = WorkerProcess.fork
-    #: The worker templates by GPU id (C{None}: the CPU template), once
-    #: L{start_templates} started them; a seat whose template is missing or
-    #: failed spawns its workers instead.
-    templates: WorkerTemplates = attrs.field(
+    #: How worker processes are made (L{WorkerMaker}): the settings every
+    #: worker gets, the worker templates, the one-request multi-GPU workers.
+    maker: WorkerMaker = attrs.field(
         default=attrs.Factory(
-            lambda self: WorkerTemplates(
+            lambda self: WorkerMaker(
+                self.config,
                 self._reactor,
-                lambda template, key: Deferred.fromCoroutine(self._start_template(template, key)),
+                self.leases,
+                self,
+                self._run_blocking,
+                self.serving_one,
                 backoff=self.backoff,
             ),
             takes_self=True,
         )
     )
-    #: The configured GPUs by id (discovered at start; an id missing here
-    #: stands for itself: node C{/dev/nvidia<id>}, no UUID).
-    gpu_devices: dict[int, GpuDevice] = attrs.field(factory=dict)
     #: Warm spares, starting or ready, of every GPU (L{WarmSpares}).
     warm: WarmSpares = attrs.field(
         default=attrs.Factory(lambda self: self._warm_spares(), takes_self=True)
@@ -329,10 +255,10 @@ class WorkerPool:
         return WarmSpares(
             self._reactor,
             self.config.spares_of(self.front_end),
-            lambda name: self.root_dir / _safe_name(name),
+            lambda name: self.root_dir / safe_name(name),
             lambda directory: self._run_blocking(self.sandbox.prepare_seat, directory),
-            lambda name, gpus, work_dir: self._spawn(name, 0, gpus, work_dir),
-            lambda paths: self._run_blocking(_remove_trees, paths),
+            lambda name, gpus, work_dir: self.maker.spawn(name, 0, gpus, work_dir),
+            lambda paths: self._run_blocking(remove_trees, paths),
             backoff=self.backoff,
             front_ends=self.config.front_ends,
             front_end_index=self.front_end,
@@ -359,7 +285,7 @@ class WorkerPool:
     async def start(self) -> None:
         """Start every seat's worker; fail if any cannot start or targets differ."""
         if self.config.worker_start == "fork":
-            await self.start_templates()
+            await self.maker.templates.start(seat.gpu_id for seat in self.seats)
         results = await DeferredList(
             [Deferred.fromCoroutine(self._start_seat(seat, "startup")) for seat in self.seats],
             consumeErrors=True,
@@ -388,60 +314,22 @@ class WorkerPool:
         for gpu in self._groups():
             self.warm.fill(gpu)
 
-    async def start_templates(self) -> None:
-        """Start a worker template per device kind (L{WorkerTemplates.start})."""
-        await self.templates.start(seat.gpu_id for seat in self.seats)
-
-    async def _start_template(self, template: WorkerTemplate, gpu_id: int | None) -> None:
-        """Start C{template}'s process in the sandbox; wait until it is ready."""
-        directory = self.root_dir / f"template-{template.name}"
-        work_dir = await self._run_blocking(self.sandbox.prepare_seat, directory)
-        devices = (
-            [] if gpu_id is None else [self.gpu_devices.get(gpu_id) or GpuDevice(gpu_id, gpu_id)]
-        )
-        try:
-            executable, args, env = self.sandbox.template_command(
-                python=sys.executable,
-                template_args=[
-                    "--device",
-                    "cpu" if gpu_id is None else "gpu",
-                    "--tensor-api",
-                    self.config.tensor_api,
-                ],
-                template_dir=work_dir,
-                spaces_dir=self.root_dir,
-                gpu_devices=[str(device.minor) for device in devices],
-            )
-        except Exception as e:
-            template.broken(f"no command line: {e}")
-            await template.ready
-        template.start(executable, args, {**env, **self.worker_env}, path=str(work_dir))
-        await template.ready
+    @property
+    def templates(self) -> WorkerTemplates:
+        """The worker templates by GPU id (C{None}: the CPU template)."""
+        return self.maker.templates
 
     @property
     def worker_start(self) -> str:
         """How new workers are made now (L{WorkerTemplates.worker_start})."""
-        return self.templates.worker_start
-
-    async def stop_templates(self) -> None:
-        """Stop every template (after their workers)."""
-        await self.templates.stop()
-
-    def _template_for(self, gpus: tuple[int, ...]) -> WorkerTemplate | None:
-        """The ready template that can fork a worker for C{gpus}, if any."""
-        return self.templates.ready_for(gpus, self.sandbox.isolates_devices)
+        return self.maker.templates.worker_start
 
     async def _start_seat(self, seat: Seat, phase: str) -> None:
         seat.generation += 1
         seat.status = "starting"
-        seat.seat_dir = self.root_dir / f"{_safe_name(seat.worker_id)}-g{seat.generation}"
+        seat.seat_dir = self.root_dir / f"{safe_name(seat.worker_id)}-g{seat.generation}"
         seat.work_dir = await self._run_blocking(self.sandbox.prepare_seat, seat.seat_dir)
-        worker = self._spawn(
-            seat.worker_id,
-            seat.generation,
-            seat.gpus,
-            seat.work_dir,
-        )
+        worker = self.maker.spawn(seat.worker_id, seat.generation, seat.gpus, seat.work_dir)
         seat.worker = worker
         seat.served = 0
         seat.owner = None
@@ -461,7 +349,7 @@ class WorkerPool:
                 phase=phase,
                 error=str(e),
             )
-            template = self._template_for(seat.gpus)
+            template = self.maker.template_for(seat.gpus)
             if phase == "startup" and getattr(worker, "made", "spawn") == "fork" and template:
                 # A template whose children cannot start is no template: its
                 # seats spawn from now on (worker_start_fallback), this one too.
@@ -489,77 +377,6 @@ class WorkerPool:
             start_ms=(self._reactor.seconds() - worker.started_at) * 1000.0,
         )
 
-    def _spawn(
-        self,
-        worker_id: str,
-        generation: int,
-        gpus: tuple[int, ...],
-        work_dir: Path,
-    ) -> WorkerHandle:
-        """Start a worker process that sees exactly C{gpus} (none: a CPU worker)."""
-        devices = [self.gpu_devices.get(gpu) or GpuDevice(gpu, gpu) for gpu in gpus]
-        worker_args = worker_command_args(
-            "gpu" if gpus else "cpu",
-            tensor_api=self.config.tensor_api,
-        )
-        executable, args, env = self.sandbox.command(
-            python=sys.executable,
-            worker_args=worker_args,
-            work_dir=work_dir,
-            gpu_devices=[str(device.minor) for device in devices],
-        )
-        env = {**env, **self.worker_env}
-        if devices:
-            # CUDA device i is gpus[i], whatever the front end was given.
-            isolated = self.sandbox.isolates_devices
-            env.update(
-                cuda_environment(
-                    devices,
-                    isolated=isolated,
-                    connections=self.config.work_queues,
-                )
-            )
-        template = self._template_for(gpus)
-        worker: WorkerHandle | None = None
-        common: dict[str, Any] = {
-            "seat": worker_id,
-            "generation": generation,
-            "gpus": gpus,
-            "leases": self.leases,
-            "env": env,
-            "settings": WorkerSettings(
-                grace_seconds=self.config.worker_termination_grace_seconds,
-                compiler=self.compiler,
-                channel_budget=self.channel_budget,
-                trace_instructions=self.config.log_level == "debug",
-                grant_watch=self.grant_watch,
-                may_watch_next=self.serving_one,
-            ),
-        }
-        if template is not None:
-            try:
-                worker = self.fork_worker(
-                    self._reactor,
-                    template=template,
-                    args=worker_args,
-                    cwd=self.sandbox.worker_path(work_dir),
-                    workspace=_relative(work_dir, self.root_dir),
-                    capture_bytes=self.sandbox.capture_bytes,
-                    workspace_bytes=self.sandbox.workspace_bytes,
-                    **common,
-                )
-            except TemplateError as e:
-                self.log.warn(
-                    "worker {worker_id} spawned: its template cannot fork ({error})",
-                    kcoral_event="template_fork_failed",
-                    worker_id=worker_id,
-                    template=template.name,
-                    error=str(e),
-                )
-        if worker is None:
-            worker = self.spawn_worker(self._reactor, executable=executable, args=args, **common)
-        return worker
-
     def serving_one(self) -> bool:
         """
         Whether at most one seat is taken: a worker answering now may watch
@@ -570,41 +387,14 @@ class WorkerPool:
     async def start_transient(self, seat: Seat, gpus: tuple[int, ...]) -> tuple[WorkerHandle, Path]:
         """
         Start a one-request worker that sees all of C{gpus} (a multi-GPU
-        program), for the request that holds C{seat}.
-
-        It starts like any worker: imports first, then its context under
-        its GPUs' lease, which it gives back once ready.  Returns the worker
-        (ready) and its directory, which the caller removes with
-        L{remove_transient}.
+        program) for the request that holds C{seat}
+        (L{WorkerMaker.start_transient}); remove it with L{remove_transient}.
         """
-        self._transients += 1
-        directory = self.root_dir / f"{_safe_name(seat.worker_id)}-multi{self._transients}"
-        work_dir = await self._run_blocking(self.sandbox.prepare_seat, directory)
-        worker = self._spawn(seat.worker_id, 0, gpus, work_dir)
-        self._transient_workers.add(worker)
-
-        def forget(result: int | None) -> int | None:
-            self._transient_workers.discard(worker)
-            return result
-
-        worker.ended.addBoth(forget)
-        try:
-            await worker.ready
-        except BaseException:
-            await worker.kill()
-            await self._run_blocking(_remove_trees, [directory])
-            raise
-        return worker, work_dir
+        return await self.maker.start_transient(seat.worker_id, gpus)
 
     def remove_transient(self, worker: WorkerHandle, work_dir: Path) -> Deferred[None]:
         """Stop a transient worker and delete its directory."""
-
-        async def remove() -> None:
-            if worker.alive:
-                await worker.kill()
-            await self._run_blocking(_remove_trees, [work_dir.parent])
-
-        return Deferred.fromCoroutine(remove())
+        return self.maker.remove_transient(worker, work_dir)
 
     def _worker_ended(self, code: int | None, seat: Seat, worker: WorkerHandle) -> int | None:
         if seat.worker is worker and seat.status == "idle":
@@ -624,7 +414,7 @@ class WorkerPool:
             if call is not None and call.active():
                 call.cancel()
         self.warm.close()
-        self.templates.close()
+        self.maker.templates.close()
         self.line.close()
 
     def kill_now(self) -> int:
@@ -635,7 +425,7 @@ class WorkerPool:
         """
         self.stop_waiters()
         workers = [seat.worker for seat in self.seats if seat.worker is not None]
-        workers += list(self._transient_workers)
+        workers += list(self.maker.transient_workers)
         workers += self.warm.workers()
         workers += list(self._retiring)
         killed = 0
@@ -670,7 +460,7 @@ class WorkerPool:
         killed = self.kill_now()
         # A forked worker's end is reported by its template: ending the
         # templates too counts whatever they still hold as gone.
-        Deferred.fromCoroutine(self.stop_templates()).addErrback(
+        Deferred.fromCoroutine(self.maker.templates.stop()).addErrback(
             lambda f: self.log.failure("stopping the worker templates failed", f)
         )
         self.log.warn(
@@ -688,10 +478,10 @@ class WorkerPool:
         stops = [seat.worker.stop() for seat in self.seats if seat.worker is not None]
         await DeferredList(stops + ends, consumeErrors=True)
         self.warm.forget()
-        await self.stop_templates()
+        await self.maker.templates.stop()
         dirs = [seat.seat_dir for seat in self.seats if seat.seat_dir is not None]
         dirs += spare_dirs
-        await self._run_blocking(_remove_trees, dirs)
+        await self._run_blocking(remove_trees, dirs)
 
     # -- one request's seat ----------------------------------------------------
 
@@ -815,7 +605,7 @@ class WorkerPool:
         closes.  Cancelling the Deferred leaves the line.
         """
         if self.closing:
-            return _failed(PoolStopping())
+            return fail(PoolStopping())
         seat = self._take_idle(client)
         if seat is not None:
             return self._fit_for(seat, client)
@@ -883,7 +673,7 @@ class WorkerPool:
         if old is not None and old.alive:
             await old.kill()
         if seat.seat_dir is not None:
-            await self._run_blocking(_remove_trees, [seat.seat_dir])
+            await self._run_blocking(remove_trees, [seat.seat_dir])
         try:
             await self._start_seat(seat, "respawn")
         except Exception:
@@ -1011,7 +801,7 @@ class WorkerPool:
             finally:
                 self._retiring.discard(old)
         if old_dir is not None:
-            await self._run_blocking(_remove_trees, [old_dir])
+            await self._run_blocking(remove_trees, [old_dir])
 
     # -- warm spares ------------------------------------------------------------
 
@@ -1139,18 +929,6 @@ class WorkerPool:
         return rows
 
 
-def _failed(error: Exception) -> Deferred[Any]:
-    d: Deferred[Any] = Deferred()
-    d.errback(error)
-    return d
-
-
-def _remove_trees(paths: list[Path]) -> None:
-    """Blocking: delete seat directories (run in a thread)."""
-    for path in paths:
-        shutil.rmtree(path, ignore_errors=True)
-
-
 __all__ = [
     "BudgetSpent",
     "CancelledError",
@@ -1164,9 +942,3 @@ __all__ = [
     "WorkerPool",
     "WorkerStartFailed",
 ]
-
-
-def _relative(work_dir: Path, root: Path) -> str | None:
-    """C{work_dir} relative to C{root} (how a template child finds it), if below it."""
-    relative = os.path.relpath(os.path.realpath(work_dir), os.path.realpath(root))
-    return None if relative == ".." or relative.startswith("../") else relative

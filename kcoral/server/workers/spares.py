@@ -18,13 +18,14 @@ from typing import Any
 
 import attrs
 from twisted.internet.defer import Deferred
-from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.internet.interfaces import IDelayedCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from kcoral.server.workers.backoff import Backoff
 from kcoral.server.workers.job import WorkerHandle
 from kcoral.server.workers.line import PoolStopping
+from kcoral.server.workers.reactor import Clock
 
 
 @attrs.define(eq=False)
@@ -59,7 +60,7 @@ class WarmSpares:
         stops).
     """
 
-    _clock: IReactorTime
+    _clock: Clock
     #: Spares per group (C{--spares-per-group}).
     wanted: int
     #: The directory of a spare, by its name.

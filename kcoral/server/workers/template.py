@@ -36,6 +36,7 @@ from twisted.protocols.basic import LineOnlyReceiver
 from twisted.python.failure import Failure
 
 from kcoral.server.workers.backoff import Backoff
+from kcoral.server.workers.reactor import WorkerReactor
 
 #: The template's end of its socket (L{kcoral.worker.template.TEMPLATE_FD}).
 TEMPLATE_FD = 3
@@ -508,7 +509,7 @@ class WorkerTemplates(Mapping[int | None, WorkerTemplate]):
     fires once the template is ready.
     """
 
-    _reactor: Any
+    _reactor: WorkerReactor
     _launch: Callable[[WorkerTemplate, int | None], Deferred[None]]
     #: The wait before a failed template is started again.
     backoff: Backoff = Backoff()

@@ -1,0 +1,50 @@
+"""
+What the worker side of the server uses of the reactor, as one type: the
+clock (L{IReactorTime}), process spawning (L{IReactorProcess}) and the
+adoption of a template's socket (L{IReactorSocket}).  The global reactor
+and L{kcoral.testing.fakes.ProcessReactor} provide all three.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from socket import AddressFamily
+from typing import Any, Protocol
+
+from twisted.internet.interfaces import (
+    IDelayedCall,
+    IProcessProtocol,
+    IProcessTransport,
+    IProtocolFactory,
+)
+
+
+class Clock(Protocol):
+    """The part of L{IReactorTime} the pool's timers use (a L{task.Clock} in tests)."""
+
+    def seconds(self) -> float: ...
+
+    def callLater(
+        self, delay: float, callable: Callable[..., Any], *args: object, **kwargs: object
+    ) -> IDelayedCall: ...
+
+
+class WorkerReactor(Clock, Protocol):
+    """L{IReactorTime}, L{IReactorProcess} and L{IReactorSocket} in one."""
+
+    def spawnProcess(
+        self,
+        processProtocol: IProcessProtocol,
+        executable: bytes | str,
+        args: Sequence[bytes | str],
+        env: Mapping[Any, Any] | None = None,
+        path: bytes | str | None = None,
+        uid: int | None = None,
+        gid: int | None = None,
+        usePTY: bool = False,
+        childFDs: Mapping[int, int | str] | None = None,
+    ) -> IProcessTransport: ...
+
+    def adoptStreamConnection(
+        self, fileDescriptor: int, addressFamily: AddressFamily, factory: IProtocolFactory
+    ) -> None: ...

@@ -192,6 +192,26 @@ class WorkerMaker:
         """The ready template that can fork a worker for C{gpus}, if any."""
         return self.templates.ready_for(gpus, self._place.sandbox.isolates_devices)
 
+    def fork_failed(self, worker: WorkerHandle, gpus: tuple[int, ...], error: Exception) -> bool:
+        """
+        C{worker} did not start: when it was forked, its template is given
+        up (a template whose children cannot start is no template: its
+        workers are spawned from now on, C{worker_start_fallback}).
+        Returns whether it was, so the caller may spawn one instead.
+        """
+        template = self.template_for(gpus)
+        if getattr(worker, "made", "spawn") != "fork" or template is None:
+            return False
+        template.broken(f"a forked worker failed to start: {error}")
+        self.log.error(
+            "worker template {templates} forks workers that cannot start: "
+            "new workers are spawned, each paying its imports",
+            kcoral_event="worker_start_fallback",
+            templates=[template.name],
+            errors=[str(error)],
+        )
+        return True
+
     def spawn(
         self, worker_id: str, generation: int, gpus: tuple[int, ...], work_dir: Path
     ) -> WorkerHandle:

@@ -1,6 +1,6 @@
 # -*- test-case-name: tests.unit.test_pool -*-
 """
-The worker pool: seats, the FIFO wait queue, and replacement.
+The worker pool: seats, replacement and status.
 
 A seat (C{cpu/w0}, C{gpu0/w3}) keeps its name while the processes occupying
 it come and go; each process has a generation.  A request takes an idle seat
@@ -8,12 +8,17 @@ it come and go; each process has a generation.  A request takes an idle seat
 line; when it is done the seat is either offered again at once (reuse) or
 its worker is retired and the seat comes back only once a replacement is
 ready, so no request ever waits for a process start it did not cause.
+
+Its parts live beside it: the waiting line (L{kcoral.server.workers.line}),
+the warm spares (L{kcoral.server.workers.spares}), how a worker process is
+made, templates included (L{kcoral.server.workers.maker}), and a seat and
+one request's hold on it (L{kcoral.server.workers.seat}).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
@@ -23,168 +28,16 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from kcoral.config import ServerConfig
-from kcoral.server.leases.lease import Leases, LeaseUnavailable
+from kcoral.server.leases.lease import Leases
 from kcoral.server.sandbox.interface import ISandbox
 from kcoral.server.workers.backoff import Backoff
-from kcoral.server.workers.job import Job, JobResult, WorkerHandle
+from kcoral.server.workers.job import WorkerHandle
 from kcoral.server.workers.line import STOPPING_MESSAGE, PoolBusy, PoolStopping, WaitingLine
 from kcoral.server.workers.maker import WorkerMaker, remove_trees, safe_name
 from kcoral.server.workers.reactor import WorkerReactor
+from kcoral.server.workers.seat import BudgetSpent, Seat, SeatUse, WorkerStartFailed, hold_seat
 from kcoral.server.workers.spares import Spare, WarmSpares
 from kcoral.server.workers.template import WorkerTemplates
-from kcoral.wire.render import Placement
-
-
-class WorkerStartFailed(Exception):
-    """The one-request worker of a multi-GPU program did not start."""
-
-
-class BudgetSpent(Exception):
-    """Starting a multi-GPU program's worker used up its whole time budget."""
-
-
-@attrs.define(eq=False)
-class Seat:
-    """A named place for one worker process."""
-
-    worker_id: str
-    gpu_id: int | None
-    generation: int = 0
-    worker: WorkerHandle | None = None
-    work_dir: Path | None = None
-    seat_dir: Path | None = None
-    status: str = "starting"
-    served: int = 0
-    #: The client (address) whose requests the current worker has served;
-    #: C{None} while it has served none (docs/security.md, "reuse scope").
-    owner: str | None = None
-    #: Replacements that failed in a row (reset by one that starts).
-    respawn_failures: int = 0
-    #: Why the last replacement failed, while C{respawn_failures} > 0.
-    respawn_error: str | None = None
-    #: When the next replacement is tried (reactor seconds), while backing off.
-    respawn_at: float | None = None
-    _respawn_call: Any = None
-
-    @property
-    def gpus(self) -> tuple[int, ...]:
-        return () if self.gpu_id is None else (self.gpu_id,)
-
-
-@attrs.define(eq=False)
-class SeatUse:
-    """
-    One request's hold on a seat, from L{WorkerPool.seat}: which worker runs
-    it and where, and what its run told the pool about the worker.
-
-    @ivar gpus: the GPUs the worker sees (a multi-GPU program's grant).
-    @ivar multi_gpu: the worker is a one-request worker started for it.
-    """
-
-    seat: Seat
-    worker: WorkerHandle
-    work_dir: Path
-    _pool: WorkerPool
-    queue_ms: float
-    assigned_at: float
-    gpus: tuple[int, ...]
-    multi_gpu: bool = False
-    startup_seconds: float = 0.0
-    #: What the job's budget was once the worker had started.
-    timeout_seconds: float | None = None
-    result: JobResult | None = None
-    #: The request was cancelled (its client left) while its program ran.
-    abandoned: bool = False
-    #: The worker was told this is its last program (L{Job.last}).
-    last: bool = False
-
-    @property
-    def worker_id(self) -> str:
-        return self.seat.worker_id
-
-    @property
-    def gpu_id(self) -> int | None:
-        """The GPU the request was routed to (a multi-GPU grant's first)."""
-        return self.gpus[0] if self.multi_gpu else self.seat.gpu_id
-
-    @property
-    def generation(self) -> int:
-        return 0 if self.multi_gpu else self.seat.generation
-
-    @property
-    def pid(self) -> int | None:
-        return self.worker.pid
-
-    @property
-    def placement(self) -> Placement:
-        """Where the request ran, as the response reports it."""
-        return Placement(self.seat.worker_id, self.seat.gpu_id, self.gpus)
-
-    def _is_last(self) -> bool:
-        """
-        Whether this is the worker's last request: a multi-GPU program's
-        worker serves one, a seat's worker C{--max-requests-per-worker}
-        (0: no limit).  The pool alone counts; the worker is told
-        (L{Job.last}) and retires after answering.
-        """
-        limit = self._pool.config.max_requests_per_worker
-        return self.multi_gpu or (limit > 0 and self.seat.served + 1 >= limit)
-
-    async def run(self, job: Job) -> JobResult:
-        """
-        Run C{job} on this worker, in its workspace.
-
-        Starting a multi-GPU worker counts against the budget (§6.5).
-
-        @raise BudgetSpent: nothing of the budget is left to run in.
-        """
-        sandbox = self._pool.sandbox
-        timeout = job.timeout_seconds - self.startup_seconds
-        if self.multi_gpu and timeout <= 0:
-            raise BudgetSpent()
-        job = attrs.evolve(
-            job,
-            workspace=sandbox.worker_path(self.work_dir),
-            reserved=sandbox.reserved,
-            timeout_seconds=timeout,
-            last=self._is_last(),
-        )
-        self.last = job.last
-        self.timeout_seconds = timeout
-        try:
-            result: JobResult = await self.worker.run(job)
-        except CancelledError:
-            # The client left: the program is still running in the worker,
-            # which must go (retire reason C{abandoned}).
-            self.abandoned = True
-            raise
-        self.result = result
-        return result
-
-    def retire_reason(self) -> str | None:
-        """
-        Why the seat's worker must go after this request, or C{None} to
-        reuse it: a timeout or crash, the worker's own word (a poisoned
-        context), or the per-worker request limit.
-        """
-        result = self.result
-        if self.abandoned:
-            return "abandoned"
-        if result is None:
-            worker = self.seat.worker
-            alive = worker is not None and worker.alive and not worker.busy
-            return None if alive else "crashed"
-        if result.ending == "timeout":
-            return "timeout"
-        if result.ending == "invalid":
-            return "channel_violation"
-        if result.ending != "outcome":
-            return "crashed"
-        assert result.outcome is not None
-        if result.outcome.retire:
-            return result.outcome.retire
-        # Told it was its last (a worker that answers otherwise goes anyway).
-        return "request_limit" if self.last else None
 
 
 @attrs.define(eq=False)
@@ -349,18 +202,8 @@ class WorkerPool:
                 phase=phase,
                 error=str(e),
             )
-            template = self.maker.template_for(seat.gpus)
-            if phase == "startup" and getattr(worker, "made", "spawn") == "fork" and template:
-                # A template whose children cannot start is no template: its
-                # seats spawn from now on (worker_start_fallback), this one too.
-                template.broken(f"a forked worker failed to start: {e}")
-                self.log.error(
-                    "worker template {templates} forks workers that cannot start: "
-                    "new workers are spawned, each paying its imports",
-                    kcoral_event="worker_start_fallback",
-                    templates=[template.name],
-                    errors=[str(e)],
-                )
+            if phase == "startup" and self.maker.fork_failed(worker, seat.gpus, e):
+                # Its template is given up: this seat spawns.
                 await self._start_seat(seat, phase)
                 return
             raise
@@ -485,111 +328,11 @@ class WorkerPool:
 
     # -- one request's seat ----------------------------------------------------
 
-    @asynccontextmanager
-    async def seat(
+    def seat(
         self, request_id: str, gpu_count: int | None = None, client: str | None = None
-    ) -> AsyncIterator[SeatUse]:
-        """
-        Hold a seat for one request, waiting in line for it.
-
-        With C{gpu_count}, start a one-request worker that sees the
-        C{gpu_count} least busy GPUs (protocol §6.5); it takes their lease
-        itself, only while its instructions use them, and is removed
-        afterwards.  On exit the seat goes back to the pool, its
-        worker retired when L{SeatUse.retire_reason} says so.
-
-        @param client: the request's client address: a reused worker serves
-            one client only (the reuse scope, L{acquire}).
-        @raise PoolBusy: no seat (or no GPUs) within the wait timeout.
-        @raise WorkerStartFailed: the multi-GPU worker did not start.
-        """
-        queued = self._reactor.seconds()
-        try:
-            seat = await self.acquire(
-                self.config.worker_wait_timeout_seconds, client if gpu_count is None else None
-            )
-        except PoolBusy as e:
-            queue_ms = (self._reactor.seconds() - queued) * 1000.0
-            if isinstance(e, PoolStopping):
-                raise PoolStopping(queue_ms) from None
-            raise PoolBusy(str(e), queue_ms=queue_ms) from None
-        assigned = self._reactor.seconds()
-        queue_ms = (assigned - queued) * 1000.0
-        if gpu_count is None:
-            assert seat.worker is not None and seat.work_dir is not None
-            use = SeatUse(seat, seat.worker, seat.work_dir, self, queue_ms, assigned, seat.gpus)
-            try:
-                yield use
-            except BaseException:
-                self.release(seat, retire=use.retire_reason())
-                raise
-            retire = use.retire_reason()
-            emptied = False
-            try:
-                if not await self._empty_unsandboxed_workspace(seat, use.worker, retire):
-                    retire = "sandbox_cleanup"
-                else:
-                    emptied = self.sandbox.name == "none" and seat.work_dir is not None
-            finally:
-                self.release(seat, retire=retire, clean=emptied)
-            return
-        try:
-            try:
-                gpus = self.leases.least_busy(gpu_count)
-            except LeaseUnavailable:
-                raise PoolBusy("server saturated", queue_ms=queue_ms) from None
-            starting = self._reactor.seconds()
-            try:
-                worker, work_dir = await self.start_transient(seat, gpus)
-            except Exception as e:
-                raise WorkerStartFailed(str(e)) from e
-            use = SeatUse(
-                seat,
-                worker,
-                work_dir,
-                self,
-                queue_ms,
-                assigned,
-                gpus,
-                multi_gpu=True,
-                startup_seconds=self._reactor.seconds() - starting,
-            )
-            try:
-                yield use
-            finally:
-                self.remove_transient(worker, work_dir).addErrback(
-                    lambda f: self.log.failure("removing a multi-GPU worker failed", f)
-                )
-        finally:
-            self.release(seat)
-
-    async def _empty_unsandboxed_workspace(
-        self, seat: Seat, worker: WorkerHandle, retire: str | None
-    ) -> bool:
-        """
-        Without a sandbox nothing hides one request's workspace from the
-        next, so empty it before the answer goes out rather than after
-        (issue 17, item 5).  A retiring worker is stopped first, so nothing
-        writes into the workspace once it is empty.  Returns C{False} when
-        the workspace could not be emptied (the worker must then retire).
-        """
-        if self.sandbox.name != "none" or seat.work_dir is None:
-            return True
-        if retire is not None and retire != "request_limit" and worker.alive:
-            await worker.kill()
-        if self._workspace_is_clean(seat.work_dir):
-            # The program wrote nothing there: no clear, no thread.
-            return True
-        try:
-            await self._run_blocking(self.sandbox.clear_workspace, seat.work_dir)
-        except Exception as e:
-            self.log.warn(
-                "could not empty the workspace of {worker_id}: {error}",
-                worker_id=seat.worker_id,
-                error=str(e),
-            )
-            return False
-        return True
+    ) -> AbstractAsyncContextManager[SeatUse]:
+        """Hold a seat for one request, waiting in line for it (L{hold_seat})."""
+        return hold_seat(self, self._reactor, self._run_blocking, request_id, gpu_count, client)
 
     # -- acquire and release -------------------------------------------------
 
@@ -703,7 +446,9 @@ class WorkerPool:
         seat.served += 1
         worker = seat.worker
         if retire is None and worker is not None and worker.alive:
-            if clean or self._workspace_is_clean(seat.work_dir):
+            if clean or (
+                seat.work_dir is not None and self.sandbox.workspace_is_clean(seat.work_dir)
+            ):
                 self._offer(seat)
                 return
             d = self._run_blocking(self.sandbox.clear_workspace, seat.work_dir)
@@ -713,13 +458,6 @@ class WorkerPool:
             )
             return
         self._replace(seat, retire or "crashed")
-
-    def _workspace_is_clean(self, work_dir: Path | None) -> bool:
-        """
-        Whether C{work_dir} needs no clear (L{ISandbox.workspace_is_clean},
-        a few bounded calls on the reactor); C{False} without a workspace.
-        """
-        return work_dir is not None and self.sandbox.workspace_is_clean(work_dir)
 
     def _replace(self, seat: Seat, reason: str, failure: Failure | None = None) -> None:
         worker = seat.worker
@@ -897,36 +635,8 @@ class WorkerPool:
         return len(self.seats) - len(self._replacing)
 
     def worker_status(self, now: float) -> list[dict[str, Any]]:
-        """
-        Per-seat status for /health and /status.
-
-        C{status} is one of the protocol's worker states, C{idle} or
-        C{busy}, which is all 0.1.1-era consumers accept: a seat that is
-        starting, being replaced or dead cannot take a request, so it is
-        C{busy}.  C{state} says which of those it is.
-        """
-        rows = []
-        for seat in self.seats:
-            worker = seat.worker
-            rows.append(
-                {
-                    "worker_id": seat.worker_id,
-                    "gpu_id": seat.gpu_id,
-                    "status": "idle" if seat.status == "idle" else "busy",
-                    "state": seat.status,
-                    "generation": seat.generation,
-                    "pid": None if worker is None else worker.pid,
-                    "uptime_seconds": 0.0
-                    if worker is None or not worker.alive
-                    else round(now - worker.started_at, 3),
-                    "respawn_failures": seat.respawn_failures,
-                    "respawn_error": seat.respawn_error,
-                    "respawn_in_seconds": None
-                    if seat.respawn_at is None
-                    else round(max(0.0, seat.respawn_at - now), 3),
-                }
-            )
-        return rows
+        """Per-seat status for /health and /status (L{Seat.status_row})."""
+        return [seat.status_row(now) for seat in self.seats]
 
 
 __all__ = [

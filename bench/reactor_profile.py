@@ -79,8 +79,16 @@ CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
         ),
     ),
     (
-        "HTTP (twisted.web, Klein, kcoral.server.http.site)",
-        ("twisted/web/", "klein/", "kcoral/server/http/site.py"),
+        "HTTP (twisted.web, Klein, kcoral.server.http site, channel, request)",
+        (
+            "twisted/web/",
+            "klein/",
+            "kcoral/server/http/site.py",
+            "kcoral/server/http/channel.py",
+            "kcoral/server/http/request.py",
+            "kcoral/server/http/refusals.py",
+            "kcoral/server/http/accept.py",
+        ),
     ),
     ("reactor, sockets, Deferreds", ("twisted/",)),
     ("other kcoral", ("kcoral/",)),

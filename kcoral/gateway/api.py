@@ -58,7 +58,8 @@ from kcoral.server.http.app import (
     _settle_streamed,
     _streamed_result,
 )
-from kcoral.server.http.site import KcoralSite, LimitedRequest
+from kcoral.server.http.request import LimitedRequest
+from kcoral.server.http.site import KcoralSite
 from kcoral.server.http.streaming import BodyProducer, DirectSocket
 from kcoral.server.observe.logs import event_level_for_finish_reason
 from kcoral.server.workers.pool import PoolBusy

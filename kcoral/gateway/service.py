@@ -32,7 +32,8 @@ from kcoral.gateway.natsbridge import NatsBridge, NatsCredentials, load_credenti
 from kcoral.gateway.natsqueue import NatsJobQueue
 from kcoral.gateway.pool import PoolView
 from kcoral.server.cache import BlobStore, DiskFileCache, MemoryBlobCache
-from kcoral.server.http.site import AcceptGuard, listen_all, raise_fd_limit
+from kcoral.server.http.accept import AcceptGuard, raise_fd_limit
+from kcoral.server.http.site import listen_all
 
 __all__ = ["GatewayConfig", "GatewayService", "makeService"]
 

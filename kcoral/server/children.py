@@ -33,8 +33,9 @@ from twisted.web.server import Site
 from kcoral.config import ServerConfig
 from kcoral.server.cache import DiskFileCache
 from kcoral.server.frontends import listen_reusing_port
+from kcoral.server.http.accept import AcceptGuard, raise_fd_limit
 from kcoral.server.http.auth import beyond_loopback
-from kcoral.server.http.site import AcceptGuard, listen_all, port_hosts, raise_fd_limit
+from kcoral.server.http.site import listen_all, port_hosts
 from kcoral.server.leases.gpus import GpuDevice, discover_gpus, select_gpus
 
 if TYPE_CHECKING:
@@ -363,7 +364,7 @@ class ListeningPortService(AsyncService):
                 tokens = await self._run_blocking(load_tokens, self._token_file)
             guard = TokenGuard(self._site.resource, tokens, public_metrics=self._public_metrics)
             self._site.resource = guard
-            # Heads are checked before their bodies are read (kcoral.server.http.site).
+            # Heads are checked before their bodies are read (kcoral.server.http.request).
             self._site.guard = guard  # type: ignore[attr-defined]
         if self._reuse_port:
             # Several front ends: each binds the same port (kcoral.server.frontends).

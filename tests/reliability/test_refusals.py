@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kcoral.server.http.site import REFUSALS
+from kcoral.server.http.refusals import REFUSALS
 from kcoral.testing.live_server import ServerProcess, multipart_body, request
 from tests.reliability.conftest import run_program
 from tests.reliability.test_clients import events, read_all, split_response, wait_for

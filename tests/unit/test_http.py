@@ -1,6 +1,7 @@
 """
-Tests for L{kcoral.server.http.site}: every refusal of the HTTP layer is the
-protocol's JSON ERROR body with the right status, and request heads and
+Tests for L{kcoral.server.http.site} (with its channel, request, refusals
+and accept guard): every refusal of the HTTP layer is the protocol's JSON
+ERROR body with the right status, and request heads and
 bodies have deadlines that trickling cannot extend.  In memory: a
 L{StringTransport} and a L{Clock}, no sockets.
 """
@@ -31,18 +32,17 @@ from twisted.web.iweb import IRequest
 from zope.interface import implementer
 
 from kcoral.ipc import shared
-from kcoral.server.http.auth import TokenGuard, parse_tokens
-from kcoral.server.http.site import (
+from kcoral.server.http.accept import (
     ACCEPT_PAUSE_SECONDS,
-    BACKLOG_PAUSE_BYTES,
-    LINGER_SECONDS,
-    REFUSALS,
     TROUBLE_LOG_INTERVAL,
     AcceptGuard,
-    KcoralSite,
     raise_fd_limit,
-    raw_error_response,
 )
+from kcoral.server.http.auth import TokenGuard, parse_tokens
+from kcoral.server.http.channel import LINGER_SECONDS
+from kcoral.server.http.refusals import REFUSALS, raw_error_response
+from kcoral.server.http.request import BACKLOG_PAUSE_BYTES
+from kcoral.server.http.site import KcoralSite
 from kcoral.testing.live_server import multipart_body
 from kcoral.wire.program import ValidationError
 

@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from twisted.logger import Logger, LogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
-from kcoral.server.http.site import REFUSALS
+from kcoral.server.http.refusals import REFUSALS
 from kcoral.server.observe.metrics import Metrics, pack_families, unpack_families
 
 

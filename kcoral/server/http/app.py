@@ -515,7 +515,7 @@ class KcoralAPI:
             raise PoolBusy("server saturated")
         streamed = getattr(request, "body_parser", None)
         if streamed is not None:
-            # The body was parsed and hashed as it arrived (kcoral.server.http.site).
+            # The body was parsed and hashed as it arrived (kcoral.server.http.request).
             if streamed.settling:
                 # A large blob's threads may still be on its last bytes:
                 # wait for them on a pool thread, not the reactor.

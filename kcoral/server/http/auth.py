@@ -6,7 +6,7 @@ The token file (C{--auth-token-file}) holds one client per line,
 C{NAME TOKEN}; a file of a single bare token names its client C{default}.
 Blank lines and lines starting with C{#} are ignored.  The client name is
 logged with each request and is the identity the worker-reuse scope keys
-on (C{request.client_name}, see L{kcoral.server.http.site.LimitedRequest}).
+on (C{request.client_name}, see L{kcoral.server.http.request.LimitedRequest}).
 
 L{TokenGuard} sits in front of the Klein resource: C{/health} is always
 open (load balancers probe it), C{/metrics} and C{/status} only with
@@ -128,7 +128,7 @@ class TokenGuard(Resource):
         Whether a request for C{path} with this C{Authorization} value is
         refused: the HTTP layer asks as soon as a request head is in, so a
         request without a valid token never has its body read
-        (L{kcoral.server.http.site.LimitedRequest}).
+        (L{kcoral.server.http.request.LimitedRequest}).
         """
         return path not in self._open and self._tokens.client_for(authorization) is None
 
@@ -142,7 +142,7 @@ class TokenGuard(Resource):
 
     def _unauthorized(self, request: IRequest) -> bytes:
         # The refusal is logged (request_refused, reason "unauthorized") by
-        # the request when the 401 is sent (kcoral.server.http.site).
+        # the request when the 401 is sent (kcoral.server.http.request).
         request_id = choose_request_id(_raw(request, b"x-request-id"))
         request.setResponseCode(401)
         request.setHeader(b"Content-Type", b"application/json")

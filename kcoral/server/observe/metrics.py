@@ -77,7 +77,7 @@ from prometheus_client.registry import Collector
 from twisted.logger import ILogObserver, Logger
 from zope.interface import implementer
 
-from kcoral.server.http.site import REFUSALS
+from kcoral.server.http.refusals import REFUSALS
 
 __all__ = [
     "FINISH_REASONS",

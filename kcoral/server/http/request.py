@@ -1,0 +1,336 @@
+# -*- test-case-name: tests.unit.test_http -*-
+"""
+L{LimitedRequest}: the request of a L{kcoral.server.http.site.KcoralSite}.
+
+It refuses a body over C{site.max_request_bytes} while it arrives (never
+buffered), counts body bytes against the site's bytes in flight as they
+arrive, parses a multipart body as it arrives when the site streams bodies
+(Twisted's own form parsing is turned off; the program's multipart body is
+parsed by L{kcoral.wire.multipart}), and turns any non-JSON error page
+(Klein's 404/405 HTML, Twisted's 500 page) into the protocol's ERROR body.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+from twisted.internet.interfaces import IReactorFromThreads
+from twisted.web.server import Request
+
+from kcoral.server.http.refusals import error_json, log_refusal, peer_host
+from kcoral.wire.errors import REQUEST_KIND_HEADERS, choose_request_id
+from kcoral.wire.multipart import StreamedBody
+
+#: Bytes of a streamed body that may wait for their blob's hash (on a
+#: thread, L{kcoral.ipc.blobsink}) before the connection stops reading; it
+#: reads again once they are down to the second figure, several of the hash
+#: thread's pieces, so the hash never waits for the socket.  Most of them
+#: are already in the blob's memfd (its own memory); the chunks not yet
+#: written are a few.
+BACKLOG_PAUSE_BYTES = 32 << 20
+BACKLOG_RESUME_BYTES = 16 << 20
+
+
+class LimitedRequest(Request):
+    """
+    A request that stops buffering its body past C{site.max_request_bytes}
+    and whose error responses are always the protocol's JSON ERROR body.
+
+    When a declared C{Content-Length} is over the limit, or the body grows
+    over it, C{too_large} is set and the remaining bytes are discarded; the
+    resource answers 413 once the (discarded) body has been received.
+
+    Body bytes count against the site's bytes in flight (and the client
+    address's share of them) as they arrive, never as declared: a head
+    that declares a large body holds nothing.  A declared length that
+    cannot fit beside what is already held is refused at once
+    (C{over_capacity}, a 503 before the body is read); a body that grows
+    past what is left is dropped, its bytes released, and answered 503.
+
+    C{client_name} is the name of the bearer token the request carried
+    (L{kcoral.server.http.auth}), or C{None} when the server has no tokens: the
+    client identity that worker reuse is scoped by.
+    """
+
+    too_large = False
+    #: The server already holds C{max_bytes_in_flight} of request bodies:
+    #: this body is discarded and the request answered 503.
+    over_capacity = False
+    #: The multipart body parsed as it arrives (L{StreamedBody}), when the
+    #: site streams bodies: nothing is spooled, C{content} stays empty.
+    body_parser: StreamedBody | None = None
+    body_bytes = 0
+    client_name: str | None = None
+    #: The site has tokens and the head carried no valid one for its path:
+    #: the body is not read, the token guard answers 401.
+    unauthorized = False
+    #: Reactor seconds from the end of the request head to the last body
+    #: byte (C{None} until the body is complete): the upload as the server
+    #: sees it.
+    body_seconds: float | None = None
+    _body_started: float | None = None
+    _error_body_written = False
+    _paused_for_backlog = False
+    _refusal_logged = False
+    _reserved = 0
+    _reserved_at: Any = None
+    #: Of C{_reserved}, the request body bytes counted against the client
+    #: address C{_peer} (response bytes held are not).
+    _peer_reserved = 0
+    _peer: str | None = None
+
+    def _site(self) -> Any:
+        return getattr(self.channel, "site", None)
+
+    def _limit(self) -> int | None:
+        return getattr(self._site(), "max_request_bytes", None)
+
+    def _reserve(self, size: int, force: bool = False) -> bool:
+        """
+        Count C{size} more bytes against the site's bytes in flight; with
+        C{force}, whatever the cap (bytes that already exist).
+        """
+        site = self._site()
+        reserve = getattr(site, "reserve_bytes", None)
+        if reserve is None:
+            return True
+        if self._reserved_at is None:
+            # The channel is gone by the time the request has finished.
+            self._reserved_at = site
+            self._peer = peer_host(self.channel.transport if self.channel else None)
+            self.notifyFinish().addBoth(self._release)
+        if force:
+            site.bytes_in_flight += size
+        elif not reserve(size, self._reserved, peer=self._peer, peer_held=self._peer_reserved):
+            return False
+        elif self._peer is not None:
+            self._peer_reserved += size
+        self._reserved += size
+        return True
+
+    def hold_bytes(self, size: int) -> None:
+        """
+        Count a response's C{size} bytes of shared result buffers against
+        the bytes in flight until the request finishes: while large results
+        stream out, new bodies past the cap are answered 503.
+        """
+        if size:
+            self._reserve(size, force=True)
+
+    def _release(self, result: object = None) -> None:
+        """Give back every byte this request holds and drop its body parser."""
+        reserved, self._reserved = self._reserved, 0
+        peer_reserved, self._peer_reserved = self._peer_reserved, 0
+        site = self._reserved_at
+        if reserved and site is not None:
+            release = getattr(site, "release_bytes", None)
+            if release is not None:
+                release(reserved, self._peer, peer_reserved)
+            else:
+                site.bytes_in_flight -= reserved
+        parser, self.body_parser = self.body_parser, None
+        if parser is not None:
+            parser.abort()
+
+    def _skip_body(self) -> None:
+        channel: Any = self.channel
+        if channel is not None:
+            # Answer now instead of waiting for a body that is never read:
+            # the channel treats the request as complete once its headers
+            # end, and closes the connection after the response so the
+            # unread body cannot be taken for the next request.
+            channel.length = 0
+            channel.persistent = False
+            channel.linger_on_close = True
+
+    def _head_unauthorized(self) -> bool:
+        """The site checks tokens and this head's path needs one it lacks."""
+        guard = getattr(self._site(), "guard", None)
+        if guard is None:
+            return False
+        path = getattr(self.channel, "_path", None) or b""
+        return bool(guard.refuses(path.split(b"?", 1)[0], self.getHeader(b"authorization")))
+
+    def _admits(self, length: int) -> bool:
+        """A declared body of C{length} bytes can fit beside those held now."""
+        admits = getattr(self._site(), "admits_bytes", None)
+        if admits is None:
+            return True
+        return bool(admits(length, peer_host(self.channel.transport if self.channel else None)))
+
+    def gotLength(self, length: int | None) -> None:
+        limit = self._limit()
+        if length != 0 and self._head_unauthorized():
+            # No token: nothing of the body is read or counted.
+            self.unauthorized = True
+            length = 0
+            self._skip_body()
+        elif length is not None and limit is not None and length > limit:
+            self.too_large = True
+            length = 0
+            self._skip_body()
+        elif length and not self._admits(length):
+            self.over_capacity = True
+            length = 0
+            self._skip_body()
+        self._body_started = self._now()
+        if self.too_large or self.over_capacity or self.unauthorized or not self._stream_body():
+            # Twisted's own content file: a temporary file on disk past 100 kB.
+            super().gotLength(length)
+
+    def _now(self) -> float | None:
+        reactor = getattr(self._site(), "reactor", None)
+        return None if reactor is None else float(reactor.seconds())
+
+    def since_head(self) -> float | None:
+        """Reactor seconds since the end of the request head (C{None}: not measured)."""
+        started, now = self._body_started, self._now()
+        return None if started is None or now is None else now - started
+
+    def requestReceived(self, command: bytes, path: bytes, version: bytes) -> None:
+        started, now = self._body_started, self._now()
+        if started is not None and now is not None:
+            self.body_seconds = now - started
+        super().requestReceived(command, path, version)
+
+    def _stream_body(self) -> bool:
+        """
+        Parse a multipart body as it arrives, when the site does so (then
+        nothing is spooled: C{content} stays empty); whether it does.
+        """
+        make = getattr(self._site(), "streamed_body", None)
+        if make is None:
+            return False
+        values = self.requestHeaders.getRawHeaders(b"content-type")
+        content_type = values[-1].decode("latin-1") if values else None
+        parser = make(content_type)
+        if parser is None:
+            return False
+        self.body_parser = parser
+        self.content = io.BytesIO()
+        return True
+
+    def handleContentChunk(self, data: bytes) -> None:
+        if self.too_large or self.over_capacity:
+            return
+        self.body_bytes += len(data)
+        limit = self._limit()
+        if limit is not None and self.body_bytes > limit:
+            self.too_large = True
+            self._drop_body()
+            return
+        if not self._reserve(len(data)):
+            # The body grew past what is left of the bytes in flight (or of
+            # its client's share): drop it and answer 503 once it is in.
+            self.over_capacity = True
+            self._drop_body()
+            return
+        if self.body_parser is not None:
+            self.body_parser.feed(data)
+            if self._paused_for_backlog or self.body_parser.backlog() > BACKLOG_PAUSE_BYTES:
+                self._check_backlog()
+            return
+        super().handleContentChunk(data)
+
+    def _check_backlog(self) -> None:
+        """
+        Stop reading the connection while its body's blob threads are more
+        than L{BACKLOG_PAUSE_BYTES} behind, until they are down to
+        L{BACKLOG_RESUME_BYTES}: TCP then holds the client back.
+        """
+        parser = self.body_parser
+        backlog = 0 if parser is None else parser.backlog()
+        transport: Any = self.transport
+        if not self._paused_for_backlog:
+            if parser is None or backlog <= BACKLOG_PAUSE_BYTES:
+                return
+            self._paused_for_backlog = True
+            transport.pauseProducing()
+        elif parser is None or backlog <= BACKLOG_RESUME_BYTES:
+            self._paused_for_backlog = False
+            transport.resumeProducing()
+            return
+        from_threads = IReactorFromThreads(self._site().reactor)
+        parser.when_drained(
+            BACKLOG_RESUME_BYTES, lambda: from_threads.callFromThread(self._check_backlog)
+        )
+
+    def _drop_body(self) -> None:
+        # The bytes received so far are discarded: they no longer count.
+        self._release()
+        content = getattr(self, "content", None)
+        if content is not None:
+            try:
+                content.seek(0)
+                content.truncate()
+            except Exception:
+                pass
+
+    # -- error bodies -------------------------------------------------------
+
+    def _needs_json_error(self) -> bool:
+        if self.startedWriting or self.code < 400:
+            return False
+        content_type = self.responseHeaders.getRawHeaders(b"content-type") or [b""]
+        return not content_type[-1].lower().startswith(b"application/json")
+
+    def _write_json_error(self) -> None:
+        """Replace whatever error page was coming with the ERROR body."""
+        ids = self.responseHeaders.getRawHeaders(b"x-request-id")
+        if ids:
+            request_id = ids[0].decode("ascii", "replace")
+        else:
+            sent = self.requestHeaders.getRawHeaders(b"x-request-id")
+            request_id = choose_request_id(None if sent is None else list(sent))
+            self.setHeader(b"X-Request-ID", request_id.encode("ascii"))
+        kind, body = error_json(self.code, request_id)
+        for name, value in REQUEST_KIND_HEADERS.get(kind, {}).items():
+            self.setHeader(name.encode("ascii"), value.encode("ascii"))
+        self.setHeader(b"Content-Type", b"application/json")
+        self.setHeader(b"Content-Length", str(len(body)).encode("ascii"))
+        self._error_body_written = True
+        super().write(body)
+
+    def write(self, data: bytes) -> None:
+        if self._error_body_written:
+            return
+        if self._needs_json_error():
+            self._write_json_error()
+            return
+        super().write(data)
+
+    def finish(self) -> None:
+        if not self._error_body_written and self._needs_json_error() and not self._disconnected:
+            self._write_json_error()
+        self._log_refusal()
+        super().finish()
+
+    def _refusal_reason(self) -> str | None:
+        """
+        The L{REFUSALS} reason of this response, if it is a refusal made
+        above the channel: the token guard's 401, the API's 413, or its 503
+        (over C{max_bytes_in_flight}, or no worker: the queue is full, the
+        wait ran out, or the server is stopping).
+        """
+        if self.code == 401:
+            return "unauthorized"
+        if self.code == 413:
+            return "body_too_large"
+        if self.code == 503 and self.path != b"/health":
+            # (/health's 503 is a stopping server's answer, not a refusal.)
+            return "bytes_in_flight" if self.over_capacity else "busy"
+        return None
+
+    def _log_refusal(self) -> None:
+        reason = self._refusal_reason()
+        if reason is None or self._refusal_logged:
+            return
+        self._refusal_logged = True
+        ids = self.responseHeaders.getRawHeaders(b"x-request-id")
+        log_refusal(
+            reason,
+            client=peer_host(self.channel.transport if self.channel else None),
+            request_id=ids[0].decode("ascii", "replace") if ids else None,
+            path=self.path,
+        )

@@ -51,7 +51,7 @@ from kcoral.config import ServerConfig
 from kcoral.server.leases.broker import LeaseBroker, RemoteArbiter, broker_factory
 from kcoral.server.leases.lease import LeaseArbiter
 
-__all__ = ["BrokerConnection", "FrontEndsService", "listen_reusing_port", "merge_health"]
+__all__ = ["BrokerConnection", "FrontEndsService", "listen_reusing_port"]
 
 #: Seconds before a front end that died is started again (doubling, at most the second).
 RESTART_DELAY = (0.5, 30.0)
@@ -111,43 +111,6 @@ def listen_reusing_port(
 
 #: Seconds between a front end's health reports to the others.
 REPORT_INTERVAL = 1.0
-
-_LOAD = ("request_capacity", "requests_in_progress", "requests_waiting")
-
-
-def merge_health(
-    own: dict[str, Any], peers: dict[int, dict[str, Any]], index: int
-) -> dict[str, Any]:
-    """
-    The whole server's /health from this front end's own figures and the
-    others' last reports: the load, the active and queued requests and each
-    GPU's ready spares summed, every front end's workers and spares listed
-    (each marked with its C{front_end}), the lease figures this process's
-    (they are the broker's, the same everywhere), and under C{front_end}
-    which reports are in (C{reporting}; each at most L{REPORT_INTERVAL} old).
-    """
-    others = {i: h for i, h in sorted(peers.items()) if i != index}
-    merged = dict(own)
-    merged["load"] = {key: sum(h["load"][key] for h in [own, *others.values()]) for key in _LOAD}
-    for key in ("active_requests", "queue_length"):
-        merged[key] = sum(h[key] for h in [own, *others.values()])
-    for key in ("workers", "spares"):
-        merged[key] = [
-            {**entry, "front_end": i}
-            for i, h in sorted([(index, own), *others.items()])
-            for entry in h[key]
-        ]
-    ready: dict[int, int] = {}
-    for h in [own, *others.values()]:
-        for gpu in h["gpus"]:
-            ready[gpu["gpu_id"]] = ready.get(gpu["gpu_id"], 0) + gpu["spares_ready"]
-    merged["gpus"] = [{**gpu, "spares_ready": ready[gpu["gpu_id"]]} for gpu in own["gpus"]]
-    merged["front_end"] = {
-        **own["front_end"],
-        "reporting": sorted({index, *others}),
-    }
-    return merged
-
 
 #: The longest Unix socket path the broker uses (the kernel takes 107 bytes).
 MAX_SOCKET_PATH = 100

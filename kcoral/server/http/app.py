@@ -33,6 +33,7 @@ from kcoral.ipc.shared import SharedBuffer
 from kcoral.server.cache import Resolution
 from kcoral.server.http.streaming import BodyProducer, DirectSocket, body_length, shared_bytes
 from kcoral.server.leases.lease import PURPOSES, Leases
+from kcoral.server.observe.health import merge_health
 from kcoral.server.observe.logs import event_level_for_finish_reason
 from kcoral.server.workers.job import Job, JobResult
 from kcoral.server.workers.pool import (
@@ -239,13 +240,12 @@ class KcoralAPI:
         """
         The /health body: the 0.1.1 fields plus the documented ones; with
         several front ends, for the whole server (this process's figures
-        with the others' last reports, L{kcoral.server.frontends.merge_health}).
+        with the others' last reports,
+        L{kcoral.server.observe.health.merge_health}).
         """
         own = self.local_health()
         if self.peer_health is None:
             return own
-        from kcoral.server.frontends import merge_health
-
         peers = self.peer_health()
         merged = merge_health(own, peers, self.front_end)
         if any(h.get("status") == "stopping" for h in peers.values()):

@@ -58,6 +58,7 @@ from kcoral.server.http.app import (
     _settle_streamed,
     _streamed_result,
 )
+from kcoral.server.http.component import IKcoralRequest
 from kcoral.server.http.request import LimitedRequest
 from kcoral.server.http.site import KcoralSite
 from kcoral.server.http.streaming import BodyProducer, DirectSocket
@@ -428,12 +429,13 @@ class GatewayAPI:
         from twisted.internet.interfaces import IReactorFromThreads
         from twisted.internet.threads import deferToThreadPool
 
-        if getattr(request, "too_large", False):
+        state = IKcoralRequest(request)
+        if state.too_large:
             raise RequestTooLarge()
-        if getattr(request, "over_capacity", False):
+        if state.over_capacity:
             raise PoolBusy("server saturated")
         threads = IReactorFromThreads(self._reactor)
-        streamed = getattr(request, "body_parser", None)
+        streamed = state.body_parser
         if streamed is not None:
             if streamed.settling:
                 settled: Parsed = await deferToThreadPool(
@@ -453,7 +455,7 @@ class GatewayAPI:
             content_type.decode("latin-1") if isinstance(content_type, bytes) else None,
             self.settings.max_request_bytes,
         )
-        if getattr(request, "body_bytes", INLINE_PARSE_BYTES + 1) <= INLINE_PARSE_BYTES:
+        if state.body_bytes is not None and state.body_bytes <= INLINE_PARSE_BYTES:
             return _parse_body(*arguments)
         parsed: Parsed = await deferToThreadPool(threads, self._threadpool, _parse_body, *arguments)
         return parsed
@@ -493,7 +495,8 @@ class GatewayAPI:
 
     @app.route("/_pool/jobs/<job>/result", methods=["POST"])
     async def _result(self, request: IRequest, job: str) -> bytes:
-        if getattr(request, "too_large", False):
+        state = IKcoralRequest(request)
+        if state.too_large:
             return _refuse(request, 413, "request_too_large", "result exceeds the size limit")
         if getattr(request, "over_capacity", False):
             request.setHeader(b"Retry-After", b"1")
@@ -506,7 +509,7 @@ class GatewayAPI:
         if pending is not None:
             self.pool.touch(head.node or pending.node, self._reactor.seconds())
         content = request.content
-        length = int(getattr(request, "body_bytes", 0) or 0)
+        length = state.body_bytes or 0
         if content is None:
             body: IO[bytes] = io.BytesIO(b"")
         else:

@@ -15,11 +15,13 @@ from typing import Any
 from treq.testing import StubTreq
 from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.trial.unittest import SynchronousTestCase
-from twisted.web.server import Request
+from twisted.web.iweb import IRequest
+from twisted.web.resource import IResource, Resource
 
 from kcoral.config import ServerConfig
 from kcoral.server.cache import Resolution
 from kcoral.server.http.app import KcoralAPI
+from kcoral.server.http.component import IKcoralRequest
 from kcoral.server.leases.lease import LeaseArbiter
 from kcoral.server.workers.job import JobResult
 from kcoral.server.workers.pool import Seat
@@ -206,13 +208,26 @@ class HealthTests(APITestCase):
         self.assertEqual(response.code, 404)
 
 
+class _TooLarge(Resource):
+    """Flags every request's component as too large, as LimitedRequest would."""
+
+    isLeaf = True
+
+    def __init__(self, inner: IResource) -> None:
+        super().__init__()
+        self._inner = inner
+
+    def render(self, request: IRequest) -> Any:
+        IKcoralRequest(request).too_large = True
+        return self._inner.render(request)
+
+
 class ExecuteErrorTests(APITestCase):
     def test_too_large_flag(self) -> None:
         self.make()
         # LimitedRequest sets this flag while the body arrives; StubTreq
-        # serves plain Requests, so set it on the class for this test.
-        Request.too_large = True  # type: ignore[attr-defined]
-        self.addCleanup(delattr, Request, "too_large")
+        # serves plain Requests, so a resource in front sets it here.
+        self.treq = StubTreq(_TooLarge(self.api.resource()))
         response, body = self.execute()
         self.assertEqual(response.code, 413)
         self.assertEqual(body["status"], "ERROR")

@@ -19,6 +19,7 @@ from kcoral.server.http.auth import (
     beyond_loopback,
     parse_tokens,
 )
+from kcoral.server.http.component import IKcoralRequest
 
 ALICE = "alice-0123456789abcdef"
 BOB = "bob-fedcba9876543210xx"
@@ -30,7 +31,7 @@ class _Routes:
     @app.route("/<path:path>", methods=["GET", "POST"])
     def any_path(self, request: IRequest, path: str) -> bytes:
         request.setHeader(b"Content-Type", b"application/json")
-        name = getattr(request, "client_name", None)
+        name = IKcoralRequest(request).client_name
         return json.dumps({"path": path, "client": name}).encode()
 
 
@@ -115,7 +116,7 @@ class GuardTests(SynchronousTestCase):
         self.flushLoggedErrors()
 
     def test_client_name_on_request(self) -> None:
-        """A valid token's client name is set on the request for the app."""
+        """A valid token's client name is set on the request's component for the app."""
         code, body = self.get("/execute", BOB)
         self.assertEqual((code, body["client"]), (200, "bob"))
 

@@ -40,6 +40,7 @@ from kcoral.server.http.accept import (
 )
 from kcoral.server.http.auth import TokenGuard, parse_tokens
 from kcoral.server.http.channel import LINGER_SECONDS
+from kcoral.server.http.component import IKcoralRequest
 from kcoral.server.http.refusals import REFUSALS, raw_error_response
 from kcoral.server.http.request import BACKLOG_PAUSE_BYTES
 from kcoral.server.http.site import KcoralSite
@@ -72,7 +73,7 @@ class _Routes:
     @app.route("/flag", methods=["POST"])
     def flag(self, request: IRequest) -> bytes:
         request.setHeader(b"Content-Type", b"application/json")
-        over = getattr(request, "over_capacity", False)
+        over = IKcoralRequest(request).over_capacity
         return json.dumps({"over": over, "read": len(request.content.read())}).encode()
 
     @app.route("/answer/<int:code>", methods=["GET", "POST"])
@@ -87,7 +88,7 @@ class _Routes:
     @app.route("/result", methods=["POST"])
     def result(self, request: IRequest) -> Deferred[bytes]:
         # What the API does while it streams large result parts.
-        request.hold_bytes(1200)  # type: ignore[attr-defined]
+        IKcoralRequest(request).hold_bytes(1200)
         d: Deferred[bytes] = Deferred()
         _Routes.held.append(d)
         return d
@@ -95,7 +96,9 @@ class _Routes:
     @app.route("/parts", methods=["POST"])
     def parts(self, request: IRequest) -> bytes:
         request.setHeader(b"Content-Type", b"application/json")
-        streamed = request.body_parser  # type: ignore[attr-defined]
+        state = IKcoralRequest(request)
+        streamed = state.body_parser
+        assert streamed is not None
         try:
             parsed = streamed.result()
         except ValidationError as e:
@@ -110,7 +113,7 @@ class _Routes:
                 "blobs": blobs,
                 "spooled": len(request.content.read()),
                 "content": type(request.content).__name__,
-                "body_seconds": request.body_seconds,  # type: ignore[attr-defined]
+                "body_seconds": state.body_seconds,
             }
         ).encode()
 

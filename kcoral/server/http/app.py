@@ -31,6 +31,7 @@ from werkzeug.exceptions import HTTPException
 from kcoral.config import ServerConfig
 from kcoral.ipc.shared import SharedBuffer
 from kcoral.server.cache import Resolution
+from kcoral.server.http.component import IKcoralRequest
 from kcoral.server.http.streaming import BodyProducer, DirectSocket, body_length, shared_bytes
 from kcoral.server.leases.lease import PURPOSES, Leases
 from kcoral.server.observe.health import merge_health
@@ -391,9 +392,7 @@ class KcoralAPI:
                 return b""
             # Large parts are the worker's sealed buffers: stream them a
             # slice at a time, counted as bytes in flight meanwhile.
-            hold = getattr(request, "hold_bytes", None)
-            if hold is not None:
-                hold(shared_bytes(body))
+            IKcoralRequest(request).hold_bytes(shared_bytes(body))
             producer = BodyProducer(request, body, direct=DirectSocket.of(request))
             total, shared = body_length(body), shared_bytes(body)
             del rendered, body
@@ -492,15 +491,15 @@ class KcoralAPI:
         )
 
     async def _handle(self, request: IRequest, request_id: str) -> Rendered:
-        client = request.getClientAddress()
+        state = IKcoralRequest(request)
         self.log.info(
             "request {request_id} received",
             kcoral_event="request_received",
             request_id=request_id,
-            client=getattr(client, "host", None),
-            client_name=getattr(request, "client_name", None),
+            client=state.peer,
+            client_name=state.client_name,
             content_length=_header(request, b"content-length"),
-            body_ms=_ms(getattr(request, "body_seconds", None)),
+            body_ms=_ms(state.body_seconds),
         )
         rendered = await self._admit_and_run(request, request_id)
         self._finished(request_id, rendered.status, rendered.finish_reason, **rendered.fields)
@@ -508,12 +507,13 @@ class KcoralAPI:
 
     async def _parse(self, request: IRequest) -> Parsed:
         """The request's program and blobs, parsed in the thread pool when large."""
-        if getattr(request, "too_large", False):
+        state = IKcoralRequest(request)
+        if state.too_large:
             raise RequestTooLarge()
-        if getattr(request, "over_capacity", False):
+        if state.over_capacity:
             # Too many request bytes already in flight (--max-bytes-in-flight).
             raise PoolBusy("server saturated")
-        streamed = getattr(request, "body_parser", None)
+        streamed = state.body_parser
         if streamed is not None:
             # The body was parsed and hashed as it arrived (kcoral.server.http.request).
             if streamed.settling:
@@ -542,7 +542,7 @@ class KcoralAPI:
             _header(request, b"content-type"),
             self.config.max_request_bytes,
         )
-        if getattr(request, "body_bytes", INLINE_PARSE_BYTES + 1) <= INLINE_PARSE_BYTES:
+        if state.body_bytes is not None and state.body_bytes <= INLINE_PARSE_BYTES:
             # A small body parses and hashes in well under a millisecond:
             # cheaper here than a round trip through the thread pool.
             return _parse_body(*arguments)
@@ -554,9 +554,8 @@ class KcoralAPI:
     async def _admit_and_run(self, request: IRequest, request_id: str) -> Rendered:
         config = self.config
         parsed = await self._parse(request)
-        since_head = getattr(request, "since_head", None)
         # The upload as the server sees it, until its blobs were hashed and sealed.
-        body_ready = since_head() if since_head is not None else None
+        body_ready = IKcoralRequest(request).since_head()
         program = parsed.program
         kinds: dict[str, frozenset[str]] = {}
         for digest in program.referenced_blobs():
@@ -689,11 +688,10 @@ def _client_identity(request: IRequest) -> str | None:
     token when the server has tokens (L{kcoral.server.http.auth}), else the TCP
     peer's address (C{None} when the transport has none).
     """
-    name = getattr(request, "client_name", None)
-    if isinstance(name, str):
-        return "client:" + name
-    host = getattr(request.getClientAddress(), "host", None)
-    return host if isinstance(host, str) else None
+    state = IKcoralRequest(request)
+    if state.client_name is not None:
+        return "client:" + state.client_name
+    return state.peer
 
 
 def _response_request_id(request: IRequest) -> str:

@@ -6,7 +6,7 @@ The token file (C{--auth-token-file}) holds one client per line,
 C{NAME TOKEN}; a file of a single bare token names its client C{default}.
 Blank lines and lines starting with C{#} are ignored.  The client name is
 logged with each request and is the identity the worker-reuse scope keys
-on (C{request.client_name}, see L{kcoral.server.http.request.LimitedRequest}).
+on (C{IKcoralRequest(request).client_name}, L{kcoral.server.http.component}).
 
 L{TokenGuard} sits in front of the Klein resource: C{/health} is always
 open (load balancers probe it), C{/metrics} and C{/status} only with
@@ -26,6 +26,7 @@ import attrs
 from twisted.web.iweb import IRequest
 from twisted.web.resource import Resource
 
+from kcoral.server.http.component import IKcoralRequest
 from kcoral.wire.errors import REQUEST_KIND_HEADERS, choose_request_id, error_body
 from kcoral.wire.jsontext import json_dumps
 
@@ -137,7 +138,7 @@ class TokenGuard(Resource):
             name = self._tokens.client_for(request.getHeader(b"authorization"))
             if name is None:
                 return self._unauthorized(request)
-            request.client_name = name  # type: ignore[attr-defined]
+            IKcoralRequest(request).client_name = name
         return self._inner.render(request)
 
     def _unauthorized(self, request: IRequest) -> bytes:

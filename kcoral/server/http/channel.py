@@ -27,7 +27,9 @@ from twisted.protocols.policies import ProtocolWrapper
 from twisted.python.failure import Failure
 from twisted.web.http import HTTPChannel
 
+from kcoral.server.http.component import IKcoralRequest
 from kcoral.server.http.refusals import REFUSALS, log_refusal, peer_host, raw_error_response
+from kcoral.server.http.request import LimitedRequest
 from kcoral.wire.errors import choose_request_id
 
 #: Seconds a client has to send a complete request head, counted from the
@@ -76,7 +78,7 @@ class KcoralChannel(HTTPChannel):
     _partial_head = False
     _counted = False
     #: Closing must linger: the client may still be sending a body that
-    #: was not read (L{LimitedRequest._skip_body}, a refusal mid-body).
+    #: was not read (C{LimitedRequest._skip_body}, a refusal mid-body).
     linger_on_close = False
     _lingering = False
     _linger_timers: tuple[IDelayedCall, ...] = ()
@@ -112,9 +114,8 @@ class KcoralChannel(HTTPChannel):
             self.linger_on_close = True
         for request in self.requests:
             # Whatever it held is given back now, not when the socket closes.
-            release = getattr(request, "_release", None)
-            if release is not None:
-                release()
+            if isinstance(request, LimitedRequest):
+                request.release()
         request_id = choose_request_id(None)
         self.transport.write(raw_error_response(REFUSALS[reason], message, request_id))
         if logged:
@@ -209,7 +210,11 @@ class KcoralChannel(HTTPChannel):
         self._stall_timer = None
         idle = self._now() - self._last_bytes_at
         requests = self.requests
-        paused = bool(requests) and getattr(requests[-1], "_paused_for_backlog", False)
+        paused = (
+            bool(requests)
+            and isinstance(requests[-1], LimitedRequest)
+            and requests[-1].paused_for_backlog
+        )
         if paused:
             # The server stopped reading (its hash threads are behind): not
             # the client's doing.
@@ -387,7 +392,7 @@ class KcoralChannel(HTTPChannel):
     def _send100Continue(self) -> None:
         # A request refused for its token as soon as its head was in gets
         # its 401 without first being invited to send the body.
-        if self.requests and getattr(self.requests[-1], "unauthorized", False):
+        if self.requests and IKcoralRequest(self.requests[-1]).unauthorized:
             return
         super()._send100Continue()
 

@@ -18,9 +18,9 @@ from typing import Any
 from twisted.internet.interfaces import IReactorFromThreads
 from twisted.web.server import Request
 
+from kcoral.server.http.component import IKcoralRequest, KcoralRequest
 from kcoral.server.http.refusals import error_json, log_refusal, peer_host
 from kcoral.wire.errors import REQUEST_KIND_HEADERS, choose_request_id
-from kcoral.wire.multipart import StreamedBody
 
 #: Bytes of a streamed body that may wait for their blob's hash (on a
 #: thread, L{kcoral.ipc.blobsink}) before the connection stops reading; it
@@ -37,8 +37,10 @@ class LimitedRequest(Request):
     A request that stops buffering its body past C{site.max_request_bytes}
     and whose error responses are always the protocol's JSON ERROR body.
 
-    When a declared C{Content-Length} is over the limit, or the body grows
-    over it, C{too_large} is set and the remaining bytes are discarded; the
+    What it learns of itself is its L{IKcoralRequest} component,
+    C{self.kcoral} (C{IKcoralRequest(request)} anywhere else).  When a
+    declared C{Content-Length} is over the limit, or the body grows over
+    it, C{too_large} is set and the remaining bytes are discarded; the
     resource answers 413 once the (discarded) body has been received.
 
     Body bytes count against the site's bytes in flight (and the client
@@ -47,38 +49,25 @@ class LimitedRequest(Request):
     cannot fit beside what is already held is refused at once
     (C{over_capacity}, a 503 before the body is read); a body that grows
     past what is left is dropped, its bytes released, and answered 503.
-
-    C{client_name} is the name of the bearer token the request carried
-    (L{kcoral.server.http.auth}), or C{None} when the server has no tokens: the
-    client identity that worker reuse is scoped by.
     """
 
-    too_large = False
-    #: The server already holds C{max_bytes_in_flight} of request bodies:
-    #: this body is discarded and the request answered 503.
-    over_capacity = False
-    #: The multipart body parsed as it arrives (L{StreamedBody}), when the
-    #: site streams bodies: nothing is spooled, C{content} stays empty.
-    body_parser: StreamedBody | None = None
-    body_bytes = 0
-    client_name: str | None = None
-    #: The site has tokens and the head carried no valid one for its path:
-    #: the body is not read, the token guard answers 401.
-    unauthorized = False
-    #: Reactor seconds from the end of the request head to the last body
-    #: byte (C{None} until the body is complete): the upload as the server
-    #: sees it.
-    body_seconds: float | None = None
-    _body_started: float | None = None
+    #: Reading has stopped until the body's blob threads catch up
+    #: (L{BACKLOG_PAUSE_BYTES}): the channel's stall deadline waits too.
+    paused_for_backlog = False
     _error_body_written = False
-    _paused_for_backlog = False
     _refusal_logged = False
     _reserved = 0
     _reserved_at: Any = None
     #: Of C{_reserved}, the request body bytes counted against the client
-    #: address C{_peer} (response bytes held are not).
+    #: address C{kcoral.peer} (response bytes held are not).
     _peer_reserved = 0
-    _peer: str | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.kcoral = KcoralRequest(
+            peer=peer_host(self.transport), body_bytes=0, hold=self.hold_bytes
+        )
+        self.setComponent(IKcoralRequest, self.kcoral)
 
     def _site(self) -> Any:
         return getattr(self.channel, "site", None)
@@ -98,13 +87,14 @@ class LimitedRequest(Request):
         if self._reserved_at is None:
             # The channel is gone by the time the request has finished.
             self._reserved_at = site
-            self._peer = peer_host(self.channel.transport if self.channel else None)
-            self.notifyFinish().addBoth(self._release)
+            self.notifyFinish().addBoth(self.release)
         if force:
             site.bytes_in_flight += size
-        elif not reserve(size, self._reserved, peer=self._peer, peer_held=self._peer_reserved):
+        elif not reserve(
+            size, self._reserved, peer=self.kcoral.peer, peer_held=self._peer_reserved
+        ):
             return False
-        elif self._peer is not None:
+        elif self.kcoral.peer is not None:
             self._peer_reserved += size
         self._reserved += size
         return True
@@ -118,18 +108,21 @@ class LimitedRequest(Request):
         if size:
             self._reserve(size, force=True)
 
-    def _release(self, result: object = None) -> None:
-        """Give back every byte this request holds and drop its body parser."""
+    def release(self, result: object = None) -> None:
+        """
+        Give back every byte this request holds and drop its body parser:
+        when it finishes, or when its channel refuses it.
+        """
         reserved, self._reserved = self._reserved, 0
         peer_reserved, self._peer_reserved = self._peer_reserved, 0
         site = self._reserved_at
         if reserved and site is not None:
             release = getattr(site, "release_bytes", None)
             if release is not None:
-                release(reserved, self._peer, peer_reserved)
+                release(reserved, self.kcoral.peer, peer_reserved)
             else:
                 site.bytes_in_flight -= reserved
-        parser, self.body_parser = self.body_parser, None
+        parser, self.kcoral.body_parser = self.kcoral.body_parser, None
         if parser is not None:
             parser.abort()
 
@@ -157,41 +150,34 @@ class LimitedRequest(Request):
         admits = getattr(self._site(), "admits_bytes", None)
         if admits is None:
             return True
-        return bool(admits(length, peer_host(self.channel.transport if self.channel else None)))
+        return bool(admits(length, self.kcoral.peer))
 
     def gotLength(self, length: int | None) -> None:
         limit = self._limit()
+        state = self.kcoral
         if length != 0 and self._head_unauthorized():
             # No token: nothing of the body is read or counted.
-            self.unauthorized = True
+            state.unauthorized = True
             length = 0
             self._skip_body()
         elif length is not None and limit is not None and length > limit:
-            self.too_large = True
+            state.too_large = True
             length = 0
             self._skip_body()
         elif length and not self._admits(length):
-            self.over_capacity = True
+            state.over_capacity = True
             length = 0
             self._skip_body()
-        self._body_started = self._now()
-        if self.too_large or self.over_capacity or self.unauthorized or not self._stream_body():
+        reactor = getattr(self._site(), "reactor", None)
+        if reactor is not None:
+            state.clock = reactor
+            state.head_at = float(reactor.seconds())
+        if state.too_large or state.over_capacity or state.unauthorized or not self._stream_body():
             # Twisted's own content file: a temporary file on disk past 100 kB.
             super().gotLength(length)
 
-    def _now(self) -> float | None:
-        reactor = getattr(self._site(), "reactor", None)
-        return None if reactor is None else float(reactor.seconds())
-
-    def since_head(self) -> float | None:
-        """Reactor seconds since the end of the request head (C{None}: not measured)."""
-        started, now = self._body_started, self._now()
-        return None if started is None or now is None else now - started
-
     def requestReceived(self, command: bytes, path: bytes, version: bytes) -> None:
-        started, now = self._body_started, self._now()
-        if started is not None and now is not None:
-            self.body_seconds = now - started
+        self.kcoral.body_seconds = self.kcoral.since_head()
         super().requestReceived(command, path, version)
 
     def _stream_body(self) -> bool:
@@ -207,28 +193,30 @@ class LimitedRequest(Request):
         parser = make(content_type)
         if parser is None:
             return False
-        self.body_parser = parser
+        self.kcoral.body_parser = parser
         self.content = io.BytesIO()
         return True
 
     def handleContentChunk(self, data: bytes) -> None:
-        if self.too_large or self.over_capacity:
+        state = self.kcoral
+        if state.too_large or state.over_capacity:
             return
-        self.body_bytes += len(data)
+        received = state.body_bytes = (state.body_bytes or 0) + len(data)
         limit = self._limit()
-        if limit is not None and self.body_bytes > limit:
-            self.too_large = True
+        if limit is not None and received > limit:
+            state.too_large = True
             self._drop_body()
             return
         if not self._reserve(len(data)):
             # The body grew past what is left of the bytes in flight (or of
             # its client's share): drop it and answer 503 once it is in.
-            self.over_capacity = True
+            state.over_capacity = True
             self._drop_body()
             return
-        if self.body_parser is not None:
-            self.body_parser.feed(data)
-            if self._paused_for_backlog or self.body_parser.backlog() > BACKLOG_PAUSE_BYTES:
+        parser = state.body_parser
+        if parser is not None:
+            parser.feed(data)
+            if self.paused_for_backlog or parser.backlog() > BACKLOG_PAUSE_BYTES:
                 self._check_backlog()
             return
         super().handleContentChunk(data)
@@ -239,16 +227,16 @@ class LimitedRequest(Request):
         than L{BACKLOG_PAUSE_BYTES} behind, until they are down to
         L{BACKLOG_RESUME_BYTES}: TCP then holds the client back.
         """
-        parser = self.body_parser
+        parser = self.kcoral.body_parser
         backlog = 0 if parser is None else parser.backlog()
         transport: Any = self.transport
-        if not self._paused_for_backlog:
+        if not self.paused_for_backlog:
             if parser is None or backlog <= BACKLOG_PAUSE_BYTES:
                 return
-            self._paused_for_backlog = True
+            self.paused_for_backlog = True
             transport.pauseProducing()
         elif parser is None or backlog <= BACKLOG_RESUME_BYTES:
-            self._paused_for_backlog = False
+            self.paused_for_backlog = False
             transport.resumeProducing()
             return
         from_threads = IReactorFromThreads(self._site().reactor)
@@ -258,7 +246,7 @@ class LimitedRequest(Request):
 
     def _drop_body(self) -> None:
         # The bytes received so far are discarded: they no longer count.
-        self._release()
+        self.release()
         content = getattr(self, "content", None)
         if content is not None:
             try:
@@ -319,7 +307,7 @@ class LimitedRequest(Request):
             return "body_too_large"
         if self.code == 503 and self.path != b"/health":
             # (/health's 503 is a stopping server's answer, not a refusal.)
-            return "bytes_in_flight" if self.over_capacity else "busy"
+            return "bytes_in_flight" if self.kcoral.over_capacity else "busy"
         return None
 
     def _log_refusal(self) -> None:

@@ -27,6 +27,7 @@ from twisted.internet import tcp
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IPullProducer, ISSLTransport
 from twisted.python.failure import Failure
+from twisted.web.http import Request
 from zope.interface import implementer
 
 from kcoral.ipc.shared import READ_CHUNK, SharedBuffer
@@ -55,7 +56,8 @@ class DirectSocket:
     @classmethod
     def of(cls, request: Any) -> DirectSocket | None:
         """The direct socket of C{request}, or C{None} (TLS, a wrapper, no C{sendfile})."""
-        transport = getattr(getattr(request, "channel", None), "transport", None)
+        channel = request.channel if isinstance(request, Request) else None
+        transport = None if channel is None else channel.transport
         if (
             not hasattr(os, "sendfile")
             or not isinstance(transport, tcp.Connection)

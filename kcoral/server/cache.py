@@ -37,8 +37,10 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+from twisted.internet.interfaces import IReactorFromThreads
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
+from twisted.python.threadpool import ThreadPool
 
 from kcoral.ipc.shared import SharedBuffer
 from kcoral.wire.program import MEMORY_KINDS, is_digest
@@ -756,8 +758,8 @@ class BlobStore:
         self,
         memory: MemoryBlobCache,
         disk: DiskFileCache,
-        threadpool: Any,
-        reactor: Any,
+        threadpool: ThreadPool,
+        reactor: IReactorFromThreads,
     ) -> None:
         self.memory = memory
         self.disk = disk

@@ -11,7 +11,7 @@ from __future__ import annotations
 import errno
 from typing import TYPE_CHECKING, Any
 
-from twisted.internet.interfaces import IDelayedCall
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
 if TYPE_CHECKING:
@@ -43,7 +43,7 @@ class TroubleLog:
         self.total = 0
         self._next_at: float | None = None
 
-    def happened(self, clock: Any) -> tuple[int, int] | None:
+    def happened(self, clock: IReactorTime | None) -> tuple[int, int] | None:
         """
         Count one; when it is time to log, C{(count, total)}: how many since
         the last log event and since the start.
@@ -75,7 +75,7 @@ class AcceptGuard:
 
     _EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
-    def __init__(self, port: Any, site: KcoralSite, reactor: Any) -> None:
+    def __init__(self, port: Any, site: KcoralSite, reactor: IReactorTime) -> None:
         self._port = port
         self._socket = port.socket
         self._site = site
@@ -85,7 +85,7 @@ class AcceptGuard:
         self.failures = TroubleLog()
 
     @classmethod
-    def install(cls, port: Any, site: KcoralSite, reactor: Any) -> AcceptGuard | None:
+    def install(cls, port: Any, site: KcoralSite, reactor: IReactorTime) -> AcceptGuard | None:
         """Guard C{port}'s socket, where it has one (a TCP or UNIX port)."""
         sock = getattr(port, "socket", None)
         if sock is None or not hasattr(sock, "accept") or isinstance(sock, AcceptGuard):

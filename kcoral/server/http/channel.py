@@ -18,7 +18,7 @@ the answer instead of a reset.
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from twisted.internet.interfaces import IDelayedCall
 from twisted.internet.protocol import connectionDone
@@ -31,6 +31,9 @@ from kcoral.server.http.component import IKcoralRequest
 from kcoral.server.http.refusals import REFUSALS, log_refusal, peer_host, raw_error_response
 from kcoral.server.http.request import LimitedRequest
 from kcoral.wire.errors import choose_request_id
+
+if TYPE_CHECKING:
+    from kcoral.server.http.site import KcoralSite
 
 #: Seconds a client has to send a complete request head, counted from the
 #: connection (or the previous response) and never reset by trickled bytes.
@@ -71,7 +74,7 @@ class KcoralChannel(HTTPChannel):
     """
 
     #: Set by L{Site.buildProtocol}.
-    site: Any
+    site: KcoralSite
 
     _refused = False
     _deadline: IDelayedCall | None = None
@@ -92,10 +95,6 @@ class KcoralChannel(HTTPChannel):
     #: The path of the request whose body is being read (Twisted forgets
     #: it once the head is in), for the body deadline's refusal event.
     _body_path: bytes | None = None
-
-    def _site_setting(self, name: str, default: float) -> float:
-        value = getattr(getattr(self, "site", None), name, default)
-        return default if value is None else value
 
     # -- refusals -----------------------------------------------------------
 
@@ -167,9 +166,9 @@ class KcoralChannel(HTTPChannel):
 
     def _await_head(self) -> None:
         self._partial_head = False
-        timeout = self._site_setting("header_timeout", DEFAULT_HEADER_TIMEOUT)
+        timeout = self.site.header_timeout
         if self.fresh:
-            first = self._site_setting("first_header_timeout", DEFAULT_FIRST_HEADER_TIMEOUT)
+            first = self.site.first_header_timeout
             if first and first > 0:
                 timeout = min(timeout, first) if timeout and timeout > 0 else first
         self._start_deadline(timeout, self._head_expired)
@@ -201,7 +200,7 @@ class KcoralChannel(HTTPChannel):
     def _watch_body(self) -> None:
         """Cut the body off if no byte of it arrives for C{body_stall_timeout}."""
         self._cancel_stall()
-        stall = self._site_setting("body_stall_timeout", DEFAULT_BODY_STALL_TIMEOUT)
+        stall = self.site.body_stall_timeout
         if stall and stall > 0:
             self._last_bytes_at = self._now()
             self._stall_timer = self.callLater(stall, partial(self._check_stall, stall))
@@ -230,8 +229,7 @@ class KcoralChannel(HTTPChannel):
         self._stall_timer = None
 
     def _now(self) -> float:
-        reactor = getattr(getattr(self, "site", None), "reactor", None)
-        return 0.0 if reactor is None else float(reactor.seconds())
+        return float(self.site.reactor.seconds())
 
     # -- lingering close ----------------------------------------------------
 
@@ -290,11 +288,9 @@ class KcoralChannel(HTTPChannel):
             # iteration per 64 KiB of a 64 MiB upload).
             transport.bufferSize = TRANSPORT_READ_BYTES
             transport.SEND_LIMIT = TRANSPORT_SEND_BYTES
-        site = getattr(self, "site", None)
-        if site is not None and hasattr(site, "connection_opened"):
-            self.client_host = peer_host(transport)
-            site.connection_opened(self)
-            self._counted = True
+        self.client_host = peer_host(transport)
+        self.site.connection_opened(self)
+        self._counted = True
         self._await_head()
         self._read_now()
 
@@ -360,9 +356,7 @@ class KcoralChannel(HTTPChannel):
         if self.length == 0:
             self._cancel_deadline()
         else:
-            self._start_deadline(
-                self._site_setting("body_timeout", DEFAULT_BODY_TIMEOUT), self._body_expired
-            )
+            self._start_deadline(self.site.body_timeout, self._body_expired)
             self._watch_body()
 
     def allContentReceived(self) -> None:
@@ -397,7 +391,7 @@ class KcoralChannel(HTTPChannel):
         super()._send100Continue()
 
     def checkPersistence(self, request: Any, version: bytes) -> bool:
-        if getattr(getattr(self, "site", None), "draining", False):
+        if self.site.draining:
             # The server is stopping: this answer is the connection's last,
             # so nothing is sent on it that the exiting process would drop.
             request.responseHeaders.setRawHeaders(b"connection", [b"close"])

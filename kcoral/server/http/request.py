@@ -13,7 +13,7 @@ parsed by L{kcoral.wire.multipart}), and turns any non-JSON error page
 from __future__ import annotations
 
 import io
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from twisted.internet.interfaces import IReactorFromThreads
 from twisted.web.server import Request
@@ -21,6 +21,10 @@ from twisted.web.server import Request
 from kcoral.server.http.component import IKcoralRequest, KcoralRequest
 from kcoral.server.http.refusals import error_json, log_refusal, peer_host
 from kcoral.wire.errors import REQUEST_KIND_HEADERS, choose_request_id
+
+if TYPE_CHECKING:
+    from kcoral.server.http.channel import KcoralChannel
+    from kcoral.server.http.site import KcoralSite
 
 #: Bytes of a streamed body that may wait for their blob's hash (on a
 #: thread, L{kcoral.ipc.blobsink}) before the connection stops reading; it
@@ -57,7 +61,9 @@ class LimitedRequest(Request):
     _error_body_written = False
     _refusal_logged = False
     _reserved = 0
-    _reserved_at: Any = None
+    #: The site the bytes are reserved at (the channel is gone by the time
+    #: the request has finished).
+    _reserved_at: KcoralSite | None = None
     #: Of C{_reserved}, the request body bytes counted against the client
     #: address C{kcoral.peer} (response bytes held are not).
     _peer_reserved = 0
@@ -69,11 +75,14 @@ class LimitedRequest(Request):
         )
         self.setComponent(IKcoralRequest, self.kcoral)
 
-    def _site(self) -> Any:
-        return getattr(self.channel, "site", None)
+    def _site(self) -> KcoralSite | None:
+        """The site that made this request (C{None} once its connection is gone)."""
+        channel = cast("KcoralChannel | None", self.channel)
+        return None if channel is None else channel.site
 
     def _limit(self) -> int | None:
-        return getattr(self._site(), "max_request_bytes", None)
+        site = self._site()
+        return None if site is None else site.max_request_bytes
 
     def _reserve(self, size: int, force: bool = False) -> bool:
         """
@@ -81,16 +90,14 @@ class LimitedRequest(Request):
         C{force}, whatever the cap (bytes that already exist).
         """
         site = self._site()
-        reserve = getattr(site, "reserve_bytes", None)
-        if reserve is None:
+        if site is None:
             return True
         if self._reserved_at is None:
-            # The channel is gone by the time the request has finished.
             self._reserved_at = site
             self.notifyFinish().addBoth(self.release)
         if force:
             site.bytes_in_flight += size
-        elif not reserve(
+        elif not site.reserve_bytes(
             size, self._reserved, peer=self.kcoral.peer, peer_held=self._peer_reserved
         ):
             return False
@@ -117,11 +124,7 @@ class LimitedRequest(Request):
         peer_reserved, self._peer_reserved = self._peer_reserved, 0
         site = self._reserved_at
         if reserved and site is not None:
-            release = getattr(site, "release_bytes", None)
-            if release is not None:
-                release(reserved, self.kcoral.peer, peer_reserved)
-            else:
-                site.bytes_in_flight -= reserved
+            site.release_bytes(reserved, self.kcoral.peer, peer_reserved)
         parser, self.kcoral.body_parser = self.kcoral.body_parser, None
         if parser is not None:
             parser.abort()
@@ -139,7 +142,8 @@ class LimitedRequest(Request):
 
     def _head_unauthorized(self) -> bool:
         """The site checks tokens and this head's path needs one it lacks."""
-        guard = getattr(self._site(), "guard", None)
+        site = self._site()
+        guard = None if site is None else site.guard
         if guard is None:
             return False
         path = getattr(self.channel, "_path", None) or b""
@@ -147,10 +151,8 @@ class LimitedRequest(Request):
 
     def _admits(self, length: int) -> bool:
         """A declared body of C{length} bytes can fit beside those held now."""
-        admits = getattr(self._site(), "admits_bytes", None)
-        if admits is None:
-            return True
-        return bool(admits(length, self.kcoral.peer))
+        site = self._site()
+        return site is None or site.admits_bytes(length, self.kcoral.peer)
 
     def gotLength(self, length: int | None) -> None:
         limit = self._limit()
@@ -168,10 +170,10 @@ class LimitedRequest(Request):
             state.over_capacity = True
             length = 0
             self._skip_body()
-        reactor = getattr(self._site(), "reactor", None)
-        if reactor is not None:
-            state.clock = reactor
-            state.head_at = float(reactor.seconds())
+        site = self._site()
+        if site is not None:
+            state.clock = site.reactor
+            state.head_at = float(site.reactor.seconds())
         if state.too_large or state.over_capacity or state.unauthorized or not self._stream_body():
             # Twisted's own content file: a temporary file on disk past 100 kB.
             super().gotLength(length)
@@ -185,7 +187,8 @@ class LimitedRequest(Request):
         Parse a multipart body as it arrives, when the site does so (then
         nothing is spooled: C{content} stays empty); whether it does.
         """
-        make = getattr(self._site(), "streamed_body", None)
+        site = self._site()
+        make = None if site is None else site.streamed_body
         if make is None:
             return False
         values = self.requestHeaders.getRawHeaders(b"content-type")
@@ -239,7 +242,10 @@ class LimitedRequest(Request):
             self.paused_for_backlog = False
             transport.resumeProducing()
             return
-        from_threads = IReactorFromThreads(self._site().reactor)
+        site = self._site()
+        if site is None:
+            return  # the connection is gone
+        from_threads = IReactorFromThreads(site.reactor)
         parser.when_drained(
             BACKLOG_RESUME_BYTES, lambda: from_threads.callFromThread(self._check_backlog)
         )

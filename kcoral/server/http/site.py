@@ -22,19 +22,25 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
+from typing import Protocol as Structural
 
 from twisted.internet.endpoints import serverFromString
+from twisted.internet.interfaces import IAddress, IListeningPort, IReactorTCP
 from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
+from twisted.web.resource import IResource
 from twisted.web.server import Site
 
+from kcoral.config import ServerConfig
 from kcoral.server.http.accept import TroubleLog
+from kcoral.server.http.auth import TokenGuard, Tokens
 from kcoral.server.http.channel import (
     DEFAULT_BODY_STALL_TIMEOUT,
     DEFAULT_BODY_TIMEOUT,
     DEFAULT_HEADER_TIMEOUT,
     KcoralChannel,
 )
+from kcoral.server.http.component import address_host
 from kcoral.server.http.refusals import log_refusal, peer_host, raw_error_response
 from kcoral.server.http.request import LimitedRequest
 from kcoral.wire.errors import choose_request_id
@@ -56,6 +62,17 @@ FD_HEADROOM_DIVISOR = 4
 DEFAULT_MAX_BYTES_PER_CLIENT = 512 << 20
 
 _http_log = Logger(namespace="kcoral.server.http")
+
+
+class HeadGuard(Structural):
+    """
+    What the site asks about each request head before its body is read
+    (L{kcoral.server.http.auth.TokenGuard}, the gateway's C{PoolGuard}).
+    """
+
+    def refuses(self, path: bytes, authorization: bytes | None) -> bool:
+        """Whether a request for C{path} with this C{Authorization} value is refused."""
+        ...
 
 
 class _Refusal(Protocol):
@@ -80,7 +97,7 @@ class KcoralSite(Site):
 
     def __init__(
         self,
-        resource: Any,
+        resource: IResource,
         *,
         max_request_bytes: int,
         header_timeout: float = DEFAULT_HEADER_TIMEOUT,
@@ -112,12 +129,12 @@ class KcoralSite(Site):
         #: closed to make room: new ones that sent part of a head (from
         #: their first byte), new ones that sent nothing yet, and idle
         #: kept-alive ones.
-        self._trickling: dict[Any, None] = {}
-        self._fresh: dict[Any, None] = {}
-        self._idle: dict[Any, None] = {}
-        self._trickling_of: dict[str | None, dict[Any, None]] = {}
-        self._fresh_of: dict[str | None, dict[Any, None]] = {}
-        self._idle_of: dict[str | None, dict[Any, None]] = {}
+        self._trickling: dict[KcoralChannel, None] = {}
+        self._fresh: dict[KcoralChannel, None] = {}
+        self._idle: dict[KcoralChannel, None] = {}
+        self._trickling_of: dict[str | None, dict[KcoralChannel, None]] = {}
+        self._fresh_of: dict[str | None, dict[KcoralChannel, None]] = {}
+        self._idle_of: dict[str | None, dict[KcoralChannel, None]] = {}
         #: Connections closed to make room for new ones.
         self.evicted_connections = 0
         self._evictions_logged = TroubleLog()
@@ -133,7 +150,7 @@ class KcoralSite(Site):
         self.body_stall_timeout = body_stall_timeout
         #: The token guard in front of the resource (L{kcoral.server.http.auth}),
         #: asked about each request head; C{None}: the server has no tokens.
-        self.guard: Any = None
+        self.guard: HeadGuard | None = None
         self.displayTracebacks = False
         #: Makes the L{StreamedBody} a multipart request body streams into,
         #: or C{None}: bodies are spooled by Twisted and parsed afterwards.
@@ -216,7 +233,7 @@ class KcoralSite(Site):
             self.max_connections = fit
         return self.max_connections
 
-    def connection_opened(self, channel: Any) -> None:
+    def connection_opened(self, channel: KcoralChannel) -> None:
         """Count a new connection; it waits for its first head."""
         self.open_connections += 1
         host = channel.client_host
@@ -225,7 +242,7 @@ class KcoralSite(Site):
         self._fresh[channel] = None
         self._fresh_of.setdefault(host, {})[channel] = None
 
-    def connection_trickling(self, channel: Any) -> None:
+    def connection_trickling(self, channel: KcoralChannel) -> None:
         """New C{channel} sent the first bytes of its head, not all of it."""
         self._forget(channel)
         self._trickling[channel] = None
@@ -235,17 +252,17 @@ class KcoralSite(Site):
         """Connections that have sent no whole request head yet."""
         return len(self._trickling) + len(self._fresh)
 
-    def connection_busy(self, channel: Any) -> None:
+    def connection_busy(self, channel: KcoralChannel) -> None:
         """C{channel} has a whole request head: it is in a request."""
         self._forget(channel)
 
-    def connection_idle(self, channel: Any) -> None:
+    def connection_idle(self, channel: KcoralChannel) -> None:
         """C{channel} answered its requests and waits for the next, kept alive."""
         self._forget(channel)
         self._idle[channel] = None
         self._idle_of.setdefault(channel.client_host, {})[channel] = None
 
-    def connection_closed(self, channel: Any) -> None:
+    def connection_closed(self, channel: KcoralChannel) -> None:
         """Stop counting C{channel} (closed, or being closed to make room)."""
         if not channel._counted:
             return
@@ -260,7 +277,7 @@ class KcoralSite(Site):
             else:
                 self.client_connections.pop(host, None)
 
-    def _forget(self, channel: Any) -> None:
+    def _forget(self, channel: KcoralChannel) -> None:
         host = channel.client_host
         for everyone, of in (
             (self._trickling, self._trickling_of),
@@ -309,9 +326,8 @@ class KcoralSite(Site):
                 return True
         return False
 
-    def buildProtocol(self, addr: Any) -> Any:
-        host = getattr(addr, "host", None)
-        host = host if isinstance(host, str) else None
+    def buildProtocol(self, addr: IAddress | None) -> Any:
+        host = address_host(addr)
         per_client = self.max_connections_per_client
         full = (
             per_client
@@ -331,15 +347,15 @@ class KcoralSite(Site):
         return super().buildProtocol(addr)
 
 
-def make_site(resource: Any, config: Any, tokens: Any = None, **kwargs: Any) -> KcoralSite:
+def make_site(
+    resource: IResource, config: ServerConfig, tokens: Tokens | None = None, **kwargs: Any
+) -> KcoralSite:
     """
     The site serving C{resource} under C{config}'s HTTP limits, behind a
     L{kcoral.server.http.auth.TokenGuard} when C{tokens} is given.
     """
     guard = None
     if tokens is not None:
-        from kcoral.server.http.auth import TokenGuard
-
         resource = guard = TokenGuard(resource, tokens, public_metrics=config.public_metrics)
     site = KcoralSite(
         resource,
@@ -358,23 +374,29 @@ def make_site(resource: Any, config: Any, tokens: Any = None, **kwargs: Any) -> 
     return site
 
 
-async def listen_all(reactor: Any, descriptions: Sequence[str], site: Site) -> list[Any]:
+async def listen_all(
+    reactor: IReactorTCP, descriptions: Sequence[str], site: Site
+) -> list[IListeningPort]:
     """
     Listen on every endpoint description; if one fails, stop those already
-    listening and raise.
+    listening and raise.  C{reactor} also provides
+    L{twisted.internet.interfaces.IReactorUNIX} and C{IReactorSSL} for
+    descriptions of those endpoints.
     """
-    ports: list[Any] = []
+    ports: list[IListeningPort] = []
     try:
         for description in descriptions:
             ports.append(await serverFromString(reactor, description).listen(site))
     except BaseException:
         for port in ports:
-            await port.stopListening()
+            stopped = port.stopListening()
+            if stopped is not None:
+                await stopped
         raise
     return ports
 
 
-def port_hosts(ports: Sequence[Any]) -> list[str]:
+def port_hosts(ports: Sequence[IListeningPort]) -> list[str]:
     """The IP addresses C{ports} are bound to (UNIX sockets have none)."""
     hosts = []
     for port in ports:

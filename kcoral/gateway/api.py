@@ -163,21 +163,8 @@ class GatewayRequest(LimitedRequest):
             return getattr(self._site(), "max_result_bytes", None)
         return super()._limit()
 
-    def _admits(self, length: int) -> bool:
-        if not self._node_route():
-            return super()._admits(length)
-        admits = getattr(self._site(), "admits_bytes", None)
-        return admits is None or bool(admits(length))
-
-    def _reserve(self, size: int, force: bool = False) -> bool:
-        site = self._site()
-        if self._node_route() and self._reserved_at is None and site is not None:
-            if getattr(site, "reserve_bytes", None) is not None:
-                # As LimitedRequest's first reservation, with no address.
-                self._reserved_at = site
-                self._peer = None
-                self.notifyFinish().addBoth(self._release)
-        return bool(super()._reserve(size, force))
+    def _counted_peer(self) -> str | None:
+        return None if self._node_route() else super()._counted_peer()
 
 
 class GatewaySite(KcoralSite):
@@ -498,7 +485,7 @@ class GatewayAPI:
         state = IKcoralRequest(request)
         if state.too_large:
             return _refuse(request, 413, "request_too_large", "result exceeds the size limit")
-        if getattr(request, "over_capacity", False):
+        if state.over_capacity:
             request.setHeader(b"Retry-After", b"1")
             return _refuse(request, 503, "busy", "gateway saturated; post the result again")
         try:

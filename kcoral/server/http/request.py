@@ -65,8 +65,11 @@ class LimitedRequest(Request):
     #: the request has finished).
     _reserved_at: KcoralSite | None = None
     #: Of C{_reserved}, the request body bytes counted against the client
-    #: address C{kcoral.peer} (response bytes held are not).
+    #: address C{_peer} (response bytes held are not).
     _peer_reserved = 0
+    #: The client address whose share the body counts against, from the
+    #: first reservation on (L{_counted_peer}).
+    _peer: str | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -84,6 +87,14 @@ class LimitedRequest(Request):
         site = self._site()
         return None if site is None else site.max_request_bytes
 
+    def _counted_peer(self) -> str | None:
+        """
+        The client address whose C{max_bytes_per_client} share this body
+        counts against: the client's (C{None}: no share, for a subclass's
+        routes that have none).
+        """
+        return self.kcoral.peer
+
     def _reserve(self, size: int, force: bool = False) -> bool:
         """
         Count C{size} more bytes against the site's bytes in flight; with
@@ -94,14 +105,15 @@ class LimitedRequest(Request):
             return True
         if self._reserved_at is None:
             self._reserved_at = site
+            self._peer = self._counted_peer()
             self.notifyFinish().addBoth(self.release)
         if force:
             site.bytes_in_flight += size
         elif not site.reserve_bytes(
-            size, self._reserved, peer=self.kcoral.peer, peer_held=self._peer_reserved
+            size, self._reserved, peer=self._peer, peer_held=self._peer_reserved
         ):
             return False
-        elif self.kcoral.peer is not None:
+        elif self._peer is not None:
             self._peer_reserved += size
         self._reserved += size
         return True
@@ -124,7 +136,7 @@ class LimitedRequest(Request):
         peer_reserved, self._peer_reserved = self._peer_reserved, 0
         site = self._reserved_at
         if reserved and site is not None:
-            site.release_bytes(reserved, self.kcoral.peer, peer_reserved)
+            site.release_bytes(reserved, self._peer, peer_reserved)
         parser, self.kcoral.body_parser = self.kcoral.body_parser, None
         if parser is not None:
             parser.abort()
@@ -152,7 +164,7 @@ class LimitedRequest(Request):
     def _admits(self, length: int) -> bool:
         """A declared body of C{length} bytes can fit beside those held now."""
         site = self._site()
-        return site is None or site.admits_bytes(length, self.kcoral.peer)
+        return site is None or site.admits_bytes(length, self._counted_peer())
 
     def gotLength(self, length: int | None) -> None:
         limit = self._limit()

@@ -203,20 +203,20 @@ def copy_paths(size: int, repeat: int) -> dict[str, Any]:
     # The whole of a return, the worker's own code: under the lease the copy,
     # after it the part (the memfd written and hashed by the part collector).
     def return_staging() -> None:
-        PartCollector(shared.share).add(staged())
+        PartCollector(shared.PARTS).add(staged())
         staging.release()
 
     def return_registered() -> None:
         buffer = gpu._copy_dtoh_shared(drv, int(device), size)
         if buffer is None:
             raise RuntimeError(f"page-locking refused: {gpu._dtoh_refused}")
-        PartCollector(shared.share).add(buffer)
+        PartCollector(shared.PARTS).add(buffer)
         buffer.close()
 
     def return_pageable() -> None:
         host = np.empty(size, np.uint8)
         drv.memcpy_dtoh(host, device)
-        PartCollector(shared.share).add(memoryview(host))
+        PartCollector(shared.PARTS).add(memoryview(host))
 
     result_buffer = shared.share(memoryview(data).cast("B"))
 
@@ -241,7 +241,7 @@ def copy_paths(size: int, repeat: int) -> dict[str, Any]:
         view = staging.copy(drv, source, nbytes)
         if view is None:
             return None
-        parts = PartCollector(shared.share)
+        parts = PartCollector(shared.PARTS)
         parts.add(view)
         staging.release()
         part = parts.parts[0]

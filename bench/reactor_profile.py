@@ -50,7 +50,7 @@ CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
         "logging (events, console, access log)",
         ("twisted/logger/", "kcoral/server/observe/logs.py", "kcoral/server/observe/logwriter.py"),
     ),
-    ("multipart request parsing", ("kcoral/wire/multipart.py",)),
+    ("multipart request parsing", ("kcoral/wire/multipart.py", "kcoral/ipc/uploads.py")),
     ("program JSON and validation", ("kcoral/wire/program.py",)),
     ("response rendering", ("kcoral/wire/render.py", "kcoral/wire/values.py")),
     (

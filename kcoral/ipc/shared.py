@@ -24,13 +24,38 @@ from __future__ import annotations
 import array
 import contextlib
 import errno
+import hashlib
 import mmap
 import os
 import socket
 import stat
+import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
+
+from kcoral.wire.parts import MAX_DESCRIPTORS, SHARE_THRESHOLD
+
+__all__ = [
+    "MAX_DESCRIPTORS",
+    "PARALLEL_HASH_BYTES",
+    "PARTS",
+    "READ_CHUNK",
+    "SEALS",
+    "SHARE_THRESHOLD",
+    "PartSharing",
+    "SharedBuffer",
+    "SharedMemoryError",
+    "SharedWriter",
+    "adopt",
+    "available",
+    "drain_descriptors",
+    "fill",
+    "receive_descriptors",
+    "send_descriptors",
+    "share",
+    "socket_pair",
+]
 
 fcntl: Any
 try:
@@ -47,16 +72,8 @@ REQUIRED_SEALS: int = (
 )
 SEALS: int = REQUIRED_SEALS | getattr(fcntl, "F_SEAL_SEAL", 1)
 
-#: Binary parts and blobs smaller than this travel inline in a frame's
-#: payload: a descriptor costs a system call or two on each side, more
-#: than copying a few KiB.
-SHARE_THRESHOLD = 64 * 1024
-
 #: Bytes read from a buffer per L{SharedBuffer.read_chunks} step.
 READ_CHUNK = 1 << 20
-
-#: Descriptors one channel message may carry (a frame's parts, at most).
-MAX_DESCRIPTORS = 253
 
 
 class SharedMemoryError(Exception):
@@ -221,6 +238,53 @@ def share(data: bytes | bytearray | memoryview, name: str = "kcoral") -> SharedB
         writer.discard()
         raise
     return writer.seal()
+
+
+#: Parts at least this large are hashed in a thread beside their copy.
+PARALLEL_HASH_BYTES = 4 << 20
+
+
+class PartSharing:
+    """
+    How a worker's returned parts become sealed buffers
+    (L{kcoral.wire.values.PartSharer}): copied once, and hashed, in a
+    thread beside the copy when large (hashlib and the memfd write both
+    release the GIL).
+    """
+
+    def share(self, view: memoryview) -> tuple[SharedBuffer, str]:
+        """C{view} copied into a new sealed buffer, and its SHA-256."""
+        hasher = hashlib.sha256()
+        if view.nbytes < PARALLEL_HASH_BYTES:
+            hasher.update(view)
+            return share(view), hasher.hexdigest()
+        thread = threading.Thread(target=hasher.update, args=(view,), name="kcoral-hash")
+        thread.start()
+        try:
+            buffer = share(view)
+        finally:
+            thread.join()
+        return buffer, hasher.hexdigest()
+
+    def digest(self, buffer: SharedBuffer) -> str:
+        """The SHA-256 of a sealed buffer's bytes, read through a mapping of it."""
+        view = buffer.map()
+        try:
+            return hashlib.sha256(view).hexdigest()
+        finally:
+            _unmap(view)
+
+
+#: The one L{PartSharing} (it holds no state).
+PARTS = PartSharing()
+
+
+def _unmap(view: memoryview) -> None:
+    """Close a L{SharedBuffer.map} view's mapping now, not when it is collected."""
+    mapped = view.obj
+    view.release()
+    if hasattr(mapped, "close"):
+        mapped.close()
 
 
 def fill(size: int, write: Callable[[memoryview], None], name: str = "kcoral") -> SharedBuffer:

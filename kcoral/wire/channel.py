@@ -15,29 +15,26 @@ The header's C{type} names the message class; L{encode} and L{decode} map a
 message to a frame and back, refusing any unknown type, missing or extra
 field, or field of the wrong JSON type with L{ChannelError}.  The parent
 feeds received bytes to a L{FrameDecoder}; the worker, which has no reactor,
-uses the blocking L{read_message} and L{write_message}.
+uses the blocking C{read_message} and C{write_message} of
+L{kcoral.ipc.channel_io}, which also passes the descriptors of shared
+buffers.  Nothing here reads or writes a file descriptor: this module is the
+channel's values and its framing functions only.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import struct
 from collections.abc import Callable
-from functools import partial
-from typing import IO, Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import attrs
 
-from kcoral.ipc.shared import (
-    MAX_DESCRIPTORS,
-    SharedBuffer,
-    SharedMemoryError,
-    adopt,
-    receive_descriptors,
-    send_descriptors,
-)
 from kcoral.wire.jsontext import json_dumps
+from kcoral.wire.parts import MAX_DESCRIPTORS, Part, SharedPart, is_shared
+
+if TYPE_CHECKING:
+    from kcoral.ipc.shared import SharedBuffer
 
 #: The worker reads the parent's messages on this fd ...
 TO_WORKER_FD = 3
@@ -65,7 +62,8 @@ WORKER_CHANNEL_FDS: dict[int, str] = {
     PROGRESS_FD: "board",
 }
 
-_PREFIX = struct.Struct(">IQ")
+#: A frame's prefix: its header's length and its payload's.
+PREFIX = struct.Struct(">IQ")
 
 #: Largest header accepted by default; headers carry JSON metadata, never bulk data.
 MAX_HEADER_BYTES = 64 * 1024 * 1024
@@ -106,15 +104,15 @@ class Frame:
 
 def encode_frame(header: dict[str, Any], payload: bytes = b"") -> bytes:
     """Frame C{header} and C{payload} into one byte string."""
-    return _prefix_and_header(header, len(payload)) + bytes(payload)
+    return prefix_and_header(header, len(payload)) + bytes(payload)
 
 
-def _prefix_and_header(header: dict[str, Any], payload_length: int) -> bytes:
+def prefix_and_header(header: dict[str, Any], payload_length: int) -> bytes:
     encoded = json_dumps(header)
-    return _PREFIX.pack(len(encoded), payload_length) + encoded
+    return PREFIX.pack(len(encoded), payload_length) + encoded
 
 
-def _decode_header(raw: bytes) -> dict[str, Any]:
+def decode_header(raw: bytes) -> dict[str, Any]:
     try:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -213,7 +211,7 @@ def frame_cost(header_length: int, payload_length: int, decode_limit: int) -> in
     C{decode_limit} (L{header_cost} is checked against it once the header
     is in).
     """
-    wire = _PREFIX.size + header_length + payload_length
+    wire = PREFIX.size + header_length + payload_length
     return 3 * wire + min(HEADER_DECODE_FACTOR * header_length, decode_limit)
 
 
@@ -303,21 +301,21 @@ class FrameDecoder:
         buffer = self._buffer
         while True:
             if self._current is None:
-                if len(buffer) < _PREFIX.size:
+                if len(buffer) < PREFIX.size:
                     break
-                header_length, payload_length = _PREFIX.unpack_from(buffer)
+                header_length, payload_length = PREFIX.unpack_from(buffer)
                 self.limits.check(header_length, payload_length)
                 if not self._admitted:
                     if self.admit is not None and not self.admit(header_length, payload_length):
                         break
                     self._admitted = True
-                header_end = _PREFIX.size + header_length
+                header_end = PREFIX.size + header_length
                 if len(buffer) < header_end:
                     break
                 if self.inspect is not None:
-                    self.inspect(buffer, _PREFIX.size, header_end)
-                raw = _copy(buffer, _PREFIX.size, header_end)
-                header = _decode_header(raw)
+                    self.inspect(buffer, PREFIX.size, header_end)
+                raw = _copy(buffer, PREFIX.size, header_end)
+                header = decode_header(raw)
                 del raw
                 self.limits.check_type(str(header.get("type", "")), header_length, payload_length)
                 del buffer[:header_end]
@@ -343,50 +341,6 @@ def _copy(buffer: bytearray, start: int, end: int) -> bytes:
     """C{bytes(buffer[start:end])} in one copy, not two."""
     with memoryview(buffer) as view:
         return bytes(view[start:end])
-
-
-def _read_exactly(stream: IO[bytes], count: int) -> bytes | None:
-    chunks = []
-    remaining = count
-    while remaining:
-        chunk = stream.read(remaining)
-        if not chunk:
-            return None
-        chunks.append(chunk)
-        remaining -= len(chunk)
-    return b"".join(chunks)
-
-
-def read_frame(stream: IO[bytes], limits: FrameLimits = DEFAULT_LIMITS) -> Frame | None:
-    """
-    Blocking read of one frame; C{None} at a clean end of stream.
-
-    @raise ChannelError: on a truncated or malformed frame.
-    """
-    prefix = _read_exactly(stream, _PREFIX.size)
-    if prefix is None:
-        return None
-    header_length, payload_length = _PREFIX.unpack(prefix)
-    limits.check(header_length, payload_length)
-    raw_header = _read_exactly(stream, header_length)
-    if raw_header is None:
-        raise ChannelError("stream ended inside a message")
-    header = _decode_header(raw_header)
-    limits.check_type(str(header.get("type", "")), header_length, payload_length)
-    payload = _read_exactly(stream, payload_length) if payload_length else b""
-    if payload is None:
-        raise ChannelError("stream ended inside a message")
-    return Frame(header, payload)
-
-
-def write_frame(stream: IO[bytes], header: dict[str, Any], payload: bytes = b"") -> None:
-    """Blocking write of one frame, flushed; a large payload is not copied."""
-    if len(payload) < 1 << 16:
-        stream.write(encode_frame(header, payload))
-    else:
-        stream.write(_prefix_and_header(header, len(payload)))
-        stream.write(payload)
-    stream.flush()
 
 
 # ---------------------------------------------------------------------------
@@ -525,11 +479,11 @@ class Blob(ChannelMessage):
 
     digest: str = attrs.field(validator=_json(str))
     data: bytes | SharedBuffer = attrs.field(
-        default=b"", repr=False, validator=attrs.validators.instance_of((bytes, SharedBuffer))
+        default=b"", repr=False, validator=attrs.validators.instance_of((bytes, SharedPart))
     )
 
     def _header_fields(self) -> dict[str, Any]:
-        if isinstance(self.data, SharedBuffer):
+        if is_shared(self.data):
             return {"digest": self.digest, "size": len(self.data)}
         return {"digest": self.digest}
 
@@ -537,7 +491,7 @@ class Blob(ChannelMessage):
         return self.data if isinstance(self.data, bytes) else b""
 
     def descriptors(self) -> list[SharedBuffer]:
-        return [self.data] if isinstance(self.data, SharedBuffer) else []
+        return [self.data] if is_shared(self.data) else []
 
     @classmethod
     def _header_keys(cls) -> frozenset[str]:
@@ -766,14 +720,9 @@ class Measurement(ChannelMessage):
     raw: dict[str, Any] = attrs.field(validator=_json(dict))
 
 
-#: A binary part: bytes in the frame's payload, or a sealed shared buffer
-#: whose descriptor travels beside the frame.
-Part = bytes | SharedBuffer
-
-
 def _check_parts(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     """attrs validator: binary parts are a tuple of bytes or shared buffers."""
-    if not isinstance(value, tuple) or not all(isinstance(p, bytes | SharedBuffer) for p in value):
+    if not isinstance(value, tuple) or not all(isinstance(p, bytes) or is_shared(p) for p in value):
         raise TypeError("field 'parts' must be a tuple of bytes")
 
 
@@ -791,7 +740,7 @@ class _CarriesParts:
         fields = attrs.asdict(self, recurse=False)  # type: ignore[arg-type]
         del fields["parts"]
         fields["part_sizes"] = [len(part) for part in self.parts]
-        shared = [i for i, part in enumerate(self.parts) if isinstance(part, SharedBuffer)]
+        shared = [i for i, part in enumerate(self.parts) if is_shared(part)]
         if shared:
             fields["shared_parts"] = shared
         return fields
@@ -800,12 +749,12 @@ class _CarriesParts:
         return b"".join(part for part in self.parts if isinstance(part, bytes))
 
     def descriptors(self) -> list[SharedBuffer]:
-        return [part for part in self.parts if isinstance(part, SharedBuffer)]
+        return [part for part in self.parts if is_shared(part)]
 
     def inline_beyond(self, count: int) -> Any:
         parts: list[Part] = []
         for part in self.parts:
-            if isinstance(part, SharedBuffer):
+            if is_shared(part):
                 if count <= 0:
                     part = part.tobytes()
                 count -= 1
@@ -928,20 +877,21 @@ def encode(message: ChannelMessage) -> bytes:
     return encode_frame(message.header(), message.payload())
 
 
-#: Takes the next message's descriptors from the descriptor socket:
-#: C{take(count)} returns exactly C{count} fds or raises L{SharedMemoryError}.
-TakeDescriptors = Callable[[int], list[int]]
+#: Takes the next message's shared buffers from the descriptor socket:
+#: C{take(sizes)} returns one sealed buffer of each size, in order (each
+#: checked: L{kcoral.ipc.channel_io.take_shared}), or raises L{ChannelError}
+#: with every descriptor it received closed.
+TakeShared = Callable[[list[int]], "list[SharedBuffer]"]
 
 
 def decode(
     frame: Frame,
-    take: TakeDescriptors | None = None,
+    take: TakeShared | None = None,
     max_shared_bytes: int | None = None,
 ) -> ChannelMessage:
     """
     The message a frame carries, with the buffers it names taken from the
-    descriptor socket through C{take}, each checked (L{adopt}: a sealed
-    memfd of exactly its declared size).
+    descriptor socket through C{take}.
 
     @raise ChannelError: unknown type, a missing or extra field, a field of
         the wrong type or value, a payload where none belongs, or shared
@@ -974,7 +924,7 @@ def decode(
 
 
 def _take_shared(
-    name: str, sizes: list[int], take: TakeDescriptors | None, max_shared_bytes: int | None
+    name: str, sizes: list[int], take: TakeShared | None, max_shared_bytes: int | None
 ) -> list[SharedBuffer]:
     if take is None:
         raise ChannelError(f"a {name!r} message names descriptors this channel does not pass")
@@ -984,62 +934,23 @@ def _take_shared(
             f"a {name!r} message shares {total} bytes, over the limit of {max_shared_bytes}"
         )
     try:
-        fds = take(len(sizes))
-    except SharedMemoryError as e:
+        return take(sizes)
+    except ChannelError as e:
         raise ChannelError(f"bad {name!r} message: {e}") from None
-    shared: list[SharedBuffer] = []
-    try:
-        for index, (fd, size) in enumerate(zip(fds, sizes, strict=True)):
-            try:
-                shared.append(adopt(fd, size))
-            except SharedMemoryError:
-                for rest in fds[index + 1 :]:
-                    os.close(rest)
-                raise
-    except SharedMemoryError as e:
-        for buffer in shared:
-            buffer.close()
-        raise ChannelError(f"bad {name!r} message: {e}") from None
-    return shared
 
 
-def read_message(
-    stream: IO[bytes], limits: FrameLimits = DEFAULT_LIMITS, descriptors: Any = None
-) -> ChannelMessage | None:
+def prepare(message: ChannelMessage) -> tuple[ChannelMessage, bytes, bytes]:
     """
-    Blocking read of one message; C{None} at a clean end of stream.  Its
-    shared buffers come from the socket C{descriptors} (blocking).
-
-    @raise ChannelError: on a truncated, malformed or invalid frame.
-    """
-    frame = read_frame(stream, limits)
-    if frame is None:
-        return None
-    take = None if descriptors is None else partial(receive_descriptors, descriptors)
-    return decode(frame, take, limits.max_payload_bytes)
-
-
-def write_message(stream: IO[bytes], message: ChannelMessage, descriptors: Any = None) -> None:
-    """
-    Blocking write of one message, flushed; a large payload is not copied.
-    Its shared buffers' descriptors go first, on the socket C{descriptors}.
+    C{message} ready to send: with its shared buffers past
+    L{MAX_DESCRIPTORS} inline, its prefix and header, and its payload.
+    Encoded before anything is sent, so a header without a JSON form fails
+    with nothing written.
     """
     if len(message.descriptors()) > MAX_DESCRIPTORS:
         # One message passes at most MAX_DESCRIPTORS; the other parts go inline.
         message = message.inline_beyond(MAX_DESCRIPTORS)
     payload = message.payload()
-    # Encoded before anything is sent: a header without a JSON form fails
-    # with nothing written.
-    head = _prefix_and_header(message.header(), len(payload))
-    shared = message.descriptors()
-    if shared:
-        if descriptors is None:
-            raise ValueError(f"a {message.TYPE!r} message with shared buffers needs a socket")
-        send_descriptors(descriptors, [buffer.fileno() for buffer in shared])
-    stream.write(head)
-    if payload:
-        stream.write(payload)
-    stream.flush()
+    return message, prefix_and_header(message.header(), len(payload)), payload
 
 
 @attrs.define

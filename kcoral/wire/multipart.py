@@ -22,21 +22,15 @@ from __future__ import annotations
 import functools
 import hashlib
 import io
-import os
 import re
 import secrets
-import tempfile
-import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from email.parser import BytesHeaderParser
 from email.policy import default as _default_policy
-from typing import IO, Any, Protocol
+from typing import IO, TYPE_CHECKING, Any, Protocol
 
 import attrs
 
-from kcoral.ipc.blobsink import BlobSink
-from kcoral.ipc.shared import SharedBuffer, SharedWriter
-from kcoral.ipc.shared import available as shared_memory_available
 from kcoral.wire.jsontext import json_dumps
 from kcoral.wire.program import (
     Program,
@@ -47,13 +41,8 @@ from kcoral.wire.program import (
     tensor_nbytes,
 )
 
-#: Blobs of one request body that may land in sealed shared buffers.
-MAX_SHARED_BLOBS = 64
-
-#: A blob streaming into shared memory is written and hashed on the
-#: reactor up to this size, then by the threads of a L{BlobSink}: for a
-#: large upload those two were nearly all of the reactor's work.
-OFFLOAD_BYTES = 1 << 20
+if TYPE_CHECKING:
+    from kcoral.ipc.shared import SharedBuffer
 
 #: A chunk at least this large, inside a part and with no delimiter in it,
 #: reaches the part's handler as a view of itself, not through the
@@ -347,8 +336,9 @@ class _Scanner:
 
 class Blob:
     """
-    The payload of one C{blob:<sha256>} part: in memory, in a sealed shared
-    buffer (L{shared}), or spooled to a temporary file that L{close} deletes.
+    The payload of one C{blob:<sha256>} part: in memory, or in a sealed
+    shared buffer (L{shared}); a spooled one is a
+    L{kcoral.ipc.uploads.SpooledBlob}.
     """
 
     def __init__(
@@ -356,13 +346,11 @@ class Blob:
         digest: str,
         size: int,
         data: bytes | None,
-        path: str | None,
         shared: SharedBuffer | None = None,
     ) -> None:
         self.digest = digest
         self.size = size
         self._data = data
-        self._path = path
         #: The sealed buffer holding the payload, when it streamed into one.
         #: It is shared (the memory cache may keep it): L{close} only lets go.
         self.shared = shared
@@ -370,12 +358,12 @@ class Blob:
     @classmethod
     def from_bytes(cls, data: bytes) -> Blob:
         """A blob held in memory (for tests and the client)."""
-        return cls(hashlib.sha256(data).hexdigest(), len(data), bytes(data), None)
+        return cls(hashlib.sha256(data).hexdigest(), len(data), bytes(data))
 
     @property
     def path(self) -> str | None:
-        """The spool file's path, or C{None} for an in-memory blob."""
-        return self._path
+        """The spool file's path, or C{None} for a blob not spooled."""
+        return None
 
     def read(self) -> bytes:
         """All payload bytes."""
@@ -383,115 +371,90 @@ class Blob:
             return self._data
         if self.shared is not None:
             return self.shared.tobytes()
-        if self._path is None:
-            raise ValueError("blob is closed")
-        with open(self._path, "rb") as f:
-            return f.read()
+        raise ValueError("blob is closed")
 
     def open(self) -> IO[bytes]:
         """A binary file object reading the payload from its start."""
-        if self._path is not None:
-            return open(self._path, "rb")
         return io.BytesIO(self.read())
 
     def close(self) -> None:
-        """Delete the spool file, if any, and let go of the shared buffer; idempotent."""
+        """Let go of the shared buffer; idempotent."""
         self.shared = None
-        path, self._path = self._path, None
-        if path is not None:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
 
     def __repr__(self) -> str:
-        where = "memory" if self._data is not None else self.shared or self._path
+        where = "memory" if self._data is not None else self.shared or self.path
         return f"<Blob {self.digest} size={self.size} in {where}>"
 
 
-class _BlobWriter:
+class Offload(Protocol):
     """
-    Hash a streamed payload (the one hash it gets) and keep it in memory up
-    to C{threshold} bytes, past that in a sealed shared buffer when
-    C{shared} (never on disk: the server's bytes in flight bound it), else
-    in a spool file.
+    The threads writing and hashing a large blob off the parser's thread
+    (L{kcoral.ipc.blobsink.BlobSink}), as the parser sees them.
     """
-
-    def __init__(self, threshold: int, spool_dir: str | None, shared: bool = False) -> None:
-        self._hash = hashlib.sha256()
-        self._memory: bytearray | None = bytearray()
-        self._file: IO[bytes] | None = None
-        self._shared: SharedWriter | None = None
-        self._path: str | None = None
-        self._threshold = threshold
-        self._dir = spool_dir
-        self._share = shared
-        self._offload: BlobSink | None = None
-        self.size = 0
 
     @property
-    def sink(self) -> BlobSink | None:
-        """The threads writing and hashing this blob, past L{OFFLOAD_BYTES}."""
-        return self._offload
+    def backlog(self) -> int:
+        """Bytes handed over and not yet written and hashed."""
+
+    def notify_at(self, level: int, callback: Callable[[], None]) -> None:
+        """Call C{callback} (from any thread) once L{backlog} is C{level} or less."""
+
+    def close(self) -> None:
+        """No more bytes come: finish the last ones."""
+
+
+class BlobWriter(Protocol):
+    """
+    Where one blob part's payload goes as it streams in: the one hash it
+    gets, and its bytes held somewhere (L{MemoryBlobWriter}, or
+    L{kcoral.ipc.uploads.BlobStore}'s memfds and spool files).
+    """
+
+    size: int
+
+    @property
+    def offload(self) -> Offload | None:
+        """The threads writing and hashing it, once it has them."""
 
     def write(self, data: bytes | memoryview) -> None:
-        self.size += len(data)
-        if self._offload is not None:
-            # The threads read it later: a view of a received chunk as it
-            # is (immutable), else a copy (a view of the scanner's buffer,
-            # reused once this returns).
-            kept = data if isinstance(data, memoryview) and type(data.obj) is bytes else None
-            self._offload.put(bytes(data) if kept is None else kept)
-            return
-        self._hash.update(data)
-        if self._memory is not None:
-            self._memory += data
-            if len(self._memory) <= self._threshold:
-                return
-            data, self._memory = bytes(self._memory), None
-            if self._share:
-                self._shared = SharedWriter("kcoral-blob")
-            else:
-                fd, self._path = tempfile.mkstemp(prefix="kcoral-blob-", dir=self._dir)
-                self._file = os.fdopen(fd, "wb")
-        if self._shared is not None:
-            self._shared.write(data)
-            if self.size >= OFFLOAD_BYTES:
-                # The hash has seen every byte so far, the memfd holds them.
-                self._offload = BlobSink.start(self._hash, self._shared.fileno())
-            return
-        assert self._file is not None
-        self._file.write(data)
+        """The next bytes of the payload (a view valid only during the call)."""
 
     def finish(self) -> Blob:
-        offload, self._offload = self._offload, None
-        digest = self._hash.hexdigest() if offload is None else offload.finish()
-        if self._shared is not None:
-            writer, self._shared = self._shared, None
-            return Blob(digest, self.size, None, None, shared=writer.seal())
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-            return Blob(digest, self.size, None, self._path)
-        assert self._memory is not None
-        return Blob(digest, self.size, bytes(self._memory), None)
+        """Every byte was written: the blob, with the digest of its bytes."""
 
     def discard(self) -> None:
-        offload, self._offload = self._offload, None
-        if offload is not None:
-            offload.cancel()
-        if self._shared is not None:
-            self._shared.discard()
-            self._shared = None
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-        if self._path is not None:
-            try:
-                os.unlink(self._path)
-            except FileNotFoundError:
-                pass
-            self._path = None
+        """Drop whatever was written (idempotent)."""
+
+
+#: Makes the writer of a body's next blob, given how many blobs of the
+#: body are held already.
+NewBlob = Callable[[int], BlobWriter]
+
+
+class MemoryBlobWriter:
+    """A L{BlobWriter} that hashes a payload and keeps it in memory."""
+
+    offload: Offload | None = None
+
+    def __init__(self, held: int = 0) -> None:
+        self._hash = hashlib.sha256()
+        self._memory: bytearray | None = bytearray()
+        self.size = 0
+
+    def write(self, data: bytes | memoryview) -> None:
+        if self._memory is None:
+            raise ValueError("blob writer is finished")
+        self.size += len(data)
+        self._hash.update(data)
+        self._memory += data
+
+    def finish(self) -> Blob:
+        if self._memory is None:
+            raise ValueError("blob writer is finished")
+        data, self._memory = bytes(self._memory), None
+        return Blob(self._hash.hexdigest(), self.size, data)
+
+    def discard(self) -> None:
         self._memory = None
 
 
@@ -506,7 +469,7 @@ class ParsedRequest:
     blobs: dict[str, Blob]
 
     def close(self) -> None:
-        """Delete every spooled blob."""
+        """Let go of every blob (a spooled one's file is deleted)."""
         for blob in self.blobs.values():
             blob.close()
 
@@ -543,7 +506,12 @@ class RequestBodyParser:
     delimited.  Name, type, duplicate and digest errors are remembered and
     raised by L{close}, because the reference judges framing of every part
     before any part's name, so a later framing error must win.  Any error
-    deletes the spool files.
+    drops every blob (deleting spool files).
+
+    Each blob part's payload goes to a writer that C{new_blob} makes: in
+    memory by default (L{MemoryBlobWriter}); the server's
+    L{kcoral.ipc.uploads.BlobStore} spools to files or streams into
+    sealed shared buffers, with threads for the large ones.
     """
 
     def __init__(
@@ -551,28 +519,24 @@ class RequestBodyParser:
         boundary: str,
         *,
         max_bytes: int,
-        spool_threshold: int = 1 << 20,
-        spool_dir: str | None = None,
-        shared: bool = False,
+        new_blob: NewBlob = MemoryBlobWriter,
     ) -> None:
         self._scanner = _Scanner(boundary.encode("ascii"), self)
         self._max_bytes = max_bytes
-        self._threshold = spool_threshold
-        self._spool_dir = spool_dir
-        self._shared = shared
+        self._new_blob = new_blob
         self.received = 0
         self._failed: BaseException | None = None
         self._deferred: ValidationError | None = None
         self._deferred_part = 0
         #: Blobs whose threads were still writing and hashing when their
         #: part ended: (part, declared name, writer), collected by close().
-        self._pending: list[tuple[int, str, _BlobWriter]] = []
+        self._pending: list[tuple[int, str, BlobWriter]] = []
         self._program: bytes | None = None
         self._blobs: dict[str, Blob] = {}
         # Per-part state.
         self._headers: _HeaderReader | None = None
         self._part_error: ValidationError | None = None
-        self._sink: _BlobWriter | bytearray | None = None
+        self._sink: BlobWriter | bytearray | None = None
         self._blob_name = ""
 
     # Public API.
@@ -629,9 +593,10 @@ class RequestBodyParser:
         """Whether a blob's threads may still be busy: L{close} waits for them."""
         return bool(self._pending)
 
-    def _offload(self) -> BlobSink | None:
+    def _offload(self) -> Offload | None:
         """The threads of the blob being received, if it has them."""
-        return self._sink.sink if isinstance(self._sink, _BlobWriter) else None
+        sink = self._sink
+        return None if sink is None or isinstance(sink, bytearray) else sink.offload
 
     def backlog(self) -> int:
         """Bytes fed that the part being received has not yet written and hashed."""
@@ -653,7 +618,7 @@ class RequestBodyParser:
 
     def _fail(self, error: BaseException) -> None:
         self._failed = error
-        if isinstance(self._sink, _BlobWriter):
+        if self._sink is not None and not isinstance(self._sink, bytearray):
             self._sink.discard()
         self._sink = None
         pending, self._pending = self._pending, []
@@ -692,17 +657,18 @@ class RequestBodyParser:
         sink, self._sink = self._sink, None
         if isinstance(sink, bytearray):
             self._program = bytes(sink)
-        elif isinstance(sink, _BlobWriter):
+        elif sink is not None:
             part = self._scanner.parts
-            if sink.sink is None:
+            offload = sink.offload
+            if offload is None:
                 self._collect(part, self._blob_name, sink)
             else:
                 # Its threads finish the last bytes while the rest of the
                 # body arrives; close() collects it.
-                sink.sink.close()
+                offload.close()
                 self._pending.append((part, self._blob_name, sink))
 
-    def _collect(self, part: int, name: str, writer: _BlobWriter) -> None:
+    def _collect(self, part: int, name: str, writer: BlobWriter) -> None:
         """Seal blob C{part}'s buffer and check its digest against its C{name}."""
         try:
             blob = writer.finish()
@@ -743,7 +709,7 @@ class RequestBodyParser:
         except ValidationError as e:
             self._defer(self._scanner.parts, e)
 
-    def _check_part(self, name: str, content_type: str) -> _BlobWriter | bytearray:
+    def _check_part(self, name: str, content_type: str) -> BlobWriter | bytearray:
         if name == "program":
             if self._program is not None:
                 raise ValidationError("duplicate multipart part: 'program'")
@@ -761,133 +727,14 @@ class RequestBodyParser:
         if content_type != "application/octet-stream":
             raise ValidationError(f"blob part {digest} must use application/octet-stream")
         self._blob_name = digest
-        # A body of many blobs gets memfds for its first few only (each is
-        # a descriptor of the server's); the rest stay in memory, bounded
-        # like every body by the bytes in flight.
-        shared = self._shared and len(self._blobs) + len(self._pending) < MAX_SHARED_BLOBS
-        return _BlobWriter(self._threshold, self._spool_dir, shared)
-
-
-class StreamedBody:
-    """
-    A request body parsed while it arrives (C{feed} from the HTTP
-    request's C{handleContentChunk}): blobs are hashed once and land in
-    sealed shared buffers, nothing is spooled.  A parse error is kept, not
-    raised, so the rest of the body is read and discarded; L{result}
-    raises it.
-    """
-
-    def __init__(self, content_type: str | None, max_bytes: int, threshold: int) -> None:
-        self.received = 0
-        self._error: BaseException | None = None
-        self._parser: RequestBodyParser | None = None
-        # result() may run on a pool thread (L{settling}) while the reactor
-        # aborts the body (its client left): whichever comes second sees
-        # what the first did.
-        self._closing = threading.Lock()
-        self._aborted = False
-        try:
-            boundary = boundary_from_content_type(content_type)
-        except ValidationError as e:
-            self._error = e
-            return
-        self._parser = RequestBodyParser(
-            boundary, max_bytes=max_bytes, spool_threshold=threshold, shared=True
-        )
-
-    @classmethod
-    def for_content_type(
-        cls, content_type: str | None, max_bytes: int, threshold: int = 64 * 1024
-    ) -> StreamedBody | None:
-        """A streamed body for a multipart request; C{None} for anything else."""
-        if not shared_memory_available() or not (content_type or "").lower().startswith(
-            "multipart/form-data"
-        ):
-            return None
-        return cls(content_type, max_bytes, threshold)
-
-    def feed(self, data: bytes) -> None:
-        self.received += len(data)
-        if self._error is not None or self._parser is None:
-            return
-        try:
-            self._parser.feed(data)
-        except (ValidationError, RequestTooLarge, OSError) as e:
-            # OSError: no memfd could be made (descriptors or memory are
-            # short); the API answers it as the server being busy.
-            self._error = e
-            self._parser.abort()
-
-    @property
-    def settling(self) -> bool:
-        """
-        Whether L{result} may wait for a large blob's threads to finish its
-        last bytes: then it belongs on a pool thread, not the reactor.
-        """
-        return self._error is None and self._parser is not None and self._parser.settling
-
-    def result(self) -> ParsedRequest:
-        """
-        The parsed body, once all of it arrived (any thread).
-
-        @raise ValidationError: the body broke a rule of protocol §3.
-        @raise RequestTooLarge: it was over the size limit.
-        @raise OSError: the server could not hold it (no memfd could be made).
-        """
-        with self._closing:
-            if self._error is not None:
-                raise self._error
-            assert self._parser is not None
-            try:
-                parsed = self._parser.close()
-            except (ValidationError, RequestTooLarge) as e:
-                self._error = e
-                raise
-            if self._aborted:
-                parsed.close()
-                self._error = ValidationError("parser aborted")
-                raise self._error
-            return parsed
-
-    def abort(self) -> None:
-        """
-        Drop whatever was parsed (the request ended without it).  Never
-        waits: while L{result} runs on another thread, it drops its result.
-        """
-        self._aborted = True
-        if self._parser is not None and self._closing.acquire(blocking=False):
-            try:
-                self._parser.abort()
-            finally:
-                self._closing.release()
-
-    def backlog(self) -> int:
-        """
-        Bytes fed that are not yet in their blob's memfd and hash: the
-        reader stops reading past a high-water mark (L{when_drained}).
-        """
-        if self._error is not None or self._parser is None:
-            return 0
-        return self._parser.backlog()
-
-    def when_drained(self, level: int, callback: Callable[[], None]) -> None:
-        """
-        Call C{callback}, from any thread, once L{backlog} is C{level} bytes
-        or less (at once if it already is, or if the body failed).
-        """
-        if self._error is not None or self._parser is None:
-            callback()
-        else:
-            self._parser.when_drained(level, callback)
+        return self._new_blob(len(self._blobs) + len(self._pending))
 
 
 def parse_request_body(
     content_type: str | None, body: bytes, *, max_bytes: int = 1 << 62
 ) -> ParsedRequest:
     """Parse a whole body at once (tests, small requests): §3.3 in one call."""
-    parser = RequestBodyParser(
-        boundary_from_content_type(content_type), max_bytes=max_bytes, spool_threshold=1 << 62
-    )
+    parser = RequestBodyParser(boundary_from_content_type(content_type), max_bytes=max_bytes)
     parser.feed(body)
     return parser.close()
 

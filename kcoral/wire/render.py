@@ -13,11 +13,10 @@ writes what it gets back.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol, Union
+from typing import TYPE_CHECKING, Any, Protocol, Union
 
 import attrs
 
-from kcoral.ipc.shared import SharedBuffer
 from kcoral.wire.channel import Outcome
 from kcoral.wire.errors import (
     RESPONSE_TOO_LARGE_MESSAGE,
@@ -30,8 +29,11 @@ from kcoral.wire.jsontext import json_dumps
 from kcoral.wire.multipart import encode_response
 from kcoral.wire.program import Program
 
+if TYPE_CHECKING:
+    from kcoral.ipc.shared import SharedBuffer
+
 #: A response body: bytes, or the chunks of a multipart body.
-Body = Union[bytes, list[Union[bytes, SharedBuffer]]]
+Body = Union[bytes, list[Union[bytes, "SharedBuffer"]]]
 
 #: Log fields longer than this are cut (error messages, exception text).
 FIELD_LIMIT = 2048

@@ -13,17 +13,16 @@ from __future__ import annotations
 
 import hashlib
 import math
-import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import attrs
 
-from kcoral.ipc.shared import SHARE_THRESHOLD, SharedBuffer
+from kcoral.wire.parts import SHARE_THRESHOLD, is_shared
 from kcoral.wire.program import DTYPES, ValidationError, normalize_path, tensor_nbytes
 
-#: Parts at least this large are hashed in a thread beside their copy.
-PARALLEL_HASH_BYTES = 4 << 20
+if TYPE_CHECKING:
+    from kcoral.ipc.shared import SharedBuffer
 
 #: One encoded node: a JSON object with a C{type} member.
 Node = dict[str, Any]
@@ -100,6 +99,20 @@ def folder_node(files: Mapping[str, Node], directories: Sequence[str]) -> Node:
     }
 
 
+class PartSharer(Protocol):
+    """
+    Makes sealed shared buffers of returned parts (a worker's
+    L{kcoral.ipc.shared.PARTS}): the wire decides which parts are shared,
+    the sharer owns the memfds, mappings and threads that takes.
+    """
+
+    def share(self, view: memoryview) -> tuple[SharedBuffer, str]:
+        """C{view} copied once into a new sealed buffer, and its SHA-256."""
+
+    def digest(self, buffer: SharedBuffer) -> str:
+        """The SHA-256 of a sealed buffer's bytes."""
+
+
 class PartCollector:
     """
     The binary parts of one response, numbered C{return:0..n-1} in the order
@@ -107,13 +120,13 @@ class PartCollector:
     numbering stays contiguous.
     """
 
-    def __init__(self, share: Callable[[memoryview], SharedBuffer] | None = None) -> None:
+    def __init__(self, share: PartSharer | None = None) -> None:
         self.parts: list[bytes | SharedBuffer] = []
         self.total_bytes = 0
-        #: Makes a sealed shared buffer of a part's bytes (a worker's
-        #: L{kcoral.ipc.shared.share}): parts of L{SHARE_THRESHOLD} bytes or
-        #: more are copied into one at once and cross to the parent as a
-        #: descriptor; C{None} keeps every part as bytes.
+        #: Makes sealed shared buffers of parts (L{PartSharer}): parts of
+        #: L{SHARE_THRESHOLD} bytes or more are copied into one at once
+        #: and cross to the parent as a descriptor; C{None} keeps every
+        #: part as bytes.
         self._share = share
 
     def __len__(self) -> int:
@@ -122,35 +135,18 @@ class PartCollector:
     def add(self, data: bytes | bytearray | memoryview | SharedBuffer) -> tuple[str, str]:
         """
         Register a part (copied now: C{data} may be a view of the program's
-        own array); return its name and SHA-256.  A L{SharedBuffer} (a
+        own array); return its name and SHA-256.  A shared buffer (a
         returned tensor copied from the device straight into one) is kept
         as it is when parts are shared, else copied out.
         """
-        if isinstance(data, SharedBuffer):
+        if is_shared(data):
             if self._share is not None:
-                view = data.map()
-                try:
-                    digest = hashlib.sha256(view).hexdigest()
-                finally:
-                    _unmap(view)
-                return self._append(data), digest
+                return self._append(data), self._share.digest(data)
             data = data.tobytes()
-        view = memoryview(data).cast("B")
+        view = memoryview(cast("bytes | bytearray | memoryview", data)).cast("B")
         payload: bytes | SharedBuffer
-        if self._share is not None and view.nbytes >= PARALLEL_HASH_BYTES:
-            # Hash in a thread while the bytes are copied into the shared
-            # buffer: hashlib and the memfd write both release the GIL.
-            hasher = hashlib.sha256()
-            thread = threading.Thread(target=hasher.update, args=(view,), name="kcoral-hash")
-            thread.start()
-            try:
-                payload = self._share(view)
-            finally:
-                thread.join()
-            digest = hasher.hexdigest()
-        elif self._share is not None and view.nbytes >= SHARE_THRESHOLD:
-            digest = hashlib.sha256(view).hexdigest()
-            payload = self._share(view)
+        if self._share is not None and view.nbytes >= SHARE_THRESHOLD:
+            payload, digest = self._share.share(view)
         else:
             digest = hashlib.sha256(view).hexdigest()
             payload = view.tobytes()
@@ -173,14 +169,6 @@ class PartCollector:
         del self.parts[mark:]
 
 
-def _unmap(view: memoryview) -> None:
-    """Close a L{SharedBuffer.map} view's mapping now, not when it is collected."""
-    mapped = view.obj
-    view.release()
-    if hasattr(mapped, "close"):
-        mapped.close()
-
-
 def _encode_tensor(
     exported: tuple[str, Sequence[int], bytes | memoryview | SharedBuffer],
     collector: PartCollector,
@@ -192,7 +180,7 @@ def _encode_tensor(
         isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape
     ):
         raise SerializationError("returned tensor has an invalid shape")
-    if not isinstance(data, bytes | bytearray | memoryview | SharedBuffer):
+    if not isinstance(data, bytes | bytearray | memoryview) and not is_shared(data):
         raise SerializationError("returned tensor data must be bytes")
     expected = tensor_nbytes(dtype, shape)
     if len(data) != expected:

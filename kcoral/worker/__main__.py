@@ -24,6 +24,7 @@ from typing import IO, Any
 import attrs
 
 from kcoral.ipc import board
+from kcoral.ipc.channel_io import read_message, write_message
 from kcoral.ipc.shared import SharedBuffer
 from kcoral.ipc.shared import available as shared_memory_available
 from kcoral.wire.channel import (
@@ -40,8 +41,6 @@ from kcoral.wire.channel import (
     Ready,
     Teardown,
     TornDown,
-    read_message,
-    write_message,
 )
 from kcoral.worker import runtime
 from kcoral.worker.builtins import registry_for

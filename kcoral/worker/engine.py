@@ -32,7 +32,7 @@ from typing import Any
 import attrs
 
 from kcoral.errors import KINDS, ExecutionError, GPUAccessViolation
-from kcoral.ipc.shared import SharedBuffer, share
+from kcoral.ipc.shared import PARTS, SharedBuffer
 from kcoral.wire.channel import (
     CONTROL_FRAME_BYTES,
     RETIRE_POISONED,
@@ -493,7 +493,7 @@ class _ProgramRun:
         self.request = request
         self.program = program
         self.handles = _Handles()
-        self.parts = PartCollector(share if engine.share_parts else None)
+        self.parts = PartCollector(PARTS if engine.share_parts else None)
         #: Parts already sent with L{Returned} messages.
         self.streamed = 0
         self.streamed_bytes = 0

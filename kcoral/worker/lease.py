@@ -16,13 +16,12 @@ from typing import IO
 import attrs
 from zope.interface import implementer
 
+from kcoral.ipc.channel_io import read_message, write_message
 from kcoral.wire.channel import (
     LeaseAcquire,
     LeaseGranted,
     LeaseNext,
     LeaseRelease,
-    read_message,
-    write_message,
 )
 from kcoral.worker.interfaces import ILeaseClient
 

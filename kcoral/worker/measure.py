@@ -21,14 +21,13 @@ from typing import IO, Any
 import attrs
 
 from kcoral.errors import ExecutionError
+from kcoral.ipc.channel_io import read_message, write_message
 from kcoral.measurement import MeasurementFailed, RawMeasurement, evaluate
 from kcoral.wire.channel import Measurement as MeasurementMessage
 from kcoral.wire.channel import (
     MeasurementResult,
     MeasureStart,
     MeasureStop,
-    read_message,
-    write_message,
 )
 
 __all__ = ["ChannelMeasurer", "LocalMeasurer"]

@@ -21,7 +21,11 @@ import attrs
 
 from kcoral.compilers import COMPILE_IN_PARENT_ENV
 from kcoral.errors import KINDS, ExecutionError
-from kcoral.wire.channel import CompileDone, CompileRequest, read_message, write_message
+from kcoral.ipc.channel_io import read_message, write_message
+from kcoral.wire.channel import (
+    CompileDone,
+    CompileRequest,
+)
 
 __all__ = ["COMPILE_IN_PARENT_ENV", "RemoteCompiler"]
 

@@ -15,6 +15,7 @@ from typing import IO, Any
 import attrs
 import pytest
 
+from kcoral.ipc.channel_io import read_message, write_message
 from kcoral.wire.channel import (
     Blob,
     ChannelMessage,
@@ -24,8 +25,6 @@ from kcoral.wire.channel import (
     LeaseGranted,
     Outcome,
     Returned,
-    read_message,
-    write_message,
 )
 
 pytestmark = pytest.mark.integration

@@ -31,7 +31,12 @@ pytestmark = [pytest.mark.integration, requires_bwrap]
 #: program sent to its worker and returns that as its own (late) result.
 THIEF = r"""
 import os
-from kcoral.wire.channel import Execute, Outcome, encode, read_message
+from kcoral.ipc.channel_io import read_message
+from kcoral.wire.channel import (
+    Execute,
+    Outcome,
+    encode,
+)
 
 
 def steal():

@@ -16,11 +16,10 @@ from typing import Any
 
 import pytest
 
-from kcoral.ipc import blobsink, shared
+from kcoral.ipc import blobsink, shared, uploads
 from kcoral.ipc.blobsink import BlobSink
+from kcoral.ipc.uploads import StreamedBody
 from kcoral.testing.live_server import multipart_body
-from kcoral.wire import multipart
-from kcoral.wire.multipart import StreamedBody
 from kcoral.wire.program import ValidationError
 
 pytestmark = pytest.mark.skipif(not shared.available(), reason="no sealed memfds here")
@@ -245,7 +244,7 @@ def test_aborted_body_stops_the_threads() -> None:
 
 
 def test_hand_over_size() -> None:
-    assert multipart.OFFLOAD_BYTES == 1 << 20
+    assert uploads.OFFLOAD_BYTES == 1 << 20
 
 
 def test_received_chunks_are_queued_without_a_copy(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -279,7 +278,7 @@ def test_received_chunks_are_queued_without_a_copy(monkeypatch: pytest.MonkeyPat
     # Copied: the few bytes kept from one chunk to the next (they could
     # have begun a delimiter), and the blob's last piece.
     assert sum(map(len, copied)) < 256 << 10
-    assert sum(map(len, views)) > len(data) - multipart.OFFLOAD_BYTES - (1 << 20)
+    assert sum(map(len, views)) > len(data) - uploads.OFFLOAD_BYTES - (1 << 20)
     ids = {id(chunk) for chunk in received}
     assert all(id(view.obj) in ids for view in views)
 

@@ -3,7 +3,12 @@ The layer rules of DESIGN.md, checked on every module of each package by
 walking its imports (C{ast}), lazy imports inside functions included and
 C{if TYPE_CHECKING:} blocks excluded: C{wire} knows nothing of Twisted,
 C{worker} nothing of the reactor, C{server} nothing of CUDA, and imports
-run downward only (server, worker, client -> wire, compilers, config).
+run downward only (server, worker, client -> ipc -> wire; compilers, config).
+
+C{wire} is values and pure functions: no threads, sockets, mappings,
+descriptors or files (L{OS_RESOURCES}); those live in C{ipc}, which may use
+the wire, never the other way (the wire names C{ipc}'s types only for a
+type checker).
 """
 
 from __future__ import annotations
@@ -21,11 +26,24 @@ PACKAGE = Path(kcoral.__file__).resolve().parent
 CUDA = ("pycuda", "cupy", "torch", "numba", "cuda", "nvidia")
 HTTP = ("klein", "treq", "werkzeug")
 UPPER = ("kcoral.server", "kcoral.worker", "kcoral.client", "kcoral.testing")
+#: What makes a module impure: threads, native calls, sockets, mappings,
+#: descriptors and files (kcoral.ipc's room, not kcoral.wire's).
+OS_RESOURCES = (
+    "threading",
+    "ctypes",
+    "socket",
+    "mmap",
+    "select",
+    "os",
+    "tempfile",
+    "fcntl",
+    "subprocess",
+)
 
 #: Layer -> module prefixes none of its modules may import.
 FORBIDDEN: dict[str, tuple[str, ...]] = {
-    "wire": ("twisted", *HTTP, *CUDA, *UPPER, "kcoral.compilers"),
-    "ipc": ("twisted", *HTTP, *CUDA, *UPPER, "kcoral.compilers", "kcoral.wire"),
+    "wire": ("twisted", *HTTP, *CUDA, *UPPER, "kcoral.compilers", "kcoral.ipc", *OS_RESOURCES),
+    "ipc": ("twisted", *HTTP, *CUDA, *UPPER, "kcoral.compilers"),
     "worker": ("twisted.internet", *HTTP, "kcoral.server", "kcoral.client", "kcoral.testing"),
     "server": (*CUDA, "kcoral.worker", "kcoral.client", "kcoral.testing"),
     "client": (*CUDA, "kcoral.server", "kcoral.worker", "kcoral.testing"),

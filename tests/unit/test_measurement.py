@@ -20,6 +20,7 @@ from twisted.internet.defer import Deferred
 from twisted.trial.unittest import SynchronousTestCase
 
 from kcoral.errors import ExecutionError
+from kcoral.ipc.channel_io import read_message
 from kcoral.measurement import (
     TIMER_CUPTI,
     TIMER_EVENTS,
@@ -44,7 +45,6 @@ from kcoral.wire.channel import (
     MeasureStop,
     Outcome,
     encode,
-    read_message,
 )
 from kcoral.wire.render import Placement, render_result
 from kcoral.worker.gpu_builtins.activity import (

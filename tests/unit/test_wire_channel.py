@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kcoral.ipc.channel_io import read_frame, read_message, write_frame, write_message
 from kcoral.wire.channel import (
     CONTROL_LIMITS,
     FROM_WORKER_FD,
@@ -47,10 +48,6 @@ from kcoral.wire.channel import (
     encode,
     encode_frame,
     job_limits,
-    read_frame,
-    read_message,
-    write_frame,
-    write_message,
 )
 
 

@@ -10,17 +10,17 @@ import json
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kcoral.ipc import shared
+from kcoral.ipc.uploads import MAX_SHARED_BLOBS, BlobStore, StreamedBody
 from kcoral.testing.live_server import multipart_body
 from kcoral.wire.multipart import (
-    MAX_SHARED_BLOBS,
     Blob,
     RequestBodyParser,
     RequestTooLarge,
-    StreamedBody,
     boundary_from_content_type,
     check_blob_references,
     check_tensor_lengths,
@@ -71,7 +71,7 @@ def client_body(*blobs: bytes) -> bytes:
     )
 
 
-def parse(data: bytes, chunk: int | None = None, **kw: int) -> dict[str, bytes]:
+def parse(data: bytes, chunk: int | None = None, **kw: Any) -> dict[str, bytes]:
     parser = RequestBodyParser(B, max_bytes=kw.pop("max_bytes", 1 << 30), **kw)
     step = chunk or max(1, len(data))
     for i in range(0, len(data), step):
@@ -98,7 +98,7 @@ def reject(data: bytes) -> str:
 def test_client_layout_accepted(chunk: int | None) -> None:
     """The §3.1 body, with an empty blob and awkward payloads, parses byte-exact."""
     blobs = [b"", b"\r\n", b"x\r", b"\n--" + B.encode() + b"-", bytes(range(256)) * 3]
-    parsed = parse(client_body(*blobs), chunk, spool_threshold=4)
+    parsed = parse(client_body(*blobs), chunk, new_blob=BlobStore(4))
     assert parsed["program"] == program_for(*blobs)
     for b in blobs:
         assert parsed[sha(b)] == b
@@ -280,7 +280,9 @@ def test_max_bytes_during_feed() -> None:
 def test_spooling_and_cleanup(tmp_path: Path) -> None:
     """Large blobs spool into C{spool_dir}; closing deletes the files."""
     payload = os.urandom(10_000)
-    parser = RequestBodyParser(B, max_bytes=1 << 20, spool_threshold=1000, spool_dir=str(tmp_path))
+    parser = RequestBodyParser(
+        B, max_bytes=1 << 20, new_blob=BlobStore(1000, spool_dir=str(tmp_path))
+    )
     data = client_body(payload, b"small")
     for i in range(0, len(data), 777):
         parser.feed(data[i : i + 777])
@@ -299,11 +301,11 @@ def test_error_deletes_spool(tmp_path: Path) -> None:
     """A failing body leaves no spool file behind."""
     payload = os.urandom(5000)
     data = body(P, part(f"blob:{sha(b'x')}", "application/octet-stream", payload))
-    parser = RequestBodyParser(B, max_bytes=1 << 20, spool_threshold=10, spool_dir=str(tmp_path))
+    parser = RequestBodyParser(B, max_bytes=1 << 20, new_blob=BlobStore(10, str(tmp_path)))
     parser.feed(data[:3000])
     parser.abort()
     assert list(tmp_path.iterdir()) == []
-    parser = RequestBodyParser(B, max_bytes=1 << 20, spool_threshold=10, spool_dir=str(tmp_path))
+    parser = RequestBodyParser(B, max_bytes=1 << 20, new_blob=BlobStore(10, str(tmp_path)))
     parser.feed(data)
     with pytest.raises(ValidationError):
         parser.close()

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kcoral.ipc.uploads import BlobStore
 from kcoral.wire import multipart
 from kcoral.wire.multipart import (
     RequestBodyParser,
@@ -162,7 +163,7 @@ def _body(program: bytes, blobs: list[bytes]) -> bytes:
 
 
 def _full_parse(body: bytes, chunk: int, max_bytes: int = 1 << 20) -> None:
-    parser = RequestBodyParser(B, max_bytes=max_bytes, spool_threshold=16)
+    parser = RequestBodyParser(B, max_bytes=max_bytes, new_blob=BlobStore(16))
     try:
         for i in range(0, len(body), chunk):
             parser.feed(body[i : i + chunk])
@@ -263,7 +264,9 @@ def test_streaming_memory(tmp_path: Any) -> None:
     tail = f"\r\n--{B}--\r\n".encode()
     process = psutil.Process()
     parser = RequestBodyParser(
-        B, max_bytes=len(head) + blob_size + len(tail), spool_dir=str(tmp_path)
+        B,
+        max_bytes=len(head) + blob_size + len(tail),
+        new_blob=BlobStore(spool_dir=str(tmp_path)),
     )
     baseline = peak = process.memory_info().rss
     parser.feed(head)
@@ -282,7 +285,7 @@ def test_streaming_memory(tmp_path: Any) -> None:
 
 def _outcome(body: bytes, chunks: list[int]) -> Any:
     """What parsing C{body} fed in pieces of the given sizes gives: parts or the error."""
-    parser = RequestBodyParser(B, max_bytes=1 << 20, spool_threshold=16)
+    parser = RequestBodyParser(B, max_bytes=1 << 20, new_blob=BlobStore(16))
     position, sizes = 0, iter(chunks)
     try:
         while position < len(body):

@@ -11,6 +11,7 @@ import tempfile
 import pytest
 
 from kcoral.ipc import shared
+from kcoral.ipc.channel_io import read_frame, read_message, take_shared, write_message
 from kcoral.ipc.shared import (
     SharedMemoryError,
     adopt,
@@ -27,9 +28,6 @@ from kcoral.wire.channel import (
     Outcome,
     Returned,
     decode,
-    read_frame,
-    read_message,
-    write_message,
 )
 
 pytestmark = pytest.mark.skipif(not shared.available(), reason="no sealed memfds here")
@@ -185,12 +183,12 @@ def test_channel_refuses_descriptors_it_cannot_take() -> None:
     with pytest.raises(ChannelError, match="does not pass"):
         decode(frame)
     with pytest.raises(ChannelError, match="over the limit of 9"):
-        decode(frame, lambda n: receive_descriptors(ours, n), max_shared_bytes=9)
+        decode(frame, lambda sizes: take_shared(ours, sizes), max_shared_bytes=9)
     # The limit is checked before any descriptor is taken.
     assert drain_descriptors(ours) == 1
     # Descriptors named but never sent.
     with pytest.raises(ChannelError, match="not sent"):
-        decode(frame, lambda n: receive_descriptors(ours, n), max_shared_bytes=None)
+        decode(frame, lambda sizes: take_shared(ours, sizes), max_shared_bytes=None)
     ours.close()
     theirs.close()
 

@@ -12,12 +12,11 @@ import numpy as np
 import pytest
 
 from kcoral.ipc import shared
-from kcoral.ipc.shared import SHARE_THRESHOLD
+from kcoral.ipc.shared import PARALLEL_HASH_BYTES, SHARE_THRESHOLD
 from kcoral.wire.errors import json_dumps
 from kcoral.wire.multipart import decode_response, encode_response
 from kcoral.wire.program import DTYPES, ValidationError
 from kcoral.wire.values import (
-    PARALLEL_HASH_BYTES,
     DecodedFile,
     DecodedFolder,
     PartCollector,
@@ -269,13 +268,13 @@ def test_decode_rejects(node: dict[str, object], parts: dict[str, bytes]) -> Non
 @pytest.mark.parametrize("size", [100, SHARE_THRESHOLD, PARALLEL_HASH_BYTES + 3])
 def test_parts_shared_and_hashed(size: int) -> None:
     """
-    With a share function, parts of SHARE_THRESHOLD bytes or more become
+    With a sharer (L{shared.PARTS}), parts of SHARE_THRESHOLD bytes or more become
     sealed buffers (hashed in a thread beside the copy past
     PARALLEL_HASH_BYTES); the digest is the bytes' either way, and the
     part is a copy: changing the source afterwards changes nothing.
     """
     source = bytearray(os.urandom(size))
-    collector = PartCollector(shared.share)
+    collector = PartCollector(shared.PARTS)
     name, digest = collector.add(memoryview(source))
     expected = bytes(source)
     source[:4] = b"EVIL"

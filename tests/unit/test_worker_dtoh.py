@@ -100,7 +100,7 @@ def test_part_collector_keeps_the_buffer_and_hashes_it(library: FakeCudaLibrary)
     data = device_bytes(gpu.REGISTER_HOST_BYTES)
     buffer = gpu._copy_dtoh_shared(FakeDriver({1: data}), 1, len(data))
     assert buffer is not None
-    parts = PartCollector(shared.share)
+    parts = PartCollector(shared.PARTS)
     name, digest = parts.add(buffer)
     assert (name, digest) == ("return:0", hashlib.sha256(data).hexdigest())
     assert parts.parts == [buffer] and parts.total_bytes == len(data)

@@ -8,14 +8,13 @@ from typing import IO
 
 import pytest
 
+from kcoral.ipc.channel_io import read_message, write_message
 from kcoral.wire.channel import (
     Exit,
     LeaseAcquire,
     LeaseGranted,
     LeaseNext,
     LeaseRelease,
-    read_message,
-    write_message,
 )
 from kcoral.worker import lease as lease_module
 from kcoral.worker.lease import LeaseClient, watch_inbox

@@ -11,7 +11,12 @@ from typing import Any
 
 import pytest
 
-from kcoral.wire.channel import Exit, Teardown, TornDown, read_message, write_message
+from kcoral.ipc.channel_io import read_message, write_message
+from kcoral.wire.channel import (
+    Exit,
+    Teardown,
+    TornDown,
+)
 from kcoral.worker import __main__ as worker_main
 
 

@@ -30,6 +30,7 @@ from werkzeug.exceptions import HTTPException
 
 from kcoral.config import ServerConfig
 from kcoral.ipc.shared import SharedBuffer
+from kcoral.ipc.uploads import BlobStore, StreamedBody
 from kcoral.server.cache import Resolution
 from kcoral.server.http.component import IKcoralRequest
 from kcoral.server.http.streaming import BodyProducer, DirectSocket, body_length, shared_bytes
@@ -57,7 +58,6 @@ from kcoral.wire.multipart import (
     ParsedRequest,
     RequestBodyParser,
     RequestTooLarge,
-    StreamedBody,
     boundary_from_content_type,
     check_blob_references,
     check_tensor_lengths,
@@ -112,7 +112,7 @@ def _iso_utc(timestamp: float) -> str:
 def _parse_body(content: IO[bytes], content_type: str | None, max_bytes: int) -> Parsed:
     """Thread pool: stream the spooled body through the multipart parser."""
     boundary = boundary_from_content_type(content_type)
-    parser = RequestBodyParser(boundary, max_bytes=max_bytes)
+    parser = RequestBodyParser(boundary, max_bytes=max_bytes, new_blob=BlobStore())
     total = 0
     try:
         content.seek(0)

@@ -23,7 +23,7 @@ from twisted.python.components import registerAdapter
 from twisted.web.server import Request
 from zope.interface import Attribute, Interface, implementer
 
-from kcoral.wire.multipart import StreamedBody
+from kcoral.ipc.uploads import StreamedBody
 
 __all__ = ["IKcoralRequest", "KcoralRequest", "address_host"]
 

@@ -32,6 +32,7 @@ from twisted.web.resource import IResource
 from twisted.web.server import Site
 
 from kcoral.config import ServerConfig
+from kcoral.ipc.uploads import StreamedBody
 from kcoral.server.http.accept import TroubleLog
 from kcoral.server.http.auth import TokenGuard, Tokens
 from kcoral.server.http.channel import (
@@ -44,7 +45,6 @@ from kcoral.server.http.component import address_host
 from kcoral.server.http.refusals import log_refusal, peer_host, raw_error_response
 from kcoral.server.http.request import LimitedRequest
 from kcoral.wire.errors import choose_request_id
-from kcoral.wire.multipart import StreamedBody
 
 #: Open connections served at once; more are answered 503 and closed.
 DEFAULT_MAX_CONNECTIONS = 4096

@@ -21,11 +21,8 @@ from twisted.internet.error import ProcessExitedAlready
 from twisted.internet.protocol import ProcessProtocol
 from twisted.python.failure import Failure
 
-from kcoral.ipc.shared import (
-    SharedMemoryError,
-    drain_descriptors,
-    receive_descriptors,
-)
+from kcoral.ipc.channel_io import take_shared
+from kcoral.ipc.shared import SharedBuffer, drain_descriptors
 from kcoral.server.workers.channelbudget import ChannelBudget, ignore_cancel
 from kcoral.wire.channel import (
     CONTROL_FRAME_BYTES,
@@ -288,11 +285,9 @@ class WorkerProtocol(ProcessProtocol):
                 except Exception:
                     pass
 
-    def _take(self, count: int) -> list[int]:
-        """The descriptors of the frame being decoded (sent before it)."""
-        if self.descriptors is None:
-            raise SharedMemoryError("this worker has no descriptor socket")
-        return receive_descriptors(self.descriptors, count)
+    def _take(self, sizes: list[int]) -> list[SharedBuffer]:
+        """The shared buffers of the frame being decoded (their descriptors sent before it)."""
+        return take_shared(self.descriptors, sizes)
 
     def drain(self) -> int:
         """Close whatever descriptors wait unclaimed; how many messages held them."""

@@ -17,14 +17,14 @@ with a sealed shared buffer (L{kcoral.ipc.shared}):
    memfd, unmapped and sealed afterwards (pageable: slower on the H200);
  - C{d2h_registered_memfd}: the same with the mapping page-locked for the
    copy (C{cuMemHostRegister}, then unregistered), through the worker's own
-   code (L{kcoral.worker.gpu._copy_dtoh_shared}: C{KCORAL_DTOH_COPY=registered},
+   code (L{kcoral.worker.gpu.copy_dtoh_shared}: C{KCORAL_DTOH_COPY=registered},
    and returns over 64 MiB);
  - C{d2h_registered_unpopulated}: the same without C{MAP_POPULATE} (the
    registration faults the pages in);
  - C{register_memfd}: only the page-locking of that path (a new memfd,
    mapped, registered, unregistered, sealed; no copy): its fixed cost;
  - C{d2h_pinned_staging}: device to the worker's page-locked staging
-   buffer, kept across returns (L{kcoral.worker.gpu._Staging}: what workers
+   buffer, kept across returns (L{kcoral.worker.gpu.Staging}: what workers
    do under the lease for a returned device tensor from 4 MiB to 64 MiB;
    the part collector writes the memfd from it after the lease);
  - C{hash_memfd}: SHA-256 of a result buffer's mapping (the part
@@ -146,9 +146,9 @@ def copy_paths(size: int, repeat: int) -> dict[str, Any]:
     from kcoral.worker import gpu
 
     def d2h_registered_memfd() -> None:
-        result = gpu._copy_dtoh_shared(drv, int(device), size)
+        result = gpu.copy_dtoh_shared(drv, int(device), size)
         if result is None:
-            raise RuntimeError(f"page-locking refused: {gpu._dtoh_refused}")
+            raise RuntimeError(f"page-locking refused: {gpu.dtoh_refused()}")
         result.close()
 
     def register_memfd() -> None:
@@ -187,12 +187,12 @@ def copy_paths(size: int, repeat: int) -> dict[str, Any]:
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, shared.SEALS)
         shared.SharedBuffer(fd, size).close()
 
-    staging = gpu._Staging()
+    staging = gpu.Staging()
 
     def staged() -> memoryview:
         view = staging.copy(drv, int(device), size)
         if view is None:
-            raise RuntimeError(f"page-locked staging refused: {gpu._dtoh_refused}")
+            raise RuntimeError(f"page-locked staging refused: {gpu.dtoh_refused()}")
         return view
 
     def d2h_pinned_staging() -> None:
@@ -207,9 +207,9 @@ def copy_paths(size: int, repeat: int) -> dict[str, Any]:
         staging.release()
 
     def return_registered() -> None:
-        buffer = gpu._copy_dtoh_shared(drv, int(device), size)
+        buffer = gpu.copy_dtoh_shared(drv, int(device), size)
         if buffer is None:
-            raise RuntimeError(f"page-locking refused: {gpu._dtoh_refused}")
+            raise RuntimeError(f"page-locking refused: {gpu.dtoh_refused()}")
         PartCollector(shared.PARTS).add(buffer)
         buffer.close()
 
@@ -247,7 +247,7 @@ def copy_paths(size: int, repeat: int) -> dict[str, Any]:
         part = parts.parts[0]
         return part if isinstance(part, shared.SharedBuffer) else None
 
-    check_bytes("d2h_registered_memfd", gpu._copy_dtoh_shared)
+    check_bytes("d2h_registered_memfd", gpu.copy_dtoh_shared)
     check_bytes("d2h_pinned_staging", staged_part)
     try:
         with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:

@@ -51,7 +51,7 @@ def _who(event: dict[str, Any], key: str) -> tuple[Any, Any]:
     return (event.get(key), event.get("pid"))
 
 
-def _seconds(timestamp: Any) -> float | None:
+def seconds(timestamp: Any) -> float | None:
     """An event's time in seconds: events.jsonl has UTC ISO-8601 text (ms)."""
     if isinstance(timestamp, (int, float)):
         return float(timestamp)
@@ -165,7 +165,7 @@ def _holds(events: list[dict[str, Any]]) -> Holds:
         name = event.get("event")
         if name not in _LEASE_EVENTS:
             continue
-        when = _seconds(event.get("timestamp"))
+        when = seconds(event.get("timestamp"))
         for gpu in event.get("gpu_ids") or []:
             spans = holds.setdefault((gpu, _who(event, "holder")), [])
             if name == "lease_granted":
@@ -188,7 +188,7 @@ def _check_contained(
     if name not in _CONTEXT_STARTED and name not in _CONTEXT_FINISHED:
         return
     who = _who(event, "worker_id")
-    when = _seconds(event.get("timestamp"))
+    when = seconds(event.get("timestamp"))
     for gpu in event.get("gpu_ids") or []:
         state = gpus.setdefault(gpu, _Gpu())
         if name in _CONTEXT_FINISHED:
@@ -226,7 +226,7 @@ def check(paths: list[Path]) -> dict[str, Any]:
             name = event.get("event")
             for gpu in event.get("gpu_ids") or []:
                 state = gpus.setdefault(gpu, _Gpu())
-                state.advance(_seconds(event.get("timestamp")))
+                state.advance(seconds(event.get("timestamp")))
                 if name in ("lease_granted", "lease_released"):
                     who = _who(event, "holder")
                     maintenance = event.get("mode") == "maintenance"
@@ -260,14 +260,14 @@ def check(paths: list[Path]) -> dict[str, Any]:
                     if state.exclusive is not None and state.exclusive != who:
                         overlap("context", gpu, state.exclusive, who, event)
                     if not state.running(kind):
-                        state.busy_since[kind] = _seconds(event.get("timestamp"))
+                        state.busy_since[kind] = seconds(event.get("timestamp"))
                     state.contexts[who] = kind
                 elif name in _CONTEXT_FINISHED:
                     who = _who(event, "worker_id")
                     kind = _CONTEXT_FINISHED[name]
                     state.contexts.pop(who, None)
                     since = state.busy_since[kind]
-                    now = _seconds(event.get("timestamp"))
+                    now = seconds(event.get("timestamp"))
                     if not state.running(kind) and since is not None and now is not None:
                         state.busy[kind] += now - since
                         state.busy_since[kind] = None

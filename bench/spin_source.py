@@ -6,8 +6,7 @@ C{_cycles_per_ms(torch)} calibrates C{torch.cuda._sleep} once per worker
 process (cycles per millisecond, by CUDA events), so a function can launch
 a spin of about C{ms} milliseconds with C{torch.cuda._sleep(int(ms *
 _cycles_per_ms(torch)))}.  Standard library only: C{ref_driver.py} imports
-it beside the reference client, C{handover_probe.py} and C{overlap.py}
-beside ours.
+it beside the reference client, C{overlap.py} beside ours.
 """
 
 CPU_WORK = """

@@ -91,18 +91,20 @@ def _verdict(body: dict[str, Any], results: dict[str, Any], honest: float | None
 def run_corpus(port: int, name: str) -> dict[str, Any]:
     """Every exploit and control on the server at C{port}."""
     honest_body, honest_results = _post(
-        port, corpus._program(corpus._python_kernel(corpus.MATMUL), {}, "matmul")
+        port, corpus.corpus_program(corpus.python_kernel(corpus.MATMUL), {}, "matmul")
     )
     honest = honest_results.get("r", {}).get("latency_ms_median")
     print(f"  {name}: honest 2048 matmul median {honest} ms")
     table: dict[str, Any] = {"honest_median_ms": honest, "exploits": {}, "controls": {}}
     for case, (source, cfg) in sorted(corpus.EXPLOITS.items()):
-        body, results = _post(port, corpus._program(corpus._python_kernel(source), cfg, "matmul"))
+        body, results = _post(
+            port, corpus.corpus_program(corpus.python_kernel(source), cfg, "matmul")
+        )
         table["exploits"][case] = _verdict(body, results, honest)
         print(f"  {name} exploit {case:32s} {table['exploits'][case]['outcome']}")
     for case, (source, cfg) in sorted(corpus.CONTROLS.items()):
         ref = corpus.REFERENCE.get(case, "matmul")
-        body, results = _post(port, corpus._program(corpus._python_kernel(source), cfg, ref))
+        body, results = _post(port, corpus.corpus_program(corpus.python_kernel(source), cfg, ref))
         table["controls"][case] = _verdict(body, results, None)
         print(f"  {name} control {case:32s} {table['controls'][case]['outcome']}")
     return table
@@ -117,7 +119,7 @@ def fidelity(port: int, repeat: int) -> dict[str, Any]:
     ):
         program = {
             "instructions": [
-                *corpus._python_kernel(source),
+                *corpus.python_kernel(source),
                 {"op": "upload", "kind": "module", "id": "h", "source": FIDELITY_HARNESS},
                 {"op": "get_function", "id": "m", "module": {"$ref": "h"}, "name": "measure"},
                 {
@@ -364,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     server = ServerProcess(
         ["--device", "gpu", "--gpus", "0", "--workers-per-gpu", "2"]
         + ["--max-requests-per-worker", "1", "--log-dir", str(logs / "kcoral")]
-        + ["--tensor-api", "torch", *corpus._readonly_flags()],
+        + ["--tensor-api", "torch", *corpus.readonly_flags()],
         log_path=logs / "kcoral.out",
     )
     server.start(timeout=240)

@@ -210,7 +210,7 @@ _FLOAT_NON_NEGATIVE = [_number, _non_negative]
 
 #: Hardware work queues per GPU worker context (C{CUDA_DEVICE_MAX_CONNECTIONS})
 #: when workers are replaced after every request.  Measured on an H200
-#: (bench/context_probe.py, 8 contexts at once): a replacement, creation
+#: (bench/probes/context_probe.py, 8 contexts at once): a replacement, creation
 #: beside teardown and exit, costs 94 ms with 2 queues, 163 ms with 4 and
 #: 212 ms with 8, so a GPU replaces 10.6 fresh workers a second instead of
 #: 6.1 or 4.7; a program's streams beyond 2 share queues and may wait on each

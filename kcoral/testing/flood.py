@@ -1,7 +1,7 @@
 # -*- test-case-name: tests.reliability.test_connection_floods -*-
 """
 A slowloris flood and the probes that measure service through it, for the
-reliability tests and C{bench/connection_flood.py}.  Loopback only.
+reliability tests and C{bench/probes/connection_flood.py}.  Loopback only.
 
 L{TricklingFlood} keeps C{count} connections open from several 127.0.0.x
 source addresses, each trickling a request head a byte at a time and never

@@ -124,7 +124,7 @@ class DriverWatch:
                 # The exit of the call that took the lease: switched off
                 # here, not on its entry (switched off on entry, later
                 # blocks missed device calls on an H200:
-                # bench/cupti_switch_probe.py).
+                # bench/probes/cupti_switch_probe.py).
                 self._off_at_exit = None
                 self._switch_off()
             return

@@ -112,6 +112,11 @@ _dtoh_refused: str | None = None
 _notices: list[str] = []
 
 
+def dtoh_refused() -> str | None:
+    """Why page-locking a result buffer was refused in this process, if it was."""
+    return _dtoh_refused
+
+
 def _refuse_dtoh(reason: str) -> None:
     global _dtoh_refused
     if _dtoh_refused is None:
@@ -122,7 +127,7 @@ def _refuse_dtoh(reason: str) -> None:
         )
 
 
-def _copy_dtoh_shared(drv: Any, source: int, nbytes: int) -> shared.SharedBuffer | None:
+def copy_dtoh_shared(drv: Any, source: int, nbytes: int) -> shared.SharedBuffer | None:
     """
     C{nbytes} of device memory at C{source} copied into a new sealed buffer
     (L{kcoral.ipc.shared.fill}) whose writable mapping is page-locked for
@@ -194,7 +199,7 @@ def _dtoh_copy() -> str:
     return how if how in DTOH_COPIES else DTOH_COPIES[0]
 
 
-class _Staging:
+class Staging:
     """
     A worker's page-locked staging buffer for returned tensors.
 
@@ -329,7 +334,7 @@ class GpuBackend:
         self._l2_flush: Any = None
         self._spin: Any = _UNSET
         self._dtoh_copy = _dtoh_copy()
-        self._staging = _Staging()
+        self._staging = Staging()
 
     # -- facts -------------------------------------------------------------
 
@@ -481,7 +486,7 @@ class GpuBackend:
                 staged = self._staging.copy(self._drv, *source)
                 if staged is not None:
                     return name, shape, staged
-            buffer = _copy_dtoh_shared(self._drv, *source)
+            buffer = copy_dtoh_shared(self._drv, *source)
             if buffer is not None:
                 return name, shape, buffer
         if is_torch_tensor(value):

@@ -8,7 +8,8 @@ nothing (a C{def} does not run its body; importing a loaded module is a
 lookup in C{sys.modules}), so it cannot touch the GPU, and the engine need
 neither take the lease for it nor switch on the CUPTI driver watch that a
 lazily leased import needs (about 0.13 ms a module on an H200,
-C{bench/cupti_cost.py}).
+a one-off probe, C{bench/cupti_cost.py}, removed from
+the tree with the other probes on private names; git history keeps it).
 
 The analysis is conservative: anything it does not recognise (a call, a
 decorator, a base class, a default that is not a constant, an import that

@@ -83,7 +83,7 @@ class LeaseClient:
         """
         Watch for the grant awake for up to L{GRANT_WATCH_SECONDS}: it is
         next, and a process asleep in C{read} wakes tens of microseconds
-        after it arrives (bench/wake_probe.py), all of it GPU time lost.
+        after it arrives (bench/probes/wake_probe.py), all of it GPU time lost.
         The parent sends L{LeaseNext} only where a core is spare for it.
         """
         watch_inbox(self._inbox, GRANT_WATCH_SECONDS)

@@ -300,7 +300,7 @@ void add_one(tvm::ffi::TensorView x, tvm::ffi::TensorView y) {
 REFERENCE = {"triton": "twice"}
 
 
-def _readonly_flags() -> list[str]:
+def readonly_flags() -> list[str]:
     flags = []
     for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep):
         if entry and os.path.isdir(entry) and not os.path.exists(os.path.join(entry, "kcoral")):
@@ -317,7 +317,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     server = ServerProcess(
         ["--device", "gpu", "--gpus", "0", "--workers-per-gpu", "2"]
         + ["--max-requests-per-worker", "1", "--log-dir", str(logs)]
-        + ["--tensor-api", "torch", *_readonly_flags()],
+        + ["--tensor-api", "torch", *readonly_flags()],
         log_path=logs / "server.out",
     )
     server.start(timeout=240)
@@ -325,7 +325,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     assert server.stop() == 0
 
 
-def _program(
+def corpus_program(
     kernel: list[dict[str, Any]], cfg: dict[str, Any], ref: str, with_n: bool = False
 ) -> dict[str, Any]:
     cfg = {"warmup": 5, "repeat": 30, **cfg}
@@ -346,7 +346,7 @@ def _program(
     }
 
 
-def _python_kernel(source: str) -> list[dict[str, Any]]:
+def python_kernel(source: str) -> list[dict[str, Any]]:
     return [
         {"op": "upload", "kind": "module", "id": "k", "source": source},
         {"op": "get_function", "id": "kern", "module": {"$ref": "k"}, "name": "kernel"},
@@ -373,7 +373,7 @@ _honest: dict[str, float] = {}
 
 def _honest_median(server: ServerProcess) -> float:
     if "matmul" not in _honest:
-        result, _ = _run(server, _program(_python_kernel(MATMUL), {}, "matmul"))
+        result, _ = _run(server, corpus_program(python_kernel(MATMUL), {}, "matmul"))
         _honest["matmul"] = result.check()["r"]["latency_ms_median"]
     return _honest["matmul"]
 
@@ -388,7 +388,7 @@ def _report(name: str, result: Any, body: dict[str, Any]) -> None:
 def test_exploit_fails_or_is_flagged(server: ServerProcess, name: str) -> None:
     honest = _honest_median(server)
     source, cfg = EXPLOITS[name]
-    result, body = _run(server, _program(_python_kernel(source), cfg, "matmul"))
+    result, body = _run(server, corpus_program(python_kernel(source), cfg, "matmul"))
     _report(name, result, body)
     if not result.completed:
         assert result.error["kind"] == "runtime", result.error
@@ -412,7 +412,7 @@ def test_replaced_benchmark_is_caught_by_the_record(server: ServerProcess) -> No
         "kcoral.builtins.benchmark = lambda fn, *a: {'latency_ms_median': 0.001,"
         " 'measurement_id': 0, 'validity': {'ok': True, 'reasons': []}}\n" + MATMUL
     )
-    result, body = _run(server, _program(_python_kernel(forged), {}, "matmul"))
+    result, body = _run(server, corpus_program(python_kernel(forged), {}, "matmul"))
     _report("replaced_benchmark", result, body)
     value = result.check()["r"]
     assert value["latency_ms_median"] == 0.001
@@ -437,7 +437,7 @@ def _check_control(result: Any, body: dict[str, Any], name: str) -> None:
 def test_control_is_not_flagged(server: ServerProcess, name: str) -> None:
     source, cfg = CONTROLS[name]
     ref = REFERENCE.get(name, "matmul")
-    result, body = _run(server, _program(_python_kernel(source), cfg, ref))
+    result, body = _run(server, corpus_program(python_kernel(source), cfg, ref))
     _check_control(result, body, name)
 
 
@@ -446,7 +446,7 @@ def test_pycuda_kernel_control(server: ServerProcess) -> None:
     n = 2048 * 2048
     cfg = {"grid": [n // 256], "block": [256], "arg_types": ["ptr", "ptr", "i32"]}
     kernel = _compiled_kernel(TWICE_CUDA, "twice", cfg)
-    result, body = _run(server, _program(kernel, {}, "twice", with_n=True))
+    result, body = _run(server, corpus_program(kernel, {}, "twice", with_n=True))
     _check_control(result, body, "pycuda")
 
 
@@ -454,7 +454,7 @@ def test_tvm_ffi_control(server: ServerProcess) -> None:
     """A TVM-FFI host function compiled with builtin.compile_cuda."""
     pytest.importorskip("tvm_ffi")
     result, body = _run(
-        server, _program(_compiled_kernel(ADD_ONE_HOST, "add_one", {}), {}, "add_one")
+        server, corpus_program(_compiled_kernel(ADD_ONE_HOST, "add_one", {}), {}, "add_one")
     )
     _check_control(result, body, "tvm_ffi")
 

@@ -106,7 +106,9 @@ def test_result_memory(tmp_path: Path) -> None:
 def test_response_path(tmp_path: Path) -> None:
     """Both ways of sending a shared part deliver it whole; sendfile carries it when the client keeps up."""
     output = tmp_path / "response_path.json"
-    run_bench("response_path.py", "--size-mib", "8", "--rounds", "1", "--output", str(output))
+    run_bench(
+        "probes/response_path.py", "--size-mib", "8", "--rounds", "1", "--output", str(output)
+    )
     result = json.loads(output.read_text())
     assert result["size_bytes"] == 8 << 20
     assert result["pread"]["direct_share"] == 0

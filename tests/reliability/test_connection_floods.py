@@ -6,7 +6,7 @@ open-file limit is below its connection cap neither spins nor floods its
 log with C{EMFILE}.  CI-sized floods on loopback, from several 127.0.0.x
 source addresses, against a real bubblewrap CPU server; the probes are
 /health and ordinary programs from 127.0.0.1, each on a fresh connection.
-C{bench/connection_flood.py} runs the issue's 4,300 connections.
+C{bench/probes/connection_flood.py} runs the issue's 4,300 connections.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """
 A GPU worker copies a large returned device tensor straight into a sealed
 shared buffer whose mapping is page-locked for the copy
-(kcoral.worker.gpu._copy_dtoh_shared), on a machine without a GPU: the
+(kcoral.worker.gpu.copy_dtoh_shared), on a machine without a GPU: the
 driver library and PyCUDA's copy are stood in for.
 """
 
@@ -55,7 +55,7 @@ def device_bytes(size: int) -> bytes:
 def test_copied_into_a_sealed_buffer_page_locked_for_the_copy(library: FakeCudaLibrary) -> None:
     data = device_bytes(gpu.REGISTER_HOST_BYTES)
     driver = FakeDriver({0x7000: data})
-    buffer = gpu._copy_dtoh_shared(driver, 0x7000, len(data))
+    buffer = gpu.copy_dtoh_shared(driver, 0x7000, len(data))
     assert buffer is not None
     assert buffer.tobytes() == data
     # Sealed as any shared part: the parent adopts it.
@@ -73,11 +73,11 @@ def test_refused_registration_falls_back_and_is_noted_once(library: FakeCudaLibr
     driver = FakeDriver({1: data})
     with no_collection():
         before = memfd_count()
-        assert gpu._copy_dtoh_shared(driver, 1, len(data)) is None
+        assert gpu.copy_dtoh_shared(driver, 1, len(data)) is None
         assert memfd_count() == before  # the unused buffer is freed
     assert driver.copies == 0
     # Not tried again in this worker; one notice for its log.
-    assert gpu._copy_dtoh_shared(driver, 1, len(data)) is None
+    assert gpu.copy_dtoh_shared(driver, 1, len(data)) is None
     assert [call[0] for call in library.calls] == ["register"]
     backend = object.__new__(gpu.GpuBackend)
     notices = backend.take_notices()
@@ -90,7 +90,7 @@ def test_failed_copy_raises_after_unregistering(library: FakeCudaLibrary) -> Non
     with no_collection():
         before = memfd_count()
         with pytest.raises(RuntimeError, match="illegal memory access"):
-            gpu._copy_dtoh_shared(FakeDriver({1: data}, fail=True), 1, len(data))
+            gpu.copy_dtoh_shared(FakeDriver({1: data}, fail=True), 1, len(data))
         assert [call[0] for call in library.calls] == ["register", "unregister"]
         assert memfd_count() == before
     assert gpu._dtoh_refused is None  # a copy error is the program's, not the path's
@@ -98,7 +98,7 @@ def test_failed_copy_raises_after_unregistering(library: FakeCudaLibrary) -> Non
 
 def test_part_collector_keeps_the_buffer_and_hashes_it(library: FakeCudaLibrary) -> None:
     data = device_bytes(gpu.REGISTER_HOST_BYTES)
-    buffer = gpu._copy_dtoh_shared(FakeDriver({1: data}), 1, len(data))
+    buffer = gpu.copy_dtoh_shared(FakeDriver({1: data}), 1, len(data))
     assert buffer is not None
     parts = PartCollector(shared.PARTS)
     name, digest = parts.add(buffer)
@@ -130,7 +130,7 @@ def test_staging_regions_then_reused(library: FakeCudaLibrary) -> None:
     """
     small, large = device_bytes(gpu.REGISTER_HOST_BYTES), device_bytes(2 * gpu.REGISTER_HOST_BYTES)
     driver = StagingDriver({1: small, 2: large})
-    staging = gpu._Staging()
+    staging = gpu.Staging()
     first, second = staging.copy(driver, 1, len(small)), staging.copy(driver, 2, len(large))
     assert first is not None and second is not None
     assert (bytes(first), bytes(second)) == (small, large)
@@ -148,7 +148,7 @@ def test_staging_declines_past_its_limit(
     monkeypatch.setattr(gpu, "STAGING_MAX_BYTES", gpu.REGISTER_HOST_BYTES)
     data = device_bytes(gpu.REGISTER_HOST_BYTES)
     driver = StagingDriver({1: data})
-    staging = gpu._Staging()
+    staging = gpu.Staging()
     assert staging.copy(driver, 1, len(data)) is not None
     assert staging.copy(driver, 1, len(data)) is None  # this return's regions are full
     assert gpu._dtoh_refused is None
@@ -156,7 +156,7 @@ def test_staging_declines_past_its_limit(
 
 def test_staging_refused_falls_back(library: FakeCudaLibrary) -> None:
     data = device_bytes(gpu.REGISTER_HOST_BYTES)
-    assert gpu._Staging().copy(StagingDriver({1: data}, refuse=True), 1, len(data)) is None
+    assert gpu.Staging().copy(StagingDriver({1: data}, refuse=True), 1, len(data)) is None
     assert "pagelocked_empty" in (gpu._dtoh_refused or "")
 
 
@@ -182,7 +182,7 @@ def test_backend_picks_the_copy_from_the_environment(
     backend._torch = None
     backend.ordinal = 0
     backend._dtoh_copy = gpu._dtoh_copy()
-    backend._staging = gpu._Staging()
+    backend._staging = gpu.Staging()
     array = np.frombuffer(data, dtype=np.uint8)
     sources = {id(array): (9, len(data))}
     monkeypatch.setattr(gpu, "_device_source", lambda value, torch, ordinal: sources.get(id(value)))
@@ -213,7 +213,7 @@ def test_staging_past_its_limit_registers(
     backend._torch = None
     backend.ordinal = 0
     backend._dtoh_copy = gpu._dtoh_copy()
-    backend._staging = gpu._Staging()
+    backend._staging = gpu.Staging()
     monkeypatch.setattr(gpu, "_device_source", lambda value, torch, ordinal: (9, len(data)))
     part = backend.tensor_parts(np.frombuffer(data, dtype=np.uint8))[2]
     assert isinstance(part, shared.SharedBuffer) and part.tobytes() == data

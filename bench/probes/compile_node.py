@@ -25,8 +25,8 @@ bubblewrap; cache hit p50 within 2x the null program; compiles/s at
 C{cores} clients at least 0.9 x cores / nvcc p50) and writes
 C{bench/results/compile_node.json} (or C{--output}).  Nothing is asserted.
 
-    python3 bench/compile_node.py
-    python3 bench/compile_node.py --ref-python ~/.cache/kcoral-tests/refserver-0.1.1/bin/python
+    python3 bench/probes/compile_node.py
+    python3 bench/probes/compile_node.py --ref-python ~/.cache/kcoral-tests/refserver-0.1.1/bin/python
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/
 
 import common  # noqa: E402
 

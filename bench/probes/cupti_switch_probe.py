@@ -16,7 +16,7 @@ sees torch's device calls:
 - C{exit}: switched off inside the exit callback of that call;
 - C{thread}: switched off by another thread, woken by the callback.
 
-    python3 bench/cupti_switch_probe.py
+    python3 bench/probes/cupti_switch_probe.py
 
 Prints one line a variant and writes C{bench/results/cupti_switch_probe.json}.
 """
@@ -33,7 +33,7 @@ from typing import Any
 
 VARIANTS = ("none", "enter", "exit", "thread")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def child(variant: str) -> dict[str, Any]:
@@ -145,7 +145,7 @@ def main() -> int:
         else:
             results.append(json.loads(done.stdout.strip().splitlines()[-1]))
         print(json.dumps(results[-1]))
-    out = Path(__file__).resolve().parent / "results" / "cupti_switch_probe.json"
+    out = Path(__file__).resolve().parents[1] / "results" / "cupti_switch_probe.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
     return 0

@@ -12,7 +12,7 @@ waits). Each sample is charged to the nearest kcoral, Twisted or Klein frame
 (standard-library frames count for their caller) and that frame's file gives
 the row of the table.
 
-    python3 bench/reactor_profile.py --clients 64 --requests 2000 --py-spy
+    python3 bench/probes/reactor_profile.py --clients 64 --requests 2000 --py-spy
 
 No timing is asserted; the figures and the table print, and the JSON goes to
 C{bench/results/reactor_profile.json}.
@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/
 import common  # noqa: E402
 
 from kcoral.testing.live_server import ServerProcess  # noqa: E402

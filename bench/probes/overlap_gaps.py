@@ -5,7 +5,7 @@ time from a release to the next exclusive grant of the same GPU when that
 grant had waited (someone was in line, so the GPU sat unheld only for the
 server's own reasons).
 
-    python bench/overlap_gaps.py logs/runs/<run>/events.jsonl
+    python bench/probes/overlap_gaps.py logs/runs/<run>/events.jsonl
 
 With a GPU-bound workload (bench/ref_driver.py overlap) the requests per
 second are at most 1000 / (hold + gap) per GPU: this says which of the two
@@ -22,8 +22,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lease_overlap import _seconds  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/
+from lease_overlap import seconds  # noqa: E402
 
 
 def analyse(lines: list[dict[str, Any]]) -> dict[str, Any]:
@@ -38,7 +38,7 @@ def analyse(lines: list[dict[str, Any]]) -> dict[str, Any]:
             or event.get("mode", "exclusive") != "exclusive"
         ):
             continue
-        now = _seconds(event.get("timestamp"))
+        now = seconds(event.get("timestamp"))
         if now is None:
             continue
         first = now if first is None else first

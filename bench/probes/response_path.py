@@ -7,7 +7,7 @@ L{kcoral.server.http.streaming.BodyProducer} through C{sendfile}
 reactor.  It isolates the server's side of a download: through a Python
 HTTP client (C{bench/gpu_tensor_path.py}) the client sets the pace.
 
-    python3 bench/response_path.py [--size-mib 256] [--rounds 4]
+    python3 bench/probes/response_path.py [--size-mib 256] [--rounds 4]
 
 Prints the median of each way in MB/s and writes C{--output} (JSON).
 """
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/
 import common  # noqa: E402
 from twisted.internet import reactor  # noqa: E402
 from twisted.web.resource import Resource  # noqa: E402

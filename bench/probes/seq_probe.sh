@@ -8,13 +8,13 @@
 # worker adds; the other configurations switch one mechanism off.
 #
 #     (device run, carry [".gpu", ".ref"]):
-#     . .gpu/activate.sh && bash bench/seq_probe.sh
+#     . .gpu/activate.sh && bash bench/probes/seq_probe.sh
 #
 # Environment: PYTHON (python3), REF_SITE (/opt/kcoral-ref), SEQUENTIAL (300),
 # CONFIGS (space-separated NAME=ENV:FLAGS, "," for a space in either part).
 # Results: bench/results/seq_probe_*.json (and $OUT when set).
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 PY=${PYTHON:-python3}
 REF_SITE=${REF_SITE:-/opt/kcoral-ref}

@@ -14,9 +14,9 @@ C{bench/results/connection_flood.json} (or C{--output}).
 
 Examples::
 
-    python3 bench/connection_flood.py --spawn "--device cpu --num-workers 1 --log-dir '' \\
+    python3 bench/probes/connection_flood.py --spawn "--device cpu --num-workers 1 --log-dir '' \\
         --sandbox bubblewrap"
-    python3 bench/connection_flood.py --spawn "--device cpu --num-workers 1 --log-dir '' \\
+    python3 bench/probes/connection_flood.py --spawn "--device cpu --num-workers 1 --log-dir '' \\
         --sandbox bubblewrap" --fd-limit 1024 --connections 1100 --label "hard fd limit 1024"
 
 C{--fd-limit} starts the spawned server with that soft and hard limit on
@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/
 
 import common  # noqa: E402
 

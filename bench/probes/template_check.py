@@ -10,9 +10,9 @@ templates' import time (server start to ``template_ready``).
 
 On the GPU machine (a checkout with the GPU venv active)::
 
-    python3 bench/template_check.py                      # both sandboxes, fork and spawn
-    python3 bench/template_check.py --sandboxes none --starts fork
-    python3 bench/template_check.py --cpu --workers 2   # a CPU dry run of the plumbing
+    python3 bench/probes/template_check.py                      # both sandboxes, fork and spawn
+    python3 bench/probes/template_check.py --sandboxes none --starts fork
+    python3 bench/probes/template_check.py --cpu --workers 2   # a CPU dry run of the plumbing
 
 Writes ``bench/results/template_check.json``.  About 1-2 minutes.
 """
@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kcoral.testing.live_server import ServerProcess  # noqa: E402
 

@@ -3,7 +3,7 @@
 Run on the GPU machine (the parent never initialises CUDA; every CUDA user is
 a forked child, as a worker of the template is):
 
-    python3 bench/context_probe.py --output bench/results/context_probe.json
+    python3 bench/probes/context_probe.py --output bench/results/context_probe.json
 
 A measuring child copies 1 GiB device to device in a loop, timing each copy
 with CUDA events.  Beside it, batches of forked children go through the
@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/
 import common  # noqa: E402
 
 CHILDREN = 8

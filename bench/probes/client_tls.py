@@ -18,7 +18,7 @@ interpreter so that nothing is warm:
 Prints the numbers and writes C{bench/results/client_tls.json} (or
 C{--output}).
 
-    python3 bench/client_tls.py --repeat 5
+    python3 bench/probes/client_tls.py --repeat 5
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/
 
 import common  # noqa: E402
 

@@ -9,7 +9,7 @@ the time the lease was held per run, and cProfile's heaviest calls.  The
 parent's side (HTTP, channel, arbiter) is not in these numbers; compare
 with C{null_program.py}'s C{elapsed_ms} to see the channel's share.
 
-    python3 bench/worker_profile.py --device gpu --runs 300
+    python3 bench/probes/worker_profile.py --device gpu --runs 300
 
 With C{--first N} it also measures what a fresh worker's only program costs:
 N children forked from this process (imports done, CUDA not initialised,
@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/
 import common  # noqa: E402
 
 from kcoral.wire.channel import Execute  # noqa: E402

@@ -3,9 +3,9 @@ How long the overlap workload's "10 ms" GPU part really takes, outside any
 server: bench/ref_driver.py's C{gpu_work} (a calibrated C{torch.cuda._sleep}
 and a synchronize), timed by CUDA events (the kernel alone) and by the host
 clock (launch to synchronize return).  Against a server's lease holds
-(bench/overlap_gaps.py) this splits a hold into kernel, host and server time.
+(bench/probes/overlap_gaps.py) this splits a hold into kernel, host and server time.
 
-    PYTHONPATH=<reference install> python3 bench/spin_check.py [--ms 10] [--runs 30]
+    PYTHONPATH=<reference install> python3 bench/probes/spin_check.py [--ms 10] [--runs 30]
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/
 import ref_driver  # noqa: E402
 
 

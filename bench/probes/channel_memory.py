@@ -13,8 +13,8 @@ every 5 ms), the slowest C{/health}, and each answer's status.
 Spawns a bubblewrap CPU server by default (attack programs only run under
 the sandbox)::
 
-    .venv/bin/python bench/channel_memory.py
-    .venv/bin/python bench/channel_memory.py --spawn "--device cpu --sandbox bubblewrap \
+    .venv/bin/python bench/probes/channel_memory.py
+    .venv/bin/python bench/probes/channel_memory.py --spawn "--device cpu --sandbox bubblewrap \
         --log-dir '' --num-workers 8 --max-channel-bytes 268435456" --workers 8
 """
 
@@ -25,10 +25,13 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
-import common
-from result_memory import Sampler
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/
+
+import common  # noqa: E402
+from result_memory import Sampler  # noqa: E402
 
 from tests.reliability.test_channel_memory import DENSE_OUTCOME
 

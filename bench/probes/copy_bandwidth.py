@@ -17,7 +17,7 @@ Bandwidth counts bytes read plus bytes written (2 x size / time), the usual
 convention for a copy.  Prints a summary and writes JSON to
 C{bench/results/copy_bandwidth.json} (or C{--output}).
 
-Run from the project root: C{python3 bench/copy_bandwidth.py}.
+Run from the project root: C{python3 bench/probes/copy_bandwidth.py}.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 #: What a warming worker does: a fresh process that imports, creates the

@@ -9,7 +9,7 @@ meanwhile (the overlap workload keeps several workers busy).
 A lease hand-over crosses two such wakes (the parent's reactor reading the
 release, the next worker reading its grant): this says what each costs.
 
-    python3 bench/wake_probe.py [--rounds 5000] [--busy 0,6]
+    python3 bench/probes/wake_probe.py [--rounds 5000] [--busy 0,6]
 
 Prints the one-way latency (half the round trip) p50 / p90 per mode and
 writes C{--output} (JSON).

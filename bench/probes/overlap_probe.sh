@@ -4,17 +4,17 @@
 # overlap through the reference client; then, from the server's own
 # lease_granted / lease_released events, how long each request held the GPU
 # and how long the GPU sat unheld between a release and the next grant while
-# someone waited (bench/overlap_gaps.py), and bench/lease_overlap.py's phase
+# someone waited (bench/probes/overlap_gaps.py), and bench/lease_overlap.py's phase
 # split.
 #
 #     (device run, carry [".gpu", ".ref"]):
-#     . .gpu/activate.sh && bash bench/overlap_probe.sh
+#     . .gpu/activate.sh && bash bench/probes/overlap_probe.sh
 #
 # Environment: PYTHON (python3), REF_SITE (/opt/kcoral-ref), CLIENTS (8),
 # SECONDS_EACH (6), SERVER_ENV (extra environment for the server, "," for a space).
 # Results: bench/results/overlap_probe_* (and $OUT when set).
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 PY=${PYTHON:-python3}
 REF_SITE=${REF_SITE:-/opt/kcoral-ref}
@@ -41,7 +41,7 @@ env -u PYTHONHOME PYTHONPATH="$REF_SITE" "$PY" bench/ref_driver.py overlap \
 stop_server
 events=$(find "$LOGS" -name events.jsonl | sort)
 # shellcheck disable=SC2086
-"$PY" bench/overlap_gaps.py $events --output "$RESULTS/overlap_probe_gaps.json"
+"$PY" bench/probes/overlap_gaps.py $events --output "$RESULTS/overlap_probe_gaps.json"
 # shellcheck disable=SC2086
 "$PY" bench/lease_overlap.py $events --output "$RESULTS/overlap_probe_phases.json" | tail -n 12
 if [ -n "${OUT:-}" ]; then

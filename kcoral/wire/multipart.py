@@ -3,8 +3,11 @@
 Request and response framing: C{multipart/form-data} (protocol §3, §8.2).
 
 L{RequestBodyParser} takes the request body in chunks as it arrives, so a
-256 MiB body is never held twice: blob payloads are hashed while streaming and
-spooled to a temporary file above a threshold.  It accepts and rejects what
+256 MiB body is never held twice: each blob payload streams into a
+L{BlobWriter} its caller injects, which hashes it once and keeps it (in
+memory here; the server's L{kcoral.ipc.uploads.BlobStore} spools it or
+streams it into a sealed shared buffer, with threads past a megabyte).  It
+accepts and rejects what
 the 0.1.1 reference parser does, with its messages, including bare-LF framing,
 transport padding after delimiters, preambles and epilogues.
 
@@ -432,7 +435,11 @@ NewBlob = Callable[[int], BlobWriter]
 
 
 class MemoryBlobWriter:
-    """A L{BlobWriter} that hashes a payload and keeps it in memory."""
+    """
+    A L{BlobWriter} that hashes a payload and keeps it in memory (a
+    L{NewBlob}: C{held}, the blobs the body holds already, changes nothing
+    here; the body's size limit bounds them).
+    """
 
     offload: Offload | None = None
 

@@ -30,7 +30,7 @@ from kcoral.client.results import program_result  # noqa: E402
 from kcoral.testing.live_server import ServerProcess  # noqa: E402
 from kcoral.wire.multipart import decode_response  # noqa: E402
 from tests.gpu.test_gpu_compare import PAIR, run_pair  # noqa: E402
-from tests.gpu.test_gpu_trusted_timing import _readonly_flags  # noqa: E402
+from tests.gpu.test_gpu_trusted_timing import readonly_flags  # noqa: E402
 
 ALONE = """
 import torch
@@ -101,7 +101,7 @@ def main() -> None:
     server = ServerProcess(
         ["--device", "gpu", "--gpus", "0", "--workers-per-gpu", "1"]
         + ["--max-requests-per-worker", "0", "--log-dir", "", "--sandbox", "bubblewrap"]
-        + ["--tensor-api", "torch", *_readonly_flags()]
+        + ["--tensor-api", "torch", *readonly_flags()]
     )
     server.start(timeout=240)
     try:

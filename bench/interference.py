@@ -37,7 +37,7 @@ import common  # noqa: E402
 
 from kcoral.testing.live_server import ServerProcess  # noqa: E402
 from tests.gpu.test_gpu_monitor import ATTACKS, THREAD, _attack, _victim  # noqa: E402
-from tests.gpu.test_gpu_trusted_timing import _readonly_flags  # noqa: E402
+from tests.gpu.test_gpu_trusted_timing import readonly_flags  # noqa: E402
 
 
 def attack_run(server: ServerProcess, name: str, source: str, seconds: int) -> dict[str, Any]:
@@ -89,7 +89,7 @@ def main() -> None:
     server = ServerProcess(
         ["--device", "gpu", "--gpus", "0", "--workers-per-gpu", "4"]
         + ["--max-requests-per-worker", "0", "--log-dir", args.log_dir]
-        + ["--sandbox", "bubblewrap", "--tensor-api", "torch", *_readonly_flags()]
+        + ["--sandbox", "bubblewrap", "--tensor-api", "torch", *readonly_flags()]
     )
     server.start(timeout=240)
     try:

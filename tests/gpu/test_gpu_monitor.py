@@ -27,7 +27,7 @@ import pytest
 from kcoral.client.results import program_result
 from kcoral.testing.live_server import ServerProcess, request
 from kcoral.wire.multipart import decode_response
-from tests.gpu.test_gpu_trusted_timing import _readonly_flags
+from tests.gpu.test_gpu_trusted_timing import readonly_flags as _readonly_flags
 
 pytestmark = [pytest.mark.gpu, pytest.mark.integration]
 

@@ -270,7 +270,7 @@ class WorkerTemplate:
     """
 
     name: str
-    _reactor: Any
+    _reactor: WorkerReactor
     state: str = "starting"
     error: str | None = None
     pid: int | None = None

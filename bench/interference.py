@@ -36,21 +36,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 from kcoral.testing.live_server import ServerProcess  # noqa: E402
-from tests.gpu.test_gpu_monitor import ATTACKS, THREAD, _attack, _victim  # noqa: E402
+from tests.gpu.test_gpu_monitor import ATTACKS, THREAD, run_attack, run_victim  # noqa: E402
 from tests.gpu.test_gpu_trusted_timing import readonly_flags  # noqa: E402
 
 
 def attack_run(server: ServerProcess, name: str, source: str, seconds: int) -> dict[str, Any]:
-    baseline = statistics.median(_victim(server)["latency_ms_median"] for _ in range(3))
+    baseline = statistics.median(run_victim(server)["latency_ms_median"] for _ in range(3))
     out: dict[str, Any] = {}
-    attacker = threading.Thread(target=_attack, args=(server, source, seconds, out))
+    attacker = threading.Thread(target=run_attack, args=(server, source, seconds, out))
     started = time.monotonic()
     attacker.start()
     victims = []
     # The thread attack's request returns at once: keep measuring while it spins.
     spins = started + seconds if name == "thread" else started
     while (attacker.is_alive() or time.monotonic() < spins) and len(victims) < 30:
-        result = _victim(server)
+        result = run_victim(server)
         victims.append(
             {
                 "median_ms": result["latency_ms_median"],
@@ -93,7 +93,7 @@ def main() -> None:
     )
     server.start(timeout=240)
     try:
-        idle = [_victim(server, n=4096) for _ in range(args.idle)]
+        idle = [run_victim(server, n=4096) for _ in range(args.idle)]
         flagged = [r["validity"]["reasons"] for r in idle if not r["validity"]["ok"]]
         print(f"idle: {len(flagged)} of {len(idle)} benchmarks flagged {flagged[:3]}")
         runs = []

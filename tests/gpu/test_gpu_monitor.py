@@ -138,7 +138,7 @@ def _call(source: str, name: str, args: list[Any], cpu_only: bool = False) -> di
     }
 
 
-def _victim(server: ServerProcess, retry: int = 0, n: int = 8192) -> dict[str, Any]:
+def run_victim(server: ServerProcess, retry: int = 0, n: int = 8192) -> dict[str, Any]:
     response = server.execute(_call(VICTIM, "victim", [n, 50, retry]), timeout=300)
     assert response.status == 200, response.body[:2000]
     body, parts = decode_response(response.headers["content-type"], response.body)
@@ -147,11 +147,11 @@ def _victim(server: ServerProcess, retry: int = 0, n: int = 8192) -> dict[str, A
 
 
 def _baseline(server: ServerProcess) -> float:
-    medians = sorted(_victim(server)["latency_ms_median"] for _ in range(3))
+    medians = sorted(run_victim(server)["latency_ms_median"] for _ in range(3))
     return medians[1]
 
 
-def _attack(server: ServerProcess, source: str, seconds: int, out: dict[str, Any]) -> None:
+def run_attack(server: ServerProcess, source: str, seconds: int, out: dict[str, Any]) -> None:
     started = time.monotonic()
     source = f"SPIN = {SPIN!r}\n" + source
     out["body"] = _body(server, _call(source, "attack", [seconds], cpu_only=True))
@@ -193,11 +193,11 @@ def test_descendant_attack_killed(server: ServerProcess, logs: Path, name: str) 
     """
     baseline = _baseline(server)
     out: dict[str, Any] = {}
-    attacker = threading.Thread(target=_attack, args=(server, ATTACKS[name], 25, out))
+    attacker = threading.Thread(target=run_attack, args=(server, ATTACKS[name], 25, out))
     attacker.start()
     victims = []
     while attacker.is_alive() and len(victims) < 12:
-        victims.append(_victim(server))
+        victims.append(run_victim(server))
     attacker.join(timeout=120)
     body = out["body"]
     print(f"[monitor] {name}: attacker answered in {out['seconds']:.1f} s: {body.get('error')}")
@@ -215,12 +215,12 @@ def test_thread_after_return(server: ServerProcess) -> None:
     """A thread multiplying on after its function returned: victims undisturbed or flagged."""
     baseline = _baseline(server)
     out: dict[str, Any] = {}
-    _attack(server, THREAD, 8, out)
+    run_attack(server, THREAD, 8, out)
     assert out["body"]["status"] == "COMPLETED", out
     deadline = time.monotonic() + 8
     victims = []
     while time.monotonic() < deadline:
-        victims.append(_victim(server))
+        victims.append(run_victim(server))
     _judge_victims(victims, baseline, "thread")
 
 
@@ -232,13 +232,13 @@ def test_foreign_process_flags(server: ServerProcess, logs: Path) -> None:
     spinner = subprocess.Popen([sys.executable, "-c", SPIN.format(seconds=30)])
     try:
         time.sleep(8)  # torch's import and the context
-        result = _victim(server)
+        result = run_victim(server)
         print(f"[monitor] foreign: {result['validity']} gpu={result.get('gpu')}")
         assert not result["validity"]["ok"]
         assert any(r.startswith("interference:") for r in result["validity"]["reasons"])
         assert f"process {spinner.pid}" in json.dumps(result["validity"])
         assert result["gpu"]["other_processes"] == [spinner.pid]
-        retried = _victim(server, retry=2)
+        retried = run_victim(server, retry=2)
         assert retried["attempts"] == 3, retried
         assert spinner.poll() is None, "the monitor killed a process not the server's"
     finally:
@@ -255,7 +255,7 @@ def test_idle_run_unflagged(server: ServerProcess) -> None:
     """Benchmarks on a quiet GPU are never flagged by the monitor, and carry its summary."""
     time.sleep(1.0)
     for _ in range(10):
-        result = _victim(server, n=4096)
+        result = run_victim(server, n=4096)
         assert result["validity"]["ok"], result
         assert result["gpu"]["samples"] >= 1, result
         assert result["gpu"]["other_processes"] == []

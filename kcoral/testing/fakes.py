@@ -353,7 +353,13 @@ class RecordingPool(WorkerPool):
 
 
 def seat_with(worker: FakeWorker, worker_id: str = "cpu/w0", gpu_id: int | None = None) -> Seat:
-    """A busy seat occupied by C{worker}."""
+    """
+    A busy seat occupied by C{worker}, which has come up: a worker serves
+    requests only after its start, so a later kill ends it as a running
+    worker, not as a failed start nobody waits for.
+    """
+    if not worker.ready.called:
+        worker.ready.callback(worker.info)
     return Seat(worker_id, gpu_id, generation=1, worker=worker, work_dir=Path("/w"))
 
 

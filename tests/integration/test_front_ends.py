@@ -63,6 +63,21 @@ def _events(log_dir: Path) -> list[dict[str, Any]]:
     ]
 
 
+def _logged(log_dir: Path, event: str, timeout: float = 10.0) -> list[dict[str, Any]]:
+    """
+    The C{event} lines in the logs under C{log_dir}, waiting for at least
+    one: each process's log lines are written by a writer thread in
+    batches, so a line logged a moment ago by another front end may not be
+    in its file yet when this process's answer arrives.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        found = [e for e in _events(log_dir) if e.get("event") == event]
+        if found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.05)
+
+
 def _second(server: ServerProcess) -> psutil.Process:
     assert server.process is not None
     (child,) = [
@@ -140,7 +155,7 @@ def test_two_front_ends_share_the_port(tmp_path: Path) -> None:
                 pass
             assert time.monotonic() < deadline
             time.sleep(0.2)
-        exited = [e for e in _events(log_dir) if e.get("event") == "front_end_exited"]
+        exited = _logged(log_dir, "front_end_exited")
         assert [(e["index"], e["code"]) for e in exited] == [(1, None)]
     finally:
         pids = [p.pid for p in psutil.Process(server.process.pid).children(recursive=True)]  # type: ignore[union-attr]
@@ -239,8 +254,8 @@ def test_lame_duck_every_front_end(tmp_path: Path) -> None:
         answer = server.execute(_program(41))
         assert answer.status == 200
         assert answer.json()["status"] == "COMPLETED"
-        events = _events(tmp_path / "logs")
-        assert [e["seconds"] for e in events if e["event"] == "lame_duck_started"] == [60.0]
+        started = _logged(tmp_path / "logs", "lame_duck_started")
+        assert [e["seconds"] for e in started] == [60.0]
     finally:
         code = server.stop()
     assert code == 0

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -20,7 +21,13 @@ from twisted.test import iosim
 from twisted.trial.unittest import SynchronousTestCase
 
 from kcoral.server.leases.broker import LeaseBroker, RemoteArbiter, broker_factory
-from kcoral.server.leases.lease import MAINTENANCE, Grant, LeaseArbiter, LeaseUnavailable
+from kcoral.server.leases.lease import (
+    MAINTENANCE,
+    Grant,
+    LeaseArbiter,
+    LeaseBook,
+    LeaseUnavailable,
+)
 
 #: Process ids no process can have (above any pid_max): a lost front end's
 #: holder is killed by the broker, and a test must never name a real one.
@@ -33,7 +40,9 @@ class Worker:
     pid: int | None = None
 
 
-class BrokerTests(SynchronousTestCase):
+class BrokerHarness:
+    """Front ends connected in memory to one broker, on one clock."""
+
     def setUp(self) -> None:
         self.clock = Clock()
         self.clock.advance(1000)
@@ -56,10 +65,13 @@ class BrokerTests(SynchronousTestCase):
                 pump.flush()
             self.clock.advance(0)  # the broker's state push of this turn
 
-    def granted(self, d: Deferred[Grant]) -> Grant:
+    def granted(self: Any, d: Deferred[Grant]) -> Grant:
         self.flush()
-        return self.successResultOf(d)
+        result: Grant = self.successResultOf(d)
+        return result
 
+
+class BrokerTests(BrokerHarness, SynchronousTestCase):
     def test_exclusive_across_front_ends(self) -> None:
         one, _ = self.front_end()
         two, _ = self.front_end()
@@ -332,3 +344,96 @@ class BrokerTests(SynchronousTestCase):
         self.flush()
         self.assertEqual(one.labels_during(0, start, start + 0.5), {"req-a"})
         self.assertEqual(two.labels_during(0, start, start + 0.5), {"req-a"})
+
+
+class LeaseBookContract:
+    """
+    What every L{kcoral.server.leases.lease.LeaseBook} answers alike, whoever
+    decides its grants: run against the arbiter and a front end's
+    L{RemoteArbiter}.
+    """
+
+    def make_book(self) -> tuple[LeaseBook, Callable[[], None]]:
+        """A book over GPUs (0, 1), and a way to settle what is in flight."""
+        raise NotImplementedError
+
+    def test_a_holder_asking_again_gets_its_grant(self: Any) -> None:
+        """Re-entrant: the same grant, and an exclusive hold serves a maintenance request."""
+        book, settle = self.make_book()
+        a = Worker("w0")
+        woken: list[Grant] = []
+        first = book.acquire(a, (0, 1), label="req-a")
+        settle()
+        grant = self.successResultOf(first)
+        self.assertIs(self.successResultOf(book.acquire(a, (0,), wake=woken.append)), grant)
+        self.assertIs(self.successResultOf(book.acquire(a, (1,), mode=MAINTENANCE)), grant)
+        self.assertEqual(woken, [grant])
+        self.assertEqual(
+            (book.holds(a), book.grant_of(a), book.label_of(a)), (True, grant, "req-a")
+        )
+
+    def test_a_holder_asking_for_more_is_a_mistake(self: Any) -> None:
+        """A holder that asks for GPUs its grant does not cover made a mistake (it raises)."""
+        book, settle = self.make_book()
+        a = Worker("w0")
+        book.acquire(a, (0,))
+        settle()
+        self.assertRaises(RuntimeError, book.acquire, a, (0, 1))
+
+    def test_release_ends_the_grant_once(self: Any) -> None:
+        """Release returns the grant that ended, then nothing; the hold joins the history."""
+        book, settle = self.make_book()
+        a = Worker("w0")
+        first = book.acquire(a, (0,), label="req-a")
+        settle()
+        grant = self.successResultOf(first)
+        start = grant.granted_at
+        self.clock.advance(1)
+        self.assertIs(book.release(a), grant)
+        self.assertIsNone(book.release(a))
+        settle()
+        self.assertEqual((book.holds(a), book.label_of(a)), (False, None))
+        self.assertEqual(book.labels_during(0, start, start + 0.5), {"req-a"})
+        self.assertEqual([i.label for i in book.history[0]], ["req-a"])
+
+    def test_bad_requests_are_refused(self: Any) -> None:
+        """Unknown GPUs and modes are refused at once; so is placing more GPUs than there are."""
+        book, _ = self.make_book()
+        self.assertRaises(ValueError, book.acquire, Worker("w0"), (2,))
+        self.assertRaises(ValueError, book.acquire, Worker("w0"), (0,), None, "shared")
+        self.assertRaises(ValueError, book.least_busy, 0)
+        self.assertRaises(LeaseUnavailable, book.least_busy, 3)
+
+    def test_a_closed_book_refuses(self: Any) -> None:
+        """Once closed, new requests fail with L{LeaseUnavailable}, and so does placement."""
+        book, _ = self.make_book()
+        book.close()
+        self.failureResultOf(book.acquire(Worker("w0"), (0,)), LeaseUnavailable)
+        self.assertRaises(LeaseUnavailable, book.least_busy, 1)
+
+
+class ArbiterBookTests(LeaseBookContract, SynchronousTestCase):
+    def make_book(self) -> tuple[LeaseBook, Callable[[], None]]:
+        self.clock = Clock()
+        return LeaseArbiter((0, 1), self.clock), lambda: None
+
+
+class RemoteBookTests(LeaseBookContract, BrokerHarness, SynchronousTestCase):
+    def make_book(self) -> tuple[LeaseBook, Callable[[], None]]:
+        remote, _ = self.front_end()
+        self.flush()
+        return remote, self.flush
+
+    def test_unconnected_refuses(self) -> None:
+        """Before the broker is reached, nothing is granted and nothing placed."""
+        remote = RemoteArbiter((0, 1), self.clock)
+        self.failureResultOf(remote.acquire(Worker("w0"), (0,)), LeaseUnavailable)
+        self.assertRaises(LeaseUnavailable, remote.least_busy, 1)
+
+    def test_a_second_wait_is_a_mistake(self) -> None:
+        """A front end's holder waits once (the broker knows it by one token)."""
+        remote, _ = self.front_end()
+        self.granted(remote.acquire(Worker("w0"), (0,)))
+        waiter = Worker("w1")
+        remote.acquire(waiter, (0,))
+        self.assertRaises(RuntimeError, remote.acquire, waiter, (1,))

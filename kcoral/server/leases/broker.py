@@ -31,29 +31,27 @@ import itertools
 import json
 import os
 import signal
-from collections import deque
 from collections.abc import Callable, Hashable
 from typing import Any
 
 import attrs
 import psutil
-from twisted.internet.defer import CancelledError, Deferred, succeed
-from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.interfaces import IDelayedCall
 from twisted.internet.protocol import Factory, connectionDone
 from twisted.logger import Logger
 from twisted.protocols import amp
 from twisted.python.failure import Failure
 
 from kcoral.server.leases.lease import (
-    EXCLUSIVE,
     Grant,
     HoldInterval,
     LeaseArbiter,
+    LeaseBook,
     LeaseUnavailable,
     checked_request,
-    covers,
-    labels_between,
-    least_busy_of,
+    pid_of,
+    seat_of,
 )
 
 __all__ = ["LeaseBroker", "RemoteArbiter", "RemoteHolder", "broker_factory"]
@@ -284,7 +282,7 @@ def _alive(pid: int) -> bool:
 def _name(holder: Hashable | None) -> str | None:
     if holder is None:
         return None
-    return getattr(holder, "seat", None) or str(holder)
+    return seat_of(holder) or str(holder)
 
 
 class _BrokerProtocol(amp.AMP):
@@ -421,27 +419,20 @@ class _FrontEndProtocol(amp.AMP):
 
 
 @attrs.define(eq=False)
-class RemoteArbiter:
+class RemoteArbiter(LeaseBook):
     """
     L{LeaseArbiter}'s interface in a front end, for its own workers, with
     the broker deciding.  Holds and waits are this front end's; the state
     of every GPU is the broker's last push.
     """
 
-    gpus: tuple[int, ...]
-    _clock: IReactorTime
-    history_size: int = 256
-    closed: bool = False
     _protocol: _FrontEndProtocol | None = None
     _counter: itertools.count[int] = attrs.field(factory=lambda: itertools.count(1))
     _tokens: dict[Hashable, int] = attrs.field(factory=dict)
-    _labels: dict[Hashable, str | None] = attrs.field(factory=dict)
-    _grants: dict[Hashable, Grant] = attrs.field(factory=dict)
     _waits: dict[Hashable, Deferred[Grant]] = attrs.field(factory=dict)
     #: What to call when the broker says a wait is first in line, by token.
     _next: dict[int, Callable[[], None]] = attrs.field(factory=dict)
     _gpu_state: dict[int, dict[str, Any]] = attrs.field(factory=dict)
-    history: dict[int, deque[HoldInterval]] = attrs.field(factory=dict)
     #: Called once the broker's connection is gone (the front end that
     #: keeps the leases ended): nothing can be granted any more.
     on_lost: Callable[[], None] | None = None
@@ -457,38 +448,33 @@ class RemoteArbiter:
         """A protocol that connects this arbiter to the broker."""
         return _FrontEndProtocol(self)
 
-    def acquire(
+    def _waits_for(self, holder: Hashable) -> bool:
+        return holder in self._waits
+
+    def _refusal(self, gpus: tuple[int, ...]) -> str | None:
+        if self.closed or self._protocol is None:
+            return "the lease broker is not reachable"
+        return None
+
+    def _wait(
         self,
         holder: Hashable,
         gpus: tuple[int, ...],
-        label: str | None = None,
-        mode: str = EXCLUSIVE,
-        *,
-        wake: Callable[[Grant], None] | None = None,
-        next_in_line: Callable[[], None] | None = None,
+        label: str | None,
+        mode: str,
+        wake: Callable[[Grant], None] | None,
+        next_in_line: Callable[[], None] | None,
     ) -> Deferred[Grant]:
         """
-        As L{LeaseArbiter.acquire}, granted by the broker.  C{wake} is called
-        as the broker's answer arrives, C{next_in_line} when the broker says
-        this wait is first in line (L{Next}).
+        Ask the broker (L{Acquire}).  C{wake} is called as the broker's
+        answer arrives, C{next_in_line} when the broker says this wait is
+        first in line (L{Next}).
         """
-        gpus = checked_request(self.gpus, gpus, mode)
-        existing = self._grants.get(holder)
-        if existing is not None and covers(existing, gpus, mode):
-            if wake is not None:
-                wake(existing)
-            return succeed(existing)
-        if existing is not None or holder in self._waits:
-            raise RuntimeError(f"{holder!r} already holds or waits for GPUs")
         protocol = self._protocol
-        if self.closed or protocol is None:
-            d: Deferred[Grant] = Deferred()
-            d.errback(LeaseUnavailable("the lease broker is not reachable"))
-            return d
+        assert protocol is not None  # L{_refusal} saw to it
         token = next(self._counter)
         self._tokens[holder] = token
-        self._labels[holder] = label
-        pid = getattr(holder, "pid", None)
+        pid = pid_of(holder)
 
         if next_in_line is not None:
             self._next[token] = next_in_line
@@ -503,7 +489,7 @@ class RemoteArbiter:
         remote = protocol.callRemote(
             Acquire,
             token=token,
-            seat=getattr(holder, "seat", None),
+            seat=seat_of(holder),
             pid=pid,
             gpus=list(gpus),
             label=label,
@@ -545,16 +531,11 @@ class RemoteArbiter:
         if tell is not None:
             tell()
 
-    def release(self, holder: Hashable) -> Grant | None:
-        """Give back what C{holder} holds (a wait stands, as with L{LeaseArbiter})."""
-        grant = self._grants.pop(holder, None)
-        if grant is None:
-            return None
-        token = self._tokens.pop(holder)
-        self._labels.pop(holder, None)
+    def _released(self, grant: Grant, label: str | None) -> None:
+        """Tell the broker (L{Release}); its holds come back in its pushes."""
+        token = self._tokens.pop(grant.holder)
         if self._protocol is not None:
             self._protocol.callRemote(Release, token=token)
-        return grant
 
     def abandon(self, holder: Hashable) -> Grant | None:
         """Withdraw C{holder}'s wait and give back its hold."""
@@ -568,19 +549,6 @@ class RemoteArbiter:
             waiting.errback(CancelledError(f"{holder!r} abandoned its lease"))
         return grant
 
-    def close(self) -> None:
-        """Refuse new requests (shutdown)."""
-        self.closed = True
-
-    def holds(self, holder: Hashable) -> bool:
-        return holder in self._grants
-
-    def grant_of(self, holder: Hashable) -> Grant | None:
-        return self._grants.get(holder)
-
-    def label_of(self, holder: Hashable) -> str | None:
-        return self._labels.get(holder)
-
     def holder_of(self, gpu: int) -> str | None:
         """The seat (in whichever front end) that holds C{gpu} exclusively."""
         holder: str | None = self._gpu_state.get(gpu, {}).get("holder")
@@ -593,22 +561,17 @@ class RemoteArbiter:
         depth: int = self._gpu_state.get(gpu, {}).get("depth", 0)
         return depth
 
-    def labels_during(self, gpu: int, start: float, end: float) -> set[str | None]:
-        """As L{LeaseArbiter.labels_during}, over every front end's holds."""
-        labels = labels_between(self.history.get(gpu, ()), start, end)
+    def _exclusive_hold(self, gpu: int) -> tuple[float, str | None] | None:
+        """Over every front end's holds, as the broker last pushed them."""
         state = self._gpu_state.get(gpu, {})
-        since = state.get("since")
-        if state.get("holder") is not None and since is not None and since <= end:
-            labels.add(state.get("label"))
-        return labels
+        since: float | None = state.get("since")
+        if state.get("holder") is None or since is None:
+            return None
+        return (since, state.get("label"))
 
-    def least_busy(self, count: int) -> tuple[int, ...]:
-        """As L{LeaseArbiter.least_busy}, by the broker's depths."""
-        if count < 1:
-            raise ValueError(f"cannot lease {count} GPUs")
-        if self.closed or self._protocol is None or count > len(self.gpus):
-            raise LeaseUnavailable("worker cleanup failed; device unavailable")
-        return least_busy_of(self.gpus, self.gpus, self.depth, count)
+    def _usable(self) -> tuple[int, ...]:
+        """Every GPU while the broker is there (it says which it refuses)."""
+        return () if self._protocol is None else self.gpus
 
     def _connected(self, protocol: _FrontEndProtocol) -> None:
         self._protocol = protocol
@@ -627,9 +590,8 @@ class RemoteArbiter:
     def _update(self, state: dict[str, Any]) -> None:
         for key, gpu_state in state["gpus"].items():
             gpu = int(key)
-            intervals = self.history.setdefault(gpu, deque(maxlen=self.history_size))
             if state.get("full"):
-                intervals.clear()
+                self.history.pop(gpu, None)
             for label, start, end, mode in gpu_state["closed"]:
-                intervals.append(HoldInterval(gpu, None, label, start, end, mode))
+                self._remember(HoldInterval(gpu, None, label, start, end, mode))
             self._gpu_state[gpu] = gpu_state

@@ -25,14 +25,18 @@ granted, and later ones while no exclusive waiter is in line ahead of them.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import attrs
-from twisted.internet.defer import CancelledError, Deferred, succeed
+from twisted.internet.defer import CancelledError, Deferred, fail, succeed
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
+
+if TYPE_CHECKING:
+    from kcoral.server.leases.monitor import GpuMonitor
 
 #: The lease modes (see the module docstring).
 EXCLUSIVE = "exclusive"
@@ -48,10 +52,11 @@ class Leases(Protocol):
     """
     What the pool, the workers and the API use of a lease: L{LeaseArbiter}
     in one process, L{kcoral.server.leases.broker.RemoteArbiter} in a front
-    end whose leases another process keeps.
+    end whose leases another process keeps (both a L{LeaseBook}).
     """
 
     gpus: tuple[int, ...]
+    monitor: GpuMonitor | None
 
     def acquire(
         self,
@@ -171,56 +176,48 @@ class _Waiter:
     told_next: bool = False
 
 
+def seat_of(holder: Hashable) -> str | None:
+    """The seat a holder names itself by (a worker's or a remote holder's), if any."""
+    seat: str | None = getattr(holder, "seat", None)
+    return seat
+
+
+def pid_of(holder: Hashable) -> int | None:
+    """The process id of a holder that runs as a process (a worker), if known yet."""
+    pid: int | None = getattr(holder, "pid", None)
+    return pid
+
+
+#: What a lease refuses with while its GPUs cannot be had.
+DEVICE_UNAVAILABLE = "worker cleanup failed; device unavailable"
+
+
 @attrs.define
-class LeaseArbiter:
+class LeaseBook(ABC):
     """
-    One lease per configured GPU.
+    The bookkeeping every kind of lease keeps for its own holders, whoever
+    decides the grants: L{LeaseArbiter} decides them in this process,
+    L{kcoral.server.leases.broker.RemoteArbiter} asks the broker.
+
+    It owns the grants and labels of its holders, the re-entrant and
+    refused answers of L{acquire}, L{release}'s bookkeeping, the closed
+    holds' history, and the queries over them; a subclass says how a
+    request waits (L{_wait}) and what a GPU's state is now.
 
     @ivar history: the last C{history_size} closed hold intervals per GPU.
-    @ivar maintenance_patience: how far back in line a maintenance waiter
-        is placed (seconds): exclusive requests that arrive up to this long
-        after it go first; older ones never wait for it.
     """
 
     gpus: tuple[int, ...]
     _clock: IReactorTime
     history_size: int = 256
-    maintenance_patience: float = 1.0
-    #: The exclusive holder of each held GPU.
-    _holders: dict[int, Hashable] = attrs.field(factory=dict)
-    #: The maintenance holders of each GPU in maintenance (never empty sets).
-    _maintainers: dict[int, set[Hashable]] = attrs.field(factory=dict)
-    _serial: int = 0
+    closed: bool = False
     _labels: dict[Hashable, str | None] = attrs.field(factory=dict)
     _grants: dict[Hashable, Grant] = attrs.field(factory=dict)
-    _waiters: deque[_Waiter] = attrs.field(factory=deque)
-    _quarantined: set[int] = attrs.field(factory=set)
     history: dict[int, deque[HoldInterval]] = attrs.field(factory=dict)
-    closed: bool = False
     #: The GPU monitor watching these GPUs, once it runs
     #: (L{kcoral.server.leases.monitor.GpuMonitorService}): workers have
     #: their timed loops judged by it.
-    monitor: Any = None
-
-    log = Logger()
-
-    def _event(
-        self, name: str, holder: Hashable, gpus: tuple[int, ...], label: str | None, **fields: Any
-    ) -> None:
-        purpose = "request"
-        if isinstance(label, str):
-            prefix = label.partition(":")[0]
-            if prefix in PURPOSES and ":" in label:
-                purpose = prefix
-        self.log.info(
-            "{kcoral_event} GPU(s) {gpu_ids} for {holder}",
-            kcoral_event=name,
-            gpu_ids=list(gpus),
-            holder=getattr(holder, "seat", None) or getattr(holder, "request_id", None),
-            request_id=None if purpose != "request" or not isinstance(label, str) else label,
-            purpose=purpose,
-            **fields,
-        )
+    monitor: GpuMonitor | None = None
 
     def acquire(
         self,
@@ -261,14 +258,183 @@ class LeaseArbiter:
             if wake is not None:
                 wake(existing)
             return succeed(existing)
-        if existing is not None:
-            raise RuntimeError(f"{holder!r} already holds GPUs {existing.gpus}")
-        if self.closed or self._quarantined & set(gpus):
-            d: Deferred[Grant] = Deferred()
-            d.errback(LeaseUnavailable("worker cleanup failed; device unavailable"))
-            return d
+        if existing is not None or self._waits_for(holder):
+            raise RuntimeError(f"{holder!r} already holds or waits for GPUs")
+        refusal = self._refusal(gpus)
+        if refusal is not None:
+            return fail(LeaseUnavailable(refusal))
         self._labels[holder] = label
+        return self._wait(holder, gpus, label, mode, wake, next_in_line)
 
+    def release(self, holder: Hashable) -> Grant | None:
+        """
+        Give back everything C{holder} holds (a wait of its stands).
+
+        @return: the grant that ended, or C{None} if nothing was held.
+        """
+        grant = self._grants.pop(holder, None)
+        if grant is None:
+            return None
+        self._released(grant, self._labels.pop(holder, None))
+        return grant
+
+    def close(self) -> None:
+        """Refuse new requests (shutdown); grants and waiters already queued stand."""
+        self.closed = True
+
+    def holds(self, holder: Hashable) -> bool:
+        """Whether C{holder} holds a grant now (either mode)."""
+        return holder in self._grants
+
+    def grant_of(self, holder: Hashable) -> Grant | None:
+        """What C{holder} holds now, if anything."""
+        return self._grants.get(holder)
+
+    def label_of(self, holder: Hashable) -> str | None:
+        """The label C{holder} acquired with."""
+        return self._labels.get(holder)
+
+    def labels_during(self, gpu: int, start: float, end: float) -> set[str | None]:
+        """
+        The labels of every hold of C{gpu} that overlapped C{[start, end]},
+        the current hold included (which request held a GPU at some moment).
+        """
+        labels = labels_between(self.history.get(gpu, ()), start, end)
+        current = self._exclusive_hold(gpu)
+        if current is not None and current[0] <= end:
+            labels.add(current[1])
+        return labels
+
+    def least_busy(self, count: int) -> tuple[int, ...]:
+        """
+        The C{count} usable GPUs with the fewest holders and waiters (ties in
+        configured order), in ascending order: where a multi-GPU program
+        starts its worker, before it holds anything.
+
+        @raise LeaseUnavailable: fewer than C{count} GPUs can be leased.
+        """
+        if count < 1:
+            raise ValueError(f"cannot lease {count} GPUs")
+        usable = self._usable()
+        if self.closed or count > len(usable):
+            raise LeaseUnavailable(DEVICE_UNAVAILABLE)
+        return least_busy_of(self.gpus, usable, self.depth, count)
+
+    def _remember(self, interval: HoldInterval) -> None:
+        """Keep a closed hold in its GPU's history."""
+        intervals = self.history.setdefault(interval.gpu, deque(maxlen=self.history_size))
+        intervals.append(interval)
+
+    @abstractmethod
+    def holder_of(self, gpu: int) -> Hashable | None:
+        """Who holds C{gpu} exclusively now."""
+
+    @abstractmethod
+    def maintainers_of(self, gpu: int) -> frozenset[Hashable]:
+        """Who holds C{gpu} for a context creation or teardown now."""
+
+    @abstractmethod
+    def depth(self, gpu: int) -> int:
+        """
+        Waiters that want C{gpu}, plus one if it is held (the /health
+        C{lease_depth}); a maintenance batch counts as one holder.
+        """
+
+    @abstractmethod
+    def _waits_for(self, holder: Hashable) -> bool:
+        """Whether a second request of C{holder}'s, while one waits, is a mistake."""
+
+    @abstractmethod
+    def _refusal(self, gpus: tuple[int, ...]) -> str | None:
+        """Why a request for C{gpus} cannot be granted now, if it cannot."""
+
+    @abstractmethod
+    def _wait(
+        self,
+        holder: Hashable,
+        gpus: tuple[int, ...],
+        label: str | None,
+        mode: str,
+        wake: Callable[[Grant], None] | None,
+        next_in_line: Callable[[], None] | None,
+    ) -> Deferred[Grant]:
+        """Put a checked request in line (see L{acquire})."""
+
+    @abstractmethod
+    def _released(self, grant: Grant, label: str | None) -> None:
+        """A grant ended (L{release}); its holder's books are already cleared."""
+
+    @abstractmethod
+    def _exclusive_hold(self, gpu: int) -> tuple[float, str | None] | None:
+        """Since when, and with what label, C{gpu} is held exclusively now."""
+
+    @abstractmethod
+    def _usable(self) -> tuple[int, ...]:
+        """The GPUs a new request may be granted."""
+
+
+@attrs.define
+class LeaseArbiter(LeaseBook):
+    """
+    One lease per configured GPU, decided in this process.
+
+    @ivar maintenance_patience: how far back in line a maintenance waiter
+        is placed (seconds): exclusive requests that arrive up to this long
+        after it go first; older ones never wait for it.
+    """
+
+    maintenance_patience: float = 1.0
+    #: The exclusive holder of each held GPU.
+    _holders: dict[int, Hashable] = attrs.field(factory=dict)
+    #: The maintenance holders of each GPU in maintenance (never empty sets).
+    _maintainers: dict[int, set[Hashable]] = attrs.field(factory=dict)
+    _serial: int = 0
+    _waiters: deque[_Waiter] = attrs.field(factory=deque)
+    _quarantined: set[int] = attrs.field(factory=set)
+
+    log = Logger()
+
+    def _event(
+        self,
+        name: str,
+        holder: Hashable,
+        gpus: tuple[int, ...],
+        label: str | None,
+        **fields: object,
+    ) -> None:
+        purpose = "request"
+        if isinstance(label, str):
+            prefix = label.partition(":")[0]
+            if prefix in PURPOSES and ":" in label:
+                purpose = prefix
+        self.log.info(
+            "{kcoral_event} GPU(s) {gpu_ids} for {holder}",
+            kcoral_event=name,
+            gpu_ids=list(gpus),
+            holder=seat_of(holder) or getattr(holder, "request_id", None),
+            request_id=None if purpose != "request" or not isinstance(label, str) else label,
+            purpose=purpose,
+            **fields,
+        )
+
+    def _waits_for(self, holder: Hashable) -> bool:
+        # A holder may queue more than one request here (L{abandon} withdraws them all).
+        return False
+
+    def _refusal(self, gpus: tuple[int, ...]) -> str | None:
+        if self.closed or self._quarantined & set(gpus):
+            return DEVICE_UNAVAILABLE
+        return None
+
+    def _wait(
+        self,
+        holder: Hashable,
+        gpus: tuple[int, ...],
+        label: str | None,
+        mode: str,
+        wake: Callable[[Grant], None] | None,
+        next_in_line: Callable[[], None] | None,
+    ) -> Deferred[Grant]:
         def cancel(d: Deferred[Grant]) -> None:
             self._waiters.remove(waiter)
             self._dispatch()
@@ -288,17 +454,10 @@ class LeaseArbiter:
         self._dispatch()
         return waiter.deferred
 
-    def release(self, holder: Hashable) -> Grant | None:
-        """
-        Give back everything C{holder} holds; wake the next waiters.
-
-        @return: the grant that ended, or C{None} if nothing was held.
-        """
-        grant = self._grants.pop(holder, None)
-        if grant is None:
-            return None
+    def _released(self, grant: Grant, label: str | None) -> None:
+        """Free the grant's GPUs, keep its holds in the history, wake the next waiters."""
         now = self._clock.seconds()
-        label = self._labels.pop(holder, None)
+        holder = grant.holder
 
         def log_release() -> None:
             self._event(
@@ -319,10 +478,8 @@ class LeaseArbiter:
                 maintainers.discard(holder)
                 if not maintainers:
                     del self._maintainers[gpu]
-            intervals = self.history.setdefault(gpu, deque(maxlen=self.history_size))
-            intervals.append(HoldInterval(gpu, holder, label, grant.granted_at, now, grant.mode))
+            self._remember(HoldInterval(gpu, holder, label, grant.granted_at, now, grant.mode))
         self._dispatch(log_release)
-        return grant
 
     def abandon(self, holder: Hashable) -> Grant | None:
         """Withdraw C{holder}'s pending requests and release what it holds."""
@@ -339,20 +496,8 @@ class LeaseArbiter:
         self._quarantined.update(gpus)
         for waiter in [w for w in self._waiters if self._quarantined & set(w.gpus)]:
             self._waiters.remove(waiter)
-            waiter.deferred.errback(LeaseUnavailable("worker cleanup failed; device unavailable"))
+            waiter.deferred.errback(LeaseUnavailable(DEVICE_UNAVAILABLE))
         self._dispatch()
-
-    def close(self) -> None:
-        """Refuse new requests (shutdown); grants and waiters already queued stand."""
-        self.closed = True
-
-    def holds(self, holder: Hashable) -> bool:
-        """Whether C{holder} holds a grant now (either mode)."""
-        return holder in self._grants
-
-    def grant_of(self, holder: Hashable) -> Grant | None:
-        """What C{holder} holds now, if anything."""
-        return self._grants.get(holder)
 
     def holder_of(self, gpu: int) -> Hashable | None:
         """Who holds C{gpu} exclusively now."""
@@ -362,20 +507,11 @@ class LeaseArbiter:
         """Who holds C{gpu} for a context creation or teardown now."""
         return frozenset(self._maintainers.get(gpu, ()))
 
-    def label_of(self, holder: Hashable) -> str | None:
-        """The label C{holder} acquired with."""
-        return self._labels.get(holder)
-
-    def labels_during(self, gpu: int, start: float, end: float) -> set[str | None]:
-        """
-        The labels of every hold of C{gpu} that overlapped C{[start, end]},
-        the current hold included (which request held a GPU at some moment).
-        """
-        labels = labels_between(self.history.get(gpu, ()), start, end)
+    def _exclusive_hold(self, gpu: int) -> tuple[float, str | None] | None:
         holder = self._holders.get(gpu)
-        if holder is not None and self._grants[holder].granted_at <= end:
-            labels.add(self._labels.get(holder))
-        return labels
+        if holder is None:
+            return None
+        return (self._grants[holder].granted_at, self._labels.get(holder))
 
     def depth(self, gpu: int) -> int:
         """
@@ -386,20 +522,8 @@ class LeaseArbiter:
         held = gpu in self._holders or gpu in self._maintainers
         return waiting + (1 if held else 0)
 
-    def least_busy(self, count: int) -> tuple[int, ...]:
-        """
-        The C{count} usable GPUs with the fewest holders and waiters (ties in
-        configured order), in ascending order: where a multi-GPU program
-        starts its worker, before it holds anything.
-
-        @raise LeaseUnavailable: fewer than C{count} GPUs can be leased.
-        """
-        if count < 1:
-            raise ValueError(f"cannot lease {count} GPUs")
-        usable = [gpu for gpu in self.gpus if gpu not in self._quarantined]
-        if self.closed or count > len(usable):
-            raise LeaseUnavailable("worker cleanup failed; device unavailable")
-        return least_busy_of(self.gpus, usable, self.depth, count)
+    def _usable(self) -> tuple[int, ...]:
+        return tuple(gpu for gpu in self.gpus if gpu not in self._quarantined)
 
     def _place(self, waiter: _Waiter) -> tuple[float, int]:
         """A waiter's place in line: a maintenance waiter stands back."""
@@ -451,7 +575,7 @@ class LeaseArbiter:
                 waiter.requested_at,
                 self._clock.seconds(),
                 waiter.mode,
-                getattr(waiter.holder, "pid", None),
+                pid_of(waiter.holder),
             )
             for gpu in waiter.gpus:
                 if waiter.mode == EXCLUSIVE:

@@ -52,7 +52,7 @@ from twisted.python.failure import Failure
 
 from kcoral.measurement import DevicePeak, peak_for
 from kcoral.proctree import descendants_of
-from kcoral.server.leases.lease import EXCLUSIVE, HoldInterval
+from kcoral.server.leases.lease import EXCLUSIVE, HoldInterval, LeaseBook
 from kcoral.server.leases.nvml import (
     THROTTLE_MASK,
     GpuSample,
@@ -317,12 +317,12 @@ class GpuMonitor:
 
     @ivar defer: runs a blocking call off the reactor and returns a Deferred
         of its result (C{deferToThreadPool} on a server; at once in tests).
-    @ivar leases: the L{kcoral.server.leases.lease.LeaseArbiter} whose holds
-        are watched (its current holders and C{history}).
+    @ivar leases: the lease whose holds are watched (its current holders
+        and C{history}).
     """
 
     sampler: IGpuSampler
-    leases: Any
+    leases: LeaseBook
     reactor: IReactorTime
     defer: Callable[..., Deferred[Any]]
     interval: float = 0.2
@@ -546,7 +546,7 @@ class GpuMonitor:
         if grant is None or grant.mode != EXCLUSIVE:
             return
         own = self.main_of(holder)
-        label = self.leases.label_of(holder) if hasattr(self.leases, "label_of") else None
+        label = self.leases.label_of(holder)
         hold = (sample.gpu, id(holder), grant.granted_at)
         for use in sample.usage:
             if use.at < grant.granted_at or (use.sm <= 0 and use.mem <= 0):
@@ -635,7 +635,7 @@ class GpuMonitorService(Service):
 
     def __init__(
         self,
-        leases: Any,
+        leases: LeaseBook,
         reactor: IReactorTime,
         run_blocking: Callable[..., Deferred[Any]],
         sampler: IGpuSampler | None = None,
@@ -698,6 +698,6 @@ class GpuMonitorService(Service):
 
     def stopService(self) -> None:
         super().stopService()
-        if getattr(self.leases, "monitor", None) is self.monitor:
+        if self.leases.monitor is self.monitor:
             self.leases.monitor = None
         self.monitor.stop()

@@ -326,7 +326,7 @@ class RunningJob:
         result["measurement_id"] = header["id"]
         record = {**header, **result}
         self.measurements.append(record)
-        monitor = getattr(self.leases, "monitor", None)
+        monitor = self.leases.monitor
         if monitor is None or not self.worker.gpus:
             self.worker.send(MeasurementResult(result=result))
             return
@@ -348,9 +348,9 @@ class RunningJob:
             if not self.done.called:
                 self.worker.send(MeasurementResult(result=result))
 
-        d.addCallback(judged)
-        d.addErrback(lambda f: self.worker.log.failure("the GPU monitor failed", f))
-        d.addCallback(send)
+        d.addCallback(judged).addErrback(
+            lambda f: self.worker.log.failure("the GPU monitor failed", f)
+        ).addCallback(send)
 
     def _returned(self, message: Returned) -> None:
         """

@@ -297,6 +297,12 @@ class FakeSandbox:
         """C{tail} as it is (the server's isolated compiles)."""
         return tail[0], list(tail), dict(self.env if env is None else env)
 
+    def compile_command(
+        self, tail: list[str], work_dir: Path, env: dict[str, str]
+    ) -> tuple[str, list[str], dict[str, str]]:
+        """C{tail} as it is (the server's nvcc compiles)."""
+        return tail[0], list(tail), dict(env)
+
     def template_command(
         self,
         *,

@@ -83,6 +83,8 @@ class ProbeTests(TestCase):
         self.assertIsNone(await self.probe(sandbox))
         self.assertEqual(sandbox.executable, os.path.abspath(shutil.which("bwrap") or ""))
         self.assertIsInstance(sandbox.disable_userns, bool)
+        # (Every bwrap since 0.4 takes it: nvcc compiles use it, issue 38.)
+        self.assertTrue(sandbox.share_net)
 
     @pytest.mark.skipif(not HAVE_BWRAP, reason=NO_BWRAP)
     async def test_succeeds_per_device_set(self) -> None:

@@ -8,6 +8,10 @@ read-only, the network and other namespaces are private (section 6.2).  It
 turns "run C{python -m kcoral.worker ...} in this seat" into the
 executable, argv and environment handed to C{reactor.spawnProcess}.
 
+The server's nvcc compiles run in a sandbox of their own
+(L{BubblewrapSandbox.compile_command}): a worker's, less the network
+namespace and C{/proc}, with a filter that refuses C{socket}.
+
 C{command} and C{worker_path} are cheap: the read-only mount plan is
 resolved once (by the start-up probe, L{kcoral.server.sandbox.probe}, in a
 thread) and cached.  The seat's host side is L{kcoral.server.sandbox.seats}.
@@ -97,6 +101,11 @@ RUNTIME_MOUNT = "/run/kcoral/runtime"
 
 #: The line the startup probe prints on success.
 PROBE_MARKER = "kcoral-sandbox-ready"
+
+#: The one file of C{/proc} an nvcc compile's sandbox shows (the host's,
+#: read-only): the toolchain's allocators read it to choose how they give
+#: memory back.
+COMPILE_PROC_FILES = ("/proc/sys/vm/overcommit_memory",)
 
 #: The startup probe's program: run as C{python -I -S -c PROBE_PROGRAM} inside the sandbox.
 PROBE_PROGRAM = (
@@ -219,6 +228,14 @@ class BubblewrapSandbox:
     #: The compiled seccomp filter (L{kcoral.server.sandbox.seccomp}) bwrap loads
     #: before it starts the worker, or C{None} for none.
     seccomp_path: str | None = attrs.field(default=None, kw_only=True)
+    #: The filter of nvcc compiles' sandboxes (the worker filter with
+    #: C{socket} refused, L{kcoral.server.sandbox.seccomp.COMPILE_FILTER}),
+    #: or C{None}: without it a compile's sandbox keeps a network namespace
+    #: of its own (L{compile_command}).
+    compile_seccomp_path: str | None = attrs.field(default=None, kw_only=True)
+    #: Whether bwrap takes C{--share-net} (the startup probe sets it from
+    #: C{bwrap --help}).
+    share_net: bool = attrs.field(default=True, kw_only=True)
     #: The filter of worker templates' sandboxes (the worker filter less
     #: L{kcoral.server.sandbox.seccomp.TEMPLATE_ALLOWED}), or C{None} for none.
     template_seccomp_path: str | None = attrs.field(default=None, kw_only=True)
@@ -420,7 +437,13 @@ class BubblewrapSandbox:
         gpu_devices: list[str],
         spaces: Path | None = None,
         bind_work: bool = False,
+        compile_only: bool = False,
     ) -> tuple[str, list[str], dict[str, str]]:
+        """
+        The command line of one sandbox.  C{compile_only}: nvcc's sandbox
+        (L{compile_command}): the host's network namespace, no C{/proc} but
+        L{COMPILE_PROC_FILES}, and L{compile_seccomp_path}'s filter.
+        """
         mounts = self.resolve_mounts()
         tail = [self.path_inside(tail[0]), *tail[1:]]
         host_work = os.path.abspath(os.fspath(work_dir))
@@ -431,6 +454,10 @@ class BubblewrapSandbox:
 
         executable = self.executable or self.bwrap
         argv = [executable, "--unshare-all", "--unshare-user", "--die-with-parent"]
+        if compile_only:
+            # No network namespace to make and tear down per compile; the
+            # compile filter refuses every socket instead.
+            argv.append("--share-net")
         argv += ["--new-session", "--cap-drop", "ALL"]
         if spaces is not None:
             for cap in TEMPLATE_CAPABILITIES:
@@ -464,7 +491,15 @@ class BubblewrapSandbox:
             argv += ["--bind", resolved_work, WORKSPACE]
         if spaces is not None:
             argv += ["--bind", os.path.realpath(os.fspath(spaces)), TEMPLATE_SPACES]
-        argv += ["--proc", "/proc", "--dir", "/dev"]
+        if compile_only:
+            # No procfs: with the host's network namespace, /proc/net would
+            # show the host's sockets and connections.
+            for path in COMPILE_PROC_FILES:
+                if os.path.exists(path):
+                    argv += ["--ro-bind", path, path]
+            argv += ["--dir", "/dev"]
+        else:
+            argv += ["--proc", "/proc", "--dir", "/dev"]
         for dev in PSEUDO_DEVICES:
             argv += ["--dev-bind", dev, dev]
         nodes = self._gpu_nodes(gpu_devices) if gpu_devices else ()
@@ -485,7 +520,7 @@ class BubblewrapSandbox:
             argv += ["--setenv", key, value]
         env = {k: v for k, v in os.environ.items() if isinstance(v, str)}
         env.update(overrides)
-        if not gpu_devices and spaces is None:
+        if not gpu_devices and spaces is None and not compile_only:
             # (A template's children each mount a /proc of their own,
             # read-only for CPU workers too.)
             argv += ["--remount-ro", "/proc"]
@@ -509,11 +544,11 @@ class BubblewrapSandbox:
                 argv = [argv[0], "--seccomp", str(SECCOMP_FD), *argv[1:]]
             argv = [SHELL, "-c", script, *argv]
             executable = SHELL
-        elif self.seccomp_path is not None:
+        elif filter_path := self.compile_seccomp_path if compile_only else self.seccomp_path:
             # bwrap reads the filter from an fd: a shell opens the file on
             # SECCOMP_FD and execs bwrap (same pid), so the fd exists only
             # for bwrap, which closes it before the worker starts.
-            script = f'exec "$0" "$@" {SECCOMP_FD}<{shlex.quote(self.seccomp_path)}'
+            script = f'exec "$0" "$@" {SECCOMP_FD}<{shlex.quote(filter_path)}'
             argv = [SHELL, "-c", script, argv[0], "--seccomp", str(SECCOMP_FD), *argv[1:]]
             executable = SHELL
         return executable, argv, env
@@ -571,6 +606,29 @@ class BubblewrapSandbox:
         """
         executable, argv, full = self._command(tail, work_dir, [], bind_work=True)
         return executable, argv, full if env is None else dict(env)
+
+    def compile_command(
+        self, tail: list[str], work_dir: Path, env: dict[str, str]
+    ) -> tuple[str, list[str], dict[str, str]]:
+        """
+        The command line that runs nvcc's C{tail} as the only program of a
+        compile's sandbox (L{kcoral.server.workers.compiles}), with C{env}
+        as L{run_command}'s.
+
+        With L{compile_seccomp_path} (and a bwrap that takes
+        C{--share-net}), the sandbox has every namespace of a worker's but
+        the network's: it stays in the host's, and the compile filter
+        refuses every C{socket} call, so nothing in it reaches a network, the
+        host's loopback or its abstract Unix sockets; it has no C{/proc}
+        (which would show the host's sockets) but L{COMPILE_PROC_FILES}.
+        Making and tearing down a network namespace costs each compile
+        about 11 ms, serialized in the kernel.  Without the filter it is
+        L{run_command}'s sandbox.
+        """
+        if self.compile_seccomp_path is None or not self.share_net:
+            return self.run_command(tail, work_dir, env=env)
+        executable, argv, _ = self._command(tail, work_dir, [], bind_work=True, compile_only=True)
+        return executable, argv, dict(env)
 
     def probe_command(self, work_dir: Path, gpu_devices: list[str]) -> list[str]:
         """The startup probe's argv for one device configuration."""

@@ -18,6 +18,7 @@ import sys
 import tempfile
 import warnings
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
 from twisted.internet.defer import Deferred
@@ -109,7 +110,8 @@ async def probe_sandbox(
     configuration (an empty list is the CPU configuration) with a tiny
     program that checks its workspace and prints L{PROBE_MARKER}.
 
-    Sets C{sandbox.executable} and C{sandbox.disable_userns} as a side effect.
+    Sets C{sandbox.executable}, C{sandbox.disable_userns} and
+    C{sandbox.share_net} as a side effect.
 
     @param reactor: an C{IReactorProcess}, C{IReactorTime} and
         C{IReactorThreads} provider.
@@ -134,6 +136,7 @@ async def probe_sandbox(
             error = _timeout_message(timeout)
         else:
             sandbox.disable_userns = b"--disable-userns" in helped.output["output"]
+            sandbox.share_net = b"--share-net" in helped.output["output"]
             distinct: list[list[str]] = []
             for devices in gpu_device_sets or [[]]:
                 if list(devices) not in distinct:
@@ -215,7 +218,12 @@ async def _choose_sandbox(
         hidden_paths=_server_paths(config),
     )
     if scratch is not None:
-        from kcoral.server.sandbox.seccomp import TEMPLATE_ALLOWED, SeccompUnavailable, write_filter
+        from kcoral.server.sandbox.seccomp import (
+            COMPILE_FILTER,
+            TEMPLATE_ALLOWED,
+            SeccompUnavailable,
+            write_filter,
+        )
 
         threads = IReactorThreads(reactor)
         try:
@@ -229,6 +237,11 @@ async def _choose_sandbox(
                 scratch,
                 "template-seccomp.bpf",
                 TEMPLATE_ALLOWED,
+            )
+            sandbox.compile_seccomp_path = await deferToThreadPool(
+                threads,
+                threads.getThreadPool(),
+                partial(write_filter, scratch, COMPILE_FILTER, sockets=False),
             )
         except (SeccompUnavailable, OSError) as e:
             log.warn(

@@ -19,6 +19,14 @@ C{AF_NETLINK} protocol but C{NETLINK_ROUTE} (the C library's
 C{getifaddrs} and C{getaddrinfo}, and NCCL's interface discovery, ask the
 sandbox's own loopback-only network namespace through it).
 
+The server's nvcc compiles (L{kcoral.server.workers.compiles}) get a third
+filter, the worker filter with C{socket} refused for every family
+(L{COMPILE_FILTER}): their sandbox has no network namespace of its own
+(making one costs each compile a network namespace's creation and teardown,
+serialized in the kernel), so not being able to make a socket is what keeps
+them off the host's network, its loopback and its abstract Unix sockets.
+C{socketpair} stays allowed: a pair is connected only to itself.
+
 The program is compiled by libseccomp through the C{pyseccomp} bindings and
 handed to C{bwrap --seccomp FD}.
 """
@@ -101,12 +109,19 @@ class SeccompUnavailable(Exception):
 TEMPLATE_ALLOWED = ("mount", "umount", "umount2", "unshare")
 
 
-def build_rules(allow: tuple[str, ...] = ()) -> object:
+#: The file name of the compile filter in the server's scratch root.
+COMPILE_FILTER = "compile-seccomp.bpf"
+
+
+def build_rules(allow: tuple[str, ...] = (), *, sockets: bool = True) -> object:
     """
     BLOCKING: the filter as a C{pyseccomp.SyscallFilter}, ready to
     C{load()} in the calling process or to export.
 
     @param allow: names of L{DENIED} to leave allowed (L{TEMPLATE_ALLOWED}).
+    @param sockets: whether C{socket} is allowed (less L{DENIED_FAMILIES}
+        and netlink's other protocols); when not, every C{socket} call fails
+        with C{EACCES} (the compile filter).
     @raise SeccompUnavailable: libseccomp or its bindings are missing.
     """
     try:
@@ -123,7 +138,9 @@ def build_rules(allow: tuple[str, ...] = ()) -> object:
         rules.add_rule(deny, "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
     if sc.resolve_syscall(sc.Arch.NATIVE, "clone3") >= 0:
         rules.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
-    if sc.resolve_syscall(sc.Arch.NATIVE, "socket") >= 0:
+    if not sockets:
+        rules.add_rule(sc.ERRNO(errno.EACCES), "socket")
+    elif sc.resolve_syscall(sc.Arch.NATIVE, "socket") >= 0:
         no_family = sc.ERRNO(errno.EAFNOSUPPORT)
         for family in DENIED_FAMILIES.values():
             rules.add_rule(no_family, "socket", sc.Arg(0, sc.EQ, family))
@@ -136,13 +153,14 @@ def build_rules(allow: tuple[str, ...] = ()) -> object:
     return rules
 
 
-def build_filter(allow: tuple[str, ...] = ()) -> bytes:
+def build_filter(allow: tuple[str, ...] = (), *, sockets: bool = True) -> bytes:
     """
-    BLOCKING: the filter as a BPF program for C{bwrap --seccomp}.
+    BLOCKING: the filter as a BPF program for C{bwrap --seccomp}
+    (arguments as L{build_rules}).
 
     @raise SeccompUnavailable: libseccomp or its bindings are missing.
     """
-    rules: Any = build_rules(allow)
+    rules: Any = build_rules(allow, sockets=sockets)
     with tempfile.TemporaryFile() as f:
         rules.export_bpf(f)
         f.seek(0)
@@ -150,10 +168,17 @@ def build_filter(allow: tuple[str, ...] = ()) -> bytes:
 
 
 def write_filter(
-    directory: str | os.PathLike[str], name: str = "seccomp.bpf", allow: tuple[str, ...] = ()
+    directory: str | os.PathLike[str],
+    name: str = "seccomp.bpf",
+    allow: tuple[str, ...] = (),
+    *,
+    sockets: bool = True,
 ) -> str:
-    """BLOCKING: write the filter to C{directory}/C{name} (0600); return its path."""
-    program = build_filter(allow)
+    """
+    BLOCKING: write the filter (arguments as L{build_rules}) to
+    C{directory}/C{name} (0600); return its path.
+    """
+    program = build_filter(allow, sockets=sockets)
     path = os.path.join(os.fspath(directory), name)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     with os.fdopen(fd, "wb") as f:

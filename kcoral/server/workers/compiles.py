@@ -5,9 +5,12 @@ Compiles for the shared compile cache, run by the parent (issue 13, item 6).
 Images in the shared cache are loaded by other requests, so none may come
 from a process where uploaded code runs.  A sandboxed worker sends its
 cacheable compiles here (L{kcoral.wire.channel.CompileRequest}); each runs
-as C{python -m kcoral.compilers.isolated} in a fresh bubblewrap sandbox of
-its own (no uploaded code, the worker's read-only mounts, the seccomp
-filter), and the parent, not the worker, writes the entry.
+in a fresh bubblewrap sandbox of its own (no uploaded code, the worker's
+read-only mounts, a seccomp filter), and the parent, not the worker, writes
+the entry.  An nvcc compile is nvcc's command line alone in
+L{BubblewrapSandbox.compile_command}'s sandbox (no network namespace to
+make, every C{socket} refused, no C{/proc}); other backends run
+C{python -m kcoral.compilers.isolated} in L{BubblewrapSandbox.run_command}'s.
 
 What the parent trusts (issue 32, item 1):
  - the key is computed here, from the request the worker sent and this
@@ -195,16 +198,17 @@ class IsolatedCompiles:
         self, request: CompileRequest, backend: Any, key: str, timeout: float
     ) -> CompileDone:
         """
-        Run the backend's command line itself in a fresh sandbox: no Python
-        and no answer descriptor there; the outcome is the exit status the
-        kernel reports and the file the command wrote in its workspace.
+        Run the backend's command line itself in a fresh compile sandbox
+        (L{BubblewrapSandbox.compile_command}): no Python and no answer
+        descriptor there; the outcome is the exit status the kernel reports
+        and the file the command wrote in its workspace.
         """
         seat = self._seat()
         work, inside, argv, env = await self.run_blocking(
             self._command_seat, seat, request, backend
         )
         try:
-            executable, args, bwrap_env = self.sandbox.run_command(argv, work, env=env)
+            executable, args, bwrap_env = self.sandbox.compile_command(argv, work, env)
             started = time.monotonic()
             finished = await run_bounded(
                 self.reactor,

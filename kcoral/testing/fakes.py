@@ -297,6 +297,10 @@ class FakeSandbox:
         """C{tail} as it is (the server's isolated compiles)."""
         return tail[0], list(tail), dict(self.env if env is None else env)
 
+    def prepare_compile_seat(self, seat_dir: Path) -> Path:
+        """As L{prepare_seat} (the server's nvcc compiles)."""
+        return self.prepare_seat(seat_dir)
+
     def compile_command(
         self, tail: list[str], work_dir: Path, env: dict[str, str]
     ) -> tuple[str, list[str], dict[str, str]]:

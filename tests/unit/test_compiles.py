@@ -335,3 +335,45 @@ class CommandCompileTests(SynchronousTestCase):
         self.assertEqual((done.kind, done.error), ("unavailable", "nvcc not found"))
         self.assertEqual(self.reactor.spawned, [])
         self.assertEqual(list((self.dir / "scratch").iterdir()), [])
+
+    def test_answer_does_not_wait_for_the_seat(self) -> None:
+        """
+        The answer goes once the image is stored; the seat is removed in a
+        thread after it (a slow filesystem's C{rmdir} holds no compile),
+        and a removal that fails is logged.
+        """
+        removals: list[Deferred[Any]] = []
+
+        def run_blocking(f: Any, *args: Any) -> Deferred[Any]:
+            if f.__name__ == "remove_seat":
+                removals.append(Deferred())
+                return removals[-1]
+            return _sync(f, *args)
+
+        self.compiles.run_blocking = run_blocking
+        d, spawned, work = self._start()
+        (work / "module.bin").write_bytes(b"IMAGE")
+        self._end(spawned, 0)
+        done = self.successResultOf(d)
+        self.assertEqual((done.kind, done.cached), (None, False))
+        self.assertEqual(len(removals), 1)
+        removals[0].errback(Failure(OSError("busy")))
+        self.assertEqual(len(self.flushLoggedErrors(OSError)), 1)
+
+
+class CompileSeatTests(SynchronousTestCase):
+    """An nvcc compile's seat under bubblewrap holds only what nvcc writes to."""
+
+    def test_only_tmp(self) -> None:
+        """The workspace and C{.kcoral/tmp}, private; nothing else of the worker layout."""
+        from kcoral.server.sandbox.bubblewrap import BubblewrapSandbox
+
+        base = Path(tempfile.mkdtemp())
+        self.addCleanup(shutil.rmtree, base, True)
+        work = BubblewrapSandbox([]).prepare_compile_seat(base / "seat")
+        self.assertEqual(work, (base / "seat" / "work").resolve())
+        self.assertEqual(
+            sorted(str(p.relative_to(work)) for p in work.rglob("*")),
+            [".kcoral", ".kcoral/tmp"],
+        )
+        self.assertEqual(os.stat(work / ".kcoral" / "tmp").st_mode & 0o777, 0o700)

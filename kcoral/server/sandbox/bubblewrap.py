@@ -32,6 +32,7 @@ from zope.interface import implementer
 
 from kcoral.server.sandbox.interface import ISandbox, SandboxError, package_root
 from kcoral.server.sandbox.seats import (
+    COMPILE_SUBDIRS,
     RESERVED,
     RESERVED_SUBDIRS,
     KeepTree,
@@ -606,6 +607,14 @@ class BubblewrapSandbox:
         """
         executable, argv, full = self._command(tail, work_dir, [], bind_work=True)
         return executable, argv, full if env is None else dict(env)
+
+    def prepare_compile_seat(self, seat_dir: Path) -> Path:
+        """
+        BLOCKING: a seat for an nvcc compile (L{compile_command}): its
+        workspace with only the reserved C{tmp} directory (C{/tmp} and
+        C{TMPDIR}), which is all nvcc writes to besides its output.
+        """
+        return make_seat(seat_dir, COMPILE_SUBDIRS)
 
     def compile_command(
         self, tail: list[str], work_dir: Path, env: dict[str, str]

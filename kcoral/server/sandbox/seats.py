@@ -32,6 +32,11 @@ RESERVED_SUBDIRS = (
 )
 
 
+#: The reserved subdirectories of an nvcc compile's seat: its temporary
+#: files' (each directory made and removed costs a compile a little).
+COMPILE_SUBDIRS = ("tmp",)
+
+
 def mkdir_private(path: str) -> None:
     try:
         os.mkdir(path, 0o700)

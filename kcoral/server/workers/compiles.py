@@ -238,13 +238,26 @@ class IsolatedCompiles:
                 return CompileDone(kind="compile", error="nvcc succeeded but wrote no module image")
             return CompileDone(key=key, seconds=seconds)
         finally:
-            await self.run_blocking(remove_seat, seat)
+            self._remove_later(seat)
+
+    def _remove_later(self, seat: Path) -> None:
+        """
+        Remove C{seat} in a thread, without holding the answer for it: it
+        is this compile's alone, and on a filesystem with online discard
+        each C{rmdir} can take milliseconds.
+        """
+        removed = self.run_blocking(remove_seat, seat)
+        removed.addErrback(
+            lambda failure: self.log.failure(
+                "could not remove the compile seat {seat}", failure, seat=str(seat)
+            )
+        )
 
     def _command_seat(
         self, seat: Path, request: CompileRequest, backend: Any
     ) -> tuple[Path, str, list[str], dict[str, str]]:
         """BLOCKING: a fresh seat holding the source, and the command for it."""
-        work = Path(self.sandbox.prepare_seat(seat))
+        work = Path(self.sandbox.prepare_compile_seat(seat))
         try:
             inside = self.sandbox.worker_path(work)
             argv, env = backend.command(
@@ -306,7 +319,7 @@ class IsolatedCompiles:
                 return CompileDone(kind="engine", error="the compiled image could not be stored")
             return CompileDone(key=key, seconds=seconds)
         finally:
-            await self.run_blocking(remove_seat, seat)
+            self._remove_later(seat)
 
 
 #: The source and image names in a command compile's workspace.

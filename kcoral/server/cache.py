@@ -34,7 +34,6 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import attrs
 from twisted.internet.interfaces import IReactorFromThreads
@@ -62,7 +61,7 @@ _CHUNK = 1024 * 1024
 EventCallback = Callable[..., None]
 
 
-def _no_event(name: str, **fields: Any) -> None:
+def _no_event(name: str, **fields: object) -> None:
     """Default event callback: ignore everything."""
 
 
@@ -640,7 +639,7 @@ class DiskFileCache:
             self.misses += 1
         self._on_event("cache_miss", cache="disk", digest=digest)
 
-    def _error(self, reason: str, error: OSError | None, **fields: Any) -> None:
+    def _error(self, reason: str, error: OSError | None, **fields: object) -> None:
         with self._stats_lock:
             self.errors += 1
         if error is not None:

@@ -20,11 +20,11 @@ import os
 import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from twisted.application import service
 from twisted.internet.defer import Deferred, maybeDeferred
-from twisted.internet.interfaces import IListeningPort
+from twisted.internet.interfaces import IListeningPort, IReactorTime
 from twisted.internet.task import deferLater
 from twisted.logger import ILogObserver, Logger
 from twisted.python.threadpool import ThreadPool
@@ -37,6 +37,7 @@ from kcoral.server.http.accept import AcceptGuard, raise_fd_limit
 from kcoral.server.http.auth import beyond_loopback
 from kcoral.server.http.site import listen_all, port_hosts
 from kcoral.server.leases.gpus import GpuDevice, discover_gpus, select_gpus
+from kcoral.server.workers.reactor import RunBlocking
 
 if TYPE_CHECKING:
     from kcoral.server.http.app import KcoralAPI
@@ -56,9 +57,6 @@ __all__ = [
     "ThreadPoolService",
     "WorkerPoolService",
 ]
-
-#: Runs a blocking callable in the I/O thread pool.
-RunBlocking = Callable[..., Deferred[Any]]
 
 #: The reactor the server runs on.  It is used for time, threads, processes
 #: and TCP, which no single Twisted interface covers; each part receives it
@@ -261,6 +259,12 @@ class WorkerPoolService(AsyncService):
 DRAIN_LINGER_SECONDS = 0.5
 
 
+class OpenConnections(Protocol):
+    """What L{LingerService} reads of a site (a L{kcoral.server.http.site.KcoralSite})."""
+
+    open_connections: int
+
+
 class LingerService(AsyncService):
     """
     At stop, after the workers: wait until every HTTP connection has
@@ -271,14 +275,16 @@ class LingerService(AsyncService):
     exited was lost, in about one failover in five (test_haproxy).
     """
 
-    def __init__(self, reactor: Reactor, site: Any, linger: float = DRAIN_LINGER_SECONDS) -> None:
+    def __init__(
+        self, reactor: IReactorTime, site: OpenConnections, linger: float = DRAIN_LINGER_SECONDS
+    ) -> None:
         self._reactor = reactor
         self._site = site
         self._linger = linger
 
     async def stop(self) -> None:
         deadline = self._reactor.seconds() + self._linger
-        while getattr(self._site, "open_connections", 0) > 0 and self._reactor.seconds() < deadline:
+        while self._site.open_connections > 0 and self._reactor.seconds() < deadline:
             await deferLater(self._reactor, 0.02, lambda: None)
 
 

@@ -42,9 +42,10 @@ from typing import Any
 from twisted.internet import error as twisted_error
 from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.internet.endpoints import UNIXClientEndpoint, connectProtocol
-from twisted.internet.interfaces import IListeningPort
+from twisted.internet.interfaces import IListeningPort, IReactorSocket
 from twisted.internet.protocol import ProcessProtocol
 from twisted.logger import Logger
+from twisted.protocols import amp
 from twisted.python.failure import Failure
 
 from kcoral.config import ServerConfig
@@ -62,7 +63,7 @@ STEADY_SECONDS = 60.0
 
 
 def listen_reusing_port(
-    reactor: Any, description: str, factory: Any, first: bool
+    reactor: IReactorSocket, description: str, factory: Any, first: bool
 ) -> IListeningPort:
     """
     Listen on a C{tcp:} endpoint description with C{SO_REUSEPORT}, so that
@@ -270,7 +271,7 @@ class BrokerConnection:
         self._reactor = reactor
         self._leases = leases
         self._path = path
-        self._protocol: Any = None
+        self._protocol: amp.AMP | None = None
         self._stopping = False
         leases.on_lost = self._lost
 

@@ -31,11 +31,13 @@ import traceback
 import uuid
 from collections.abc import Callable, MutableMapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from types import FrameType
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from klein import Klein
 from twisted.application import service
 from twisted.internet.defer import CancelledError, Deferred, maybeDeferred
+from twisted.internet.interfaces import IReactorFromThreads
 from twisted.internet.task import deferLater
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import ILogObserver, Logger, globalLogPublisher
@@ -64,6 +66,10 @@ if TYPE_CHECKING:
     from kcoral.server.observe.metrics import Metrics
     from kcoral.server.observe.sdnotify import SystemdNotifier
     from kcoral.server.observe.status import RecentRequests
+    from kcoral.server.workers.spares import Spare
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
 
 
 def _reactor(reactor: Reactor | None) -> Reactor:
@@ -148,7 +154,7 @@ class KCoralService(service.MultiService):
             self.api.status_page = STATUS_PAGE
         self.ready: Deferred[None] = Deferred()
         self.start_failure: str | None = None
-        self._restore_signals: Any = None
+        self._restore_signals: Callable[[], None] | None = None
         #: The lame duck's wait while it runs (L{_lame_duck_period}).
         self._lame_duck: Deferred[None] | None = None
         #: The process's exit status when the server fails to start under
@@ -222,11 +228,13 @@ class KCoralService(service.MultiService):
         for child in children:
             child.setServiceParent(self)
 
-    def run_blocking(self, f: Callable[..., Any], *args: Any, **kwargs: Any) -> Deferred[Any]:
+    def run_blocking(
+        self, f: Callable[_P, _T], /, *args: _P.args, **kwargs: _P.kwargs
+    ) -> Deferred[_T]:
         """Run blocking C{f} in the server's I/O thread pool."""
         return deferToThreadPool(self._reactor, self.threadpool, f, *args, **kwargs)
 
-    def _cache_event(self, name: str, **fields: Any) -> None:
+    def _cache_event(self, name: str, **fields: object) -> None:
         if name in ("cache_hit", "cache_miss", "cache_stored"):
             self.log.debug("{kcoral_event} {cache}", kcoral_event=name, **fields)
         else:
@@ -462,16 +470,18 @@ def _observability(server: KCoralService) -> tuple[Metrics | None, RecentRequest
     )
 
 
-def _spare_counts(spares: list[Any]) -> dict[tuple[Any, str], int]:
+def _spare_counts(spares: list[Spare]) -> dict[tuple[int | str, str], int]:
     """Spares by (GPU, or C{cpu}; state), for the C{kcoral_spare_workers} gauge."""
-    counts: dict[tuple[Any, str], int] = {}
+    counts: dict[tuple[int | str, str], int] = {}
     for spare in spares:
         key = ("cpu" if spare.gpu_id is None else spare.gpu_id, spare.status)
         counts[key] = counts.get(key, 0) + 1
     return counts
 
 
-def install_second_signal(reactor: Reactor, stop_now: Callable[[], None]) -> Any:
+def install_second_signal(
+    reactor: IReactorFromThreads, stop_now: Callable[[], None]
+) -> Callable[[], None] | None:
     """
     Route the next SIGTERM or SIGINT to C{stop_now} (in the reactor thread)
     while a graceful stop runs; returns a callable that puts the previous
@@ -482,9 +492,9 @@ def install_second_signal(reactor: Reactor, stop_now: Callable[[], None]) -> Any
 
     if threading.current_thread() is not threading.main_thread():
         return None
-    previous: dict[int, Any] = {}
+    previous: dict[int, Callable[[int, FrameType | None], object] | int | None] = {}
 
-    def handler(signum: int, frame: Any) -> None:
+    def handler(signum: int, frame: FrameType | None) -> None:
         reactor.callFromThread(stop_now)
 
     for signum in (signal.SIGTERM, signal.SIGINT):

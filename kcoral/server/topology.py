@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 from twisted.application import service
+from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
@@ -55,7 +56,7 @@ SPLIT_CAPS = (
 )
 
 
-def _non_negative(instance: Any, attribute: attrs.Attribute[Any], value: int) -> None:
+def _non_negative(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{attribute.name} must be a non-negative integer, got {value!r}")
 
@@ -154,7 +155,7 @@ class Topology:
             return self.whole
         return share_of(self.whole, self.front_end.index)
 
-    def leases(self, gpus: Sequence[int], reactor: Any) -> LeaseArbiter | RemoteArbiter:
+    def leases(self, gpus: Sequence[int], reactor: IReactorTime) -> LeaseArbiter | RemoteArbiter:
         """The arbiter here, or the first front end's through its broker."""
         if self.role == "other":
             return RemoteArbiter(tuple(gpus), reactor)
@@ -234,7 +235,7 @@ class HealthReports(AsyncService):
 
     def __init__(
         self,
-        reactor: Any,
+        reactor: IReactorTime,
         api: KcoralAPI,
         index: int,
         report: Callable[[int, dict[str, Any]], None],

@@ -60,10 +60,10 @@ __all__ = ["LeaseBroker", "RemoteArbiter", "RemoteHolder", "broker_factory"]
 class _Json(amp.Argument):
     """A JSON value as an AMP argument (the state pushes)."""
 
-    def toString(self, inObject: Any) -> bytes:  # noqa: N802 (AMP's name)
+    def toString(self, inObject: object) -> bytes:  # noqa: N802 (AMP's name)
         return json.dumps(inObject, separators=(",", ":")).encode()
 
-    def fromString(self, inString: bytes) -> Any:  # noqa: N802
+    def fromString(self, inString: bytes) -> object:  # noqa: N802
         return json.loads(inString)
 
 
@@ -309,7 +309,7 @@ class _BrokerProtocol(amp.AMP):
             self._broker.report(self._index, None)
 
     @Report.responder
-    def report(self, index: int, health: dict[str, Any]) -> dict[str, Any]:
+    def report(self, index: int, health: dict[str, Any]) -> dict[str, object]:
         self._index = index
         self._broker.report(index, health)
         return {}
@@ -354,14 +354,14 @@ class _BrokerProtocol(amp.AMP):
         return d.addCallback(granted)
 
     @Withdraw.responder
-    def withdraw(self, token: int) -> dict[str, Any]:
+    def withdraw(self, token: int) -> dict[str, object]:
         wait = self._waits.pop(token, None)
         if wait is not None:
             wait.cancel()
         return {}
 
     @Release.responder
-    def release(self, token: int) -> dict[str, Any]:
+    def release(self, token: int) -> dict[str, object]:
         holder = self._holders.pop(token, None)
         if holder is not None:
             self._broker.arbiter.release(holder)
@@ -369,7 +369,7 @@ class _BrokerProtocol(amp.AMP):
         return {}
 
     @Abandon.responder
-    def abandon(self, token: int) -> dict[str, Any]:
+    def abandon(self, token: int) -> dict[str, object]:
         holder = self._holders.pop(token, None)
         if holder is not None:
             self._broker.arbiter.abandon(holder)
@@ -400,17 +400,17 @@ class _FrontEndProtocol(amp.AMP):
         self._arbiter._disconnected()
 
     @LeaseState.responder
-    def lease_state(self, state: dict[str, Any]) -> dict[str, Any]:
+    def lease_state(self, state: dict[str, Any]) -> dict[str, object]:
         self._arbiter._update(state)
         return {}
 
     @Next.responder
-    def next_in_line(self, token: int) -> dict[str, Any]:
+    def next_in_line(self, token: int) -> dict[str, object]:
         self._arbiter._next_in_line(token)
         return {}
 
     @PeerReport.responder
-    def peer_report(self, index: int, health: dict[str, Any] | None) -> dict[str, Any]:
+    def peer_report(self, index: int, health: dict[str, Any] | None) -> dict[str, object]:
         if health is None:
             self._arbiter.peer_reports.pop(index, None)
         else:

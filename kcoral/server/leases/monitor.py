@@ -39,7 +39,7 @@ import os
 import signal
 import statistics
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -60,6 +60,7 @@ from kcoral.server.leases.nvml import (
     ProcessUse,
     throttle_names,
 )
+from kcoral.server.workers.reactor import RunBlocking
 
 __all__ = [
     "EXCUSE_SECONDS",
@@ -324,7 +325,7 @@ class GpuMonitor:
     sampler: IGpuSampler
     leases: LeaseBook
     reactor: IReactorTime
-    defer: Callable[..., Deferred[Any]]
+    defer: RunBlocking
     interval: float = 0.2
     processes: ProcessTable = attrs.field(factory=ProcFs)
     server_pid: int = attrs.field(factory=os.getpid)
@@ -374,9 +375,7 @@ class GpuMonitor:
         wanted = tuple(self.leases.gpus if gpus is None else gpus)
         since = {gpu: self._usage_since.get(gpu, 0.0) for gpu in wanted}
         d = self.defer(self._read, wanted, since)
-        d.addCallback(self.absorb)
-        d.addErrback(self._read_failed)
-        return d
+        return d.addCallback(self.absorb).addErrback(self._read_failed)
 
     def _read(self, gpus: Sequence[int], since: Mapping[int, float]) -> list[GpuSample]:
         """In a thread: one reading of each GPU."""
@@ -414,7 +413,7 @@ class GpuMonitor:
 
     def _note_workers(self) -> None:
         """Remember every lease holder (current or in the history) that is alive."""
-        found: list[Any] = []
+        found: list[Hashable] = []
         for gpu in self.leases.gpus:
             holder = self.leases.holder_of(gpu)
             if holder is not None:
@@ -429,7 +428,7 @@ class GpuMonitor:
                 del self._workers[key]
                 self._mains.pop(id(worker), None)
 
-    def main_of(self, worker: Any) -> int | None:
+    def main_of(self, worker: object) -> int | None:
         """C{worker}'s own process (L{main_pid}), remembered while it lives."""
         root = getattr(worker, "pid", None)
         if root is None:
@@ -597,7 +596,7 @@ class GpuMonitor:
         return self.peaks.get(gpus[0]) if gpus else None
 
     def judge(
-        self, worker: Any, gpus: Sequence[int], start: float, stop: float
+        self, worker: object, gpus: Sequence[int], start: float, stop: float
     ) -> Deferred[tuple[list[tuple[str, str]], dict[str, Any]]]:
         """
         The reasons a timed loop of C{worker} on C{gpus}, from C{start} to
@@ -637,7 +636,7 @@ class GpuMonitorService(Service):
         self,
         leases: LeaseBook,
         reactor: IReactorTime,
-        run_blocking: Callable[..., Deferred[Any]],
+        run_blocking: RunBlocking,
         sampler: IGpuSampler | None = None,
     ) -> None:
         if sampler is None:

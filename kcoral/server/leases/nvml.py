@@ -129,10 +129,10 @@ class NvmlSampler:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._nvml: Any = None
-        self._handles: dict[int, Any] = {}
+        self._handles: dict[int, object] = {}
         self._max_sm: dict[int, int] = {}
 
-    def _handle(self, gpu: int) -> Any:
+    def _handle(self, gpu: int) -> object:
         with self._lock:
             if self._nvml is None:
                 try:

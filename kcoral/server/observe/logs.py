@@ -108,7 +108,7 @@ CONSOLE_WHOLE_KEYS = frozenset({"error"})
 #: How much of C{repr(fields)} a reduced record keeps.
 UNENCODABLE_LIMIT = 2000
 
-_LEVEL_NAMES: dict[Any, str] = {
+_LEVEL_NAMES: dict[object, str] = {
     LogLevel.debug: "DEBUG",
     LogLevel.info: "INFO",
     LogLevel.warn: "WARNING",
@@ -263,7 +263,7 @@ def _below(level: object, minimum: LogLevel) -> bool:
         return False
 
 
-def _json_default(value: Any) -> Any:
+def _json_default(value: object) -> str:
     if isinstance(value, os.PathLike):
         return os.fspath(value)
     return repr(value)
@@ -279,7 +279,7 @@ def _encode(record: Mapping[str, Any]) -> str:
     )
 
 
-def _safe_repr(value: Any) -> str:
+def _safe_repr(value: object) -> str:
     try:
         return repr(value)
     except Exception as e:  # a broken __repr__ must not lose the record
@@ -291,7 +291,7 @@ def _safe_repr(value: Any) -> str:
 SYNC_EVENTS = frozenset({"request_finished"})
 
 
-def _sync(stream: Any, event: Mapping[str, Any]) -> None:
+def _sync(stream: object, event: Mapping[str, Any]) -> None:
     """Write C{stream}'s gathered lines now after a request's last event or a warning."""
     sync = getattr(stream, "sync", None)
     if sync is None:
@@ -303,7 +303,7 @@ def _sync(stream: Any, event: Mapping[str, Any]) -> None:
         sync()
 
 
-def _is_binary(stream: Any) -> bool:
+def _is_binary(stream: object) -> bool:
     wrapped = getattr(stream, "wrapped", None)
     if wrapped is not None:
         return _is_binary(wrapped)
@@ -444,18 +444,20 @@ class ConsoleObserver:
             pass
 
 
-def _not_kcoral(event: Mapping[str, Any]) -> Any:
+def _not_kcoral(event: Mapping[str, Any]) -> object:
+    """A L{PredicateResult}: Twisted's text observer leaves kcoral events to ours."""
     return PredicateResult.no if is_kcoral_event(event) else PredicateResult.maybe
 
 
-def twisted_console_observer(stream: IO[str], level: LogLevel = LogLevel.warn) -> Any:
+def twisted_console_observer(stream: IO[str], level: LogLevel = LogLevel.warn) -> ILogObserver:
     """
     An observer that shows Twisted's own events (not kcoral events) at
     C{level} or above as text, so tracebacks from C{log.failure} and
     unhandled errors in Deferreds still reach the console.
     """
-    predicate: Any = LogLevelFilterPredicate(defaultLogLevel=level)
-    text: Any = textFileLogObserver(stream)
+    predicate = LogLevelFilterPredicate(defaultLogLevel=level)
+    text = textFileLogObserver(stream)
+    # A plain function is a predicate too (FilteringLogObserver calls it).
     predicates: list[Any] = [_not_kcoral, predicate]
     return FilteringLogObserver(text, predicates)
 
@@ -619,10 +621,10 @@ class LogSetup:
 
     run_dir: RunDirectory | None
     recorder: ProgramRecorder | None
-    observers: list[Any]
+    observers: list[ILogObserver]
     publisher: LogPublisher
-    events_file: Any = None
-    writers: list[Any] = attrs.Factory(list)
+    events_file: LogFile | None = None
+    writers: list[BackgroundWriter] = attrs.Factory(list)
     _closed: bool = False
 
     def close(self) -> None:
@@ -652,7 +654,7 @@ def install_observers(
     console_stream: IO[str] | None = None,
     rotate_length: int = DEFAULT_ROTATE_LENGTH,
     max_rotated_files: int = DEFAULT_MAX_ROTATED_FILES,
-    extra_observers: Iterable[Any] = (),
+    extra_observers: Iterable[ILogObserver] = (),
     background: bool = False,
 ) -> LogSetup:
     """
@@ -693,7 +695,7 @@ def install_observers(
     if publisher is None:
         publisher = globalLogPublisher
     level = LogLevel.levelWithName(config.log_level)
-    observers: list[Any] = []
+    observers: list[ILogObserver] = []
     writers: list[BackgroundWriter] = []
     run_dir = None
     recorder = None

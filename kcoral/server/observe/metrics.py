@@ -155,7 +155,7 @@ def build_info() -> dict[str, str]:
     }
 
 
-def _number(value: Any) -> float | None:
+def _number(value: object) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     if value != value or value in (float("inf"), float("-inf")):

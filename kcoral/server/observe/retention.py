@@ -18,14 +18,21 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import attrs
 from twisted.application.internet import TimerService
 from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from kcoral.server.workers.reactor import RunBlocking
+
+if TYPE_CHECKING:
+    from kcoral.config import ServerConfig
 
 __all__ = ["PruneResult", "RetentionPolicy", "RetentionService", "prune"]
 
@@ -49,7 +56,7 @@ class RetentionPolicy:
     max_bytes: int = 10240 * _MIB
 
     @classmethod
-    def from_config(cls, config: Any) -> RetentionPolicy:
+    def from_config(cls, config: ServerConfig) -> RetentionPolicy:
         """The policy of a L{kcoral.config.ServerConfig}."""
         return cls(
             max_age_seconds=config.log_retention_days * _DAY,
@@ -200,8 +207,8 @@ class RetentionService(TimerService):
         runs_dir: Path,
         current: Path | None,
         policy: RetentionPolicy,
-        run_blocking: Callable[..., Deferred[Any]],
-        clock: Any,
+        run_blocking: RunBlocking,
+        clock: IReactorTime,
         interval: float = INTERVAL_SECONDS,
     ) -> None:
         super().__init__(interval, self._tick)
@@ -218,8 +225,7 @@ class RetentionService(TimerService):
         d = self._run_blocking(
             prune, self._runs_dir, self._current, self._policy, self._clock.seconds()
         )
-        d.addCallbacks(self._pruned, self._failed)
-        return d
+        return d.addCallbacks(self._pruned, self._failed)
 
     def _pruned(self, result: PruneResult) -> None:
         self.last = result
@@ -234,6 +240,6 @@ class RetentionService(TimerService):
                 kept_bytes=result.kept_bytes,
             )
 
-    def _failed(self, failure: Any) -> None:
+    def _failed(self, failure: Failure) -> None:
         # Keep the timer going: the next hour may succeed.
         self.log.failure("pruning the log directory failed", failure)

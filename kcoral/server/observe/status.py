@@ -48,7 +48,7 @@ FAILURE_EVENTS = frozenset(
 )
 
 
-def _short(value: Any, limit: int = 300) -> Any:
+def _short(value: object, limit: int = 300) -> object:
     if isinstance(value, str) and len(value) > limit:
         return value[:limit] + "..."
     return value

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 import attrs
 from twisted.internet.defer import Deferred, fail
@@ -126,7 +126,7 @@ class WaitingLine(Generic[T]):
             self._leave(waiter)
             waiter.deferred.errback(PoolStopping())
 
-    def _leave(self, waiter: _Waiter[Any]) -> None:
+    def _leave(self, waiter: _Waiter[T]) -> None:
         if waiter in self._waiters:
             self._waiters.remove(waiter)
         if waiter.timer is not None and waiter.timer.active():

@@ -32,7 +32,7 @@ from kcoral.server.workers.backoff import Backoff
 from kcoral.server.workers.channelbudget import ChannelBudget
 from kcoral.server.workers.job import WorkerHandle
 from kcoral.server.workers.processes import worker_command_args
-from kcoral.server.workers.reactor import WorkerReactor
+from kcoral.server.workers.reactor import RunBlocking, WorkerReactor
 from kcoral.server.workers.template import TemplateError, WorkerTemplate, WorkerTemplates
 from kcoral.server.workers.workerproc import WorkerProcess, WorkerSettings
 
@@ -106,7 +106,7 @@ class WorkerMaker:
     _reactor: WorkerReactor
     leases: Leases
     _place: Place
-    _run_blocking: Callable[..., Deferred[Any]]
+    _run_blocking: RunBlocking
     #: Whether a worker answering now may watch awake for its next program
     #: (L{WorkerSettings.may_watch_next}): the pool's C{serving_one}.
     _may_watch_next: Callable[[], bool]

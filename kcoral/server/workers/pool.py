@@ -17,7 +17,6 @@ one request's hold on it (L{kcoral.server.workers.seat}).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
@@ -34,7 +33,7 @@ from kcoral.server.workers.backoff import Backoff
 from kcoral.server.workers.job import WorkerHandle
 from kcoral.server.workers.line import STOPPING_MESSAGE, PoolBusy, PoolStopping, WaitingLine
 from kcoral.server.workers.maker import WorkerMaker, remove_trees, safe_name
-from kcoral.server.workers.reactor import WorkerReactor
+from kcoral.server.workers.reactor import RunBlocking, WorkerReactor
 from kcoral.server.workers.seat import BudgetSpent, Seat, SeatUse, WorkerStartFailed, hold_seat
 from kcoral.server.workers.spares import Spare, WarmSpares
 from kcoral.server.workers.template import WorkerTemplates
@@ -53,7 +52,7 @@ class WorkerPool:
     leases: Leases
     #: Replaced by the probed sandbox when the server starts.
     sandbox: ISandbox
-    _run_blocking: Callable[..., Deferred[Any]]
+    _run_blocking: RunBlocking
     root_dir: Path
     #: This process's index among the server's front ends
     #: (L{kcoral.server.topology}): its seats and spares are every N-th from it.
@@ -446,9 +445,9 @@ class WorkerPool:
         seat.served += 1
         worker = seat.worker
         if retire is None and worker is not None and worker.alive:
-            if clean or (
-                seat.work_dir is not None and self.sandbox.workspace_is_clean(seat.work_dir)
-            ):
+            # A seat in use has its workspace (L{hold_seat} checked it).
+            assert seat.work_dir is not None
+            if clean or self.sandbox.workspace_is_clean(seat.work_dir):
                 self._offer(seat)
                 return
             d = self._run_blocking(self.sandbox.clear_workspace, seat.work_dir)

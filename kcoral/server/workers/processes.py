@@ -10,11 +10,10 @@ from __future__ import annotations
 import errno
 import os
 import socket
-from typing import Any
 
 import psutil
 from twisted.internet import main, process
-from twisted.internet.interfaces import IReactorProcess
+from twisted.internet.interfaces import IProcessTransport, IReactorProcess
 from twisted.internet.posixbase import PosixReactorBase
 from twisted.internet.protocol import ProcessProtocol
 from twisted.python.runtime import platform
@@ -34,7 +33,7 @@ READ_SIZE = 1 << 20
 class WideReader(process.ProcessReader):
     """A process pipe reader that takes up to L{READ_SIZE} bytes per read."""
 
-    def doRead(self) -> Any:
+    def doRead(self) -> Exception | None:
         try:
             data = os.read(self.fd, READ_SIZE)
         except OSError as e:
@@ -47,7 +46,7 @@ class WideReader(process.ProcessReader):
         return None
 
 
-def flush_pipe(transport: Any, fd: int) -> None:
+def flush_pipe(transport: object, fd: int) -> None:
     """
     Write what the transport holds for pipe C{fd} now, as the reactor
     would once the pipe is writable (L{IWriteDescriptor.doWrite}); what
@@ -71,8 +70,8 @@ def spawn_process(
     executable: str,
     args: list[str],
     env: dict[str, str],
-    child_fds: dict[int, Any],
-) -> Any:
+    child_fds: dict[int, int | str],
+) -> IProcessTransport:
     """
     C{spawnProcess} with wide pipe reads on a real POSIX reactor; any other
     reactor (a test's fake included) gets a plain C{spawnProcess}.
@@ -149,7 +148,9 @@ def _op_of(job: Job, index: int) -> str | None:
     return instructions[index].op if 0 <= index < len(instructions) else None
 
 
-def worker_child_fds(descriptors: socket.socket, progress: int | None = None) -> dict[int, Any]:
+def worker_child_fds(
+    descriptors: socket.socket, progress: int | None = None
+) -> dict[int, int | str]:
     """
     What a worker's fds are, for C{spawnProcess}'s C{childFDs}: stdin (closed
     at once), stdout and stderr (read for diagnostics), and the control
@@ -157,7 +158,7 @@ def worker_child_fds(descriptors: socket.socket, progress: int | None = None) ->
     socket being the worker's end C{descriptors} and the progress board
     C{progress} (left out when there is none).
     """
-    fds: dict[int, Any] = {0: "w", 1: "r", 2: "r"}
+    fds: dict[int, int | str] = {0: "w", 1: "r", 2: "r"}
     for fd, role in WORKER_CHANNEL_FDS.items():
         if role == "socket":
             fds[fd] = descriptors.fileno()

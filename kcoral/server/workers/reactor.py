@@ -2,21 +2,38 @@
 What the worker side of the server uses of the reactor, as one type: the
 clock (L{IReactorTime}), process spawning (L{IReactorProcess}) and the
 adoption of a template's socket (L{IReactorSocket}).  The global reactor
-and L{kcoral.testing.fakes.ProcessReactor} provide all three.
+and L{kcoral.testing.fakes.ProcessReactor} provide all three.  Also
+L{RunBlocking}, how the server's parts run blocking calls in its thread pool.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from socket import AddressFamily
-from typing import Any, Protocol
+from typing import Any, ParamSpec, Protocol, TypeVar
 
+from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import (
     IDelayedCall,
     IProcessProtocol,
     IProcessTransport,
     IProtocolFactory,
 )
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+
+class RunBlocking(Protocol):
+    """
+    Runs a blocking callable in the server's I/O thread pool
+    (C{deferToThreadPool}; at once in tests): the Deferred fires with its
+    result or fails with its exception.
+    """
+
+    def __call__(
+        self, f: Callable[_P, _T], /, *args: _P.args, **kwargs: _P.kwargs
+    ) -> Deferred[_T]: ...
 
 
 class Clock(Protocol):

@@ -30,7 +30,7 @@ from kcoral.measurement import (
     failed_record,
     parse_raw,
 )
-from kcoral.server.leases.lease import Leases
+from kcoral.server.leases.lease import Grant, Leases
 from kcoral.server.workers.job import Job, JobResult
 from kcoral.wire.channel import (
     OUTCOME_SLACK_BYTES,
@@ -80,7 +80,7 @@ class RunningJob:
     remaining: float = 0.0
     _budget_started: float | None = None
     _timer: IDelayedCall | None = None
-    _lease_request: Deferred[Any] | None = None
+    _lease_request: Deferred[Grant] | None = None
     _lease_wait: float = 0.0
     _lease_held: float = 0.0
     _held_since: float | None = None
@@ -434,7 +434,7 @@ class RunningJob:
         self._pause_budget()
         requested = self._clock()
 
-        def wake(grant: Any) -> None:
+        def wake(grant: Grant) -> None:
             # The worker and the GPU wait: the grant goes out before the
             # arbiter logs the hand-over.
             if not self.done.called:
@@ -453,7 +453,7 @@ class RunningJob:
         )
         self._lease_request = d
 
-        def granted(grant: Any) -> None:
+        def granted(grant: Grant) -> None:
             self._lease_request = None
             self._lease_state = "held"
             now = self._clock()

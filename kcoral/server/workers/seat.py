@@ -12,13 +12,14 @@ L{kcoral.server.workers.pool.WorkerPool.seat}.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
 import attrs
 from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.interfaces import IDelayedCall
 from twisted.logger import Logger
 
 from kcoral.config import ServerConfig
@@ -26,7 +27,7 @@ from kcoral.server.leases.lease import Leases, LeaseUnavailable
 from kcoral.server.sandbox.interface import ISandbox
 from kcoral.server.workers.job import Job, JobResult, WorkerHandle
 from kcoral.server.workers.line import PoolBusy, PoolStopping
-from kcoral.server.workers.reactor import Clock
+from kcoral.server.workers.reactor import Clock, RunBlocking
 from kcoral.wire.render import Placement
 
 log = Logger()
@@ -79,7 +80,7 @@ class Seat:
     respawn_error: str | None = None
     #: When the next replacement is tried (reactor seconds), while backing off.
     respawn_at: float | None = None
-    _respawn_call: Any = None
+    _respawn_call: IDelayedCall | None = None
 
     @property
     def gpus(self) -> tuple[int, ...]:
@@ -233,7 +234,7 @@ class SeatUse:
 async def hold_seat(
     pool: SeatHost,
     clock: Clock,
-    run_blocking: Callable[..., Deferred[Any]],
+    run_blocking: RunBlocking,
     request_id: str,
     gpu_count: int | None = None,
     client: str | None = None,
@@ -316,7 +317,7 @@ async def hold_seat(
 
 async def _empty_unsandboxed_workspace(
     pool: SeatHost,
-    run_blocking: Callable[..., Deferred[Any]],
+    run_blocking: RunBlocking,
     seat: Seat,
     worker: WorkerHandle,
     retire: str | None,

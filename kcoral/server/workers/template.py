@@ -29,7 +29,7 @@ import attrs
 from twisted.internet import process
 from twisted.internet.defer import Deferred, DeferredList, succeed
 from twisted.internet.error import ProcessExitedAlready
-from twisted.internet.interfaces import IDelayedCall, IReactorSocket
+from twisted.internet.interfaces import IAddress, IDelayedCall, IProcessTransport, IReactorSocket
 from twisted.internet.protocol import ProcessProtocol, ServerFactory
 from twisted.logger import Logger
 from twisted.protocols.basic import LineOnlyReceiver
@@ -117,7 +117,7 @@ class ForkedTransport(process.Process):
         self,
         reactor: Any,
         proto: ProcessProtocol,
-        child_fds: Mapping[int, Any],
+        child_fds: Mapping[int, int | str],
         start: Callable[[dict[int, int]], None],
         reader_factory: Any = None,
     ) -> None:
@@ -127,7 +127,7 @@ class ForkedTransport(process.Process):
             self.processReaderFactory = reader_factory
         self.pipes: dict[int, Any] = {}
         self.started: Deferred[int | None] = Deferred()
-        self._pending_signals: list[Any] = []
+        self._pending_signals: list[str | int] = []
         fdmap: dict[int, int] = {}
         helpers: dict[int, int] = {}
         opened: list[int] = []
@@ -196,7 +196,7 @@ class ForkedTransport(process.Process):
     def reapProcess(self) -> None:
         """The template reaps its children; nothing to do here."""
 
-    def signalProcess(self, signalID: Any) -> None:
+    def signalProcess(self, signalID: str | int) -> None:
         if self.pid is None and not self.lostProcess and not self.started.called:
             # Not forked yet: deliver once the pid is known.
             self._pending_signals.append(signalID)
@@ -204,7 +204,7 @@ class ForkedTransport(process.Process):
         super().signalProcess(signalID)
 
 
-def child_fds_role(pipe: Any) -> str:
+def child_fds_role(pipe: object) -> str:
     """C{"r"} for a pipe the parent reads, C{"w"} for one it writes."""
     return "r" if isinstance(pipe, process.ProcessReader) else "w"
 
@@ -241,7 +241,7 @@ class _ConnectionFactory(ServerFactory):
     def __init__(self, template: WorkerTemplate) -> None:
         self.template = template
 
-    def buildProtocol(self, addr: Any) -> Any:
+    def buildProtocol(self, addr: IAddress | None) -> _TemplateConnection:
         return _TemplateConnection(self.template)
 
 
@@ -277,12 +277,12 @@ class WorkerTemplate:
     template_pid: int | None = None
     ready: Deferred[None] = attrs.field(factory=Deferred)
     _send: Callable[[bytes, list[int]], object] | None = None
-    _transport: Any = None
+    _transport: IProcessTransport | None = None
     _process: _TemplateProcess | None = None
     _next_id: int = 0
     _children: dict[int, ForkedTransport] = attrs.field(factory=dict)
     _socket: socket.socket | None = None
-    _timer: Any = None
+    _timer: IDelayedCall | None = None
     #: Called with this template when it fails after it was ready (the
     #: pool restarts it).
     on_failure: Callable[[WorkerTemplate], object] | None = None
@@ -311,7 +311,7 @@ class WorkerTemplate:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._process = _TemplateProcess()
-            fds: dict[int, Any] = {0: "w", 1: "r", 2: "r", TEMPLATE_FD: theirs.fileno()}
+            fds: dict[int, int | str] = {0: "w", 1: "r", 2: "r", TEMPLATE_FD: theirs.fileno()}
             self._transport = self._reactor.spawnProcess(
                 self._process, executable, args, env=env, path=path, childFDs=fds
             )
@@ -447,7 +447,7 @@ class WorkerTemplate:
     def fork_transport(
         self,
         proto: ProcessProtocol,
-        child_fds: Mapping[int, Any],
+        child_fds: Mapping[int, int | str],
         *,
         argv: list[str],
         env: Mapping[str, str],

@@ -26,7 +26,12 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import psutil
 from twisted.internet.defer import CancelledError, Deferred, succeed
-from twisted.internet.interfaces import IDelayedCall, IReactorProcess, IReactorTime
+from twisted.internet.interfaces import (
+    IDelayedCall,
+    IProcessTransport,
+    IReactorProcess,
+    IReactorTime,
+)
 from twisted.internet.posixbase import PosixReactorBase
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -273,7 +278,7 @@ class WorkerProcess:
         self.started_at = self._reactor.seconds()
         return theirs
 
-    def _started(self, transport: Any) -> None:
+    def _started(self, transport: IProcessTransport) -> None:
         try:
             transport.closeStdin()
         except Exception:  # a fake transport may not support it
@@ -283,7 +288,7 @@ class WorkerProcess:
 
     # -- context creation and teardown on the lease -----------------------
 
-    def _event(self, event: str, pid: int | None, **fields: Any) -> None:
+    def _event(self, event: str, pid: int | None, **fields: object) -> None:
         """Log context event C{event} of this worker."""
         self.log.info(
             "{kcoral_event} on GPU(s) {gpu_ids} for {worker_id}",

@@ -103,7 +103,7 @@ class WorkerProtocol(ProcessProtocol):
         #: (the reactor's, set by L{WorkerProcess}), so the grant, made in
         #: another worker's release, does not run this worker's messages
         #: inside that one's; C{None}: at once.
-        self.call_later: Callable[..., Any] | None = None
+        self.call_later: Callable[..., object] | None = None
         #: The parent's end of the descriptor socket (non-blocking), or
         #: C{None}: a frame naming descriptors is then a violation.
         self.descriptors = descriptors

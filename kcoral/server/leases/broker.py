@@ -48,6 +48,7 @@ from kcoral.server.leases.lease import (
     HoldInterval,
     LeaseArbiter,
     LeaseBook,
+    LeaseRequest,
     LeaseUnavailable,
     checked_request,
     pid_of,
@@ -456,28 +457,21 @@ class RemoteArbiter(LeaseBook):
             return "the lease broker is not reachable"
         return None
 
-    def _wait(
-        self,
-        holder: Hashable,
-        gpus: tuple[int, ...],
-        label: str | None,
-        mode: str,
-        wake: Callable[[Grant], None] | None,
-        next_in_line: Callable[[], None] | None,
-    ) -> Deferred[Grant]:
+    def _wait(self, request: LeaseRequest) -> Deferred[Grant]:
         """
-        Ask the broker (L{Acquire}).  C{wake} is called as the broker's
-        answer arrives, C{next_in_line} when the broker says this wait is
-        first in line (L{Next}).
+        Ask the broker (L{Acquire}).  The request's C{wake} is called as the
+        broker's answer arrives, its C{next_in_line} when the broker says
+        this wait is first in line (L{Next}).
         """
         protocol = self._protocol
         assert protocol is not None  # L{_refusal} saw to it
+        holder = request.holder
         token = next(self._counter)
         self._tokens[holder] = token
         pid = pid_of(holder)
 
-        if next_in_line is not None:
-            self._next[token] = next_in_line
+        if request.next_in_line is not None:
+            self._next[token] = request.next_in_line
 
         def withdraw(_: Deferred[Grant]) -> None:
             self._waits.pop(holder, None)
@@ -491,10 +485,10 @@ class RemoteArbiter(LeaseBook):
             token=token,
             seat=seat_of(holder),
             pid=pid,
-            gpus=list(gpus),
-            label=label,
-            mode=mode,
-            next_in_line=next_in_line is not None,
+            gpus=list(request.gpus),
+            label=request.label,
+            mode=request.mode,
+            next_in_line=request.next_in_line is not None,
         )
 
         def granted(answer: dict[str, float]) -> None:
@@ -504,10 +498,17 @@ class RemoteArbiter(LeaseBook):
                 protocol.callRemote(Release, token=token)
                 return
             self._waits.pop(holder, None)
-            grant = Grant(holder, gpus, answer["requested_at"], answer["granted_at"], mode, pid)
+            grant = Grant(
+                holder,
+                request.gpus,
+                answer["requested_at"],
+                answer["granted_at"],
+                request.mode,
+                pid,
+            )
             self._grants[holder] = grant
-            if wake is not None:
-                wake(grant)
+            if request.wake is not None:
+                request.wake(grant)
             waiting.callback(grant)
 
         def refused(failure: Failure) -> None:

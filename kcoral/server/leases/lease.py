@@ -160,6 +160,18 @@ class HoldInterval:
     mode: str = EXCLUSIVE
 
 
+@attrs.frozen
+class LeaseRequest:
+    """A checked request of L{LeaseBook.acquire}'s, as a book puts it in line."""
+
+    holder: Hashable
+    gpus: tuple[int, ...]
+    label: str | None
+    mode: str
+    wake: Callable[[Grant], None] | None
+    next_in_line: Callable[[], None] | None
+
+
 @attrs.define(eq=False)
 class _Waiter:
     holder: Hashable
@@ -264,7 +276,7 @@ class LeaseBook(ABC):
         if refusal is not None:
             return fail(LeaseUnavailable(refusal))
         self._labels[holder] = label
-        return self._wait(holder, gpus, label, mode, wake, next_in_line)
+        return self._wait(LeaseRequest(holder, gpus, label, mode, wake, next_in_line))
 
     def release(self, holder: Hashable) -> Grant | None:
         """
@@ -349,15 +361,7 @@ class LeaseBook(ABC):
         """Why a request for C{gpus} cannot be granted now, if it cannot."""
 
     @abstractmethod
-    def _wait(
-        self,
-        holder: Hashable,
-        gpus: tuple[int, ...],
-        label: str | None,
-        mode: str,
-        wake: Callable[[Grant], None] | None,
-        next_in_line: Callable[[], None] | None,
-    ) -> Deferred[Grant]:
+    def _wait(self, request: LeaseRequest) -> Deferred[Grant]:
         """Put a checked request in line (see L{acquire})."""
 
     @abstractmethod
@@ -426,29 +430,21 @@ class LeaseArbiter(LeaseBook):
             return DEVICE_UNAVAILABLE
         return None
 
-    def _wait(
-        self,
-        holder: Hashable,
-        gpus: tuple[int, ...],
-        label: str | None,
-        mode: str,
-        wake: Callable[[Grant], None] | None,
-        next_in_line: Callable[[], None] | None,
-    ) -> Deferred[Grant]:
+    def _wait(self, request: LeaseRequest) -> Deferred[Grant]:
         def cancel(d: Deferred[Grant]) -> None:
             self._waiters.remove(waiter)
             self._dispatch()
 
         self._serial += 1
         waiter = _Waiter(
-            holder,
-            gpus,
+            request.holder,
+            request.gpus,
             self._clock.seconds(),
             Deferred(cancel),
-            mode=mode,
+            mode=request.mode,
             serial=self._serial,
-            wake=wake,
-            next_in_line=next_in_line,
+            wake=request.wake,
+            next_in_line=request.next_in_line,
         )
         self._waiters.append(waiter)
         self._dispatch()

@@ -52,7 +52,7 @@ from twisted.python.failure import Failure
 
 from kcoral.measurement import DevicePeak, peak_for
 from kcoral.proctree import descendants_of
-from kcoral.server.leases.lease import EXCLUSIVE, HoldInterval, LeaseBook
+from kcoral.server.leases.lease import EXCLUSIVE, HoldInterval, LeaseBook, seat_of
 from kcoral.server.leases.nvml import (
     THROTTLE_MASK,
     GpuSample,
@@ -547,6 +547,8 @@ class GpuMonitor:
         own = self.main_of(holder)
         label = self.leases.label_of(holder)
         hold = (sample.gpu, id(holder), grant.granted_at)
+        # What both reports say of the hold.
+        held = {"gpu_id": sample.gpu, "worker_id": seat_of(holder), "request_id": label}
         for use in sample.usage:
             if use.at < grant.granted_at or (use.sm <= 0 and use.mem <= 0):
                 continue
@@ -560,9 +562,7 @@ class GpuMonitor:
                 "GPU {gpu_id} was used by {offender} while worker {worker_id} held it"
                 " for request {request_id}",
                 kcoral_event="gpu_interference",
-                gpu_id=sample.gpu,
-                worker_id=getattr(holder, "seat", None),
-                request_id=label,
+                **held,
                 offender=self.describe(use.pid),
                 offender_pid=use.pid,
                 offender_worker_id=None if offender.worker is None else offender.worker.seat,
@@ -578,9 +578,7 @@ class GpuMonitor:
                 "GPU {gpu_id} was throttled ({reasons}) while worker {worker_id} held it"
                 " for request {request_id}",
                 kcoral_event="gpu_throttled",
-                gpu_id=sample.gpu,
-                worker_id=getattr(holder, "seat", None),
-                request_id=label,
+                **held,
                 reasons=reasons,
                 sm_clock_mhz=sample.sm_clock_mhz,
                 temperature_c=sample.temperature_c,

@@ -313,8 +313,40 @@ def _is_binary(stream: object) -> bool:
     return isinstance(mode, str) and "b" in mode
 
 
+class _LineObserver:
+    """
+    What both kcoral observers do with an event: skip it unless it is a
+    kcoral event at C{min_level} or above, write its line (L{_line}) in one
+    C{write} call, flush, and sync after a request's last event
+    (L{SYNC_EVENTS}); anything that goes wrong while writing is ignored:
+    logging never fails a request.
+    """
+
+    #: A text or binary stream, or a L{BackgroundWriter} in front of one
+    #: (each subclass says which it takes).
+    stream: Any
+    min_level: LogLevel
+
+    def _line(self, event: Mapping[str, Any]) -> str | bytes:
+        """The line (with its newline) that C{event} is written as."""
+        raise NotImplementedError
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        if not is_kcoral_event(event):
+            return
+        if _below(event.get("log_level"), self.min_level):
+            return
+        try:
+            self.stream.write(self._line(event))
+            self.stream.flush()
+            _sync(self.stream, event)
+        except Exception:
+            # Disk full, closed file, ...: never let logging fail the caller.
+            pass
+
+
 @implementer(ILogObserver)
-class JsonEventObserver:
+class JsonEventObserver(_LineObserver):
     """
     Write each kcoral event as one compact JSON line (spec section 8.2).
 
@@ -361,19 +393,9 @@ class JsonEventObserver:
             reduced["unencodable_fields"] = _safe_repr(fields)[:UNENCODABLE_LIMIT]
             return _encode(reduced)
 
-    def __call__(self, event: dict[str, Any]) -> None:
-        if not is_kcoral_event(event):
-            return
-        if _below(event.get("log_level"), self.min_level):
-            return
-        try:
-            line = self.record(event) + "\n"
-            self.stream.write(line.encode("utf-8") if self._binary else line)
-            self.stream.flush()
-            _sync(self.stream, event)
-        except Exception:
-            # Disk full, closed file, ...: never let logging fail the caller.
-            pass
+    def _line(self, event: Mapping[str, Any]) -> str | bytes:
+        line = self.record(event) + "\n"
+        return line.encode("utf-8") if self._binary else line
 
 
 def _console_value(value: Any, whole: bool = False) -> str:
@@ -389,7 +411,7 @@ def _console_value(value: Any, whole: bool = False) -> str:
 
 
 @implementer(ILogObserver)
-class ConsoleObserver:
+class ConsoleObserver(_LineObserver):
     """
     Mirror kcoral events on the console (spec section 8.3)::
 
@@ -431,17 +453,8 @@ class ConsoleObserver:
             parts.append(f"{key}={_console_value(value, key in CONSOLE_WHOLE_KEYS)}")
         return " ".join(parts)
 
-    def __call__(self, event: dict[str, Any]) -> None:
-        if not is_kcoral_event(event):
-            return
-        if _below(event.get("log_level"), self.min_level):
-            return
-        try:
-            self.stream.write(self.format(event) + "\n")
-            self.stream.flush()
-            _sync(self.stream, event)
-        except Exception:
-            pass
+    def _line(self, event: Mapping[str, Any]) -> str | bytes:
+        return self.format(event) + "\n"
 
 
 def _not_kcoral(event: Mapping[str, Any]) -> object:

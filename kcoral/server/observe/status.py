@@ -205,6 +205,20 @@ def _load_value(health: Mapping[str, Any], key: str, load_key: str) -> Any:
     return None
 
 
+#: What C{status.json} copies from C{/health} as it is.
+_COPIED = ("status", "sandbox", "worker_start", "instance_id", "started_at", "target", "load")
+
+#: The columns C{status.json} keeps of each C{/health} row.
+_WORKER_COLUMNS = ("worker_id", "gpu_id", "status", "generation", "pid", "uptime_seconds")
+_SPARE_COLUMNS = ("spare_id", "gpu_id", "state", "pid", "uptime_seconds")
+_GPU_COLUMNS = ("gpu_id", "lease_depth", "holder", "maintenance")
+
+
+def _rows(health: Mapping[str, Any], key: str, columns: tuple[str, ...]) -> list[dict[str, object]]:
+    """C{health[key]}'s rows, each cut to C{columns} (a missing one is C{None})."""
+    return [{column: row.get(column) for column in columns} for row in health.get(key) or ()]
+
+
 def status_snapshot(health: Mapping[str, Any], recent: RecentRequests) -> dict[str, Any]:
     """
     Build the C{status.json} document read by L{STATUS_PAGE}.
@@ -225,50 +239,14 @@ def status_snapshot(health: Mapping[str, Any], recent: RecentRequests) -> dict[s
         C{sandbox} (the worker isolation in use: C{bubblewrap} or C{none}),
         C{worker_start} (C{fork} or C{spawn}, L{kcoral.server.workers.template}).
     """
-    workers = [
-        {
-            "worker_id": w.get("worker_id"),
-            "gpu_id": w.get("gpu_id"),
-            "status": w.get("status"),
-            "generation": w.get("generation"),
-            "pid": w.get("pid"),
-            "uptime_seconds": w.get("uptime_seconds"),
-        }
-        for w in health.get("workers") or ()
-    ]
-    gpus = [
-        {
-            "gpu_id": g.get("gpu_id"),
-            "lease_depth": g.get("lease_depth"),
-            "holder": g.get("holder"),
-            "maintenance": g.get("maintenance"),
-        }
-        for g in health.get("gpus") or ()
-    ]
-    spares = [
-        {
-            "spare_id": s.get("spare_id"),
-            "gpu_id": s.get("gpu_id"),
-            "state": s.get("state"),
-            "pid": s.get("pid"),
-            "uptime_seconds": s.get("uptime_seconds"),
-        }
-        for s in health.get("spares") or ()
-    ]
     return {
-        "status": health.get("status"),
-        "sandbox": health.get("sandbox"),
-        "worker_start": health.get("worker_start"),
-        "instance_id": health.get("instance_id"),
-        "started_at": health.get("started_at"),
-        "target": health.get("target"),
-        "load": health.get("load"),
+        **{key: health.get(key) for key in _COPIED},
         "queue_length": _load_value(health, "queue_length", "requests_waiting"),
         "active_requests": _load_value(health, "active_requests", "requests_in_progress"),
         "request_capacity": _load_value(health, "request_capacity", "request_capacity"),
-        "workers": workers,
-        "spares": spares,
-        "gpus": gpus,
+        "workers": _rows(health, "workers", _WORKER_COLUMNS),
+        "spares": _rows(health, "spares", _SPARE_COLUMNS),
+        "gpus": _rows(health, "gpus", _GPU_COLUMNS),
         "in_flight": recent.in_flight(),
         "recent": recent.recent(),
         "failures": recent.failures(),

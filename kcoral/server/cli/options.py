@@ -122,20 +122,20 @@ def boolean(text: str) -> bool:
     raise BadValue("must be 1 or 0 (true/false, yes/no, on/off)")
 
 
-def _empty_is_none(value: Any) -> Any:
+def _empty_is_none(value: object) -> object:
     """C{''} (the option given empty) turns the feature off: C{None}."""
     return value or None
 
 
-def _negated(value: Any) -> bool:
+def _negated(value: object) -> bool:
     return not value
 
 
-def _as_bool(value: Any) -> bool:
+def _as_bool(value: object) -> bool:
     return bool(value)
 
 
-def _same(value: Any) -> Any:
+def _same(value: object) -> object:
     return value
 
 

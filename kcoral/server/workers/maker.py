@@ -18,7 +18,7 @@ import shutil
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 from twisted.internet.defer import Deferred
@@ -35,6 +35,9 @@ from kcoral.server.workers.processes import worker_command_args
 from kcoral.server.workers.reactor import RunBlocking, WorkerReactor
 from kcoral.server.workers.template import TemplateError, WorkerTemplate, WorkerTemplates
 from kcoral.server.workers.workerproc import WorkerProcess, WorkerSettings
+
+if TYPE_CHECKING:
+    from kcoral.server.workers.compiles import IsolatedCompiles
 
 
 class Place(Protocol):
@@ -115,7 +118,7 @@ class WorkerMaker:
     #: Extra environment variables for every worker (e.g. the compile cache).
     worker_env: dict[str, str] = attrs.field(factory=dict)
     #: Runs workers' compiles for the shared compile cache (L{kcoral.server.workers.compiles}).
-    compiler: Any = None
+    compiler: IsolatedCompiles | None = None
     #: What every worker's channel is read under, all workers together
     #: (C{--max-channel-bytes}, L{kcoral.server.workers.channelbudget}); C{None}: no budget.
     channel_budget: ChannelBudget | None = attrs.field(

@@ -42,7 +42,7 @@ class Clock(Protocol):
     def seconds(self) -> float: ...
 
     def callLater(
-        self, delay: float, callable: Callable[..., Any], *args: object, **kwargs: object
+        self, delay: float, callable: Callable[..., object], *args: object, **kwargs: object
     ) -> IDelayedCall: ...
 
 

@@ -132,7 +132,7 @@ class WarmSpares:
                 call.cancel()
         self._retry.clear()
 
-    def stop(self) -> tuple[list[Deferred[Any]], list[Path]]:
+    def stop(self) -> tuple[list[Deferred[int | None]], list[Path]]:
         """
         Stop every spare: a ready one is asked to exit, one still starting
         cannot read that yet and is killed at once (no request runs any more,
@@ -140,7 +140,7 @@ class WarmSpares:
         directories, to remove once they ended (then call L{forget}).
         """
         spares = list(self.spares)
-        ends: list[Deferred[Any]] = []
+        ends: list[Deferred[int | None]] = []
         for spare in spares:
             if spare.worker is None:
                 continue

@@ -24,6 +24,7 @@ import io
 import os
 import secrets
 import uuid
+from collections.abc import Callable
 from typing import IO, Any
 
 import attrs
@@ -43,12 +44,14 @@ from kcoral.gateway.jobs import (
     POOL_PREFIX,
     BlobRef,
     JobMessage,
+    ResultHead,
     SchemaError,
     parse_result_headers,
     program_gpus,
     valid_id,
 )
 from kcoral.gateway.pool import PoolView
+from kcoral.gateway.relay import STREAM_RESULT_BYTES, ResultRelay
 from kcoral.server.http.app import (
     INLINE_PARSE_BYTES,
     BlobResolver,
@@ -129,7 +132,10 @@ class PoolGuard(Resource):
     def render(self, request: IRequest) -> Any:
         path = request.path
         if path.startswith(b"/_pool/"):
-            if not self.job_token_ok(path, request.getHeader(b"authorization")):
+            # A relayed result's head passed L{refuses} before its job was
+            # settled (and forgotten) by the relay's start.
+            relayed = isinstance(IKcoralRequest(request).body_parser, ResultRelay)
+            if not relayed and not self.job_token_ok(path, request.getHeader(b"authorization")):
                 return _refuse(request, 401, "unauthorized", "a valid job token is required")
             return self._inner.render(request)
         if self.clients is not None:
@@ -154,9 +160,13 @@ class GatewayRequest(LimitedRequest):
     clients.
     """
 
-    def _node_route(self) -> bool:
+    def _head_path(self) -> bytes:
+        """The path of the request line (Twisted sets C{path} only once the body is in)."""
         path = getattr(self.channel, "_path", None) or b""
-        return bool(path.startswith(b"/_pool/"))
+        return bytes(path).split(b"?", 1)[0]
+
+    def _node_route(self) -> bool:
+        return self._head_path().startswith(b"/_pool/")
 
     def _limit(self) -> int | None:
         if self._node_route():
@@ -165,6 +175,35 @@ class GatewayRequest(LimitedRequest):
 
     def _counted_peer(self) -> str | None:
         return None if self._node_route() else super()._counted_peer()
+
+    _declared: int | None = None
+
+    def gotLength(self, length: int | None) -> None:
+        self._declared = length
+        super().gotLength(length)
+
+    def _stream_body(self) -> bool:
+        """
+        A client's multipart body streams into the parser, as on a node; a
+        node's large result post streams into its client's response
+        (L{kcoral.gateway.relay}), when the site relays one.
+        """
+        if not self._node_route():
+            return super()._stream_body()
+        site = self._site()
+        make = getattr(site, "relay_result", None)
+        relay = None if make is None else make(self, self._head_path(), self._declared)
+        if relay is None:
+            return False
+        self.kcoral.body_parser = relay
+        self.content = io.BytesIO()
+        return True
+
+    def _reserve(self, size: int, force: bool = False) -> bool:
+        # A relayed result's bytes pass through to the client, held nowhere.
+        if isinstance(self.kcoral.body_parser, ResultRelay):
+            return True
+        return super()._reserve(size, force)
 
 
 class GatewaySite(KcoralSite):
@@ -175,6 +214,9 @@ class GatewaySite(KcoralSite):
     def __init__(self, resource: Any, *, max_result_bytes: int, **kwargs: Any) -> None:
         super().__init__(resource, **kwargs)
         self.max_result_bytes = max_result_bytes
+        #: Makes the L{ResultRelay} a node's result post streams into
+        #: (L{GatewayAPI.relay_result}), or C{None} for one read whole.
+        self.relay_result: Callable[[IRequest, bytes, int | None], ResultRelay | None] | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -389,6 +431,10 @@ class GatewayAPI:
                 response_bytes=outcome.body_length,
                 elapsed_ms=elapsed_ms,
             )
+            if isinstance(body, ResultRelay):
+                # Written as the node's post arrives (L{kcoral.gateway.relay}).
+                delivered.callback(await body.attach(request))
+                return b""
             spooled = _SpooledFile.of(body, outcome.body_length)
             if spooled is None or outcome.body_length <= INLINE_RELAY_BYTES:
                 data = body.read()
@@ -492,11 +538,63 @@ class GatewayAPI:
             head = parse_result_headers(lambda name: _header(request, name.lower().encode("ascii")))
         except SchemaError as e:
             return _refuse(request, 400, "parse", str(e))
+        if isinstance(state.body_parser, ResultRelay):
+            # Settled when its head came in, relayed as it arrived.
+            delivered: Deferred[bool] | None = state.body_parser.delivered
+        else:
+            delivered = self._take_result(request, job, head, state.body_bytes or 0)
+        if delivered is None:
+            return _refuse(request, 410, "not_found", "the job is no longer waiting for a result")
+        # The node waits until the client has the body; if the node leaves
+        # meanwhile, the relay goes on (the body is detached from its request).
+        shielded: Deferred[bool] = Deferred(lambda _: None)
+        delivered.addBoth(lambda r: shielded.callback(r) if not shielded.called else None)
+        ok = await shielded
+        request.setHeader(b"Content-Type", b"application/json")
+        return json_dumps({"delivered": bool(ok)})
+
+    def relay_result(
+        self, request: IRequest, path: bytes, length: int | None
+    ) -> ResultRelay | None:
+        """
+        The relay a result post's body streams into, settling its job now
+        (L{GatewaySite.relay_result}): for a large result (a declared
+        length over L{STREAM_RESULT_BYTES}) with valid result headers, of a
+        job that waits for one; else C{None} (read whole, then answered).
+        """
+        job = _pool_job(path)
+        if job is None or length is None or length <= STREAM_RESULT_BYTES:
+            return None
+        if path != f"{POOL_PREFIX}{job}/result".encode("ascii"):
+            return None
+        try:
+            head = parse_result_headers(lambda name: _header(request, name.lower().encode("ascii")))
+        except SchemaError:
+            return None
+        if job not in self.dispatcher.jobs:
+            return None
+        relay = ResultRelay(length, job)
+        delivered = self._take_result(request, job, head, length, relay)
+        if delivered is None:
+            return None
+        relay.delivered = delivered
+        return relay
+
+    def _take_result(
+        self,
+        request: IRequest,
+        job: str,
+        head: ResultHead,
+        length: int,
+        relay: ResultRelay | None = None,
+    ) -> Deferred[bool] | None:
+        """Hand a posted result to its job; C{None} when the job waits for none."""
         pending = self.dispatcher.jobs.get(job)
         if pending is not None:
             self.pool.touch(head.node or pending.node, self._reactor.seconds())
+        if relay is not None:
+            return self.dispatcher.result(job, head, relay, length)
         content = request.content
-        length = state.body_bytes or 0
         if content is None:
             body: IO[bytes] = io.BytesIO(b"")
         else:
@@ -507,14 +605,7 @@ class GatewayAPI:
         delivered = self.dispatcher.result(job, head, body, length)
         if delivered is None:
             body.close()
-            return _refuse(request, 410, "not_found", "the job is no longer waiting for a result")
-        # The node waits until the client has the body; if the node leaves
-        # meanwhile, the relay goes on (the body is detached from its request).
-        shielded: Deferred[bool] = Deferred(lambda _: None)
-        delivered.addBoth(lambda r: shielded.callback(r) if not shielded.called else None)
-        ok = await shielded
-        request.setHeader(b"Content-Type", b"application/json")
-        return json_dumps({"delivered": bool(ok)})
+        return delivered
 
     # -- errors and events ------------------------------------------------------
 

@@ -36,6 +36,8 @@ def main(
 
     from kcoral.gateway import tap
 
+    if run_app is None:
+        install_asyncio_reactor()
     out = sys.stdout if stdout is None else stdout
     err = sys.stderr if stderr is None else stderr
     options = tap.Options()
@@ -71,6 +73,21 @@ def main(
     except SystemExit as e:
         return int(e.code) if isinstance(e.code, int) else 1
     return status if isinstance(status, int) else 0
+
+
+def install_asyncio_reactor() -> bool:
+    """
+    Install Twisted's asyncio reactor unless a reactor is installed
+    already; whether it did.  nats-py then runs on the reactor's own loop,
+    with no thread between the gateway and NATS
+    (L{kcoral.gateway.natsbridge}).
+    """
+    if "twisted.internet.reactor" in sys.modules:
+        return False
+    from twisted.internet import asyncioreactor
+
+    asyncioreactor.install()
+    return True
 
 
 def _run_app(config: usage.Options) -> int:

@@ -34,6 +34,7 @@ from zope.interface import Attribute, Interface
 
 from kcoral.gateway.jobs import Claim, JobMessage, ResultHead, job_subject
 from kcoral.gateway.pool import PoolView
+from kcoral.gateway.relay import ResultRelay
 
 __all__ = [
     "Dispatcher",
@@ -90,7 +91,8 @@ class Outcome:
     """
 
     head: ResultHead | None = None
-    body: IO[bytes] | None = None
+    #: The body: a file read whole, or a large one relayed as it arrives.
+    body: IO[bytes] | ResultRelay | None = None
     body_length: int = 0
     #: C{"busy"} (503) or C{"node_lost"} (502) when not relayed.
     error: str | None = None
@@ -264,7 +266,7 @@ class Dispatcher:
         )
 
     def result(
-        self, job: str, head: ResultHead, body: IO[bytes], length: int
+        self, job: str, head: ResultHead, body: IO[bytes] | ResultRelay, length: int
     ) -> Deferred[bool] | None:
         """
         A node posted C{job}'s result; the Deferred fires with whether it

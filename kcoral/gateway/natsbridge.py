@@ -2,12 +2,17 @@
 """
 nats-py (asyncio) beside a Twisted reactor, without switching the reactor.
 
-L{NatsBridge} runs one asyncio event loop in a thread of its own and one
-nats-py client on it.  Reactor code hands it coroutine functions
-(C{call}) and gets Deferreds back, fired on the reactor thread through
-C{reactor.callFromThread}; long-running loops (KV watches, pull
-subscriptions) run with C{spawn} and deliver what they see with C{deliver},
-which also lands on the reactor thread.  Cancelling a Deferred cancels its
+L{NatsBridge} runs one nats-py client on an asyncio event loop.  Under
+Twisted's asyncio reactor (C{twisted.internet.asyncioreactor}, which
+C{kcoral gateway} installs) that is the reactor's own loop: the client
+runs on the reactor thread, and a call, its answer and every message
+watched cost no thread hop.  Under any other reactor the bridge runs a
+loop in a thread of its own, and answers come back through
+C{reactor.callFromThread}.  Either way, reactor code hands it coroutine
+functions (C{call}) and gets Deferreds back, fired on the reactor thread;
+long-running loops (KV watches, pull subscriptions) run with C{spawn} and
+deliver what they see with C{deliver}, which also lands on the reactor
+thread.  Cancelling a Deferred cancels its
 asyncio task.  Every error of the loop's side arrives as a failure of the
 Deferred concerned, or as a logged event: nothing escapes silently.
 
@@ -127,6 +132,8 @@ class NatsBridge:
 
     _loop: asyncio.AbstractEventLoop | None = None
     _thread: threading.Thread | None = None
+    #: The loop is the reactor's own (no thread of the bridge's).
+    inline: bool = False
     _client: Client | None = None
     _js: JetStreamContext | None = None
     connected: bool = False
@@ -142,8 +149,12 @@ class NatsBridge:
         keeps reconnecting in the background after that), or fails when
         the first connect fails.
         """
-        if self._thread is not None:
+        if self._thread is not None or self._loop is not None:
             raise RuntimeError("bridge already started")
+        shared = reactor_loop(self._reactor)
+        if shared is not None:
+            self._loop, self.inline = shared, True
+            return self._submit(lambda: self._connect())
         loop = asyncio.new_event_loop()
         self._loop = loop
         self._thread = threading.Thread(
@@ -221,7 +232,7 @@ class NatsBridge:
                 if self.on_connection is not None:
                     self.on_connection(connected)
 
-        self._reactor.callFromThread(note)
+        self._from_loop(note)
 
     def stop(self) -> Deferred[None]:
         """Drain and close the connection, then end the loop's thread."""
@@ -241,7 +252,8 @@ class NatsBridge:
         d = self._submit(close)
 
         def end(result: object) -> object:
-            loop.call_soon_threadsafe(loop.stop)
+            if not self.inline:
+                loop.call_soon_threadsafe(loop.stop)
             self.connected = False
             return result
 
@@ -290,10 +302,14 @@ class NatsBridge:
             except Exception:
                 self.log.failure("nats {name}: delivery to {f} failed", name=self.name, f=f)
 
-        self._reactor.callFromThread(guarded)
+        self._from_loop(guarded)
 
     def _from_loop(self, f: Callable[..., object], *args: Any, **kwargs: Any) -> None:
-        self._reactor.callFromThread(f, *args, **kwargs)
+        if self.inline:
+            # The loop is the reactor's: this is the reactor thread already.
+            f(*args, **kwargs)
+        else:
+            self._reactor.callFromThread(f, *args, **kwargs)
 
     def _require(self) -> tuple[Client, JetStreamContext]:
         client, js = self._client, self._js
@@ -305,6 +321,8 @@ class NatsBridge:
         loop = self._loop
         if loop is None or loop.is_closed():
             return _failed(NotConnected("NATS bridge not running"))
+        if self.inline:
+            return _inline(loop, make)
         holder: dict[str, asyncio.Future[_T]] = {}
 
         def cancel(_: Deferred[_T]) -> None:
@@ -342,6 +360,43 @@ class NatsBridge:
         except RuntimeError as e:
             return _failed(NotConnected(str(e)))
         return d
+
+
+def reactor_loop(reactor: Any) -> asyncio.AbstractEventLoop | None:
+    """The asyncio loop C{reactor} runs on (Twisted's asyncio reactor), else C{None}."""
+    loop = getattr(reactor, "_asyncioEventloop", None)
+    return loop if isinstance(loop, asyncio.AbstractEventLoop) else None
+
+
+def _inline(loop: asyncio.AbstractEventLoop, make: Callable[[], Awaitable[_T]]) -> Deferred[_T]:
+    """
+    C{make()} as a task of the reactor's own loop, its Deferred fired
+    directly by the task's end (no thread hop); cancelling the Deferred
+    cancels the task.
+    """
+    task: asyncio.Future[_T] = asyncio.ensure_future(make(), loop=loop)
+
+    def cancel(_: Deferred[_T]) -> None:
+        task.cancel()
+
+    d: Deferred[_T] = Deferred(cancel)
+
+    def settle(future: asyncio.Future[_T]) -> None:
+        if d.called:
+            if not future.cancelled():
+                future.exception()  # retrieved: the Deferred was cancelled first
+            return
+        if future.cancelled():
+            d.errback(Failure(asyncio.CancelledError()))
+            return
+        error = future.exception()
+        if error is not None:
+            d.errback(Failure(error))
+        else:
+            d.callback(future.result())
+
+    task.add_done_callback(settle)
+    return d
 
 
 async def ensure_consumer(

@@ -170,6 +170,7 @@ class GatewayService(MultiService):
             reactor=reactor,
         )
         self.site.guard = self.guard
+        self.site.relay_result = self.api.relay_result
         self.ports: list[Any] = []
         self._guards: list[AcceptGuard] = []
         self._depth_call: Any = None

@@ -1,7 +1,8 @@
 """
 The node side of a pool (L{kcoral.server.join}) on fakes and a
-L{task.Clock}: the seat loop's claims, skips and backoff, the presence
-key, the blob check, and the loopback-only rule.  The real thing, with
+L{task.Clock}: the seat loop's claims, skips, backoff and free seats, the
+presence key, the blob check, the streamed result body, and the
+loopback-only rule.  The real thing, with
 nats-server and node processes, is tests/integration/test_node_join.py.
 """
 
@@ -13,6 +14,7 @@ from typing import Any, cast
 import attrs
 from treq.testing import StubTreq
 from twisted.internet.defer import Deferred, fail, succeed
+from twisted.internet.interfaces import IConsumer
 from twisted.internet.task import Clock
 from twisted.python import usage
 from twisted.trial.unittest import SynchronousTestCase
@@ -21,13 +23,14 @@ from zope.interface import implementer
 from zope.interface.verify import verifyObject
 
 from kcoral.gateway.jobs import PREFER_RETRY_SECONDS, BlobRef, Claim, JobMessage, Presence
+from kcoral.ipc.shared import SharedBuffer, share
 from kcoral.server.cli.tap import Options
-from kcoral.server.join.local import LocalResponse
+from kcoral.server.http.app import Answer
 from kcoral.server.join.options import JoinListenError, check_join_endpoints
 from kcoral.server.join.presence import PresenceAnnouncer
 from kcoral.server.join.puller import JobPuller
 from kcoral.server.join.queue import Delivery, IJobQueue
-from kcoral.server.join.transfer import BlobRefused, GatewayLink
+from kcoral.server.join.transfer import BlobRefused, ChunksProducer, GatewayLink
 
 NOW = 1_000_000.0
 
@@ -104,19 +107,52 @@ def job(name: str = "j1", **changes: Any) -> bytes:
 
 
 @attrs.define
-class Runs:
-    """A stand-in for the runner: each run waits until fired."""
+class Seats:
+    """A stand-in for the worker pool's free seats."""
 
+    free: int
+    #: The puller the pool tells when a seat frees (its seat listener).
+    listener: Any = None
+
+    def take(self) -> None:
+        self.free -= 1
+
+    def give_back(self) -> None:
+        self.free += 1
+        if self.listener is not None:
+            self.listener()
+
+
+@attrs.define
+class Runs:
+    """
+    A stand-in for the runner: each run takes a pool seat at once (unless
+    C{hold_seat} is off: it stays before the seat line) and waits until
+    fired.
+    """
+
+    seats: Seats
+    hold_seat: bool = True
     started: list[str] = attrs.field(factory=list)
     pending: dict[str, Deferred[None]] = attrs.field(factory=dict)
+    seated: dict[str, Any] = attrs.field(factory=dict)
 
-    def __call__(self, message: JobMessage) -> Deferred[None]:
+    def __call__(self, message: JobMessage, seated: Any) -> Deferred[None]:
         self.started.append(message.job)
+        self.seated[message.job] = seated
+        if self.hold_seat:
+            self.seat(message.job)
         d: Deferred[None] = Deferred()
         self.pending[message.job] = d
         return d
 
+    def seat(self, name: str) -> None:
+        self.seats.take()
+        self.seated.pop(name)()
+
     def finish(self, name: str) -> None:
+        """The job's program ends (its seat frees), then its result is posted."""
+        self.seats.give_back()
         self.pending.pop(name).callback(None)
 
 
@@ -126,8 +162,10 @@ def puller(
     clock = Clock()
     clock.advance(NOW)
     queue = queue or FakeQueue(node)
-    runs = Runs()
-    p = JobPuller(queue, clock, node, seats, runs, **kw)
+    pool = Seats(seats)
+    runs = Runs(pool)
+    p = JobPuller(queue, clock, node, seats, lambda: pool.free, runs, **kw)
+    pool.listener = p.seat_freed
     return p, queue, runs, clock
 
 
@@ -152,6 +190,50 @@ class PullerTests(SynchronousTestCase):
         runs.finish("j1")
         self.assertEqual([count for count, _ in queue.fetches], [2, 1, 1])
         self.assertEqual(queue.claims.entries["j1"], Claim(node="node-a"))
+
+    def test_free_seats_are_the_pools(self) -> None:
+        """
+        The node pulls for the pool's free seats, not for the jobs it holds:
+        a seat a direct request takes is not free, a job held but not yet in
+        the seat line counts against the free ones, and a seat that frees
+        while its job's result is still being posted is pulled for at once.
+        """
+        p, queue, runs, _ = puller(seats=3)
+        pool = runs.seats
+        pool.take()  # a direct /execute request holds a seat
+        p.start()
+        self.assertEqual([count for count, _ in queue.fetches], [2])
+        runs.hold_seat = False  # j1 is fetching its blobs: no seat yet
+        queue.fetches[0][1].callback([queue.delivery(job("j1"))])
+        self.assertEqual((p.busy, p.free, pool.free), (1, 1, 2))
+        self.assertEqual([count for count, _ in queue.fetches], [2, 1])
+        runs.seat("j1")  # in the seat line, and seated: the pool counts it now
+        self.assertEqual((p.busy, p.free, pool.free), (1, 1, 1))
+        queue.fetches[1][1].callback([])
+        self.assertEqual([count for count, _ in queue.fetches], [2, 1, 1])
+        runs.hold_seat = True
+        queue.fetches[2][1].callback([queue.delivery(job("j2"))])
+        self.assertEqual((p.busy, p.free), (2, 0))
+        self.assertEqual(len(queue.fetches), 3)
+        # j1's program ends: its seat is free before its result is posted.
+        pool.give_back()
+        self.assertEqual((p.busy, p.free), (2, 1))
+        self.assertEqual([count for count, _ in queue.fetches], [2, 1, 1, 1])
+        # Its result posted, j1 lets go of the node: no seat changes.
+        runs.pending.pop("j1").callback(None)
+        self.assertEqual((p.busy, p.free), (1, 1))
+        self.assertEqual(len(queue.fetches), 4)
+
+    def test_seat_freed_while_not_started_pulls_nothing(self) -> None:
+        """A seat that frees before the node joined, or after it stopped, starts no pull."""
+        p, queue, _, _ = puller(seats=1)
+        p.seat_freed()
+        self.assertEqual(queue.fetches, [])
+        p.start()
+        p.stop()
+        queue.fetches[0][1].callback([])
+        p.seat_freed()
+        self.assertEqual(len(queue.fetches), 1)
 
     def test_claim_wins_once_under_a_race(self) -> None:
         """Two nodes get the same job: the create-only claim lets one run it."""
@@ -352,13 +434,33 @@ class TransferTests(SynchronousTestCase):
         d, _ = self.fetch(b"", 401)
         self.assertIn("401", self.failureResultOf(d, BlobRefused).value.reason)
 
+    def test_large_blob_streams_into_a_shared_buffer(self) -> None:
+        """
+        A blob over the sharing threshold arrives as a sealed shared buffer
+        (what an upload's large blob becomes), checked like a small one.
+        """
+        data = bytes(range(256)) * 1024
+        ref = BlobRef(sha256=hashlib.sha256(data).hexdigest(), size=len(data))
+        gateway, stub = link(_Blob(data))
+        d = Deferred.fromCoroutine(gateway.fetch_blob(self.message, ref))
+        stub.flush()
+        blob = self.successResultOf(d)
+        self.assertIsInstance(blob, SharedBuffer)
+        assert isinstance(blob, SharedBuffer)
+        self.assertEqual(blob.tobytes(), data)
+        bad = BlobRef(sha256="0" * 64, size=len(data))
+        gateway, stub = link(_Blob(data))
+        d = Deferred.fromCoroutine(gateway.fetch_blob(self.message, bad))
+        stub.flush()
+        self.assertIn("SHA-256", self.failureResultOf(d, BlobRefused).value.reason)
+
     def test_result_posted_with_head(self) -> None:
         """The node server's status and content type travel as headers, with the token."""
         resource = _Blob(b"")
         gateway, stub = link(resource)
         d = Deferred.fromCoroutine(
             gateway.post_result(
-                self.message, LocalResponse(503, "application/json", b"{}", retry_after="1")
+                self.message, Answer(503, "application/json", b"{}", {"Retry-After": "1"})
             )
         )
         stub.flush()
@@ -369,6 +471,60 @@ class TransferTests(SynchronousTestCase):
         self.assertEqual(headers["X-Kcoral-Result-Content-Type"], "application/json")
         self.assertEqual(headers["X-Kcoral-Result-Retry-After"], "1")
         self.assertEqual(headers["X-Kcoral-Result-Node"], "node-a")
+
+
+@implementer(IConsumer)
+class _Consumer:
+    """Takes writes; pauses its producer after each (a full socket)."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+        self.producer: Any = None
+
+    def registerProducer(self, producer: Any, streaming: bool) -> None:
+        self.producer = producer
+
+    def unregisterProducer(self) -> None:
+        self.producer = None
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(data)
+        if self.producer is not None:
+            self.producer.pauseProducing()
+
+
+class ChunksProducerTests(SynchronousTestCase):
+    def chunks(self) -> list[Any]:
+        return [b"head-", share(b"0123456789"), b"", b"-tail"]
+
+    def test_streams_buffers_a_slice_at_a_time(self) -> None:
+        """
+        Bytes go as they are, a sealed buffer a slice at a time, one write
+        per resume while the consumer is paused; the length is known first.
+        """
+        producer = ChunksProducer(self.chunks(), slice_bytes=4)
+        self.assertEqual(producer.length, 20)
+        consumer = _Consumer()
+        consumer.registerProducer(producer, True)
+        done = producer.startProducing(consumer)
+        self.assertEqual(consumer.writes, [b"head-"])
+        for _ in range(10):
+            if done.called:
+                break
+            producer.resumeProducing()
+        self.successResultOf(done)
+        self.assertEqual(consumer.writes, [b"head-", b"0123", b"4567", b"89", b"-tail"])
+
+    def test_stop_never_fires(self) -> None:
+        """Stopped (the connection went away), it writes no more and never fires."""
+        producer = ChunksProducer(self.chunks(), slice_bytes=4)
+        consumer = _Consumer()
+        consumer.registerProducer(producer, True)
+        done = producer.startProducing(consumer)
+        producer.stopProducing()
+        producer.resumeProducing()
+        self.assertNoResult(done)
+        self.assertEqual(consumer.writes, [b"head-"])
 
 
 class LoopbackOnlyTests(SynchronousTestCase):

@@ -72,6 +72,7 @@ from kcoral.wire.program import (
 )
 from kcoral.wire.render import (
     FIELD_LIMIT,
+    Body,
     Rendered,
     RequestError,
     render_cache_miss,
@@ -83,7 +84,7 @@ if TYPE_CHECKING:
 
 _T = TypeVar("_T")
 
-__all__ = ["BlobResolver", "KcoralAPI", "RequestError"]
+__all__ = ["Answer", "BlobResolver", "FetchMissing", "KcoralAPI", "RequestError"]
 
 #: Bodies up to this size are parsed on the reactor thread; larger ones in
 #: the I/O thread pool.
@@ -102,6 +103,38 @@ class Parsed:
     #: as it is).
     blobs: dict[str, bytes | SharedBuffer]
     request_bytes: int
+
+
+#: Gets the blobs, by digest, that the caches lack for an in-process
+#: request (L{KcoralAPI.execute_program}); raises a L{RequestError} when it
+#: cannot.
+FetchMissing = Callable[[list[str]], Awaitable[Mapping[str, bytes | SharedBuffer]]]
+
+
+@attrs.frozen
+class Answer:
+    """
+    What C{/execute} answers a program run in process
+    (L{KcoralAPI.execute_program}): the status, content type, headers
+    beyond those two, and body (chunks: large parts are the worker's
+    sealed buffers, to be streamed as they are).
+    """
+
+    status: int
+    content_type: str
+    body: Body
+    headers: Mapping[str, str] = attrs.field(factory=dict)
+
+    @property
+    def length(self) -> int:
+        """The body's length in bytes."""
+        return len(self.body) if isinstance(self.body, bytes) else body_length(self.body)
+
+
+def _program_only(data: bytes) -> Parsed:
+    """A request of a program's JSON and no blob parts, validated (any thread)."""
+    program = parse_program(data, builtin_names=BUILTIN_NAMES)
+    return Parsed(program, data, {}, len(data))
 
 
 def _iso_utc(timestamp: float) -> str:
@@ -358,7 +391,7 @@ class KcoralAPI:
     async def _execute(self, request: IRequest) -> bytes:
         request_id = choose_request_id(request.requestHeaders.getRawHeaders(b"x-request-id"))
         request.setHeader(b"X-Request-ID", request_id.encode())
-        self.in_flight += 1
+        self._enter()
         try:
             d = Deferred.fromCoroutine(self._handle(request, request_id))
             if self.config.finish_abandoned:
@@ -374,11 +407,7 @@ class KcoralAPI:
                     self._finished(request_id, 499, "abandoned")
                     raise
         finally:
-            self.in_flight -= 1
-            if self.in_flight == 0:
-                waiters, self._idle_waiters = self._idle_waiters, []
-                for waiter in waiters:
-                    waiter.callback(None)
+            self._leave()
         request.setResponseCode(rendered.status)
         request.setHeader(b"Content-Type", rendered.content_type.encode())
         body = rendered.body
@@ -470,6 +499,16 @@ class KcoralAPI:
             error_message=f"{type(error).__name__}: {error}"[:FIELD_LIMIT],
         )
 
+    def _enter(self) -> None:
+        self.in_flight += 1
+
+    def _leave(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            waiters, self._idle_waiters = self._idle_waiters, []
+            for waiter in waiters:
+                waiter.callback(None)
+
     def wait_idle(self) -> Deferred[None]:
         """Fires once no /execute request is in flight (graceful shutdown)."""
         d: Deferred[None] = Deferred()
@@ -504,6 +543,65 @@ class KcoralAPI:
         rendered = await self._admit_and_run(request, request_id)
         self._finished(request_id, rendered.status, rendered.finish_reason, **rendered.fields)
         return rendered
+
+    async def execute_program(
+        self,
+        request_id: str,
+        program: bytes,
+        client: str | None,
+        *,
+        fetch: FetchMissing | None = None,
+        admitted: Callable[[], None] | None = None,
+        via: str = "in_process",
+    ) -> Answer:
+        """
+        Run C{program} (a program's JSON) as C{/execute} runs a request
+        once its body is parsed, without HTTP: the same validation, blob
+        caches, size and time limits, seat line, worker, rendering, request
+        events (so metrics and logs) and saved program.  Blobs the caches
+        lack come from C{fetch} and are cached as uploaded ones; a
+        L{RequestError} it raises is the answer.  Never fails: every
+        failure is the answer C{/execute} would give.
+
+        @param client: the request's client for the reuse scope.
+        @param admitted: called once the request goes to the seat line.
+        @param via: the C{request_received} event's C{via} field.
+        """
+        self._enter()
+        try:
+            self.log.info(
+                "request {request_id} received",
+                kcoral_event="request_received",
+                request_id=request_id,
+                client=client,
+                client_name=None,
+                content_length=len(program),
+                body_ms=None,
+                via=via,
+            )
+            try:
+                if len(program) > self.config.max_request_bytes:
+                    raise RequestTooLarge()
+                if len(program) <= INLINE_PARSE_BYTES:
+                    parsed = _program_only(program)
+                else:
+                    parsed = await deferToThreadPool(
+                        IReactorFromThreads(self._reactor), self._threadpool, _program_only, program
+                    )
+                rendered = await self._admit(request_id, parsed, client, None, fetch, admitted)
+            except Exception:
+                error = self._request_error(request_id, Failure())
+                self._finished(request_id, error.status, error.finish_reason, **error.fields)
+                return Answer(
+                    error.status,
+                    "application/json",
+                    error.body(request_id),
+                    REQUEST_KIND_HEADERS.get(error.kind, {}),
+                )
+            self._finished(request_id, rendered.status, rendered.finish_reason, **rendered.fields)
+            return Answer(rendered.status, rendered.content_type, rendered.body)
+        finally:
+            self._leave()
 
     async def _parse(self, request: IRequest) -> Parsed:
         """The request's program and blobs, parsed in the thread pool when large."""
@@ -552,15 +650,39 @@ class KcoralAPI:
         return parsed
 
     async def _admit_and_run(self, request: IRequest, request_id: str) -> Rendered:
-        config = self.config
         parsed = await self._parse(request)
         # The upload as the server sees it, until its blobs were hashed and sealed.
         body_ready = IKcoralRequest(request).since_head()
+        return await self._admit(request_id, parsed, _client_identity(request), body_ready)
+
+    async def _admit(
+        self,
+        request_id: str,
+        parsed: Parsed,
+        client: str | None,
+        body_ready: float | None,
+        fetch: FetchMissing | None = None,
+        admitted: Callable[[], None] | None = None,
+    ) -> Rendered:
+        """
+        A parsed request from its blob lookup to its rendered answer.
+
+        @param fetch: gets the blobs the caches lack (an in-process job's
+            blobs, L{execute_program}); without it a miss is a CACHE_MISS.
+        @param admitted: called once the request goes to the pool's line.
+        """
+        config = self.config
         program = parsed.program
         kinds: dict[str, frozenset[str]] = {}
         for digest in program.referenced_blobs():
             kinds[digest] = program.blob_kinds(digest)
         resolution = await self.blobs.resolve(kinds, parsed.blobs)
+        if resolution.missing and fetch is not None:
+            # Fetched blobs are supplied ones: they go to the caches as an
+            # upload's would, so the next job finds them there.
+            supplied = dict(parsed.blobs)
+            supplied.update(await fetch(list(resolution.missing)))
+            resolution = await self.blobs.resolve(kinds, supplied)
         try:
             if resolution.missing:
                 return render_cache_miss(request_id, list(resolution.missing))
@@ -608,7 +730,9 @@ class KcoralAPI:
                 output_limit=output_limit,
                 max_response_bytes=config.max_response_bytes,
             )
-            return await self._run(request_id, job, _client_identity(request))
+            if admitted is not None:
+                admitted()
+            return await self._run(request_id, job, client)
         finally:
             resolution.pin.release()
 

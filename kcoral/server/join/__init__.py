@@ -7,16 +7,16 @@ job:
 
   - L{kcoral.server.join.options}: the join settings and the loopback check
     of the listening ports;
-  - L{kcoral.server.join.local}: the node's own server over loopback HTTP
-    (C{/health}, C{/execute}): a job runs through exactly the path a
-    client's request takes;
-  - L{kcoral.server.join.transfer}: blob fetches (hash-checked) and result
-    posts to the gateway, with the job's token;
+  - L{kcoral.server.join.transfer}: blob fetches (hash-checked, streamed
+    into what the server's caches hold) and result posts (streamed from the
+    worker's buffers) to the gateway, with the job's token;
   - L{kcoral.server.join.queue}: the job queue and the claims bucket over
     NATS (L{kcoral.gateway.natsbridge});
-  - L{kcoral.server.join.runner}: one job from claim to posted result;
-  - L{kcoral.server.join.puller}: one job per free seat, claimed before it
-    runs;
+  - L{kcoral.server.join.runner}: one job from claim to posted result,
+    through the server's execute pipeline in process
+    (L{kcoral.server.http.app.KcoralAPI.execute_program});
+  - L{kcoral.server.join.puller}: one job per free pool seat, claimed
+    before it runs;
   - L{kcoral.server.join.presence}: the node's presence key, every second;
   - L{kcoral.server.join.service}: the child service that ties them to the
     server's life.

@@ -2,23 +2,22 @@
 """
 Where a joined node listens: loopback only.
 
-A node that joins a pool takes its work from NATS; nothing needs to reach
-its HTTP server but the node itself (its jobs go to its own C{/execute}
-over loopback, L{kcoral.server.join.local}).  L{check_join_endpoints}
-refuses, at start, a C{--listen}/C{--host} that other machines could reach;
-L{loopback_url} picks the port the node talks to itself on.
+A node that joins a pool takes its work from NATS and runs it in process
+(L{kcoral.server.join.runner}); nothing needs to reach its HTTP server but
+local tools (C{/health}, C{/metrics}, a direct C{/execute} on the same
+machine).  L{check_join_endpoints} refuses, at start, a C{--listen}/C{--host}
+that other machines could reach.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from twisted.internet.endpoints import _parse
 
 from kcoral.server.http.auth import beyond_loopback
 
-__all__ = ["JoinListenError", "check_join_endpoints", "loopback_url"]
+__all__ = ["JoinListenError", "check_join_endpoints"]
 
 #: Endpoint kinds a joined node may listen on.
 _TCP = ("tcp", "tcp6")
@@ -55,20 +54,3 @@ def check_join_endpoints(descriptions: Sequence[str]) -> None:
         tcp += 1
     if tcp == 0:
         raise JoinListenError("a node that joins a pool needs one TCP port on loopback")
-
-
-def loopback_url(ports: Sequence[Any]) -> str:
-    """
-    The base URL of the first TCP port among C{ports} (listening ports),
-    C{http://127.0.0.1:PORT} or C{http://[::1]:PORT}.
-
-    @raise JoinListenError: none is a loopback TCP port.
-    """
-    for port in ports:
-        address = port.getHost()
-        host = getattr(address, "host", None)
-        number = getattr(address, "port", None)
-        if isinstance(host, str) and isinstance(number, int) and not beyond_loopback([host]):
-            shown = f"[{host}]" if ":" in host else host
-            return f"http://{shown}:{number}"
-    raise JoinListenError("no loopback TCP port to send the pool's jobs to")

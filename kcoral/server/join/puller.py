@@ -3,8 +3,14 @@
 The node's seat loop: one job per free seat, claimed before it runs.
 
 L{JobPuller} asks the queue (L{kcoral.server.join.queue.IJobQueue}) for
-as many jobs as it has free seats, one long poll at a time.  Each job it
-gets holds a seat until its result is posted:
+as many jobs as the node has free seats, one long poll at a time.  Free
+seats are the pool's: seats that would take a program now (idle, with a
+worker up, owed to no queued request), less the jobs this node holds
+that have not reached the seat line yet (being claimed, or fetching
+their blobs).  A seat that a direct request takes, or whose worker is
+being replaced, is not free; the pool says when one frees
+(L{kcoral.server.workers.pool.WorkerPool.seat_listeners}) and the loop
+pulls again.  Each job it gets:
 
   1. a malformed message is dropped (C{term});
   2. a job past its deadline is acknowledged and skipped (the gateway has
@@ -42,9 +48,13 @@ __all__ = ["JobPuller"]
 @attrs.define(eq=False)
 class JobPuller:
     """
-    Pulls, claims and starts jobs for C{seats} seats.
+    Pulls, claims and starts jobs for the pool's free seats.
 
-    @ivar run_job: runs a claimed job to its posted result; its Deferred
+    @ivar seats: the node's seats (for its logs; what it pulls for is
+        C{pool_free}).
+    @ivar pool_free: the pool's seats that would take a program now.
+    @ivar run_job: runs a claimed job to its posted result, calling its
+        second argument once the job is in the seat line; its Deferred
         must not fail (the runner logs its own errors).
     @ivar on_change: called when the free seat count changes (the presence
         announcer refreshes the node's key).
@@ -57,7 +67,8 @@ class JobPuller:
     _clock: IReactorTime
     node_id: str
     seats: int
-    run_job: Callable[[JobMessage], Deferred[None]]
+    pool_free: Callable[[], int]
+    run_job: Callable[[JobMessage, Callable[[], None]], Deferred[None]]
     on_change: Callable[[], None] = lambda: None
     poll_timeout: float = 1.0
     backoff: float = 0.5
@@ -68,6 +79,8 @@ class JobPuller:
     #: Seats taken by jobs being claimed or run, by job id (or a
     #: placeholder while the message is being read).
     _held: dict[object, Deferred[None]] = attrs.field(factory=dict)
+    #: Of C{_held}, the jobs not in the pool's seat line yet.
+    _unseated: set[object] = attrs.field(factory=set)
     _fetching: bool = False
     _stopped: bool = True
     _retry: IDelayedCall | None = None
@@ -88,7 +101,13 @@ class JobPuller:
 
     @property
     def free(self) -> int:
-        return max(0, self.seats - self.busy)
+        """The pool's free seats less the jobs held that have none yet."""
+        return max(0, self.pool_free() - len(self._unseated))
+
+    def seat_freed(self) -> None:
+        """A pool seat became free: pull for it (and say so)."""
+        self.on_change()
+        self._pump()
 
     def start(self) -> None:
         """Start pulling."""
@@ -192,19 +211,26 @@ class JobPuller:
         key = object()
         done: Deferred[None] = Deferred()
         self._held[key] = done
+        self._unseated.add(key)
         self.on_change()
-        d = Deferred.fromCoroutine(self._handle(delivery))
+        d = Deferred.fromCoroutine(self._handle(delivery, lambda: self._seated(key)))
         d.addErrback(self._bug)
 
         def release(_: object) -> None:
             del self._held[key]
+            self._unseated.discard(key)
             done.callback(None)
             self.on_change()
             self._pump()
 
         d.addBoth(release)
 
-    async def _handle(self, delivery: Delivery) -> None:
+    def _seated(self, key: object) -> None:
+        # The pool's own count has the job from here on (a taken seat, or
+        # one more request in its line).
+        self._unseated.discard(key)
+
+    async def _handle(self, delivery: Delivery, seated: Callable[[], None]) -> None:
         try:
             job = JobMessage.decode(delivery.data)
         except SchemaError as e:
@@ -265,7 +291,7 @@ class JobPuller:
             request_id=job.request_id,
             node=self.node_id,
         )
-        await self.run_job(job)
+        await self.run_job(job, seated)
 
     async def _settle(self, d: Deferred[None], what: str) -> None:
         try:

@@ -1,147 +1,173 @@
 # -*- test-case-name: tests.unit.test_join -*-
 """
-One claimed job, from the node's own server to the gateway.
+One claimed job, from the node's own execute pipeline to the gateway.
 
-L{JobRunner.run} POSTs the job's program to the node's C{/execute} on
-loopback (L{kcoral.server.join.local}).  A CACHE_MISS names the blobs the
-node lacks: they are fetched from the gateway with the job's token and
-hash-checked (L{kcoral.server.join.transfer}), then the program is sent
-again with them.  Whatever the node's server answered (a result, an
-error, a 503) is posted to the gateway as the job's result.  A blob that
-fails its check is never used: the job ends with an C{engine} error and
-the program does not run.
+L{JobRunner.run} hands the job's program to the server's C{/execute}
+pipeline in process (L{kcoral.server.http.app.KcoralAPI.execute_program}):
+the validation, blob caches, limits, seat line, worker, rendering, request
+events, metrics and saved program of a client's request, without an HTTP
+hop.  The blobs the caches lack are fetched from the gateway with the
+job's token and hash-checked (L{kcoral.server.join.transfer}) while the
+program waits, and go into the caches as uploaded blobs do: the next job
+that needs one finds it there.  Whatever the pipeline answered (a result,
+an error, a 503) is posted to the gateway as the job's result, its large
+parts streamed from the worker's buffers.  A blob that fails its check is
+never used: the job ends with an C{engine} error and the program does not
+run.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from typing import Protocol
+
 import attrs
 from twisted.internet.defer import Deferred, FirstError, gatherResults
 from twisted.internet.interfaces import IReactorTime
-from twisted.logger import Logger
+from twisted.logger import Logger, LogLevel
 
-from kcoral.gateway.jobs import BlobRef, JobMessage
-from kcoral.server.join.local import LocalResponse, LocalServer, missing_blobs
+from kcoral.gateway.jobs import JobMessage
+from kcoral.ipc.shared import SharedBuffer
+from kcoral.server.http.app import Answer, FetchMissing
 from kcoral.server.join.transfer import BlobRefused, GatewayLink
-from kcoral.wire.errors import error_body, http_status
-from kcoral.wire.jsontext import json_dumps
+from kcoral.wire.errors import choose_request_id
+from kcoral.wire.multipart import RequestTooLarge
+from kcoral.wire.render import RequestError
 
-__all__ = ["JobRunner", "error_response"]
+__all__ = ["POOL_CLIENT", "JobRunner", "Pipeline"]
 
-#: Times a program is sent again after fetching what a CACHE_MISS named
-#: (the node's cache may evict a fetched blob before the next POST).
-CACHE_MISS_ROUNDS = 3
+#: The client every pool job runs as, for the reuse scope (the gateway does
+#: not pass its clients' identities on).
+POOL_CLIENT = "pool"
 
 
-def error_response(request_id: str, kind: str, message: str) -> LocalResponse:
-    """An ERROR response the node gives in place of its server's (protocol §9.2)."""
-    return LocalResponse(
-        status=http_status(kind),
-        content_type="application/json",
-        body=json_dumps(error_body(request_id, kind, message)),
-    )
+class Pipeline(Protocol):
+    """The server's execute pipeline (L{kcoral.server.http.app.KcoralAPI})."""
+
+    async def execute_program(
+        self,
+        request_id: str,
+        program: bytes,
+        client: str | None,
+        *,
+        fetch: FetchMissing | None = None,
+        admitted: Callable[[], None] | None = None,
+        via: str = "in_process",
+    ) -> Answer: ...
 
 
 @attrs.define(eq=False)
 class JobRunner:
-    """Runs claimed jobs on the node's server and posts their results."""
+    """
+    Runs claimed jobs on the node's pipeline and posts their results.
 
-    local: LocalServer
+    @ivar max_request_bytes: the node's C{--max-request-bytes}: a job whose
+        program and missing blobs together exceed it is answered 413, as
+        the upload of them would be.
+    """
+
+    pipeline: Pipeline
     link: GatewayLink
     _clock: IReactorTime
+    max_request_bytes: int
 
     log = Logger()
 
-    async def run(self, job: JobMessage) -> None:
-        """Run C{job} and post its result; errors are logged, never raised."""
+    async def run(self, job: JobMessage, admitted: Callable[[], None] | None = None) -> None:
+        """
+        Run C{job} and post its result; errors are logged, never raised.
+
+        @param admitted: called once the job goes to the pool's seat line.
+        """
         started = self._clock.seconds()
-        response = await self.respond(job)
+        answer = await self.answer(job, admitted)
+        fields = {
+            "job": job.job,
+            "request_id": job.request_id,
+            "status": answer.status,
+            "bytes": answer.length,
+        }
         try:
-            code = await self.link.post_result(job, response)
+            code = await self.link.post_result(job, answer)
         except Exception as e:
             self.log.error(
                 "job {job}: result not delivered: {error}",
                 kcoral_event="join_result_lost",
-                job=job.job,
-                request_id=job.request_id,
                 error=str(e),
+                **fields,
             )
             return
-        if not 200 <= code < 300:
-            self.log.error(
-                "job {job}: the gateway refused its result ({gateway_status})",
-                kcoral_event="join_result_refused",
-                job=job.job,
-                request_id=job.request_id,
-                gateway_status=code,
-            )
-            return
-        self.log.info(
-            "job {job} finished: {status}, result posted ({gateway_status})",
-            kcoral_event="join_job_finished",
-            job=job.job,
-            request_id=job.request_id,
-            status=response.status,
+        if 200 <= code < 300:
+            level, event = LogLevel.info, "join_job_finished"
+            message = "job {job} finished: {status}, result posted ({gateway_status})"
+        else:
+            level, event = LogLevel.error, "join_result_refused"
+            message = "job {job}: the gateway refused its result ({gateway_status})"
+        self.log.emit(
+            level,
+            message,
+            kcoral_event=event,
             gateway_status=code,
-            bytes=len(response.body),
             elapsed_ms=round((self._clock.seconds() - started) * 1000.0, 3),
+            **fields,
         )
 
-    async def respond(self, job: JobMessage) -> LocalResponse:
-        """The response to post for C{job}."""
-        manifest = {blob.sha256: blob for blob in job.blobs}
-        blobs: dict[str, bytes] = {}
-        try:
-            for _ in range(CACHE_MISS_ROUNDS + 1):
-                response = await self.local.execute(job.request_id, job.program, blobs, job.options)
-                missing = missing_blobs(response)
-                if missing is None:
-                    return response
-                unlisted = [digest for digest in missing if digest not in manifest]
-                if unlisted:
-                    return error_response(
-                        job.request_id,
-                        "engine",
-                        f"the job lacks blob {unlisted[0]} that its program references",
-                    )
-                wanted = [digest for digest in missing if digest not in blobs]
-                blobs.update(zip(wanted, await self._fetch_all(job, wanted, manifest), strict=True))
-            return error_response(
-                job.request_id, "engine", "the node's cache kept missing the job's blobs"
-            )
-        except BlobRefused as e:
-            self.log.error(
-                "job {job}: blob {sha256} refused: {reason}; the program does not run",
-                kcoral_event="join_blob_refused",
-                job=job.job,
-                request_id=job.request_id,
-                sha256=e.sha256,
-                reason=e.reason,
-            )
-            return error_response(
-                job.request_id, "engine", f"blob {e.sha256} from the gateway refused: {e.reason}"
-            )
-        except Exception as e:
-            self.log.failure(
-                "job {job}: the node's server could not run it",
-                job=job.job,
-                request_id=job.request_id,
-            )
-            return error_response(
-                job.request_id, "engine", f"node failed: {type(e).__name__}: {e}"[:500]
-            )
+    async def answer(self, job: JobMessage, admitted: Callable[[], None] | None = None) -> Answer:
+        """What the node's pipeline answers C{job} (never fails)."""
+        program = job.program.encode("utf-8")
 
-    async def _fetch_all(
-        self, job: JobMessage, digests: list[str], manifest: dict[str, BlobRef]
-    ) -> list[bytes]:
-        """The blobs C{digests}, fetched side by side; the first failure raised."""
+        async def fetch(missing: list[str]) -> Mapping[str, bytes | SharedBuffer]:
+            return await self._fetch(job, len(program), missing)
+
+        # The gateway's request id when it is one a client could send.
+        request_id = choose_request_id([job.request_id.encode("utf-8")])
+        return await self.pipeline.execute_program(
+            request_id, program, POOL_CLIENT, fetch=fetch, admitted=admitted, via="join"
+        )
+
+    async def _fetch(
+        self, job: JobMessage, program_bytes: int, missing: list[str]
+    ) -> dict[str, bytes | SharedBuffer]:
+        """
+        The blobs C{missing}, fetched side by side.
+
+        @raise RequestError: a blob the job does not list, or one refused.
+        @raise RequestTooLarge: more bytes than the node takes in a request.
+        """
+        manifest = {blob.sha256: blob for blob in job.blobs}
+        unlisted = [digest for digest in missing if digest not in manifest]
+        if unlisted:
+            raise RequestError(
+                "engine",
+                f"the job lacks blob {unlisted[0]} that its program references",
+                "server_error",
+                error_kind="join_blob_unlisted",
+            )
+        if program_bytes + sum(manifest[d].size for d in missing) > self.max_request_bytes:
+            raise RequestTooLarge()
         try:
-            fetched: list[bytes] = await gatherResults(
+            fetched: list[bytes | SharedBuffer] = await gatherResults(
                 [
                     Deferred.fromCoroutine(self.link.fetch_blob(job, manifest[digest]))
-                    for digest in digests
+                    for digest in missing
                 ],
                 consumeErrors=True,
             )
         except FirstError as e:
-            raise e.subFailure.value from None  # type: ignore[union-attr,misc]
-        return fetched
+            error = e.subFailure.value  # type: ignore[union-attr]
+            if isinstance(error, BlobRefused):
+                self.log.error(
+                    "job {job}: blob {sha256} refused: {reason}; the program does not run",
+                    kcoral_event="join_blob_refused",
+                    job=job.job,
+                    request_id=job.request_id,
+                    sha256=error.sha256,
+                    reason=error.reason,
+                )
+                message = f"blob {error.sha256} from the gateway refused: {error.reason}"
+            else:
+                message = f"blob fetch failed: {type(error).__name__}: {error}"
+            raise RequestError(
+                "engine", message[:500], "server_error", error_kind="join_blob_fetch"
+            ) from None
+        return dict(zip(missing, fetched, strict=True))

@@ -3,9 +3,10 @@
 The C{join} child of a server started with C{--join}: the node's life in
 the pool, tied to the server's.
 
-At start (after the HTTP port listens), L{JoinService}:
+At start (after the HTTP port listens and the workers are up),
+L{JoinService}:
 
-  1. reads its own C{/health} over loopback: target and versions (the
+  1. reads its server's own health (in process): target and versions (the
      compatibility class), GPU count and seats;
   2. tries its NATS credentials once: credentials nats-server refuses stop
      the server's start (exit status 1) with the reason; an unreachable
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from twisted.application import service
 from twisted.internet.defer import Deferred
@@ -34,13 +35,14 @@ from twisted.python.failure import Failure
 from kcoral.config import ServerConfig
 from kcoral.gateway.jobs import Presence, compat_key, node_inbox
 from kcoral.gateway.natsbridge import NatsBridge, NatsCredentials, load_credentials
-from kcoral.server.join.local import LocalServer
-from kcoral.server.join.options import loopback_url
 from kcoral.server.join.presence import PresenceAnnouncer
 from kcoral.server.join.puller import JobPuller
 from kcoral.server.join.queue import NatsJobQueue
 from kcoral.server.join.runner import JobRunner
 from kcoral.server.join.transfer import GatewayLink
+
+if TYPE_CHECKING:
+    from kcoral.server.http.app import KcoralAPI
 
 __all__ = ["JoinRefused", "JoinService", "probe_credentials"]
 
@@ -88,7 +90,8 @@ class JoinService(service.Service):
     """
     The node's part in a pool (a child service of L{kcoral.server.service.KCoralService}).
 
-    @param ports: the server's listening ports, once it listens.
+    @param api: the server's execute pipeline, which runs the pool's jobs
+        in process.
     @param run_blocking: runs a blocking call in the server's thread pool.
     """
 
@@ -98,14 +101,14 @@ class JoinService(service.Service):
         self,
         config: ServerConfig,
         reactor: Any,
-        ports: Callable[[], Sequence[Any]],
+        api: KcoralAPI,
         run_blocking: Callable[..., Deferred[Any]],
     ) -> None:
         assert config.join_url is not None and config.join_node_id is not None
         assert config.join_credentials is not None
         self.config = config
         self._reactor = reactor
-        self._ports = ports
+        self.api = api
         self._run_blocking = run_blocking
         self.node_id: str = config.join_node_id
         self.servers = [url.strip() for url in config.join_url.split(",")]
@@ -131,24 +134,17 @@ class JoinService(service.Service):
         from twisted.web.client import Agent, HTTPConnectionPool
 
         config = self.config
-        base_url = loopback_url(self._ports())
-        token = None
-        if config.auth_token_file is not None:
-            from kcoral.server.http.auth import load_tokens
-
-            tokens = await self._run_blocking(load_tokens, config.auth_token_file)
-            token = tokens.entries[0][0].decode("utf-8")
         credentials: NatsCredentials = await self._run_blocking(
             load_credentials, str(config.join_credentials)
         )
-        pool = HTTPConnectionPool(self._reactor, persistent=True)
-        pool.maxPersistentPerHost = 64
-        http = HTTPClient(Agent(self._reactor, pool=pool))
-        local = LocalServer(http, base_url, token)
-        health = await local.health()
-        target, versions = dict(health.get("target", {})), dict(health.get("versions", {}))
-        gpus = int(health.get("gpu_count", 0))
-        seats = int(health.get("load", {}).get("request_capacity", 1))
+        connections = HTTPConnectionPool(self._reactor, persistent=True)
+        connections.maxPersistentPerHost = 64
+        http = HTTPClient(Agent(self._reactor, pool=connections))
+        health = self.api.local_health()
+        target, versions = dict(health["target"]), dict(health["versions"])
+        gpus = int(health["gpu_count"])
+        workers = self.api.pool
+        seats = workers.capacity
         compat = compat_key(target, versions)
         refusal = await self._run_blocking(probe_credentials, self.servers, credentials)
         if refusal is not None:
@@ -164,8 +160,8 @@ class JoinService(service.Service):
             inbox_prefix=node_inbox(self.node_id),
         )
         self.queue = NatsJobQueue(self.bridge, self.node_id, compat, gpus)
-        link = GatewayLink(http, self._reactor, self.node_id)
-        runner = JobRunner(local, link, self._reactor)
+        link = GatewayLink(http, self._reactor, self.node_id, run_blocking=self._run_blocking)
+        runner = JobRunner(self.api, link, self._reactor, config.max_request_bytes)
         self.presence = PresenceAnnouncer(
             self.queue,
             self._reactor,
@@ -185,7 +181,8 @@ class JoinService(service.Service):
             self._reactor,
             self.node_id,
             seats,
-            lambda job: Deferred.fromCoroutine(runner.run(job)),
+            lambda: workers.free_seats,
+            lambda job, seated: Deferred.fromCoroutine(runner.run(job, seated)),
             on_change=self.presence.changed,
             reprepare=self.queue.prepare,
         )
@@ -199,7 +196,6 @@ class JoinService(service.Service):
             gpus=gpus,
             seats=seats,
             consumers=self.queue.consumers(),
-            local=base_url,
         )
         d = self.bridge.start()
         d.addCallbacks(self._connected, self._never_connected)
@@ -223,6 +219,7 @@ class JoinService(service.Service):
             seats=self.puller.seats,
         )
         self.presence.start()
+        self.api.pool.seat_listeners.append(self.puller.seat_freed)
         self.puller.start()
 
     def _prepare_failed(self, failure: Failure) -> None:
@@ -272,6 +269,8 @@ class JoinService(service.Service):
         if self._prepare_retry is not None and self._prepare_retry.active():
             self._prepare_retry.cancel()
         if self.puller is not None:
+            if self.puller.seat_freed in self.api.pool.seat_listeners:
+                self.api.pool.seat_listeners.remove(self.puller.seat_freed)
             running = self.puller.busy
             if running:
                 self.log.info(

@@ -4,32 +4,54 @@ A node's HTTP(S) traffic with the gateway: the bytes that NATS does not
 carry.
 
 L{GatewayLink.fetch_blob} fetches one blob a job needs with the job's
-token and checks its size and SHA-256 as it arrives: a blob that does not
-match is refused (L{BlobRefused}) and never reaches the node's cache.
-L{GatewayLink.post_result} posts the response the node's own server gave
-(L{kcoral.server.join.local.LocalResponse}), retried a few times over
-connection failures.  Neither needs NATS: a job that is running when the
-NATS connection drops still delivers its result.
+token, streaming it as it arrives into what an upload's blob becomes on
+the server (L{kcoral.ipc.uploads.StreamingBlobWriter}: in memory when
+small, else a sealed shared buffer written and hashed by threads off the
+reactor), and checks its size and SHA-256: a blob that does not match is
+refused (L{BlobRefused}) and never reaches the node's cache.
+L{GatewayLink.post_result} posts the answer the node's pipeline gave
+(L{kcoral.server.http.app.Answer}), streaming a large body from the
+worker's sealed buffers a slice at a time (L{ChunksProducer}), retried a
+few times over connection failures.  Neither needs NATS: a job that is
+running when the NATS connection drops still delivers its result.
 """
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import attrs
-import treq
 from treq.client import HTTPClient
-from twisted.internet.interfaces import IReactorTime
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IConsumer, IReactorFromThreads, IReactorTime
+from twisted.internet.protocol import Protocol
 from twisted.internet.task import deferLater
 from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web.client import ResponseDone
 from twisted.web.http_headers import Headers
+from twisted.web.iweb import IBodyProducer
+from zope.interface import implementer
 
 from kcoral.gateway.jobs import BlobRef, JobMessage, result_headers
-from kcoral.server.join.local import LocalResponse
+from kcoral.ipc.shared import READ_CHUNK, SharedBuffer
+from kcoral.ipc.shared import available as shared_memory_available
+from kcoral.ipc.uploads import StreamingBlobWriter
+from kcoral.server.http.app import Answer
+from kcoral.wire.multipart import Blob
 
-__all__ = ["BlobRefused", "GatewayLink", "ResultNotDelivered"]
+__all__ = ["BlobRefused", "ChunksProducer", "GatewayLink", "ResultNotDelivered"]
+
+#: Fetched blobs up to this size stay bytes; larger ones stream into a
+#: sealed shared buffer (as an upload's do).
+SHARE_BYTES = 64 * 1024
+
+#: Bytes of a fetched blob that may wait for the hash thread before the
+#: connection stops reading, and the level at which it reads again (as an
+#: upload's, L{kcoral.server.http.request}).
+BACKLOG_PAUSE_BYTES = 32 << 20
+BACKLOG_RESUME_BYTES = 16 << 20
 
 
 class BlobRefused(Exception):
@@ -45,30 +67,151 @@ class ResultNotDelivered(Exception):
     """The gateway did not take a job's result (the message says why)."""
 
 
-class _Hashing:
-    """Collects a blob's chunks, hashing and counting them as they come."""
+class _BlobReceiver(Protocol):
+    """
+    Streams a blob response into a L{StreamingBlobWriter}, counting it
+    against the announced size; C{done} fires with the finished L{Blob}
+    (its digest not yet checked) or fails with L{BlobRefused}.
+    """
 
-    def __init__(self, ref: BlobRef) -> None:
+    def __init__(
+        self,
+        ref: BlobRef,
+        reactor: Any,
+        run_blocking: Callable[..., Deferred[Any]] | None,
+    ) -> None:
         self.ref = ref
-        self.hash = hashlib.sha256()
-        self.chunks: list[bytes] = []
-        self.size = 0
+        self._reactor = reactor
+        self._run_blocking = run_blocking
+        shared = ref.size > SHARE_BYTES and shared_memory_available()
+        self.writer = StreamingBlobWriter(SHARE_BYTES, None, shared=shared)
+        self.done: Deferred[Blob] = Deferred()
+        self._paused = False
 
-    def __call__(self, chunk: bytes) -> None:
-        self.size += len(chunk)
-        if self.size > self.ref.size:
-            raise BlobRefused(self.ref.sha256, f"more than the {self.ref.size} bytes announced")
-        self.hash.update(chunk)
-        self.chunks.append(chunk)
+    def dataReceived(self, data: bytes) -> None:
+        if self.done.called:
+            return
+        if self.writer.size + len(data) > self.ref.size:
+            self._refuse(f"more than the {self.ref.size} bytes announced")
+            transport: Any = self.transport
+            transport.stopProducing()
+            return
+        self.writer.write(data)
+        sink = self.writer.offload
+        if sink is not None and not self._paused and sink.backlog > BACKLOG_PAUSE_BYTES:
+            # The hash thread is behind: TCP holds the gateway back meanwhile.
+            self._paused = True
+            cast(Any, self.transport).pauseProducing()
+            from_threads = IReactorFromThreads(self._reactor)
+            sink.notify_at(BACKLOG_RESUME_BYTES, lambda: from_threads.callFromThread(self._resume))
 
-    def result(self) -> bytes:
-        if self.size != self.ref.size:
-            raise BlobRefused(
-                self.ref.sha256, f"{self.size} bytes, not the {self.ref.size} announced"
-            )
-        if self.hash.hexdigest() != self.ref.sha256:
-            raise BlobRefused(self.ref.sha256, "content does not match its SHA-256")
-        return b"".join(self.chunks)
+    def _resume(self) -> None:
+        if self._paused:
+            self._paused = False
+            if not self.done.called:
+                cast(Any, self.transport).resumeProducing()
+
+    def connectionLost(self, reason: Failure = ResponseDone()) -> None:  # type: ignore[assignment]
+        if self.done.called:
+            return
+        if not reason.check(ResponseDone):
+            self._refuse(f"the transfer broke off: {reason.getErrorMessage()}")
+            return
+        if self.writer.size != self.ref.size:
+            self._refuse(f"{self.writer.size} bytes, not the {self.ref.size} announced")
+            return
+        if self.writer.offload is None or self._run_blocking is None:
+            self._finished(self.writer.finish())
+            return
+        # Waits for the blob's threads: in the thread pool, not here.
+        d = self._run_blocking(self.writer.finish)
+        d.addCallbacks(self._finished, self._failed)
+
+    def _finished(self, blob: Blob) -> None:
+        if blob.digest != self.ref.sha256:
+            blob.close()
+            self.done.errback(BlobRefused(self.ref.sha256, "content does not match its SHA-256"))
+            return
+        self.done.callback(blob)
+
+    def _failed(self, failure: Failure) -> None:
+        self.writer.discard()
+        self.done.errback(BlobRefused(self.ref.sha256, failure.getErrorMessage()))
+
+    def _refuse(self, reason: str) -> None:
+        self.writer.discard()
+        self.done.errback(BlobRefused(self.ref.sha256, reason))
+
+
+@implementer(IBodyProducer)
+class ChunksProducer:
+    """
+    A request body of C{chunks}: bytes as they are, sealed buffers read a
+    slice at a time as the connection takes them (the body is never
+    joined or copied whole).
+    """
+
+    def __init__(self, chunks: Sequence[bytes | SharedBuffer], slice_bytes: int = READ_CHUNK):
+        self._chunks = list(chunks)
+        self._slice = slice_bytes
+        self.length = sum(len(chunk) for chunk in self._chunks)
+        self._index = 0
+        self._offset = 0
+        self._paused = False
+        self._stopped = False
+        self._consumer: IConsumer | None = None
+        self._done: Deferred[None] = Deferred()
+
+    def startProducing(self, consumer: IConsumer) -> Deferred[None]:
+        self._consumer = consumer
+        self._produce()
+        return self._done
+
+    def _next(self) -> bytes | None:
+        while self._index < len(self._chunks):
+            chunk = self._chunks[self._index]
+            if isinstance(chunk, bytes):
+                self._index += 1
+                if chunk:
+                    return chunk
+                continue
+            if self._offset < len(chunk):
+                data = chunk.pread(self._offset, self._slice)
+                if not data:
+                    raise OSError("a shared result buffer ended early")
+                self._offset += len(data)
+                return data
+            self._index += 1
+            self._offset = 0
+        return None
+
+    def _produce(self) -> None:
+        consumer = self._consumer
+        assert consumer is not None
+        # Writing may pause this producer (the socket is full): the loop
+        # stops, and resumeProducing goes on from here.
+        while not self._paused and not self._stopped and not self._done.called:
+            try:
+                data = self._next()
+            except Exception:
+                self._done.errback()
+                return
+            if data is None:
+                self._done.callback(None)
+                return
+            consumer.write(data)
+
+    def pauseProducing(self) -> None:
+        self._paused = True
+
+    def resumeProducing(self) -> None:
+        if self._paused:
+            self._paused = False
+            self._produce()
+
+    def stopProducing(self) -> None:
+        # (IBodyProducer: the Deferred of startProducing never fires then.)
+        self._stopped = True
 
 
 @attrs.define(eq=False)
@@ -77,6 +220,8 @@ class GatewayLink:
     The gateway's node routes, as one node uses them.
 
     @ivar node_id: sent with each result (C{X-KCoral-Result-Node}).
+    @ivar run_blocking: runs a blocking call in the server's thread pool
+        (the wait for a large blob's hash); C{None}: here.
     @ivar retries: further attempts of a result post after a connection failure.
     @ivar retry_delay: seconds before the first retry; doubled after each.
     @ivar response_timeout: seconds to wait for a response's head.
@@ -85,6 +230,7 @@ class GatewayLink:
     _http: HTTPClient
     _clock: IReactorTime
     node_id: str
+    run_blocking: Callable[..., Deferred[Any]] | None = None
     retries: int = 3
     retry_delay: float = 0.5
     response_timeout: float = 60.0
@@ -94,9 +240,10 @@ class GatewayLink:
     def _auth(self, job: JobMessage) -> dict[str, str]:
         return {"Authorization": f"Bearer {job.token}"}
 
-    async def fetch_blob(self, job: JobMessage, ref: BlobRef) -> bytes:
+    async def fetch_blob(self, job: JobMessage, ref: BlobRef) -> bytes | SharedBuffer:
         """
-        The bytes of C{ref}, fetched with C{job}'s token and checked.
+        The bytes of C{ref} (a sealed shared buffer when large), fetched
+        with C{job}'s token and checked.
 
         @raise BlobRefused: not served (a non-200), or not the announced
             size and SHA-256.
@@ -108,17 +255,25 @@ class GatewayLink:
             reactor=cast(Any, self._clock),
             # The token goes to the gateway and nowhere else.
             allow_redirects=False,
+            # Streamed into the writer below, not collected first.
+            unbuffered=True,
         )
         if response.code != 200:
             await response.content()
             raise BlobRefused(ref.sha256, f"the gateway answered {response.code}")
-        collector = _Hashing(ref)
-        await treq.collect(response, collector)
-        return collector.result()
+        receiver = _BlobReceiver(ref, self._clock, self.run_blocking)
+        response.deliverBody(receiver)
+        blob = await receiver.done
+        if blob.shared is not None:
+            return blob.shared
+        try:
+            return blob.read()
+        finally:
+            blob.close()
 
-    async def post_result(self, job: JobMessage, response: LocalResponse) -> int:
+    async def post_result(self, job: JobMessage, answer: Answer) -> int:
         """
-        Post C{response} as C{job}'s result; the gateway's status code.
+        Post C{answer} as C{job}'s result; the gateway's status code.
 
         A refused connection or a dropped one is retried (C{retries} times,
         with doubling delays); an answer of any status is not.
@@ -126,25 +281,25 @@ class GatewayLink:
         @raise ResultNotDelivered: every attempt failed to connect.
         """
         headers = result_headers(
-            response.status,
-            response.content_type,
-            retry_after=response.retry_after,
+            answer.status,
+            answer.content_type,
+            retry_after=answer.headers.get("Retry-After"),
             node=self.node_id,
         )
         headers.update(self._auth(job))
         delay = self.retry_delay
         for attempt in range(self.retries + 1):
             try:
-                answer = await self._http.post(
+                answered = await self._http.post(
                     job.result_url(),
-                    data=response.body,
+                    data=_body(answer),
                     headers=_h(headers),
                     timeout=self.response_timeout,
                     reactor=cast(Any, self._clock),
                     allow_redirects=False,
                 )
-                await answer.content()
-                return int(answer.code)
+                await answered.content()
+                return int(answered.code)
             except Exception as e:
                 if attempt == self.retries:
                     raise ResultNotDelivered(
@@ -162,12 +317,21 @@ class GatewayLink:
         raise AssertionError("unreachable")
 
 
+def _body(answer: Answer) -> bytes | ChunksProducer:
+    """
+    A result post's body: small bytes as they are, a body with sealed
+    buffers streamed from them (a fresh producer for each attempt).
+    """
+    body = answer.body
+    if isinstance(body, bytes):
+        return body
+    if all(isinstance(chunk, bytes) for chunk in body):
+        return b"".join(cast(list[bytes], body))
+    return ChunksProducer(body)
+
+
 def _nothing() -> None:
     return None
-
-
-#: What a blob fetch looks like to the runner (L{GatewayLink.fetch_blob}).
-FetchBlob = Callable[[JobMessage, BlobRef], Any]
 
 
 def _h(headers: dict[str, str]) -> Headers:

@@ -1,24 +1,28 @@
 #!/usr/bin/env python3
 """
-What a joined node's loopback hop costs (issue 37, node side).
+A joined node's pool path against direct /execute (issue 37, node side).
 
-A node that joins a pool (C{kcoral server --join}) runs each job by POSTing
-it to its own C{/execute} on loopback (kcoral/server/join/local.py), so a
-job takes exactly the path a client's request takes.  This measures, on a
-CPU node with a null program, one request at a time on one keep-alive
-connection:
+A node that joins a pool (C{kcoral server --join}) runs each job through
+its server's execute pipeline in process (kcoral/server/join/runner.py):
+no loopback HTTP request, the blobs it lacks streamed into its caches,
+the result posted streamed from the worker's buffers.  This measures, on
+a CPU node with a null program, one request at a time:
 
-  - C{health_ms}: C{GET /health} on loopback, the HTTP round trip with a
-    trivial handler (an upper bound on what calling the handler in process
-    would save);
-  - C{execute_ms}: C{POST /execute} of the null program on loopback (what a
-    client next to the node would see);
-  - C{pool_ms}: the whole pool path without the gateway's client side: a job
-    published on NATS (L{kcoral.testing.pool.PoolStandIn}) until its result
-    is posted back: pull, claim, loopback /execute, result POST.
+  - C{health_ms}: C{GET /health} on loopback, one HTTP round trip with a
+    trivial handler (what the loopback hop the node no longer takes cost);
+  - C{execute_ms}: C{POST /execute} of the null program on loopback, on
+    one keep-alive connection (what a client next to the node sees);
+  - C{pool_ms}: the whole pool path without the gateway's client side: a
+    job published on NATS (L{kcoral.testing.pool.PoolStandIn}) until its
+    result is posted back: pull, claim, the in-process pipeline, result
+    POST (the stand-in's own NATS client and HTTP server included);
+  - C{node_ms}: the node's own part of it, claim to result posted (the
+    C{elapsed_ms} of its C{join_job_finished} events).
 
-Prints p50/p99 of each and writes C{bench/results/node_loopback.json} (or
-C{--output}).  Needs nats-server (Debian: C{apt-get install nats-server}).
+Prints p50/p99 of each and C{pool_ms} p50 less C{execute_ms} p50, and
+writes C{bench/results/node_loopback.json} (or C{--output}).  Needs
+nats-server (C{--nats-server PATH}, else the one on C{PATH}; Debian:
+C{apt-get install nats-server}).
 
     python3 bench/node_loopback.py --requests 300
 """
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -44,16 +49,33 @@ SOURCE = "def noop():\n    return None\n"
 PROGRAM = common.module_program(SOURCE, [("noop", [], False)])
 
 
+def node_elapsed(log_dir: Path, jobs: set[str]) -> list[float]:
+    """The C{elapsed_ms} of the node's C{join_job_finished} events of C{jobs}."""
+    (run,) = (log_dir / "runs").iterdir()
+    found = []
+    for line in (run / "events.jsonl").read_text().splitlines():
+        event = json.loads(line)
+        if event.get("event") == "join_job_finished" and event.get("job") in jobs:
+            found.append(float(event["elapsed_ms"]))
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--nats-server", help="the nats-server executable [default: on PATH]")
     parser.add_argument(
         "--output", default=str(Path(__file__).parent / "results" / "node_loopback.json")
     )
     args = parser.parse_args()
+    if args.nats_server:
+        os.environ["PATH"] = (
+            str(Path(args.nats_server).resolve().parent) + os.pathsep + os.environ["PATH"]
+        )
 
     with tempfile.TemporaryDirectory() as tmp, NatsServer(node_ids=("bench-node",)) as nats:
+        log_dir = Path(tmp) / "logs"
         with PoolStandIn(nats) as pool:
             node = ServerProcess(
                 [
@@ -62,7 +84,7 @@ def main() -> None:
                     "--sandbox",
                     "none",
                     "--log-dir",
-                    "",
+                    str(log_dir),
                     "--disk-cache-dir",
                     "",
                     "--num-workers",
@@ -95,6 +117,7 @@ def main() -> None:
                         execute.append(reply.wall_ms)
                 conn.close()
                 pooled: list[float] = []
+                measured: set[str] = set()
                 text = json.dumps(PROGRAM)
                 for i in range(args.warmup + args.requests):
                     started = time.perf_counter()
@@ -105,18 +128,26 @@ def main() -> None:
                         raise RuntimeError(result.body[:200])
                     if i >= args.warmup:
                         pooled.append(elapsed)
+                        measured.add(job.job)
             finally:
                 node.stop()
-    summary = {
+            own = node_elapsed(log_dir, measured)
+    summary: dict[str, object] = {
         "requests": args.requests,
+        "path": "in-process",
         "health_ms": common.describe(health),
         "execute_ms": common.describe(execute),
         "pool_ms": common.describe(pooled),
+        "node_ms": common.describe(own),
     }
-    for key in ("health_ms", "execute_ms", "pool_ms"):
+    for key in ("health_ms", "execute_ms", "pool_ms", "node_ms"):
         stats = summary[key]
         assert isinstance(stats, dict)
         print(f"{key:11s} p50 {stats['p50']:7.3f}  p99 {stats['p99']:7.3f}")
+    pool_p50 = summary["pool_ms"]["p50"]  # type: ignore[index]
+    execute_p50 = summary["execute_ms"]["p50"]  # type: ignore[index]
+    summary["pool_over_execute_p50_ms"] = round(pool_p50 - execute_p50, 3)
+    print(f"pool path over direct /execute: {summary['pool_over_execute_p50_ms']:+.3f} ms p50")
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(summary, indent=2) + "\n")

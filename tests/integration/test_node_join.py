@@ -12,8 +12,10 @@ says.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import signal
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -25,7 +27,7 @@ import pytest
 
 from kcoral.gateway.jobs import JOB_SUBJECTS, NODES_BUCKET, job_subject, node_inbox
 from kcoral.gateway.natsbridge import load_credentials
-from kcoral.testing.live_server import ServerProcess
+from kcoral.testing.live_server import Response, ServerProcess, request
 from kcoral.testing.nats import NatsServer
 from kcoral.testing.pool import PoolStandIn
 
@@ -40,6 +42,15 @@ MARK = (
     "    with open(path, 'a') as out:\n"
     "        out.write(f'{tag} {os.getpid()}\\n')\n"
     "    return len(b)\n"
+)
+
+#: Waits until a file exists, then returns its argument.
+GATE = (
+    "import os, time\n"
+    "def f(path, tag):\n"
+    "    while not os.path.exists(path):\n"
+    "        time.sleep(0.02)\n"
+    "    return tag\n"
 )
 
 #: Sleeps, then appends its tag.
@@ -175,7 +186,11 @@ def test_job_runs_with_blob_from_gateway(
     second = pool.publish(program(MARK, [str(out), "two"], blob), presence.compat, blobs=[blob])
     assert pool.wait_result(second.job).json()["status"] == "COMPLETED"
     assert second.job not in pool.fetches
-    assert marks(out) == ["one", "two"]
+    # The fetched blob is in the server's own cache: a direct request that
+    # names it without sending it runs (no CACHE_MISS).
+    direct = node_a.execute(program(MARK, [str(out), "three"], blob))
+    assert direct.json()["status"] == "COMPLETED"
+    assert marks(out) == ["one", "two", "three"]
 
 
 def test_cancelled_claim_never_runs(
@@ -366,7 +381,7 @@ def test_node_with_tokens_runs_jobs(
 ) -> None:
     """
     A node whose port wants bearer tokens (--auth-token-file) still runs
-    its pool's jobs: it sends its own /execute the file's first token.
+    its pool's jobs: they run in process, not through its port.
     """
     tokens = tmp_path / "tokens"
     tokens.write_text("operator s3cret-token-for-the-test\n")
@@ -390,4 +405,140 @@ def test_node_with_tokens_runs_jobs(
         assert result.node == "node-c"
         assert marks(out) == ["tok"]
     finally:
+        node.stop()
+
+
+def completed(node: ServerProcess) -> float:
+    """The node's C{kcoral_requests_total{outcome="completed"}} (every front end)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = request(node.port, "GET", "/metrics")
+    assert response.status == 200
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(response.body.decode())
+        for sample in family.samples
+        if sample.name == "kcoral_requests_total" and sample.labels["outcome"] == "completed"
+    )
+
+
+def request_events(log_dir: Path, request_id: str) -> list[dict[str, Any]]:
+    runs = list((log_dir / "runs").iterdir())
+    assert len(runs) == 1, runs
+    lines = (runs[0] / "events.jsonl").read_text().splitlines()
+    return [e for e in map(json.loads, lines) if e.get("request_id") == request_id]
+
+
+def test_job_runs_in_process_like_a_request(
+    nats_server: NatsServer, pool: PoolStandIn, tmp_path: Path
+) -> None:
+    """
+    A pool job goes through the node's own /execute pipeline in process:
+    the node's log has the request events a direct request has (received,
+    accepted, routed, finished), under the job's request id, and its
+    /metrics counts the job as it counts a direct request.
+    """
+    log_dir = tmp_path / "logs"
+    node = start_node(nats_server, "node-c", tmp_path / "node.log", "--log-dir", str(log_dir))
+    try:
+        presence = pool.wait_presence("node-c")
+        out = tmp_path / "runs"
+        before = completed(node)
+        job = pool.publish(
+            program(MARK, [str(out), "job"], b"j"),
+            presence.compat,
+            blobs=[b"j"],
+            prefer="node-c",
+            prefer_for=120,
+        )
+        result = pool.wait_result(job.job)
+        assert result.status == 200 and result.json()["request_id"] == job.request_id
+        direct = node.execute(program(MARK, [str(out), "direct"], b"d"), [b"d"])
+        assert direct.json()["status"] == "COMPLETED"
+        assert completed(node) == before + 2
+        direct_id = direct.json()["request_id"]
+
+        def both_finished() -> Any:
+            found = [request_events(log_dir, rid) for rid in (job.request_id, direct_id)]
+            finished = all(any(e["event"] == "request_finished" for e in f) for f in found)
+            return found if finished else None
+
+        job_events, direct_events = wait_for(both_finished, what="both requests' events")
+        names = [e["event"] for e in job_events if e["event"].startswith("request_")]
+        assert names == [e["event"] for e in direct_events if e["event"].startswith("request_")]
+        # Around them, the node's own: claimed, then finished and posted.
+        assert [e["event"] for e in job_events if e["event"].startswith("join_")] == [
+            "join_job_claimed",
+            "join_job_finished",
+        ]
+        for name in ("request_received", "request_accepted", "request_routed"):
+            assert name in names
+        received = next(e for e in job_events if e["event"] == "request_received")
+        assert received["via"] == "join"
+        finished = next(e for e in job_events if e["event"] == "request_finished")
+        assert finished["finish_reason"] == "completed"
+        assert marks(out) == ["job", "direct"]
+    finally:
+        node.stop()
+
+
+def test_program_error_answered_as_direct(
+    node_a: ServerProcess, pool: PoolStandIn, tmp_path: Path
+) -> None:
+    """
+    A program the pipeline refuses (a 4xx) is answered exactly as a direct
+    /execute of it is: the same status, content type and ERROR body.
+    """
+    presence = pool.wait_presence("node-a")
+    bad = {"instructions": [{"op": "no-such-op", "id": "x"}]}
+    job = pool.publish(bad, presence.compat)
+    result = pool.wait_result(job.job)
+    direct = node_a.execute(bad)
+    assert 400 <= direct.status < 500
+    assert (result.status, result.content_type) == (
+        direct.status,
+        direct.headers["content-type"],
+    )
+    body = result.json()
+    assert body["request_id"] == job.request_id
+    body["request_id"] = direct.json()["request_id"]
+    assert body == direct.json()
+
+
+def test_free_seats_are_the_pools(
+    nats_server: NatsServer, pool: PoolStandIn, tmp_path: Path
+) -> None:
+    """
+    A node of one seat advertises no free seat while a direct request holds
+    it, and pulls no job meanwhile; once the seat frees it says so and
+    takes the job.
+    """
+    node = start_node(nats_server, "node-c", tmp_path / "node.log", "--num-workers", "1")
+    gate = tmp_path / "gate"
+    try:
+        presence = pool.wait_presence("node-c")
+        assert (presence.seats, presence.free) == (1, 1)
+        answers: list[Response] = []
+        direct = threading.Thread(
+            target=lambda: answers.append(node.execute(program(GATE, [str(gate), "direct"])))
+        )
+        direct.start()
+        wait_for(lambda: pool.presence()["node-c"].free == 0, what="no free seat")
+        job = pool.publish(
+            program(GATE, [str(gate), "job"]), presence.compat, prefer="node-c", prefer_for=120
+        )
+        # Two more presence puts: the node has had its chances to pull.
+        seen = pool.presence()["node-c"].at
+        wait_for(lambda: pool.presence()["node-c"].at > seen + 1.5, what="two presence puts")
+        assert pool.claim_of(job.job) is None
+        assert pool.queued() == 1
+        gate.touch()
+        direct.join(60)
+        assert answers[0].json()["results"]["r"]["value"] == "direct"
+        result = pool.wait_result(job.job)
+        assert result.json()["results"]["r"]["value"] == "job"
+        assert result.node == "node-c"
+        wait_for(lambda: pool.presence()["node-c"].free == 1, what="the seat free again")
+    finally:
+        gate.touch()
         node.stop()

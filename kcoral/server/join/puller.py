@@ -21,7 +21,8 @@ pulls again.  Each job it gets:
   4. otherwise the node creates the job's claim: only the first claim
      wins, so a job runs at most once, and a job the gateway cancelled
      (its C{{"cancelled": true}} claim came first) never runs;
-  5. the message is acknowledged, and the job runs if the claim was won.
+  5. the message is acknowledged, and the job runs if the claim was won
+     (without waiting for the acknowledgement).
 
 When the queue fails (NATS lost), the loop waits with a doubling backoff
 and tries again; jobs already running carry on and post their results
@@ -273,8 +274,11 @@ class JobPuller:
             )
             await self._settle(delivery.nak(0.0), "nak")
             return
-        await self._settle(delivery.ack(), "ack")
+        # The claim decides who runs the job; the acknowledgement only takes
+        # the message off the queue, so the job does not wait for it.
+        acked = Deferred.fromCoroutine(self._settle(delivery.ack(), "ack"))
         if not won:
+            await acked
             self.counts["lost"] += 1
             self.log.info(
                 "job {job}: claimed elsewhere or cancelled; skipped",
@@ -292,6 +296,7 @@ class JobPuller:
             node=self.node_id,
         )
         await self.run_job(job, seated)
+        await acked
 
     async def _settle(self, d: Deferred[None], what: str) -> None:
         try:

@@ -30,6 +30,7 @@ from kcoral.server.join.options import JoinListenError, check_join_endpoints
 from kcoral.server.join.presence import PresenceAnnouncer
 from kcoral.server.join.puller import JobPuller
 from kcoral.server.join.queue import Delivery, IJobQueue
+from kcoral.server.join.service import free_seats
 from kcoral.server.join.transfer import BlobRefused, ChunksProducer, GatewayLink
 
 NOW = 1_000_000.0
@@ -345,6 +346,31 @@ class PullerTests(SynchronousTestCase):
         runs.finish("j1")
         self.successResultOf(stopped)
         self.assertEqual(len(queue.fetches), 2)
+
+
+@attrs.define
+class _Seat:
+    status: str
+
+
+@attrs.define
+class _Pool:
+    seats: list[_Seat]
+    queue_length: int = 0
+    closing: bool = False
+
+
+class FreeSeatsTests(SynchronousTestCase):
+    def test_idle_seats_no_waiter_is_owed(self) -> None:
+        """Idle seats count, less the requests waiting for one; busy, replacing, dead ones do not."""
+        pool = _Pool([_Seat(s) for s in ("idle", "busy", "idle", "replacing", "dead", "idle")])
+        self.assertEqual(free_seats(cast(Any, pool)), 3)
+        pool.queue_length = 2
+        self.assertEqual(free_seats(cast(Any, pool)), 1)
+        pool.queue_length = 5
+        self.assertEqual(free_seats(cast(Any, pool)), 0)
+        pool.queue_length, pool.closing = 0, True
+        self.assertEqual(free_seats(cast(Any, pool)), 0)
 
 
 class PresenceTests(SynchronousTestCase):

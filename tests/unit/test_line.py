@@ -52,6 +52,27 @@ class WaitingLineTests(SynchronousTestCase):
         self.line.serve(Offers("x").take)
         self.assertEqual(self.successResultOf(first), "x")
 
+    def test_offered_listeners_told_after_serving(self) -> None:
+        """
+        Listeners hear of each offer once the line has taken what it
+        wants; one that fails is logged and the others still hear.
+        """
+        heard: list[int] = []
+        first = self.line.join(10, "a")
+
+        def broken() -> None:
+            raise RuntimeError("listener bug")
+
+        self.line.offered += [lambda: heard.append(len(self.line)), broken]
+        self.line.offered.append(lambda: heard.append(-1))
+        self.line.serve(Offers("x", "y").take)
+        self.assertEqual(self.successResultOf(first), "x")
+        self.assertEqual(heard, [0, -1])
+        self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 1)
+        self.line.serve(Offers().take)
+        self.assertEqual(heard, [0, -1, 0, -1])
+        self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 1)
+
     def test_timeout(self) -> None:
         """A waiter not served within its timeout fails with PoolBusy."""
         waiting = self.line.join(5)

@@ -9,7 +9,7 @@ worker up, owed to no queued request), less the jobs this node holds
 that have not reached the seat line yet (being claimed, or fetching
 their blobs).  A seat that a direct request takes, or whose worker is
 being replaced, is not free; the pool says when one frees
-(L{kcoral.server.workers.pool.WorkerPool.seat_listeners}) and the loop
+(L{kcoral.server.workers.line.WaitingLine.offered}) and the loop
 pulls again.  Each job it gets:
 
   1. a malformed message is dropped (C{term});

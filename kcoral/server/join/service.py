@@ -43,11 +43,24 @@ from kcoral.server.join.transfer import GatewayLink
 
 if TYPE_CHECKING:
     from kcoral.server.http.app import KcoralAPI
+    from kcoral.server.workers.pool import WorkerPool
 
-__all__ = ["JoinRefused", "JoinService", "probe_credentials"]
+__all__ = ["JoinRefused", "JoinService", "free_seats", "probe_credentials"]
 
 #: Seconds between attempts to bind the pool's consumers while it has none.
 PREPARE_RETRY_SECONDS = 2.0
+
+
+def free_seats(pool: WorkerPool) -> int:
+    """
+    The pool's seats that would take a program now: idle ones (their worker
+    up) that no queued request is owed.  A busy seat, or one whose worker
+    is being replaced, is not free.
+    """
+    if pool.closing:
+        return 0
+    idle = sum(1 for seat in pool.seats if seat.status == "idle")
+    return max(0, idle - pool.queue_length)
 
 
 class JoinRefused(Exception):
@@ -181,7 +194,7 @@ class JoinService(service.Service):
             self._reactor,
             self.node_id,
             seats,
-            lambda: workers.free_seats,
+            lambda: free_seats(workers),
             lambda job, seated: Deferred.fromCoroutine(runner.run(job, seated)),
             on_change=self.presence.changed,
             reprepare=self.queue.prepare,
@@ -219,7 +232,7 @@ class JoinService(service.Service):
             seats=self.puller.seats,
         )
         self.presence.start()
-        self.api.pool.seat_listeners.append(self.puller.seat_freed)
+        self.api.pool.line.offered.append(self.puller.seat_freed)
         self.puller.start()
 
     def _prepare_failed(self, failure: Failure) -> None:
@@ -269,8 +282,8 @@ class JoinService(service.Service):
         if self._prepare_retry is not None and self._prepare_retry.active():
             self._prepare_retry.cancel()
         if self.puller is not None:
-            if self.puller.seat_freed in self.api.pool.seat_listeners:
-                self.api.pool.seat_listeners.remove(self.puller.seat_freed)
+            if self.puller.seat_freed in self.api.pool.line.offered:
+                self.api.pool.line.offered.remove(self.puller.seat_freed)
             running = self.puller.busy
             if running:
                 self.log.info(

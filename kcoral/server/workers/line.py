@@ -19,6 +19,7 @@ from typing import Generic, TypeVar
 import attrs
 from twisted.internet.defer import Deferred, fail
 from twisted.internet.interfaces import IDelayedCall
+from twisted.logger import Logger
 
 from kcoral.server.workers.reactor import Clock
 
@@ -68,6 +69,12 @@ class WaitingLine(Generic[T]):
     limit: int = 0
     _waiters: deque[_Waiter[T]] = attrs.field(factory=deque)
     closed: bool = False
+    #: Called after each L{serve} (the pool offered a seat): what the line
+    #: did not take is free now (a joined node pulls a job for it,
+    #: L{kcoral.server.join.puller}).
+    offered: list[Callable[[], None]] = attrs.field(factory=list)
+
+    log = Logger()
 
     def __len__(self) -> int:
         return len(self._waiters)
@@ -116,6 +123,11 @@ class WaitingLine(Generic[T]):
             self._leave(head)
             given.chainDeferred(head.deferred)
             served += 1
+        for listener in list(self.offered):
+            try:
+                listener()
+            except Exception:
+                self.log.failure("a listener of the waiting line failed")
         return served
 
     def close(self) -> None:

@@ -100,9 +100,6 @@ class WorkerPool:
     )
     #: Retired workers not gone yet (their teardown or exit in progress).
     _retiring: set[WorkerHandle] = attrs.field(factory=set)
-    #: Called each time a seat becomes idle (a joined node then pulls a
-    #: job for it, L{kcoral.server.join.puller}).
-    seat_listeners: list[Callable[[], None]] = attrs.field(factory=list)
 
     log = Logger()
 
@@ -168,7 +165,6 @@ class WorkerPool:
         self._idle = list(reversed(self.seats))
         for gpu in self._groups():
             self.warm.fill(gpu)
-        self._seat_freed()
 
     @property
     def templates(self) -> WorkerTemplates:
@@ -619,14 +615,6 @@ class WorkerPool:
         seat.status = "idle"
         self._idle.append(seat)
         self.line.serve(self._serve_waiter)
-        self._seat_freed()
-
-    def _seat_freed(self) -> None:
-        for listener in list(self.seat_listeners):
-            try:
-                listener()
-            except Exception:
-                self.log.failure("seat listener failed")
 
     def _serve_waiter(self, client: str | None) -> Deferred[Seat] | None:
         """An idle seat for the head of the line (L{WaitingLine.serve}), if any."""
@@ -638,13 +626,6 @@ class WorkerPool:
     @property
     def queue_length(self) -> int:
         return len(self.line)
-
-    @property
-    def free_seats(self) -> int:
-        """Seats that would take a request now: idle ones no queued request is owed."""
-        if self.closing:
-            return 0
-        return max(0, len(self._idle) - len(self.line))
 
     @property
     def capacity(self) -> int:

@@ -505,6 +505,18 @@ def test_program_error_answered_as_direct(
     assert body == direct.json()
 
 
+def seen_free(pool: PoolStandIn, node: str) -> int | None:
+    """The free seats of C{node}'s presence key (C{None}: not read this time)."""
+    presence = pool.presence().get(node)
+    return None if presence is None else presence.free
+
+
+def seen_at(pool: PoolStandIn, node: str) -> float:
+    """When C{node} last put its presence key (0: not read this time)."""
+    presence = pool.presence().get(node)
+    return 0.0 if presence is None else presence.at
+
+
 def test_free_seats_are_the_pools(
     nats_server: NatsServer, pool: PoolStandIn, tmp_path: Path
 ) -> None:
@@ -523,13 +535,13 @@ def test_free_seats_are_the_pools(
             target=lambda: answers.append(node.execute(program(GATE, [str(gate), "direct"])))
         )
         direct.start()
-        wait_for(lambda: pool.presence()["node-c"].free == 0, what="no free seat")
+        wait_for(lambda: seen_free(pool, "node-c") == 0, what="no free seat")
         job = pool.publish(
             program(GATE, [str(gate), "job"]), presence.compat, prefer="node-c", prefer_for=120
         )
         # Two more presence puts: the node has had its chances to pull.
-        seen = pool.presence()["node-c"].at
-        wait_for(lambda: pool.presence()["node-c"].at > seen + 1.5, what="two presence puts")
+        seen = wait_for(lambda: seen_at(pool, "node-c"), what="the presence key")
+        wait_for(lambda: seen_at(pool, "node-c") > seen + 1.5, what="two presence puts")
         assert pool.claim_of(job.job) is None
         assert pool.queued() == 1
         gate.touch()
@@ -538,7 +550,7 @@ def test_free_seats_are_the_pools(
         result = pool.wait_result(job.job)
         assert result.json()["results"]["r"]["value"] == "job"
         assert result.node == "node-c"
-        wait_for(lambda: pool.presence()["node-c"].free == 1, what="the seat free again")
+        wait_for(lambda: seen_free(pool, "node-c") == 1, what="the seat free again")
     finally:
         gate.touch()
         node.stop()

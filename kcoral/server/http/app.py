@@ -518,7 +518,7 @@ class KcoralAPI:
             self._idle_waiters.append(d)
         return d
 
-    def _finished(self, request_id: str, http_status: int, reason: str, **fields: Any) -> None:
+    def _finished(self, request_id: str, http_status: int, reason: str, **fields: object) -> None:
         self.log.emit(
             event_level_for_finish_reason(reason),
             "request {request_id} finished: {finish_reason} ({http_status})",

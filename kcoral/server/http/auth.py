@@ -20,11 +20,10 @@ import hmac
 import ipaddress
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 import attrs
 from twisted.web.iweb import IRequest
-from twisted.web.resource import Resource
+from twisted.web.resource import IResource, Resource
 
 from kcoral.server.http.component import IKcoralRequest
 from kcoral.wire.errors import REQUEST_KIND_HEADERS, choose_request_id, error_body
@@ -118,7 +117,7 @@ class TokenGuard(Resource):
 
     isLeaf = True
 
-    def __init__(self, inner: Any, tokens: Tokens, *, public_metrics: bool = False) -> None:
+    def __init__(self, inner: IResource, tokens: Tokens, *, public_metrics: bool = False) -> None:
         super().__init__()
         self._inner = inner
         self._tokens = tokens
@@ -133,7 +132,7 @@ class TokenGuard(Resource):
         """
         return path not in self._open and self._tokens.client_for(authorization) is None
 
-    def render(self, request: IRequest) -> Any:
+    def render(self, request: IRequest) -> bytes | int:
         if request.path not in self._open:
             name = self._tokens.client_for(request.getHeader(b"authorization"))
             if name is None:

@@ -13,8 +13,6 @@ client, a full server); L{error_json} the protocol's ERROR body.
 
 from __future__ import annotations
 
-from typing import Any
-
 from twisted.logger import Logger, LogLevel
 
 from kcoral.wire.errors import REQUEST_KIND_HEADERS, choose_request_id, error_body, status_error
@@ -66,7 +64,7 @@ def log_refusal(
     )
 
 
-def peer_host(transport: Any) -> str | None:
+def peer_host(transport: object) -> str | None:
     """The client's IP address on C{transport} (C{None} for a UNIX socket)."""
     peer = getattr(transport, "getPeer", None)
     host = getattr(peer(), "host", None) if peer is not None else None

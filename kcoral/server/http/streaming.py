@@ -49,12 +49,12 @@ class DirectSocket:
     be the body itself (a C{Content-Length}, not chunked).
     """
 
-    def __init__(self, request: Any, transport: tcp.Connection) -> None:
+    def __init__(self, request: Request, transport: tcp.Connection) -> None:
         self._request = request
         self._transport = transport
 
     @classmethod
-    def of(cls, request: Any) -> DirectSocket | None:
+    def of(cls, request: object) -> DirectSocket | None:
         """The direct socket of C{request}, or C{None} (TLS, a wrapper, no C{sendfile})."""
         channel = request.channel if isinstance(request, Request) else None
         transport = None if channel is None else channel.transport

@@ -432,11 +432,9 @@ def ensure_reference_site(site: str) -> None:
 def measure_reference(args: argparse.Namespace) -> dict[str, Any]:
     from kcoral.testing.live_server import free_port, request
 
-    if args.ref_site:
-        ensure_reference_site(args.ref_site)
-
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "KCORAL_"))}
+    env["TVM_FFI_DISABLE_TORCH_C_DLPACK"] = "1"  # (as the reference's own recipe runs it)
     python = [args.ref_python, "-P", "-s"]
     if args.ref_site:
         env["PYTHONPATH"] = args.ref_site
@@ -573,8 +571,9 @@ def main() -> int:
     parser.add_argument("--label", default="")
     parser.add_argument("--output", default=str(common.RESULTS / "compile_node.json"))
     args = parser.parse_args()
-    if args.ref_site and not args.ref_python:
-        args.ref_python = sys.executable
+    if args.ref_site:
+        ensure_reference_site(args.ref_site)  # (before anything is measured)
+        args.ref_python = args.ref_python or sys.executable
 
     pieces = measure_pieces(args)
     for label, stats in pieces.items():

@@ -140,6 +140,10 @@ def build_rules(allow: tuple[str, ...] = (), *, sockets: bool = True) -> object:
         rules.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
     if not sockets:
         rules.add_rule(sc.ERRNO(errno.EACCES), "socket")
+        if sc.resolve_syscall(sc.Arch.NATIVE, "socketcall") >= 0:
+            # (Where the C library can still make sockets through the
+            # multiplexer: s390x, and 32-bit architectures.)
+            rules.add_rule(sc.ERRNO(errno.EACCES), "socketcall")
     elif sc.resolve_syscall(sc.Arch.NATIVE, "socket") >= 0:
         no_family = sc.ERRNO(errno.EAFNOSUPPORT)
         for family in DENIED_FAMILIES.values():

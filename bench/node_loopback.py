@@ -17,7 +17,9 @@ a CPU node with a null program, one request at a time:
     result is posted back: pull, claim, the in-process pipeline, result
     POST (the stand-in's own NATS client and HTTP server included);
   - C{node_ms}: the node's own part of it, claim to result posted (the
-    C{elapsed_ms} of its C{join_job_finished} events).
+    C{elapsed_ms} of its C{join_job_finished} events), split into
+    C{node_answer_ms} (the in-process pipeline: seat, worker, rendering)
+    and C{node_post_ms} (the result POST to the stand-in).
 
 Prints p50/p99 of each and C{pool_ms} p50 less C{execute_ms} p50, and
 writes C{bench/results/node_loopback.json} (or C{--output}).  Needs
@@ -49,14 +51,18 @@ SOURCE = "def noop():\n    return None\n"
 PROGRAM = common.module_program(SOURCE, [("noop", [], False)])
 
 
-def node_elapsed(log_dir: Path, jobs: set[str]) -> list[float]:
-    """The C{elapsed_ms} of the node's C{join_job_finished} events of C{jobs}."""
+def node_times(log_dir: Path, jobs: set[str]) -> dict[str, list[float]]:
+    """
+    The C{elapsed_ms}, C{answer_ms} and C{post_ms} of the node's
+    C{join_job_finished} events of C{jobs}.
+    """
     (run,) = (log_dir / "runs").iterdir()
-    found = []
+    found: dict[str, list[float]] = {"elapsed_ms": [], "answer_ms": [], "post_ms": []}
     for line in (run / "events.jsonl").read_text().splitlines():
         event = json.loads(line)
         if event.get("event") == "join_job_finished" and event.get("job") in jobs:
-            found.append(float(event["elapsed_ms"]))
+            for key, values in found.items():
+                values.append(float(event[key]))
     return found
 
 
@@ -131,19 +137,21 @@ def main() -> None:
                         measured.add(job.job)
             finally:
                 node.stop()
-            own = node_elapsed(log_dir, measured)
+            own = node_times(log_dir, measured)
     summary: dict[str, object] = {
         "requests": args.requests,
         "path": "in-process",
         "health_ms": common.describe(health),
         "execute_ms": common.describe(execute),
         "pool_ms": common.describe(pooled),
-        "node_ms": common.describe(own),
+        "node_ms": common.describe(own["elapsed_ms"]),
+        "node_answer_ms": common.describe(own["answer_ms"]),
+        "node_post_ms": common.describe(own["post_ms"]),
     }
-    for key in ("health_ms", "execute_ms", "pool_ms", "node_ms"):
+    for key in ("health_ms", "execute_ms", "pool_ms", "node_ms", "node_answer_ms", "node_post_ms"):
         stats = summary[key]
         assert isinstance(stats, dict)
-        print(f"{key:11s} p50 {stats['p50']:7.3f}  p99 {stats['p99']:7.3f}")
+        print(f"{key:14s} p50 {stats['p50']:7.3f}  p99 {stats['p99']:7.3f}")
     pool_p50 = summary["pool_ms"]["p50"]  # type: ignore[index]
     execute_p50 = summary["execute_ms"]["p50"]  # type: ignore[index]
     summary["pool_over_execute_p50_ms"] = round(pool_p50 - execute_p50, 3)

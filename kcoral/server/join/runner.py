@@ -81,11 +81,13 @@ class JobRunner:
         """
         started = self._clock.seconds()
         answer = await self.answer(job, admitted)
+        answered = self._clock.seconds()
         fields = {
             "job": job.job,
             "request_id": job.request_id,
             "status": answer.status,
             "bytes": answer.length,
+            "answer_ms": round((answered - started) * 1000.0, 3),
         }
         try:
             code = await self.link.post_result(job, answer)
@@ -109,6 +111,7 @@ class JobRunner:
             kcoral_event=event,
             gateway_status=code,
             elapsed_ms=round((self._clock.seconds() - started) * 1000.0, 3),
+            post_ms=round((self._clock.seconds() - answered) * 1000.0, 3),
             **fields,
         )
 

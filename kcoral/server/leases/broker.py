@@ -222,7 +222,7 @@ class LeaseBroker:
     def _release_when_gone(self, holder: RemoteHolder) -> None:
         assert holder.pid is not None
         if _alive(holder.pid):
-            self.arbiter._clock.callLater(ORPHAN_POLL_SECONDS, self._release_when_gone, holder)
+            self.arbiter.clock.callLater(ORPHAN_POLL_SECONDS, self._release_when_gone, holder)
             return
         self.arbiter.abandon(holder)
         self.changed()
@@ -234,7 +234,7 @@ class LeaseBroker:
         grant it wakes are one push).
         """
         if self._push is None or not self._push.active():
-            self._push = self.arbiter._clock.callLater(0, self._push_state)
+            self._push = self.arbiter.clock.callLater(0, self._push_state)
 
     def _push_state(self) -> None:
         state = self.state(full=False)

@@ -290,6 +290,11 @@ class LeaseBook(ABC):
         self._released(grant, self._labels.pop(holder, None))
         return grant
 
+    @property
+    def clock(self) -> IReactorTime:
+        """The clock the book's times are read on (a broker times its pushes by it)."""
+        return self._clock
+
     def close(self) -> None:
         """Refuse new requests (shutdown); grants and waiters already queued stand."""
         self.closed = True

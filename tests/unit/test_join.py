@@ -375,7 +375,10 @@ class FreeSeatsTests(SynchronousTestCase):
 
 class PresenceTests(SynchronousTestCase):
     def test_put_every_interval_and_on_change(self) -> None:
-        """The key is put at start, every second, and when the free seats change; deleted at stop."""
+        """
+        The key is put at start, every second, and when the free seats
+        change (at most every min_gap seconds); deleted at stop.
+        """
         clock = Clock()
         queue = FakeQueue("node-a")
         free = [2]
@@ -385,14 +388,30 @@ class PresenceTests(SynchronousTestCase):
         self.assertEqual(len(queue.presences), 1)
         clock.advance(1.0)
         self.assertEqual(len(queue.presences), 2)
+        # No change: no put.
+        announcer.changed()
+        self.assertEqual(len(queue.presences), 2)
+        # A change right after a put waits out the gap, then puts once.
         free[0] = 1
         announcer.changed()
-        self.assertEqual(queue.presences[-1].free, 1)
+        free[0] = 0
+        announcer.changed()
+        self.assertEqual(len(queue.presences), 2)
+        clock.advance(0.1)
+        self.assertEqual([p.free for p in queue.presences], [2, 2, 0])
         self.assertEqual(queue.presences[-1].at, clock.seconds())
+        # A change after the gap is put at once.
+        clock.advance(0.5)
+        free[0] = 1
+        announcer.changed()
+        self.assertEqual([p.free for p in queue.presences], [2, 2, 0, 1])
+        # A change whose put is still waiting when the node stops is dropped.
+        free[0] = 2
+        announcer.changed()
         self.successResultOf(announcer.stop())
         self.assertEqual(queue.deleted, 1)
         clock.advance(5.0)
-        self.assertEqual(len(queue.presences), 3)
+        self.assertEqual(len(queue.presences), 4)
         self.assertEqual(clock.getDelayedCalls(), [])
 
 

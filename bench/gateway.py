@@ -36,7 +36,6 @@ import hashlib
 import os
 import random
 import shutil
-import signal
 import sys
 import tempfile
 import threading
@@ -50,9 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import common  # noqa: E402
 
-from kcoral.testing.gateway import GatewayProcess  # noqa: E402
-from kcoral.testing.live_server import ServerProcess  # noqa: E402
-from kcoral.testing.nats import NatsServer  # noqa: E402
+from kcoral.testing.gateway import GatewayPool  # noqa: E402
 
 NULL = common.module_program("def noop():\n    return None\n", [("noop", [], False)])
 
@@ -70,16 +67,32 @@ MARK_SOURCE = (
 ECHO_SOURCE = "def echo(x):\n    return bytes(x)\n"
 
 
-class Pool:
-    """nats-server, a gateway and joined CPU nodes, on loopback."""
+class Pool(GatewayPool):
+    """nats-server, a gateway and joined CPU nodes, on loopback (L{GatewayPool})."""
 
     def __init__(self, args: argparse.Namespace, tmp: Path) -> None:
+        limit = str(args.big_mib * 1024 * 1024 + 16 * 1024 * 1024)
+        limits = ["--max-request-bytes", limit, "--max-response-bytes", limit]
+        super().__init__(
+            tmp,
+            [f"node-{i}" for i in range(args.max_nodes)],
+            gateway_args=[
+                *limits,
+                "--queue-timeout",
+                "120",
+                "--front-ends",
+                str(args.front_ends),
+            ],
+            node_args=[
+                "--max-requests-per-worker",
+                "0",
+                "--sandbox",
+                args.sandbox,
+                *limits,
+            ],
+            node_timeout=180,
+        )
         self.args = args
-        self.tmp = tmp
-        self.node_ids = [f"node-{i}" for i in range(args.max_nodes)]
-        self.nats = NatsServer(node_ids=self.node_ids, directory=tmp / "nats")
-        self.gateway: GatewayProcess | None = None
-        self.nodes: dict[str, ServerProcess] = {}
         self.free_ids = list(self.node_ids)
 
     def start(self) -> Pool:
@@ -87,91 +100,14 @@ class Pool:
             os.environ["PATH"] = (
                 str(Path(self.args.nats_server).resolve().parent) + os.pathsep + os.environ["PATH"]
             )
-        self.nats.start()
-        limit = str(self.args.big_mib * 1024 * 1024 + 16 * 1024 * 1024)
-        self.gateway = GatewayProcess(
-            self.nats.url,
-            self.nats.credentials_file("gateway"),
-            args=[
-                "--max-request-bytes",
-                limit,
-                "--max-response-bytes",
-                limit,
-                "--queue-timeout",
-                "120",
-            ],
-            log_path=self.tmp / "gateway.log",
-        ).start()
+        super().start()
         return self
-
-    @property
-    def port(self) -> int:
-        assert self.gateway is not None
-        return self.gateway.port
 
     def add_node(self) -> str:
         node_id = self.free_ids.pop(0)
-        limit = str(self.args.big_mib * 1024 * 1024 + 16 * 1024 * 1024)
-        server = ServerProcess(
-            [
-                "--device",
-                "cpu",
-                "--num-workers",
-                str(self.args.node_workers),
-                "--max-requests-per-worker",
-                "0",
-                "--sandbox",
-                self.args.sandbox,
-                "--log-dir",
-                "",
-                "--max-request-bytes",
-                limit,
-                "--max-response-bytes",
-                limit,
-                "--join",
-                self.nats.url,
-                "--node-id",
-                node_id,
-                "--credentials",
-                str(self.nats.credentials_file(node_id)),
-            ],
-            log_path=self.tmp / f"{node_id}.log",
-        )
-        self.nodes[node_id] = server.start(timeout=180)
+        self.node(node_id, seats=self.args.node_workers, wait=False)
         self.wait_nodes(len(self.nodes))
         return node_id
-
-    def wait_nodes(self, count: int) -> None:
-        assert self.gateway is not None
-        self.gateway.wait_for_nodes(count, timeout=120)
-
-    def kill_node(self, node_id: str) -> None:
-        import psutil
-
-        server = self.nodes.pop(node_id)
-        assert server.process is not None
-        try:
-            tree = psutil.Process(server.process.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            tree = []
-        server.process.send_signal(signal.SIGKILL)
-        server.process.wait()
-        for child in tree:
-            try:
-                child.kill()
-            except psutil.NoSuchProcess:
-                pass
-
-    def stop_node(self, node_id: str) -> None:
-        self.nodes.pop(node_id).stop()
-
-    def stop(self) -> None:
-        for server in self.nodes.values():
-            server.stop()
-        self.nodes.clear()
-        if self.gateway is not None:
-            self.gateway.stop()
-        self.nats.cleanup()
 
 
 def null_one(conn: common.Connection, _i: int) -> float:
@@ -345,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
         "--phases", default="latency,kills,bigblob,throughput", help="comma-separated phases"
     )
     parser.add_argument("--node-workers", type=int, default=2, help="--num-workers of each node")
+    parser.add_argument(
+        "--front-ends", type=int, default=1, help="the gateway's --front-ends (processes)"
+    )
     parser.add_argument("--sandbox", default="none", help="--sandbox of each node")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--sequential", type=int, default=200)

@@ -1,7 +1,11 @@
 # kcoral-gateway.tac: run `kcoral gateway` with twistd (docs/gateway.md).
 #
-#     twistd -ny kcoral-gateway.tac      (foreground)
-#     twistd -y kcoral-gateway.tac       (daemon; logs to twistd.log)
+#     twistd -r asyncio -ny kcoral-gateway.tac      (foreground)
+#     twistd -r asyncio -y kcoral-gateway.tac       (daemon; logs to twistd.log)
+#
+# `-r asyncio` runs nats-py on the reactor's own loop, as `kcoral gateway`
+# does; without it the gateway still works, with a thread between the
+# reactor and NATS (slower: docs/gateway.md).
 #
 # Edit the values below; every GatewayConfig field not named keeps its
 # default.  Flags of `kcoral gateway` do not apply here: this file is the

@@ -18,7 +18,6 @@ C{POST /_pool/jobs/<job>/result} takes the node's response
 
 from __future__ import annotations
 
-import datetime
 import hmac
 import io
 import os
@@ -52,22 +51,17 @@ from kcoral.gateway.jobs import (
 )
 from kcoral.gateway.pool import PoolView
 from kcoral.gateway.relay import STREAM_RESULT_BYTES, ResultRelay
-from kcoral.server.http.app import (
-    INLINE_PARSE_BYTES,
-    BlobResolver,
-    Parsed,
-    _finish_parse,
-    _parse_body,
-    _settle_streamed,
-    _streamed_result,
-)
+from kcoral.server.http.app import BlobResolver
 from kcoral.server.http.component import IKcoralRequest
+from kcoral.server.http.pipeline import RequestPipeline
+from kcoral.server.http.pipeline import header as _header
+from kcoral.server.http.pipeline import iso_utc as _iso_utc
+from kcoral.server.http.pipeline import response_request_id as _response_request_id
 from kcoral.server.http.request import LimitedRequest
 from kcoral.server.http.site import KcoralSite
 from kcoral.server.http.streaming import BodyProducer, DirectSocket
-from kcoral.server.observe.logs import event_level_for_finish_reason
 from kcoral.server.workers.pool import PoolBusy
-from kcoral.wire.errors import REQUEST_KIND_HEADERS, choose_request_id, error_body
+from kcoral.wire.errors import choose_request_id, error_body
 from kcoral.wire.jsontext import json_dumps
 from kcoral.wire.multipart import RequestTooLarge, check_tensor_lengths
 from kcoral.wire.program import ValidationError
@@ -82,11 +76,6 @@ INLINE_RELAY_BYTES = 1 << 20
 
 #: Statuses of the gateway's own refusals (the reference router's kinds).
 GATEWAY_KINDS = {"busy": (503, "busy"), "node_lost": (502, "server_transport")}
-
-
-def _iso_utc(timestamp: float) -> str:
-    moment = datetime.datetime.fromtimestamp(timestamp, datetime.timezone.utc)
-    return moment.isoformat().replace("+00:00", "Z")
 
 
 def _pool_job(path: bytes) -> str | None:
@@ -231,10 +220,13 @@ class GatewaySettings:
     max_request_bytes: int
     default_timeout: float
     max_timeout: float
+    #: This process's place among the gateway's front ends (L{kcoral.gateway.frontends}).
+    front_end: int = 0
+    front_ends: int = 1
 
 
 @attrs.define(eq=False)
-class GatewayAPI:
+class GatewayAPI(RequestPipeline):
     """The routes, bound to one gateway's state."""
 
     settings: GatewaySettings
@@ -290,6 +282,12 @@ class GatewayAPI:
                 "pool": summary,
                 "compat_classes": sorted(classes),
                 "nodes": nodes,
+                "front_end": {
+                    "index": self.settings.front_end,
+                    "count": self.settings.front_ends,
+                    "pid": os.getpid(),
+                    "public_url": self.settings.public_url,
+                },
                 "outcomes": dict(sorted(self.dispatcher.counts.items())),
                 "requests": dict(sorted(self.requests.items())),
             },
@@ -297,12 +295,7 @@ class GatewayAPI:
 
     @app.route("/health", methods=["GET"])
     def _health(self, request: IRequest) -> bytes:
-        request.setHeader(b"Content-Type", b"application/json")
-        request.setHeader(b"X-Request-ID", str(uuid.uuid4()).encode())
-        health = self.health()
-        if health["status"] != "ok":
-            request.setResponseCode(503)
-        return json_dumps(health)
+        return self.health_answer(request)
 
     @app.route("/status.json", methods=["GET"])
     def _status_json(self, request: IRequest) -> bytes:
@@ -457,41 +450,8 @@ class GatewayAPI:
         finally:
             body.close()
 
-    async def _parse(self, request: IRequest) -> Parsed:
-        """The request's program and blobs (as L{kcoral.server.http.app.KcoralAPI} parses them)."""
-        from twisted.internet.interfaces import IReactorFromThreads
-        from twisted.internet.threads import deferToThreadPool
-
-        state = IKcoralRequest(request)
-        if state.too_large:
-            raise RequestTooLarge()
-        if state.over_capacity:
-            raise PoolBusy("server saturated")
-        threads = IReactorFromThreads(self._reactor)
-        streamed = state.body_parser
-        if streamed is not None:
-            if streamed.settling:
-                settled: Parsed = await deferToThreadPool(
-                    threads, self._threadpool, _settle_streamed, streamed
-                )
-                return settled
-            parts = _streamed_result(streamed)
-            if len(parts.program) <= INLINE_PARSE_BYTES:
-                return _finish_parse(parts, streamed.received)
-            finished: Parsed = await deferToThreadPool(
-                threads, self._threadpool, _finish_parse, parts, streamed.received
-            )
-            return finished
-        content_type = request.getHeader(b"content-type")
-        arguments = (
-            request.content,
-            content_type.decode("latin-1") if isinstance(content_type, bytes) else None,
-            self.settings.max_request_bytes,
-        )
-        if state.body_bytes is not None and state.body_bytes <= INLINE_PARSE_BYTES:
-            return _parse_body(*arguments)
-        parsed: Parsed = await deferToThreadPool(threads, self._threadpool, _parse_body, *arguments)
-        return parsed
+    def max_request_bytes(self) -> int:
+        return self.settings.max_request_bytes
 
     # -- node-facing ------------------------------------------------------------
 
@@ -632,24 +592,11 @@ class GatewayAPI:
                 "unhandled error in request {request_id}", failure, request_id=request_id
             )
             error = RequestError("engine", "internal server error", "server_error")
-        self._finished(request_id, error.status, error.finish_reason, **error.fields)
-        request.setResponseCode(error.status)
-        request.setHeader(b"Content-Type", b"application/json")
-        for name, value in REQUEST_KIND_HEADERS.get(error.kind, {}).items():
-            request.setHeader(name.encode(), value.encode())
-        return error.body(request_id)
+        return self.error_answer(request, request_id, error)
 
     def _finished(self, request_id: str, http_status: int, reason: str, **fields: Any) -> None:
         self.requests[reason] = self.requests.get(reason, 0) + 1
-        self.log.emit(
-            event_level_for_finish_reason(reason),
-            "request {request_id} finished: {finish_reason} ({http_status})",
-            kcoral_event="request_finished",
-            request_id=request_id,
-            http_status=http_status,
-            finish_reason=reason,
-            **fields,
-        )
+        super()._finished(request_id, http_status, reason, **fields)
 
 
 class _SpooledFile:
@@ -703,22 +650,6 @@ def _preferred(request: IRequest) -> str | None:
     """The node a client asks for (C{X-KCoral-Node}), when it is a node id."""
     value = _header(request, NODE_HEADER)
     return value if value is not None and valid_id(value) else None
-
-
-def _header(request: IRequest, name: bytes) -> str | None:
-    value = request.getHeader(name)
-    if value is None:
-        return None
-    return value.decode("latin-1") if isinstance(value, bytes) else str(value)
-
-
-def _response_request_id(request: IRequest) -> str:
-    values = request.responseHeaders.getRawHeaders(b"X-Request-ID")
-    if values:
-        return values[0].decode("ascii")
-    request_id = str(uuid.uuid4())
-    request.setHeader(b"X-Request-ID", request_id.encode())
-    return request_id
 
 
 def status_page(health: dict[str, Any]) -> bytes:

@@ -27,11 +27,13 @@ from twisted.python.threadpool import ThreadPool
 from kcoral.config import ServerConfig
 from kcoral.gateway.api import GatewayAPI, GatewaySettings, GatewaySite, PoolGuard
 from kcoral.gateway.dispatch import Dispatcher
+from kcoral.gateway.frontends import FrontEndsService, endpoint_port, node_port, node_url
 from kcoral.gateway.jobs import DEFAULT_PRESENCE_TIMEOUT, Claim, Presence
 from kcoral.gateway.natsbridge import NatsBridge, NatsCredentials, load_credentials
 from kcoral.gateway.natsqueue import NatsJobQueue
 from kcoral.gateway.pool import PoolView
 from kcoral.server.cache import BlobStore, DiskFileCache, MemoryBlobCache
+from kcoral.server.frontends import listen_reusing_port
 from kcoral.server.http.accept import AcceptGuard, raise_fd_limit
 from kcoral.server.http.site import listen_all
 
@@ -90,6 +92,13 @@ class GatewayConfig:
     default_timeout_seconds: float = _SERVER_DEFAULTS.default_timeout_seconds
     max_timeout_seconds: float = _SERVER_DEFAULTS.max_timeout_seconds
     node_name: str = "kcoral-gateway"
+    #: Gateway processes sharing the client port (L{kcoral.gateway.frontends}).
+    front_ends: int = field(default=1, validator=[instance_of(int), ge(1)])
+    #: Which of them this process is (0: the first, which starts the others).
+    front_end_index: int = field(default=0, validator=[instance_of(int), ge(0)])
+    #: With several front ends: front end I{i}'s node port is this + I{i}
+    #: (C{None}: the client port + 1).
+    node_port: int | None = None
 
 
 def _tls_context(ca_file: Path | None) -> ssl.SSLContext | None:
@@ -109,6 +118,10 @@ class GatewayService(MultiService):
         self._reactor = reactor
         self.threadpool = ThreadPool(minthreads=0, maxthreads=4, name="kcoral-gateway-io")
         self.pool = PoolView(presence_timeout=config.presence_timeout)
+        several = config.front_ends > 1
+        public_url = config.public_url
+        if several:
+            public_url = node_url(public_url, node_port(config))
         self.bridge = NatsBridge(
             reactor,
             list(config.nats_urls),
@@ -132,18 +145,20 @@ class GatewayService(MultiService):
             queue_timeout=config.queue_timeout,
             result_grace=config.result_grace,
         )
-        memory = MemoryBlobCache(config.cache_capacity_bytes)
+        memory = MemoryBlobCache(config.cache_capacity_bytes // config.front_ends)
         disk = DiskFileCache(config.disk_cache_dir, config.disk_cache_mbytes)
         self.blobs = BlobStore(memory, disk, self.threadpool, reactor)
         self.api = GatewayAPI(
             settings=GatewaySettings(
-                public_url=config.public_url,
+                public_url=public_url,
                 queue_size=config.queue_size,
                 queue_timeout=config.queue_timeout,
                 preference_window=config.preference_window,
                 max_request_bytes=config.max_request_bytes,
                 default_timeout=config.default_timeout_seconds,
                 max_timeout=config.max_timeout_seconds,
+                front_end=config.front_end_index,
+                front_ends=config.front_ends,
             ),
             dispatcher=self.dispatcher,
             pool=self.pool,
@@ -172,6 +187,10 @@ class GatewayService(MultiService):
         self.site.guard = self.guard
         self.site.relay_result = self.api.relay_result
         self.ports: list[Any] = []
+        #: The other front ends, in the first of several (started once it listens).
+        self.front_ends: FrontEndsService | None = None
+        if several and config.front_end_index == 0:
+            self.front_ends = FrontEndsService(config, reactor)
         self._guards: list[AcceptGuard] = []
         self._depth_call: Any = None
         #: Fires once the gateway listens (twistd ignores startService's result).
@@ -245,7 +264,10 @@ class GatewayService(MultiService):
         connected.addCallbacks(self._nats_ready, self._nats_failed)
         self.dispatcher.start()
         raise_fd_limit()
-        self.ports = await listen_all(self._reactor, config.endpoints, self.site)
+        if config.front_ends > 1:
+            self.ports = self._listen_shared()
+        else:
+            self.ports = await listen_all(self._reactor, config.endpoints, self.site)
         for port in self.ports:
             accepting = AcceptGuard.install(port, self.site, self._reactor)
             if accepting is not None:
@@ -256,8 +278,26 @@ class GatewayService(MultiService):
                 kcoral_event="server_listening",
                 host=getattr(address, "host", None),
                 port=getattr(address, "port", None),
-                public_url=config.public_url,
+                public_url=self.api.settings.public_url,
+                front_end=config.front_end_index,
             )
+        if self.front_ends is not None:
+            self.front_ends.startService()
+
+    def _listen_shared(self) -> list[Any]:
+        """The client port shared with the other front ends, and this one's node port."""
+        config = self.config
+        first = config.front_end_index == 0
+        shared = listen_reusing_port(self._reactor, config.endpoints[0], self.site, first)
+        interface, _ = endpoint_port(config.endpoints[0])
+        try:
+            own = self._reactor.listenTCP(
+                node_port(config), self.site, backlog=1024, interface=interface
+            )
+        except BaseException:
+            shared.stopListening()
+            raise
+        return [shared, own]
 
     def _nats_ready(self, _: object) -> None:
         self.log.info(
@@ -291,6 +331,8 @@ class GatewayService(MultiService):
         return Deferred.fromCoroutine(self._stop())
 
     async def _stop(self) -> None:
+        if self.front_ends is not None and self.front_ends.running:
+            await self.front_ends.stopService()
         await maybeDeferred(super().stopService)
         if self._depth_call is not None and self._depth_call.active():
             self._depth_call.cancel()

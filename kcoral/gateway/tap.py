@@ -134,6 +134,21 @@ class Options(usage.Options):
             None,
             "The pool-wide disk file cache's directory [default: none].",
         ],
+        [
+            "front-ends",
+            None,
+            1,
+            "Gateway processes sharing the client port (plain TCP only).",
+            _integer("front-ends"),
+        ],
+        [
+            "node-port",
+            None,
+            None,
+            "With --front-ends N: front end i's own port for nodes is this + i "
+            "[default: the client port + 1].",
+            _integer("node-port"),
+        ],
     ]
 
     def __init__(self) -> None:
@@ -168,6 +183,14 @@ class Options(usage.Options):
         if self["queue-size"] < 1:
             raise usage.UsageError("--queue-size must be at least 1")
         descriptions = self["listen"] or [endpoint_description(self["host"], self["port"])]
+        if self["front-ends"] < 1:
+            raise usage.UsageError("--front-ends must be at least 1")
+        if self["front-ends"] > 1 and (
+            len(descriptions) != 1 or not descriptions[0].lower().startswith(("tcp:", "tcp6:"))
+        ):
+            raise usage.UsageError("--front-ends needs exactly one plain TCP port (no ssl:, unix:)")
+        if self["node-port"] is not None and not 1 <= self["node-port"] <= 65535:
+            raise usage.UsageError("--node-port must be between 1 and 65535")
         endpoints = tuple(with_backlog(d, 1024) for d in descriptions)
         public_url = self["public-url"] or _public_url(descriptions[0], self["host"])
         if not public_url.startswith(("http://", "https://")):
@@ -215,6 +238,8 @@ class Options(usage.Options):
                 disk_cache_dir=None
                 if self["disk-cache-dir"] is None
                 else Path(self["disk-cache-dir"]),
+                front_ends=self["front-ends"],
+                node_port=self["node-port"],
                 **optional,
             )
         except (TypeError, ValueError) as e:

@@ -2,18 +2,18 @@
 """
 Helpers for tests and benchmarks of C{kcoral gateway}:
 L{FakeJobQueue}, an in-memory L{kcoral.gateway.dispatch.IJobQueue} for
-unit tests, and L{GatewayProcess}, a real gateway subprocess on a free
-loopback port.
+unit tests; L{GatewayProcess}, a real gateway subprocess on a free
+loopback port; and L{GatewayPool}, a real nats-server, a gateway and the
+CPU nodes that join it (the integration tests' fixture and
+C{bench/gateway.py}'s pool).
 """
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +23,16 @@ from zope.interface import implementer
 
 from kcoral.gateway.dispatch import IJobQueue, QueueRefused
 from kcoral.gateway.jobs import Claim
-from kcoral.testing.live_server import free_port, request
+from kcoral.testing.live_server import (
+    ServerProcess,
+    free_port,
+    request,
+    spawn_kcoral,
+    wait_until_up,
+)
+from kcoral.testing.nats import NatsServer
 
-__all__ = ["FakeJobQueue", "GatewayProcess"]
+__all__ = ["FakeJobQueue", "GatewayPool", "GatewayProcess"]
 
 
 @implementer(IJobQueue)
@@ -106,42 +113,59 @@ class GatewayProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 60.0, *, wait_for_nodes: int = 0) -> GatewayProcess:
-        env = dict(os.environ)
-        root = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        argv = [
-            sys.executable,
-            "-m",
-            "kcoral",
-            "gateway",
-            "--nats",
-            self.nats_url,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            *(["--nats-credentials", str(self.credentials)] if self.credentials else []),
-            *self.args,
-        ]
-        output = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        try:
-            self.process = subprocess.Popen(argv, env=env, stdout=output, stderr=subprocess.STDOUT)
-        finally:
-            if self.log_path:
-                output.close()  # type: ignore[union-attr]
+        self.process = spawn_kcoral(
+            [
+                "gateway",
+                "--nats",
+                self.nats_url,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                *(["--nats-credentials", str(self.credentials)] if self.credentials else []),
+                *self.args,
+            ],
+            log_path=self.log_path,
+            append=True,
+            preexec_fn=None,
+        )
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"gateway exited with {self.process.returncode} during start")
+        try:
+            wait_until_up(
+                self.process,
+                lambda: len(self.health()["gateway"]["nodes"]) >= wait_for_nodes,
+                deadline,
+                "gateway",
+            )
+            # With several front ends, the first answers before the others
+            # listen: wait until the kernel has handed a connection to each.
+            wait_until_up(
+                self.process,
+                lambda: len(self.front_ends_answering(10)) >= self.front_ends,
+                deadline,
+                "gateway",
+            )
+        except TimeoutError:
+            self.stop()
+            raise RuntimeError("gateway did not answer /health in time") from None
+        return self
+
+    @property
+    def front_ends(self) -> int:
+        """The C{--front-ends} count in L{args} (1 without the flag)."""
+        args = list(self.args)
+        return int(args[args.index("--front-ends") + 1]) if "--front-ends" in args else 1
+
+    def front_ends_answering(self, tries: int) -> dict[int, dict[str, Any]]:
+        """Each front end's C{/health} seen from C{tries} new connections, by index."""
+        seen: dict[int, dict[str, Any]] = {}
+        for _ in range(tries):
             try:
                 health = self.health()
-                if len(health["gateway"]["nodes"]) >= wait_for_nodes:
-                    return self
-            except (OSError, ValueError, KeyError):
-                pass
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError("gateway did not answer /health in time")
+            except (OSError, ValueError):
+                continue
+            seen[health["gateway"]["front_end"]["index"]] = health
+        return seen
 
     def health(self) -> dict[str, Any]:
         result: dict[str, Any] = request(self.port, "GET", "/health", timeout=5).json()
@@ -175,3 +199,130 @@ class GatewayProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class GatewayPool:
+    """
+    A C{nats-server}, a gateway and nodes (C{kcoral server --join}), all
+    on loopback under C{tmp}; stopped in reverse.  C{gateway_args} go to
+    the gateway, C{node_args} to every node (before a node's own extras).
+    """
+
+    def __init__(
+        self,
+        tmp: Path,
+        node_ids: Sequence[str],
+        *,
+        gateway_args: Sequence[str] = (),
+        node_args: Sequence[str] = (),
+        node_timeout: float = 120.0,
+    ) -> None:
+        self.tmp = tmp
+        self.node_ids = list(node_ids)
+        self.nats = NatsServer(node_ids=self.node_ids, directory=tmp / "nats")
+        self.gateway: GatewayProcess | None = None
+        self.gateway_args = list(gateway_args)
+        self.node_args = list(node_args)
+        self.node_timeout = node_timeout
+        self.nodes: dict[str, ServerProcess] = {}
+
+    def start(self) -> GatewayPool:
+        self.nats.start()
+        self.gateway = GatewayProcess(
+            self.nats.url,
+            self.nats.credentials_file("gateway"),
+            args=self.gateway_args,
+            log_path=self.tmp / "gateway.log",
+        ).start()
+        return self
+
+    @property
+    def port(self) -> int:
+        assert self.gateway is not None
+        return self.gateway.port
+
+    @property
+    def url(self) -> str:
+        assert self.gateway is not None
+        return self.gateway.url
+
+    def node(
+        self, node_id: str, *, seats: int = 1, extra: Sequence[str] = (), wait: bool = True
+    ) -> ServerProcess:
+        """Start node C{node_id} (C{seats} CPU workers) and wait until the gateway sees it."""
+        server = ServerProcess(
+            [
+                "--device",
+                "cpu",
+                "--num-workers",
+                str(seats),
+                "--sandbox",
+                "none",
+                "--log-dir",
+                "",
+                *self.node_args,
+                "--join",
+                self.nats.url,
+                "--node-id",
+                node_id,
+                "--credentials",
+                str(self.nats.credentials_file(node_id)),
+                *extra,
+            ],
+            log_path=self.tmp / f"{node_id}.log",
+        )
+        self.nodes[node_id] = server.start(timeout=self.node_timeout)
+        if wait:
+            self.wait_for(lambda h: node_id in {n["node"] for n in h["gateway"]["nodes"]})
+        return server
+
+    def kill_node(self, node_id: str) -> None:
+        """SIGKILL the node and every process below it."""
+        import psutil
+
+        server = self.nodes.pop(node_id)
+        assert server.process is not None
+        try:
+            tree = psutil.Process(server.process.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            tree = []
+        server.process.send_signal(signal.SIGKILL)
+        server.process.wait()
+        for child in tree:
+            try:
+                child.kill()
+            except psutil.NoSuchProcess:
+                pass
+
+    def stop_node(self, node_id: str) -> None:
+        """Stop the node gracefully (SIGTERM)."""
+        self.nodes.pop(node_id).stop()
+
+    def health(self) -> dict[str, Any]:
+        assert self.gateway is not None
+        return self.gateway.health()
+
+    def wait_for(
+        self, condition: Callable[[dict[str, Any]], bool], timeout: float = 60.0
+    ) -> dict[str, Any]:
+        """The first C{/health} that meets C{condition}, asked every 0.1 s."""
+        deadline = time.monotonic() + timeout
+        while True:
+            health = self.health()
+            if condition(health):
+                return health
+            if time.monotonic() > deadline:
+                raise AssertionError(f"gateway never got there: {health['gateway']}")
+            time.sleep(0.1)
+
+    def wait_nodes(self, count: int, timeout: float = 120.0) -> dict[str, Any]:
+        """Wait until exactly C{count} nodes are present."""
+        return self.wait_for(lambda h: len(h["gateway"]["nodes"]) == count, timeout)
+
+    def stop(self) -> None:
+        for server in self.nodes.values():
+            server.stop()
+        self.nodes.clear()
+        if self.gateway is not None:
+            self.gateway.stop()
+        self.nats.cleanup()

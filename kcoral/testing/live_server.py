@@ -130,6 +130,58 @@ def _limited(fd_limit: int) -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (fd_limit, fd_limit))
 
 
+def spawn_kcoral(
+    argv: Sequence[str],
+    *,
+    env: dict[str, str] | None = None,
+    log_path: Path | None = None,
+    append: bool = False,
+    preexec_fn: Callable[[], None] | None = _interruptible,
+) -> subprocess.Popen[bytes]:
+    """
+    C{python -m kcoral ARGV...} from the checkout (or site-packages) that
+    holds this package, its output to C{log_path} (appended to with
+    C{append}) or nowhere.
+    """
+    env = dict(os.environ if env is None else env)
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    output = open(log_path, "ab" if append else "wb") if log_path else subprocess.DEVNULL
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-m", "kcoral", *argv],
+            env=env,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            preexec_fn=preexec_fn,
+        )
+    finally:
+        if log_path:
+            output.close()  # type: ignore[union-attr]
+
+
+def wait_until_up(
+    process: subprocess.Popen[bytes], ready: Callable[[], bool], deadline: float, what: str
+) -> None:
+    """
+    Ask C{ready()} every 0.1 s until it says yes (an L{OSError}, L{ValueError}
+    or L{KeyError} is a no).
+
+    @raise RuntimeError: the process exited first.
+    @raise TimeoutError: C{deadline} (monotonic) passed first.
+    """
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} exited with {process.returncode} during start")
+        try:
+            if ready():
+                return
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(what)
+
+
 @attrs.define
 class ServerProcess:
     """
@@ -148,44 +200,25 @@ class ServerProcess:
     fd_limit: int | None = None
 
     def start(self, timeout: float = 60.0) -> ServerProcess:
-        env = dict(os.environ if self.env is None else self.env)
-        # The checkout (or site-packages) that holds the kcoral package.
-        root = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        argv = [
-            sys.executable,
-            "-m",
-            "kcoral",
-            "server",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            *self.args,
-        ]
-        output = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
-        self.process = subprocess.Popen(
-            argv,
-            env=env,
-            stdout=output,
-            stderr=subprocess.STDOUT,
+        self.process = spawn_kcoral(
+            ["server", "--host", "127.0.0.1", "--port", str(self.port), *self.args],
+            env=self.env,
+            log_path=self.log_path,
             preexec_fn=_interruptible
             if self.fd_limit is None
             else partial(_limited, self.fd_limit),
         )
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"server exited with {self.process.returncode} during start")
-            try:
-                if request(self.port, "GET", "/health", timeout=2).status == 200:
-                    break
-            except OSError:
-                pass
-            time.sleep(0.1)
-        else:
+        try:
+            wait_until_up(
+                self.process,
+                lambda: request(self.port, "GET", "/health", timeout=2).status == 200,
+                deadline,
+                "server",
+            )
+        except TimeoutError:
             self.stop()
-            raise RuntimeError("server did not answer /health in time")
+            raise RuntimeError("server did not answer /health in time") from None
         # With several front ends, the first answers before the others
         # listen: wait until the kernel has handed a connection to each.
         while len(self.front_ends_answering(10)) < self.front_ends:

@@ -10,19 +10,18 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
 
-from kcoral.testing.gateway import GatewayProcess
-from kcoral.testing.live_server import ServerProcess, post_program
-from kcoral.testing.nats import NatsServer, nats_server_binary
+from kcoral.testing.gateway import GatewayPool, GatewayProcess
+from kcoral.testing.live_server import post_program
+from kcoral.testing.nats import nats_server_binary
 
 from .refclient import RefClientUnavailable, ensure_venv, run_client
 
@@ -57,102 +56,15 @@ def side_effect_program(path: Path, seconds: float) -> dict[str, Any]:
     }
 
 
-class Pool:
-    """A nats-server, a gateway and nodes, all on loopback; stopped in reverse."""
+class Pool(GatewayPool):
+    """The pool of these tests: nodes C{NODES}, a short presence timeout."""
 
     def __init__(self, tmp: Path, *gateway_args: str) -> None:
-        self.tmp = tmp
-        self.nats = NatsServer(node_ids=NODES, directory=tmp / "nats")
-        self.gateway: GatewayProcess | None = None
-        self.gateway_args = gateway_args
-        self.nodes: dict[str, ServerProcess] = {}
-
-    def start(self) -> Pool:
-        self.nats.start()
-        self.gateway = GatewayProcess(
-            self.nats.url,
-            self.nats.credentials_file("gateway"),
-            args=["--presence-timeout", str(PRESENCE_TIMEOUT), *self.gateway_args],
-            log_path=self.tmp / "gateway.log",
-        ).start()
-        return self
-
-    @property
-    def port(self) -> int:
-        assert self.gateway is not None
-        return self.gateway.port
-
-    @property
-    def url(self) -> str:
-        assert self.gateway is not None
-        return self.gateway.url
-
-    def node(self, node_id: str, *, seats: int = 1, extra: tuple[str, ...] = ()) -> ServerProcess:
-        """Start node C{node_id} and wait until the gateway sees it."""
-        assert self.gateway is not None
-        server = ServerProcess(
-            [
-                "--device",
-                "cpu",
-                "--num-workers",
-                str(seats),
-                "--sandbox",
-                "none",
-                "--log-dir",
-                "",
-                "--join",
-                self.nats.url,
-                "--node-id",
-                node_id,
-                "--credentials",
-                str(self.nats.credentials_file(node_id)),
-                *extra,
-            ],
-            log_path=self.tmp / f"{node_id}.log",
+        super().__init__(
+            tmp,
+            NODES,
+            gateway_args=["--presence-timeout", str(PRESENCE_TIMEOUT), *gateway_args],
         )
-        self.nodes[node_id] = server.start(timeout=120)
-        self.wait_for(lambda h: node_id in {n["node"] for n in h["gateway"]["nodes"]})
-        return server
-
-    def kill_node(self, node_id: str) -> None:
-        """SIGKILL the node and every process below it."""
-        server = self.nodes.pop(node_id)
-        assert server.process is not None
-        try:
-            tree = psutil.Process(server.process.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            tree = []
-        server.process.send_signal(signal.SIGKILL)
-        server.process.wait()
-        for child in tree:
-            try:
-                child.kill()
-            except psutil.NoSuchProcess:
-                pass
-
-    def health(self) -> dict[str, Any]:
-        assert self.gateway is not None
-        return self.gateway.health()
-
-    def wait_for(
-        self, condition: Callable[[dict[str, Any]], bool], timeout: float = 60.0
-    ) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while True:
-            health = self.health()
-            if condition(health):
-                return health
-            if time.monotonic() > deadline:
-                raise AssertionError(f"gateway never got there: {health['gateway']}")
-            time.sleep(0.1)
-
-    def stop(self) -> None:
-        for server in self.nodes.values():
-            server.stop()
-        self.nodes.clear()
-        if self.gateway is not None:
-            self.gateway.stop()
-        self.nats.cleanup()
 
 
 @pytest.fixture
@@ -381,13 +293,19 @@ def test_nats_restart_loses_no_queued_job(pool: Pool, tmp_path: Path) -> None:
         side_effect_program(marks, 0.0) for _ in range(3)
     ]
     results: list[Any] = []
-    runner = threading.Thread(target=lambda: results.extend(_run_concurrently(pool, programs)))
+    # The long one first, so the short ones queue behind it.
+    first = threading.Thread(target=lambda: results.extend(_run_concurrently(pool, programs[:1])))
+    first.start()
+    pool.wait_for(lambda h: h["load"]["requests_in_progress"] == 1)
+    runner = threading.Thread(target=lambda: results.extend(_run_concurrently(pool, programs[1:])))
     runner.start()
     pool.wait_for(
         lambda h: h["load"]["requests_in_progress"] == 1 and h["load"]["requests_waiting"] == 3
     )
     pool.nats.restart()
+    first.join()
     runner.join()
+    assert len(results) == 4
     for response in results:
         assert not isinstance(response, Exception), response
         assert response.status == 200, response.body
@@ -517,3 +435,40 @@ def test_gateway_restart_with_new_settings(pool: Pool, tmp_path: Path) -> None:
     assert health["gateway"]["queue_size"] == 16
     response = post_program(pool.port, side_effect_program(tmp_path / "marks", 0.0))
     assert response.status == 200 and response.json()["status"] == "COMPLETED"
+
+
+def test_front_ends_share_the_port_and_answer_their_own_jobs(tmp_path: Path) -> None:
+    """
+    C{--front-ends 2}: both processes answer on the client port, each
+    publishes its jobs with its own node port, so every node's result
+    reaches the process that holds the client; stopping the gateway stops
+    both.
+    """
+    pool = Pool(tmp_path, "--front-ends", "2").start()
+    try:
+        assert pool.gateway is not None
+        pool.node("node-a", seats=2)
+        seen = pool.gateway.front_ends_answering(20)
+        assert set(seen) == {0, 1}
+        places = [h["gateway"]["front_end"] for h in seen.values()]
+        assert len({p["public_url"] for p in places}) == 2
+        assert all(p["count"] == 2 for p in places)
+        other = next(p["pid"] for p in places if p["index"] == 1)
+        marks = tmp_path / "marks"
+        for _ in range(16):
+            # A fresh connection each: the kernel spreads them over both.
+            response = post_program(pool.port, side_effect_program(marks, 0))
+            assert response.status == 200, response.body[:300]
+            assert b"COMPLETED" in response.body
+        assert marks.read_text().count("ran") == 16
+        # Each front end's new /health: each relayed some of the 16.
+        for _ in range(100):
+            seen = pool.gateway.front_ends_answering(20)
+            if len(seen) == 2:
+                break
+        relayed = {i: h["gateway"]["requests"].get("relayed", 0) for i, h in seen.items()}
+        assert sum(relayed.values()) == 16, relayed
+        assert all(relayed.values()), relayed
+    finally:
+        pool.stop()
+    assert not psutil.pid_exists(other) or psutil.Process(other).status() == "zombie"

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 from twisted.application.service import IServiceMaker
 from twisted.internet.task import Clock
@@ -250,3 +251,49 @@ def test_command() -> None:
     [config] = seen
     assert config["nodaemon"] and config.subCommand == "kcoral-gateway"
     assert config.subOptions.config.public_url == "http://127.0.0.1:9123"
+
+
+def test_front_ends_config_and_urls(tmp_path: Path) -> None:
+    """
+    C{--front-ends N}: one plain TCP port; front end I{i}'s node URL is the
+    public URL on C{--node-port} + I{i} (default the client port + 1 + I{i});
+    the configuration travels to the others whole.
+    """
+    from kcoral.gateway.frontends import (
+        config_from_json,
+        config_to_json,
+        endpoint_port,
+        node_port,
+        node_url,
+    )
+
+    options = tap.Options()
+    options.parseOptions(
+        [
+            "--nats",
+            "nats://n:4222",
+            "--port",
+            "9000",
+            "--front-ends",
+            "3",
+            "--disk-cache-dir",
+            str(tmp_path),
+        ]
+    )
+    config = options.config
+    assert config.front_ends == 3 and config.node_port is None
+    assert endpoint_port(config.endpoints[0])[1] == 9000
+    assert node_port(config) == 9001
+    second = attrs.evolve(config, front_end_index=2, node_port=7000)
+    assert node_port(second) == 7002
+    assert config_from_json(config_to_json(second)) == second
+    assert node_url("https://gw.example:9000/", 9002) == "https://gw.example:9002"
+    assert node_url("http://[::1]:9000", 9001) == "http://[::1]:9001"
+    for refused in (
+        ["--front-ends", "0"],
+        ["--front-ends", "2", "--listen", "ssl:9443:privateKey=k.pem"],
+        ["--front-ends", "2", "--listen", "tcp:9000", "--listen", "tcp:9001"],
+        ["--node-port", "70000"],
+    ):
+        with pytest.raises(usage.UsageError):
+            tap.Options().parseOptions(["--nats", "nats://n:4222", *refused])

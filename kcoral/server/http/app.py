@@ -10,11 +10,10 @@ thread pool, programs run in worker processes.
 
 from __future__ import annotations
 
-import datetime
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Hashable, Mapping
-from typing import IO, TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import attrs
 from klein import Klein
@@ -30,13 +29,19 @@ from werkzeug.exceptions import HTTPException
 
 from kcoral.config import ServerConfig
 from kcoral.ipc.shared import SharedBuffer
-from kcoral.ipc.uploads import BlobStore, StreamedBody
 from kcoral.server.cache import Resolution
 from kcoral.server.http.component import IKcoralRequest
+from kcoral.server.http.pipeline import (
+    INLINE_PARSE_BYTES,
+    Parsed,
+    RequestPipeline,
+)
+from kcoral.server.http.pipeline import header as _header
+from kcoral.server.http.pipeline import iso_utc as _iso_utc
+from kcoral.server.http.pipeline import response_request_id as _response_request_id
 from kcoral.server.http.streaming import BodyProducer, DirectSocket, body_length, shared_bytes
 from kcoral.server.leases.lease import PURPOSES, Leases
 from kcoral.server.observe.health import merge_health
-from kcoral.server.observe.logs import event_level_for_finish_reason
 from kcoral.server.workers.job import Job, JobResult
 from kcoral.server.workers.pool import (
     STOPPING_MESSAGE,
@@ -55,16 +60,11 @@ from kcoral.wire.errors import (
 )
 from kcoral.wire.jsontext import json_dumps
 from kcoral.wire.multipart import (
-    ParsedRequest,
-    RequestBodyParser,
     RequestTooLarge,
-    boundary_from_content_type,
-    check_blob_references,
     check_tensor_lengths,
 )
 from kcoral.wire.program import (
     BUILTIN_NAMES,
-    Program,
     Upload,
     ValidationError,
     clamp_options,
@@ -85,25 +85,6 @@ if TYPE_CHECKING:
 _T = TypeVar("_T")
 
 __all__ = ["Answer", "BlobResolver", "FetchMissing", "KcoralAPI", "RequestError"]
-
-#: Bodies up to this size are parsed on the reactor thread; larger ones in
-#: the I/O thread pool.
-INLINE_PARSE_BYTES = 64 * 1024
-
-#: Bytes read from the spooled body per parser feed.
-READ_CHUNK = 256 * 1024
-
-
-@attrs.frozen
-class Parsed:
-    program: Program
-    program_bytes: bytes
-    #: Supplied blobs by digest: bytes when small, else the sealed shared
-    #: buffer the body streamed into (it goes to the cache and the worker
-    #: as it is).
-    blobs: dict[str, bytes | SharedBuffer]
-    request_bytes: int
-
 
 #: Gets the blobs, by digest, that the caches lack for an in-process
 #: request (L{KcoralAPI.execute_program}); raises a L{RequestError} when it
@@ -135,68 +116,6 @@ def _program_only(data: bytes) -> Parsed:
     """A request of a program's JSON and no blob parts, validated (any thread)."""
     program = parse_program(data, builtin_names=BUILTIN_NAMES)
     return Parsed(program, data, {}, len(data))
-
-
-def _iso_utc(timestamp: float) -> str:
-    moment = datetime.datetime.fromtimestamp(timestamp, datetime.timezone.utc)
-    return moment.isoformat().replace("+00:00", "Z")
-
-
-def _parse_body(content: IO[bytes], content_type: str | None, max_bytes: int) -> Parsed:
-    """Thread pool: stream the spooled body through the multipart parser."""
-    boundary = boundary_from_content_type(content_type)
-    parser = RequestBodyParser(boundary, max_bytes=max_bytes, new_blob=BlobStore())
-    total = 0
-    try:
-        content.seek(0)
-        while True:
-            chunk = content.read(READ_CHUNK)
-            if not chunk:
-                break
-            total += len(chunk)
-            parser.feed(chunk)
-        parsed = parser.close()
-    except BaseException:
-        _close_parser(parser)
-        raise
-    return _finish_parse(parsed, total)
-
-
-def _finish_parse(parsed: ParsedRequest, total: int) -> Parsed:
-    """Validate a parsed body's program and blobs (any thread)."""
-    blobs: dict[str, bytes | SharedBuffer] = {}
-    try:
-        program = parse_program(parsed.program, builtin_names=BUILTIN_NAMES)
-        check_blob_references(program, parsed.blobs)
-        for digest, blob in parsed.blobs.items():
-            blobs[digest] = blob.shared if blob.shared is not None else blob.read()
-        check_tensor_lengths(program, {d: len(b) for d, b in blobs.items()})
-    finally:
-        for blob in parsed.blobs.values():
-            blob.close()
-    return Parsed(program, parsed.program, blobs, total)
-
-
-def _streamed_result(streamed: StreamedBody) -> ParsedRequest:
-    """A streamed body's parts (any thread); no memfd to be had is the server being busy."""
-    try:
-        return streamed.result()
-    except OSError as e:
-        raise PoolBusy(f"server cannot hold the request body: {e}") from None
-
-
-def _settle_streamed(streamed: StreamedBody) -> Parsed:
-    """Thread pool: wait for a streamed body's blob threads, then validate it."""
-    return _finish_parse(_streamed_result(streamed), streamed.received)
-
-
-def _close_parser(parser: RequestBodyParser) -> None:
-    close = getattr(parser, "abort", None)
-    if close is not None:
-        try:
-            close()
-        except Exception:
-            pass
 
 
 def _shield(d: Deferred[_T], orphaned: Callable[[Failure], None]) -> Deferred[_T]:
@@ -232,7 +151,7 @@ class BlobResolver(Protocol):
 
 
 @attrs.define(eq=False)
-class KcoralAPI:
+class KcoralAPI(RequestPipeline):
     """The routes, bound to one server's state."""
 
     config: ServerConfig
@@ -340,13 +259,8 @@ class KcoralAPI:
 
     @app.route("/health", methods=["GET"])
     def _health(self, request: IRequest) -> bytes:
-        request.setHeader(b"Content-Type", b"application/json")
-        request.setHeader(b"X-Request-ID", str(uuid.uuid4()).encode())
-        health = self.health()
-        if health["status"] != "ok":
-            # A stopping server: load balancers take it out of rotation.
-            request.setResponseCode(503)
-        return json_dumps(health)
+        # A stopping server answers 503: load balancers take it out of rotation.
+        return self.health_answer(request)
 
     @app.route("/metrics", methods=["GET"])
     def _metrics(self, request: IRequest) -> bytes:
@@ -456,13 +370,7 @@ class KcoralAPI:
             # Routing errors (404, 405) keep Klein's answers.
             return fail(failure)
         request_id = _response_request_id(request)
-        error = self._request_error(request_id, failure)
-        self._finished(request_id, error.status, error.finish_reason, **error.fields)
-        request.setResponseCode(error.status)
-        request.setHeader(b"Content-Type", b"application/json")
-        for name, value in REQUEST_KIND_HEADERS.get(error.kind, {}).items():
-            request.setHeader(name.encode(), value.encode())
-        return error.body(request_id)
+        return self.error_answer(request, request_id, self._request_error(request_id, failure))
 
     def _orphaned(self, request_id: str, failure: Failure) -> None:
         """A request whose client left failed: log how it finished anyway."""
@@ -517,17 +425,6 @@ class KcoralAPI:
         else:
             self._idle_waiters.append(d)
         return d
-
-    def _finished(self, request_id: str, http_status: int, reason: str, **fields: object) -> None:
-        self.log.emit(
-            event_level_for_finish_reason(reason),
-            "request {request_id} finished: {finish_reason} ({http_status})",
-            kcoral_event="request_finished",
-            request_id=request_id,
-            http_status=http_status,
-            finish_reason=reason,
-            **fields,
-        )
 
     async def _handle(self, request: IRequest, request_id: str) -> Rendered:
         state = IKcoralRequest(request)
@@ -603,51 +500,8 @@ class KcoralAPI:
         finally:
             self._leave()
 
-    async def _parse(self, request: IRequest) -> Parsed:
-        """The request's program and blobs, parsed in the thread pool when large."""
-        state = IKcoralRequest(request)
-        if state.too_large:
-            raise RequestTooLarge()
-        if state.over_capacity:
-            # Too many request bytes already in flight (--max-bytes-in-flight).
-            raise PoolBusy("server saturated")
-        streamed = state.body_parser
-        if streamed is not None:
-            # The body was parsed and hashed as it arrived (kcoral.server.http.request).
-            if streamed.settling:
-                # A large blob's threads may still be on its last bytes:
-                # wait for them on a pool thread, not the reactor.
-                settled: Parsed = await deferToThreadPool(
-                    IReactorFromThreads(self._reactor),
-                    self._threadpool,
-                    _settle_streamed,
-                    streamed,
-                )
-                return settled
-            parsed_body = _streamed_result(streamed)
-            if len(parsed_body.program) <= INLINE_PARSE_BYTES:
-                return _finish_parse(parsed_body, streamed.received)
-            finished: Parsed = await deferToThreadPool(
-                IReactorFromThreads(self._reactor),
-                self._threadpool,
-                _finish_parse,
-                parsed_body,
-                streamed.received,
-            )
-            return finished
-        arguments = (
-            request.content,
-            _header(request, b"content-type"),
-            self.config.max_request_bytes,
-        )
-        if state.body_bytes is not None and state.body_bytes <= INLINE_PARSE_BYTES:
-            # A small body parses and hashes in well under a millisecond:
-            # cheaper here than a round trip through the thread pool.
-            return _parse_body(*arguments)
-        parsed: Parsed = await deferToThreadPool(
-            IReactorFromThreads(self._reactor), self._threadpool, _parse_body, *arguments
-        )
-        return parsed
+    def max_request_bytes(self) -> int:
+        return self.config.max_request_bytes
 
     async def _admit_and_run(self, request: IRequest, request_id: str) -> Rendered:
         parsed = await self._parse(request)
@@ -818,16 +672,6 @@ def _client_identity(request: IRequest) -> str | None:
     return state.peer
 
 
-def _response_request_id(request: IRequest) -> str:
-    """The C{X-Request-ID} this response carries; a fresh one if none yet."""
-    values = request.responseHeaders.getRawHeaders(b"X-Request-ID")
-    if values:
-        return values[0].decode("ascii")
-    request_id = str(uuid.uuid4())
-    request.setHeader(b"X-Request-ID", request_id.encode())
-    return request_id
-
-
 def _single_other_request(labels: set[str | None], request_id: str) -> str | None:
     """The one other request among lease labels, if exactly one held the GPU."""
     others = {
@@ -838,13 +682,6 @@ def _single_other_request(labels: set[str | None], request_id: str) -> str | Non
         and not (":" in label and label.partition(":")[0] in PURPOSES)
     }
     return others.pop() if len(others) == 1 else None
-
-
-def _header(request: IRequest, name: bytes) -> str | None:
-    value = request.getHeader(name)
-    if value is None:
-        return None
-    return value.decode("latin-1") if isinstance(value, bytes) else str(value)
 
 
 def _ms(seconds: float | None) -> float | None:

@@ -215,7 +215,7 @@ class KCoralService(service.MultiService):
                 # listens, stopped (its jobs finished) before it closes.
                 from kcoral.server.join.service import JoinService
 
-                join = JoinService(config, self._reactor, self.api, self.run_blocking)
+                join = JoinService(config, self._reactor, self.api, self.run_blocking, site)
                 children.append(_named(join, "join"))
         if self.topology.role == "alone" and self.leases.gpus and config.gpu_monitor_interval > 0:
             # NVML through a thread (kcoral.server.leases.monitor); with

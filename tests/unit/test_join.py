@@ -30,8 +30,10 @@ from kcoral.server.join.options import JoinListenError, check_join_endpoints
 from kcoral.server.join.presence import PresenceAnnouncer
 from kcoral.server.join.puller import JobPuller
 from kcoral.server.join.queue import Delivery, IJobQueue
+from kcoral.server.join.runner import JobRunner
 from kcoral.server.join.service import free_seats
 from kcoral.server.join.transfer import BlobRefused, ChunksProducer, GatewayLink
+from kcoral.server.workers.line import PoolBusy
 
 NOW = 1_000_000.0
 
@@ -570,6 +572,85 @@ class ChunksProducerTests(SynchronousTestCase):
         producer.resumeProducing()
         self.assertNoResult(done)
         self.assertEqual(consumer.writes, [b"head-"])
+
+
+@attrs.define
+class _Budget:
+    """A stand-in for the site's bytes in flight, with a cap."""
+
+    cap: int
+    bytes_in_flight: int = 0
+
+    def reserve_bytes(self, size: int, held: int) -> bool:
+        if self.bytes_in_flight + size > self.cap:
+            return False
+        self.bytes_in_flight += size
+        return True
+
+    def release_bytes(self, size: int) -> None:
+        self.bytes_in_flight -= size
+
+
+@attrs.define
+class _Pipeline:
+    """Asks for every blob of the job, then answers with a shared buffer."""
+
+    result: Any
+    errors: list[BaseException] = attrs.field(factory=list)
+
+    async def execute_program(
+        self, request_id: str, program: bytes, client: str | None, **kw: Any
+    ) -> Answer:
+        try:
+            await kw["fetch"]([hashlib.sha256(b"hello blob").hexdigest()])
+        except Exception as e:
+            self.errors.append(e)
+            return Answer(503, "application/json", b"{}", {"Retry-After": "1"})
+        return Answer(200, "multipart/mixed", [b"head", self.result])
+
+
+@attrs.define
+class _Link:
+    posts: list[Deferred[int]] = attrs.field(factory=list)
+
+    async def fetch_blob(self, job: JobMessage, ref: BlobRef) -> bytes:
+        return b"hello blob"
+
+    async def post_result(self, job: JobMessage, answer: Answer) -> int:
+        d: Deferred[int] = Deferred()
+        self.posts.append(d)
+        return await d
+
+
+class RunnerBytesTests(SynchronousTestCase):
+    message = JobMessage.decode(
+        job("j1", blobs=[BlobRef(sha256=hashlib.sha256(b"hello blob").hexdigest(), size=10)])
+    )
+
+    def runner(self, cap: int) -> tuple[JobRunner, _Budget, _Pipeline, _Link]:
+        budget, pipeline, gateway = _Budget(cap), _Pipeline(share(b"0123456789abcdef")), _Link()
+        runner = JobRunner(cast(Any, pipeline), cast(Any, gateway), Clock(), 1 << 20, budget)
+        return runner, budget, pipeline, gateway
+
+    def test_blobs_and_result_count_until_posted(self) -> None:
+        """Fetched blobs and the result's buffers hold bytes in flight until the post ends."""
+        runner, budget, pipeline, gateway = self.runner(cap=100)
+        d = Deferred.fromCoroutine(runner.run(self.message))
+        self.assertEqual(pipeline.errors, [])
+        self.assertEqual(budget.bytes_in_flight, 10 + 16)
+        gateway.posts[0].callback(204)
+        self.successResultOf(d)
+        self.assertEqual(budget.bytes_in_flight, 0)
+
+    def test_blobs_over_the_cap_are_busy(self) -> None:
+        """Blobs that do not fit are not fetched: the job is answered busy, nothing held."""
+        runner, budget, pipeline, gateway = self.runner(cap=5)
+        d = Deferred.fromCoroutine(runner.run(self.message))
+        (error,) = pipeline.errors
+        self.assertIsInstance(error, PoolBusy)
+        gateway.posts[0].callback(204)
+        self.successResultOf(d)
+        self.assertEqual(budget.bytes_in_flight, 0)
 
 
 class LoopbackOnlyTests(SynchronousTestCase):

@@ -30,6 +30,7 @@ from kcoral.gateway.jobs import JobMessage
 from kcoral.ipc.shared import SharedBuffer
 from kcoral.server.http.app import Answer, FetchMissing
 from kcoral.server.join.transfer import BlobRefused, GatewayLink
+from kcoral.server.workers.line import PoolBusy
 from kcoral.wire.errors import choose_request_id
 from kcoral.wire.multipart import RequestTooLarge
 from kcoral.wire.render import RequestError
@@ -39,6 +40,20 @@ __all__ = ["POOL_CLIENT", "JobRunner", "Pipeline"]
 #: The client every pool job runs as, for the reuse scope (the gateway does
 #: not pass its clients' identities on).
 POOL_CLIENT = "pool"
+
+
+class BytesInFlight(Protocol):
+    """
+    The server's bytes in flight (L{kcoral.server.http.site.KcoralSite}:
+    C{--max-bytes-in-flight}), which a job's fetched blobs and its result's
+    buffers count against as an upload's and a response's do.
+    """
+
+    bytes_in_flight: int
+
+    def reserve_bytes(self, size: int, held: int) -> bool: ...
+
+    def release_bytes(self, size: int) -> None: ...
 
 
 class Pipeline(Protocol):
@@ -64,12 +79,16 @@ class JobRunner:
     @ivar max_request_bytes: the node's C{--max-request-bytes}: a job whose
         program and missing blobs together exceed it is answered 413, as
         the upload of them would be.
+    @ivar in_flight: the server's bytes in flight: blobs to fetch that do
+        not fit are answered 503 (as an upload over the cap is), and a
+        result's shared buffers count until they are posted; C{None}: no cap.
     """
 
     pipeline: Pipeline
     link: GatewayLink
     _clock: IReactorTime
     max_request_bytes: int
+    in_flight: BytesInFlight | None = None
 
     log = Logger()
 
@@ -80,8 +99,22 @@ class JobRunner:
         @param admitted: called once the job goes to the pool's seat line.
         """
         started = self._clock.seconds()
-        answer = await self.answer(job, admitted)
+        held: list[int] = []
+        answer = await self.answer(job, admitted, held)
         answered = self._clock.seconds()
+        budget = self.in_flight
+        if budget is not None and not isinstance(answer.body, bytes):
+            # The result's buffers exist already: they count, whatever the cap.
+            shared = sum(len(c) for c in answer.body if isinstance(c, SharedBuffer))
+            budget.bytes_in_flight += shared
+            held.append(shared)
+        try:
+            await self._post(job, answer, started, answered)
+        finally:
+            if budget is not None and held:
+                budget.release_bytes(sum(held))
+
+    async def _post(self, job: JobMessage, answer: Answer, started: float, answered: float) -> None:
         fields = {
             "job": job.job,
             "request_id": job.request_id,
@@ -115,12 +148,22 @@ class JobRunner:
             **fields,
         )
 
-    async def answer(self, job: JobMessage, admitted: Callable[[], None] | None = None) -> Answer:
-        """What the node's pipeline answers C{job} (never fails)."""
+    async def answer(
+        self,
+        job: JobMessage,
+        admitted: Callable[[], None] | None = None,
+        held: list[int] | None = None,
+    ) -> Answer:
+        """
+        What the node's pipeline answers C{job} (never fails).
+
+        @param held: gets the bytes in flight the job's fetched blobs
+            reserved, for the caller to release.
+        """
         program = job.program.encode("utf-8")
 
         async def fetch(missing: list[str]) -> Mapping[str, bytes | SharedBuffer]:
-            return await self._fetch(job, len(program), missing)
+            return await self._fetch(job, len(program), missing, held)
 
         # The gateway's request id when it is one a client could send.
         request_id = choose_request_id([job.request_id.encode("utf-8")])
@@ -129,13 +172,18 @@ class JobRunner:
         )
 
     async def _fetch(
-        self, job: JobMessage, program_bytes: int, missing: list[str]
+        self,
+        job: JobMessage,
+        program_bytes: int,
+        missing: list[str],
+        held: list[int] | None = None,
     ) -> dict[str, bytes | SharedBuffer]:
         """
         The blobs C{missing}, fetched side by side.
 
         @raise RequestError: a blob the job does not list, or one refused.
         @raise RequestTooLarge: more bytes than the node takes in a request.
+        @raise PoolBusy: they do not fit in the bytes in flight.
         """
         manifest = {blob.sha256: blob for blob in job.blobs}
         unlisted = [digest for digest in missing if digest not in manifest]
@@ -146,8 +194,16 @@ class JobRunner:
                 "server_error",
                 error_kind="join_blob_unlisted",
             )
-        if program_bytes + sum(manifest[d].size for d in missing) > self.max_request_bytes:
+        size = sum(manifest[d].size for d in missing)
+        if program_bytes + size > self.max_request_bytes:
             raise RequestTooLarge()
+        if self.in_flight is not None:
+            if not self.in_flight.reserve_bytes(size, 0):
+                raise PoolBusy("server saturated")
+            if held is not None:
+                held.append(size)
+            else:
+                self.in_flight.release_bytes(size)
         try:
             fetched: list[bytes | SharedBuffer] = await gatherResults(
                 [

@@ -38,7 +38,7 @@ from kcoral.gateway.natsbridge import NatsBridge, NatsCredentials, load_credenti
 from kcoral.server.join.presence import PresenceAnnouncer
 from kcoral.server.join.puller import JobPuller
 from kcoral.server.join.queue import NatsJobQueue
-from kcoral.server.join.runner import JobRunner
+from kcoral.server.join.runner import BytesInFlight, JobRunner
 from kcoral.server.join.transfer import GatewayLink
 
 if TYPE_CHECKING:
@@ -106,6 +106,8 @@ class JoinService(service.Service):
     @param api: the server's execute pipeline, which runs the pool's jobs
         in process.
     @param run_blocking: runs a blocking call in the server's thread pool.
+    @param in_flight: the server's bytes in flight (its HTTP site), which
+        the jobs' fetched blobs and results count against.
     """
 
     log = Logger()
@@ -116,12 +118,14 @@ class JoinService(service.Service):
         reactor: Any,
         api: KcoralAPI,
         run_blocking: Callable[..., Deferred[Any]],
+        in_flight: BytesInFlight | None = None,
     ) -> None:
         assert config.join_url is not None and config.join_node_id is not None
         assert config.join_credentials is not None
         self.config = config
         self._reactor = reactor
         self.api = api
+        self._in_flight = in_flight
         self._run_blocking = run_blocking
         self.node_id: str = config.join_node_id
         self.servers = [url.strip() for url in config.join_url.split(",")]
@@ -174,7 +178,7 @@ class JoinService(service.Service):
         )
         self.queue = NatsJobQueue(self.bridge, self.node_id, compat, gpus)
         link = GatewayLink(http, self._reactor, self.node_id, run_blocking=self._run_blocking)
-        runner = JobRunner(self.api, link, self._reactor, config.max_request_bytes)
+        runner = JobRunner(self.api, link, self._reactor, config.max_request_bytes, self._in_flight)
         self.presence = PresenceAnnouncer(
             self.queue,
             self._reactor,

@@ -20,13 +20,16 @@ Phases (C{--phases}, comma-separated; all by default):
     the gateway and direct (target: within 1.5x);
   - C{throughput}: null-program requests/s from C{--concurrency} clients
     through the gateway with one node, then with three (target: at least
-    2.7x on a machine with the cores, e.g. 16).
+    2.7x on a machine with the cores, e.g. 16); with
+    C{--compare-front-ends 2,4}, three nodes again behind a gateway of 2 and
+    of 4 processes (C{--front-ends}).
 
 Prints each figure and writes C{bench/results/gateway.json} (C{--output}).
 
 Example (the GPU machine's 16 cores, CPU nodes)::
 
-    python3 bench/gateway.py --node-workers 4 --concurrency 24
+    python3 bench/gateway.py --node-workers 4 --concurrency 24 \
+        --nats-server .wt-extra/nats-server --compare-front-ends 2,4
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import common  # noqa: E402
 
-from kcoral.testing.gateway import GatewayPool  # noqa: E402
+from kcoral.testing.gateway import GatewayPool, GatewayProcess  # noqa: E402
 
 NULL = common.module_program("def noop():\n    return None\n", [("noop", [], False)])
 
@@ -102,6 +105,22 @@ class Pool(GatewayPool):
             )
         super().start()
         return self
+
+    def restart_gateway(self, front_ends: int) -> None:
+        """Stop the gateway and start it again with C{front_ends} processes (nodes stay)."""
+        args = list(self.gateway_args)
+        args[args.index("--front-ends") + 1] = str(front_ends)
+        self.gateway_args = args
+        assert self.gateway is not None
+        self.gateway.stop()
+        self.gateway = GatewayProcess(
+            self.nats.url,
+            self.nats.credentials_file("gateway"),
+            args=args,
+            port=self.gateway.port,
+            log_path=self.tmp / "gateway.log",
+        ).start()
+        self.wait_nodes(len(self.nodes))
 
     def add_node(self) -> str:
         node_id = self.free_ids.pop(0)
@@ -253,24 +272,43 @@ def bigblob(pool: Pool, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _rate(pool: Pool, args: argparse.Namespace) -> dict[str, Any]:
+    common.run_concurrent("127.0.0.1", pool.port, args.concurrency, args.warmup * 4, null_one)
+    walls, seconds = common.run_concurrent(
+        "127.0.0.1", pool.port, args.concurrency, args.requests, null_one, args.max_seconds
+    )
+    return {"requests": len(walls), "seconds": seconds, "per_second": len(walls) / seconds}
+
+
 def throughput(pool: Pool, args: argparse.Namespace) -> dict[str, Any]:
-    """Null-program requests/s through the gateway with one node, then three."""
-    out: dict[str, Any] = {}
+    """
+    Null-program requests/s through the gateway with one node, then three;
+    then three again behind a gateway of each C{--compare-front-ends}
+    count (the gateway restarted; the nodes stay).
+    """
+    out: dict[str, Any] = {"front_ends": args.front_ends}
     while len(pool.nodes) > 1:
         pool.stop_node(sorted(pool.nodes)[-1])
     pool.wait_nodes(1)
     for count in (1, 3):
         while len(pool.nodes) < count:
             pool.add_node()
-        common.run_concurrent("127.0.0.1", pool.port, args.concurrency, args.warmup * 4, null_one)
-        walls, seconds = common.run_concurrent(
-            "127.0.0.1", pool.port, args.concurrency, args.requests, null_one, args.max_seconds
+        out[f"nodes_{count}"] = rate = _rate(pool, args)
+        print(
+            f"  {count} node(s), {args.front_ends} front end(s): {rate['requests']} requests "
+            f"in {rate['seconds']:.2f} s = {rate['per_second']:.1f} req/s"
         )
-        rate = len(walls) / seconds
-        out[f"nodes_{count}"] = {"requests": len(walls), "seconds": seconds, "per_second": rate}
-        print(f"  {count} node(s): {len(walls)} requests in {seconds:.2f} s = {rate:.1f} req/s")
     out["ratio"] = out["nodes_3"]["per_second"] / out["nodes_1"]["per_second"]
     print(f"  3 nodes / 1 node = {out['ratio']:.2f}x (target >= 2.7x with the cores)")
+    for front_ends in args.compare_front_ends:
+        pool.restart_gateway(front_ends)
+        out[f"nodes_3_front_ends_{front_ends}"] = rate = _rate(pool, args)
+        ratio = rate["per_second"] / out["nodes_1"]["per_second"]
+        out[f"ratio_front_ends_{front_ends}"] = ratio
+        print(
+            f"  3 node(s), {front_ends} front end(s): {rate['per_second']:.1f} req/s "
+            f"= {ratio:.2f}x one node behind {args.front_ends}"
+        )
     return out
 
 
@@ -283,6 +321,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--node-workers", type=int, default=2, help="--num-workers of each node")
     parser.add_argument(
         "--front-ends", type=int, default=1, help="the gateway's --front-ends (processes)"
+    )
+    parser.add_argument(
+        "--compare-front-ends",
+        default="",
+        help="throughput: also three nodes behind a gateway of each of these front-end "
+        "counts (comma-separated), e.g. 2,4",
     )
     parser.add_argument("--sandbox", default="none", help="--sandbox of each node")
     parser.add_argument("--warmup", type=int, default=10)
@@ -299,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     args.max_nodes = 12
+    args.compare_front_ends = [int(n) for n in args.compare_front_ends.split(",") if n.strip()]
     phases = [p.strip() for p in args.phases.split(",") if p.strip()]
     tmp = Path(tempfile.mkdtemp(prefix="kcoral-bench-gateway-"))
     pool = Pool(args, tmp).start()

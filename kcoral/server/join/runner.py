@@ -24,7 +24,7 @@ from typing import Protocol
 import attrs
 from twisted.internet.defer import Deferred, FirstError, gatherResults
 from twisted.internet.interfaces import IReactorTime
-from twisted.logger import Logger, LogLevel
+from twisted.logger import Logger
 
 from kcoral.gateway.jobs import JobMessage
 from kcoral.ipc.shared import SharedBuffer
@@ -132,21 +132,25 @@ class JobRunner:
                 **fields,
             )
             return
+        timing = {
+            "gateway_status": code,
+            "elapsed_ms": round((self._clock.seconds() - started) * 1000.0, 3),
+            "post_ms": round((self._clock.seconds() - answered) * 1000.0, 3),
+        }
         if 200 <= code < 300:
-            level, event = LogLevel.info, "join_job_finished"
-            message = "job {job} finished: {status}, result posted ({gateway_status})"
+            self.log.info(
+                "job {job} finished: {status}, result posted ({gateway_status})",
+                kcoral_event="join_job_finished",
+                **timing,
+                **fields,
+            )
         else:
-            level, event = LogLevel.error, "join_result_refused"
-            message = "job {job}: the gateway refused its result ({gateway_status})"
-        self.log.emit(
-            level,
-            message,
-            kcoral_event=event,
-            gateway_status=code,
-            elapsed_ms=round((self._clock.seconds() - started) * 1000.0, 3),
-            post_ms=round((self._clock.seconds() - answered) * 1000.0, 3),
-            **fields,
-        )
+            self.log.error(
+                "job {job}: the gateway refused its result ({gateway_status})",
+                kcoral_event="join_result_refused",
+                **timing,
+                **fields,
+            )
 
     async def answer(
         self,

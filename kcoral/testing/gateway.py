@@ -228,12 +228,17 @@ class GatewayPool:
 
     def start(self) -> GatewayPool:
         self.nats.start()
-        self.gateway = GatewayProcess(
-            self.nats.url,
-            self.nats.credentials_file("gateway"),
-            args=self.gateway_args,
-            log_path=self.tmp / "gateway.log",
-        ).start()
+        try:
+            self.gateway = GatewayProcess(
+                self.nats.url,
+                self.nats.credentials_file("gateway"),
+                args=self.gateway_args,
+                log_path=self.tmp / "gateway.log",
+            ).start()
+        except BaseException:
+            # Nothing is left running when the gateway cannot start.
+            self.nats.cleanup()
+            raise
         return self
 
     @property

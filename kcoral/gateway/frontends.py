@@ -54,7 +54,7 @@ RESTART_DELAY = 1.0
 #: Seconds the others get to stop after SIGTERM before SIGKILL.
 STOP_TIMEOUT = 15.0
 
-_PATHS = ("credentials_file", "nats_ca_file", "auth_token_file", "disk_cache_dir")
+_PATHS = ("credentials_file", "nats_ca_file", "auth_token_file", "disk_cache_dir", "log_dir")
 
 
 def endpoint_port(description: str) -> tuple[str, int]:
@@ -142,7 +142,12 @@ class FrontEndsService(Service):
     def _start(self, index: int) -> None:
         self._restarts.pop(index, None)
         spec = self._directory / f"front-end-{index}.json"
-        spec.write_text(config_to_json(attrs.evolve(self.config, front_end_index=index)))
+        # Each front end logs under its own directory, as the server's do.
+        log_dir = self.config.log_dir
+        if log_dir is not None:
+            log_dir = log_dir / f"front-end-{index}"
+        share = attrs.evolve(self.config, front_end_index=index, log_dir=log_dir)
+        spec.write_text(config_to_json(share))
         spec.chmod(0o600)
         protocol = _FrontEnd(self, index)
         self._running[index] = protocol

@@ -12,19 +12,20 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import attrs
 from attrs import field
-from attrs.validators import ge, gt, instance_of, optional
+from attrs.validators import ge, gt, in_, instance_of, optional
 from twisted.application.service import MultiService
 from twisted.internet.defer import CancelledError, Deferred, maybeDeferred
+from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 from twisted.python.threadpool import ThreadPool
 
-from kcoral.config import ServerConfig
+from kcoral.config import LOG_LEVELS, ServerConfig
 from kcoral.gateway.api import GatewayAPI, GatewaySettings, GatewaySite, PoolGuard
 from kcoral.gateway.dispatch import Dispatcher
 from kcoral.gateway.frontends import FrontEndsService, endpoint_port, node_port, node_url
@@ -33,11 +34,15 @@ from kcoral.gateway.natsbridge import NatsBridge, NatsCredentials, load_credenti
 from kcoral.gateway.natsqueue import NatsJobQueue
 from kcoral.gateway.pool import PoolView
 from kcoral.server.cache import BlobStore, DiskFileCache, MemoryBlobCache
+from kcoral.server.children import LogWriterService
 from kcoral.server.frontends import listen_reusing_port
 from kcoral.server.http.accept import AcceptGuard, raise_fd_limit
 from kcoral.server.http.site import listen_all
 
 __all__ = ["GatewayConfig", "GatewayService", "makeService"]
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
 
 #: Seconds between reads of the job stream's depth (for /health).
 DEPTH_INTERVAL = 1.0
@@ -66,6 +71,10 @@ class GatewayConfig:
     @ivar queue_timeout: seconds a job waits for a node before 503.
     @ivar presence_timeout: seconds a silent node counts as present.
     @ivar preference_window: seconds a job waits for the node a client named.
+    @ivar log_dir: where the run directory with C{events.jsonl} goes
+        (C{None}: no file logging); C{log_console} mirrors the events to
+        standard error, C{log_level} is the least severe one kept (the
+        server's C{--log-*} flags, L{kcoral.server.observe.logs}).
     """
 
     nats_urls: tuple[str, ...] = field(converter=_strings)
@@ -92,6 +101,11 @@ class GatewayConfig:
     default_timeout_seconds: float = _SERVER_DEFAULTS.default_timeout_seconds
     max_timeout_seconds: float = _SERVER_DEFAULTS.max_timeout_seconds
     node_name: str = "kcoral-gateway"
+    log_dir: Path | None = field(default=None, validator=optional(instance_of(Path)))
+    log_console: bool = True
+    log_level: str = field(default="info", validator=in_(LOG_LEVELS))
+    #: The gateway saves no programs (its nodes do, with --log-dir).
+    log_programs: bool = False
     #: Gateway processes sharing the client port (L{kcoral.gateway.frontends}).
     front_ends: int = field(default=1, validator=[instance_of(int), ge(1)])
     #: Which of them this process is (0: the first, which starts the others).
@@ -117,6 +131,11 @@ class GatewayService(MultiService):
         self.config = config
         self._reactor = reactor
         self.threadpool = ThreadPool(minthreads=0, maxthreads=4, name="kcoral-gateway-io")
+        # The events (request_finished, job_queued, node_joined...) go where
+        # the server's go: the console and, with log_dir, events.jsonl.
+        # Started first and stopped last by this service itself (not a
+        # child), so that no event of the gateway's start or stop is lost.
+        self.logs = LogWriterService(config, [], self._run_blocking, lambda _: None)
         self.pool = PoolView(presence_timeout=config.presence_timeout)
         several = config.front_ends > 1
         public_url = config.public_url
@@ -247,6 +266,7 @@ class GatewayService(MultiService):
 
     async def _start(self) -> None:
         config = self.config
+        await self.logs.startService()
         if config.credentials_file is not None:
             self.bridge.credentials = load_credentials(str(config.credentials_file))
         if config.auth_token_file is not None:
@@ -347,7 +367,14 @@ class GatewayService(MultiService):
             await self.bridge.stop()
         except Exception:
             self.log.failure("NATS bridge did not stop cleanly")
+        if self.logs.running:
+            await self.logs.stopService()
         self.threadpool.stop()
+
+    def _run_blocking(
+        self, f: Callable[_P, _T], /, *args: _P.args, **kwargs: _P.kwargs
+    ) -> Deferred[_T]:
+        return deferToThreadPool(self._reactor, self.threadpool, f, *args, **kwargs)
 
     @property
     def port(self) -> Any:

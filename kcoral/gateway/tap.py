@@ -17,6 +17,7 @@ from typing import Any
 
 from twisted.python import usage
 
+from kcoral.config import LOG_LEVELS
 from kcoral.server.cli.tap import endpoint_description, with_backlog
 
 __all__ = ["Options", "makeService"]
@@ -62,6 +63,7 @@ class Options(usage.Options):
             None,
             "Serve /metrics and /status without a token when --auth-token-file is given.",
         ],
+        ["no-log-console", None, "Do not mirror log events to standard error."],
     ]
 
     optParameters: list[list[Any]] = [
@@ -78,6 +80,13 @@ class Options(usage.Options):
             "[default: http(s)://HOST:PORT of the first port].",
         ],
         ["auth-token-file", None, None, "File of client bearer tokens (the server's format)."],
+        [
+            "log-dir",
+            None,
+            None,
+            "Directory of run logs (events.jsonl) [default: none, the console only].",
+        ],
+        ["log-level", None, "info", f"Least severe event logged, {'|'.join(LOG_LEVELS)}."],
         ["queue-size", None, 1024, "Jobs the work queue holds at most.", _integer("queue-size")],
         [
             "queue-timeout",
@@ -240,6 +249,9 @@ class Options(usage.Options):
                 else Path(self["disk-cache-dir"]),
                 front_ends=self["front-ends"],
                 node_port=self["node-port"],
+                log_dir=Path(self["log-dir"]) if self["log-dir"] else None,
+                log_console=not self["no-log-console"],
+                log_level=self["log-level"],
                 **optional,
             )
         except (TypeError, ValueError) as e:

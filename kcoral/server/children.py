@@ -42,7 +42,7 @@ from kcoral.server.workers.reactor import RunBlocking
 if TYPE_CHECKING:
     from kcoral.server.http.app import KcoralAPI
     from kcoral.server.leases.lease import Leases
-    from kcoral.server.observe.logs import LogSetup
+    from kcoral.server.observe.logs import LogSettings, LogSetup
     from kcoral.server.workers.pool import WorkerPool
 
 __all__ = [
@@ -112,7 +112,7 @@ class LogWriterService(AsyncService):
 
     def __init__(
         self,
-        config: ServerConfig,
+        config: LogSettings,
         observers: list[ILogObserver],
         run_blocking: RunBlocking,
         on_ready: Callable[[LogSetup], None],

@@ -437,14 +437,47 @@ def test_gateway_restart_with_new_settings(pool: Pool, tmp_path: Path) -> None:
     assert response.status == 200 and response.json()["status"] == "COMPLETED"
 
 
+def _gateway_events(log_dir: Path) -> list[dict[str, Any]]:
+    """Every event in the run directories directly under C{log_dir}."""
+    return [
+        json.loads(line)
+        for path in sorted(log_dir.glob("runs/*/events.jsonl"))
+        for line in path.read_text().splitlines()
+    ]
+
+
+def test_gateway_events_are_logged(tmp_path: Path) -> None:
+    """
+    C{--log-dir}: the gateway's own events (its start, the node joining, the
+    job's queueing and claim, the request's end, its stop) are written to
+    C{events.jsonl} in a run directory, as the server's are.
+    """
+    log_dir = tmp_path / "gateway-logs"
+    pool = Pool(tmp_path, "--log-dir", str(log_dir)).start()
+    try:
+        pool.node("node-a")
+        response = post_program(pool.port, side_effect_program(tmp_path / "marks", 0.0))
+        assert response.status == 200 and response.json()["status"] == "COMPLETED"
+    finally:
+        pool.stop()
+    events = _gateway_events(log_dir)
+    names = [e["event"] for e in events]
+    for name in ("server_listening", "node_joined", "job_queued", "job_claimed"):
+        assert name in names, names
+    finished = [e for e in events if e["event"] == "request_finished"]
+    assert [e["http_status"] for e in finished] == [200], finished
+    assert names[-1] == "server_stopped", names
+
+
 def test_front_ends_share_the_port_and_answer_their_own_jobs(tmp_path: Path) -> None:
     """
     C{--front-ends 2}: both processes answer on the client port, each
     publishes its jobs with its own node port, so every node's result
     reaches the process that holds the client; stopping the gateway stops
-    both.
+    both.  Each logs under its own directory (C{front-end-1} for the second).
     """
-    pool = Pool(tmp_path, "--front-ends", "2").start()
+    log_dir = tmp_path / "gateway-logs"
+    pool = Pool(tmp_path, "--front-ends", "2", "--log-dir", str(log_dir)).start()
     try:
         assert pool.gateway is not None
         pool.node("node-a", seats=2)
@@ -471,4 +504,9 @@ def test_front_ends_share_the_port_and_answer_their_own_jobs(tmp_path: Path) -> 
         assert all(relayed.values()), relayed
     finally:
         pool.stop()
+    queued = {
+        where: len([e for e in _gateway_events(where) if e["event"] == "job_queued"])
+        for where in (log_dir, log_dir / "front-end-1")
+    }
+    assert sum(queued.values()) == 16 and all(queued.values()), queued
     assert not psutil.pid_exists(other) or psutil.Process(other).status() == "zombie"

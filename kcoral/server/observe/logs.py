@@ -40,7 +40,7 @@ import threading
 from collections.abc import Iterable, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any, Protocol
 
 import attrs
 from twisted.logger import (
@@ -59,9 +59,6 @@ from zope.interface import implementer
 
 from kcoral.server.observe.logwriter import BackgroundWriter
 
-if TYPE_CHECKING:
-    from kcoral.config import ServerConfig
-
 __all__ = [
     "CONSOLE_SKIPPED_KEYS",
     "DEFAULT_MAX_ROTATED_FILES",
@@ -70,6 +67,7 @@ __all__ = [
     "ConsoleObserver",
     "JsonEventObserver",
     "LogDirectoryError",
+    "LogSettings",
     "LogSetup",
     "ProgramRecorder",
     "RunDirectory",
@@ -620,6 +618,25 @@ class ProgramRecorder:
                 pass
 
 
+class LogSettings(Protocol):
+    """
+    What L{install_observers} reads of a configuration: a server's
+    L{ServerConfig}, or the gateway's L{kcoral.gateway.service.GatewayConfig}.
+    """
+
+    @property
+    def log_dir(self) -> Path | None: ...
+
+    @property
+    def log_console(self) -> bool: ...
+
+    @property
+    def log_programs(self) -> bool: ...
+
+    @property
+    def log_level(self) -> str: ...
+
+
 @attrs.define
 class LogSetup:
     """
@@ -659,7 +676,7 @@ class LogSetup:
 
 
 def install_observers(
-    config: ServerConfig,
+    config: LogSettings,
     *,
     publisher: LogPublisher | None = None,
     log_beginner: LogBeginner | None = None,
@@ -685,8 +702,8 @@ def install_observers(
         L{kcoral.server.observe.status.RecentRequests}) are added after those, so
         L{LogSetup.close} removes them too.
 
-    @param config: a L{kcoral.config.ServerConfig} (only C{log_dir},
-        C{log_console}, C{log_programs} and C{log_level} are read): events
+    @param config: its L{LogSettings} (a L{kcoral.config.ServerConfig}, or
+        the gateway's config): events
         below C{log_level} are neither written nor mirrored.
     @param publisher: where observers are added and later removed;
         L{globalLogPublisher} by default.

@@ -52,7 +52,7 @@ from kcoral.gateway.jobs import (
 from kcoral.gateway.pool import PoolView
 from kcoral.gateway.relay import STREAM_RESULT_BYTES, ResultRelay
 from kcoral.server.http.app import BlobResolver
-from kcoral.server.http.component import IKcoralRequest
+from kcoral.server.http.component import IKcoralRequest, client_identity
 from kcoral.server.http.pipeline import RequestPipeline
 from kcoral.server.http.pipeline import header as _header
 from kcoral.server.http.pipeline import iso_utc as _iso_utc
@@ -364,6 +364,7 @@ class GatewayAPI(RequestPipeline):
                 gateway=settings.public_url,
                 prefer=prefer,
                 prefer_until=now + settings.preference_window if prefer else 0.0,
+                client=client_identity(request),
             )
             pending = PendingJob(
                 message=message,

@@ -74,6 +74,9 @@ RESULT_RETRY_AFTER_HEADER = "X-KCoral-Result-Retry-After"
 #: The node that ran the job (relayed to the client as C{X-KCoral-Node}).
 RESULT_NODE_HEADER = "X-KCoral-Result-Node"
 
+#: The longest client identity a job carries (a token's client name or an address).
+MAX_CLIENT = 256
+
 #: Node ids and job ids: NATS KV key and subject-token safe.
 _ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
@@ -211,6 +214,9 @@ class JobMessage:
     @ivar gateway: the gateway's base URL for those routes.
     @ivar prefer: the node the client asked for (C{X-KCoral-Node}), or C{None}.
     @ivar prefer_until: unix time until which only C{prefer} takes it.
+    @ivar client: who sent it, as the gateway knows the client (its token's
+        client name, or its address): a node's reuse scope keeps one
+        client's programs from another's worker by it.
     """
 
     job: str
@@ -223,6 +229,7 @@ class JobMessage:
     gateway: str
     prefer: str | None = None
     prefer_until: float = 0.0
+    client: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -236,6 +243,7 @@ class JobMessage:
             "gateway": self.gateway,
             "prefer": self.prefer,
             "prefer_until": self.prefer_until,
+            "client": self.client,
         }
 
     def encode(self) -> bytes:
@@ -256,6 +264,9 @@ class JobMessage:
         prefer = value.get("prefer")
         if prefer is not None and not valid_id(prefer):
             raise SchemaError("job: bad preferred node")
+        client = value.get("client")
+        if client is not None and (not isinstance(client, str) or len(client) > MAX_CLIENT):
+            raise SchemaError(f"job: client must be a string of at most {MAX_CLIENT} characters")
         return cls(
             job=job,
             request_id=value["request_id"],
@@ -267,6 +278,7 @@ class JobMessage:
             gateway=value["gateway"],
             prefer=prefer,
             prefer_until=_number(value.get("prefer_until", 0.0), "job prefer_until"),
+            client=client,
         )
 
     def blob_url(self, sha256: str) -> str:

@@ -510,3 +510,47 @@ def test_front_ends_share_the_port_and_answer_their_own_jobs(tmp_path: Path) -> 
     }
     assert sum(queued.values()) == 16 and all(queued.values()), queued
     assert not psutil.pid_exists(other) or psutil.Process(other).status() == "zombie"
+
+
+PID_SOURCE = "import os\n\ndef f():\n    return os.getpid()\n"
+PID_PROGRAM = {
+    "instructions": [
+        {"op": "upload", "id": "m", "kind": "module", "source": PID_SOURCE},
+        {"op": "get_function", "id": "f", "module": {"$ref": "m"}, "name": "f"},
+        {"op": "run", "id": "r", "fn": {"$ref": "f"}},
+        {"op": "return", "key": "pid", "value": {"$ref": "r"}},
+    ]
+}
+
+
+def test_reused_node_workers_keep_the_gateways_clients_apart(tmp_path: Path) -> None:
+    """
+    A node that reuses workers (C{--max-requests-per-worker 0}, the default
+    C{--reuse-scope address}) keeps the gateway's clients apart as it keeps
+    its direct ones: the job carries who sent it (here its token's client
+    name), so one client's later program never runs in the worker that ran
+    another's, while one client's programs do share it.
+    """
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"alice {'a' * 32}\nbob {'b' * 32}\n")
+    tokens.chmod(0o600)
+    pool = Pool(tmp_path, "--auth-token-file", str(tokens)).start()
+    try:
+        pool.node("node-a", seats=1, extra=["--max-requests-per-worker", "0"])
+
+        def pid_for(token: str) -> int:
+            response = post_program(
+                pool.port, PID_PROGRAM, headers={"Authorization": f"Bearer {token}"}
+            )
+            assert response.status == 200, response.body[:300]
+            body = response.json()
+            assert body["status"] == "COMPLETED", body
+            return int(body["results"]["pid"]["value"])
+
+        alice = pid_for("a" * 32)
+        assert pid_for("a" * 32) == alice
+        bob = pid_for("b" * 32)
+        assert bob != alice
+        assert pid_for("b" * 32) == bob
+    finally:
+        pool.stop()

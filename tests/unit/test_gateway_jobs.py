@@ -42,6 +42,7 @@ def _job(**changes: object) -> JobMessage:
         "gateway": "https://gw.example:8000/",
         "prefer": "node-1",
         "prefer_until": 50.0,
+        "client": "client:alice",
     }
     fields.update(changes)
     return JobMessage(**fields)  # type: ignore[arg-type]
@@ -70,6 +71,7 @@ def test_job_round_trip() -> None:
     """A job message decodes to what was encoded."""
     job = _job()
     assert JobMessage.decode(job.encode()) == job
+    assert JobMessage.decode(_job(client=None).encode()).client is None
     assert (
         job.blob_url("f" * 64) == f"https://gw.example:8000/_pool/jobs/{'a' * 32}/blobs/{'f' * 64}"
     )
@@ -104,6 +106,8 @@ def test_job_preference() -> None:
         {"deadline": True},
         {"prefer": "a b"},
         {"token": None},
+        {"client": 7},
+        {"client": "x" * (jobs.MAX_CLIENT + 1)},
     ],
 )
 def test_job_refuses_malformed(change: dict[str, object]) -> None:

@@ -30,7 +30,7 @@ from kcoral.server.join.options import JoinListenError, check_join_endpoints
 from kcoral.server.join.presence import PresenceAnnouncer
 from kcoral.server.join.puller import JobPuller
 from kcoral.server.join.queue import Delivery, IJobQueue
-from kcoral.server.join.runner import JobRunner
+from kcoral.server.join.runner import POOL_CLIENT, JobRunner, pool_client
 from kcoral.server.join.service import free_seats
 from kcoral.server.join.transfer import BlobRefused, ChunksProducer, GatewayLink
 from kcoral.server.workers.line import PoolBusy
@@ -597,10 +597,12 @@ class _Pipeline:
 
     result: Any
     errors: list[BaseException] = attrs.field(factory=list)
+    clients: list[str | None] = attrs.field(factory=list)
 
     async def execute_program(
         self, request_id: str, program: bytes, client: str | None, **kw: Any
     ) -> Answer:
+        self.clients.append(client)
         try:
             await kw["fetch"]([hashlib.sha256(b"hello blob").hexdigest()])
         except Exception as e:
@@ -651,6 +653,29 @@ class RunnerBytesTests(SynchronousTestCase):
         gateway.posts[0].callback(204)
         self.successResultOf(d)
         self.assertEqual(budget.bytes_in_flight, 0)
+
+
+class RunnerClientTests(SynchronousTestCase):
+    """A pool job runs as the gateway's client, kept apart from direct ones."""
+
+    def run_as(self, client: str | None) -> str | None:
+        pipeline, gateway = _Pipeline(share(b"x")), _Link()
+        runner = JobRunner(cast(Any, pipeline), cast(Any, gateway), Clock(), 1 << 20, _Budget(100))
+        d = Deferred.fromCoroutine(runner.run(JobMessage.decode(job("j1", client=client))))
+        gateway.posts[0].callback(204)
+        self.successResultOf(d)
+        (seen,) = pipeline.clients
+        return seen
+
+    def test_the_gateways_client(self) -> None:
+        """Two of the gateway's clients are two clients for the node's reuse scope."""
+        self.assertEqual(self.run_as("client:alice"), "pool:client:alice")
+        self.assertEqual(self.run_as("127.0.0.1"), "pool:127.0.0.1")
+        self.assertEqual(pool_client("client:alice"), "pool:client:alice")
+
+    def test_no_client_named(self) -> None:
+        """A job that names no client (an older gateway's) runs as C{pool}."""
+        self.assertEqual(self.run_as(None), POOL_CLIENT)
 
 
 class LoopbackOnlyTests(SynchronousTestCase):

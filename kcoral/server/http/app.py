@@ -30,7 +30,7 @@ from werkzeug.exceptions import HTTPException
 from kcoral.config import ServerConfig
 from kcoral.ipc.shared import SharedBuffer
 from kcoral.server.cache import Resolution
-from kcoral.server.http.component import IKcoralRequest
+from kcoral.server.http.component import IKcoralRequest, client_identity
 from kcoral.server.http.pipeline import (
     INLINE_PARSE_BYTES,
     Parsed,
@@ -507,7 +507,7 @@ class KcoralAPI(RequestPipeline):
         parsed = await self._parse(request)
         # The upload as the server sees it, until its blobs were hashed and sealed.
         body_ready = IKcoralRequest(request).since_head()
-        return await self._admit(request_id, parsed, _client_identity(request), body_ready)
+        return await self._admit(request_id, parsed, client_identity(request), body_ready)
 
     async def _admit(
         self,
@@ -658,18 +658,6 @@ def _too_large() -> RequestError:
         "rejected",
         error_kind="request_too_large",
     )
-
-
-def _client_identity(request: IRequest) -> str | None:
-    """
-    Who sent C{request}, for the reuse scope: the client name of its bearer
-    token when the server has tokens (L{kcoral.server.http.auth}), else the TCP
-    peer's address (C{None} when the transport has none).
-    """
-    state = IKcoralRequest(request)
-    if state.client_name is not None:
-        return "client:" + state.client_name
-    return state.peer
 
 
 def _single_other_request(labels: set[str | None], request_id: str) -> str | None:

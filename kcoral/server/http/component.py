@@ -20,12 +20,13 @@ import attrs
 from twisted.internet.address import IPv4Address, IPv6Address
 from twisted.internet.interfaces import IAddress, IReactorTime
 from twisted.python.components import registerAdapter
+from twisted.web.iweb import IRequest
 from twisted.web.server import Request
 from zope.interface import Attribute, Interface, implementer
 
 from kcoral.ipc.uploads import StreamedBody
 
-__all__ = ["IKcoralRequest", "KcoralRequest", "address_host"]
+__all__ = ["IKcoralRequest", "KcoralRequest", "address_host", "client_identity"]
 
 
 def address_host(address: IAddress | None) -> str | None:
@@ -125,3 +126,15 @@ class KcoralRequest:
 
 
 registerAdapter(KcoralRequest.of, Request, IKcoralRequest)
+
+
+def client_identity(request: IRequest) -> str | None:
+    """
+    Who sent C{request}, for the reuse scope: the client name of its bearer
+    token when the server has tokens (L{kcoral.server.http.auth}), else the
+    TCP peer's address (C{None} when the transport has none).
+    """
+    state = IKcoralRequest(request)
+    if state.client_name is not None:
+        return "client:" + state.client_name
+    return state.peer

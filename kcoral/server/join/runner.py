@@ -35,11 +35,20 @@ from kcoral.wire.errors import choose_request_id
 from kcoral.wire.multipart import RequestTooLarge
 from kcoral.wire.render import RequestError
 
-__all__ = ["POOL_CLIENT", "JobRunner", "Pipeline"]
+__all__ = ["POOL_CLIENT", "JobRunner", "Pipeline", "pool_client"]
 
-#: The client every pool job runs as, for the reuse scope (the gateway does
-#: not pass its clients' identities on).
+#: The client a pool job runs as, for the reuse scope, when its message
+#: names none: the gateway's client identity, kept apart from direct ones.
 POOL_CLIENT = "pool"
+
+
+def pool_client(client: str | None) -> str:
+    """
+    The reuse-scope client of a pool job: the gateway's client (its token's
+    client name or its address) under a C{pool:} prefix, so that no direct
+    client of this node can pass for it, or C{pool} when none is named.
+    """
+    return POOL_CLIENT if client is None else f"{POOL_CLIENT}:{client}"
 
 
 class BytesInFlight(Protocol):
@@ -172,7 +181,7 @@ class JobRunner:
         # The gateway's request id when it is one a client could send.
         request_id = choose_request_id([job.request_id.encode("utf-8")])
         return await self.pipeline.execute_program(
-            request_id, program, POOL_CLIENT, fetch=fetch, admitted=admitted, via="join"
+            request_id, program, pool_client(job.client), fetch=fetch, admitted=admitted, via="join"
         )
 
     async def _fetch(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+import traceback
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
@@ -23,6 +24,7 @@ from twisted.application.service import MultiService
 from twisted.internet.defer import CancelledError, Deferred, maybeDeferred
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 from twisted.python.threadpool import ThreadPool
 
 from kcoral.config import LOG_LEVELS, ServerConfig
@@ -255,7 +257,7 @@ class GatewayService(MultiService):
         d = Deferred.fromCoroutine(self._start())
 
         def failed(failure: Any) -> None:
-            self.log.failure("gateway failed to start", failure, kcoral_event="server_start_failed")
+            self._start_failed("gateway failed to start: {error}", failure)
             if not self.ready.called:
                 self.ready.errback(failure)
             if self.exit_on_failure:
@@ -333,12 +335,19 @@ class GatewayService(MultiService):
     def _nats_failed(self, failure: Any) -> None:
         if failure.check(CancelledError, asyncio.CancelledError) or not self.running:
             return
-        self.log.failure(
-            "gateway could not set up its job queue", failure, kcoral_event="server_start_failed"
-        )
+        self._start_failed("gateway could not set up its job queue: {error}", failure)
         if self.exit_on_failure and self.running:
             START_FAILED.append(str(failure.value))
             self._reactor.stop()
+
+    def _start_failed(self, text: str, failure: Failure) -> None:
+        """The C{server_start_failed} event, naming the cause as the server's does."""
+        self.log.error(
+            text,
+            kcoral_event="server_start_failed",
+            error=f"{failure.type.__name__}: {failure.getErrorMessage()}",  # type: ignore[union-attr]
+            traceback="".join(traceback.format_exception(failure.value))[-8192:],
+        )
 
     def _refresh_depth(self) -> None:
         def again(_: object) -> None:

@@ -554,3 +554,31 @@ def test_reused_node_workers_keep_the_gateways_clients_apart(tmp_path: Path) -> 
         assert pid_for("b" * 32) == bob
     finally:
         pool.stop()
+
+
+def test_a_gateway_that_cannot_start_says_why(pool: Pool, tmp_path: Path) -> None:
+    """
+    A second gateway on a port already taken exits 1, and its
+    C{server_start_failed} event names the cause, on the console and in
+    C{events.jsonl}, as the server's does.
+    """
+    assert pool.gateway is not None
+    log_dir = tmp_path / "second-logs"
+    second = GatewayProcess(
+        pool.nats.url,
+        pool.nats.credentials_file("gateway"),
+        args=["--log-dir", str(log_dir)],
+        port=pool.gateway.port,
+        log_path=tmp_path / "second.log",
+    )
+    try:
+        # /health on that port is the first gateway's: the start may return
+        # before the second has failed, or raise once it has.
+        second.start()
+    except RuntimeError:
+        pass
+    assert second.process is not None
+    assert second.process.wait(30) == 1
+    (failed,) = [e for e in _gateway_events(log_dir) if e["event"] == "server_start_failed"]
+    assert "CannotListenError" in failed["error"], failed
+    assert "server_start_failed" in (tmp_path / "second.log").read_text()

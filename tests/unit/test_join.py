@@ -14,10 +14,14 @@ from typing import Any, cast
 import attrs
 from treq.testing import StubTreq
 from twisted.internet.defer import Deferred, fail, succeed
+from twisted.internet.error import ConnectionLost
 from twisted.internet.interfaces import IConsumer
 from twisted.internet.task import Clock
+from twisted.internet.testing import StringTransport
 from twisted.python import usage
+from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
+from twisted.web.client import ResponseDone
 from twisted.web.resource import Resource
 from zope.interface import implementer
 from zope.interface.verify import verifyObject
@@ -32,7 +36,7 @@ from kcoral.server.join.puller import JobPuller
 from kcoral.server.join.queue import Delivery, IJobQueue
 from kcoral.server.join.runner import POOL_CLIENT, JobRunner, pool_client
 from kcoral.server.join.service import free_seats
-from kcoral.server.join.transfer import BlobRefused, ChunksProducer, GatewayLink
+from kcoral.server.join.transfer import BlobRefused, ChunksProducer, GatewayLink, _BlobReceiver
 from kcoral.server.workers.line import PoolBusy
 
 NOW = 1_000_000.0
@@ -500,6 +504,34 @@ class TransferTests(SynchronousTestCase):
         d = Deferred.fromCoroutine(gateway.fetch_blob(self.message, bad))
         stub.flush()
         self.assertIn("SHA-256", self.failureResultOf(d, BlobRefused).value.reason)
+
+    def test_a_stalled_body_is_cut_off(self) -> None:
+        """
+        A blob body that sends nothing for the stall time fails as refused
+        and stops the transfer; bytes that keep coming keep it alive, and a
+        finished transfer leaves no timer behind.
+        """
+        clock = Clock()
+        receiver = _BlobReceiver(self.ref, clock, None, stall_seconds=5)
+        transport = StringTransport()
+        receiver.makeConnection(transport)
+        receiver.dataReceived(self.blob[:3])
+        clock.advance(4)
+        receiver.dataReceived(self.blob[3:6])
+        clock.advance(4)
+        self.assertNoResult(receiver.done)
+        clock.advance(1.5)
+        self.assertIn("stalled", self.failureResultOf(receiver.done, BlobRefused).value.reason)
+        self.assertEqual(transport.producerState, "stopped")
+        receiver.connectionLost(Failure(ConnectionLost()))
+        self.assertEqual(clock.getDelayedCalls(), [])
+
+        whole = _BlobReceiver(self.ref, clock, None, stall_seconds=5)
+        whole.makeConnection(StringTransport())
+        whole.dataReceived(self.blob)
+        whole.connectionLost(Failure(ResponseDone()))
+        self.assertEqual(self.successResultOf(whole.done).read(), self.blob)
+        self.assertEqual(clock.getDelayedCalls(), [])
 
     def test_result_posted_with_head(self) -> None:
         """The node server's status and content type travel as headers, with the token."""

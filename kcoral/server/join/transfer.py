@@ -24,7 +24,7 @@ from typing import Any, cast
 import attrs
 from treq.client import HTTPClient
 from twisted.internet.defer import Deferred
-from twisted.internet.interfaces import IConsumer, IReactorFromThreads, IReactorTime
+from twisted.internet.interfaces import IConsumer, IDelayedCall, IReactorFromThreads, IReactorTime
 from twisted.internet.protocol import Protocol
 from twisted.internet.task import deferLater
 from twisted.logger import Logger
@@ -79,18 +79,44 @@ class _BlobReceiver(Protocol):
         ref: BlobRef,
         reactor: Any,
         run_blocking: Callable[..., Deferred[Any]] | None,
+        stall_seconds: float = 60.0,
     ) -> None:
         self.ref = ref
         self._reactor = reactor
         self._run_blocking = run_blocking
+        self.stall_seconds = stall_seconds
         shared = ref.size > SHARE_BYTES and shared_memory_available()
         self.writer = StreamingBlobWriter(SHARE_BYTES, None, shared=shared)
         self.done: Deferred[Blob] = Deferred()
         self._paused = False
+        self._stall: IDelayedCall | None = None
+
+    def connectionMade(self) -> None:
+        self._watch()
+
+    def _watch(self) -> None:
+        """(Re)start the stall timer: a body that sends nothing for C{stall_seconds} is cut off."""
+        if self._stall is not None and self._stall.active():
+            self._stall.reset(self.stall_seconds)
+        else:
+            self._stall = self._reactor.callLater(self.stall_seconds, self._stalled)
+
+    def _unwatch(self) -> None:
+        if self._stall is not None and self._stall.active():
+            self._stall.cancel()
+        self._stall = None
+
+    def _stalled(self) -> None:
+        self._stall = None
+        if self.done.called or self._paused:
+            return
+        self._refuse(f"no byte for {self.stall_seconds:g} s (the transfer stalled)")
+        cast(Any, self.transport).stopProducing()
 
     def dataReceived(self, data: bytes) -> None:
         if self.done.called:
             return
+        self._watch()
         if self.writer.size + len(data) > self.ref.size:
             self._refuse(f"more than the {self.ref.size} bytes announced")
             transport: Any = self.transport
@@ -101,6 +127,7 @@ class _BlobReceiver(Protocol):
         if sink is not None and not self._paused and sink.backlog > BACKLOG_PAUSE_BYTES:
             # The hash thread is behind: TCP holds the gateway back meanwhile.
             self._paused = True
+            self._unwatch()
             cast(Any, self.transport).pauseProducing()
             from_threads = IReactorFromThreads(self._reactor)
             sink.notify_at(BACKLOG_RESUME_BYTES, lambda: from_threads.callFromThread(self._resume))
@@ -109,9 +136,11 @@ class _BlobReceiver(Protocol):
         if self._paused:
             self._paused = False
             if not self.done.called:
+                self._watch()
                 cast(Any, self.transport).resumeProducing()
 
     def connectionLost(self, reason: Failure = ResponseDone()) -> None:  # type: ignore[assignment]
+        self._unwatch()
         if self.done.called:
             return
         if not reason.check(ResponseDone):
@@ -224,7 +253,8 @@ class GatewayLink:
         (the wait for a large blob's hash); C{None}: here.
     @ivar retries: further attempts of a result post after a connection failure.
     @ivar retry_delay: seconds before the first retry; doubled after each.
-    @ivar response_timeout: seconds to wait for a response's head.
+    @ivar response_timeout: seconds to wait for a response's head, and
+        the longest silence inside a blob's body before it is cut off.
     """
 
     _http: HTTPClient
@@ -261,7 +291,7 @@ class GatewayLink:
         if response.code != 200:
             await response.content()
             raise BlobRefused(ref.sha256, f"the gateway answered {response.code}")
-        receiver = _BlobReceiver(ref, self._clock, self.run_blocking)
+        receiver = _BlobReceiver(ref, self._clock, self.run_blocking, self.response_timeout)
         response.deliverBody(receiver)
         blob = await receiver.done
         if blob.shared is not None:

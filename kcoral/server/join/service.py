@@ -26,7 +26,6 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from twisted.application import service
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall
 from twisted.logger import Logger
@@ -35,6 +34,7 @@ from twisted.python.failure import Failure
 from kcoral.config import ServerConfig
 from kcoral.gateway.jobs import Presence, compat_key, node_inbox
 from kcoral.gateway.natsbridge import NatsBridge, NatsCredentials, load_credentials
+from kcoral.server.children import AsyncService
 from kcoral.server.join.presence import PresenceAnnouncer
 from kcoral.server.join.puller import JobPuller
 from kcoral.server.join.queue import NatsJobQueue
@@ -99,7 +99,7 @@ def probe_credentials(servers: Sequence[str], credentials: NatsCredentials) -> s
     return refusals[0] if refusals else None
 
 
-class JoinService(service.Service):
+class JoinService(AsyncService):
     """
     The node's part in a pool (a child service of L{kcoral.server.service.KCoralService}).
 
@@ -135,14 +135,6 @@ class JoinService(service.Service):
         self.presence: PresenceAnnouncer | None = None
         self._prepare_retry: IDelayedCall | None = None
         self._stopping = False
-
-    def startService(self) -> Deferred[None]:  # type: ignore[override]
-        super().startService()
-        return Deferred.fromCoroutine(self.start())
-
-    def stopService(self) -> Deferred[None]:
-        super().stopService()
-        return Deferred.fromCoroutine(self.stop())
 
     # -- start ------------------------------------------------------------------
 

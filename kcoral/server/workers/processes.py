@@ -19,7 +19,6 @@ from twisted.internet.protocol import ProcessProtocol
 from twisted.python.runtime import platform
 
 from kcoral.proctree import descendants_of
-from kcoral.server.workers.job import Job
 from kcoral.wire.channel import (
     WORKER_CHANNEL_FDS,
 )
@@ -135,17 +134,6 @@ def exit_code_of(value: BaseException) -> int | None:
     if sig is not None:
         return -int(sig)
     return code if code is None else int(code)
-
-
-def _instruction_count(job: Job) -> int | None:
-    """How many instructions the job's program has (C{None}: not known)."""
-    instructions = getattr(job.program, "instructions", None)
-    return None if instructions is None else len(instructions)
-
-
-def _op_of(job: Job, index: int) -> str | None:
-    instructions = getattr(job.program, "instructions", ())
-    return instructions[index].op if 0 <= index < len(instructions) else None
 
 
 def worker_child_fds(

@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import sys
 import tempfile
@@ -40,17 +41,16 @@ from urllib.parse import urlsplit, urlunsplit
 import attrs
 from twisted.application.service import Service
 from twisted.internet.defer import Deferred
-from twisted.internet.protocol import ProcessProtocol, Protocol
-from twisted.logger import Logger
+from twisted.internet.protocol import Protocol
 from twisted.python.failure import Failure
+
+from kcoral.server.frontends import FrontEndProcesses
 
 if TYPE_CHECKING:
     from kcoral.gateway.service import GatewayConfig
 
 __all__ = ["FrontEndsService", "config_from_json", "config_to_json", "node_port", "node_url"]
 
-#: Seconds before a front end that died is started again.
-RESTART_DELAY = 1.0
 #: Seconds the others get to stop after SIGTERM before SIGKILL.
 STOP_TIMEOUT = 15.0
 
@@ -111,110 +111,39 @@ def config_from_json(text: str) -> GatewayConfig:
     return GatewayConfig(**values)
 
 
-class _FrontEnd(ProcessProtocol):
-    def __init__(self, owner: FrontEndsService, index: int) -> None:
-        self.owner = owner
-        self.index = index
-        self.ended: Deferred[None] = Deferred()
-
-    def processEnded(self, reason: Failure) -> None:
-        self.ended.callback(None)
-        self.owner._ended(self, reason)
-
-
 class FrontEndsService(Service):
-    """In the first front end: the others, started, restarted and stopped."""
-
-    log = Logger()
+    """
+    In the first front end: the others, started, restarted and stopped
+    (L{kcoral.server.frontends.FrontEndProcesses}, as the server's are).
+    """
 
     def __init__(self, config: GatewayConfig, reactor: Any) -> None:
         self.config = config
-        self._reactor = reactor
-        self._running: dict[int, _FrontEnd] = {}
-        self._restarts: dict[int, Any] = {}
+        self.processes = FrontEndProcesses(reactor, "kcoral.gateway.frontends")
         self._directory = Path(tempfile.mkdtemp(prefix="kcoral-gateway-"))
 
     def startService(self) -> None:
         super().startService()
         for index in range(1, self.config.front_ends):
-            self._start(index)
+            spec = self._directory / f"front-end-{index}.json"
+            # Each front end logs under its own directory, as the server's do.
+            log_dir = self.config.log_dir
+            if log_dir is not None:
+                log_dir = log_dir / f"front-end-{index}"
+            share = attrs.evolve(self.config, front_end_index=index, log_dir=log_dir)
+            spec.write_text(config_to_json(share))
+            spec.chmod(0o600)
+            self.processes.spawn(index, spec)
 
-    def _start(self, index: int) -> None:
-        self._restarts.pop(index, None)
-        spec = self._directory / f"front-end-{index}.json"
-        # Each front end logs under its own directory, as the server's do.
-        log_dir = self.config.log_dir
-        if log_dir is not None:
-            log_dir = log_dir / f"front-end-{index}"
-        share = attrs.evolve(self.config, front_end_index=index, log_dir=log_dir)
-        spec.write_text(config_to_json(share))
-        spec.chmod(0o600)
-        protocol = _FrontEnd(self, index)
-        self._running[index] = protocol
-        self._reactor.spawnProcess(
-            protocol,
-            sys.executable,
-            [sys.executable, "-m", "kcoral.gateway.frontends", str(spec)],
-            env=dict(os.environ),
-            childFDs={0: "w", 1: 1, 2: 2},
-        )
-        self.log.info(
-            "gateway front end {index} started",
-            kcoral_event="front_end_started",
-            index=index,
-        )
-
-    def _ended(self, protocol: _FrontEnd, reason: Failure) -> None:
-        if self._running.get(protocol.index) is not protocol:
-            return
-        del self._running[protocol.index]
-        if not self.running:
-            return
-        self.log.warn(
-            "gateway front end {index} exited ({reason}); starting it again",
-            kcoral_event="front_end_exited",
-            index=protocol.index,
-            reason=reason.getErrorMessage(),
-        )
-        self._restarts[protocol.index] = self._reactor.callLater(
-            RESTART_DELAY, self._start, protocol.index
-        )
-
-    def stopService(self) -> Deferred[Any]:
+    def stopService(self) -> Deferred[None]:
         super().stopService()
-        for call in self._restarts.values():
-            if call.active():
-                call.cancel()
-        self._restarts.clear()
-        waits = []
-        for protocol in list(self._running.values()):
-            waits.append(protocol.ended)
-            _signal(protocol, "TERM")
-            self._reactor.callLater(STOP_TIMEOUT, _signal, protocol, "KILL")
-        from twisted.internet.defer import DeferredList
+        return Deferred.fromCoroutine(self._stop())
 
-        done: Deferred[Any] = DeferredList(waits, consumeErrors=True)
-
-        def clean(result: object) -> object:
-            for spec in self._directory.glob("*.json"):
-                spec.unlink(missing_ok=True)
-            try:
-                self._directory.rmdir()
-            except OSError:
-                pass
-            return result
-
-        return done.addBoth(clean)
-
-
-def _signal(protocol: _FrontEnd, name: str) -> None:
-    transport = protocol.transport
-    if transport is None or protocol.ended.called:
-        return
-    try:
-        transport.signalProcess(name)
-    except Exception:
-        pass
+    async def _stop(self) -> None:
+        try:
+            await self.processes.stop(STOP_TIMEOUT)
+        finally:
+            shutil.rmtree(self._directory, ignore_errors=True)
 
 
 class _ParentWatch(Protocol):

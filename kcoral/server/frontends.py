@@ -52,7 +52,7 @@ from kcoral.config import ServerConfig
 from kcoral.server.leases.broker import LeaseBroker, RemoteArbiter, broker_factory
 from kcoral.server.leases.lease import LeaseArbiter
 
-__all__ = ["BrokerConnection", "FrontEndsService", "listen_reusing_port"]
+__all__ = ["BrokerConnection", "FrontEndProcesses", "FrontEndsService", "listen_reusing_port"]
 
 #: Seconds before a front end that died is started again (doubling, at most the second).
 RESTART_DELAY = (0.5, 30.0)
@@ -131,7 +131,7 @@ def _socket_parent() -> str:
 class _FrontEnd(ProcessProtocol):
     """One front end process, as its supervisor sees it."""
 
-    def __init__(self, supervisor: FrontEndsService, index: int, started_at: float) -> None:
+    def __init__(self, supervisor: FrontEndProcesses, index: int, started_at: float) -> None:
         self.supervisor = supervisor
         self.index = index
         self.started_at = started_at
@@ -143,60 +143,34 @@ class _FrontEnd(ProcessProtocol):
         self.supervisor._ended(self, code)
 
 
-class FrontEndsService:
+class FrontEndProcesses:
     """
-    In the first front end: the lease broker, and the other front ends'
-    processes (started after the first listens, stopped before it stops).
+    The other front ends' processes, by index, for the server's first front
+    end and the gateway's: each runs C{python -m MODULE SPEC}; one that dies
+    on its own is started again after a delay that doubles while it keeps
+    dying (L{RESTART_DELAY}); L{stop} asks each to end (SIGTERM), then kills
+    what is left after a grace period.
     """
 
     log = Logger()
 
-    def __init__(
-        self,
-        reactor: Any,
-        config: ServerConfig,
-        endpoints: Sequence[str],
-        leases: LeaseArbiter,
-    ) -> None:
+    def __init__(self, reactor: Any, module: str) -> None:
         self._reactor = reactor
-        self._config = config
-        self._endpoints = list(endpoints)
-        self.broker = LeaseBroker(leases)
-        self._dir: Path | None = None
-        self._port: IListeningPort | None = None
+        self._module = module
         self._processes: dict[int, _FrontEnd] = {}
+        self._specs: dict[int, tuple[Path, dict[str, object]]] = {}
         self._delays: dict[int, float] = {}
         self._stopping = False
 
-    @property
-    def broker_path(self) -> Path | None:
-        return None if self._dir is None else self._dir / "broker.sock"
-
-    def start(self) -> None:
-        self._dir = Path(tempfile.mkdtemp(prefix="kcoral-front-ends-", dir=_socket_parent()))
-        path = self.broker_path
-        assert path is not None
-        self._port = self._reactor.listenUNIX(str(path), broker_factory(self.broker), mode=0o600)
-        for index in range(1, self._config.front_ends):
-            self._spawn(index)
-
-    def _spawn(self, index: int) -> None:
-        assert self._dir is not None
-        spec = self._dir / f"front-end-{index}.json"
-        # The whole server's config and this front end's place: it takes its
-        # own share of them (kcoral.server.topology).
-        document = {
-            "config": self._config.as_log_dict(),
-            "front_end": {"index": index, "broker": str(self.broker_path)},
-            "endpoints": self._endpoints,
-        }
-        spec.write_text(json.dumps(document))
+    def spawn(self, index: int, spec: Path, **fields: object) -> None:
+        """Start front end C{index} from C{spec}; C{fields} go on its events."""
+        self._specs[index] = (spec, fields)
         process = _FrontEnd(self, index, self._reactor.seconds())
         self._processes[index] = process
         self._reactor.spawnProcess(
             process,
             sys.executable,
-            [sys.executable, "-m", "kcoral.server.frontend_main", str(spec)],
+            [sys.executable, "-m", self._module, str(spec)],
             env=dict(os.environ),
             childFDs={0: "w", 1: 1, 2: 2},
         )
@@ -205,7 +179,7 @@ class FrontEndsService:
             kcoral_event="front_end_started",
             index=index,
             pid=getattr(process.transport, "pid", None),
-            broker=str(self.broker_path),
+            **fields,
         )
 
     def _ended(self, process: _FrontEnd, code: int | None) -> None:
@@ -229,10 +203,11 @@ class FrontEndsService:
 
     def _restart(self, index: int) -> None:
         if not self._stopping and index not in self._processes:
-            self._spawn(index)
+            spec, fields = self._specs[index]
+            self.spawn(index, spec, **fields)
 
     async def stop(self, grace: float) -> None:
-        """Ask every other front end to stop (SIGTERM), wait, then close the broker."""
+        """Ask every front end to stop (SIGTERM); kill any still running after C{grace} s."""
         self._stopping = True
         processes = list(self._processes.values())
         for process in processes:
@@ -245,6 +220,53 @@ class FrontEndsService:
             await process.exited
             if timer.active():
                 timer.cancel()
+
+
+class FrontEndsService:
+    """
+    In the first front end: the lease broker, and the other front ends'
+    processes (started after the first listens, stopped before it stops).
+    """
+
+    def __init__(
+        self,
+        reactor: Any,
+        config: ServerConfig,
+        endpoints: Sequence[str],
+        leases: LeaseArbiter,
+    ) -> None:
+        self._reactor = reactor
+        self._config = config
+        self._endpoints = list(endpoints)
+        self.broker = LeaseBroker(leases)
+        self.processes = FrontEndProcesses(reactor, "kcoral.server.frontend_main")
+        self._dir: Path | None = None
+        self._port: IListeningPort | None = None
+
+    @property
+    def broker_path(self) -> Path | None:
+        return None if self._dir is None else self._dir / "broker.sock"
+
+    def start(self) -> None:
+        self._dir = Path(tempfile.mkdtemp(prefix="kcoral-front-ends-", dir=_socket_parent()))
+        path = self.broker_path
+        assert path is not None
+        self._port = self._reactor.listenUNIX(str(path), broker_factory(self.broker), mode=0o600)
+        for index in range(1, self._config.front_ends):
+            spec = self._dir / f"front-end-{index}.json"
+            # The whole server's config and this front end's place: it takes
+            # its own share of them (kcoral.server.topology).
+            document = {
+                "config": self._config.as_log_dict(),
+                "front_end": {"index": index, "broker": str(path)},
+                "endpoints": self._endpoints,
+            }
+            spec.write_text(json.dumps(document))
+            self.processes.spawn(index, spec, broker=str(path))
+
+    async def stop(self, grace: float) -> None:
+        """Ask every other front end to stop (SIGTERM), wait, then close the broker."""
+        await self.processes.stop(grace)
         if self._port is not None:
             await maybeDeferred(self._port.stopListening)
         if self._dir is not None:

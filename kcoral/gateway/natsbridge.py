@@ -332,23 +332,8 @@ class NatsBridge:
 
         d: Deferred[_T] = Deferred(cancel)
 
-        def settle(future: asyncio.Future[_T]) -> None:
-            if d.called:
-                if not future.cancelled() and future.exception() is not None:
-                    # The Deferred was cancelled first: the error is moot.
-                    pass
-                return
-            if future.cancelled():
-                d.errback(Failure(asyncio.CancelledError()))
-                return
-            error = future.exception()
-            if error is not None:
-                d.errback(Failure(error))
-            else:
-                d.callback(future.result())
-
         def done(future: asyncio.Future[_T]) -> None:
-            self._reactor.callFromThread(settle, future)
+            self._reactor.callFromThread(_settle, d, future)
 
         def begin() -> None:
             task = asyncio.ensure_future(make())
@@ -381,22 +366,24 @@ def _inline(loop: asyncio.AbstractEventLoop, make: Callable[[], Awaitable[_T]]) 
 
     d: Deferred[_T] = Deferred(cancel)
 
-    def settle(future: asyncio.Future[_T]) -> None:
-        if d.called:
-            if not future.cancelled():
-                future.exception()  # retrieved: the Deferred was cancelled first
-            return
-        if future.cancelled():
-            d.errback(Failure(asyncio.CancelledError()))
-            return
-        error = future.exception()
-        if error is not None:
-            d.errback(Failure(error))
-        else:
-            d.callback(future.result())
-
-    task.add_done_callback(settle)
+    task.add_done_callback(lambda future: _settle(d, future))
     return d
+
+
+def _settle(d: Deferred[_T], future: asyncio.Future[_T]) -> None:
+    """Fire C{d} with C{future}'s outcome (on the reactor's thread)."""
+    if d.called:
+        if not future.cancelled():
+            future.exception()  # retrieved: the Deferred was cancelled first
+        return
+    if future.cancelled():
+        d.errback(Failure(asyncio.CancelledError()))
+        return
+    error = future.exception()
+    if error is not None:
+        d.errback(Failure(error))
+    else:
+        d.callback(future.result())
 
 
 async def ensure_consumer(

@@ -31,6 +31,7 @@ from klein import Klein
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from twisted.internet.defer import CancelledError, Deferred, fail
+from twisted.internet.defer import TimeoutError as WaitTimedOut
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -225,6 +226,12 @@ class GatewaySettings:
     front_ends: int = 1
 
 
+#: How long a request waits for a just-started gateway process to read the
+#: nodes' presence (a few milliseconds once NATS answers) before an empty
+#: pool means "no node": a front end listens before it reaches NATS.
+POOL_READING_SECONDS = 5.0
+
+
 @attrs.define(eq=False)
 class GatewayAPI(RequestPipeline):
     """The routes, bound to one gateway's state."""
@@ -349,6 +356,13 @@ class GatewayAPI(RequestPipeline):
             gpus = program_gpus(program.options.gpu_count)
             prefer = _preferred(request)
             compat = self.pool.choose(gpus, now, prefer)
+            if compat is None and not self.pool.loaded:
+                # A front end that has just started (or has not reached NATS
+                # yet) does not know the pool: wait a little for the presence
+                # bucket's contents before saying "no node".
+                await self._pool_known(min(POOL_READING_SECONDS, self.settings.queue_timeout))
+                now = self._reactor.seconds()
+                compat = self.pool.choose(gpus, now, prefer)
             if compat is None:
                 raise RequestError("busy", "no node in the pool can run this program", "no_node")
             settings = self.settings
@@ -594,6 +608,18 @@ class GatewayAPI(RequestPipeline):
             )
             error = RequestError("engine", "internal server error", "server_error")
         return self.error_answer(request, request_id, error)
+
+    async def _pool_known(self, seconds: float) -> None:
+        """
+        Wait until the pool view holds the presence bucket's contents, or
+        C{seconds} pass (then the caller decides on what it knows).
+        """
+        waiting = self.pool.when_loaded()
+        waiting.addTimeout(seconds, self._reactor)
+        try:
+            await waiting
+        except WaitTimedOut:
+            pass
 
     def _finished(self, request_id: str, http_status: int, reason: str, **fields: Any) -> None:
         self.requests[reason] = self.requests.get(reason, 0) + 1

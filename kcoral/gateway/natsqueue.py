@@ -58,6 +58,8 @@ class NatsJobQueue:
     claims_ttl: float = CLAIMS_TTL
     on_presence: Callable[[Presence], None] = lambda p: None
     on_node_removed: Callable[[str], None] = lambda n: None
+    #: Called once the presence watch has delivered the bucket's contents.
+    on_presence_loaded: Callable[[], None] = lambda: None
     on_claim: Callable[[str, Claim], None] = lambda j, c: None
     #: Messages waiting in the stream, as last read (L{refresh_depth}).
     depth: int | None = None
@@ -123,7 +125,7 @@ class NatsJobQueue:
         for running in self._watches:
             running.cancel()
         self._watches = [
-            self._spawn_watch(NODES_BUCKET, self._presence_entry),
+            self._spawn_watch(NODES_BUCKET, self._presence_entry, self.on_presence_loaded),
             self._spawn_watch(CLAIMS_BUCKET, self._claim_entry),
         ]
 
@@ -133,8 +135,16 @@ class NatsJobQueue:
             self.watch()
 
     def _spawn_watch(
-        self, bucket: str, deliver: Callable[[str, bytes, str | None], None]
+        self,
+        bucket: str,
+        deliver: Callable[[str, bytes, str | None], None],
+        loaded: Callable[[], None] | None = None,
     ) -> Deferred[None]:
+        """
+        Watch C{bucket}: each entry goes to C{deliver} on the reactor, and
+        C{loaded} is called there after the entries the bucket held when the
+        watch began (nats-py marks their end with a C{None}).
+        """
         bridge = self.bridge
 
         async def run(client: Client, js: JetStreamContext) -> None:
@@ -143,6 +153,8 @@ class NatsJobQueue:
             try:
                 async for entry in watcher:
                     if entry is None:
+                        if loaded is not None:
+                            bridge.deliver(loaded)
                         continue
                     bridge.deliver(deliver, entry.key, entry.value or b"", entry.operation)
             finally:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
+from twisted.internet.defer import Deferred, succeed
 
 from kcoral.gateway.jobs import Presence
 
@@ -42,6 +43,33 @@ class PoolView:
     joined: int = 0
     left: int = 0
     suspended: bool = False
+    #: Whether the presence bucket's contents have been read once: until
+    #: then an empty view means "not known yet", not "no node".
+    loaded: bool = False
+    _loading: list[Deferred[None]] = attrs.field(factory=list, repr=False)
+
+    def mark_loaded(self) -> None:
+        """The presence watch delivered every record the bucket held."""
+        self.loaded = True
+        waiting, self._loading = self._loading, []
+        for d in waiting:
+            d.callback(None)
+
+    def when_loaded(self) -> Deferred[None]:
+        """
+        Fires once L{mark_loaded} was called (at once if it was); cancelling
+        it only stops this wait.
+        """
+        if self.loaded:
+            return succeed(None)
+
+        def cancel(d: Deferred[None]) -> None:
+            if d in self._loading:
+                self._loading.remove(d)
+
+        d: Deferred[None] = Deferred(cancel)
+        self._loading.append(d)
+        return d
 
     def update(self, presence: Presence, now: float) -> bool:
         """A node's presence record arrived; whether the node is new."""

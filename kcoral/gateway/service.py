@@ -157,6 +157,7 @@ class GatewayService(MultiService):
             presence_timeout=config.presence_timeout,
             on_presence=self._presence,
             on_node_removed=self._node_removed,
+            on_presence_loaded=self.pool.mark_loaded,
             on_claim=self._claim,
         )
         self.dispatcher = Dispatcher(

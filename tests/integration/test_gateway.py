@@ -437,6 +437,52 @@ def test_gateway_restart_with_new_settings(pool: Pool, tmp_path: Path) -> None:
     assert response.status == 200 and response.json()["status"] == "COMPLETED"
 
 
+def test_a_starting_gateway_reads_the_pool_before_it_refuses(pool: Pool, tmp_path: Path) -> None:
+    """
+    A gateway process listens before it has reached NATS and read the
+    nodes' presence.  Requests that arrive in that window, on both front
+    ends of a restarted C{--front-ends 2} gateway, wait for the reading and
+    run, rather than being refused with "no node in the pool".
+    """
+    pool.node("node-a", seats=2)
+    assert pool.gateway is not None
+    port = pool.gateway.port
+    pool.gateway.stop()
+    marks = tmp_path / "marks"
+    answers: list[tuple[int, bytes]] = []
+
+    def one() -> None:
+        # Spin until the port takes a connection, then ask at once.
+        deadline = time.monotonic() + 60.0
+        while True:
+            try:
+                response = post_program(port, side_effect_program(marks, 0.0), timeout=30.0)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.001)
+        answers.append((response.status, response.body))
+
+    clients = [threading.Thread(target=one) for _ in range(12)]
+    for client in clients:
+        client.start()
+    pool.gateway = GatewayProcess(
+        pool.nats.url,
+        pool.nats.credentials_file("gateway"),
+        args=["--presence-timeout", str(PRESENCE_TIMEOUT), "--front-ends", "2"],
+        port=port,
+        log_path=tmp_path / "gateway-2.log",
+    ).start()
+    for client in clients:
+        client.join(90.0)
+    assert len(answers) == 12
+    assert all(status == 200 and b"COMPLETED" in body for status, body in answers), [
+        (status, body[:200]) for status, body in answers if status != 200
+    ]
+    assert marks.read_text().count("ran") == 12
+
+
 def _gateway_events(log_dir: Path) -> list[dict[str, Any]]:
     """Every event in the run directories directly under C{log_dir}."""
     return [

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 
+from twisted.internet.defer import CancelledError
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -51,6 +52,21 @@ class PoolViewTests(SynchronousTestCase):
         self.assertTrue(pool.can_run(B, 2, 1.0))
         self.assertFalse(pool.can_run(A, 1, 1.0))
         self.assertEqual(pool.classes(1.0), {(A, 0), (B, 0), (B, 1), (B, 2)})
+
+    def test_when_loaded(self) -> None:
+        """
+        Waits for the presence bucket's first reading: at once once it came,
+        and a cancelled wait is forgotten without firing the others.
+        """
+        pool = PoolView(presence_timeout=3.0)
+        first, second = pool.when_loaded(), pool.when_loaded()
+        self.assertNoResult(first)
+        second.cancel()
+        self.failureResultOf(second, CancelledError)
+        pool.mark_loaded()
+        self.assertIsNone(self.successResultOf(first))
+        self.assertTrue(pool.loaded)
+        self.assertIsNone(self.successResultOf(pool.when_loaded()))
 
     def test_presence_expires(self) -> None:
         """A node silent past the timeout is gone; while suspended nobody expires."""

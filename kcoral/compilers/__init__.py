@@ -43,6 +43,7 @@ __all__ = [
     "ICompilerBackend",
     "MissingBackend",
     "backends",
+    "cacheable",
     "compile_binary",
     "compile_stats",
     "configure_cache",
@@ -203,8 +204,11 @@ def configure_remote(remote: Remote | None) -> None:
     _remote = remote
 
 
-def _cacheable(flags: tuple[str, ...]) -> bool:
-    # Headers from -I directories are not part of the key: skip the cache.
+def cacheable(flags: tuple[str, ...]) -> bool:
+    """
+    Whether a compile with C{flags} goes through the compile cache: not
+    with C{-I} (headers from include directories are not part of the key).
+    """
     return not any(f.startswith(("-I", "--include-path")) for f in flags)
 
 
@@ -253,7 +257,7 @@ def compile_binary(
             "unavailable", f"compiler backend {impl.name!r} is unavailable: {reason}"
         )
 
-    cache = _cache_for(cache_dir) if _cacheable(flags) else None
+    cache = _cache_for(cache_dir) if cacheable(flags) else None
     if cache is not None and _remote is not None:
         try:
             return _compile_remotely(cache, source, arch, flags, impl.name, float(timeout))

@@ -828,6 +828,37 @@ class Returned(_CarriesParts, ChannelMessage):
     parts: tuple[Part, ...] = attrs.field(default=(), repr=False, validator=_check_parts)
 
 
+def fit_outcome(outcome: Outcome, limit: int, max_decode: int | None = None) -> Outcome:
+    """
+    C{outcome}, or the same without its results and parts when either is
+    over C{limit} (the parent reads no larger outcome, see L{job_limits},
+    and answers C{response_too_large}), or when decoding the results' JSON
+    would take the parent more than C{max_decode} (its channel budget's
+    share, L{header_cost}).  The worker's engine sends what this leaves;
+    the server's compile-only programs (L{kcoral.server.workers.compileonly})
+    answer it likewise.
+    """
+    size = sum(len(part) for part in outcome.parts)
+    if size <= limit:
+        try:
+            text = json_dumps(outcome.results)
+        except (TypeError, ValueError):
+            return outcome
+        results = len(text)
+        costly = max_decode is not None and header_cost(text) > max_decode - _OUTPUT_COST * (
+            len(outcome.stdout) + len(outcome.stderr)
+        )
+        if results <= limit + CONTROL_FRAME_BYTES and not costly:
+            return outcome
+        size += results
+    return attrs.evolve(outcome, results={}, parts=(), oversize=size)
+
+
+#: What decoding a character of captured output may take the parent, at
+#: most (its JSON escape, six bytes, each decoded to four).
+_OUTPUT_COST = 24
+
+
 def _shared_indices(value: Any, count: int) -> list[int]:
     """A header's C{shared_parts}: increasing indices of its C{count} parts."""
     if not isinstance(value, list) or len(value) > MAX_DESCRIPTORS:

@@ -11,49 +11,30 @@ or overrides entries through its optional C{builtins()} method.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import attrs
-
+from kcoral.compilers.call import (
+    COMPILE_TIMEOUT_SECONDS,
+    CudaFunction,
+    CudaSource,
+    compile_call,
+)
 from kcoral.errors import ExecutionError
 from kcoral.wire.program import BUILTINS, GPU_ONLY_BUILTINS
 
+__all__ = [
+    "COMPILE_TIMEOUT_SECONDS",
+    "Builtin",
+    "CudaFunction",
+    "CudaSource",
+    "compile_cuda_binary",
+    "cpu_builtins",
+    "registered",
+    "registry_for",
+]
+
 Builtin = tuple[Callable[..., Any], bool]
-
-_C_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
-
-#: Default seconds allowed to one compile_cuda_binary call.
-COMPILE_TIMEOUT_SECONDS = 300.0
-
-
-@attrs.frozen
-class CudaSource:
-    """The handle of an C{upload module} with C{language: cuda}: its text."""
-
-    source: str
-
-    def get_function(self, name: str) -> CudaFunction:
-        """
-        The named function of this source.
-
-        @raise ExecutionError: C{parse} when C{name} is not a C identifier or
-            is C{main}.
-        """
-        if not _C_IDENTIFIER.match(name):
-            raise ExecutionError("parse", f"CUDA function name {name!r} is not a C identifier")
-        if name == "main":
-            raise ExecutionError("parse", "CUDA function name 'main' is not allowed")
-        return CudaFunction(self.source, name)
-
-
-@attrs.frozen
-class CudaFunction:
-    """A named function of a CUDA source, consumed by the compile builtins."""
-
-    source: str
-    name: str
 
 
 def _unavailable(name: str) -> Callable[..., Any]:
@@ -66,12 +47,6 @@ def _unavailable(name: str) -> Callable[..., Any]:
     return builtin
 
 
-def _split_cfg(args: tuple[Any, ...]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    if args and isinstance(args[-1], dict):
-        return args[:-1], args[-1]
-    return args, {}
-
-
 def compile_cuda_binary(source: Any, *rest: Any) -> bytes:
     """
     Compile CUDA source for an explicit C{arch}; return the image's bytes:
@@ -80,48 +55,21 @@ def compile_cuda_binary(source: Any, *rest: Any) -> bytes:
     host function with TVM-FFI parameters.
 
     C{source} is a L{CudaFunction} (or the source text); the trailing C{cfg}
-    is C{{arch: str, extra_cuda_cflags?: [str], timeout_seconds?: number}}.
-    The compiler lives in L{kcoral.compilers}; without it this is
-    C{unavailable}.
+    is C{{arch: str, extra_cuda_cflags?: [str], timeout_seconds?: number}},
+    checked by L{kcoral.compilers.call.compile_call} (which the server's
+    compile-only programs share).  The compiler lives in
+    L{kcoral.compilers}; without it this is C{unavailable}.
     """
-    args, cfg = _split_cfg(rest)
-    if args:
-        raise ExecutionError("parse", "compile_cuda_binary expects (source, cfg)")
-    name = None
-    if isinstance(source, CudaFunction):
-        text, name = source.source, source.name
-    elif isinstance(source, str):
-        text = source
-    else:
-        raise ExecutionError(
-            "parse", "compile_cuda_binary expects the get_function handle of a CUDA module"
-        )
-    arch = cfg.get("arch")
-    if not isinstance(arch, str):
-        raise ExecutionError("parse", "compile_cuda_binary: 'arch' must be a string")
-    flags = cfg.get("extra_cuda_cflags", [])
-    if not isinstance(flags, (list, tuple)) or not all(isinstance(f, str) for f in flags):
-        raise ExecutionError(
-            "parse", "compile_cuda_binary: 'extra_cuda_cflags' must be a list of strings"
-        )
-    timeout = cfg.get("timeout_seconds", COMPILE_TIMEOUT_SECONDS)
     try:
         from kcoral.compilers import compile_binary  # type: ignore[attr-defined]
     except ImportError as e:
         raise ExecutionError(
             "unavailable", f"builtin.compile_cuda_binary is unavailable: {e}"
         ) from None
-    from kcoral.compilers.source import add_extern_c
-    from kcoral.compilers.tvmffi import export_source, is_host_function
-
-    if name is not None and is_host_function(text, name):
-        # A TVM-FFI host function: a shared library for tvm_ffi.load_module.
-        return bytes(
-            compile_binary(
-                export_source(text, name), arch, tuple(flags), float(timeout), backend="tvmffi"
-            )
-        )
-    return bytes(compile_binary(add_extern_c(text), arch, tuple(flags), float(timeout)))
+    call = compile_call(source, *rest)
+    return bytes(
+        compile_binary(call.source, call.arch, call.flags, call.timeout, backend=call.backend)
+    )
 
 
 def registered(implementations: Mapping[str, Callable[..., Any]]) -> dict[str, Builtin]:

@@ -34,7 +34,6 @@ import attrs
 from kcoral.errors import KINDS, ExecutionError, GPUAccessViolation
 from kcoral.ipc.shared import PARTS, SharedBuffer
 from kcoral.wire.channel import (
-    CONTROL_FRAME_BYTES,
     RETIRE_POISONED,
     RETIRE_REQUEST_LIMIT,
     ChannelMessage,
@@ -42,6 +41,7 @@ from kcoral.wire.channel import (
     Instruction,
     Outcome,
     Returned,
+    fit_outcome,
     header_cost,
 )
 from kcoral.wire.errors import instruction_error, truncate_traceback
@@ -386,7 +386,7 @@ class Engine:
                         "runtime", "program left background processes running; they were terminated"
                     ),
                 )
-        outcome = _fit_response(
+        outcome = fit_outcome(
             run.outcome(captured), request.max_response_bytes, request.max_decode_bytes
         )
         del run
@@ -434,35 +434,6 @@ def _encoded_size(result: Any) -> tuple[int, int]:
     except (ValueError, TypeError, RecursionError) as e:
         message = f"cannot encode the returned value: {_describe(e)}"
         raise _Failure("serialization", message, e) from None
-
-
-def _fit_response(outcome: Outcome, limit: int, max_decode: int | None = None) -> Outcome:
-    """
-    C{outcome}, or the same without its results and parts when either is
-    over C{limit} (the parent reads no larger outcome, see
-    L{kcoral.wire.channel.job_limits}, and answers C{response_too_large}),
-    or when decoding the results' JSON would take the parent more than
-    C{max_decode} (its channel budget's share, L{header_cost}).
-    """
-    size = sum(len(part) for part in outcome.parts)
-    if size <= limit:
-        try:
-            text = json_dumps(outcome.results)
-        except (TypeError, ValueError):
-            return outcome
-        results = len(text)
-        costly = max_decode is not None and header_cost(text) > max_decode - _OUTPUT_COST * (
-            len(outcome.stdout) + len(outcome.stderr)
-        )
-        if results <= limit + CONTROL_FRAME_BYTES and not costly:
-            return outcome
-        size += results
-    return attrs.evolve(outcome, results={}, parts=(), oversize=size)
-
-
-#: What decoding a character of captured output may take the parent, at
-#: most (its JSON escape, six bytes, each decoded to four).
-_OUTPUT_COST = 24
 
 
 class _ProgramRun:

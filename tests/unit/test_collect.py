@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from twisted.internet.defer import CancelledError
 from twisted.internet.error import ProcessDone, ProcessTerminated
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
@@ -19,6 +20,7 @@ from kcoral.server.sandbox.collect import (
     kill_group,
     kill_process,
     run_bounded,
+    start_bounded,
 )
 from kcoral.testing.fakes import FakeTransport, ProcessReactor
 
@@ -149,6 +151,51 @@ class RunBoundedTests(SynchronousTestCase):
         self.run_one(kill=killed.append)
         self.reactor.advance(5.0)
         self.assertEqual(killed, [self.reactor.spawned[0]["transport"]])
+
+
+class StartBoundedTests(SynchronousTestCase):
+    """L{start_bounded}: the running process, whose cancelled wait kills it."""
+
+    def setUp(self) -> None:
+        self.reactor = ProcessReactor()
+        self.run = start_bounded(
+            self.reactor, "/bin/true", ["/bin/true"], env={}, sinks={}, timeout=5.0
+        )
+        self.spawned = self.reactor.spawned[0]
+
+    def end(self) -> None:
+        self.spawned["protocol"].processEnded(Failure(ProcessTerminated(signal=9)))
+
+    def test_cancelled_wait_kills(self) -> None:
+        """
+        Cancelling L{BoundedRun.wait} kills the process at once; the wait
+        fails then, and L{BoundedRun.finished} fires once it has ended.
+        """
+        wait = self.run.wait()
+        wait.cancel()
+        self.failureResultOf(wait, CancelledError)
+        self.assertEqual(self.spawned["transport"].signals, ["KILL"])
+        self.assertNoResult(self.run.finished)
+        self.end()
+        finished = self.successResultOf(self.run.finished)
+        self.assertEqual((finished.status, finished.timed_out), (-9, False))
+        self.assertEqual(self.reactor.getDelayedCalls(), [])
+
+    def test_cancelled_end_wait_kills_nothing(self) -> None:
+        """Cancelling L{BoundedRun.ended} stops only that wait."""
+        ended = self.run.ended()
+        other = self.run.ended()
+        ended.cancel()
+        self.failureResultOf(ended, CancelledError)
+        self.assertEqual(self.spawned["transport"].signals, [])
+        self.end()
+        self.assertEqual(self.successResultOf(other).status, -9)
+
+    def test_waits_after_the_end(self) -> None:
+        """A wait begun after the end fires at once."""
+        self.end()
+        self.assertEqual(self.successResultOf(self.run.wait()).status, -9)
+        self.assertEqual(self.successResultOf(self.run.ended()).status, -9)
 
 
 class KillTests(SynchronousTestCase):

@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from twisted.internet.defer import Deferred, succeed
+from twisted.internet.defer import CancelledError, Deferred, succeed
 from twisted.internet.error import ProcessDone, ProcessTerminated
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
@@ -229,6 +229,84 @@ class IsolatedCompilesTests(SynchronousTestCase):
         self.assertEqual(self.successResultOf(d).kind, "compile")
 
 
+class ConfirmedTests(IsolatedCompilesTests):
+    """
+    A backend without a command line is available to the server's own
+    programs only once a sandboxed compile found it so (checking here
+    would load it into the server).
+    """
+
+    def _image(self, available: bool) -> Deferred[tuple[CompileDone, bytes | None]]:
+        return Deferred.fromCoroutine(
+            self.compiles.compile_image(_request(), 30.0, available=available)
+        )
+
+    def test_unconfirmed_is_unavailable(self) -> None:
+        """Not confirmed yet: C{unavailable}, no sandbox, before any other check."""
+        done, image = self.successResultOf(
+            Deferred.fromCoroutine(
+                self.compiles.compile_image(_request(arch="bad"), 30.0, available=True)
+            )
+        )
+        self.assertEqual((done.kind, image), ("unavailable", None))
+        self.assertEqual(self.reactor.spawned, [])
+
+    def test_confirmed_by_a_compile(self) -> None:
+        """An answer from the sandbox confirms it; an C{unavailable} one withdraws it."""
+        self.successResultOf(self._answer(b'{"kind": "compile", "error": "bad"}\n'))
+        self.assertEqual(self.compiles.confirmed, {"fake"})
+        d = self._image(True)
+        protocol = self.reactor.spawned[-1]["protocol"]
+        protocol.childDataReceived(ANSWER_FD, b'{"seconds": 0.25, "size": 5}\nIMAGE')
+        protocol.processEnded(Failure(ProcessDone(0)))
+        done, image = self.successResultOf(d)
+        self.assertEqual((done.error, image), (None, b"IMAGE"))
+        # The same request again: a hit, with its image.
+        done, image = self.successResultOf(self._image(True))
+        self.assertEqual((done.cached, image), (True, b"IMAGE"))
+        d = Deferred.fromCoroutine(self.compiles.compile(_request(arch="sm_80"), 30.0))
+        protocol = self.reactor.spawned[-1]["protocol"]
+        protocol.childDataReceived(ANSWER_FD, b'{"kind": "unavailable", "error": "gone"}\n')
+        protocol.processEnded(Failure(ProcessDone(0)))
+        self.assertEqual(self.successResultOf(d).kind, "unavailable")
+        self.assertEqual(self.compiles.confirmed, set())
+
+    def test_cancelled_compile_is_killed(self) -> None:
+        """
+        Cancelling the wait kills the sandbox at once; its seat goes only
+        once the process has ended.
+        """
+        d = self._image(False)
+        spawned = self.reactor.spawned[-1]
+        d.cancel()
+        self.failureResultOf(d, CancelledError)
+        self.assertEqual(spawned["transport"].signals, ["KILL"])
+        seat = self.dir / "scratch" / "compile-1"
+        self.assertTrue(seat.exists())
+        spawned["protocol"].processEnded(Failure(ProcessTerminated(signal=9)))
+        self.assertFalse(seat.exists())
+        self.assertEqual(list((self.dir / "cache").glob("*.bin")), [])
+
+    def test_cancelled_while_the_seat_is_made(self) -> None:
+        """A seat made after its wait was cancelled is removed once made."""
+        making: list[tuple[Deferred[Any], Any, tuple[Any, ...]]] = []
+
+        def run_blocking(f: Any, *args: Any) -> Deferred[Any]:
+            if f == self.compiles.sandbox.prepare_seat:
+                making.append((Deferred(), f, args))
+                return making[-1][0]
+            return _sync(f, *args)
+
+        self.compiles.run_blocking = run_blocking
+        d = self._image(False)
+        d.cancel()
+        self.failureResultOf(d, CancelledError)
+        made, f, args = making[0]
+        made.callback(f(*args))
+        self.assertEqual(self.reactor.spawned, [])
+        self.assertFalse((self.dir / "scratch" / "compile-1").exists())
+
+
 @implementer(ICommandLineBackend)
 class _CommandBackend(FakeCompilerBackend):
     """A fake whose compile is one command line (as nvcc's is)."""
@@ -359,6 +437,54 @@ class CommandCompileTests(SynchronousTestCase):
         self.assertEqual(len(removals), 1)
         removals[0].errback(Failure(OSError("busy")))
         self.assertEqual(len(self.flushLoggedErrors(OSError)), 1)
+
+
+class CommandImageTests(CommandCompileTests):
+    """L{IsolatedCompiles.compile_image} with a command-line backend."""
+
+    def test_image_and_availability(self) -> None:
+        """The image comes back with the answer; C{available} asks the backend first."""
+        d = Deferred.fromCoroutine(self.compiles.compile_image(_request(), 30.0, available=True))
+        spawned = self.reactor.spawned[-1]
+        work = self.dir / "scratch" / "compile-1" / "work"
+        (work / "module.bin").write_bytes(b"IMAGE")
+        self._end(spawned, 0)
+        done, image = self.successResultOf(d)
+        self.assertEqual((done.error, done.cached, image), (None, False, b"IMAGE"))
+        self.backend.available = lambda: (False, "nvcc is not on PATH")  # type: ignore[method-assign]
+        done, image = self.successResultOf(
+            Deferred.fromCoroutine(self.compiles.compile_image(_request(), 30.0, available=True))
+        )
+        self.assertEqual(
+            (done.kind, done.error, image),
+            ("unavailable", "compiler backend 'fake' is unavailable: nvcc is not on PATH", None),
+        )
+        # Without C{available} (a worker's request: it checked), the entry is answered.
+        done, image = self.successResultOf(
+            Deferred.fromCoroutine(self.compiles.compile_image(_request(), 30.0))
+        )
+        self.assertEqual((done.cached, image), (True, b"IMAGE"))
+
+    def test_cancelled_during_the_store(self) -> None:
+        """Cancelled while its image is stored: the seat goes once the store is done."""
+        stores: list[tuple[Deferred[Any], Any, tuple[Any, ...]]] = []
+
+        def run_blocking(f: Any, *args: Any) -> Deferred[Any]:
+            if f.__name__ == "_store_output":
+                stores.append((Deferred(), f, args))
+                return stores[-1][0]
+            return _sync(f, *args)
+
+        self.compiles.run_blocking = run_blocking
+        d, spawned, work = self._start()
+        (work / "module.bin").write_bytes(b"IMAGE")
+        self._end(spawned, 0)
+        d.cancel()
+        self.failureResultOf(d, CancelledError)
+        self.assertTrue(work.exists())
+        stored, f, args = stores[0]
+        stored.callback(f(*args))
+        self.assertFalse(work.exists())
 
 
 class CompileSeatTests(SynchronousTestCase):

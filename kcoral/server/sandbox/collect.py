@@ -8,7 +8,9 @@ for the shared cache (L{kcoral.server.workers.compiles}).  Each writes what
 it likes, so what is kept of each output is bounded (L{Sink}), and each may
 hang, so it is killed once its time is up.  L{run_bounded} does both and
 fires with a L{Finished} once the process has ended (never before: a killed
-process is waited for).
+process is waited for).  L{start_bounded} does the same and hands back the
+running process (L{BoundedRun}), whose wait kills it when cancelled: a
+compile whose client left, or whose program's budget ran out.
 """
 
 from __future__ import annotations
@@ -147,6 +149,50 @@ def kill_group(transport: IProcessTransport) -> None:
         kill_process(transport)
 
 
+@attrs.define(eq=False)
+class BoundedRun:
+    """
+    A helper process started by L{start_bounded}.
+
+    @ivar finished: fires with a L{Finished} once the process has ended
+        (never before, killed or not); do not cancel it: wait on
+        L{wait} or L{ended} instead.
+    """
+
+    transport: IProcessTransport
+    finished: Deferred[Finished]
+    _kill: Callable[[IProcessTransport], None]
+
+    def kill(self) -> None:
+        """End it now (its L{Finished} is not C{timed_out})."""
+        self._kill(self.transport)
+
+    def ended(self) -> Deferred[Finished]:
+        """
+        A new Deferred that fires with its L{Finished} once it has ended;
+        cancelling it stops only this wait.
+        """
+        copy: Deferred[Finished] = Deferred()
+        self.finished.addCallback(_forward, copy)
+        return copy
+
+    def wait(self) -> Deferred[Finished]:
+        """
+        As L{ended}, but cancelling it kills the process: the wait fails at
+        once with C{CancelledError}, and L{finished} fires once the process
+        has ended.
+        """
+        copy: Deferred[Finished] = Deferred(lambda _: self.kill())
+        self.finished.addCallback(_forward, copy)
+        return copy
+
+
+def _forward(finished: Finished, copy: Deferred[Finished]) -> Finished:
+    if not copy.called:
+        copy.callback(finished)
+    return finished
+
+
 def run_bounded(
     reactor: IReactorProcess,
     executable: str,
@@ -159,12 +205,31 @@ def run_bounded(
     kill: Callable[[IProcessTransport], None] = kill_process,
 ) -> Deferred[Finished]:
     """
+    L{start_bounded}'s process's L{BoundedRun.finished}: fires with a
+    L{Finished} once the process has ended.
+    """
+    return start_bounded(
+        reactor, executable, argv, env=env, sinks=sinks, timeout=timeout, stdin=stdin, kill=kill
+    ).finished
+
+
+def start_bounded(
+    reactor: IReactorProcess,
+    executable: str,
+    argv: Sequence[str],
+    *,
+    env: Mapping[str, str],
+    sinks: Mapping[str, Sink],
+    timeout: float,
+    stdin: bytes = b"",
+    kill: Callable[[IProcessTransport], None] = kill_process,
+) -> BoundedRun:
+    """
     Spawn C{executable} with C{argv} and C{env}; stdin is a pipe given
     C{stdin} and then closed, each sink's descriptors are pipes read into
     it.  After C{timeout} seconds C{kill} ends it.
 
     @param reactor: an C{IReactorProcess} that also provides C{IReactorTime}.
-    @return: a Deferred that fires with a L{Finished} once the process has ended.
     """
     protocol = BoundedOutputProtocol(sinks, stdin)
     child_fds: dict[int, Any] = {0: "w"}
@@ -185,4 +250,4 @@ def run_bounded(
             timer.cancel()
         return finished
 
-    return protocol.ended.addCallback(done)
+    return BoundedRun(transport, protocol.ended.addCallback(done), kill)

@@ -36,10 +36,10 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IReactorProcess
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -48,12 +48,14 @@ from kcoral.compilers.cache import CompileCache, cache_key
 from kcoral.compilers.interfaces import ICommandLineBackend
 from kcoral.compilers.isolated import ANSWER_FD
 from kcoral.errors import ExecutionError
-from kcoral.server.sandbox.collect import Sink, run_bounded
+from kcoral.server.sandbox.collect import Sink, start_bounded
 from kcoral.server.sandbox.seats import remove_seat
 from kcoral.wire.channel import CompileDone, CompileRequest
 
 if TYPE_CHECKING:
     from kcoral.server.sandbox.bubblewrap import BubblewrapSandbox
+
+_T = TypeVar("_T")
 
 #: Largest image taken from a compile (a cubin is kilobytes to a few MiB).
 MAX_IMAGE_BYTES = 256 * 1024 * 1024
@@ -145,6 +147,11 @@ class IsolatedCompiles:
 
     @ivar lookup_backend: BLOCKING: a backend by name; raises
         L{ExecutionError} C{unavailable} when there is none.
+    @ivar confirmed: the backends without a command line
+        (L{ICommandLineBackend}) whose last sandboxed compile found them
+        available: the server's compile-only programs use these, and learn
+        it this way because checking here would load them into the server
+        (L{compile_image}'s C{available}).
     """
 
     reactor: IReactorProcess
@@ -155,25 +162,55 @@ class IsolatedCompiles:
     lookup_backend: Callable[[str], Any] = _lookup_backend
     _count: int = 0
     _cache: CompileCache | None = attrs.field(default=None, init=False)
+    confirmed: set[str] = attrs.field(factory=set, init=False)
 
     log = Logger()
 
     async def compile(self, request: CompileRequest, timeout: float) -> CompileDone:
         """Compile C{request} within C{timeout} seconds; never raises."""
+        done, _ = await self.compile_image(request, timeout)
+        return done
+
+    async def compile_image(
+        self, request: CompileRequest, timeout: float, *, available: bool = False
+    ) -> tuple[CompileDone, bytes | None]:
+        """
+        As L{compile}, and the image when there is one (read back from the
+        cache, its sha256 checked).  Cancelling it kills the compile's
+        sandbox (the wait fails with C{CancelledError} at once; its seat is
+        removed once it has ended).
+
+        @param available: check first, as a worker does before it sends a
+            request (L{kcoral.compilers.compile_binary}), that the backend
+            is available: an L{ICommandLineBackend}'s own C{available()},
+            else whether it is L{confirmed}; a C{unavailable} answer if not.
+        """
         try:
-            return await self._compile(request, timeout)
+            return await self._compile(request, timeout, available)
+        except CancelledError:
+            raise
         except ExecutionError as e:
-            return CompileDone(kind=e.kind, error=e.message)
+            return CompileDone(kind=e.kind, error=e.message), None
         except Exception as e:
             self.log.failure("compile for the shared cache failed", Failure())
-            return CompileDone(kind="engine", error=f"{type(e).__name__}: {e}")
+            return CompileDone(kind="engine", error=f"{type(e).__name__}: {e}"), None
 
-    def _prepare(self, request: CompileRequest) -> tuple[Any, str, tuple[bytes, float] | None]:
-        """BLOCKING: check C{request}; its backend, its key and the entry already stored."""
+    def _prepare(
+        self, request: CompileRequest, available: bool = False, confirmed: bool = False
+    ) -> tuple[Any, str, tuple[bytes, float] | None]:
+        """
+        BLOCKING: check C{request} (its backend's availability first when
+        C{available}); its backend, its key and the entry already stored.
+        """
+        backend = None
+        if available:
+            backend = self.lookup_backend(request.backend)
+            _check_available(backend, confirmed)
         check_request(request)
-        # (Not backend.available(): for PyCUDA that would load the CUDA
-        # driver library into the server; the compile itself says so.)
-        backend = self.lookup_backend(request.backend)
+        # (Not backend.available() otherwise: for PyCUDA that would load the
+        # CUDA driver library into the server; the compile itself says so.)
+        if backend is None:
+            backend = self.lookup_backend(request.backend)
         if self._cache is None:
             self._cache = CompileCache(self.cache_dir)
         key = compile_key(request, backend)
@@ -182,10 +219,13 @@ class IsolatedCompiles:
             self._cache.touch(key)  # (workers' reads cannot: the cache is read-only there)
         return backend, key, entry
 
-    async def _compile(self, request: CompileRequest, timeout: float) -> CompileDone:
-        backend, key, entry = await self.run_blocking(self._prepare, request)
+    async def _compile(
+        self, request: CompileRequest, timeout: float, available: bool
+    ) -> tuple[CompileDone, bytes | None]:
+        confirmed = request.backend in self.confirmed
+        backend, key, entry = await self.run_blocking(self._prepare, request, available, confirmed)
         if entry is not None:
-            return CompileDone(key=key, seconds=entry[1], cached=True)
+            return CompileDone(key=key, seconds=entry[1], cached=True), entry[0]
         if ICommandLineBackend.providedBy(backend):
             return await self._run_command(request, backend, key, timeout)
         return await self._run_isolated(request, key, timeout)
@@ -194,9 +234,21 @@ class IsolatedCompiles:
         self._count += 1
         return self.scratch / f"compile-{self._count}"
 
+    async def _made_seat(self, seat: Path, make: Callable[..., Any], *args: Any) -> Any:
+        """
+        C{make(*args)} in a thread: it makes C{seat} (and removes it if it
+        fails).  If the wait is cancelled, the seat is removed once made.
+        """
+        making = self.run_blocking(make, *args)
+        try:
+            return await _mirror(making)
+        except CancelledError:
+            making.addCallbacks(lambda _: self._remove_later(seat), lambda _: None)
+            raise
+
     async def _run_command(
         self, request: CompileRequest, backend: Any, key: str, timeout: float
-    ) -> CompileDone:
+    ) -> tuple[CompileDone, bytes | None]:
         """
         Run the backend's command line itself in a fresh compile sandbox
         (L{BubblewrapSandbox.compile_command}): no Python and no answer
@@ -204,13 +256,15 @@ class IsolatedCompiles:
         and the file the command wrote in its workspace.
         """
         seat = self._seat()
-        work, inside, argv, env = await self.run_blocking(
-            self._command_seat, seat, request, backend
+        work, inside, argv, env = await self._made_seat(
+            seat, self._command_seat, seat, request, backend
         )
+        # What uses the seat until it is done: it is removed after that.
+        using: Deferred[Any] | None = None
         try:
             executable, args, bwrap_env = self.sandbox.compile_command(argv, work, env)
             started = time.monotonic()
-            finished = await run_bounded(
+            running = start_bounded(
                 self.reactor,
                 executable,
                 args,
@@ -218,27 +272,43 @@ class IsolatedCompiles:
                 sinks={"output": Sink((1, 2), OUTPUT_BYTES)},
                 timeout=timeout,
             )
+            using = running.finished
+            finished = await running.wait()
             seconds = time.monotonic() - started
             text = finished.output["output"].decode("utf-8", "replace")
             text = text.replace(inside + "/", "").replace(inside, ".")
             if finished.timed_out:
-                return CompileDone(kind="compile", error=f"nvcc timed out after {timeout:g}s")
+                return CompileDone(kind="compile", error=f"nvcc timed out after {timeout:g}s"), None
             if finished.exit_code != 0:
                 from kcoral.compilers.nvcc import shorten
 
-                return CompileDone(
-                    kind="compile",
-                    error=f"nvcc failed for {request.arch} (exit status {finished.exit_code}):\n"
-                    + (shorten(text) or "(no diagnostics)"),
+                error = f"nvcc failed for {request.arch} (exit status {finished.exit_code}):\n" + (
+                    shorten(text) or "(no diagnostics)"
                 )
-            stored = await self.run_blocking(
-                _store_output, self.cache_dir, key, work / _OUTPUT, seconds
-            )
-            if not stored:
-                return CompileDone(kind="compile", error="nvcc succeeded but wrote no module image")
-            return CompileDone(key=key, seconds=seconds)
+                return CompileDone(kind="compile", error=error), None
+            using = self.run_blocking(_store_output, self.cache_dir, key, work / _OUTPUT, seconds)
+            image = await _mirror(using)
+            if image is None:
+                return CompileDone(
+                    kind="compile", error="nvcc succeeded but wrote no module image"
+                ), None
+            return CompileDone(key=key, seconds=seconds), image
         finally:
+            self._remove_after(seat, using)
+
+    def _remove_after(self, seat: Path, using: Deferred[Any] | None) -> None:
+        """Remove C{seat} now, or once C{using} (its process, a thread's job) is done."""
+        if using is None or using.called:
             self._remove_later(seat)
+            return
+
+        def done(result: object) -> None:
+            # Only a wait that was cancelled leaves C{using} running.
+            if isinstance(result, Failure):
+                self.log.failure("a compile's step failed after its wait ended", result)
+            self._remove_later(seat)
+
+        using.addBoth(done)
 
     def _remove_later(self, seat: Path) -> None:
         """
@@ -274,10 +344,13 @@ class IsolatedCompiles:
             raise
         return work, inside, argv, env
 
-    async def _run_isolated(self, request: CompileRequest, key: str, timeout: float) -> CompileDone:
+    async def _run_isolated(
+        self, request: CompileRequest, key: str, timeout: float
+    ) -> tuple[CompileDone, bytes | None]:
         """Run C{python -m kcoral.compilers.isolated} in a fresh sandbox (any backend)."""
         seat = self._seat()
-        work = await self.run_blocking(self.sandbox.prepare_seat, seat)
+        work = await self._made_seat(seat, self.sandbox.prepare_seat, seat)
+        using: Deferred[Any] | None = None
         try:
             executable, argv, env = self.sandbox.run_command(
                 [sys.executable, "-m", "kcoral.compilers.isolated"], work
@@ -291,7 +364,7 @@ class IsolatedCompiles:
                     "timeout": timeout,
                 }
             ).encode()
-            finished = await run_bounded(
+            running = start_bounded(
                 self.reactor,
                 executable,
                 argv,
@@ -303,23 +376,72 @@ class IsolatedCompiles:
                 timeout=timeout + GRACE_SECONDS,
                 stdin=request_bytes,
             )
+            using = running.finished
+            finished = await running.wait()
             answer = finished.output["answer"]
             parsed = None if "answer" in finished.overflowed else parse_answer(answer)
             if parsed is None:
                 tail = bytes(finished.output["err"][-2048:]).decode("utf-8", "replace")
-                return CompileDone(kind="compile", error=f"the compile did not finish: {tail}")
+                return CompileDone(
+                    kind="compile", error=f"the compile did not finish: {tail}"
+                ), None
             fields, image = parsed
+            if fields.get("kind") == "unavailable":
+                self.confirmed.discard(request.backend)
+            else:
+                self.confirmed.add(request.backend)
             if "kind" in fields:
                 return CompileDone(
                     kind=str(fields.get("kind") or "compile"), error=str(fields.get("error"))
-                )
+                ), None
             seconds = float(fields["seconds"])
-            stored = await self.run_blocking(_store, self.cache_dir, key, image, seconds)
-            if not stored:
-                return CompileDone(kind="engine", error="the compiled image could not be stored")
-            return CompileDone(key=key, seconds=seconds)
+            using = self.run_blocking(_store, self.cache_dir, key, image, seconds)
+            stored = await _mirror(using)
+            if stored is None:
+                return CompileDone(
+                    kind="engine", error="the compiled image could not be stored"
+                ), None
+            return CompileDone(key=key, seconds=seconds), stored
         finally:
-            self._remove_later(seat)
+            self._remove_after(seat, using)
+
+
+def _check_available(backend: Any, confirmed: bool) -> None:
+    """
+    BLOCKING (an L{ICommandLineBackend}'s C{available()}: a look for its
+    toolchain): raise C{unavailable} unless C{backend} is available, with
+    the message L{kcoral.compilers.compile_binary} gives.  Any other
+    backend counts as available when C{confirmed}.
+    """
+    command_line = ICommandLineBackend.providedBy(backend)
+    if command_line:
+        ok, reason = backend.available()
+    else:
+        ok, reason = confirmed, "no compile in a sandbox has found it available yet"
+    if not ok:
+        raise ExecutionError(
+            "unavailable", f"compiler backend {backend.name!r} is unavailable: {reason}"
+        )
+
+
+def _mirror(d: Deferred[_T]) -> Deferred[_T]:
+    """
+    A Deferred with C{d}'s result; cancelling it leaves C{d} running (its
+    result then stays with C{d}, for whoever cleans up after it).
+    """
+    copy: Deferred[_T] = Deferred()
+
+    def forward(result: _T | Failure) -> _T | Failure | None:
+        if copy.called:
+            return result
+        if isinstance(result, Failure):
+            copy.errback(result)
+        else:
+            copy.callback(result)
+        return None
+
+    d.addBoth(forward)
+    return copy
 
 
 #: The source and image names in a command compile's workspace.
@@ -345,14 +467,21 @@ def read_output(path: Path) -> bytes | None:
     return image if len(image) <= MAX_IMAGE_BYTES else None
 
 
-def _store_output(cache_dir: str, key: str, path: Path, seconds: float) -> bool:
-    """BLOCKING: store the image a command wrote at C{path} under C{key}."""
+def _store_output(cache_dir: str, key: str, path: Path, seconds: float) -> bytes | None:
+    """
+    BLOCKING: store the image a command wrote at C{path} under C{key}; the
+    image as it reads back, or C{None}.
+    """
     image = read_output(path)
-    return image is not None and _store(cache_dir, key, image, seconds)
+    return None if image is None else _store(cache_dir, key, image, seconds)
 
 
-def _store(cache_dir: str, key: str, image: bytes, seconds: float) -> bool:
-    """BLOCKING: put C{image} into the cache under C{key}; whether it reads back."""
+def _store(cache_dir: str, key: str, image: bytes, seconds: float) -> bytes | None:
+    """
+    BLOCKING: put C{image} into the cache under C{key}; the image as it
+    reads back (its sha256 checked), or C{None} when it does not.
+    """
     cache = CompileCache(cache_dir)
     cache.put(key, image, seconds)
-    return cache.read(key) is not None
+    entry = cache.read(key)
+    return None if entry is None else entry[0]

@@ -326,7 +326,8 @@ class RecordingPool(WorkerPool):
     """
     A L{WorkerPool} whose one seat is handed out as given: C{preset} (none:
     the pool is saturated).  Every release is recorded in C{released}, and
-    nothing is retired or replaced.  A multi-GPU program's worker starts
+    nothing is retired or replaced (a seat taken without its worker is
+    recorded in C{given_back}).  A multi-GPU program's worker starts
     when the test fires the Deferred recorded in C{starts}; its removal is
     recorded in C{removed}.
     """
@@ -334,6 +335,8 @@ class RecordingPool(WorkerPool):
     preset: Seat | None = None
     saturated: bool = False
     released: list[tuple[Seat, str | None]] = attrs.field(factory=list)
+    #: Seats given back by requests that took no worker (L{give_back}).
+    given_back: list[Seat] = attrs.field(factory=list)
     #: The client address of each C{acquire} (the reuse scope's identity).
     clients: list[str | None] = attrs.field(factory=list)
     starts: list[tuple[Seat, tuple[int, ...], Deferred[tuple[WorkerHandle, Path]]]] = attrs.field(
@@ -341,7 +344,9 @@ class RecordingPool(WorkerPool):
     )
     removed: list[WorkerHandle] = attrs.field(factory=list)
 
-    def acquire(self, timeout: float, client: str | None = None) -> Deferred[Seat]:
+    def acquire(
+        self, timeout: float, client: str | None = None, *, seat_only: bool = False
+    ) -> Deferred[Seat]:
         self.clients.append(client)
         if self.closing:
             return fail(PoolStopping())
@@ -351,6 +356,9 @@ class RecordingPool(WorkerPool):
 
     def release(self, seat: Seat, *, retire: str | None = None, clean: bool = False) -> None:
         self.released.append((seat, retire))
+
+    def give_back(self, seat: Seat) -> None:
+        self.given_back.append(seat)
 
     async def start_transient(self, seat: Seat, gpus: tuple[int, ...]) -> tuple[WorkerHandle, Path]:
         started: Deferred[tuple[WorkerHandle, Path]] = Deferred()

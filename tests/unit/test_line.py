@@ -17,9 +17,11 @@ class Offers:
     def __init__(self, *items: str) -> None:
         self.items = list(items)
         self.asked: list[str | None] = []
+        self.seat_only: list[bool] = []
 
-    def take(self, client: str | None) -> Deferred[str] | None:
+    def take(self, client: str | None, seat_only: bool = False) -> Deferred[str] | None:
         self.asked.append(client)
+        self.seat_only.append(seat_only)
         if not self.items:
             return None
         return succeed(self.items.pop(0))
@@ -42,6 +44,14 @@ class WaitingLineTests(SynchronousTestCase):
         self.assertNoResult(third)
         self.assertEqual(offers.asked, ["a", "b", "c"])
         self.assertEqual(len(self.line), 1)
+
+    def test_seat_only(self) -> None:
+        """What each waiter wants (a seat only, or its worker too) reaches C{take}."""
+        self.line.join(10, "a", seat_only=True)
+        self.line.join(10, "b")
+        offers = Offers("x", "y")
+        self.line.serve(offers.take)
+        self.assertEqual((offers.asked, offers.seat_only), (["a", "b"], [True, False]))
 
     def test_nothing_to_serve(self) -> None:
         """With nothing on offer the head waiter keeps its place."""
@@ -153,7 +163,7 @@ class WaitingLineTests(SynchronousTestCase):
         second = self.line.join(5, "b")
         items = ["x", "y"]
 
-        def take(client: str | None) -> Deferred[str] | None:
+        def take(client: str | None, seat_only: bool) -> Deferred[str] | None:
             if not items:
                 return None
             item = items.pop(0)
@@ -169,7 +179,7 @@ class WaitingLineTests(SynchronousTestCase):
         """An item handed over later (a Deferred) reaches the waiter when it fires."""
         waiting = self.line.join(5)
         later: Deferred[str] = Deferred()
-        self.line.serve(lambda client: later)
+        self.line.serve(lambda client, seat_only: later)
         self.assertNoResult(waiting)
         self.assertEqual(len(self.line), 0)
         self.clock.advance(10)

@@ -17,6 +17,7 @@ from kcoral.server.leases.lease import LeaseArbiter
 from kcoral.server.workers.job import Job, JobResult
 from kcoral.server.workers.maker import GRANT_WATCH_ENV, WorkerMaker, cores_to_spare, watch_allowed
 from kcoral.server.workers.pool import BudgetSpent, PoolBusy, Seat, SeatUse, WorkerPool
+from kcoral.server.workers.seat import hold_seat_only
 from kcoral.testing.fakes import FakeSandbox, FakeSpawner, FakeWorker, pool_config
 from kcoral.wire.channel import Outcome
 
@@ -393,6 +394,80 @@ class ReuseScopeTests(PoolTestCase):
         failing.ready.errback(RuntimeError("no"))
         self.failureResultOf(d, PoolBusy)
         self.assertEqual(pool.active, 0)
+
+
+class SeatOnlyTests(PoolTestCase):
+    """
+    A program the server runs itself (a compile-only program) holds a seat
+    of the same budget but not its worker: the worker is left as it was,
+    whoever it served, and is offered again when the seat comes back.
+    """
+
+    def test_taken_and_given_back(self) -> None:
+        """The seat counts as busy while held; given back, its worker is offered as it was."""
+        pool = self.make_pool(pool_config(num_workers=1))
+        seat = self.successResultOf(pool.acquire(10, "10.0.0.1", seat_only=True))
+        worker = seat.worker
+        self.assertEqual((pool.active, seat.status, seat.owner), (1, "busy", None))
+        self.failureResultOf(pool.acquire(0), PoolBusy)
+        pool.give_back(seat)
+        self.assertEqual((pool.active, seat.status, seat.served), (0, "idle", 0))
+        self.assertIs(seat.worker, worker)
+        self.assertEqual((seat.generation, len(self.spawned)), (1, 1))
+
+    def test_worker_of_another_client_is_not_replaced(self) -> None:
+        """The reuse scope is the worker's: a seat-only hold replaces no worker."""
+        pool = self.make_pool(
+            pool_config(num_workers=1, max_requests_per_worker=0, reuse_scope="address")
+        )
+        seat = self.successResultOf(pool.acquire(10, "10.0.0.1"))
+        pool.release(seat)
+        held = self.successResultOf(pool.acquire(10, "10.0.0.2", seat_only=True))
+        self.assertIs(held, seat)
+        self.assertEqual((seat.generation, seat.owner, len(self.spawned)), (1, "10.0.0.1", 1))
+        pool.give_back(seat)
+        self.assertIs(self.successResultOf(pool.acquire(10, "10.0.0.1")), seat)
+        self.assertEqual(seat.generation, 1)
+
+    def test_waits_in_line(self) -> None:
+        """With every seat taken it waits in the same line, and is served in turn."""
+        pool = self.make_pool(
+            pool_config(num_workers=1, max_requests_per_worker=0, reuse_scope="address")
+        )
+        seat = self.successResultOf(pool.acquire(10, "10.0.0.1"))
+        waiting = pool.acquire(10, "10.0.0.2", seat_only=True)
+        behind = pool.acquire(10, "10.0.0.1")
+        self.assertEqual(pool.queue_length, 2)
+        pool.release(seat)
+        self.assertIs(self.successResultOf(waiting), seat)
+        self.assertEqual(seat.generation, 1)
+        self.assertNoResult(behind)
+        pool.give_back(seat)
+        self.assertIs(self.successResultOf(behind), seat)
+
+    def test_hold(self) -> None:
+        """L{hold_seat_only}: the seat for the block, given back after it, even on failure."""
+        pool = self.make_pool(pool_config(num_workers=1))
+
+        async def hold(fail: bool) -> float:
+            async with hold_seat_only(pool, self.reactor, "10.0.0.1") as held:
+                self.assertEqual(pool.active, 1)
+                if fail:
+                    raise ValueError("boom")
+                return held.queue_ms
+
+        self.assertEqual(self.successResultOf(Deferred.fromCoroutine(hold(False))), 0.0)
+        self.assertEqual(pool.active, 0)
+        self.failureResultOf(Deferred.fromCoroutine(hold(True)), ValueError)
+        self.assertEqual((pool.active, pool.seats[0].status), (0, "idle"))
+
+    def test_dead_worker_replaced_when_given_back(self) -> None:
+        """A worker that died while its seat was held is replaced before the seat is offered."""
+        pool = self.make_pool(pool_config(num_workers=1))
+        seat = self.successResultOf(pool.acquire(10, seat_only=True))
+        seat.worker.alive = False  # type: ignore[union-attr]
+        pool.give_back(seat)
+        self.assertEqual((seat.generation, len(self.spawned)), (2, 2))
 
 
 class StopTests(PoolTestCase):

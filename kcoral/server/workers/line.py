@@ -53,6 +53,7 @@ class PoolStopping(PoolBusy):
 class _Waiter(Generic[T]):
     deferred: Deferred[T]
     client: str | None
+    seat_only: bool = False
     timer: IDelayedCall | None = None
 
 
@@ -79,7 +80,9 @@ class WaitingLine(Generic[T]):
     def __len__(self) -> int:
         return len(self._waiters)
 
-    def join(self, timeout: float, client: str | None = None) -> Deferred[T]:
+    def join(
+        self, timeout: float, client: str | None = None, *, seat_only: bool = False
+    ) -> Deferred[T]:
         """
         Wait at the end of the line for at most C{timeout} seconds.
 
@@ -90,6 +93,9 @@ class WaitingLine(Generic[T]):
 
         @param client: who waits (the request's client address), for
             L{serve}'s C{take}.
+        @param seat_only: what the waiter wants, for L{serve}'s C{take}
+            too: a seat only, not its worker (a program the server runs
+            itself).
         """
         if self.closed:
             return fail(PoolStopping())
@@ -99,24 +105,25 @@ class WaitingLine(Generic[T]):
         def cancel(_: Deferred[T]) -> None:
             self._leave(waiter)
 
-        waiter: _Waiter[T] = _Waiter(Deferred(cancel), client)
+        waiter: _Waiter[T] = _Waiter(Deferred(cancel), client, seat_only)
         waiter.timer = self._clock.callLater(timeout, self._expired, waiter)
         self._waiters.append(waiter)
         return waiter.deferred
 
-    def serve(self, take: Callable[[str | None], Deferred[T] | None]) -> int:
+    def serve(self, take: Callable[[str | None, bool], Deferred[T] | None]) -> int:
         """
         Serve waiters from the head of the line while C{take} has something
-        for them: C{take(client)} returns what the head waiter gets (a
-        Deferred, chained to the waiter's) or C{None} when nothing is left,
-        which leaves the head waiter in line.  Returns how many were served.
+        for them: C{take(client, seat_only)} returns what the head waiter
+        gets (a Deferred, chained to the waiter's) or C{None} when nothing
+        is left, which leaves the head waiter in line.  Returns how many
+        were served.
         """
         served = 0
         while self._waiters:
             # Out of the line while C{take} runs: whatever it sets off cannot
             # serve this waiter twice.
             head = self._waiters.popleft()
-            given = take(head.client)
+            given = take(head.client, head.seat_only)
             if given is None:
                 self._waiters.appendleft(head)
                 break

@@ -34,7 +34,14 @@ from kcoral.server.workers.job import WorkerHandle
 from kcoral.server.workers.line import STOPPING_MESSAGE, PoolBusy, PoolStopping, WaitingLine
 from kcoral.server.workers.maker import WorkerMaker, remove_trees, safe_name
 from kcoral.server.workers.reactor import RunBlocking, WorkerReactor
-from kcoral.server.workers.seat import BudgetSpent, Seat, SeatUse, WorkerStartFailed, hold_seat
+from kcoral.server.workers.seat import (
+    BudgetSpent,
+    Seat,
+    SeatHold,
+    SeatUse,
+    WorkerStartFailed,
+    hold_seat,
+)
 from kcoral.server.workers.spares import Spare, WarmSpares
 from kcoral.server.workers.template import WorkerTemplates
 
@@ -220,18 +227,11 @@ class WorkerPool:
         )
 
     def serving_one(self) -> bool:
-        """
-        Whether at most one seat is taken: a worker answering now may watch
-        awake for its next program (L{WorkerSettings.may_watch_next}).
-        """
+        """At most one seat is taken: an answering worker may watch (L{WorkerSettings})."""
         return self.active <= 1
 
     async def start_transient(self, seat: Seat, gpus: tuple[int, ...]) -> tuple[WorkerHandle, Path]:
-        """
-        Start a one-request worker that sees all of C{gpus} (a multi-GPU
-        program) for the request that holds C{seat}
-        (L{WorkerMaker.start_transient}); remove it with L{remove_transient}.
-        """
+        """A one-request worker that sees C{gpus}, for C{seat}'s request (L{WorkerMaker})."""
         return await self.maker.start_transient(seat.worker_id, gpus)
 
     def remove_transient(self, worker: WorkerHandle, work_dir: Path) -> Deferred[None]:
@@ -270,12 +270,10 @@ class WorkerPool:
         workers += list(self.maker.transient_workers)
         workers += self.warm.workers()
         workers += list(self._retiring)
-        killed = 0
-        for worker in workers:
-            if worker.alive:
-                worker.kill_at_once()
-                killed += 1
-        return killed
+        alive = [worker for worker in workers if worker.alive]
+        for worker in alive:
+            worker.kill_at_once()
+        return len(alive)
 
     async def stop(self) -> None:
         """
@@ -335,13 +333,16 @@ class WorkerPool:
 
     # -- acquire and release -------------------------------------------------
 
-    def acquire(self, timeout: float, client: str | None = None) -> Deferred[Seat]:
+    def acquire(
+        self, timeout: float, client: str | None = None, *, seat_only: bool = False
+    ) -> Deferred[Seat]:
         """
         Take an idle seat, or wait in line for one.
 
         A worker that served another client than C{client} (the request's
         client address) is replaced before the seat is handed over, unless
-        the reuse scope is C{any} (L{_fit_for}).
+        the reuse scope is C{any} (L{_fit_for}), or C{seat_only} (the seat,
+        not its worker, is wanted: L{hold_seat_only}).
 
         Fails with L{PoolBusy} after C{timeout} seconds or when the pool
         closes.  Cancelling the Deferred leaves the line.
@@ -350,8 +351,8 @@ class WorkerPool:
             return fail(PoolStopping())
         seat = self._take_idle(client)
         if seat is not None:
-            return self._fit_for(seat, client)
-        return self.line.join(timeout, client)
+            return self._fit_for(seat, client, seat_only)
+        return self.line.join(timeout, client, seat_only=seat_only)
 
     def _take_idle(self, client: str | None = None) -> Seat | None:
         if not self._idle:
@@ -383,11 +384,14 @@ class WorkerPool:
             return True
         return client is not None and seat.owner == client
 
-    def _fit_for(self, seat: Seat, client: str | None) -> Deferred[Seat]:
+    def _fit_for(self, seat: Seat, client: str | None, seat_only: bool = False) -> Deferred[Seat]:
         """
         C{seat}, taken for C{client}; its worker is replaced first when it
-        served another client (the request waits for the start it causes).
+        served another client (the request waits for the start it causes),
+        unless only the seat is wanted.
         """
+        if seat_only:
+            return succeed(seat)
         if self._may_serve(seat, client):
             seat.owner = client if client is not None else "?"
             return succeed(seat)
@@ -428,6 +432,12 @@ class WorkerPool:
     def _gpu_order(self, gpu: int | None) -> int:
         gpus = list(self.config.gpus)
         return gpus.index(gpu) if gpu in gpus else 0
+
+    def give_back(self, seat: Seat) -> None:
+        """A seat taken with C{seat_only} is free: its worker is offered as it was."""
+        self.active -= 1
+        self._assigned[seat.gpu_id] -= 1
+        self._offer(seat)
 
     def release(self, seat: Seat, *, retire: str | None = None, clean: bool = False) -> None:
         """
@@ -616,10 +626,10 @@ class WorkerPool:
         self._idle.append(seat)
         self.line.serve(self._serve_waiter)
 
-    def _serve_waiter(self, client: str | None) -> Deferred[Seat] | None:
+    def _serve_waiter(self, client: str | None, seat_only: bool) -> Deferred[Seat] | None:
         """An idle seat for the head of the line (L{WaitingLine.serve}), if any."""
         seat = self._take_idle(client)
-        return None if seat is None else self._fit_for(seat, client)
+        return None if seat is None else self._fit_for(seat, client, seat_only)
 
     # -- load accounting -------------------------------------------------------
 
@@ -645,6 +655,7 @@ __all__ = [
     "PoolBusy",
     "PoolStopping",
     "Seat",
+    "SeatHold",
     "SeatUse",
     "Spare",
     "WorkerHandle",

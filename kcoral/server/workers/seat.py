@@ -40,9 +40,13 @@ class SeatHost(Protocol):
     sandbox: ISandbox
     leases: Leases
 
-    def acquire(self, timeout: float, client: str | None = None) -> Deferred[Seat]: ...
+    def acquire(
+        self, timeout: float, client: str | None = None, *, seat_only: bool = False
+    ) -> Deferred[Seat]: ...
 
     def release(self, seat: Seat, *, retire: str | None = None, clean: bool = False) -> None: ...
+
+    def give_back(self, seat: Seat) -> None: ...
 
     async def start_transient(
         self, seat: Seat, gpus: tuple[int, ...]
@@ -254,18 +258,9 @@ async def hold_seat(
     @raise PoolBusy: no seat (or no GPUs) within the wait timeout.
     @raise WorkerStartFailed: the multi-GPU worker did not start.
     """
-    queued = clock.seconds()
-    try:
-        seat = await pool.acquire(
-            pool.config.worker_wait_timeout_seconds, client if gpu_count is None else None
-        )
-    except PoolBusy as e:
-        queue_ms = (clock.seconds() - queued) * 1000.0
-        if isinstance(e, PoolStopping):
-            raise PoolStopping(queue_ms) from None
-        raise PoolBusy(str(e), queue_ms=queue_ms) from None
-    assigned = clock.seconds()
-    queue_ms = (assigned - queued) * 1000.0
+    seat, queue_ms, assigned = await _wait_for_seat(
+        pool, clock, client if gpu_count is None else None
+    )
     if gpu_count is None:
         assert seat.worker is not None and seat.work_dir is not None
         use = SeatUse(seat, seat.worker, seat.work_dir, pool, queue_ms, assigned, seat.gpus)
@@ -313,6 +308,59 @@ async def hold_seat(
             )
     finally:
         pool.release(seat)
+
+
+async def _wait_for_seat(
+    pool: SeatHost, clock: Clock, client: str | None, seat_only: bool = False
+) -> tuple[Seat, float, float]:
+    """
+    A seat of C{pool}, how long the request waited for it (ms) and when it
+    got it (L{WorkerPool.acquire}).
+
+    @raise PoolBusy: (or L{PoolStopping}) none within the wait timeout,
+        with how long the request waited.
+    """
+    queued = clock.seconds()
+    try:
+        seat = await pool.acquire(
+            pool.config.worker_wait_timeout_seconds, client, seat_only=seat_only
+        )
+    except PoolBusy as e:
+        queue_ms = (clock.seconds() - queued) * 1000.0
+        if isinstance(e, PoolStopping):
+            raise PoolStopping(queue_ms) from None
+        raise PoolBusy(str(e), queue_ms=queue_ms) from None
+    assigned = clock.seconds()
+    return seat, (assigned - queued) * 1000.0, assigned
+
+
+@attrs.frozen
+class SeatHold:
+    """A request's hold on a seat without its worker (L{hold_seat_only})."""
+
+    seat: Seat
+    queue_ms: float
+    assigned_at: float
+
+
+@asynccontextmanager
+async def hold_seat_only(
+    pool: SeatHost, clock: Clock, client: str | None = None
+) -> AsyncIterator[SeatHold]:
+    """
+    Hold a seat of C{pool}, but not its worker, for one request the server
+    runs itself (L{kcoral.server.workers.compileonly}), waiting in line for
+    it like any other: the seats bound everything the server runs at once.
+    On exit the seat goes back as it was (L{WorkerPool.give_back}).
+
+    @param client: the request's client address (which idle seat it gets).
+    @raise PoolBusy: no seat within the wait timeout.
+    """
+    seat, queue_ms, assigned = await _wait_for_seat(pool, clock, client, seat_only=True)
+    try:
+        yield SeatHold(seat, queue_ms, assigned)
+    finally:
+        pool.give_back(seat)
 
 
 async def _empty_unsandboxed_workspace(

@@ -214,9 +214,21 @@ class WorkerPoolService(AsyncService):
                 sandbox.compile_cache = str(compile_cache)
                 pool.maker.worker_env["KCORAL_COMPILE_CACHE_DIR"] = COMPILE_CACHE
                 pool.maker.worker_env[COMPILE_IN_PARENT_ENV] = "1"
-                pool.maker.compiler = IsolatedCompiles(
+                compiler = IsolatedCompiles(
                     self._reactor, sandbox, str(compile_cache), self._root_dir, self._run_blocking
                 )
+                pool.maker.compiler = compiler
+                from kcoral.server.workers.compileonly import (
+                    ParentCompiles,
+                    parent_compiles_allowed,
+                )
+
+                if config.device == "cpu" and parent_compiles_allowed():
+                    # A program that only compiles needs no worker: the
+                    # server compiles for it as it would for its worker.
+                    self._api.parent_compiles = ParentCompiles(
+                        compiler, self._reactor, self._run_blocking
+                    )
             else:
                 pool.maker.worker_env["KCORAL_COMPILE_CACHE_DIR"] = str(compile_cache)
         await pool.start()

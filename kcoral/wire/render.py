@@ -94,9 +94,12 @@ class Ending(Protocol):
 
 @attrs.frozen
 class Placement:
-    """Where a request ran, for the response and its log event."""
+    """
+    Where a request ran, for the response and its log event (no
+    C{worker_id}: a compile-only program the server ran itself).
+    """
 
-    worker_id: str
+    worker_id: str | None
     gpu_id: int | None
     gpus: tuple[int, ...]
 

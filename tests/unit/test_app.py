@@ -14,6 +14,7 @@ from typing import Any
 
 from treq.testing import StubTreq
 from twisted.internet.defer import Deferred, maybeDeferred
+from twisted.internet.testing import EventLoggingObserver
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.iweb import IRequest
 from twisted.web.resource import IResource, Resource
@@ -23,6 +24,7 @@ from kcoral.server.cache import Resolution
 from kcoral.server.http.app import KcoralAPI
 from kcoral.server.http.component import IKcoralRequest
 from kcoral.server.leases.lease import LeaseArbiter
+from kcoral.server.workers.compileonly import ParentCompiles
 from kcoral.server.workers.job import JobResult
 from kcoral.server.workers.pool import Seat
 from kcoral.testing.fakes import (
@@ -35,7 +37,9 @@ from kcoral.testing.fakes import (
     seat_with,
 )
 from kcoral.testing.live_server import multipart_body, sha256
-from kcoral.wire.channel import Outcome
+from kcoral.wire.channel import CompileDone, Outcome
+from kcoral.wire.multipart import decode_response
+from kcoral.wire.values import decode_results
 
 UUID_RE = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 URL = "http://127.0.0.1/execute"
@@ -459,3 +463,104 @@ class RunTests(APITestCase):
         self.assertEqual(body["error"]["kind"], "engine")
         self.assertEqual(body["error"]["message"], "invalid worker response: a 'ready' message")
         self.assertEqual(self.pool.released[0][1], "channel_violation")
+
+
+COMPILE = {
+    "instructions": [
+        {
+            "op": "upload",
+            "kind": "module",
+            "id": "src",
+            "language": "cuda",
+            "source": "__global__ void k(float *p) { p[0] = 1; }\n",
+        },
+        {"op": "get_function", "id": "fn", "module": {"$ref": "src"}, "name": "k"},
+        {
+            "op": "run",
+            "id": "image",
+            "fn": "builtin.compile_cuda_binary",
+            "args": [{"$ref": "fn"}, {"arch": "sm_90a"}],
+        },
+        {"op": "return", "key": "image", "value": {"$ref": "image"}},
+    ]
+}
+
+
+class _Compiler:
+    """An image compiler that answers every request with C{answer}."""
+
+    def __init__(self, answer: tuple[Any, bytes | None]) -> None:
+        self.answer = answer
+        self.asked: list[Any] = []
+
+    async def compile_image(self, request: Any, timeout: float, *, available: bool = False) -> Any:
+        self.asked.append(request)
+        return self.answer
+
+
+class ParentCompileTests(APITestCase):
+    """
+    A compile-only program on a server that compiles for its workers is run
+    by the server itself: a seat of the pool is held, its worker runs nothing.
+    """
+
+    def run_compile(self, answer: tuple[Any, bytes | None], program: Any = COMPILE) -> Any:
+        assert isinstance(answer[0], CompileDone)
+        self.worker = FakeWorker(result=JobResult("outcome", outcome=Outcome(status="COMPLETED")))
+        self.make(seat_with(self.worker))
+        self.compiler = _Compiler(answer)
+        self.api.parent_compiles = ParentCompiles(
+            self.compiler, self.reactor, lambda f, *a: maybeDeferred(f, *a)
+        )
+        self.events = EventLoggingObserver.createWithCleanup(self, self.api.log.observer)
+        content_type, body = multipart_body(program, [])
+        return self.post(body, content_type)
+
+    def event(self, name: str) -> dict[str, Any]:
+        [found] = [e for e in self.events if e.get("kcoral_event") == name]
+        return found
+
+    def test_compiled_without_a_worker(self) -> None:
+        """The image comes back; the worker ran nothing; the seat was held and given back."""
+        response, content = self.run_compile((CompileDone(key="ab" * 32), b"\x7fELF image"))
+        self.assertEqual(response.code, 200)
+        body, parts = decode_response(response.headers.getRawHeaders("content-type")[0], content)
+        self.assertEqual(body["status"], "COMPLETED")
+        self.assertEqual(decode_results(body["results"], parts), {"image": b"\x7fELF image"})
+        self.assertEqual(self.worker.jobs, [])
+        self.assertEqual(self.pool.released, [])
+        self.assertEqual(len(self.pool.given_back), 1)
+        routed = self.event("request_routed")
+        self.assertEqual(
+            (routed["route"], routed["worker_id"], routed["seat"]),
+            ("parent_compile", None, "cpu/w0"),
+        )
+        finished = self.event("request_finished")
+        self.assertEqual((finished["finish_reason"], finished["worker_id"]), ("completed", None))
+        self.assertEqual(len(self.compiler.asked), 1)
+
+    def test_compile_error(self) -> None:
+        """The parent's compile error is the program's, at its instruction."""
+        response, content = self.run_compile((CompileDone(kind="compile", error="bad"), None))
+        body = json.loads(content)
+        self.assertEqual(body["status"], "FAILED")
+        self.assertEqual(
+            {k: body["error"][k] for k in ("kind", "message", "instruction_index")},
+            {"kind": "compile", "message": "bad", "instruction_index": 2},
+        )
+        self.assertEqual(self.event("request_finished")["error_kind"], "compile")
+
+    def test_needs_a_worker(self) -> None:
+        """A backend the server cannot run: the program goes to a worker after all."""
+        response, content = self.run_compile((CompileDone(kind="unavailable", error="x"), None))
+        self.assertEqual(json.loads(content)["status"], "COMPLETED")
+        self.assertEqual(len(self.worker.jobs), 1)
+        self.assertEqual(len(self.pool.given_back), 1)
+        self.event("request_rerouted")
+
+    def test_other_programs_go_to_workers(self) -> None:
+        """A program that does anything else runs on a worker."""
+        self.run_compile((CompileDone(key="ab" * 32), b"image"), PROGRAM)
+        self.assertEqual(self.compiler.asked, [])
+        self.assertEqual(len(self.worker.jobs), 1)
+        self.assertEqual(self.pool.given_back, [])

@@ -42,6 +42,7 @@ from kcoral.server.http.pipeline import response_request_id as _response_request
 from kcoral.server.http.streaming import BodyProducer, DirectSocket, body_length, shared_bytes
 from kcoral.server.leases.lease import PURPOSES, Leases
 from kcoral.server.observe.health import merge_health
+from kcoral.server.workers.compileonly import PARENT_COMPILE, ParentCompiles, is_compile_only
 from kcoral.server.workers.job import Job, JobResult
 from kcoral.server.workers.pool import (
     STOPPING_MESSAGE,
@@ -51,6 +52,7 @@ from kcoral.server.workers.pool import (
     WorkerPool,
     WorkerStartFailed,
 )
+from kcoral.server.workers.seat import hold_seat_only
 from kcoral.wire.errors import (
     BUSY_MESSAGE,
     REQUEST_KIND_HEADERS,
@@ -73,6 +75,7 @@ from kcoral.wire.program import (
 from kcoral.wire.render import (
     FIELD_LIMIT,
     Body,
+    Placement,
     Rendered,
     RequestError,
     render_cache_miss,
@@ -173,6 +176,11 @@ class KcoralAPI(RequestPipeline):
     #: by index (L{kcoral.server.frontends}); C{None} in a lone server.
     peer_health: Callable[[], dict[int, dict[str, Any]]] | None = None
     sandbox_name: str = "none"
+    #: Runs compile-only programs in this process, without a worker
+    #: (L{kcoral.server.workers.compileonly}), where the server compiles
+    #: for its workers anyway (a CPU server under bubblewrap with a compile
+    #: cache); C{None}: every program goes to a worker.
+    parent_compiles: ParentCompiles | None = None
     in_flight: int = 0
     #: The server is stopping (its lame duck, L{kcoral.server.service}):
     #: /health answers 503 C{stopping} while every request is still served.
@@ -592,6 +600,12 @@ class KcoralAPI(RequestPipeline):
 
     async def _run(self, request_id: str, job: Job, client: str | None) -> Rendered:
         """Run C{job} on a seat of the pool and render how it ended."""
+        if self.parent_compiles is not None and is_compile_only(job.program):
+            ran = await self._compile_in_parent(request_id, job, client, self.parent_compiles)
+            if isinstance(ran, Rendered):
+                return ran
+            # A compile needs a worker after all: the rest of the budget is its.
+            job = ran
         gpu_count = job.program.options.gpu_count
         async with self.pool.seat(request_id, gpu_count, client) as use:
             if use.multi_gpu:
@@ -623,6 +637,52 @@ class KcoralAPI(RequestPipeline):
                 elapsed_ms=elapsed_ms,
                 max_response_bytes=self.config.max_response_bytes,
                 interferer=lambda error: self._interferer(request_id, where.gpu_id, error, result),
+            )
+
+    async def _compile_in_parent(
+        self, request_id: str, job: Job, client: str | None, compiles: ParentCompiles
+    ) -> Rendered | Job:
+        """
+        Run a compile-only program in this process, on a seat of the pool
+        but not its worker (L{kcoral.server.workers.compileonly}); render
+        how it ended, or give back the job, with what is left of its
+        budget, when one of its compiles needs a worker.
+        """
+        async with hold_seat_only(self.pool, self._reactor, client) as held:
+            self.log.info(
+                "request {request_id} compiled by the server, no worker (seat {seat})",
+                kcoral_event="request_routed",
+                request_id=request_id,
+                worker_id=None,
+                gpu_id=None,
+                gpu_ids=None,
+                generation=None,
+                pid=None,
+                queue_ms=held.queue_ms,
+                route=PARENT_COMPILE,
+                seat=held.seat.worker_id,
+            )
+            result = await compiles.run(job)
+            spent = self._reactor.seconds() - held.assigned_at
+            if result is None:
+                self.log.info(
+                    "request {request_id}: a compile needs a worker",
+                    kcoral_event="request_rerouted",
+                    request_id=request_id,
+                    route=PARENT_COMPILE,
+                    spent_ms=spent * 1000.0,
+                )
+                left = max(job.timeout_seconds - spent, 1e-3)
+                return attrs.evolve(job, timeout_seconds=left)
+            return render_result(
+                request_id,
+                job.program,
+                result,
+                Placement(None, None, ()),
+                timeout_seconds=job.timeout_seconds,
+                queue_ms=held.queue_ms,
+                elapsed_ms=spent * 1000.0,
+                max_response_bytes=self.config.max_response_bytes,
             )
 
     def _interferer(

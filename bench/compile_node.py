@@ -19,7 +19,8 @@ is wanted), C{builtin.compile_cuda_binary} with C{-O3} for C{--arch}:
    CORES}, default flags otherwise, a fresh compile cache): a null program
    on fresh workers (p50), a cold compile of a unique source (p50), a cache
    hit (the same source again, p50), and cold compiles/s from C{--cores}
-   clients;
+   clients (under bubblewrap the server runs these compile-only programs
+   itself, without a worker: docs/compilers.md, "Compile-only programs");
  - **the reference server** (C{--ref-site DIR}, installed there from
    C{.ref/*.whl} when it is not, run by C{--ref-python}, default this
    Python) on a CPU, for the compile path it offers: an uploaded Python
@@ -33,7 +34,8 @@ for a server, its own process's CPU time per compile (the reactor's share).
 
 Prints the table (with the issue's targets: cold p50 within 1.1x nvcc under
 bubblewrap; cache hit p50 within 2x the null program; compiles/s at
-C{cores} clients at least 0.9 x cores / nvcc p50) and writes
+C{cores} clients at least 0.9 x cores / nvcc p50, or where nvcc alone
+cannot reach that, within 10 % of nvcc alone at the same concurrency) and writes
 C{bench/results/compile_node.json} (or C{--output}).  Nothing is asserted.
 
     python3 bench/compile_node.py
@@ -545,6 +547,10 @@ def table(results: dict[str, Any], cores: int) -> str:
             )
             lines.append(
                 f"  compiles/s / (cores / nvcc p50), {c}: {r['rate'] / ideal:.2f} (target >= 0.90)"
+            )
+            lines.append(
+                f"  compiles/s / nvcc alone {cores} at once, {c}: {r['rate'] / nvcc['rate']:.2f} "
+                "(target >= 0.90 where nvcc alone is below the formula)"
             )
     return "\n".join(lines)
 

@@ -240,9 +240,10 @@ def wait_for(condition: Callable[[], bool], seconds: float = 20.0) -> bool:
     return False
 
 
-def test_program_timeout_kills_the_compile(servers: dict[str, ServerProcess]) -> None:
-    """Past the program's budget: 504, as from a worker, and nvcc is killed."""
-    server = servers["parent"]
+@pytest.mark.parametrize("path", ["parent", "worker"])
+def test_program_timeout_kills_the_compile(servers: dict[str, ServerProcess], path: str) -> None:
+    """Past the program's budget: 504 on either path, and nvcc is killed."""
+    server = servers[path]
     name = unique("slow")
     program = compile_program(slow_kernel(name), name, ARCH, timeout_seconds=2)
     answered: list[Response] = []
@@ -255,9 +256,13 @@ def test_program_timeout_kills_the_compile(servers: dict[str, ServerProcess]) ->
     assert wait_for(lambda: not compiles_running(server), 5.0)
 
 
-def test_client_leaving_kills_the_compile(servers: dict[str, ServerProcess]) -> None:
-    """A client that disconnects while its compile runs: the compile is killed."""
-    server = servers["parent"]
+@pytest.mark.parametrize("path", ["parent", "worker"])
+def test_client_leaving_kills_the_compile(servers: dict[str, ServerProcess], path: str) -> None:
+    """
+    A client that disconnects while its compile runs: the compile is
+    killed (on the worker's path, once the worker is: its job has ended).
+    """
+    server = servers[path]
     name = unique("slow")
     content_type, body = multipart_body(compile_program(slow_kernel(name), name, ARCH), [])
     head = (

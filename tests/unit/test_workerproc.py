@@ -10,7 +10,7 @@ import struct
 from typing import Any
 
 import attrs
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.error import ProcessDone, ProcessTerminated
 from twisted.internet.interfaces import IReactorProcess
 from twisted.logger import capturedLogs
@@ -807,6 +807,33 @@ class CompileRequestTests(WorkerTestCase):
         result: JobResult = self.successResultOf(d)
         self.assertEqual(result.ending, "invalid")
         self.assertIn("while its compile runs", result.detail)
+
+    def test_job_ending_kills_its_compile(self) -> None:
+        """A job whose budget runs out during its compile has the compile cancelled (killed)."""
+        worker = self.ready_worker()
+        compiler = _Compiler()
+        cancelled: list[object] = []
+        compiler.pending = Deferred(cancelled.append)
+        worker.settings = attrs.evolve(worker.settings, compiler=compiler)
+        d = worker.run(self.job(timeout=2.0))
+        self.deliver(worker, self.request())
+        self.reactor.advance(2.1)
+        self.assertEqual(self.successResultOf(d).ending, "timeout")
+        self.assertEqual(len(cancelled), 1)
+        self.assertFalse(any(isinstance(m, CompileDone) for m in self.transport.messages()))
+
+    def test_abandoned_job_kills_its_compile(self) -> None:
+        """A job whose wait is cancelled (its client left) has its compile cancelled too."""
+        worker = self.ready_worker()
+        compiler = _Compiler()
+        cancelled: list[object] = []
+        compiler.pending = Deferred(cancelled.append)
+        worker.settings = attrs.evolve(worker.settings, compiler=compiler)
+        d = worker.run(self.job())
+        self.deliver(worker, self.request())
+        d.cancel()
+        self.failureResultOf(d, CancelledError)
+        self.assertEqual(len(cancelled), 1)
 
     def test_without_compiler_unavailable(self) -> None:
         worker = self.ready_worker()

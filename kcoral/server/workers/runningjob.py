@@ -88,6 +88,9 @@ class RunningJob:
     _lease_state: str = "none"
     #: A L{CompileRequest} runs in the parent: the worker waits for it.
     _compiling: bool = False
+    #: That compile, while it runs: a job that ends meanwhile (its budget
+    #: spent, its worker dead or killed, its client gone) kills it.
+    _compile_run: Deferred[CompileDone] | None = None
     #: What C{returned} messages brought so far.
     returned: dict[str, Any] = attrs.field(factory=dict)
     returned_parts: list[bytes | SharedBuffer] = attrs.field(factory=list)
@@ -282,15 +285,26 @@ class RunningJob:
             left -= self._clock() - self._budget_started
         timeout = max(1.0, min(float(request.timeout), left))
         d: Deferred[CompileDone] = Deferred.fromCoroutine(compiler.compile(request, timeout))
+        self._compile_run = d
 
         def answer(done: CompileDone) -> None:
             self._compiling = False
+            self._compile_run = None
             if not self.done.called:
                 self.worker.send(done)
 
         d.addCallbacks(
             answer, lambda f: answer(CompileDone(kind="engine", error=f.getErrorMessage()))
         )
+
+    def stop_compile(self) -> None:
+        """
+        The job has ended (answered, timed out, crashed, or abandoned by its
+        client): a compile still running for it is killed, and its answer
+        goes nowhere.
+        """
+        if self._compile_run is not None:
+            self._compile_run.cancel()
 
     def _measured(self, message: Measurement) -> None:
         """

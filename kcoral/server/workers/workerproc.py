@@ -589,6 +589,10 @@ class WorkerProcess:
         return self._job is not None
 
     def _job_done(self, result: JobResult) -> JobResult:
+        if self._job is not None:
+            # However it ended (a cancelled wait included): no compile
+            # goes on for it.
+            self._job.stop_compile()
         self._job = None
         if self.protocol.held:
             # What the job's messages keep is released once the answer is

@@ -10,9 +10,11 @@ is wanted), C{builtin.compile_cuda_binary} with C{-O3} for C{--arch}:
    (compiles/s);
  - **nvcc in a compile's sandbox**, the same two figures, in each shape
    the server has used: C{netns} (a network namespace of its own, the
-   server's nvcc compiles before this commit and its other backends'
-   still) and C{compile} (the host's network namespace behind the filter
-   that refuses every socket, no C{/proc}: what the server runs now);
+   server's nvcc compiles before the compile sandbox and its other
+   backends' still), C{compile-sh} (the host's network namespace behind
+   the filter that refuses every socket, no C{/proc}, the filter opened by
+   a shell that execs bwrap) and C{compile} (the same, the filter's
+   descriptor mapped by the spawn, no shell: what the server runs now);
    the same command line as the server's (the nvcc backend's);
  - **kcoral**, once per C{--modes} entry (C{--sandbox bubblewrap} and
    C{--sandbox none}), each a fresh server (C{--device cpu --num-workers
@@ -52,6 +54,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -210,8 +213,9 @@ def measure_nvcc(args: argparse.Namespace) -> dict[str, Any]:
 SHAPES = {
     "netns": "a network namespace of its own, /proc, a worker's seat "
     "(the Python compile's; nvcc's before)",
-    "compile": "the host's network namespace, every socket refused, no /proc, "
-    "a seat with only tmp (nvcc's now)",
+    "compile-sh": "the host's network namespace, every socket refused, no /proc, "
+    "a seat with only tmp, the filter opened by a shell that execs bwrap (nvcc's before)",
+    "compile": "the same, the filter's descriptor mapped by the spawn: no shell (nvcc's now)",
 }
 
 
@@ -234,6 +238,7 @@ class SandboxedNvcc:
             compile_seccomp_path=write_filter(tmp, COMPILE_FILTER, sockets=False),
         )
         self.count = 0
+        self.lock = threading.Lock()
 
     def command(
         self, shape: str, tail: list[str] | None = None
@@ -252,14 +257,41 @@ class SandboxedNvcc:
         if shape == "netns":
             executable, full, benv = self.sandbox.run_command(tail or argv, work, env=env)
         else:
-            executable, full, benv = self.sandbox.compile_command(tail or argv, work, env)
+            executable, full, benv = self.sandbox.compile_command(
+                tail or argv, work, env, filter_fd=shape == "compile"
+            )
         return seat, executable, full, benv
 
     def run(self, shape: str, tail: list[str] | None = None) -> float:
         """One compile (or C{tail} instead of nvcc) in a fresh sandbox; its wall time, ms."""
+        from kcoral.server.sandbox.bubblewrap import SECCOMP_FD
+
         seat, executable, argv, env = self.command(shape, tail)
         started = time.perf_counter()
-        subprocess.run(argv, executable=executable, env=env, check=True, capture_output=True)
+        if shape == "compile" and self.sandbox.compile_filter is not None:
+            # As the server's spawn maps it: the filter, opened for this
+            # compile, on SECCOMP_FD (the bench's threads each run one
+            # compile at a time, but share descriptors: one lock).
+            with self.lock:
+                fd = os.open(self.sandbox.compile_filter, os.O_RDONLY | os.O_CLOEXEC)
+                os.dup2(fd, SECCOMP_FD, inheritable=True)
+                os.close(fd)
+                try:
+                    process = subprocess.Popen(
+                        argv,
+                        executable=executable,
+                        env=env,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE,
+                        pass_fds=(SECCOMP_FD,),
+                    )
+                finally:
+                    os.close(SECCOMP_FD)
+            process.communicate()
+            if process.returncode != 0:
+                raise subprocess.CalledProcessError(process.returncode, argv)
+        else:
+            subprocess.run(argv, executable=executable, env=env, check=True, capture_output=True)
         elapsed = (time.perf_counter() - started) * 1e3
         if tail is None and not (seat / "work" / "kernel.cubin").is_file():
             raise RuntimeError(f"nvcc in the {shape} sandbox wrote no image")

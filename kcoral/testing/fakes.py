@@ -301,8 +301,11 @@ class FakeSandbox:
         """As L{prepare_seat} (the server's nvcc compiles)."""
         return self.prepare_seat(seat_dir)
 
+    #: No compile filter to map (L{BubblewrapSandbox.compile_filter}).
+    compile_filter: str | None = None
+
     def compile_command(
-        self, tail: list[str], work_dir: Path, env: dict[str, str]
+        self, tail: list[str], work_dir: Path, env: dict[str, str], *, filter_fd: bool = False
     ) -> tuple[str, list[str], dict[str, str]]:
         """C{tail} as it is (the server's nvcc compiles)."""
         return tail[0], list(tail), dict(env)

@@ -487,6 +487,44 @@ class CommandImageTests(CommandCompileTests):
         self.assertFalse(work.exists())
 
 
+class FilterDescriptorTests(CommandCompileTests):
+    """The compile filter reaches bwrap on a descriptor of its own, mapped by the spawn."""
+
+    def test_filter_mapped_and_closed(self) -> None:
+        """Each compile opens the filter afresh, maps it to SECCOMP_FD, and closes its copy."""
+        from kcoral.server.sandbox.bubblewrap import SECCOMP_FD
+
+        filter_path = self.dir / "compile.bpf"
+        filter_path.write_bytes(b"filter")
+        self.compiles.sandbox.compile_filter = str(filter_path)  # type: ignore[misc]
+        asked: list[bool] = []
+        compile_command = self.compiles.sandbox.compile_command
+
+        def recording(*args: Any, filter_fd: bool = False) -> Any:
+            asked.append(filter_fd)
+            return compile_command(*args)
+
+        self.compiles.sandbox.compile_command = recording  # type: ignore[method-assign]
+        d, spawned, work = self._start()
+        fd = spawned["childFDs"][SECCOMP_FD]
+        self.assertIsInstance(fd, int)
+        self.assertEqual(asked, [True])
+        with self.assertRaises(OSError):
+            os.fstat(fd)
+        (work / "module.bin").write_bytes(b"IMAGE")
+        self._end(spawned, 0)
+        self.assertEqual(self.successResultOf(d).error, None)
+
+    def test_no_filter_no_descriptor(self) -> None:
+        """Without a compile filter nothing is mapped (the sandbox's own command line)."""
+        from kcoral.server.sandbox.bubblewrap import SECCOMP_FD
+
+        d, spawned, work = self._start()
+        self.assertNotIn(SECCOMP_FD, spawned["childFDs"])
+        self._end(spawned, 1)
+        self.successResultOf(d)
+
+
 class CompileSeatTests(SynchronousTestCase):
     """An nvcc compile's seat under bubblewrap holds only what nvcc writes to."""
 

@@ -121,6 +121,29 @@ def test_compile_command_shares_the_network_behind_the_compile_filter(tmp_path: 
         assert other[2] == f'exec "$0" "$@" {SECCOMP_FD}<{tmp_path / "w.bpf"}'
 
 
+def test_compile_command_with_the_filter_on_a_mapped_descriptor(tmp_path: Path) -> None:
+    """
+    With C{filter_fd}, the command is bwrap itself, told to read its filter
+    from L{SECCOMP_FD} (which the caller maps to a descriptor of
+    C{compile_filter}): no shell, the same sandbox otherwise.
+    """
+    work = tmp_path / "seat" / "work"
+    work.mkdir(parents=True)
+    sandbox = BubblewrapSandbox([], compile_seccomp_path=str(tmp_path / "c.bpf"))
+    assert sandbox.compile_filter == str(tmp_path / "c.bpf")
+    executable, argv, env = sandbox.compile_command(
+        ["/usr/bin/true"], work, {"PATH": "/bin"}, filter_fd=True
+    )
+    _, shelled, _ = sandbox.compile_command(["/usr/bin/true"], work, {"PATH": "/bin"})
+    assert executable == argv[0] == sandbox.bwrap
+    assert argv[1:3] == ["--seccomp", str(SECCOMP_FD)]
+    assert argv == shelled[3:]
+    assert env == {"PATH": "/bin"}
+    assert BubblewrapSandbox([]).compile_filter is None
+    unshared = BubblewrapSandbox([], compile_seccomp_path=str(tmp_path / "c.bpf"), share_net=False)
+    assert unshared.compile_filter is None
+
+
 def test_compile_command_without_a_compile_filter(tmp_path: Path) -> None:
     """
     Without the compile filter (no libseccomp) or a bwrap that takes

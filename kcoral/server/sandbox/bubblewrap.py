@@ -439,11 +439,13 @@ class BubblewrapSandbox:
         spaces: Path | None = None,
         bind_work: bool = False,
         compile_only: bool = False,
+        filter_fd: bool = False,
     ) -> tuple[str, list[str], dict[str, str]]:
         """
         The command line of one sandbox.  C{compile_only}: nvcc's sandbox
         (L{compile_command}): the host's network namespace, no C{/proc} but
-        L{COMPILE_PROC_FILES}, and L{compile_seccomp_path}'s filter.
+        L{COMPILE_PROC_FILES}, and L{compile_seccomp_path}'s filter, read
+        from L{SECCOMP_FD} as the spawner maps it when C{filter_fd}.
         """
         mounts = self.resolve_mounts()
         tail = [self.path_inside(tail[0]), *tail[1:]]
@@ -545,6 +547,10 @@ class BubblewrapSandbox:
                 argv = [argv[0], "--seccomp", str(SECCOMP_FD), *argv[1:]]
             argv = [SHELL, "-c", script, *argv]
             executable = SHELL
+        elif compile_only and filter_fd and self.compile_seccomp_path is not None:
+            # The spawner maps SECCOMP_FD to the filter (childFDs): bwrap
+            # reads and closes it before nvcc starts; no shell opens it.
+            argv = [argv[0], "--seccomp", str(SECCOMP_FD), *argv[1:]]
         elif filter_path := self.compile_seccomp_path if compile_only else self.seccomp_path:
             # bwrap reads the filter from an fd: a shell opens the file on
             # SECCOMP_FD and execs bwrap (same pid), so the fd exists only
@@ -616,8 +622,19 @@ class BubblewrapSandbox:
         """
         return make_seat(seat_dir, COMPILE_SUBDIRS)
 
+    @property
+    def compile_filter(self) -> str | None:
+        """
+        The filter L{compile_command}C{(..., filter_fd=True)} expects on
+        L{SECCOMP_FD} (the caller maps it to a descriptor of this file, as
+        C{spawnProcess}'s C{childFDs} do), or C{None}: nothing to map.
+        """
+        if self.compile_seccomp_path is None or not self.share_net:
+            return None
+        return self.compile_seccomp_path
+
     def compile_command(
-        self, tail: list[str], work_dir: Path, env: dict[str, str]
+        self, tail: list[str], work_dir: Path, env: dict[str, str], *, filter_fd: bool = False
     ) -> tuple[str, list[str], dict[str, str]]:
         """
         The command line that runs nvcc's C{tail} as the only program of a
@@ -633,10 +650,16 @@ class BubblewrapSandbox:
         Making and tearing down a network namespace costs each compile
         about 11 ms, serialized in the kernel.  Without the filter it is
         L{run_command}'s sandbox.
+
+        The filter reaches bwrap on L{SECCOMP_FD}: opened by a shell that
+        then execs bwrap, or, with C{filter_fd}, mapped there by the caller
+        from a descriptor of L{compile_filter} (one exec less per compile).
         """
-        if self.compile_seccomp_path is None or not self.share_net:
+        if self.compile_filter is None:
             return self.run_command(tail, work_dir, env=env)
-        executable, argv, _ = self._command(tail, work_dir, [], bind_work=True, compile_only=True)
+        executable, argv, _ = self._command(
+            tail, work_dir, [], bind_work=True, compile_only=True, filter_fd=filter_fd
+        )
         return executable, argv, dict(env)
 
     def probe_command(self, work_dir: Path, gpu_devices: list[str]) -> list[str]:

@@ -223,6 +223,7 @@ def start_bounded(
     timeout: float,
     stdin: bytes = b"",
     kill: Callable[[IProcessTransport], None] = kill_process,
+    fds: Mapping[int, int] | None = None,
 ) -> BoundedRun:
     """
     Spawn C{executable} with C{argv} and C{env}; stdin is a pipe given
@@ -230,11 +231,15 @@ def start_bounded(
     it.  After C{timeout} seconds C{kill} ends it.
 
     @param reactor: an C{IReactorProcess} that also provides C{IReactorTime}.
+    @param fds: more of the child's descriptors: each a copy of one of this
+        process's (C{{child: parent}}, as C{childFDs} maps them); the
+        caller closes its own once this returns.
     """
     protocol = BoundedOutputProtocol(sinks, stdin)
     child_fds: dict[int, Any] = {0: "w"}
     for sink in sinks.values():
         child_fds.update(dict.fromkeys(sink.fds, "r"))
+    child_fds.update(fds or {})
     transport = reactor.spawnProcess(
         protocol, executable, list(argv), env=dict(env), childFDs=child_fds
     )

@@ -48,6 +48,7 @@ from kcoral.compilers.cache import CompileCache, cache_key
 from kcoral.compilers.interfaces import ICommandLineBackend
 from kcoral.compilers.isolated import ANSWER_FD
 from kcoral.errors import ExecutionError
+from kcoral.server.sandbox.bubblewrap import SECCOMP_FD
 from kcoral.server.sandbox.collect import Sink, start_bounded
 from kcoral.server.sandbox.seats import remove_seat
 from kcoral.wire.channel import CompileDone, CompileRequest
@@ -262,16 +263,30 @@ class IsolatedCompiles:
         # What uses the seat until it is done: it is removed after that.
         using: Deferred[Any] | None = None
         try:
-            executable, args, bwrap_env = self.sandbox.compile_command(argv, work, env)
-            started = time.monotonic()
-            running = start_bounded(
-                self.reactor,
-                executable,
-                args,
-                env=bwrap_env,
-                sinks={"output": Sink((1, 2), OUTPUT_BYTES)},
-                timeout=timeout,
+            # bwrap reads its filter from SECCOMP_FD: mapped there from a
+            # descriptor of the filter opened for this compile alone (a
+            # shared one would share its offset), with no shell to open it.
+            filter_path = self.sandbox.compile_filter
+            executable, args, bwrap_env = self.sandbox.compile_command(
+                argv, work, env, filter_fd=filter_path is not None
             )
+            fds = {}
+            if filter_path is not None:
+                fds[SECCOMP_FD] = os.open(filter_path, os.O_RDONLY | os.O_CLOEXEC)
+            started = time.monotonic()
+            try:
+                running = start_bounded(
+                    self.reactor,
+                    executable,
+                    args,
+                    env=bwrap_env,
+                    sinks={"output": Sink((1, 2), OUTPUT_BYTES)},
+                    timeout=timeout,
+                    fds=fds,
+                )
+            finally:
+                for fd in fds.values():
+                    os.close(fd)
             using = running.finished
             finished = await running.wait()
             seconds = time.monotonic() - started

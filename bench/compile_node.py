@@ -54,7 +54,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -238,7 +237,6 @@ class SandboxedNvcc:
             compile_seccomp_path=write_filter(tmp, COMPILE_FILTER, sockets=False),
         )
         self.count = 0
-        self.lock = threading.Lock()
 
     def command(
         self, shape: str, tail: list[str] | None = None
@@ -269,27 +267,27 @@ class SandboxedNvcc:
         seat, executable, argv, env = self.command(shape, tail)
         started = time.perf_counter()
         if shape == "compile" and self.sandbox.compile_filter is not None:
-            # As the server's spawn maps it: the filter, opened for this
-            # compile, on SECCOMP_FD (the bench's threads each run one
-            # compile at a time, but share descriptors: one lock).
-            with self.lock:
-                fd = os.open(self.sandbox.compile_filter, os.O_RDONLY | os.O_CLOEXEC)
-                os.dup2(fd, SECCOMP_FD, inheritable=True)
+            # As the server's spawn hands it: the filter opened for this
+            # compile alone.  The server maps it onto SECCOMP_FD in the
+            # child; here bwrap is told the descriptor's own number, since
+            # a fixed number in this threaded process could be another
+            # thread's pipe.
+            fd = os.open(self.sandbox.compile_filter, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                argv = list(argv)
+                at = argv.index("--seccomp") + 1
+                assert argv[at] == str(SECCOMP_FD), argv[: at + 1]
+                argv[at] = str(fd)
+                subprocess.run(
+                    argv,
+                    executable=executable,
+                    env=env,
+                    check=True,
+                    capture_output=True,
+                    pass_fds=(fd,),
+                )
+            finally:
                 os.close(fd)
-                try:
-                    process = subprocess.Popen(
-                        argv,
-                        executable=executable,
-                        env=env,
-                        stdout=subprocess.PIPE,
-                        stderr=subprocess.PIPE,
-                        pass_fds=(SECCOMP_FD,),
-                    )
-                finally:
-                    os.close(SECCOMP_FD)
-            process.communicate()
-            if process.returncode != 0:
-                raise subprocess.CalledProcessError(process.returncode, argv)
         else:
             subprocess.run(argv, executable=executable, env=env, check=True, capture_output=True)
         elapsed = (time.perf_counter() - started) * 1e3

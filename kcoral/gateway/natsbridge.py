@@ -281,7 +281,7 @@ class NatsBridge:
             client, js = self._require()
             if timeout is None:
                 return await work(client, js)
-            return await asyncio.wait_for(work(client, js), timeout)
+            return await _bounded(work(client, js), timeout)
 
         return self._submit(run)
 
@@ -345,6 +345,20 @@ class NatsBridge:
         except RuntimeError as e:
             return _failed(NotConnected(str(e)))
         return d
+
+
+async def _bounded(work: Awaitable[_T], timeout: float) -> _T:
+    """
+    C{work} within C{timeout} seconds (else C{TimeoutError}), in the
+    calling task: C{asyncio.timeout} where there is one (Python 3.11 on),
+    not C{asyncio.wait_for}, whose task of its own costs a call two more
+    turns of the loop (one to start, one to finish).
+    """
+    limit = getattr(asyncio, "timeout", None)
+    if limit is None:  # Python 3.10
+        return await asyncio.wait_for(work, timeout)
+    async with limit(timeout):
+        return await work
 
 
 def reactor_loop(reactor: Any) -> asyncio.AbstractEventLoop | None:

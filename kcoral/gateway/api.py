@@ -446,7 +446,7 @@ class GatewayAPI(RequestPipeline):
             spooled = _SpooledFile.of(body, outcome.body_length)
             if spooled is None or outcome.body_length <= INLINE_RELAY_BYTES:
                 data = body.read()
-                delivered.callback(True)
+                self._deliver_after(request, delivered)
                 return data
             # Sent with sendfile from the spooled body where the socket allows
             # (plain TCP), else in slices: as a node sends a result of its own.
@@ -464,6 +464,22 @@ class GatewayAPI(RequestPipeline):
             raise
         finally:
             body.close()
+
+    def _deliver_after(self, request: IRequest, delivered: Deferred[bool]) -> None:
+        """
+        Fire C{delivered} once the client's response is written, on the
+        reactor's next turn: the node's result post is answered then, so
+        the client's bytes are on their way before the gateway spends time
+        on the node's answer (firing it first put that answer, its access
+        log line and its write ahead of the client's response).
+        """
+
+        def written(result: object) -> None:
+            ok = not isinstance(result, Failure)
+            self._reactor.callLater(0, _fire, delivered, ok)
+
+        finished: Deferred[None] = request.notifyFinish()  # type: ignore[attr-defined]
+        finished.addBoth(written)
 
     def max_request_bytes(self) -> int:
         return self.settings.max_request_bytes
@@ -657,6 +673,11 @@ class _SpooledFile:
 
 def _nothing() -> None:
     return None
+
+
+def _fire(d: Deferred[bool], result: bool) -> None:
+    if not d.called:
+        d.callback(result)
 
 
 def _detached(content: IO[bytes], length: int) -> IO[bytes]:

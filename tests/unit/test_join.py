@@ -12,7 +12,7 @@ import hashlib
 from typing import Any, cast
 
 import attrs
-from treq.testing import StubTreq
+from treq.testing import RequestTraversalAgent
 from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.error import ConnectionLost
 from twisted.internet.interfaces import IConsumer
@@ -446,9 +446,9 @@ class _Blob(Resource):
         return b""
 
 
-def link(resource: Resource) -> tuple[GatewayLink, StubTreq]:
-    stub = StubTreq(resource)
-    return GatewayLink(cast(Any, stub), Clock(), "node-a"), stub
+def link(resource: Resource) -> tuple[GatewayLink, RequestTraversalAgent]:
+    agent = RequestTraversalAgent(resource)
+    return GatewayLink(agent, Clock(), "node-a"), agent
 
 
 class TransferTests(SynchronousTestCase):
@@ -458,9 +458,9 @@ class TransferTests(SynchronousTestCase):
 
     def fetch(self, served: bytes, code: int = 200) -> tuple[Deferred[bytes], _Blob]:
         resource = _Blob(served, code)
-        gateway, stub = link(resource)
+        gateway, agent = link(resource)
         d = Deferred.fromCoroutine(gateway.fetch_blob(self.message, self.ref))
-        stub.flush()
+        agent.flush()
         return d, resource
 
     def test_blob_checked_and_token_sent(self) -> None:
@@ -492,17 +492,17 @@ class TransferTests(SynchronousTestCase):
         """
         data = bytes(range(256)) * 1024
         ref = BlobRef(sha256=hashlib.sha256(data).hexdigest(), size=len(data))
-        gateway, stub = link(_Blob(data))
+        gateway, agent = link(_Blob(data))
         d = Deferred.fromCoroutine(gateway.fetch_blob(self.message, ref))
-        stub.flush()
+        agent.flush()
         blob = self.successResultOf(d)
         self.assertIsInstance(blob, SharedBuffer)
         assert isinstance(blob, SharedBuffer)
         self.assertEqual(blob.tobytes(), data)
         bad = BlobRef(sha256="0" * 64, size=len(data))
-        gateway, stub = link(_Blob(data))
+        gateway, agent = link(_Blob(data))
         d = Deferred.fromCoroutine(gateway.fetch_blob(self.message, bad))
-        stub.flush()
+        agent.flush()
         self.assertIn("SHA-256", self.failureResultOf(d, BlobRefused).value.reason)
 
     def test_a_stalled_body_is_cut_off(self) -> None:
@@ -536,13 +536,13 @@ class TransferTests(SynchronousTestCase):
     def test_result_posted_with_head(self) -> None:
         """The node server's status and content type travel as headers, with the token."""
         resource = _Blob(b"")
-        gateway, stub = link(resource)
+        gateway, agent = link(resource)
         d = Deferred.fromCoroutine(
             gateway.post_result(
                 self.message, Answer(503, "application/json", b"{}", {"Retry-After": "1"})
             )
         )
-        stub.flush()
+        agent.flush()
         self.assertEqual(self.successResultOf(d), 204)
         (headers,) = resource.seen
         self.assertEqual(headers["Authorization"], "Bearer t")

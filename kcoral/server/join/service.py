@@ -139,7 +139,6 @@ class JoinService(AsyncService):
     # -- start ------------------------------------------------------------------
 
     async def start(self) -> None:
-        from treq.client import HTTPClient
         from twisted.web.client import Agent, HTTPConnectionPool
 
         config = self.config
@@ -148,7 +147,7 @@ class JoinService(AsyncService):
         )
         connections = HTTPConnectionPool(self._reactor, persistent=True)
         connections.maxPersistentPerHost = 64
-        http = HTTPClient(Agent(self._reactor, pool=connections))
+        agent = Agent(self._reactor, pool=connections)
         health = self.api.local_health()
         target, versions = dict(health["target"]), dict(health["versions"])
         gpus = int(health["gpu_count"])
@@ -169,7 +168,7 @@ class JoinService(AsyncService):
             inbox_prefix=node_inbox(self.node_id),
         )
         self.queue = NatsJobQueue(self.bridge, self.node_id, compat, gpus)
-        link = GatewayLink(http, self._reactor, self.node_id, run_blocking=self._run_blocking)
+        link = GatewayLink(agent, self._reactor, self.node_id, run_blocking=self._run_blocking)
         runner = JobRunner(self.api, link, self._reactor, config.max_request_bytes, self._in_flight)
         self.presence = PresenceAnnouncer(
             self.queue,

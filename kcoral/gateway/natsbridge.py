@@ -277,13 +277,29 @@ class NatsBridge:
         cancels the task.  C{timeout} bounds the whole call.
         """
 
-        async def run() -> _T:
-            client, js = self._require()
-            if timeout is None:
-                return await work(client, js)
-            return await _bounded(work(client, js), timeout)
+        return self._submit(lambda: self._run(work, timeout))
 
-        return self._submit(run)
+    def begin(self, work: NatsWork[_T], timeout: float | None = None) -> Deferred[_T]:
+        """
+        From the loop's own thread (inside a C{call} or a C{spawn}): start
+        C{work} now, as C{call} would, without a hop to the reactor and
+        back first.  The Deferred fires on the reactor thread; hand it to
+        the reactor with what the calling work returns, and add its
+        callbacks there.
+        """
+
+        loop = self._loop
+        assert loop is not None
+        if self.inline:
+            return _inline(loop, lambda: self._run(work, timeout))
+        task = asyncio.ensure_future(self._run(work, timeout), loop=loop)
+
+        def cancel(_: Deferred[_T]) -> None:
+            loop.call_soon_threadsafe(task.cancel)
+
+        d: Deferred[_T] = Deferred(cancel)
+        task.add_done_callback(lambda future: self._reactor.callFromThread(_settle, d, future))
+        return d
 
     def spawn(self, work: NatsWork[None]) -> Deferred[None]:
         """
@@ -292,6 +308,12 @@ class NatsBridge:
         ends it.  C{work} reports what it sees with L{deliver}.
         """
         return self.call(work)
+
+    async def _run(self, work: NatsWork[_T], timeout: float | None) -> _T:
+        client, js = self._require()
+        if timeout is None:
+            return await work(client, js)
+        return await _bounded(work(client, js), timeout)
 
     def deliver(self, f: Callable[..., object], *args: Any, **kwargs: Any) -> None:
         """From the loop: run C{f(*args, **kwargs)} on the reactor thread, errors logged."""

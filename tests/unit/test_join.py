@@ -66,15 +66,38 @@ class FakeQueue:
     deleted: int = 0
     fail_claims: bool = False
 
-    def fetch(self, count: int, timeout: float) -> Deferred[list[Delivery]]:
+    #: Each fetch's screen, in order.
+    screens: list[Any] = attrs.field(factory=list)
+    #: Claims asked for through L{claim} (not on arrival).
+    claimed: list[str] = attrs.field(factory=list)
+
+    def fetch(self, count: int, timeout: float, screen: Any = None) -> Deferred[list[Delivery]]:
         d: Deferred[list[Delivery]] = Deferred()
         self.fetches.append((count, d))
+        self.screens.append(screen)
         return d
 
     def claim(self, job: str) -> Deferred[bool]:
+        self.claimed.append(job)
+        return self._claim(job)
+
+    def _claim(self, job: str) -> Deferred[bool]:
         if self.fail_claims:
             return fail(TimeoutError("no answer"))
         return succeed(self.claims.create(job, Claim(node=self.node)))
+
+    def arrive(self, data: bytes, claim: Deferred[bool] | None = None) -> Delivery:
+        """
+        A message arriving on the last fetch, as the real queue hands it:
+        screened, and claimed at once when the screen names its job
+        (with C{claim} when given, else in the claims bucket).
+        """
+        screen = self.screens[-1]
+        name = None if screen is None else screen(data)
+        delivery = self.delivery(data)
+        if name is None:
+            return delivery
+        return attrs.evolve(delivery, claim=claim if claim is not None else self._claim(name))
 
     def put_presence(self, presence: Presence) -> Deferred[None]:
         self.presences.append(presence)
@@ -310,6 +333,94 @@ class PullerTests(SynchronousTestCase):
         self.flushLoggedErrors()
         self.assertEqual(runs.started, [])
         self.assertEqual(queue.what(), ["nak"])
+
+    def test_claimed_as_it_arrives(self) -> None:
+        """
+        The queue claims a runnable job as its message arrives (the fetch's
+        screen names it): the puller runs it on that claim and asks for no
+        other; what the screen passes over (late, preferred elsewhere,
+        malformed) goes through the puller's own steps unclaimed.
+        """
+        p, queue, runs, _ = puller(seats=4)
+        p.start()
+        late = job("late", deadline=NOW - 1)
+        elsewhere = job("el", prefer="node-b", prefer_until=NOW + 2)
+        arrived = [
+            queue.arrive(job("j1")),
+            queue.arrive(late),
+            queue.arrive(elsewhere),
+            queue.arrive(b"{not json"),
+        ]
+        self.assertEqual([d.claim is not None for d in arrived], [True, False, False, False])
+        queue.fetches[0][1].callback(arrived)
+        self.assertEqual(runs.started, ["j1"])
+        self.assertEqual(queue.claimed, [])
+        self.assertEqual(queue.claims.entries, {"j1": Claim(node="node-a")})
+        self.assertEqual(
+            queue.settled,
+            [("ack", job("j1"), None), ("ack", late, None), ("nak", elsewhere, 0.1)]
+            + [("term", b"{not json", None)],
+        )
+
+    def test_claimed_on_arrival_runs_without_a_free_seat(self) -> None:
+        """
+        A job claimed as it arrived is this node's alone: when a direct
+        request took its seat meanwhile it waits for one here, never goes
+        back to the queue; an unclaimed one does go back.
+        """
+        p, queue, runs, _ = puller(seats=1)
+        p.start()
+        claimed = queue.arrive(job("j1"))
+        runs.seats.take()  # a direct request
+        queue.fetches[0][1].callback([claimed])
+        self.assertEqual(runs.started, ["j1"])
+        self.assertEqual(queue.what(), ["ack"])
+
+    def test_claim_on_arrival_lost_or_unknown(self) -> None:
+        """
+        A claim made on arrival that another claim beat is acknowledged and
+        not run; one whose outcome is unknown is given back (the claim
+        decides on the next delivery).
+        """
+        p, queue, runs, _ = puller(seats=2)
+        queue.claims.entries["j1"] = Claim(cancelled=True)
+        p.start()
+        queue.fetches[0][1].callback(
+            [
+                queue.arrive(job("j1")),
+                queue.arrive(job("j2"), claim=fail(TimeoutError("no answer"))),
+            ]
+        )
+        self.assertEqual(runs.started, [])
+        self.assertEqual(queue.what(), ["ack", "nak"])
+        self.assertEqual((p.counts["lost"], p.busy), (1, 0))
+
+    def test_stop_waits_for_claims_on_arrival(self) -> None:
+        """
+        A stop while the fetch in flight may be claiming waits for that
+        fetch: a job it claimed runs and ends before the node leaves.  A
+        screen after the stop claims nothing.
+        """
+        p, queue, runs, _ = puller(seats=2)
+        p.start()
+        claimed = queue.arrive(job("j1"))
+        stopped = p.stop()
+        self.assertIsNone(queue.screens[-1](job("j2")))
+        self.assertNoResult(stopped)
+        queue.fetches[0][1].callback([claimed, queue.delivery(job("j2"))])
+        self.assertEqual(runs.started, ["j1"])
+        self.assertEqual(queue.what(), ["ack", "nak"])
+        self.assertNoResult(stopped)
+        runs.finish("j1")
+        self.successResultOf(stopped)
+        self.assertEqual(len(queue.fetches), 1)
+
+    def test_stop_before_any_screen_does_not_wait(self) -> None:
+        """A stop before the fetch in flight screened anything waits only for held jobs."""
+        p, queue, _, _ = puller()
+        p.start()
+        self.successResultOf(p.stop())
+        self.assertIsNone(queue.screens[-1](job("j1")))
 
     def test_fetch_failure_backs_off(self) -> None:
         """A failed fetch waits, doubling, and prepares the queue again before the next."""

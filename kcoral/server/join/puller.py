@@ -24,6 +24,15 @@ pulls again.  Each job it gets:
   5. the message is acknowledged, and the job runs if the claim was won
      (without waiting for the acknowledgement).
 
+Steps 1 to 4 are first taken on the queue's own thread as each message
+arrives (L{JobPuller.screen}, the queue's C{screen}): a job that passes
+1 to 3 is claimed there and then, before the reactor sees the message, so
+the claim's round trip to NATS overlaps the hop to the reactor and the
+message's handling here, rather than following them.  A job claimed so
+is run even when its seat has gone meanwhile (to a direct request): it
+waits in the pool's line, since no other node may run it now.  A message
+the screen passed over goes through the steps here.
+
 When the queue fails (NATS lost), the loop waits with a doubling backoff
 and tries again; jobs already running carry on and post their results
 over HTTP.
@@ -88,6 +97,12 @@ class JobPuller:
     _preparing: bool = False
     _delay: float = 0.0
     _failing: bool = False
+    #: Set by L{screen} (the queue's thread) before it reads C{_stopped}:
+    #: the fetch in flight may bring claimed jobs, which L{stop} waits for.
+    #: Cleared here once that fetch has come back.
+    _screened: bool = False
+    #: Fired when the fetch in flight comes back (L{stop} waits on them).
+    _fetch_waiters: list[Deferred[None]] = attrs.field(factory=list)
     #: Jobs run, claims lost, skipped (deadline, malformed), handed back.
     counts: dict[str, int] = attrs.field(
         factory=lambda: {"run": 0, "lost": 0, "late": 0, "malformed": 0, "deferred": 0}
@@ -117,12 +132,44 @@ class JobPuller:
         self._pump()
 
     def stop(self) -> Deferred[Any]:
-        """Stop pulling; fires when every job this node holds has ended."""
+        """
+        Stop pulling; fires when every job this node holds has ended,
+        those the fetch in flight claimed as they arrived included.
+        """
+        # Set before reading _screened, as screen sets _screened before
+        # reading _stopped: either it sees the stop and claims nothing, or
+        # the stop sees that it may have claimed.
         self._stopped = True
         if self._retry is not None and self._retry.active():
             self._retry.cancel()
         self._retry = None
+        if not (self._fetching and self._screened):
+            return self._held_ended()
+        back: Deferred[None] = Deferred()
+        self._fetch_waiters.append(back)
+        return back.addCallback(lambda _: self._held_ended())
+
+    def _held_ended(self) -> Deferred[Any]:
         return DeferredList(list(self._held.values()), consumeErrors=True)
+
+    def screen(self, data: bytes) -> str | None:
+        """
+        On the queue's thread, as a message arrives: the job to claim at
+        once (steps 1 to 3 above passed), or C{None} (malformed, late,
+        preferred elsewhere, or the node is stopping: handled here).
+        Reads only what does not change under it (the node id, the clock).
+        """
+        self._screened = True
+        if self._stopped:
+            return None
+        try:
+            job = JobMessage.decode(data)
+        except SchemaError:
+            return None
+        now = self._clock.seconds()
+        if now >= job.deadline or job.preferred_elsewhere(self.node_id, now):
+            return None
+        return job.job
 
     def kick(self) -> None:
         """Pull now if a seat is free and no pull is waiting (NATS is back)."""
@@ -143,12 +190,19 @@ class JobPuller:
         ):
             return
         self._fetching = True
-        d = self.queue.fetch(self.free, self.poll_timeout)
+        d = self.queue.fetch(self.free, self.poll_timeout, self.screen)
         d.addCallbacks(self._fetched, self._fetch_failed)
         d.addErrback(self._bug)
+        d.addBoth(self._fetch_back)
+
+    def _fetch_back(self, _: object) -> None:
+        waiters, self._fetch_waiters = self._fetch_waiters, []
+        for waiter in waiters:
+            waiter.callback(None)
 
     def _fetched(self, deliveries: list[Delivery]) -> None:
         self._fetching = False
+        self._screened = False
         if self._failing:
             self._failing = False
             self.log.info(
@@ -158,7 +212,7 @@ class JobPuller:
             )
         self._delay = self.backoff
         for delivery in deliveries:
-            if self._stopped or self.free == 0:
+            if delivery.claim is None and (self._stopped or self.free == 0):
                 # Not ours to run: straight back to the queue for another node.
                 self._give_back(delivery)
                 continue
@@ -167,6 +221,7 @@ class JobPuller:
 
     def _fetch_failed(self, failure: Failure) -> None:
         self._fetching = False
+        self._screened = False
         if self._stopped:
             return
         delay = self._delay
@@ -243,6 +298,10 @@ class JobPuller:
             )
             await self._settle(delivery.term(), "term")
             return
+        if delivery.claim is not None:
+            # Claimed as it arrived (steps 1 to 3 passed on the queue's thread).
+            await self._claimed(delivery, job, delivery.claim, seated)
+            return
         now = self._clock.seconds()
         if now >= job.deadline:
             self.counts["late"] += 1
@@ -261,8 +320,18 @@ class JobPuller:
             self.counts["deferred"] += 1
             await self._settle(delivery.nak(job.defer_seconds(now)), "nak")
             return
+        await self._claimed(delivery, job, self.queue.claim(job.job), seated)
+
+    async def _claimed(
+        self,
+        delivery: Delivery,
+        job: JobMessage,
+        claim: Deferred[bool],
+        seated: Callable[[], None],
+    ) -> None:
+        """Run C{job} if C{claim} wins it; acknowledge its message either way."""
         try:
-            won = await self.queue.claim(job.job)
+            won = await claim
         except Exception as e:
             # Unknown whether the claim landed: leave the message to be
             # delivered again; the claim decides then.

@@ -13,7 +13,7 @@ the reactor thread.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -46,21 +46,35 @@ class Delivery:
     @ivar ack: done with it: it leaves the queue.
     @ivar nak: give it back, to be delivered again after C{delay} seconds.
     @ivar term: drop it for good (a malformed message).
+    @ivar claim: the job's claim for this node, made as the message
+        arrived (L{IJobQueue.fetch}'s C{screen}): fires with whether this
+        node won it, or fails when its outcome is unknown; C{None}: not
+        claimed (the puller claims it, or skips it).
     """
 
     data: bytes
     ack: Callable[[], Deferred[None]]
     nak: Callable[[float], Deferred[None]]
     term: Callable[[], Deferred[None]]
+    claim: Deferred[bool] | None = None
 
 
 class IJobQueue(Interface):
     """A node's view of the pool's queue, claims and presence."""
 
-    def fetch(count: int, timeout: float) -> Deferred[list[Delivery]]:
+    def fetch(
+        count: int, timeout: float, screen: Callable[[bytes], str | None] | None = None
+    ) -> Deferred[list[Delivery]]:
         """
         At most C{count} jobs, waiting up to about C{timeout} seconds for
         the first; an empty list when none came.
+
+        @param screen: called with each message's body as it arrives, on
+            the queue's own thread (it may read, never change, what the
+            reactor holds): the id of a job to claim for this node at once
+            (its L{Delivery.claim}), or C{None}.  Claiming there saves the
+            job two thread hops before its claim, and the reactor's work on
+            the message overlaps the claim's round trip.
         """
 
     def claim(job: str) -> Deferred[bool]:
@@ -132,13 +146,15 @@ class NatsJobQueue:
         """The consumer names this node pulls from."""
         return [consumer_name(self.compat, g) for g in range(min(self.gpus, MAX_GPUS), -1, -1)]
 
-    def fetch(self, count: int, timeout: float) -> Deferred[list[Delivery]]:
+    def fetch(
+        self, count: int, timeout: float, screen: Callable[[bytes], str | None] | None = None
+    ) -> Deferred[list[Delivery]]:
         import nats.errors
 
         bridge = self.bridge
         subs = list(self._subs)
 
-        async def work(client: Any, js: Any) -> list[Any]:
+        async def work(client: Any, js: Any) -> list[Delivery]:
             messages: list[Any] = []
             for index, sub in enumerate(subs):
                 wanted = count - len(messages)
@@ -152,25 +168,31 @@ class NatsJobQueue:
                 except (nats.errors.TimeoutError, asyncio.TimeoutError):
                     # Nothing there within the wait.
                     continue
-            return messages
-
-        def wrap(messages: list[Any]) -> list[Delivery]:
-            return [_delivery(bridge, m) for m in messages]
+            # No await from here on: a claim begun below always reaches the
+            # reactor with its delivery (nothing can cancel the work between).
+            deliveries = []
+            for message in messages:
+                data = bytes(message.data)
+                job = None if screen is None else screen(data)
+                claim = None if job is None else bridge.begin(self._claim_work(job), timeout=15.0)
+                deliveries.append(_delivery(bridge, message, data, claim))
+            return deliveries
 
         if not subs:
             return _failed(RuntimeError("job consumers not prepared"))
         # The whole fetch is bounded beyond the long poll, so a silent
         # connection cannot hold the seat loop forever.
-        d = bridge.call(work, timeout=timeout + 5.0)
-        d.addCallback(wrap)
-        return d
+        return bridge.call(work, timeout=timeout + 5.0)
 
     def claim(self, job: str) -> Deferred[bool]:
+        return self.bridge.call(self._claim_work(job), timeout=15.0)
+
+    def _claim_work(self, job: str) -> Callable[[Any, Any], Awaitable[bool]]:
+        """The coroutine function of C{job}'s create-only claim for this node."""
         import nats.js.errors
 
         claims = self._claims
-        node = self.node_id
-        mine = Claim(node=node)
+        mine = Claim(node=self.node_id)
 
         async def work(client: Any, js: Any) -> bool:
             if claims is None:
@@ -188,7 +210,7 @@ class NatsJobQueue:
                 except SchemaError:
                     return False
 
-        return self.bridge.call(work, timeout=15.0)
+        return work
 
     def put_presence(self, presence: Presence) -> Deferred[None]:
         nodes = self._nodes
@@ -212,7 +234,9 @@ class NatsJobQueue:
         return self.bridge.call(work, timeout=2.0)
 
 
-def _delivery(bridge: NatsBridge, message: Any) -> Delivery:
+def _delivery(
+    bridge: NatsBridge, message: Any, data: bytes, claim: Deferred[bool] | None
+) -> Delivery:
     """A pulled message with acknowledgements that run on the bridge's loop."""
 
     async def ack(client: Any, js: Any) -> None:
@@ -228,10 +252,11 @@ def _delivery(bridge: NatsBridge, message: Any) -> Delivery:
         return bridge.call(work, timeout=5.0)
 
     return Delivery(
-        data=bytes(message.data),
+        data=data,
         ack=lambda: bridge.call(ack, timeout=5.0),
         nak=nak,
         term=lambda: bridge.call(term, timeout=5.0),
+        claim=claim,
     )
 
 

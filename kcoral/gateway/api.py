@@ -208,6 +208,19 @@ class GatewaySite(KcoralSite):
         #: (L{GatewayAPI.relay_result}), or C{None} for one read whole.
         self.relay_result: Callable[[IRequest, bytes, int | None], ResultRelay | None] | None = None
 
+    def log(self, request: Any) -> None:
+        """
+        The access log, less the node-facing requests that succeed: a
+        result post (and a blob fetch) per job is the gateway's own
+        traffic, its job's events tell of it, and the line cost about as
+        much of the gateway's CPU as the client's own.  A refused one is
+        logged.
+        """
+        path = getattr(request, "path", None) or b""
+        if path.startswith(b"/_pool/") and request.code < 400:
+            return
+        super().log(request)
+
 
 @attrs.frozen(kw_only=True)
 class GatewaySettings:

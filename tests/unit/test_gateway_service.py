@@ -220,6 +220,33 @@ def test_node_routes_skip_the_per_client_share() -> None:
     assert site.bytes_in_flight == 120
 
 
+def test_access_log_leaves_out_node_traffic_that_succeeds() -> None:
+    """
+    The access log has every client request, and a node's request only
+    when it was refused: a result post per job is the gateway's own
+    traffic, which its job events record.
+    """
+    import io
+    import types
+
+    from kcoral.gateway.api import GatewaySite
+
+    site = GatewaySite(None, max_result_bytes=1000, max_request_bytes=100)
+    lines: list[bytes] = []
+    site._logFile = io.StringIO()
+    site._logFormatter = lambda when, request: lines.append(getattr(request, "path", b"-")) or ""  # type: ignore[assignment]
+    for path, code in (
+        (b"/execute", 200),
+        (b"/_pool/jobs/j1/result", 200),
+        (b"/_pool/jobs/j1/blobs/ab", 200),
+        (b"/_pool/jobs/j1/result", 401),
+        (b"/health", 503),
+    ):
+        site.log(types.SimpleNamespace(path=path, code=code))  # type: ignore[arg-type]
+    site.log(types.SimpleNamespace(code=400))  # type: ignore[arg-type]  # refused before its path
+    assert lines == [b"/execute", b"/_pool/jobs/j1/result", b"/health", b"-"]
+
+
 def test_spooled_result_reads_like_a_shared_buffer(tmp_path: Path) -> None:
     """A spooled result body offers what the body producer reads: fileno, length, pread."""
     import io

@@ -38,7 +38,14 @@ if TYPE_CHECKING:
     from nats.aio.client import Client
     from nats.js import JetStreamContext
 
-__all__ = ["NatsBridge", "NatsCredentials", "NotConnected", "ensure_consumer", "load_credentials"]
+__all__ = [
+    "NatsBridge",
+    "NatsCredentials",
+    "NotConnected",
+    "bounded",
+    "ensure_consumer",
+    "load_credentials",
+]
 
 _T = TypeVar("_T")
 
@@ -279,28 +286,6 @@ class NatsBridge:
 
         return self._submit(lambda: self._run(work, timeout))
 
-    def begin(self, work: NatsWork[_T], timeout: float | None = None) -> Deferred[_T]:
-        """
-        From the loop's own thread (inside a C{call} or a C{spawn}): start
-        C{work} now, as C{call} would, without a hop to the reactor and
-        back first.  The Deferred fires on the reactor thread; hand it to
-        the reactor with what the calling work returns, and add its
-        callbacks there.
-        """
-
-        loop = self._loop
-        assert loop is not None
-        if self.inline:
-            return _inline(loop, lambda: self._run(work, timeout))
-        task = asyncio.ensure_future(self._run(work, timeout), loop=loop)
-
-        def cancel(_: Deferred[_T]) -> None:
-            loop.call_soon_threadsafe(task.cancel)
-
-        d: Deferred[_T] = Deferred(cancel)
-        task.add_done_callback(lambda future: self._reactor.callFromThread(_settle, d, future))
-        return d
-
     def spawn(self, work: NatsWork[None]) -> Deferred[None]:
         """
         Run a long-lived C{work} (a watch, a pull loop) on the loop; the
@@ -313,7 +298,7 @@ class NatsBridge:
         client, js = self._require()
         if timeout is None:
             return await work(client, js)
-        return await _bounded(work(client, js), timeout)
+        return await bounded(work(client, js), timeout)
 
     def deliver(self, f: Callable[..., object], *args: Any, **kwargs: Any) -> None:
         """From the loop: run C{f(*args, **kwargs)} on the reactor thread, errors logged."""
@@ -369,7 +354,7 @@ class NatsBridge:
         return d
 
 
-async def _bounded(work: Awaitable[_T], timeout: float) -> _T:
+async def bounded(work: Awaitable[_T], timeout: float) -> _T:
     """
     C{work} within C{timeout} seconds (else C{TimeoutError}), in the
     calling task: C{asyncio.timeout} where there is one (Python 3.11 on),

@@ -26,12 +26,13 @@ pulls again.  Each job it gets:
 
 Steps 1 to 4 are first taken on the queue's own thread as each message
 arrives (L{JobPuller.screen}, the queue's C{screen}): a job that passes
-1 to 3 is claimed there and then, before the reactor sees the message, so
-the claim's round trip to NATS overlaps the hop to the reactor and the
-message's handling here, rather than following them.  A job claimed so
-is run even when its seat has gone meanwhile (to a direct request): it
-waits in the pool's line, since no other node may run it now.  A message
-the screen passed over goes through the steps here.
+1 to 3 is claimed there and then, and reaches the reactor with its
+claim's outcome, one thread hop where the message, the claim and its
+answer took three (each a wake-up of the other thread and a hand-over of
+the GIL).  A job claimed so is run even when its seat has gone meanwhile
+(to a direct request): it waits in the pool's line, since no other node
+may run it now.  A message the screen passed over goes through the steps
+here.
 
 When the queue fails (NATS lost), the loop waits with a doubling backoff
 and tries again; jobs already running carry on and post their results

@@ -17,7 +17,8 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import attrs
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import CancelledError, Deferred, succeed
+from twisted.python.failure import Failure
 from zope.interface import Interface, implementer
 
 from kcoral.gateway.jobs import (
@@ -34,7 +35,11 @@ from kcoral.gateway.jobs import (
 if TYPE_CHECKING:
     from kcoral.gateway.natsbridge import NatsBridge
 
-__all__ = ["Delivery", "IJobQueue", "NatsJobQueue"]
+__all__ = ["CLAIM_TIMEOUT", "Delivery", "IJobQueue", "NatsJobQueue"]
+
+#: Seconds a claim may take (its create, and reading the claim back when
+#: the create's answer was lost).
+CLAIM_TIMEOUT = 15.0
 
 
 @attrs.frozen
@@ -46,10 +51,10 @@ class Delivery:
     @ivar ack: done with it: it leaves the queue.
     @ivar nak: give it back, to be delivered again after C{delay} seconds.
     @ivar term: drop it for good (a malformed message).
-    @ivar claim: the job's claim for this node, made as the message
-        arrived (L{IJobQueue.fetch}'s C{screen}): fires with whether this
-        node won it, or fails when its outcome is unknown; C{None}: not
-        claimed (the puller claims it, or skips it).
+    @ivar claim: the outcome of the job's claim for this node, made as the
+        message arrived (L{IJobQueue.fetch}'s C{screen}): whether this node
+        won it, or a failure when that is unknown; C{None}: not claimed
+        (the puller claims it, or skips it).
     """
 
     data: bytes
@@ -71,10 +76,11 @@ class IJobQueue(Interface):
 
         @param screen: called with each message's body as it arrives, on
             the queue's own thread (it may read, never change, what the
-            reactor holds): the id of a job to claim for this node at once
-            (its L{Delivery.claim}), or C{None}.  Claiming there saves the
-            job two thread hops before its claim, and the reactor's work on
-            the message overlaps the claim's round trip.
+            reactor holds): the id of a job to claim for this node at once,
+            or C{None}.  Such a delivery reaches the reactor with its
+            claim's outcome (L{Delivery.claim}): the claim is made where the
+            message arrived, with no hop to the reactor and back before it,
+            and one hop takes both.
         """
 
     def claim(job: str) -> Deferred[bool]:
@@ -151,10 +157,12 @@ class NatsJobQueue:
     ) -> Deferred[list[Delivery]]:
         import nats.errors
 
+        from kcoral.gateway.natsbridge import bounded
+
         bridge = self.bridge
         subs = list(self._subs)
 
-        async def work(client: Any, js: Any) -> list[Delivery]:
+        async def pull() -> list[Any]:
             messages: list[Any] = []
             for index, sub in enumerate(subs):
                 wanted = count - len(messages)
@@ -168,24 +176,37 @@ class NatsJobQueue:
                 except (nats.errors.TimeoutError, asyncio.TimeoutError):
                     # Nothing there within the wait.
                     continue
-            # No await from here on: a claim begun below always reaches the
-            # reactor with its delivery (nothing can cancel the work between).
-            deliveries = []
+            return messages
+
+        async def work(client: Any, js: Any) -> list[Delivery]:
+            # The pull is bounded beyond its long poll, so a silent
+            # connection cannot hold the seat loop forever.
+            messages = await bounded(pull(), timeout + 5.0)
+            screened = []
             for message in messages:
                 data = bytes(message.data)
                 job = None if screen is None else screen(data)
-                claim = None if job is None else bridge.begin(self._claim_work(job), timeout=15.0)
-                deliveries.append(_delivery(bridge, message, data, claim))
-            return deliveries
+                claim = None
+                if job is not None:
+                    claim = asyncio.ensure_future(
+                        bounded(self._claim_work(job)(client, js), CLAIM_TIMEOUT)
+                    )
+                screened.append((message, data, claim))
+            begun = [claim for _, _, claim in screened if claim is not None]
+            if begun:
+                # Each claim ends within its timeout; the deliveries go to
+                # the reactor with their claims' outcomes, one hop for both.
+                await asyncio.wait(begun)
+            return [_delivery(bridge, m, data, _outcome(claim)) for m, data, claim in screened]
 
         if not subs:
             return _failed(RuntimeError("job consumers not prepared"))
-        # The whole fetch is bounded beyond the long poll, so a silent
-        # connection cannot hold the seat loop forever.
-        return bridge.call(work, timeout=timeout + 5.0)
+        # No timeout over the whole: a claim begun must reach the reactor
+        # with its delivery (the pull and each claim have their own).
+        return bridge.call(work)
 
     def claim(self, job: str) -> Deferred[bool]:
-        return self.bridge.call(self._claim_work(job), timeout=15.0)
+        return self.bridge.call(self._claim_work(job), timeout=CLAIM_TIMEOUT)
 
     def _claim_work(self, job: str) -> Callable[[Any, Any], Awaitable[bool]]:
         """The coroutine function of C{job}'s create-only claim for this node."""
@@ -260,7 +281,17 @@ def _delivery(
     )
 
 
-def _failed(error: Exception) -> Deferred[Any]:
+def _outcome(claim: asyncio.Future[bool] | None) -> Deferred[bool] | None:
+    """A finished claim's outcome as a fired Deferred (C{None}: no claim)."""
+    if claim is None:
+        return None
+    if claim.cancelled():
+        return _failed(CancelledError())
+    error = claim.exception()
+    return succeed(claim.result()) if error is None else _failed(error)
+
+
+def _failed(error: BaseException) -> Deferred[Any]:
     d: Deferred[Any] = Deferred()
-    d.errback(error)
+    d.errback(Failure(error))
     return d

@@ -197,7 +197,15 @@ class NatsJobQueue:
                 # Each claim ends within its timeout; the deliveries go to
                 # the reactor with their claims' outcomes, one hop for both.
                 await asyncio.wait(begun)
-            return [_delivery(bridge, m, data, _outcome(claim)) for m, data, claim in screened]
+            deliveries = []
+            for message, data, claim in screened:
+                acked = None
+                if claim is not None and not claim.cancelled() and claim.exception() is None:
+                    # Decided (won or lost): the message leaves the queue
+                    # now, not after two more hops (the puller would ack it).
+                    acked = _Acked(await _ack(message))
+                deliveries.append(_delivery(bridge, message, data, _outcome(claim), acked))
+            return deliveries
 
         if not subs:
             return _failed(RuntimeError("job consumers not prepared"))
@@ -255,10 +263,36 @@ class NatsJobQueue:
         return self.bridge.call(work, timeout=2.0)
 
 
+async def _ack(message: Any) -> BaseException | None:
+    """Acknowledge C{message} here, on the loop: its error, or C{None}."""
+    try:
+        await message.ack()
+    except Exception as e:
+        return e
+    return None
+
+
+@attrs.frozen
+class _Acked:
+    """A message acknowledged on the loop already: the error, if it failed."""
+
+    error: BaseException | None
+
+    def __call__(self) -> Deferred[None]:
+        return succeed(None) if self.error is None else _failed(self.error)
+
+
 def _delivery(
-    bridge: NatsBridge, message: Any, data: bytes, claim: Deferred[bool] | None
+    bridge: NatsBridge,
+    message: Any,
+    data: bytes,
+    claim: Deferred[bool] | None,
+    acked: _Acked | None = None,
 ) -> Delivery:
-    """A pulled message with acknowledgements that run on the bridge's loop."""
+    """
+    A pulled message with acknowledgements that run on the bridge's loop;
+    one C{acked} there already reports that acknowledgement's outcome.
+    """
 
     async def ack(client: Any, js: Any) -> None:
         await message.ack()
@@ -274,7 +308,7 @@ def _delivery(
 
     return Delivery(
         data=data,
-        ack=lambda: bridge.call(ack, timeout=5.0),
+        ack=acked if acked is not None else lambda: bridge.call(ack, timeout=5.0),
         nak=nak,
         term=lambda: bridge.call(term, timeout=5.0),
         claim=claim,

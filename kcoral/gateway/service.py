@@ -159,6 +159,9 @@ class GatewayService(MultiService):
             on_node_removed=self._node_removed,
             on_presence_loaded=self.pool.mark_loaded,
             on_claim=self._claim,
+            queued_jobs=lambda: [
+                job for job, pending in self.dispatcher.jobs.items() if pending.state == "queued"
+            ],
         )
         self.dispatcher = Dispatcher(
             self.queue,

@@ -324,3 +324,35 @@ def test_front_ends_config_and_urls(tmp_path: Path) -> None:
     ):
         with pytest.raises(usage.UsageError):
             tap.Options().parseOptions(["--nats", "nats://n:4222", *refused])
+
+
+def test_claims_watch_catches_up_on_queued_jobs() -> None:
+    """
+    The claims watch sees claims made after it starts; when it (re)starts,
+    the claim of each job still queued is read once, and the ones found
+    are handed on as a watched claim would be (a failed read is left to
+    the job's deadline, as a missed claim always was).
+    """
+    from twisted.internet.defer import Deferred, fail, succeed
+
+    from kcoral.gateway.jobs import Claim
+    from kcoral.gateway.natsqueue import NatsJobQueue
+
+    found = {"j1": Claim(node="node-a"), "j2": None}
+
+    class Queue(NatsJobQueue):
+        def read_claim(self, job: str) -> Deferred[Claim | None]:
+            if job not in found:
+                return fail(TimeoutError("no answer"))
+            return succeed(found[job])
+
+    seen: list[tuple[str, Claim]] = []
+    queue = Queue(
+        bridge=None,  # type: ignore[arg-type]
+        queue_size=1,
+        presence_timeout=1.0,
+        on_claim=lambda job, claim: seen.append((job, claim)),
+        queued_jobs=lambda: ["j1", "j2", "j3"],
+    )
+    queue._catch_up()
+    assert seen == [("j1", Claim(node="node-a"))]

@@ -33,7 +33,7 @@ from kcoral.server.http.app import Answer
 from kcoral.server.join.options import JoinListenError, check_join_endpoints
 from kcoral.server.join.presence import PresenceAnnouncer
 from kcoral.server.join.puller import JobPuller
-from kcoral.server.join.queue import Delivery, IJobQueue
+from kcoral.server.join.queue import TURN_SECONDS, Delivery, IJobQueue, poll_waits
 from kcoral.server.join.runner import POOL_CLIENT, JobRunner, pool_client
 from kcoral.server.join.service import free_seats
 from kcoral.server.join.transfer import BlobRefused, ChunksProducer, GatewayLink, _BlobReceiver
@@ -880,3 +880,27 @@ class LoopbackOnlyTests(SynchronousTestCase):
             usage.UsageError, self.parse, *join, "--credentials", "/nonexistent/creds"
         )
         self.assertIn("--credentials", str(error))
+
+
+class PollWaitsTests(SynchronousTestCase):
+    """L{poll_waits}: how a fetch shares its wait among a node's consumers."""
+
+    def test_one_consumer_long_polls(self) -> None:
+        """A CPU node's one consumer waits the whole timeout."""
+        self.assertEqual(poll_waits(1, 1.0), [1.0])
+
+    def test_several_take_turns(self) -> None:
+        """
+        A GPU node's consumers: a glance at each but the last, and the last
+        long-polls only a turn, so a job of a class glanced at waits at
+        most about one cycle, not the whole timeout.
+        """
+        waits = poll_waits(3, 1.0)
+        self.assertEqual(len(waits), 3)
+        self.assertEqual(waits[-1], TURN_SECONDS)
+        self.assertLess(sum(waits), 0.25)
+
+    def test_short_timeout(self) -> None:
+        """No wait exceeds the fetch's own timeout."""
+        self.assertEqual(poll_waits(2, 0.01), [0.01, 0.01])
+        self.assertEqual(poll_waits(0, 1.0), [])

@@ -41,6 +41,30 @@ __all__ = ["CLAIM_TIMEOUT", "Delivery", "IJobQueue", "NatsJobQueue"]
 #: the create's answer was lost).
 CLAIM_TIMEOUT = 15.0
 
+#: Seconds a node with several consumers (a GPU node: one per GPU count it
+#: can take) long-polls its last one in each fetch.  A pull is one
+#: consumer's, so while it waits a job of another class waits too; the
+#: others are asked only whether they hold anything now.
+TURN_SECONDS = 0.1
+
+#: Seconds each consumer but the last is asked in a fetch.
+GLANCE_SECONDS = 0.05
+
+
+def poll_waits(consumers: int, timeout: float) -> list[float]:
+    """
+    How long a fetch waits on each of C{consumers} consumers in turn: a
+    glance at each but the last, then a long poll on the last, of
+    C{timeout} when it is the only one, else at most L{TURN_SECONDS}, so a
+    job for any class is seen within about a turn of the cycle.
+    """
+    if consumers <= 0:
+        return []
+    if consumers == 1:
+        return [timeout]
+    glance = min(timeout, GLANCE_SECONDS)
+    return [glance] * (consumers - 1) + [min(timeout, TURN_SECONDS)]
+
 
 @attrs.frozen
 class Delivery:
@@ -164,13 +188,10 @@ class NatsJobQueue:
 
         async def pull() -> list[Any]:
             messages: list[Any] = []
-            for index, sub in enumerate(subs):
+            for sub, wait in zip(subs, poll_waits(len(subs), timeout), strict=True):
                 wanted = count - len(messages)
                 if wanted <= 0:
                     break
-                # Long-poll the last consumer only; the others are asked
-                # whether they have anything now.
-                wait = timeout if index == len(subs) - 1 else min(timeout, 0.05)
                 try:
                     messages += await sub.fetch(wanted, timeout=wait)
                 except (nats.errors.TimeoutError, asyncio.TimeoutError):

@@ -93,11 +93,15 @@ class FakeQueue:
         (with C{claim} when given, else in the claims bucket).
         """
         screen = self.screens[-1]
-        name = None if screen is None else screen(data)
+        screened = None if screen is None else screen(data)
         delivery = self.delivery(data)
-        if name is None:
+        if screened is None:
             return delivery
-        return attrs.evolve(delivery, claim=claim if claim is not None else self._claim(name))
+        return attrs.evolve(
+            delivery,
+            claim=claim if claim is not None else self._claim(screened.job),
+            job=screened,
+        )
 
     def put_presence(self, presence: Presence) -> Deferred[None]:
         self.presences.append(presence)

@@ -153,7 +153,7 @@ class JobPuller:
     def _held_ended(self) -> Deferred[Any]:
         return DeferredList(list(self._held.values()), consumeErrors=True)
 
-    def screen(self, data: bytes) -> str | None:
+    def screen(self, data: bytes) -> JobMessage | None:
         """
         On the queue's thread, as a message arrives: the job to claim at
         once (steps 1 to 3 above passed), or C{None} (malformed, late,
@@ -170,7 +170,7 @@ class JobPuller:
         now = self._clock.seconds()
         if now >= job.deadline or job.preferred_elsewhere(self.node_id, now):
             return None
-        return job.job
+        return job
 
     def kick(self) -> None:
         """Pull now if a seat is free and no pull is waiting (NATS is back)."""
@@ -288,6 +288,10 @@ class JobPuller:
         self._unseated.discard(key)
 
     async def _handle(self, delivery: Delivery, seated: Callable[[], None]) -> None:
+        if delivery.claim is not None and delivery.job is not None:
+            # Claimed as it arrived (steps 1 to 3 passed on the queue's thread).
+            await self._claimed(delivery, delivery.job, delivery.claim, seated)
+            return
         try:
             job = JobMessage.decode(delivery.data)
         except SchemaError as e:
@@ -300,7 +304,6 @@ class JobPuller:
             await self._settle(delivery.term(), "term")
             return
         if delivery.claim is not None:
-            # Claimed as it arrived (steps 1 to 3 passed on the queue's thread).
             await self._claimed(delivery, job, delivery.claim, seated)
             return
         now = self._clock.seconds()

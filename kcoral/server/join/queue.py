@@ -17,8 +17,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import attrs
-from twisted.internet.defer import CancelledError, Deferred, succeed
-from twisted.python.failure import Failure
+from twisted.internet.defer import CancelledError, Deferred, fail, succeed
 from zope.interface import Interface, implementer
 
 from kcoral.gateway.jobs import (
@@ -27,6 +26,7 @@ from kcoral.gateway.jobs import (
     NODES_BUCKET,
     STREAM,
     Claim,
+    JobMessage,
     Presence,
     SchemaError,
     consumer_name,
@@ -79,6 +79,8 @@ class Delivery:
         message arrived (L{IJobQueue.fetch}'s C{screen}): whether this node
         won it, or a failure when that is unknown; C{None}: not claimed
         (the puller claims it, or skips it).
+    @ivar job: with C{claim}, the message as the screen decoded it (so it
+        is not decoded again); C{None} without one.
     """
 
     data: bytes
@@ -86,13 +88,14 @@ class Delivery:
     nak: Callable[[float], Deferred[None]]
     term: Callable[[], Deferred[None]]
     claim: Deferred[bool] | None = None
+    job: JobMessage | None = None
 
 
 class IJobQueue(Interface):
     """A node's view of the pool's queue, claims and presence."""
 
     def fetch(
-        count: int, timeout: float, screen: Callable[[bytes], str | None] | None = None
+        count: int, timeout: float, screen: Callable[[bytes], JobMessage | None] | None = None
     ) -> Deferred[list[Delivery]]:
         """
         At most C{count} jobs, waiting up to about C{timeout} seconds for
@@ -100,7 +103,7 @@ class IJobQueue(Interface):
 
         @param screen: called with each message's body as it arrives, on
             the queue's own thread (it may read, never change, what the
-            reactor holds): the id of a job to claim for this node at once,
+            reactor holds): the decoded job to claim for this node at once,
             or C{None}.  Such a delivery reaches the reactor with its
             claim's outcome (L{Delivery.claim}): the claim is made where the
             message arrived, with no hop to the reactor and back before it,
@@ -177,7 +180,7 @@ class NatsJobQueue:
         return [consumer_name(self.compat, g) for g in range(min(self.gpus, MAX_GPUS), -1, -1)]
 
     def fetch(
-        self, count: int, timeout: float, screen: Callable[[bytes], str | None] | None = None
+        self, count: int, timeout: float, screen: Callable[[bytes], JobMessage | None] | None = None
     ) -> Deferred[list[Delivery]]:
         import nats.errors
 
@@ -210,26 +213,27 @@ class NatsJobQueue:
                 claim = None
                 if job is not None:
                     claim = asyncio.ensure_future(
-                        bounded(self._claim_work(job)(client, js), CLAIM_TIMEOUT)
+                        bounded(self._claim_work(job.job)(client, js), CLAIM_TIMEOUT)
                     )
-                screened.append((message, data, claim))
-            begun = [claim for _, _, claim in screened if claim is not None]
+                screened.append((message, data, job, claim))
+            begun = [claim for _, _, _, claim in screened if claim is not None]
             if begun:
                 # Each claim ends within its timeout; the deliveries go to
                 # the reactor with their claims' outcomes, one hop for both.
                 await asyncio.wait(begun)
             deliveries = []
-            for message, data, claim in screened:
+            for message, data, job, claim in screened:
                 acked = None
                 if claim is not None and not claim.cancelled() and claim.exception() is None:
                     # Decided (won or lost): the message leaves the queue
                     # now, not after two more hops (the puller would ack it).
                     acked = _Acked(await _ack(message))
-                deliveries.append(_delivery(bridge, message, data, _outcome(claim), acked))
+                delivery = _delivery(bridge, message, data, _outcome(claim), acked)
+                deliveries.append(delivery if job is None else attrs.evolve(delivery, job=job))
             return deliveries
 
         if not subs:
-            return _failed(RuntimeError("job consumers not prepared"))
+            return fail(RuntimeError("job consumers not prepared"))
         # No timeout over the whole: a claim begun must reach the reactor
         # with its delivery (the pull and each claim have their own).
         return bridge.call(work)
@@ -300,7 +304,7 @@ class _Acked:
     error: BaseException | None
 
     def __call__(self) -> Deferred[None]:
-        return succeed(None) if self.error is None else _failed(self.error)
+        return succeed(None) if self.error is None else fail(self.error)
 
 
 def _delivery(
@@ -341,12 +345,6 @@ def _outcome(claim: asyncio.Future[bool] | None) -> Deferred[bool] | None:
     if claim is None:
         return None
     if claim.cancelled():
-        return _failed(CancelledError())
+        return fail(CancelledError())
     error = claim.exception()
-    return succeed(claim.result()) if error is None else _failed(error)
-
-
-def _failed(error: BaseException) -> Deferred[Any]:
-    d: Deferred[Any] = Deferred()
-    d.errback(Failure(error))
-    return d
+    return succeed(claim.result()) if error is None else fail(error)

@@ -38,10 +38,12 @@ import math
 import os
 import traceback
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import attrs
-from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.defer import Deferred
+from twisted.internet.defer import TimeoutError as WaitTimedOut
+from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
 from kcoral.compilers import cacheable
@@ -191,23 +193,13 @@ class ParentCompiles:
         """
         deadline = self.clock.seconds() + job.timeout_seconds
         running = Deferred.fromCoroutine(self._run(job, deadline))
-        timed_out = False
-
-        def time_up() -> None:
-            nonlocal timed_out
-            timed_out = True
-            running.cancel()
-
-        timer = self.clock.callLater(job.timeout_seconds, time_up)
+        # Cancelled at the deadline, which then reads as a TimeoutError; a
+        # cancel from outside (the client left) stays a CancelledError.
+        running.addTimeout(job.timeout_seconds, cast(IReactorTime, self.clock))
         try:
             return await running
-        except CancelledError:
-            if not timed_out:
-                raise
+        except WaitTimedOut:
             return JobResult("timeout", ended_at=self.clock.seconds())
-        finally:
-            if timer.active():
-                timer.cancel()
 
     async def _run(self, job: Job, deadline: float) -> JobResult | None:
         values: dict[str, Any] = {}

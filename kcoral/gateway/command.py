@@ -35,6 +35,7 @@ def main(
     from twisted.scripts.twistd import ServerOptions  # type: ignore[attr-defined]
 
     from kcoral.gateway import tap
+    from kcoral.gateway.natsbridge import install_asyncio_reactor
 
     if run_app is None:
         install_asyncio_reactor()
@@ -73,21 +74,6 @@ def main(
     except SystemExit as e:
         return int(e.code) if isinstance(e.code, int) else 1
     return status if isinstance(status, int) else 0
-
-
-def install_asyncio_reactor() -> bool:
-    """
-    Install Twisted's asyncio reactor unless a reactor is installed
-    already; whether it did.  nats-py then runs on the reactor's own loop,
-    with no thread between the gateway and NATS
-    (L{kcoral.gateway.natsbridge}).
-    """
-    if "twisted.internet.reactor" in sys.modules:
-        return False
-    from twisted.internet import asyncioreactor
-
-    asyncioreactor.install()
-    return True
 
 
 def _run_app(config: usage.Options) -> int:

@@ -158,7 +158,7 @@ class _ParentWatch(Protocol):
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one front end other than the first from its SPEC file; the exit status."""
-    from kcoral.gateway.command import install_asyncio_reactor
+    from kcoral.gateway.natsbridge import install_asyncio_reactor
 
     install_asyncio_reactor()
     from twisted.internet import reactor

@@ -44,6 +44,7 @@ __all__ = [
     "NotConnected",
     "bounded",
     "ensure_consumer",
+    "install_asyncio_reactor",
     "load_credentials",
 ]
 
@@ -366,6 +367,23 @@ async def bounded(work: Awaitable[_T], timeout: float) -> _T:
         return await asyncio.wait_for(work, timeout)
     async with limit(timeout):
         return await work
+
+
+def install_asyncio_reactor() -> bool:
+    """
+    Install Twisted's asyncio reactor unless a reactor is installed
+    already; whether it did.  A bridge started under it runs nats-py on
+    the reactor's own loop, with no thread between NATS and the reactor:
+    C{kcoral gateway} and C{kcoral server --join} call this first.
+    """
+    import sys
+
+    if "twisted.internet.reactor" in sys.modules:
+        return False
+    from twisted.internet import asyncioreactor
+
+    asyncioreactor.install()
+    return True
 
 
 def reactor_loop(reactor: Any) -> asyncio.AbstractEventLoop | None:

@@ -478,6 +478,12 @@ def test_job_runs_in_process_like_a_request(
         finished = next(e for e in job_events if e["event"] == "request_finished")
         assert finished["finish_reason"] == "completed"
         assert marks(out) == ["job", "direct"]
+        # `kcoral server --join` runs on Twisted's asyncio reactor, so its
+        # NATS client shares the reactor's loop (no thread hop per job).
+        runs = list((log_dir / "runs").iterdir())
+        events = map(json.loads, (runs[0] / "events.jsonl").read_text().splitlines())
+        client = [e for e in events if e.get("event") == "join_nats_client"]
+        assert [e["inline"] for e in client] == [True]
     finally:
         node.stop()
 

@@ -256,6 +256,11 @@ def _server(
         )
 
     if run_app is None:
+        if config.join_url is not None:
+            # nats-py on the reactor's own loop: no thread hop per job.
+            from kcoral.gateway.natsbridge import install_asyncio_reactor
+
+            install_asyncio_reactor()
         # Without the console mirror (or with it above ERROR) nothing would
         # say why a start failed: one line on standard error does.
         mirrored = config.log_console and config.log_level != "critical"

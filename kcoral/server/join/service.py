@@ -206,8 +206,20 @@ class JoinService(AsyncService):
             consumers=self.queue.consumers(),
         )
         d = self.bridge.start()
+        d.addCallback(self._bridged)
         d.addCallbacks(self._connected, self._never_connected)
         d.addErrback(self._bug)
+
+    def _bridged(self, result: object) -> object:
+        inline = self.bridge is not None and self.bridge.inline
+        self.log.info(
+            "node {node}: NATS client on {where}",
+            kcoral_event="join_nats_client",
+            node=self.node_id,
+            where="the reactor's loop" if inline else "a thread of its own",
+            inline=inline,
+        )
+        return result
 
     def _connected(self, _: object) -> None:
         if self._stopping or self.queue is None:

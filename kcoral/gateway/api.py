@@ -23,7 +23,7 @@ import io
 import os
 import secrets
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import IO, Any
 
 import attrs
@@ -41,13 +41,17 @@ from werkzeug.exceptions import HTTPException
 
 from kcoral.gateway.dispatch import Dispatcher, Outcome, PendingJob
 from kcoral.gateway.jobs import (
+    NATS_RESULT_BYTES,
     POOL_PREFIX,
+    RESULT_JOB_HEADER,
+    RESULT_TOKEN_HEADER,
     BlobRef,
     JobMessage,
     ResultHead,
     SchemaError,
     parse_result_headers,
     program_gpus,
+    result_reply,
     valid_id,
 )
 from kcoral.gateway.pool import PoolView
@@ -237,6 +241,10 @@ class GatewaySettings:
     #: This process's place among the gateway's front ends (L{kcoral.gateway.frontends}).
     front_end: int = 0
     front_ends: int = 1
+    #: The key of this process's result subjects on NATS (jobs carry it,
+    #: L{kcoral.gateway.jobs.results_subject}); C{None}: results come over
+    #: HTTP only.
+    results_key: str | None = None
 
 
 #: How long a request waits for a just-started gateway process to read the
@@ -392,6 +400,7 @@ class GatewayAPI(RequestPipeline):
                 prefer=prefer,
                 prefer_until=now + settings.preference_window if prefer else 0.0,
                 client=client_identity(request),
+                results=settings.results_key,
             )
             pending = PendingJob(
                 message=message,
@@ -610,6 +619,60 @@ class GatewayAPI(RequestPipeline):
         if delivered is None:
             body.close()
         return delivered
+
+    # -- results over NATS ------------------------------------------------------
+
+    def result_message(
+        self, node: str, headers: Mapping[str, str], payload: bytes
+    ) -> Deferred[bytes]:
+        """
+        A node's small result sent over NATS (L{kcoral.gateway.natsqueue}),
+        taken as its post would be (the job's token, the result headers,
+        a job that still waits), with C{node}, the subject's node id that
+        nats-server authenticated, as the node that ran it.  Fires with the
+        reply (L{kcoral.gateway.jobs.result_reply}) once the client has
+        the answer, or at once when it is refused.
+        """
+        job = headers.get(RESULT_JOB_HEADER)
+        pending = None if job is None else self.dispatcher.jobs.get(job)
+        token = headers.get(RESULT_TOKEN_HEADER)
+        if (
+            job is None
+            or pending is None
+            or token is None
+            or not hmac.compare_digest(token.encode("utf-8"), pending.message.token.encode("ascii"))
+        ):
+            return self._result_refused(node, job, 401, "a valid job token is required")
+        if len(payload) > NATS_RESULT_BYTES:
+            return self._result_refused(node, job, 413, "result too large for NATS; post it")
+        try:
+            head = parse_result_headers(headers.get)
+        except SchemaError as e:
+            return self._result_refused(node, job, 400, str(e))
+        head = attrs.evolve(head, node=node)
+        self.pool.touch(node, self._reactor.seconds())
+        delivered = self.dispatcher.result(job, head, io.BytesIO(payload), len(payload))
+        if delivered is None:
+            return self._result_refused(node, job, 410, "the job is no longer waiting for a result")
+        replied: Deferred[bytes] = Deferred()
+        delivered.addBoth(lambda ok: replied.callback(result_reply(200, delivered=ok is True)))
+        return replied
+
+    def _result_refused(
+        self, node: str, job: str | None, status: int, reason: str
+    ) -> Deferred[bytes]:
+        self.log.warn(
+            "node {node}: result of job {job} over NATS refused ({status}): {reason}",
+            kcoral_event="job_result_refused",
+            node=node,
+            job=job,
+            status=status,
+            reason=reason,
+            via="nats",
+        )
+        d: Deferred[bytes] = Deferred()
+        d.callback(result_reply(status, error=reason))
+        return d
 
     # -- errors and events ------------------------------------------------------
 

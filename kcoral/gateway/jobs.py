@@ -15,6 +15,10 @@ Twisted, no nats-py: both sides and the tests import it.
  - Node to gateway over HTTP(S), C{Authorization: Bearer <job token>}:
    C{GET /_pool/jobs/<job>/blobs/<sha256>} and C{POST /_pool/jobs/<job>/result}
    (L{result_headers}).
+ - A small result (at most L{NATS_RESULT_BYTES}) goes instead as a NATS
+   request to L{results_subject} C{(job.results, node)}, with the same
+   headers plus the job and its token (L{nats_result_headers}); the gateway
+   process that holds the job's client replies with L{result_reply}.
 """
 
 from __future__ import annotations
@@ -38,6 +42,11 @@ __all__ = [
     "compat_key",
     "consumer_name",
     "job_subject",
+    "nats_result_headers",
+    "parse_result_reply",
+    "result_reply",
+    "results_node",
+    "results_subject",
 ]
 
 #: The JetStream work queue of jobs.
@@ -73,6 +82,18 @@ RESULT_CONTENT_TYPE_HEADER = "X-KCoral-Result-Content-Type"
 RESULT_RETRY_AFTER_HEADER = "X-KCoral-Result-Retry-After"
 #: The node that ran the job (relayed to the client as C{X-KCoral-Node}).
 RESULT_NODE_HEADER = "X-KCoral-Result-Node"
+
+#: Results of small jobs, node to gateway over NATS:
+#: C{kcoral.results.<gateway process key>.<node id>}.  A node's NATS user
+#: may publish on C{kcoral.results.*.<its id>} only, so the subject's last
+#: token is the sender's node id, as nats-server authenticated it.
+RESULTS_SUBJECT_PREFIX = "kcoral.results"
+#: The largest result body sent over NATS (under nats-server's default
+#: 1 MiB C{max_payload}); larger ones are posted over HTTP.
+NATS_RESULT_BYTES = 256 * 1024
+#: Headers of a result sent over NATS beside L{result_headers}' own.
+RESULT_JOB_HEADER = "X-KCoral-Result-Job"
+RESULT_TOKEN_HEADER = "X-KCoral-Result-Token"
 
 #: The longest client identity a job carries (a token's client name or an address).
 MAX_CLIENT = 256
@@ -131,6 +152,22 @@ def job_subject(compat: str, gpus: int) -> str:
     _check_compat(compat)
     _check_gpus(gpus)
     return f"{JOB_SUBJECT_PREFIX}.{compat}.{gpus}"
+
+
+def results_subject(results: str, node: str) -> str:
+    """The subject node C{node} sends a result to the gateway process C{results} on."""
+    if not valid_id(results) or not valid_id(node):
+        raise SchemaError("bad results key or node id")
+    return f"{RESULTS_SUBJECT_PREFIX}.{results}.{node}"
+
+
+def results_node(subject: str, results: str) -> str | None:
+    """The node id of a result's C{subject} on gateway process C{results}'s subjects, or C{None}."""
+    prefix = f"{RESULTS_SUBJECT_PREFIX}.{results}."
+    if not subject.startswith(prefix):
+        return None
+    node = subject[len(prefix) :]
+    return node if valid_id(node) else None
 
 
 def consumer_name(compat: str, gpus: int) -> str:
@@ -217,6 +254,9 @@ class JobMessage:
     @ivar client: who sent it, as the gateway knows the client (its token's
         client name, or its address): a node's reuse scope keeps one
         client's programs from another's worker by it.
+    @ivar results: the key of the gateway process's result subjects
+        (L{results_subject}): a small result may go there over NATS; with
+        none, every result is posted over HTTP.
     """
 
     job: str
@@ -230,6 +270,7 @@ class JobMessage:
     prefer: str | None = None
     prefer_until: float = 0.0
     client: str | None = None
+    results: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -244,6 +285,7 @@ class JobMessage:
             "prefer": self.prefer,
             "prefer_until": self.prefer_until,
             "client": self.client,
+            "results": self.results,
         }
 
     def encode(self) -> bytes:
@@ -267,6 +309,9 @@ class JobMessage:
         client = value.get("client")
         if client is not None and (not isinstance(client, str) or len(client) > MAX_CLIENT):
             raise SchemaError(f"job: client must be a string of at most {MAX_CLIENT} characters")
+        results = value.get("results")
+        if results is not None and not valid_id(results):
+            raise SchemaError("job: bad results key")
         return cls(
             job=job,
             request_id=value["request_id"],
@@ -279,6 +324,7 @@ class JobMessage:
             prefer=prefer,
             prefer_until=_number(value.get("prefer_until", 0.0), "job prefer_until"),
             client=client,
+            results=results,
         )
 
     def blob_url(self, sha256: str) -> str:
@@ -403,6 +449,43 @@ def result_headers(
     if node is not None:
         headers[RESULT_NODE_HEADER] = node
     return headers
+
+
+def nats_result_headers(job: JobMessage, headers: Mapping[str, str]) -> dict[str, str]:
+    """
+    The NATS headers of C{job}'s result sent as a message: the post's
+    result headers (C{headers}, L{result_headers}) less its content type,
+    plus the job and its token.
+    """
+    sent = {k: v for k, v in headers.items() if k != "Content-Type"}
+    sent[RESULT_JOB_HEADER] = job.job
+    sent[RESULT_TOKEN_HEADER] = job.token
+    return sent
+
+
+def result_reply(status: int, *, delivered: bool = False, error: str | None = None) -> bytes:
+    """
+    The gateway's reply to a result sent over NATS: the HTTP status its
+    post would have got (200, 400, 401, 410, 413) and, for a 200, whether
+    the client got the answer.
+    """
+    value: dict[str, Any] = {"status": status, "delivered": delivered}
+    if error is not None:
+        value["error"] = error
+    return _dumps(value)
+
+
+def parse_result_reply(data: bytes) -> tuple[int, bool]:
+    """
+    The status and delivery of a L{result_reply}.
+
+    @raise SchemaError: it is not one.
+    """
+    value = _loads(data, "result reply")
+    status = value.get("status")
+    if isinstance(status, bool) or not isinstance(status, int) or not 100 <= status <= 599:
+        raise SchemaError("result reply: bad status")
+    return status, value.get("delivered") is True
 
 
 @attrs.frozen(kw_only=True)

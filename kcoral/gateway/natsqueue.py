@@ -15,6 +15,13 @@ values both replays all of them and, on nats-server 2.9, makes every
 later claim cost the server in proportion to them (the pending count of a
 last-per-subject consumer): measured, the server's CPU per job went from
 1 ms to 4-6 ms over 10,000 jobs and the gateway's added latency doubled.
+
+It also takes small results over NATS (L{NatsJobQueue.results_key}): a core
+subscription to C{kcoral.results.<key>.*} hands each node's result to
+C{on_result} on the reactor, and sends the reply that C{on_result}'s
+Deferred fires with.  nats-py renews a core subscription itself after a
+reconnect, so it is made once; a node whose result finds no subscriber
+(C{no responders}) posts it over HTTP.
 """
 
 from __future__ import annotations
@@ -34,10 +41,12 @@ from kcoral.gateway.jobs import (
     CLAIMS_TTL,
     JOB_SUBJECTS,
     NODES_BUCKET,
+    RESULTS_SUBJECT_PREFIX,
     STREAM,
     Claim,
     Presence,
     SchemaError,
+    results_node,
 )
 from kcoral.gateway.natsbridge import NatsBridge, ensure_consumer
 
@@ -76,9 +85,16 @@ class NatsJobQueue:
     #: The gateway's jobs waiting for a claim (called on the reactor):
     #: their claims are read when the claims watch (re)starts.
     queued_jobs: Callable[[], list[str]] = list
+    #: The key of this gateway process's result subjects, or C{None}: no
+    #: results over NATS.
+    results_key: str | None = None
+    #: A node's result over NATS: C{(node, headers, payload)}, on the
+    #: reactor; fires with the reply to send.
+    on_result: Callable[[str, dict[str, str], bytes], Deferred[bytes]] | None = None
     #: Messages waiting in the stream, as last read (L{refresh_depth}).
     depth: int | None = None
     _watches: list[Deferred[None]] = attrs.field(factory=list)
+    _results: Deferred[None] | None = None
 
     log = Logger()
 
@@ -133,7 +149,55 @@ class NatsJobQueue:
 
         d = self.bridge.call(create, timeout=CALL_TIMEOUT * 2)
         d.addCallback(lambda _: self.watch())
+        d.addCallback(lambda _: self._serve_results())
         return d
+
+    def _serve_results(self) -> None:
+        """Subscribe to this process's result subjects (once: nats-py renews it)."""
+        key, take = self.results_key, self.on_result
+        if key is None or take is None or self._results is not None:
+            return
+        bridge = self.bridge
+
+        async def seen(msg: Msg) -> None:
+            node = results_node(msg.subject, key)
+            if node is None or not msg.reply:
+                return  # no node of ours, or nobody to answer: dropped
+            bridge.deliver(self._result, take, node, dict(msg.headers or {}), msg.data, msg.reply)
+
+        async def run(client: Client, js: JetStreamContext) -> None:
+            sub = await client.subscribe(f"{RESULTS_SUBJECT_PREFIX}.{key}.*", cb=seen)
+            try:
+                await asyncio.Event().wait()  # until cancelled (the stop)
+            finally:
+                try:
+                    await asyncio.wait_for(sub.unsubscribe(), 1.0)
+                except Exception:
+                    pass
+
+        self._results = self._watching(bridge.spawn(run), "results")
+
+    def _result(
+        self,
+        take: Callable[[str, dict[str, str], bytes], Deferred[bytes]],
+        node: str,
+        headers: dict[str, str],
+        payload: bytes,
+        reply: str,
+    ) -> None:
+        """On the reactor: a node's result taken, and its reply sent when it is ready."""
+
+        def send(answer: bytes) -> Deferred[None]:
+            async def run(client: Client, js: JetStreamContext) -> None:
+                await client.publish(reply, answer)
+
+            return self.bridge.call(run, timeout=CALL_TIMEOUT)
+
+        d = take(node, headers, payload)
+        d.addCallback(send)
+        d.addErrback(
+            lambda f: self.log.failure("result of node {node}: reply not sent", f, node=node)
+        )
 
     def watch(self) -> None:
         """(Re)start the presence and claims watches."""
@@ -358,3 +422,6 @@ class NatsJobQueue:
         for running in self._watches:
             running.cancel()
         self._watches = []
+        results, self._results = self._results, None
+        if results is not None:
+            results.cancel()

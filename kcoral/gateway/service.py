@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 import traceback
+import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
@@ -143,6 +144,8 @@ class GatewayService(MultiService):
         public_url = config.public_url
         if several:
             public_url = node_url(public_url, node_port(config))
+        # Small results come back over NATS, on subjects of this process's own.
+        results_key = uuid.uuid4().hex
         self.bridge = NatsBridge(
             reactor,
             list(config.nats_urls),
@@ -162,6 +165,10 @@ class GatewayService(MultiService):
             queued_jobs=lambda: [
                 job for job, pending in self.dispatcher.jobs.items() if pending.state == "queued"
             ],
+            results_key=results_key,
+            on_result=lambda node, headers, payload: self.api.result_message(
+                node, headers, payload
+            ),
         )
         self.dispatcher = Dispatcher(
             self.queue,
@@ -184,6 +191,7 @@ class GatewayService(MultiService):
                 max_timeout=config.max_timeout_seconds,
                 front_end=config.front_end_index,
                 front_ends=config.front_ends,
+                results_key=results_key,
             ),
             dispatcher=self.dispatcher,
             pool=self.pool,

@@ -38,7 +38,13 @@ from typing import Any
 
 import attrs
 
-from kcoral.gateway.jobs import CLAIMS_BUCKET, NODES_BUCKET, STREAM, node_inbox
+from kcoral.gateway.jobs import (
+    CLAIMS_BUCKET,
+    NODES_BUCKET,
+    RESULTS_SUBJECT_PREFIX,
+    STREAM,
+    node_inbox,
+)
 from kcoral.testing.live_server import free_port
 
 __all__ = [
@@ -98,6 +104,8 @@ def node_permissions(node_id: str) -> dict[str, Any]:
                 f"$KV.{CLAIMS_BUCKET}.*",
                 f"{api}.DIRECT.GET.KV_{CLAIMS_BUCKET}.>",
                 f"{api}.STREAM.MSG.GET.KV_{CLAIMS_BUCKET}",
+                # Small results, to any gateway process, as itself only.
+                f"{RESULTS_SUBJECT_PREFIX}.*.{node_id}",
             ]
         },
         "subscribe": {"allow": [f"{node_inbox(node_id)}.>"]},

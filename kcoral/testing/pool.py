@@ -62,6 +62,8 @@ class PostedResult:
     content_type: str
     node: str | None
     body: bytes
+    #: How it came: C{http} (posted) or C{nats} (a NATS request).
+    via: str = "http"
 
     def json(self) -> Any:
         return json.loads(self.body)
@@ -197,8 +199,14 @@ class PoolStandIn:
         prefer_for: float = 0.0,
         job: str | None = None,
         request_id: str | None = None,
+        results: str | None = None,
     ) -> JobMessage:
-        """Publish a job (its blobs served from now on); the message sent."""
+        """
+        Publish a job (its blobs served from now on); the message sent.
+
+        @param results: the key of the result subjects it names (see
+            L{listen_results}); C{None}: its result is posted.
+        """
         refs = []
         for blob in blobs:
             digest = hashlib.sha256(blob).hexdigest()
@@ -216,10 +224,51 @@ class PoolStandIn:
             gateway=self.url,
             prefer=prefer,
             prefer_until=now + prefer_for if prefer is not None else 0.0,
+            results=results,
         )
         self._tokens[message.job] = message.token
         self._call(self._js.publish(job_subject(compat, gpus), message.encode()))
         return message
+
+    def listen_results(self, key: str) -> None:
+        """
+        Take results sent over NATS on C{key}'s subjects, as a gateway
+        process does: the token checked, the subject's node recorded, the
+        reply sent.
+        """
+        from kcoral.gateway.jobs import (
+            RESULT_JOB_HEADER,
+            RESULT_TOKEN_HEADER,
+            RESULTS_SUBJECT_PREFIX,
+            result_reply,
+            results_node,
+        )
+
+        async def seen(msg: Any) -> None:
+            headers = msg.headers or {}
+            job = headers.get(RESULT_JOB_HEADER, "")
+            token = self._tokens.get(job)
+            if token is None or headers.get(RESULT_TOKEN_HEADER) != token:
+                self.refused += 1
+                await msg.respond(result_reply(401, error="bad token"))
+                return
+            self._posted(
+                job,
+                PostedResult(
+                    status=int(headers.get(RESULT_STATUS_HEADER, "0")),
+                    content_type=headers.get(RESULT_CONTENT_TYPE_HEADER, ""),
+                    node=results_node(msg.subject, key),
+                    body=bytes(msg.data),
+                    via="nats",
+                ),
+            )
+            await msg.respond(result_reply(200, delivered=True))
+
+        async def subscribe() -> None:
+            await self._client.subscribe(f"{RESULTS_SUBJECT_PREFIX}.{key}.*", cb=seen)
+            await self._client.flush()
+
+        self._call(subscribe())
 
     def republish(self, message: JobMessage, compat: str, gpus: int = 0) -> None:
         """Publish C{message} again (a second copy of one job, as after a redelivery)."""

@@ -518,8 +518,8 @@ def test_gateway_events_are_logged(tmp_path: Path) -> None:
 def test_front_ends_share_the_port_and_answer_their_own_jobs(tmp_path: Path) -> None:
     """
     C{--front-ends 2}: both processes answer on the client port, each
-    publishes its jobs with its own node port, so every node's result
-    reaches the process that holds the client; stopping the gateway stops
+    publishes its jobs with its own node port and result subjects, so
+    every node's result reaches the process that holds the client; stopping the gateway stops
     both.  Each logs under its own directory (C{front-end-1} for the second).
     """
     log_dir = tmp_path / "gateway-logs"
@@ -540,6 +540,16 @@ def test_front_ends_share_the_port_and_answer_their_own_jobs(tmp_path: Path) -> 
             assert response.status == 200, response.body[:300]
             assert b"COMPLETED" in response.body
         assert marks.read_text().count("ran") == 16
+        # Each result went back over NATS, to the subject of the process
+        # that published its job (and so holds its client).
+        # (The node logs it once the gateway's reply is in: after the client's answer.)
+        finished = "join_job_finished via=nats gateway_status=200"
+        for _ in range(100):
+            node_log = (tmp_path / "node-a.log").read_text()
+            if node_log.count(finished) >= 16:
+                break
+            time.sleep(0.05)
+        assert node_log.count(finished) == 16, node_log
         # Each front end's new /health: each relayed some of the 16.
         for _ in range(100):
             seen = pool.gateway.front_ends_answering(20)

@@ -193,6 +193,33 @@ def test_job_runs_with_blob_from_gateway(
     assert marks(out) == ["one", "two", "three"]
 
 
+def test_small_result_over_nats_else_posted(
+    node_a: ServerProcess, pool: PoolStandIn, tmp_path: Path
+) -> None:
+    """
+    A job that names result subjects gets its small result back as a NATS
+    request on them, from the node its subject names; when nobody listens
+    there (no responders), the node posts it over HTTP instead.
+    """
+    presence = pool.wait_presence("node-a")
+    out = tmp_path / "runs"
+    pool.listen_results("standin")
+    heard = pool.publish(
+        program(MARK, [str(out), "nats"], b"n"), presence.compat, blobs=[b"n"], results="standin"
+    )
+    result = pool.wait_result(heard.job)
+    assert (result.via, result.node, result.status) == ("nats", "node-a", 200)
+    assert result.json()["request_id"] == heard.request_id
+    unheard = pool.publish(
+        program(MARK, [str(out), "http"], b"h"), presence.compat, blobs=[b"h"], results="nobody"
+    )
+    result = pool.wait_result(unheard.job)
+    assert (result.via, result.node, result.status) == ("http", "node-a", 200)
+    assert result.json()["status"] == "COMPLETED"
+    assert marks(out) == ["nats", "http"]
+    assert pool.refused == 0
+
+
 def test_cancelled_claim_never_runs(
     node_a: ServerProcess, pool: PoolStandIn, tmp_path: Path
 ) -> None:
@@ -282,8 +309,8 @@ def test_node_cannot_publish_jobs_or_pose_as_another(
 ) -> None:
     """
     With a node's own credentials file and reply prefix (as C{--join} uses
-    them), publishing a job and writing another node's presence key are
-    refused by nats-server: neither lands.
+    them), publishing a job, writing another node's presence key and
+    sending a result as another node are refused by nats-server: none lands.
     """
     credentials = load_credentials(str(nats_server.credentials_file("node-c")))
     errors: list[str] = []
@@ -307,6 +334,9 @@ def test_node_cannot_publish_jobs_or_pose_as_another(
             nodes = await js.key_value(NODES_BUCKET)
             with pytest.raises(nats.errors.TimeoutError):
                 await nodes.put("node-a", b'{"node": "node-a"}')
+            # A result as another node is refused; as itself it is allowed.
+            await client.publish("kcoral.results.gw.node-a", b"forged")
+            await client.publish("kcoral.results.gw.node-c", b"mine")
             await client.flush()
             return before, errors
         finally:
@@ -318,6 +348,8 @@ def test_node_cannot_publish_jobs_or_pose_as_another(
     assert pool.queued() == before
     assert any("permissions violation" in e and "kcoral.jobs." in e for e in seen), seen
     assert any("permissions violation" in e and "$kv.kcoral-nodes.node-a" in e for e in seen)
+    assert any("permissions violation" in e and "kcoral.results.gw.node-a" in e for e in seen)
+    assert not any("kcoral.results.gw.node-c" in e for e in seen), seen
     assert JOB_SUBJECTS.startswith("kcoral.jobs.")
 
 

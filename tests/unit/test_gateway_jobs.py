@@ -21,8 +21,13 @@ from kcoral.gateway.jobs import (
     compat_key,
     consumer_name,
     job_subject,
+    nats_result_headers,
     parse_result_headers,
+    parse_result_reply,
     result_headers,
+    result_reply,
+    results_node,
+    results_subject,
 )
 from kcoral.gateway.natsbridge import NatsCredentials, load_credentials
 
@@ -43,6 +48,7 @@ def _job(**changes: object) -> JobMessage:
         "prefer": "node-1",
         "prefer_until": 50.0,
         "client": "client:alice",
+        "results": "f" * 32,
     }
     fields.update(changes)
     return JobMessage(**fields)  # type: ignore[arg-type]
@@ -72,6 +78,10 @@ def test_job_round_trip() -> None:
     job = _job()
     assert JobMessage.decode(job.encode()) == job
     assert JobMessage.decode(_job(client=None).encode()).client is None
+    # A job without a results key (an older gateway's) is posted over HTTP.
+    older = _job().to_json()
+    del older["results"]
+    assert JobMessage.decode(json.dumps(older)).results is None
     assert (
         job.blob_url("f" * 64) == f"https://gw.example:8000/_pool/jobs/{'a' * 32}/blobs/{'f' * 64}"
     )
@@ -108,6 +118,9 @@ def test_job_preference() -> None:
         {"token": None},
         {"client": 7},
         {"client": "x" * (jobs.MAX_CLIENT + 1)},
+        {"results": "a.b"},
+        {"results": ""},
+        {"results": 3},
     ],
 )
 def test_job_refuses_malformed(change: dict[str, object]) -> None:
@@ -116,6 +129,31 @@ def test_job_refuses_malformed(change: dict[str, object]) -> None:
     value.update(change)
     with pytest.raises(SchemaError):
         JobMessage.decode(json.dumps(value))
+
+
+def test_results_over_nats() -> None:
+    """
+    Result subjects name the gateway process and the sending node; the
+    message's headers are the post's plus the job and its token; the
+    reply carries the post's status.
+    """
+    assert results_subject("k1", "node-a") == "kcoral.results.k1.node-a"
+    assert results_node("kcoral.results.k1.node-a", "k1") == "node-a"
+    assert results_node("kcoral.results.k2.node-a", "k1") is None
+    assert results_node("kcoral.results.k1.a.b", "k1") is None
+    for bad in (("k.1", "n"), ("k", "n.a"), ("k", ""), ("k", ">")):
+        with pytest.raises(SchemaError):
+            results_subject(*bad)
+    headers = nats_result_headers(_job(), result_headers(200, "application/json", node="n"))
+    assert "Content-Type" not in headers
+    assert headers["X-KCoral-Result-Job"] == "a" * 32
+    assert headers["X-KCoral-Result-Token"] == "tok"
+    assert parse_result_headers(headers.get).node == "n"
+    assert parse_result_reply(result_reply(200, delivered=True)) == (200, True)
+    assert parse_result_reply(result_reply(401, error="no")) == (401, False)
+    for garbage in (b"", b"[]", b'{"status": "200"}', b'{"status": 99}', b'{"status": true}'):
+        with pytest.raises(SchemaError):
+            parse_result_reply(garbage)
 
 
 @pytest.mark.parametrize("data", [b"", b"[]", b"\xff", b"null", b'{"job": 1}'])

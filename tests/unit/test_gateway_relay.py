@@ -1,6 +1,7 @@
 """
 A node's large result relayed to its client as it arrives
-(L{kcoral.gateway.relay}), and the NATS bridge on the reactor's own
+(L{kcoral.gateway.relay}), a small one taken over NATS
+(L{GatewayAPI.result_message}), and the NATS bridge on the reactor's own
 asyncio loop (L{kcoral.gateway.natsbridge}).
 """
 
@@ -16,7 +17,13 @@ from twisted.web.test.requesthelper import DummyRequest
 
 from kcoral.gateway.api import GatewayAPI, GatewaySettings
 from kcoral.gateway.dispatch import Dispatcher, PendingJob
-from kcoral.gateway.jobs import JobMessage, result_headers
+from kcoral.gateway.jobs import (
+    NATS_RESULT_BYTES,
+    JobMessage,
+    nats_result_headers,
+    parse_result_reply,
+    result_headers,
+)
 from kcoral.gateway.natsbridge import NatsBridge, reactor_loop
 from kcoral.gateway.pool import PoolView
 from kcoral.gateway.relay import STREAM_RESULT_BYTES, ResultRelay
@@ -180,6 +187,81 @@ class RelayChoiceTests(SynchronousTestCase):
         self.assertIsNone(api.relay_result(good, b"/_pool/jobs/j2/result", big))
         self.assertIsNone(api.relay_result(_post({}), b"/_pool/jobs/j1/result", big))
         self.assertIn("j1", dispatcher.jobs)
+
+
+def _nats_headers(token: str = "t", **changes: str) -> dict[str, str]:
+    message = JobMessage(
+        job="j1", request_id="r", program="{}", deadline=10.0, token=token, gateway="http://g"
+    )
+    headers = nats_result_headers(message, result_headers(200, "application/json", node="n1"))
+    headers.update(changes)
+    return headers
+
+
+class NatsResultTests(SynchronousTestCase):
+    """A small result sent over NATS is taken as its post would be."""
+
+    def test_result_settles_its_job_and_replies_once_delivered(self) -> None:
+        """
+        The job is settled with the payload as its body and the subject's
+        node (which nats-server authenticated) as the node that ran it,
+        whatever the header says; the reply waits for the client.
+        """
+        api, dispatcher = _api()
+        outcome = dispatcher.jobs["j1"].outcome
+        reply = api.result_message("n2", _nats_headers(), b'{"status":"COMPLETED"}')
+        settled = self.successResultOf(outcome)
+        self.assertEqual(settled.head.status, 200)
+        self.assertEqual(settled.head.content_type, "application/json")
+        self.assertEqual(settled.node, "n2")
+        self.assertEqual(settled.body.read(), b'{"status":"COMPLETED"}')
+        self.assertEqual(settled.body_length, 22)
+        self.assertNoResult(reply)
+        settled.delivered.callback(True)
+        self.assertEqual(parse_result_reply(self.successResultOf(reply)), (200, True))
+
+    def test_client_gone_is_said(self) -> None:
+        """A result whose client left before it was written: 200, not delivered."""
+        api, dispatcher = _api()
+        outcome = dispatcher.jobs["j1"].outcome
+        reply = api.result_message("n1", _nats_headers(), b"x")
+        self.successResultOf(outcome).delivered.callback(False)
+        self.assertEqual(parse_result_reply(self.successResultOf(reply)), (200, False))
+
+    def test_refusals(self) -> None:
+        """
+        A wrong or missing token, an unknown job, bad headers and a body over
+        the NATS limit are refused with their post's statuses; the job still
+        waits.
+        """
+        api, dispatcher = _api()
+        outcome = dispatcher.jobs["j1"].outcome
+        no_token = _nats_headers()
+        del no_token["X-KCoral-Result-Token"]
+        cases = [
+            (_nats_headers(token="wrong"), b"x", 401),
+            (no_token, b"x", 401),
+            (_nats_headers(**{"X-KCoral-Result-Job": "j2"}), b"x", 401),
+            (_nats_headers(**{"X-KCoral-Result-Status": "999"}), b"x", 400),
+            (_nats_headers(), b"x" * (NATS_RESULT_BYTES + 1), 413),
+        ]
+        for headers, payload, status in cases:
+            reply = self.successResultOf(api.result_message("n1", headers, payload))
+            self.assertEqual(parse_result_reply(reply), (status, False), (headers, status))
+        self.assertNoResult(outcome)
+        self.assertIn("j1", dispatcher.jobs)
+
+    def test_second_result_is_gone(self) -> None:
+        """
+        The same job's result again (say, after a lost reply): refused, not
+        relayed twice; a settled job is forgotten, so its token is unknown.
+        """
+        api, dispatcher = _api()
+        outcome = dispatcher.jobs["j1"].outcome
+        api.result_message("n1", _nats_headers(), b"x")
+        self.successResultOf(outcome)
+        reply = self.successResultOf(api.result_message("n1", _nats_headers(), b"x"))
+        self.assertEqual(parse_result_reply(reply)[0], 401)
 
 
 class _AsyncioReactor:

@@ -26,10 +26,19 @@ from twisted.web.resource import Resource
 from zope.interface import implementer
 from zope.interface.verify import verifyObject
 
-from kcoral.gateway.jobs import PREFER_RETRY_SECONDS, BlobRef, Claim, JobMessage, Presence
+from kcoral.gateway.jobs import (
+    NATS_RESULT_BYTES,
+    PREFER_RETRY_SECONDS,
+    BlobRef,
+    Claim,
+    JobMessage,
+    Presence,
+    result_reply,
+)
 from kcoral.ipc.shared import SharedBuffer, share
 from kcoral.server.cli.tap import Options
 from kcoral.server.http.app import Answer
+from kcoral.server.join.natsresult import NatsResults
 from kcoral.server.join.options import JoinListenError, check_join_endpoints
 from kcoral.server.join.presence import PresenceAnnouncer
 from kcoral.server.join.puller import JobPuller
@@ -908,3 +917,125 @@ class PollWaitsTests(SynchronousTestCase):
         """No wait exceeds the fetch's own timeout."""
         self.assertEqual(poll_waits(2, 0.01), [0.01, 0.01])
         self.assertEqual(poll_waits(0, 1.0), [])
+
+
+@attrs.define
+class _NatsClient:
+    """nats-py's request, answered by C{reply} (bytes) or raising it (an exception)."""
+
+    reply: Any
+    sent: list[tuple[str, bytes, dict[str, str]]] = attrs.field(factory=list)
+
+    async def request(
+        self, subject: str, payload: bytes, timeout: float, headers: dict[str, str]
+    ) -> Any:
+        self.sent.append((subject, payload, headers))
+        if isinstance(self.reply, BaseException):
+            raise self.reply
+        return attrs.make_class("Msg", ["data"])(self.reply)
+
+
+@attrs.define
+class _Bridge:
+    """The bridge's C{call} and C{connected}, on a fake client."""
+
+    client: _NatsClient
+    connected: bool = True
+
+    def call(self, work: Any, timeout: float | None = None) -> Deferred[Any]:
+        return Deferred.fromCoroutine(work(self.client, None))
+
+
+class NatsResultTests(SynchronousTestCase):
+    """Small results go as a NATS request; anything short of a reply means a post."""
+
+    message = JobMessage.decode(job("j1", results="gw1"))
+
+    def send(
+        self, reply: Any, answer: Answer, message: JobMessage | None = None, connected: bool = True
+    ) -> tuple[int | None, _NatsClient]:
+        client = _NatsClient(reply)
+        results = NatsResults(cast(Any, _Bridge(client, connected)), "node-a")
+        d = Deferred.fromCoroutine(results.send(message or self.message, answer))
+        return self.successResultOf(d), client
+
+    def test_sent_and_answered(self) -> None:
+        """
+        The result goes on the gateway process's subject for this node, its
+        head and the job's token in headers, a shared buffer joined; the
+        reply's status is what the post would have got.
+        """
+        answer = Answer(200, "multipart/mixed", [b"head", share(b"tail")], {"Retry-After": "2"})
+        status, client = self.send(result_reply(200, delivered=True), answer)
+        self.assertEqual(status, 200)
+        ((subject, payload, headers),) = client.sent
+        self.assertEqual(subject, "kcoral.results.gw1.node-a")
+        self.assertEqual(payload, b"headtail")
+        self.assertEqual(headers["X-KCoral-Result-Job"], "j1")
+        self.assertEqual(headers["X-KCoral-Result-Token"], "t")
+        self.assertEqual(headers["X-KCoral-Result-Status"], "200")
+        self.assertEqual(headers["X-KCoral-Result-Retry-After"], "2")
+        self.assertEqual(headers["X-KCoral-Result-Node"], "node-a")
+        refused, _ = self.send(result_reply(401, error="no"), answer)
+        self.assertEqual(refused, 401)
+
+    def test_not_sent(self) -> None:
+        """No results key, no connection, or a body over the limit: not sent (posted)."""
+        small = Answer(200, "application/json", b"{}")
+        for message, answer, connected in [
+            (JobMessage.decode(job("j1")), small, True),
+            (self.message, small, False),
+            (self.message, Answer(200, "x/y", b"x" * (NATS_RESULT_BYTES + 1)), True),
+        ]:
+            status, client = self.send(b"", answer, message, connected)
+            self.assertIsNone(status)
+            self.assertEqual(client.sent, [])
+
+    def test_no_answer_means_post(self) -> None:
+        """No responders, a timeout or a garbled reply: C{None}, so the caller posts it."""
+        from nats.errors import NoRespondersError
+        from nats.errors import TimeoutError as NatsTimeout
+
+        small = Answer(200, "application/json", b"{}")
+        for reply in (NoRespondersError(), NatsTimeout(), b"not json"):
+            status, client = self.send(reply, small)
+            self.assertIsNone(status)
+            self.assertEqual(len(client.sent), 1)
+
+
+@attrs.define
+class _Results:
+    """NatsResults' C{send}: what it answers, in turn."""
+
+    answers: list[int | None]
+    sent: list[str] = attrs.field(factory=list)
+
+    async def send(self, job: JobMessage, answer: Answer) -> int | None:
+        self.sent.append(job.job)
+        return self.answers.pop(0)
+
+
+class RunnerResultRouteTests(SynchronousTestCase):
+    """The runner sends over NATS first and posts only what that did not deliver."""
+
+    def run_job(self, answers: list[int | None]) -> tuple[_Results, _Link, Deferred[None]]:
+        pipeline, gateway, results = _Pipeline(b"x"), _Link(), _Results(answers)
+        runner = JobRunner(
+            cast(Any, pipeline), cast(Any, gateway), Clock(), 1 << 20, nats=cast(Any, results)
+        )
+        d = Deferred.fromCoroutine(runner.run(JobMessage.decode(job("j1", results="gw1"))))
+        return results, gateway, d
+
+    def test_over_nats(self) -> None:
+        """A result the gateway answered over NATS is not posted."""
+        results, gateway, d = self.run_job([200])
+        self.successResultOf(d)
+        self.assertEqual(results.sent, ["j1"])
+        self.assertEqual(gateway.posts, [])
+
+    def test_posted_when_nats_did_not_answer(self) -> None:
+        """No answer over NATS: the result is posted."""
+        results, gateway, d = self.run_job([None])
+        self.assertEqual(len(gateway.posts), 1)
+        gateway.posts[0].callback(200)
+        self.successResultOf(d)

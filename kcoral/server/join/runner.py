@@ -10,8 +10,10 @@ hop.  The blobs the caches lack are fetched from the gateway with the
 job's token and hash-checked (L{kcoral.server.join.transfer}) while the
 program waits, and go into the caches as uploaded blobs do: the next job
 that needs one finds it there.  Whatever the pipeline answered (a result,
-an error, a 503) is posted to the gateway as the job's result, its large
-parts streamed from the worker's buffers.  A blob that fails its check is
+an error, a 503) goes to the gateway as the job's result: a small one as
+a NATS request when the job names the gateway's result subjects
+(L{kcoral.server.join.natsresult}), else, or when that finds no answer,
+posted over HTTP, its large parts streamed from the worker's buffers.  A blob that fails its check is
 never used: the job ends with an C{engine} error and the program does not
 run.
 """
@@ -29,6 +31,7 @@ from twisted.logger import Logger
 from kcoral.gateway.jobs import JobMessage
 from kcoral.ipc.shared import SharedBuffer
 from kcoral.server.http.app import Answer, FetchMissing
+from kcoral.server.join.natsresult import NatsResults
 from kcoral.server.join.transfer import BlobRefused, GatewayLink
 from kcoral.server.workers.line import PoolBusy
 from kcoral.wire.errors import choose_request_id
@@ -91,6 +94,7 @@ class JobRunner:
     @ivar in_flight: the server's bytes in flight: blobs to fetch that do
         not fit are answered 503 (as an upload over the cap is), and a
         result's shared buffers count until they are posted; C{None}: no cap.
+    @ivar nats: sends small results over NATS; C{None}: every result is posted.
     """
 
     pipeline: Pipeline
@@ -98,6 +102,7 @@ class JobRunner:
     _clock: IReactorTime
     max_request_bytes: int
     in_flight: BytesInFlight | None = None
+    nats: NatsResults | None = None
 
     log = Logger()
 
@@ -131,8 +136,12 @@ class JobRunner:
             "bytes": answer.length,
             "answer_ms": round((answered - started) * 1000.0, 3),
         }
+        via = "nats"
         try:
-            code = await self.link.post_result(job, answer)
+            code = None if self.nats is None else await self.nats.send(job, answer)
+            if code is None:
+                via = "http"
+                code = await self.link.post_result(job, answer)
         except Exception as e:
             self.log.error(
                 "job {job}: result not delivered: {error}",
@@ -142,13 +151,14 @@ class JobRunner:
             )
             return
         timing = {
+            "via": via,
             "gateway_status": code,
             "elapsed_ms": round((self._clock.seconds() - started) * 1000.0, 3),
             "post_ms": round((self._clock.seconds() - answered) * 1000.0, 3),
         }
         if 200 <= code < 300:
             self.log.info(
-                "job {job} finished: {status}, result posted ({gateway_status})",
+                "job {job} finished: {status}, result sent over {via} ({gateway_status})",
                 kcoral_event="join_job_finished",
                 **timing,
                 **fields,

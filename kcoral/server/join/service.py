@@ -35,6 +35,7 @@ from kcoral.config import ServerConfig
 from kcoral.gateway.jobs import Presence, compat_key, node_inbox
 from kcoral.gateway.natsbridge import NatsBridge, NatsCredentials, load_credentials
 from kcoral.server.children import AsyncService
+from kcoral.server.join.natsresult import NatsResults
 from kcoral.server.join.presence import PresenceAnnouncer
 from kcoral.server.join.puller import JobPuller
 from kcoral.server.join.queue import NatsJobQueue
@@ -169,7 +170,14 @@ class JoinService(AsyncService):
         )
         self.queue = NatsJobQueue(self.bridge, self.node_id, compat, gpus)
         link = GatewayLink(agent, self._reactor, self.node_id, run_blocking=self._run_blocking)
-        runner = JobRunner(self.api, link, self._reactor, config.max_request_bytes, self._in_flight)
+        runner = JobRunner(
+            self.api,
+            link,
+            self._reactor,
+            config.max_request_bytes,
+            self._in_flight,
+            nats=NatsResults(self.bridge, self.node_id),
+        )
         self.presence = PresenceAnnouncer(
             self.queue,
             self._reactor,

@@ -11,6 +11,7 @@ says.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
@@ -225,13 +226,16 @@ def test_cancelled_claim_never_runs(
 ) -> None:
     """
     A job whose cancel claim came first is taken off the queue by the node
-    and never run: no side effect, no result.
+    and never run: no side effect, no result, and its blob (which the node
+    lacks) not fetched: the node's checks begin while its claim is on its
+    way, but a blob is fetched only once the claim is won.
     """
     presence = pool.wait_presence("node-a")
     out = tmp_path / "runs"
     job = "cancelled-" + os.urandom(4).hex()
     assert pool.cancel(job)
-    pool.publish(program(MARK, [str(out), "no"], b"x"), presence.compat, blobs=[b"x"], job=job)
+    blob = os.urandom(64)
+    pool.publish(program(MARK, [str(out), "no"], blob), presence.compat, blobs=[blob], job=job)
     # The node claims before it acknowledges: an empty queue means it decided.
     wait_for(lambda: pool.queued() == 0, what="the job leaving the queue")
     # A job published after it runs, so the node is past the cancelled one.
@@ -239,6 +243,7 @@ def test_cancelled_claim_never_runs(
     pool.wait_result(after.job)
     assert marks(out) == ["yes"]
     assert job not in pool.results
+    assert job not in pool.fetches
     claim = pool.claim_of(job)
     assert claim is not None and claim.cancelled
 
@@ -338,11 +343,14 @@ def test_node_cannot_publish_jobs_or_pose_as_another(
             await client.publish("kcoral.results.gw.node-a", b"forged")
             await client.publish("kcoral.results.gw.node-c", b"mine")
             await client.flush()
+            # The server's -ERR reaches the error callback a moment later.
+            for _ in range(100):
+                if any("kcoral.results.gw.node-a" in e for e in errors):
+                    break
+                await asyncio.sleep(0.02)
             return before, errors
         finally:
             await client.close()
-
-    import asyncio
 
     before, seen = asyncio.run(attempt())
     assert pool.queued() == before

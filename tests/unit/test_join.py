@@ -177,16 +177,30 @@ class Runs:
     seats: Seats
     hold_seat: bool = True
     started: list[str] = attrs.field(factory=list)
+    #: Every job handed over, claim won or not (the pipeline starts at once).
+    begun: list[str] = attrs.field(factory=list)
     pending: dict[str, Deferred[None]] = attrs.field(factory=dict)
     seated: dict[str, Any] = attrs.field(factory=dict)
 
-    def __call__(self, message: JobMessage, seated: Any) -> Deferred[None]:
-        self.started.append(message.job)
-        self.seated[message.job] = seated
-        if self.hold_seat:
-            self.seat(message.job)
+    def __call__(self, message: JobMessage, seated: Any, claim_won: Any) -> Deferred[None]:
+        """
+        Begun at once, as the runner is; started (to its seat) only once
+        the claim is won, ended at once when it is lost.
+        """
+        self.begun.append(message.job)
         d: Deferred[None] = Deferred()
-        self.pending[message.job] = d
+
+        def decided(won: bool) -> None:
+            if not won:
+                d.callback(None)
+                return
+            self.started.append(message.job)
+            self.seated[message.job] = seated
+            if self.hold_seat:
+                self.seat(message.job)
+            self.pending[message.job] = d
+
+        claim_won().addCallback(decided)
         return d
 
     def seat(self, name: str) -> None:
@@ -407,6 +421,32 @@ class PullerTests(SynchronousTestCase):
         self.assertEqual(runs.started, [])
         self.assertEqual(queue.what(), ["ack", "nak"])
         self.assertEqual((p.counts["lost"], p.busy), (1, 0))
+
+    def test_pipeline_begins_while_the_claim_is_in_flight(self) -> None:
+        """
+        A job arrives with its claim still on its way: the runner has it at
+        once (its checks overlap the claim's round trip) but it takes no
+        seat, and its message is neither acknowledged nor given back, until
+        the claim is decided: won, it runs; lost, it ends unrun.
+        """
+        p, queue, runs, _ = puller(seats=2)
+        p.start()
+        won: Deferred[bool] = Deferred()
+        lost: Deferred[bool] = Deferred()
+        queue.fetches[0][1].callback(
+            [queue.arrive(job("j1"), claim=won), queue.arrive(job("j2"), claim=lost)]
+        )
+        self.assertEqual(runs.begun, ["j1", "j2"])
+        self.assertEqual((runs.started, queue.what(), p.busy), ([], [], 2))
+        won.callback(True)
+        self.assertEqual(runs.started, ["j1"])
+        self.assertEqual(queue.what(), ["ack"])
+        lost.callback(False)
+        self.assertEqual(runs.started, ["j1"])
+        self.assertEqual(queue.what(), ["ack", "ack"])
+        self.assertEqual((p.counts["run"], p.counts["lost"], p.busy), (1, 1, 1))
+        runs.finish("j1")
+        self.assertEqual(p.busy, 0)
 
     def test_stop_waits_for_claims_on_arrival(self) -> None:
         """

@@ -115,6 +115,10 @@ class Answer:
         return len(self.body) if isinstance(self.body, bytes) else body_length(self.body)
 
 
+class NotAdmitted(Exception):
+    """An in-process request its gate kept out of the seat line (L{KcoralAPI.execute_program})."""
+
+
 def _program_only(data: bytes) -> Parsed:
     """A request of a program's JSON and no blob parts, validated (any thread)."""
     program = parse_program(data, builtin_names=BUILTIN_NAMES)
@@ -457,6 +461,7 @@ class KcoralAPI(RequestPipeline):
         *,
         fetch: FetchMissing | None = None,
         admitted: Callable[[], None] | None = None,
+        gate: Callable[[], Deferred[bool]] | None = None,
         via: str = "in_process",
     ) -> Answer:
         """
@@ -470,6 +475,10 @@ class KcoralAPI(RequestPipeline):
 
         @param client: the request's client for the reuse scope.
         @param admitted: called once the request goes to the seat line.
+        @param gate: asked before the request goes to the seat line: C{False}
+            ends it there, unrun, with C{finish_reason} C{claim_lost} (a
+            pool job whose claim another node won, or the gateway's cancel:
+            its checks ran while the claim was on its way).
         @param via: the C{request_received} event's C{via} field.
         """
         self._enter()
@@ -493,7 +502,12 @@ class KcoralAPI(RequestPipeline):
                     parsed = await deferToThreadPool(
                         IReactorFromThreads(self._reactor), self._threadpool, _program_only, program
                     )
-                rendered = await self._admit(request_id, parsed, client, None, fetch, admitted)
+                rendered = await self._admit(
+                    request_id, parsed, client, None, fetch, admitted, gate
+                )
+            except NotAdmitted:
+                self._finished(request_id, 409, "claim_lost")
+                return Answer(409, "application/json", b"")
             except Exception:
                 error = self._request_error(request_id, Failure())
                 self._finished(request_id, error.status, error.finish_reason, **error.fields)
@@ -525,6 +539,7 @@ class KcoralAPI(RequestPipeline):
         body_ready: float | None,
         fetch: FetchMissing | None = None,
         admitted: Callable[[], None] | None = None,
+        gate: Callable[[], Deferred[bool]] | None = None,
     ) -> Rendered:
         """
         A parsed request from its blob lookup to its rendered answer.
@@ -532,6 +547,10 @@ class KcoralAPI(RequestPipeline):
         @param fetch: gets the blobs the caches lack (an in-process job's
             blobs, L{execute_program}); without it a miss is a CACHE_MISS.
         @param admitted: called once the request goes to the pool's line.
+        @param gate: asked before missing blobs are fetched and before the
+            line (L{execute_program}).
+
+        @raise NotAdmitted: the gate said no.
         """
         config = self.config
         program = parsed.program
@@ -540,6 +559,10 @@ class KcoralAPI(RequestPipeline):
             kinds[digest] = program.blob_kinds(digest)
         resolution = await self.blobs.resolve(kinds, parsed.blobs)
         if resolution.missing and fetch is not None:
+            # Blobs are fetched only for a request its gate lets in (a pool
+            # job whose claim this node won).
+            if gate is not None and not await gate():
+                raise NotAdmitted()
             # Fetched blobs are supplied ones: they go to the caches as an
             # upload's would, so the next job finds them there.
             supplied = dict(parsed.blobs)
@@ -592,6 +615,8 @@ class KcoralAPI(RequestPipeline):
                 output_limit=output_limit,
                 max_response_bytes=config.max_response_bytes,
             )
+            if gate is not None and not await gate():
+                raise NotAdmitted()
             if admitted is not None:
                 admitted()
             return await self._run(request_id, job, client)

@@ -21,18 +21,22 @@ pulls again.  Each job it gets:
   4. otherwise the node creates the job's claim: only the first claim
      wins, so a job runs at most once, and a job the gateway cancelled
      (its C{{"cancelled": true}} claim came first) never runs;
-  5. the message is acknowledged, and the job runs if the claim was won
-     (without waiting for the acknowledgement).
+  5. while the claim is on its way, the job goes into the node's pipeline
+     (parsed, checked, its request events begun) up to the pool's seat
+     line, where it waits for the claim: won, it takes its seat and runs;
+     lost, it ends there (C{claim_lost}) and nothing is sent back;
+  6. the message is acknowledged once the claim is decided (without the
+     job waiting for the acknowledgement); a claim whose outcome is
+     unknown gives the message back.
 
-Steps 1 to 4 are first taken on the queue's own thread as each message
+Steps 1 to 4 are first taken on the queue's own loop as each message
 arrives (L{JobPuller.screen}, the queue's C{screen}): a job that passes
-1 to 3 is claimed there and then, and reaches the reactor with its
-claim's outcome, one thread hop where the message, the claim and its
-answer took three (each a wake-up of the other thread and a hand-over of
-the GIL).  A job claimed so is run even when its seat has gone meanwhile
-(to a direct request): it waits in the pool's line, since no other node
-may run it now.  A message the screen passed over goes through the steps
-here.
+1 to 3 is claimed there and then, and reaches the reactor with its claim
+in flight, so the claim's round trip to nats-server overlaps the
+pipeline's own work instead of preceding it.  A job claimed so is run even
+when its seat has gone meanwhile (to a direct request): it waits in the
+pool's line, since no other node may run it now.  A message the screen
+passed over goes through the steps here.
 
 When the queue fails (NATS lost), the loop waits with a doubling backoff
 and tries again; jobs already running carry on and post their results
@@ -45,7 +49,7 @@ from collections.abc import Callable
 from typing import Any
 
 import attrs
-from twisted.internet.defer import Deferred, DeferredList
+from twisted.internet.defer import Deferred, DeferredList, succeed
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -64,8 +68,10 @@ class JobPuller:
     @ivar seats: the node's seats (for its logs; what it pulls for is
         C{pool_free}).
     @ivar pool_free: the pool's seats that would take a program now.
-    @ivar run_job: runs a claimed job to its posted result, calling its
-        second argument once the job is in the seat line; its Deferred
+    @ivar run_job: runs a job to its posted result, calling its second
+        argument once the job is in the seat line, and asking its third
+        (a Deferred of whether this node won the job's claim) before the
+        job takes a seat and before anything is sent back; its Deferred
         must not fail (the runner logs its own errors).
     @ivar on_change: called when the free seat count changes (the presence
         announcer refreshes the node's key).
@@ -79,7 +85,9 @@ class JobPuller:
     node_id: str
     seats: int
     pool_free: Callable[[], int]
-    run_job: Callable[[JobMessage, Callable[[], None]], Deferred[None]]
+    run_job: Callable[
+        [JobMessage, Callable[[], None], Callable[[], Deferred[bool]]], Deferred[None]
+    ]
     on_change: Callable[[], None] = lambda: None
     poll_timeout: float = 1.0
     backoff: float = 0.5
@@ -333,7 +341,13 @@ class JobPuller:
         claim: Deferred[bool],
         seated: Callable[[], None],
     ) -> None:
-        """Run C{job} if C{claim} wins it; acknowledge its message either way."""
+        """
+        Start C{job} now, gated on C{claim}: it runs only if the claim wins
+        it; its message is acknowledged once the claim is decided, and
+        given back when that is unknown.
+        """
+        decision = _Decision()
+        running = self.run_job(job, seated, decision.wait)
         try:
             won = await claim
         except Exception as e:
@@ -345,13 +359,23 @@ class JobPuller:
                 job=job.job,
                 error=repr(e),
             )
+            decision.decide(False)
+            await running
             await self._settle(delivery.nak(0.0), "nak")
             return
         # The claim decides who runs the job; the acknowledgement only takes
         # the message off the queue, so the job does not wait for it.
         acked = Deferred.fromCoroutine(self._settle(delivery.ack(), "ack"))
-        if not won:
-            await acked
+        if won:
+            self.counts["run"] += 1
+            self.log.info(
+                "job {job} claimed by {node}",
+                kcoral_event="join_job_claimed",
+                job=job.job,
+                request_id=job.request_id,
+                node=self.node_id,
+            )
+        else:
             self.counts["lost"] += 1
             self.log.info(
                 "job {job}: claimed elsewhere or cancelled; skipped",
@@ -359,16 +383,8 @@ class JobPuller:
                 job=job.job,
                 request_id=job.request_id,
             )
-            return
-        self.counts["run"] += 1
-        self.log.info(
-            "job {job} claimed by {node}",
-            kcoral_event="join_job_claimed",
-            job=job.job,
-            request_id=job.request_id,
-            node=self.node_id,
-        )
-        await self.run_job(job, seated)
+        decision.decide(won)
+        await running
         await acked
 
     async def _settle(self, d: Deferred[None], what: str) -> None:
@@ -388,6 +404,28 @@ class JobPuller:
 
     def _bug(self, failure: Failure) -> None:
         self.log.failure("job puller error", failure)
+
+
+@attrs.define(eq=False)
+class _Decision:
+    """Whether this node won a job's claim, for each who asks, once known."""
+
+    won: bool | None = None
+    _waiting: list[Deferred[bool]] = attrs.field(factory=list)
+
+    def wait(self) -> Deferred[bool]:
+        """Fires with the decision (at once when it is known)."""
+        if self.won is not None:
+            return succeed(self.won)
+        d: Deferred[bool] = Deferred()
+        self._waiting.append(d)
+        return d
+
+    def decide(self, won: bool) -> None:
+        self.won = won
+        waiting, self._waiting = self._waiting, []
+        for d in waiting:
+            d.callback(won)
 
 
 def _describe(failure: Failure) -> str:

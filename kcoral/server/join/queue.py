@@ -17,7 +17,8 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import attrs
-from twisted.internet.defer import CancelledError, Deferred, fail, succeed
+from twisted.internet.defer import CancelledError, Deferred, fail
+from twisted.python.failure import Failure
 from zope.interface import Interface, implementer
 
 from kcoral.gateway.jobs import (
@@ -75,10 +76,10 @@ class Delivery:
     @ivar ack: done with it: it leaves the queue.
     @ivar nak: give it back, to be delivered again after C{delay} seconds.
     @ivar term: drop it for good (a malformed message).
-    @ivar claim: the outcome of the job's claim for this node, made as the
-        message arrived (L{IJobQueue.fetch}'s C{screen}): whether this node
-        won it, or a failure when that is unknown; C{None}: not claimed
-        (the puller claims it, or skips it).
+    @ivar claim: the outcome of the job's claim for this node, begun as the
+        message arrived (L{IJobQueue.fetch}'s C{screen}): fires with whether
+        this node won it, or fails when that is unknown; C{None}: not
+        claimed (the puller claims it, or skips it).
     @ivar job: with C{claim}, the message as the screen decoded it (so it
         is not decoded again); C{None} without one.
     """
@@ -104,10 +105,10 @@ class IJobQueue(Interface):
         @param screen: called with each message's body as it arrives, on
             the queue's own thread (it may read, never change, what the
             reactor holds): the decoded job to claim for this node at once,
-            or C{None}.  Such a delivery reaches the reactor with its
-            claim's outcome (L{Delivery.claim}): the claim is made where the
-            message arrived, with no hop to the reactor and back before it,
-            and one hop takes both.
+            or C{None}.  Such a delivery reaches the reactor at once with
+            its claim in flight (L{Delivery.claim}): the claim is made where
+            the message arrived, and the node prepares the job while
+            nats-server answers it.
         """
 
     def claim(job: str) -> Deferred[bool]:
@@ -206,30 +207,24 @@ class NatsJobQueue:
             # The pull is bounded beyond its long poll, so a silent
             # connection cannot hold the seat loop forever.
             messages = await bounded(pull(), timeout + 5.0)
-            screened = []
+            deliveries = []
             for message in messages:
                 data = bytes(message.data)
                 job = None if screen is None else screen(data)
-                claim = None
-                if job is not None:
-                    claim = asyncio.ensure_future(
-                        bounded(self._claim_work(job.job)(client, js), CLAIM_TIMEOUT)
-                    )
-                screened.append((message, data, job, claim))
-            begun = [claim for _, _, _, claim in screened if claim is not None]
-            if begun:
-                # Each claim ends within its timeout; the deliveries go to
-                # the reactor with their claims' outcomes, one hop for both.
-                await asyncio.wait(begun)
-            deliveries = []
-            for message, data, job, claim in screened:
-                acked = None
-                if claim is not None and not claim.cancelled() and claim.exception() is None:
-                    # Decided (won or lost): the message leaves the queue
-                    # now, not after two more hops (the puller would ack it).
-                    acked = _Acked(await _ack(message))
-                delivery = _delivery(bridge, message, data, _outcome(claim), acked)
-                deliveries.append(delivery if job is None else attrs.evolve(delivery, job=job))
+                if job is None:
+                    deliveries.append(_delivery(bridge, message, data, None))
+                    continue
+                # Claimed here and now; the job goes to the reactor at once
+                # with its claim in flight, so the node's pipeline starts on
+                # it while nats-server answers (L{JobPuller} runs nothing
+                # before the claim is won).
+                claim = _ClaimInFlight(bridge, message)
+                task = asyncio.ensure_future(
+                    bounded(self._claim_work(job.job)(client, js), CLAIM_TIMEOUT)
+                )
+                task.add_done_callback(claim.ended)
+                delivery = _delivery(bridge, message, data, claim.outcome, claim.ack)
+                deliveries.append(attrs.evolve(delivery, job=job))
             return deliveries
 
         if not subs:
@@ -297,14 +292,59 @@ async def _ack(message: Any) -> BaseException | None:
     return None
 
 
-@attrs.frozen
-class _Acked:
-    """A message acknowledged on the loop already: the error, if it failed."""
+@attrs.define(eq=False)
+class _ClaimInFlight:
+    """
+    A claim begun on the loop as its message arrived: its outcome, and the
+    message's acknowledgement once it is decided (won or lost, the message
+    leaves the queue then, without waiting for the reactor), each handed
+    to the reactor when known.
+    """
 
-    error: BaseException | None
+    bridge: NatsBridge
+    message: Any
+    #: Fires on the reactor with whether this node won the claim, or fails
+    #: when that is unknown.
+    outcome: Deferred[bool] = attrs.field(factory=Deferred)
+    #: Fires on the reactor once the acknowledgement made on the loop is done.
+    _acked: Deferred[None] = attrs.field(factory=Deferred)
+    _decided: bool = False
 
-    def __call__(self) -> Deferred[None]:
-        return succeed(None) if self.error is None else fail(self.error)
+    def ended(self, task: asyncio.Future[bool]) -> None:
+        """On the loop: the claim's task ended."""
+        if not task.cancelled() and task.exception() is None:
+            self._decided = True
+            acking = asyncio.ensure_future(_ack(self.message))
+            acking.add_done_callback(
+                lambda done: self.bridge.deliver(_fire_acked, self._acked, done.result())
+            )
+        self.bridge.deliver(_fire_outcome, self.outcome, task)
+
+    def ack(self) -> Deferred[None]:
+        """The acknowledgement: the one begun when the claim was decided, else one now."""
+        if self._decided:
+            return self._acked
+        return self.bridge.call(lambda client, js: self.message.ack(), timeout=5.0)
+
+
+def _fire_outcome(d: Deferred[bool], claim: asyncio.Future[bool]) -> None:
+    """Fire C{d} with a finished claim's outcome (on the reactor)."""
+    if claim.cancelled():
+        d.errback(Failure(CancelledError()))
+        return
+    error = claim.exception()
+    if error is None:
+        d.callback(claim.result())
+    else:
+        d.errback(Failure(error))
+
+
+def _fire_acked(d: Deferred[None], error: BaseException | None) -> None:
+    """Fire C{d} with an acknowledgement's outcome (on the reactor)."""
+    if error is None:
+        d.callback(None)
+    else:
+        d.errback(Failure(error))
 
 
 def _delivery(
@@ -312,14 +352,14 @@ def _delivery(
     message: Any,
     data: bytes,
     claim: Deferred[bool] | None,
-    acked: _Acked | None = None,
+    ack: Callable[[], Deferred[None]] | None = None,
 ) -> Delivery:
     """
-    A pulled message with acknowledgements that run on the bridge's loop;
-    one C{acked} there already reports that acknowledgement's outcome.
+    A pulled message with acknowledgements that run on the bridge's loop
+    (C{ack}, when given, in place of a plain one).
     """
 
-    async def ack(client: Any, js: Any) -> None:
+    async def plain_ack(client: Any, js: Any) -> None:
         await message.ack()
 
     async def term(client: Any, js: Any) -> None:
@@ -333,18 +373,8 @@ def _delivery(
 
     return Delivery(
         data=data,
-        ack=acked if acked is not None else lambda: bridge.call(ack, timeout=5.0),
+        ack=ack if ack is not None else lambda: bridge.call(plain_ack, timeout=5.0),
         nak=nak,
         term=lambda: bridge.call(term, timeout=5.0),
         claim=claim,
     )
-
-
-def _outcome(claim: asyncio.Future[bool] | None) -> Deferred[bool] | None:
-    """A finished claim's outcome as a fired Deferred (C{None}: no claim)."""
-    if claim is None:
-        return None
-    if claim.cancelled():
-        return fail(CancelledError())
-    error = claim.exception()
-    return succeed(claim.result()) if error is None else fail(error)

@@ -79,6 +79,7 @@ class Pipeline(Protocol):
         *,
         fetch: FetchMissing | None = None,
         admitted: Callable[[], None] | None = None,
+        gate: Callable[[], Deferred[bool]] | None = None,
         via: str = "in_process",
     ) -> Answer: ...
 
@@ -106,23 +107,33 @@ class JobRunner:
 
     log = Logger()
 
-    async def run(self, job: JobMessage, admitted: Callable[[], None] | None = None) -> None:
+    async def run(
+        self,
+        job: JobMessage,
+        admitted: Callable[[], None] | None = None,
+        claim_won: Callable[[], Deferred[bool]] | None = None,
+    ) -> None:
         """
         Run C{job} and post its result; errors are logged, never raised.
 
         @param admitted: called once the job goes to the pool's seat line.
+        @param claim_won: whether this node won the job's claim: asked
+            before the job takes a seat, and before its answer is sent
+            (a job this node did not win is never run, nor answered).
         """
         started = self._clock.seconds()
         held: list[int] = []
-        answer = await self.answer(job, admitted, held)
-        answered = self._clock.seconds()
         budget = self.in_flight
-        if budget is not None and not isinstance(answer.body, bytes):
-            # The result's buffers exist already: they count, whatever the cap.
-            shared = sum(len(c) for c in answer.body if isinstance(c, SharedBuffer))
-            budget.bytes_in_flight += shared
-            held.append(shared)
         try:
+            answer = await self.answer(job, admitted, held, claim_won)
+            if claim_won is not None and not await claim_won():
+                return  # another node's (or cancelled): nothing to send
+            answered = self._clock.seconds()
+            if budget is not None and not isinstance(answer.body, bytes):
+                # The result's buffers exist already: they count, whatever the cap.
+                shared = sum(len(c) for c in answer.body if isinstance(c, SharedBuffer))
+                budget.bytes_in_flight += shared
+                held.append(shared)
             await self._post(job, answer, started, answered)
         finally:
             if budget is not None and held:
@@ -176,12 +187,14 @@ class JobRunner:
         job: JobMessage,
         admitted: Callable[[], None] | None = None,
         held: list[int] | None = None,
+        claim_won: Callable[[], Deferred[bool]] | None = None,
     ) -> Answer:
         """
         What the node's pipeline answers C{job} (never fails).
 
         @param held: gets the bytes in flight the job's fetched blobs
             reserved, for the caller to release.
+        @param claim_won: the pipeline's gate before the seat line.
         """
         program = job.program.encode("utf-8")
 
@@ -191,7 +204,13 @@ class JobRunner:
         # The gateway's request id when it is one a client could send.
         request_id = choose_request_id([job.request_id.encode("utf-8")])
         return await self.pipeline.execute_program(
-            request_id, program, pool_client(job.client), fetch=fetch, admitted=admitted, via="join"
+            request_id,
+            program,
+            pool_client(job.client),
+            fetch=fetch,
+            admitted=admitted,
+            gate=claim_won,
+            via="join",
         )
 
     async def _fetch(

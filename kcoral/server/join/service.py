@@ -198,7 +198,7 @@ class JoinService(AsyncService):
             self.node_id,
             seats,
             lambda: free_seats(workers),
-            lambda job, seated: Deferred.fromCoroutine(runner.run(job, seated)),
+            lambda job, seated, won: Deferred.fromCoroutine(runner.run(job, seated, won)),
             on_change=self.presence.changed,
             reprepare=self.queue.prepare,
         )

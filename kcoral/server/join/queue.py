@@ -42,6 +42,10 @@ __all__ = ["CLAIM_TIMEOUT", "Delivery", "IJobQueue", "NatsJobQueue"]
 #: the create's answer was lost).
 CLAIM_TIMEOUT = 15.0
 
+#: Turns of the loop a fetch gives the claims it began, so that their
+#: publishes are written to nats-server before the jobs go to the reactor.
+CLAIM_SEND_TURNS = 2
+
 #: Seconds a node with several consumers (a GPU node: one per GPU count it
 #: can take) long-polls its last one in each fetch.  A pull is one
 #: consumer's, so while it waits a job of another class waits too; the
@@ -225,6 +229,14 @@ class NatsJobQueue:
                 task.add_done_callback(claim.ended)
                 delivery = _delivery(bridge, message, data, claim.outcome, claim.ack)
                 deliveries.append(attrs.evolve(delivery, job=job))
+            if len(deliveries) > sum(d.claim is None for d in deliveries):
+                # Let the claims leave before the reactor takes the jobs (on
+                # Twisted's asyncio reactor it runs their pipelines in this
+                # same thread): nats-py writes from its flusher task, so one
+                # turn of the loop runs each claim's publish, the next the
+                # flusher's write to nats-server.
+                for _ in range(CLAIM_SEND_TURNS):
+                    await asyncio.sleep(0)
             return deliveries
 
         if not subs:

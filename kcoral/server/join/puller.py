@@ -25,9 +25,9 @@ pulls again.  Each job it gets:
      (parsed, checked, its request events begun) up to the pool's seat
      line, where it waits for the claim: won, it takes its seat and runs;
      lost, it ends there (C{claim_lost}) and nothing is sent back;
-  6. the message is acknowledged once the claim is decided (without the
-     job waiting for the acknowledgement); a claim whose outcome is
-     unknown gives the message back.
+  6. the message is acknowledged once the claim is decided, after the job
+     has gone on (it never waits for the acknowledgement); a claim whose
+     outcome is unknown gives the message back.
 
 Steps 1 to 4 are first taken on the queue's own loop as each message
 arrives (L{JobPuller.screen}, the queue's C{screen}): a job that passes
@@ -363,9 +363,6 @@ class JobPuller:
             await running
             await self._settle(delivery.nak(0.0), "nak")
             return
-        # The claim decides who runs the job; the acknowledgement only takes
-        # the message off the queue, so the job does not wait for it.
-        acked = Deferred.fromCoroutine(self._settle(delivery.ack(), "ack"))
         if won:
             self.counts["run"] += 1
             self.log.info(
@@ -384,6 +381,10 @@ class JobPuller:
                 request_id=job.request_id,
             )
         decision.decide(won)
+        # The claim decides who runs the job; the acknowledgement only takes
+        # the message off the queue, so it is sent once the job has gone on
+        # (to its worker, when a seat was free), not before.
+        acked = Deferred.fromCoroutine(self._settle(delivery.ack(), "ack"))
         await running
         await acked
 

@@ -222,12 +222,12 @@ class NatsJobQueue:
                 # with its claim in flight, so the node's pipeline starts on
                 # it while nats-server answers (L{JobPuller} runs nothing
                 # before the claim is won).
-                claim = _ClaimInFlight(bridge, message)
+                claim = _ClaimInFlight(bridge)
                 task = asyncio.ensure_future(
                     bounded(self._claim_work(job.job)(client, js), CLAIM_TIMEOUT)
                 )
                 task.add_done_callback(claim.ended)
-                delivery = _delivery(bridge, message, data, claim.outcome, claim.ack)
+                delivery = _delivery(bridge, message, data, claim.outcome)
                 deliveries.append(attrs.evolve(delivery, job=job))
             if len(deliveries) > sum(d.claim is None for d in deliveries):
                 # Let the claims leave before the reactor takes the jobs (on
@@ -306,37 +306,16 @@ async def _ack(message: Any) -> BaseException | None:
 
 @attrs.define(eq=False)
 class _ClaimInFlight:
-    """
-    A claim begun on the loop as its message arrived: its outcome, and the
-    message's acknowledgement once it is decided (won or lost, the message
-    leaves the queue then, without waiting for the reactor), each handed
-    to the reactor when known.
-    """
+    """A claim begun on the loop as its message arrived: its outcome, handed to the reactor when known."""
 
     bridge: NatsBridge
-    message: Any
     #: Fires on the reactor with whether this node won the claim, or fails
     #: when that is unknown.
     outcome: Deferred[bool] = attrs.field(factory=Deferred)
-    #: Fires on the reactor once the acknowledgement made on the loop is done.
-    _acked: Deferred[None] = attrs.field(factory=Deferred)
-    _decided: bool = False
 
     def ended(self, task: asyncio.Future[bool]) -> None:
         """On the loop: the claim's task ended."""
-        if not task.cancelled() and task.exception() is None:
-            self._decided = True
-            acking = asyncio.ensure_future(_ack(self.message))
-            acking.add_done_callback(
-                lambda done: self.bridge.deliver(_fire_acked, self._acked, done.result())
-            )
         self.bridge.deliver(_fire_outcome, self.outcome, task)
-
-    def ack(self) -> Deferred[None]:
-        """The acknowledgement: the one begun when the claim was decided, else one now."""
-        if self._decided:
-            return self._acked
-        return self.bridge.call(lambda client, js: self.message.ack(), timeout=5.0)
 
 
 def _fire_outcome(d: Deferred[bool], claim: asyncio.Future[bool]) -> None:
@@ -351,27 +330,12 @@ def _fire_outcome(d: Deferred[bool], claim: asyncio.Future[bool]) -> None:
         d.errback(Failure(error))
 
 
-def _fire_acked(d: Deferred[None], error: BaseException | None) -> None:
-    """Fire C{d} with an acknowledgement's outcome (on the reactor)."""
-    if error is None:
-        d.callback(None)
-    else:
-        d.errback(Failure(error))
-
-
 def _delivery(
-    bridge: NatsBridge,
-    message: Any,
-    data: bytes,
-    claim: Deferred[bool] | None,
-    ack: Callable[[], Deferred[None]] | None = None,
+    bridge: NatsBridge, message: Any, data: bytes, claim: Deferred[bool] | None
 ) -> Delivery:
-    """
-    A pulled message with acknowledgements that run on the bridge's loop
-    (C{ack}, when given, in place of a plain one).
-    """
+    """A pulled message with acknowledgements that run on the bridge's loop."""
 
-    async def plain_ack(client: Any, js: Any) -> None:
+    async def ack(client: Any, js: Any) -> None:
         await message.ack()
 
     async def term(client: Any, js: Any) -> None:
@@ -385,7 +349,7 @@ def _delivery(
 
     return Delivery(
         data=data,
-        ack=ack if ack is not None else lambda: bridge.call(plain_ack, timeout=5.0),
+        ack=lambda: bridge.call(ack, timeout=5.0),
         nak=nak,
         term=lambda: bridge.call(term, timeout=5.0),
         claim=claim,

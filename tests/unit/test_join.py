@@ -965,6 +965,7 @@ class _NatsClient:
 
     reply: Any
     sent: list[tuple[str, bytes, dict[str, str]]] = attrs.field(factory=list)
+    max_payload: int = 1 << 20
 
     async def request(
         self, subject: str, payload: bytes, timeout: float, headers: dict[str, str]
@@ -1030,6 +1031,16 @@ class NatsResultTests(SynchronousTestCase):
             status, client = self.send(b"", answer, message, connected)
             self.assertIsNone(status)
             self.assertEqual(client.sent, [])
+
+    def test_over_the_servers_max_payload(self) -> None:
+        """A server whose max_payload is smaller than the body and its headers: posted, unsent."""
+        client = _NatsClient(b"", max_payload=1024)
+        results = NatsResults(cast(Any, _Bridge(client)), "node-a")
+        answer = Answer(200, "application/json", b"x" * 100)
+        self.assertIsNone(
+            self.successResultOf(Deferred.fromCoroutine(results.send(self.message, answer)))
+        )
+        self.assertEqual(client.sent, [])
 
     def test_no_answer_means_post(self) -> None:
         """No responders, a timeout or a garbled reply: C{None}, so the caller posts it."""

@@ -7,7 +7,8 @@ HTTP that is a second request on each side (the node's agent, the
 gateway's site and routes), about half a millisecond of CPU each for a
 null program's answer.  When the job names the gateway process's result
 subjects (L{JobMessage.results}) and the body is at most
-L{NATS_RESULT_BYTES}, L{NatsResults.send} sends it as one NATS request
+L{NATS_RESULT_BYTES} (and fits the server's C{max_payload}),
+L{NatsResults.send} sends it as one NATS request
 instead, on C{kcoral.results.<key>.<node id>} (the only result subjects
 this node's NATS user may publish on), with the result headers, the job
 and its token; the gateway replies once the client has it.
@@ -47,6 +48,10 @@ __all__ = ["NatsResults", "nats_payload"]
 
 #: Seconds to wait for the gateway's reply before posting over HTTP.
 REPLY_TIMEOUT = 5.0
+
+#: Bytes of a message's budget (nats-server's C{max_payload}) kept for its
+#: headers: a body that does not fit beside them is posted.
+RESULT_HEAD_ROOM = 4096
 
 
 def nats_payload(answer: Answer, limit: int = NATS_RESULT_BYTES) -> bytes | None:
@@ -96,12 +101,16 @@ class NatsResults:
             ),
         )
 
-        async def request(client: Client, js: JetStreamContext) -> bytes:
+        async def request(client: Client, js: JetStreamContext) -> bytes | None:
+            if len(payload) > client.max_payload - RESULT_HEAD_ROOM:
+                return None  # a server with a smaller max_payload: posted
             reply = await client.request(subject, payload, timeout=self.timeout, headers=headers)
             return bytes(reply.data)
 
         try:
             data = await self.bridge.call(request, timeout=self.timeout + 1.0)
+            if data is None:
+                return None
             status, _ = parse_result_reply(data)
         except Exception as e:  # the post is the fallback, whatever went wrong
             self.log.info(

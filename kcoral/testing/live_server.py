@@ -113,6 +113,19 @@ def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def sandbox_readonly_flags() -> list[str]:
+    """
+    C{--sandbox-readonly-path} for each C{PYTHONPATH} entry outside the
+    project (a C{--target} directory of wheels, as on the GPU machine), so
+    sandboxed workers can import what lives there.
+    """
+    flags = []
+    for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+        if entry and os.path.isdir(entry) and not os.path.exists(os.path.join(entry, "kcoral")):
+            flags += ["--sandbox-readonly-path", entry]
+    return flags
+
+
 def _interruptible() -> None:
     """
     SIGINT at its default in the server: a test run started in the background

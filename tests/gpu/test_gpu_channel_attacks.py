@@ -7,12 +7,11 @@ requests on that GPU (on either worker) succeed.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import pytest
 
-from kcoral.testing.live_server import ServerProcess
+from kcoral.testing.live_server import ServerProcess, sandbox_readonly_flags
 
 pytestmark = [pytest.mark.gpu, pytest.mark.integration]
 
@@ -49,20 +48,12 @@ def forge():
 OK = "import pycuda.driver as drv\ndef f():\n    drv.mem_alloc(1024)\n    return 7\n"
 
 
-def _readonly_flags() -> list[str]:
-    flags = []
-    for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep):
-        if entry and os.path.isdir(entry) and not os.path.exists(os.path.join(entry, "kcoral")):
-            flags += ["--sandbox-readonly-path", entry]
-    return flags
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     logs = tmp_path_factory.mktemp("gpu-attack-logs")
     server = ServerProcess(
         ["--device", "gpu", "--gpus", "0", "--workers-per-gpu", "2"]
-        + ["--log-dir", str(logs), "--tensor-api", "pycuda", *_readonly_flags()],
+        + ["--log-dir", str(logs), "--tensor-api", "pycuda", *sandbox_readonly_flags()],
         log_path=logs / "server.out",
     )
     server.start(timeout=180)

@@ -18,9 +18,7 @@ import numpy as np
 import pytest
 
 from kcoral import Client, Program
-from kcoral.testing.live_server import ServerProcess
-
-from .test_gpu_server import _readonly_flags
+from kcoral.testing.live_server import ServerProcess, sandbox_readonly_flags
 
 pytestmark = [pytest.mark.gpu, pytest.mark.integration]
 
@@ -40,7 +38,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> ServerProcess:
             str(logs),
             "--tensor-api",
             "pycuda",
-            *_readonly_flags(),
+            *sandbox_readonly_flags(),
         ],
         log_path=logs / "server.out",
     )

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from kcoral.testing.live_server import ServerProcess
+from kcoral.testing.live_server import ServerProcess, sandbox_readonly_flags
 
 from ..unit.test_lease_overlap_tool import _tool
-from .test_gpu_server import _ok, _readonly_flags
+from .test_gpu_server import _ok
 
 pytestmark = [pytest.mark.gpu, pytest.mark.integration]
 
@@ -85,7 +85,7 @@ def test_fresh_workers_on_the_lease(tmp_path: Path, sandbox: str) -> None:
             "--log-dir",
             str(logs),
             # read-only paths are a sandbox flag: refused with --sandbox none
-            *(_readonly_flags() if sandbox == "bubblewrap" else []),
+            *(sandbox_readonly_flags() if sandbox == "bubblewrap" else []),
         ],
         log_path=tmp_path / "server.out",
     )

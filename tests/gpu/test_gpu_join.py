@@ -11,7 +11,6 @@ Run on the GPU machine (they skip elsewhere).
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ import numpy as np
 import pytest
 
 from kcoral.gateway.jobs import NATS_RESULT_BYTES
-from kcoral.testing.live_server import ServerProcess, sha256
+from kcoral.testing.live_server import ServerProcess, sandbox_readonly_flags, sha256
 from kcoral.testing.nats import NatsServer
 from kcoral.testing.pool import PoolStandIn
 from kcoral.wire.multipart import decode_response
@@ -29,16 +28,6 @@ from kcoral.wire.values import decode_results
 pytestmark = [pytest.mark.gpu, pytest.mark.integration]
 
 NODE = "gpu-node"
-
-
-def _readonly_flags() -> list[str]:
-    # PyCUDA may live outside the Python installation (a --target dir on
-    # PYTHONPATH); workers in the sandbox must see it read-only.
-    flags = []
-    for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep):
-        if entry and os.path.isdir(entry) and not os.path.exists(os.path.join(entry, "kcoral")):
-            flags += ["--sandbox-readonly-path", entry]
-    return flags
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +62,7 @@ def gpu_node(nats_server: NatsServer, pool: PoolStandIn, log_dir: Path) -> Itera
             "pycuda",
             "--log-dir",
             str(log_dir),
-            *_readonly_flags(),
+            *sandbox_readonly_flags(),
             "--join",
             nats_server.url,
             "--node-id",

@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 
-from kcoral.testing.live_server import ServerProcess
+from kcoral.testing.live_server import ServerProcess, sandbox_readonly_flags
 from kcoral.wire.multipart import decode_response
 
-from .test_gpu_server import _ok, _readonly_flags
+from .test_gpu_server import _ok
 
 pytestmark = [pytest.mark.gpu, pytest.mark.integration]
 
@@ -115,7 +115,7 @@ def server(logs: Path) -> Any:
             "0",
             "--log-dir",
             str(logs),
-            *_readonly_flags(),
+            *sandbox_readonly_flags(),
         ],
         log_path=logs / "server.out",
     )

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kcoral.testing.live_server import ServerProcess, sha256
+from kcoral.testing.live_server import ServerProcess, sandbox_readonly_flags, sha256
 from kcoral.wire.multipart import decode_response
 from kcoral.wire.values import decode_results
 
@@ -26,16 +26,6 @@ __global__ void saxpy(float a, const float *x, float *y, int n) {
     if (i < n) y[i] = a * x[i] + y[i];
 }
 """
-
-
-def _readonly_flags() -> list[str]:
-    # PyCUDA may live outside the Python installation (a --target dir on
-    # PYTHONPATH); workers in the sandbox must see it read-only.
-    flags = []
-    for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep):
-        if entry and os.path.isdir(entry) and not os.path.exists(os.path.join(entry, "kcoral")):
-            flags += ["--sandbox-readonly-path", entry]
-    return flags
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +43,7 @@ def gpu_server(tmp_path_factory: pytest.TempPathFactory) -> ServerProcess:
             str(logs),
             "--tensor-api",
             "pycuda",
-            *_readonly_flags(),
+            *sandbox_readonly_flags(),
         ],
         log_path=logs / "server.out",
     )
@@ -66,7 +56,15 @@ def gpu_server(tmp_path_factory: pytest.TempPathFactory) -> ServerProcess:
 def cpu_server(tmp_path_factory: pytest.TempPathFactory) -> ServerProcess:
     logs = tmp_path_factory.mktemp("cpu-logs")
     server = ServerProcess(
-        ["--device", "cpu", "--num-workers", "2", "--log-dir", str(logs), *_readonly_flags()],
+        [
+            "--device",
+            "cpu",
+            "--num-workers",
+            "2",
+            "--log-dir",
+            str(logs),
+            *sandbox_readonly_flags(),
+        ],
         log_path=logs / "server.out",
     )
     server.start(timeout=120)
@@ -400,7 +398,7 @@ def test_gpus_are_physical_whatever_the_front_end_sees(tmp_path: Path) -> None:
             "1",
             "--log-dir",
             "",
-            *_readonly_flags(),
+            *sandbox_readonly_flags(),
         ],
         env=env,
         log_path=tmp_path / "server.out",
@@ -523,7 +521,7 @@ def test_two_gpu_program_copies_between_devices(tmp_path: Path) -> None:
             "2",
             "--log-dir",
             "",
-            *_readonly_flags(),
+            *sandbox_readonly_flags(),
         ],
         log_path=tmp_path / "server.out",
     )

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from kcoral.server.leases.gpus import discover_gpus
-from kcoral.testing.live_server import ServerProcess, sha256
+from kcoral.testing.live_server import ServerProcess, sandbox_readonly_flags, sha256
 from kcoral.wire.multipart import decode_response
 from kcoral.wire.values import decode_results
 
@@ -43,14 +43,6 @@ def _machine_gpus() -> list[Any]:
     return discover_gpus()
 
 
-def _readonly_flags() -> list[str]:
-    flags = []
-    for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep):
-        if entry and os.path.isdir(entry) and not os.path.exists(os.path.join(entry, "kcoral")):
-            flags += ["--sandbox-readonly-path", entry]
-    return flags
-
-
 def _server(tmp: Path, gpus: str, workers: int, env: dict[str, str] | None = None) -> ServerProcess:
     return ServerProcess(
         [
@@ -64,7 +56,7 @@ def _server(tmp: Path, gpus: str, workers: int, env: dict[str, str] | None = Non
             str(tmp / "logs"),
             "--max-requests-per-worker",
             "0",
-            *_readonly_flags(),
+            *sandbox_readonly_flags(),
         ],
         env=env,
         log_path=tmp / "server.out",

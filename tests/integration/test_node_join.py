@@ -29,7 +29,13 @@ import pytest
 from kcoral.gateway.jobs import JOB_SUBJECTS, NODES_BUCKET, job_subject, node_inbox
 from kcoral.gateway.natsbridge import load_credentials
 from kcoral.testing.live_server import Response, ServerProcess, request
-from kcoral.testing.nats import NatsServer
+from kcoral.testing.nats import (
+    GATEWAY_USER,
+    NatsServer,
+    NatsUser,
+    gateway_permissions,
+    node_permissions,
+)
 from kcoral.testing.pool import PoolStandIn
 
 pytestmark = pytest.mark.integration
@@ -219,6 +225,50 @@ def test_small_result_over_nats_else_posted(
     assert result.json()["status"] == "COMPLETED"
     assert marks(out) == ["nats", "http"]
     assert pool.refused == 0
+
+
+def test_node_without_result_permission_posts(tmp_path: Path) -> None:
+    """
+    A node whose NATS user may not publish on its result subjects (its
+    permissions from before results went over NATS) gets no reply: its
+    first result is posted after the reply's timeout, and the next ones
+    are posted at once (NATS results paused), all delivered.
+    """
+    old = node_permissions("node-old")
+    old["publish"]["allow"] = [s for s in old["publish"]["allow"] if "results" not in s]
+    users = {
+        GATEWAY_USER: NatsUser(GATEWAY_USER, os.urandom(8).hex(), gateway_permissions()),
+        "node-old": NatsUser("node-old", os.urandom(8).hex(), old),
+    }
+    with NatsServer(node_ids=("node-old",), users=users) as server, PoolStandIn(server) as pool:
+        pool.listen_results("standin")
+        node = start_node(server, "node-old", tmp_path / "node.log")
+        try:
+            presence = pool.wait_presence("node-old")
+            out = tmp_path / "runs"
+            first = pool.publish(
+                program(MARK, [str(out), "one"], b"1"),
+                presence.compat,
+                blobs=[b"1"],
+                results="standin",
+            )
+            result = pool.wait_result(first.job)
+            assert (result.via, result.status) == ("http", 200)
+            started = time.monotonic()
+            second = pool.publish(
+                program(MARK, [str(out), "two"], b"2"),
+                presence.compat,
+                blobs=[b"2"],
+                results="standin",
+            )
+            result = pool.wait_result(second.job)
+            assert (result.via, result.status) == ("http", 200)
+            assert time.monotonic() - started < 4.0  # no second reply timeout
+            assert marks(out) == ["one", "two"]
+            log = (tmp_path / "node.log").read_text()
+            assert log.count("join_result_nats_paused") == 1, log
+        finally:
+            node.stop()
 
 
 def test_cancelled_claim_never_runs(

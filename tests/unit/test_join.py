@@ -996,7 +996,7 @@ class NatsResultTests(SynchronousTestCase):
         self, reply: Any, answer: Answer, message: JobMessage | None = None, connected: bool = True
     ) -> tuple[int | None, _NatsClient]:
         client = _NatsClient(reply)
-        results = NatsResults(cast(Any, _Bridge(client, connected)), "node-a")
+        results = NatsResults(cast(Any, _Bridge(client, connected)), "node-a", Clock())
         d = Deferred.fromCoroutine(results.send(message or self.message, answer))
         return self.successResultOf(d), client
 
@@ -1035,12 +1035,42 @@ class NatsResultTests(SynchronousTestCase):
     def test_over_the_servers_max_payload(self) -> None:
         """A server whose max_payload is smaller than the body and its headers: posted, unsent."""
         client = _NatsClient(b"", max_payload=1024)
-        results = NatsResults(cast(Any, _Bridge(client)), "node-a")
+        results = NatsResults(cast(Any, _Bridge(client)), "node-a", Clock())
         answer = Answer(200, "application/json", b"x" * 100)
         self.assertIsNone(
             self.successResultOf(Deferred.fromCoroutine(results.send(self.message, answer)))
         )
         self.assertEqual(client.sent, [])
+
+    def test_no_reply_pauses_nats_results(self) -> None:
+        """
+        A reply that never came (a node whose NATS user may not publish its
+        results waits the whole timeout each time): results are posted
+        without trying NATS for C{pause} seconds, then tried again.  No
+        responders (an answer at once) pauses nothing.
+        """
+        from nats.errors import NoRespondersError
+        from nats.errors import TimeoutError as NatsTimeout
+
+        clock = Clock()
+        client = _NatsClient(NatsTimeout())
+        results = NatsResults(cast(Any, _Bridge(client)), "node-a", clock, pause=60.0)
+        small = Answer(200, "application/json", b"{}")
+
+        def send() -> int | None:
+            return self.successResultOf(Deferred.fromCoroutine(results.send(self.message, small)))
+
+        self.assertIsNone(send())
+        self.assertIsNone(send())
+        self.assertEqual(len(client.sent), 1)
+        clock.advance(61)
+        client.reply = result_reply(200, delivered=True)
+        self.assertEqual(send(), 200)
+        client.reply = NoRespondersError()
+        self.assertIsNone(send())
+        client.reply = result_reply(200, delivered=True)
+        self.assertEqual(send(), 200)
+        self.assertEqual(len(client.sent), 4)
 
     def test_no_answer_means_post(self) -> None:
         """No responders, a timeout or a garbled reply: C{None}, so the caller posts it."""

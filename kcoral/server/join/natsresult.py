@@ -23,9 +23,12 @@ forgotten, and its token with it.
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING
 
 import attrs
+from twisted.internet.defer import CancelledError
+from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
 from kcoral.gateway.jobs import (
@@ -49,6 +52,11 @@ __all__ = ["NatsResults", "nats_payload"]
 #: Seconds to wait for the gateway's reply before posting over HTTP.
 REPLY_TIMEOUT = 5.0
 
+#: Seconds results are only posted after a reply that never came: a node
+#: whose NATS user may not publish results (permissions not updated) would
+#: otherwise hold every small result for the whole reply timeout.
+PAUSE_SECONDS = 60.0
+
 #: Bytes of a message's budget (nats-server's C{max_payload}) kept for its
 #: headers: a body that does not fit beside them is posted.
 RESULT_HEAD_ROOM = 4096
@@ -71,11 +79,16 @@ class NatsResults:
 
     @ivar node_id: this node's id: the last token of its result subjects.
     @ivar timeout: seconds to wait for the gateway's reply.
+    @ivar pause: seconds of posting only after a reply timed out.
     """
 
     bridge: NatsBridge
     node_id: str
+    _clock: IReactorTime
     timeout: float = REPLY_TIMEOUT
+    pause: float = PAUSE_SECONDS
+    #: Until when (the clock's seconds) results are only posted.
+    paused_until: float = 0.0
 
     log = Logger()
 
@@ -86,6 +99,8 @@ class NatsResults:
         sent or not answered (the caller posts it then).
         """
         if job.results is None or not self.bridge.connected:
+            return None
+        if self._clock.seconds() < self.paused_until:
             return None
         payload = nats_payload(answer)
         if payload is None:
@@ -112,6 +127,22 @@ class NatsResults:
             if data is None:
                 return None
             status, _ = parse_result_reply(data)
+        except (TimeoutError, asyncio.TimeoutError, CancelledError):  # nats-py's too
+            # No answer at all (a reply does come within milliseconds when
+            # the gateway took the result): likely this node may not publish
+            # on its result subjects; post for a while without waiting.
+            self.paused_until = self._clock.seconds() + self.pause
+            self.log.warn(
+                "job {job}: no reply to its result over NATS in {timeout} s; posting "
+                "results for {pause} s (may this node's NATS user publish on {subject}?)",
+                kcoral_event="join_result_nats_paused",
+                job=job.job,
+                request_id=job.request_id,
+                timeout=self.timeout,
+                pause=self.pause,
+                subject=subject,
+            )
+            return None
         except Exception as e:  # the post is the fallback, whatever went wrong
             self.log.info(
                 "job {job}: result over NATS not answered ({error}); posting it",

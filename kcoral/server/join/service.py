@@ -176,7 +176,7 @@ class JoinService(AsyncService):
             self._reactor,
             config.max_request_bytes,
             self._in_flight,
-            nats=NatsResults(self.bridge, self.node_id),
+            nats=NatsResults(self.bridge, self.node_id, self._reactor),
         )
         self.presence = PresenceAnnouncer(
             self.queue,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Hashable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 from klein import Klein
@@ -52,6 +52,7 @@ from kcoral.server.workers.pool import (
     WorkerPool,
     WorkerStartFailed,
 )
+from kcoral.server.workers.reactor import shielded
 from kcoral.server.workers.seat import hold_seat_only
 from kcoral.wire.errors import (
     BUSY_MESSAGE,
@@ -85,7 +86,6 @@ from kcoral.wire.render import (
 if TYPE_CHECKING:
     from kcoral.server.observe.metrics import Metrics
 
-_T = TypeVar("_T")
 
 __all__ = ["Answer", "BlobResolver", "FetchMissing", "KcoralAPI", "RequestError"]
 
@@ -123,27 +123,6 @@ def _program_only(data: bytes) -> Parsed:
     """A request of a program's JSON and no blob parts, validated (any thread)."""
     program = parse_program(data, builtin_names=BUILTIN_NAMES)
     return Parsed(program, data, {}, len(data))
-
-
-def _shield(d: Deferred[_T], orphaned: Callable[[Failure], None]) -> Deferred[_T]:
-    """
-    A copy of C{d} whose cancellation does not reach C{d}: a client that
-    leaves does not stop its program.  A failure of C{d} after the copy was
-    cancelled goes to C{orphaned}.
-    """
-    copy: Deferred[_T] = Deferred(lambda _: None)
-
-    def forward(result: _T | Failure) -> None:
-        if not copy.called:
-            if isinstance(result, Failure):
-                copy.errback(result)
-            else:
-                copy.callback(result)
-        elif isinstance(result, Failure):
-            orphaned(result)
-
-    d.addBoth(forward)
-    return copy
 
 
 class BlobResolver(Protocol):
@@ -322,7 +301,7 @@ class KcoralAPI(RequestPipeline):
             d = Deferred.fromCoroutine(self._handle(request, request_id))
             if self.config.finish_abandoned:
                 # The operator wants abandoned programs run to the end.
-                rendered = await _shield(d, lambda f: self._orphaned(request_id, f))
+                rendered = await shielded(d, lambda f: self._orphaned(request_id, f))
             else:
                 # Klein cancels this handler when the client disconnects: the
                 # cancellation reaches the queue (the request leaves the

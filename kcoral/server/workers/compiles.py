@@ -36,7 +36,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import attrs
 from twisted.internet.defer import CancelledError, Deferred
@@ -51,12 +51,11 @@ from kcoral.errors import ExecutionError
 from kcoral.server.sandbox.bubblewrap import SECCOMP_FD
 from kcoral.server.sandbox.collect import Sink, start_bounded
 from kcoral.server.sandbox.seats import remove_seat
+from kcoral.server.workers.reactor import shielded
 from kcoral.wire.channel import CompileDone, CompileRequest
 
 if TYPE_CHECKING:
     from kcoral.server.sandbox.bubblewrap import BubblewrapSandbox
-
-_T = TypeVar("_T")
 
 #: Largest image taken from a compile (a cubin is kilobytes to a few MiB).
 MAX_IMAGE_BYTES = 256 * 1024 * 1024
@@ -242,7 +241,7 @@ class IsolatedCompiles:
         """
         making = self.run_blocking(make, *args)
         try:
-            return await _mirror(making)
+            return await shielded(making)
         except CancelledError:
             making.addCallbacks(lambda _: self._remove_later(seat), lambda _: None)
             raise
@@ -302,7 +301,7 @@ class IsolatedCompiles:
                 )
                 return CompileDone(kind="compile", error=error), None
             using = self.run_blocking(_store_output, self.cache_dir, key, work / _OUTPUT, seconds)
-            image = await _mirror(using)
+            image = await shielded(using)
             if image is None:
                 return CompileDone(
                     kind="compile", error="nvcc succeeded but wrote no module image"
@@ -411,7 +410,7 @@ class IsolatedCompiles:
                 ), None
             seconds = float(fields["seconds"])
             using = self.run_blocking(_store, self.cache_dir, key, image, seconds)
-            stored = await _mirror(using)
+            stored = await shielded(using)
             if stored is None:
                 return CompileDone(
                     kind="engine", error="the compiled image could not be stored"
@@ -437,26 +436,6 @@ def _check_available(backend: Any, confirmed: bool) -> None:
         raise ExecutionError(
             "unavailable", f"compiler backend {backend.name!r} is unavailable: {reason}"
         )
-
-
-def _mirror(d: Deferred[_T]) -> Deferred[_T]:
-    """
-    A Deferred with C{d}'s result; cancelling it leaves C{d} running (its
-    result then stays with C{d}, for whoever cleans up after it).
-    """
-    copy: Deferred[_T] = Deferred()
-
-    def forward(result: _T | Failure) -> _T | Failure | None:
-        if copy.called:
-            return result
-        if isinstance(result, Failure):
-            copy.errback(result)
-        else:
-            copy.callback(result)
-        return None
-
-    d.addBoth(forward)
-    return copy
 
 
 #: The source and image names in a command compile's workspace.

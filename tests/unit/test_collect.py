@@ -181,21 +181,11 @@ class StartBoundedTests(SynchronousTestCase):
         self.assertEqual((finished.status, finished.timed_out), (-9, False))
         self.assertEqual(self.reactor.getDelayedCalls(), [])
 
-    def test_cancelled_end_wait_kills_nothing(self) -> None:
-        """Cancelling L{BoundedRun.ended} stops only that wait."""
-        ended = self.run.ended()
-        other = self.run.ended()
-        ended.cancel()
-        self.failureResultOf(ended, CancelledError)
-        self.assertEqual(self.spawned["transport"].signals, [])
-        self.end()
-        self.assertEqual(self.successResultOf(other).status, -9)
-
     def test_waits_after_the_end(self) -> None:
         """A wait begun after the end fires at once."""
         self.end()
         self.assertEqual(self.successResultOf(self.run.wait()).status, -9)
-        self.assertEqual(self.successResultOf(self.run.ended()).status, -9)
+        self.assertEqual(self.successResultOf(self.run.finished).status, -9)
 
 
 class KillTests(SynchronousTestCase):

@@ -155,8 +155,8 @@ class BoundedRun:
     A helper process started by L{start_bounded}.
 
     @ivar finished: fires with a L{Finished} once the process has ended
-        (never before, killed or not); do not cancel it: wait on
-        L{wait} or L{ended} instead.
+        (never before, killed or not); do not cancel it: wait on L{wait}
+        instead.
     """
 
     transport: IProcessTransport
@@ -167,20 +167,11 @@ class BoundedRun:
         """End it now (its L{Finished} is not C{timed_out})."""
         self._kill(self.transport)
 
-    def ended(self) -> Deferred[Finished]:
-        """
-        A new Deferred that fires with its L{Finished} once it has ended;
-        cancelling it stops only this wait.
-        """
-        copy: Deferred[Finished] = Deferred()
-        self.finished.addCallback(_forward, copy)
-        return copy
-
     def wait(self) -> Deferred[Finished]:
         """
-        As L{ended}, but cancelling it kills the process: the wait fails at
-        once with C{CancelledError}, and L{finished} fires once the process
-        has ended.
+        A new Deferred that fires with its L{Finished} once it has ended;
+        cancelling it kills the process: the wait fails at once with
+        C{CancelledError}, and L{finished} fires once the process has ended.
         """
         copy: Deferred[Finished] = Deferred(lambda _: self.kill())
         self.finished.addCallback(_forward, copy)

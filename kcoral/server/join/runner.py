@@ -31,6 +31,7 @@ from twisted.logger import Logger
 from kcoral.gateway.jobs import JobMessage
 from kcoral.ipc.shared import SharedBuffer
 from kcoral.server.http.app import Answer, FetchMissing
+from kcoral.server.http.streaming import shared_bytes
 from kcoral.server.join.natsresult import NatsResults
 from kcoral.server.join.transfer import BlobRefused, GatewayLink
 from kcoral.server.workers.line import PoolBusy
@@ -131,7 +132,7 @@ class JobRunner:
             answered = self._clock.seconds()
             if budget is not None and not isinstance(answer.body, bytes):
                 # The result's buffers exist already: they count, whatever the cap.
-                shared = sum(len(c) for c in answer.body if isinstance(c, SharedBuffer))
+                shared = shared_bytes(answer.body)
                 budget.bytes_in_flight += shared
                 held.append(shared)
             await self._post(job, answer, started, answered)

@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import CancelledError, Deferred
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
@@ -312,6 +312,18 @@ class NatsBridge:
 
         self._from_loop(guarded)
 
+    def settled(self, future: asyncio.Future[_T]) -> Deferred[_T]:
+        """
+        From the loop: a Deferred that fires on the reactor thread with
+        C{future}'s outcome once it is done (a task begun inside a call,
+        whose result the reactor waits for apart from the call's own); a
+        cancelled C{future} (the loop shutting down) fails it with
+        Twisted's C{CancelledError}, an C{Exception} as reactor code expects.
+        """
+        d: Deferred[_T] = Deferred()
+        future.add_done_callback(lambda done: self._from_loop(_settle, d, done, CancelledError))
+        return d
+
     def _from_loop(self, f: Callable[..., object], *args: Any, **kwargs: Any) -> None:
         if self.inline:
             # The loop is the reactor's: this is the reactor thread already.
@@ -409,14 +421,21 @@ def _inline(loop: asyncio.AbstractEventLoop, make: Callable[[], Awaitable[_T]]) 
     return d
 
 
-def _settle(d: Deferred[_T], future: asyncio.Future[_T]) -> None:
-    """Fire C{d} with C{future}'s outcome (on the reactor's thread)."""
+def _settle(
+    d: Deferred[_T],
+    future: asyncio.Future[_T],
+    cancelled: type[BaseException] = asyncio.CancelledError,
+) -> None:
+    """
+    Fire C{d} with C{future}'s outcome (on the reactor's thread); a
+    cancelled C{future} fails it with C{cancelled}.
+    """
     if d.called:
         if not future.cancelled():
             future.exception()  # retrieved: the Deferred was cancelled first
         return
     if future.cancelled():
-        d.errback(Failure(asyncio.CancelledError()))
+        d.errback(Failure(cancelled()))
         return
     error = future.exception()
     if error is not None:

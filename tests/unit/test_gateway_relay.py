@@ -328,3 +328,35 @@ class InlineBridgeTests(SynchronousTestCase):
         seen: list[int] = []
         bridge.deliver(seen.append, 1)
         self.assertEqual(seen, [1])
+
+    def test_settled_fires_with_a_tasks_outcome(self) -> None:
+        """
+        A task begun on the loop: its result, its error or its cancellation
+        (as Twisted's C{CancelledError}) reaches the reactor as its
+        Deferred's outcome, once it is done.
+        """
+        bridge = self._bridge()
+
+        async def answer() -> int:
+            await asyncio.sleep(0)
+            return 7
+
+        async def broken() -> int:
+            raise ValueError("no")
+
+        async def forever() -> int:
+            await asyncio.sleep(3600)
+            return 0
+
+        answered = bridge.settled(self.loop.create_task(answer()))
+        failed = bridge.settled(self.loop.create_task(broken()))
+        stopped_task = self.loop.create_task(forever())
+        stopped = bridge.settled(stopped_task)
+        self.assertNoResult(answered)
+        self.loop.run_until_complete(asyncio.sleep(0.01))
+        self.assertEqual(self.successResultOf(answered), 7)
+        self.failureResultOf(failed, ValueError)
+        self.assertNoResult(stopped)
+        stopped_task.cancel()
+        self.loop.run_until_complete(asyncio.sleep(0.01))
+        self.failureResultOf(stopped, CancelledError)

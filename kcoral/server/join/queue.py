@@ -17,8 +17,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import attrs
-from twisted.internet.defer import CancelledError, Deferred, fail
-from twisted.python.failure import Failure
+from twisted.internet.defer import Deferred, fail
 from zope.interface import Interface, implementer
 
 from kcoral.gateway.jobs import (
@@ -222,14 +221,12 @@ class NatsJobQueue:
                 # with its claim in flight, so the node's pipeline starts on
                 # it while nats-server answers (L{JobPuller} runs nothing
                 # before the claim is won).
-                claim = _ClaimInFlight(bridge)
-                task = asyncio.ensure_future(
+                claim = asyncio.ensure_future(
                     bounded(self._claim_work(job.job)(client, js), CLAIM_TIMEOUT)
                 )
-                task.add_done_callback(claim.ended)
-                delivery = _delivery(bridge, message, data, claim.outcome)
+                delivery = _delivery(bridge, message, data, bridge.settled(claim))
                 deliveries.append(attrs.evolve(delivery, job=job))
-            if len(deliveries) > sum(d.claim is None for d in deliveries):
+            if any(d.claim is not None for d in deliveries):
                 # Let the claims leave before the reactor takes the jobs (on
                 # Twisted's asyncio reactor it runs their pipelines in this
                 # same thread): nats-py writes from its flusher task, so one
@@ -293,41 +290,6 @@ class NatsJobQueue:
                 await nodes.delete(key)
 
         return self.bridge.call(work, timeout=2.0)
-
-
-async def _ack(message: Any) -> BaseException | None:
-    """Acknowledge C{message} here, on the loop: its error, or C{None}."""
-    try:
-        await message.ack()
-    except Exception as e:
-        return e
-    return None
-
-
-@attrs.define(eq=False)
-class _ClaimInFlight:
-    """A claim begun on the loop as its message arrived: its outcome, handed to the reactor when known."""
-
-    bridge: NatsBridge
-    #: Fires on the reactor with whether this node won the claim, or fails
-    #: when that is unknown.
-    outcome: Deferred[bool] = attrs.field(factory=Deferred)
-
-    def ended(self, task: asyncio.Future[bool]) -> None:
-        """On the loop: the claim's task ended."""
-        self.bridge.deliver(_fire_outcome, self.outcome, task)
-
-
-def _fire_outcome(d: Deferred[bool], claim: asyncio.Future[bool]) -> None:
-    """Fire C{d} with a finished claim's outcome (on the reactor)."""
-    if claim.cancelled():
-        d.errback(Failure(CancelledError()))
-        return
-    error = claim.exception()
-    if error is None:
-        d.callback(claim.result())
-    else:
-        d.errback(Failure(error))
 
 
 def _delivery(

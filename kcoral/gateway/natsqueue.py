@@ -167,13 +167,7 @@ class NatsJobQueue:
 
         async def run(client: Client, js: JetStreamContext) -> None:
             sub = await client.subscribe(f"{RESULTS_SUBJECT_PREFIX}.{key}.*", cb=seen)
-            try:
-                await asyncio.Event().wait()  # until cancelled (the stop)
-            finally:
-                try:
-                    await asyncio.wait_for(sub.unsubscribe(), 1.0)
-                except Exception:
-                    pass
+            await _kept(sub)
 
         self._results = self._watching(bridge.spawn(run), "results")
 
@@ -286,14 +280,8 @@ class NatsJobQueue:
                 deliver_policy=DeliverPolicy.NEW,
                 inactive_threshold=WATCH_INACTIVE,
             )
-            try:
-                bridge.deliver(self._catch_up)
-                await asyncio.Event().wait()  # until cancelled (a restart, the stop)
-            finally:
-                try:
-                    await asyncio.wait_for(sub.unsubscribe(), 1.0)
-                except Exception:
-                    pass
+            bridge.deliver(self._catch_up)
+            await _kept(sub)
 
         return self._watching(bridge.spawn(run), CLAIMS_BUCKET)
 
@@ -425,3 +413,14 @@ class NatsJobQueue:
         results, self._results = self._results, None
         if results is not None:
             results.cancel()
+
+
+async def _kept(sub: Any) -> None:
+    """Keep subscription C{sub} until the task is cancelled (a restart, the stop), then end it."""
+    try:
+        await asyncio.Event().wait()
+    finally:
+        try:
+            await asyncio.wait_for(sub.unsubscribe(), 1.0)
+        except Exception:
+            pass

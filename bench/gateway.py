@@ -36,6 +36,7 @@ Example (the GPU machine's 16 cores, CPU nodes)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import multiprocessing
 import os
@@ -47,6 +48,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import common  # noqa: E402
+import cpumeter  # noqa: E402
 
 from kcoral.testing.gateway import GatewayPool, GatewayProcess  # noqa: E402
 
@@ -100,6 +103,8 @@ class Pool(GatewayPool):
         )
         self.args = args
         self.free_ids = list(self.node_ids)
+        #: Each node's C{--pin-nodes} slot (0-2).
+        self.slots: dict[str, int] = {}
 
     def start(self) -> Pool:
         if self.args.nats_server:
@@ -127,9 +132,50 @@ class Pool(GatewayPool):
 
     def add_node(self) -> str:
         node_id = self.free_ids.pop(0)
-        self.node(node_id, seats=self.args.node_workers, wait=False)
+        taken = {self.slots.get(n) for n in self.nodes}
+        slot = self.slots[node_id] = min(set(range(3)) - taken, default=0)
+        cores = node_cores(self.args.pin_nodes, slot)
+        with affinity(cores):
+            self.node(node_id, seats=self.args.node_workers, wait=False)
         self.wait_nodes(len(self.nodes))
         return node_id
+
+
+def node_cores(per_node: int, slot: int) -> set[int] | None:
+    """
+    The cores of node slot C{slot} (0-2) under C{--pin-nodes}: the last
+    C{3 * per_node} cores of the host, C{per_node} each; C{None}: unpinned.
+    """
+    if per_node <= 0:
+        return None
+    cores = sorted(os.sched_getaffinity(0) | set(range(os.cpu_count() or 1)))
+    end = len(cores) - slot * per_node
+    return set(cores[end - per_node : end])
+
+
+def rest_cores(per_node: int) -> set[int] | None:
+    """The cores left to the gateway, nats-server and the clients under C{--pin-nodes}."""
+    if per_node <= 0:
+        return None
+    cores = sorted(range(os.cpu_count() or 1))
+    return set(cores[: len(cores) - 3 * per_node])
+
+
+@contextlib.contextmanager
+def affinity(cores: set[int] | None) -> Iterator[None]:
+    """
+    Run the block on C{cores} (this thread; a process it starts inherits
+    them), then go back.
+    """
+    if cores is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def null_one(conn: common.Connection, _i: int) -> float:
@@ -322,8 +368,31 @@ def bigblob(pool: Pool, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _meter(pool: Pool) -> cpumeter.CpuMeter:
+    """CPU of the gateway, the nodes (workers included) and nats-server."""
+
+    def pid(process: Any) -> list[int]:
+        return [process.pid] if process is not None else []
+
+    return cpumeter.CpuMeter(
+        {
+            "gateway": lambda: pid(pool.gateway.process if pool.gateway else None),
+            "nodes": lambda: [p for s in pool.nodes.values() for p in pid(s.process)],
+            "nats": lambda: pid(pool.nats.process),
+        }
+    )
+
+
 def _rate(pool: Pool, args: argparse.Namespace) -> dict[str, Any]:
     common.run_concurrent("127.0.0.1", pool.port, args.concurrency, args.warmup * 4, null_one)
+    meter = _meter(pool)
+    meter.start()
+    rate = _rate_span(pool, args)
+    rate["cpu"] = meter.stop(rate["requests"])
+    return rate
+
+
+def _rate_span(pool: Pool, args: argparse.Namespace) -> dict[str, Any]:
     processes = max(1, args.client_processes)
     if processes == 1:
         walls, seconds = common.run_concurrent(
@@ -394,6 +463,7 @@ def throughput(pool: Pool, args: argparse.Namespace) -> dict[str, Any]:
                 f"  {count} node(s), {args.front_ends} front end(s): {rate['requests']} requests "
                 f"in {rate['seconds']:.2f} s = {rate['per_second']:.1f} req/s"
             )
+            print("    " + cpumeter.describe(rate["cpu"]))
         ratios.append(out["nodes_3"]["per_second"] / out["nodes_1"]["per_second"])
         print(f"  3 nodes / 1 node = {ratios[-1]:.2f}x (target >= 2.7x with the cores)")
     out["ratio"] = ratios[-1]
@@ -456,6 +526,15 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="throughput: client processes sharing --concurrency and --requests",
     )
+    parser.add_argument(
+        "--pin-nodes",
+        type=int,
+        default=0,
+        metavar="CORES",
+        help="give each of up to three node slots CORES cores of its own (the last ones), "
+        "as if each node had its own machine; the gateway, nats-server and the clients "
+        "share the rest [default: 0, nothing pinned]",
+    )
     parser.add_argument("--max-seconds", type=float, default=60.0)
     parser.add_argument(
         "--output", default=str(Path(__file__).resolve().parent / "results" / "gateway.json")
@@ -465,6 +544,11 @@ def main(argv: list[str] | None = None) -> int:
     args.compare_front_ends = [int(n) for n in args.compare_front_ends.split(",") if n.strip()]
     phases = [p.strip() for p in args.phases.split(",") if p.strip()]
     tmp = Path(tempfile.mkdtemp(prefix="kcoral-bench-gateway-"))
+    rest = rest_cores(args.pin_nodes)
+    if rest is not None:
+        # Nodes get their own cores, as on machines of their own; the rest
+        # (and every process started from here but a node) share the others.
+        os.sched_setaffinity(0, rest)
     pool = Pool(args, tmp).start()
     results: dict[str, Any] = {"cpus": os.cpu_count(), "args": vars(args)}
     try:

@@ -1,0 +1,117 @@
+"""
+Where a measurement's CPU went: the host's cores, and each role of a pool.
+
+A throughput figure alone cannot say whether a pool fell short because one
+of its processes was the bottleneck or because the host ran out of cores.
+L{CpuMeter} answers that.  It reads C{/proc/stat} at the start and end of
+a span, which gives the share of all cores that were busy.  It also reads
+each named process tree through psutil, which gives the CPU each role
+spent (user + system, reaped children included).  Divide by the jobs done
+and you get CPU milliseconds per job, role by role.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import psutil
+
+
+def host_jiffies() -> tuple[int, int]:
+    """(busy, total) clock ticks of all CPUs since boot, from C{/proc/stat}."""
+    with open("/proc/stat") as stat:
+        fields = [int(v) for v in stat.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    total = sum(fields[:8])
+    return total - idle, total
+
+
+def tree_seconds(pid: int) -> float:
+    """
+    CPU seconds of C{pid} and every live process below it, each with the
+    children it has reaped: a worker that ended during the span still counts
+    once its parent has waited for it.
+    """
+    try:
+        root = psutil.Process(pid)
+        processes = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0.0
+    for process in processes:
+        try:
+            t = process.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += t.user + t.system + t.children_user + t.children_system
+    return total
+
+
+def own_seconds(pid: int) -> float:
+    """CPU seconds of C{pid} alone (all its threads), no children."""
+    try:
+        t = psutil.Process(pid).cpu_times()
+    except psutil.NoSuchProcess:
+        return 0.0
+    return t.user + t.system
+
+
+class CpuMeter:
+    """
+    One span's CPU: C{start()}, then C{stop(jobs)} for the report.
+
+    C{roles} maps a role's name to a callable giving its root pids now (a
+    pool's nodes change between spans, not within one).  The report's
+    C{client} is this process's tree less every role, so that the load
+    generator's share shows as well.
+    """
+
+    def __init__(self, roles: Mapping[str, Callable[[], Sequence[int]]]) -> None:
+        self.roles = roles
+        self._start: dict[str, float] = {}
+        self._host: tuple[int, int] = (0, 0)
+
+    def _sample(self) -> dict[str, float]:
+        sample: dict[str, float] = {}
+        for name, pids in self.roles.items():
+            roots = list(pids())
+            sample[name] = sum(tree_seconds(pid) for pid in roots)
+            sample[name + "_main"] = sum(own_seconds(pid) for pid in roots)
+        sample["_self"] = tree_seconds(os.getpid())
+        return sample
+
+    def start(self) -> None:
+        self._host = host_jiffies()
+        self._start = self._sample()
+
+    def stop(self, jobs: int) -> dict[str, Any]:
+        end = self._sample()
+        busy, total = host_jiffies()
+        busy0, total0 = self._host
+        report: dict[str, Any] = {
+            "cores": os.cpu_count(),
+            "host_busy": (busy - busy0) / max(1, total - total0),
+        }
+        per_job: dict[str, float] = {}
+        roles_total = 0.0
+        for name in self.roles:
+            spent = end[name] - self._start[name]
+            roles_total += spent
+            per_job[name] = 1000.0 * spent / max(1, jobs)
+            main = end[name + "_main"] - self._start[name + "_main"]
+            per_job[name + "_main"] = 1000.0 * main / max(1, jobs)
+        per_job["client"] = 1000.0 * ((end["_self"] - self._start["_self"]) - roles_total) / max(1, jobs)
+        report["ms_per_job"] = per_job
+        return report
+
+
+def describe(report: Mapping[str, Any]) -> str:
+    """One line: the host's busy share and each role's CPU ms per job."""
+    per_job = report["ms_per_job"]
+    parts = [f"{name} {value:.2f}" for name, value in per_job.items()]
+    return (
+        f"host {100 * report['host_busy']:.0f}% of {report['cores']} cores busy; "
+        f"CPU ms/job: " + ", ".join(parts)
+    )

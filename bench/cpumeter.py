@@ -12,7 +12,10 @@ and you get CPU milliseconds per job, role by role.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import statistics
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -58,6 +61,60 @@ def own_seconds(pid: int) -> float:
     return t.user + t.system
 
 
+#: One unit of the speed probe's fixed work: about a millisecond of pure
+#: Python on a current core.
+PROBE_LOOP = 40_000
+
+
+def _probe(stop: Any, out: Any, period: float) -> None:
+    """The speed probe's process: time the fixed work every C{period} s until C{stop} is set."""
+    samples = []
+    while not stop.wait(period):
+        started = time.thread_time_ns()
+        total = 0
+        for i in range(PROBE_LOOP):
+            total += i
+        samples.append(time.thread_time_ns() - started)
+    out.send((samples, time.process_time()))
+
+
+class SpeedProbe:
+    """
+    How fast the host runs a fixed piece of pure Python now: the CPU time
+    (not wall time: waiting for a core does not count) that one unit of
+    L{PROBE_LOOP} takes, sampled every C{period} seconds in a process of
+    its own (a 5% duty on one core).  When every process of a pool spends
+    more CPU per job under a heavier host load, this shows whether the host
+    itself got slower (shared cores, clock) or the pool's own work grew.
+    """
+
+    def __init__(self, period: float = 0.02) -> None:
+        self.period = period
+        self._process: Any = None
+
+    def start(self) -> None:
+        ctx = multiprocessing.get_context("fork")
+        self._stop = ctx.Event()
+        self._out, child = ctx.Pipe(duplex=False)
+        self._process = ctx.Process(target=_probe, args=(self._stop, child, self.period))
+        self._process.start()
+        child.close()
+
+    def stop(self) -> dict[str, float]:
+        """
+        The probe's median (microseconds of CPU per unit of work), its
+        sample count and the CPU seconds it spent in all.
+        """
+        self._stop.set()
+        samples, spent = self._out.recv()
+        self._process.join()
+        return {
+            "probe_us": statistics.median(samples) / 1000.0 if samples else float("nan"),
+            "probe_samples": len(samples),
+            "probe_seconds": spent,
+        }
+
+
 class CpuMeter:
     """
     One span's CPU: C{start()}, then C{stop(jobs)} for the report.
@@ -72,6 +129,8 @@ class CpuMeter:
         self.roles = roles
         self._start: dict[str, float] = {}
         self._host: tuple[int, int] = (0, 0)
+        self._began = 0.0
+        self._probe = SpeedProbe()
 
     def _sample(self) -> dict[str, float]:
         sample: dict[str, float] = {}
@@ -83,16 +142,29 @@ class CpuMeter:
         return sample
 
     def start(self) -> None:
+        self._probe.start()
         self._host = host_jiffies()
         self._start = self._sample()
+        self._began = time.monotonic()
 
     def stop(self, jobs: int) -> dict[str, Any]:
+        seconds = time.monotonic() - self._began
+        probe = self._probe.stop()
         end = self._sample()
         busy, total = host_jiffies()
         busy0, total0 = self._host
         report: dict[str, Any] = {
             "cores": os.cpu_count(),
+            "seconds": seconds,
             "host_busy": (busy - busy0) / max(1, total - total0),
+            **probe,
+        }
+        # How busy each role's busiest kind of process was: a role's main
+        # processes' CPU over the span, per process (1.0: a core, flat out).
+        report["main_busy"] = {
+            name: (end[name + "_main"] - self._start[name + "_main"])
+            / max(1e-9, seconds * max(1, len(self.roles[name]())))
+            for name in self.roles
         }
         per_job: dict[str, float] = {}
         roles_total = 0.0
@@ -102,7 +174,8 @@ class CpuMeter:
             per_job[name] = 1000.0 * spent / max(1, jobs)
             main = end[name + "_main"] - self._start[name + "_main"]
             per_job[name + "_main"] = 1000.0 * main / max(1, jobs)
-        per_job["client"] = 1000.0 * ((end["_self"] - self._start["_self"]) - roles_total) / max(1, jobs)
+        client = end["_self"] - self._start["_self"] - roles_total - report["probe_seconds"]
+        per_job["client"] = 1000.0 * client / max(1, jobs)
         report["ms_per_job"] = per_job
         return report
 
@@ -111,7 +184,9 @@ def describe(report: Mapping[str, Any]) -> str:
     """One line: the host's busy share and each role's CPU ms per job."""
     per_job = report["ms_per_job"]
     parts = [f"{name} {value:.2f}" for name, value in per_job.items()]
+    mains = ", ".join(f"{name} {100 * v:.0f}%" for name, v in report["main_busy"].items())
     return (
-        f"host {100 * report['host_busy']:.0f}% of {report['cores']} cores busy; "
+        f"host {100 * report['host_busy']:.0f}% of {report['cores']} cores busy "
+        f"(probe {report['probe_us']:.0f} us CPU per unit); main process busy: {mains}; "
         f"CPU ms/job: " + ", ".join(parts)
     )

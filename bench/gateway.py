@@ -441,6 +441,26 @@ def _client_share(job: tuple[int, int, int, float]) -> tuple[int, float, float]:
     return len(walls), begin, time.monotonic()
 
 
+def _ceiling(one: dict[str, Any], three: dict[str, Any]) -> dict[str, float]:
+    """
+    What three nodes could give at most against one, where each node's
+    main process is the bottleneck (busy near 100% in both): three times
+    one node's rate, less what each job's CPU in a node's main process grew
+    by with three nodes on the host.  C{probe_growth} is the host's own
+    slowdown on fixed work over the same spans (L{cpumeter.SpeedProbe}).
+    """
+    c1, c3 = one["ms_per_job"]["nodes_main"], three["ms_per_job"]["nodes_main"]
+    return {
+        "main_ms_1": c1,
+        "main_ms_3": c3,
+        "main_busy_1": one["main_busy"]["nodes"],
+        "main_busy_3": three["main_busy"]["nodes"],
+        "growth": c3 / c1 - 1.0,
+        "probe_growth": three["probe_us"] / one["probe_us"] - 1.0,
+        "ceiling": 3.0 * c1 / c3,
+    }
+
+
 def throughput(pool: Pool, args: argparse.Namespace) -> dict[str, Any]:
     """
     Null-program requests/s through the gateway with one node, then three;
@@ -449,6 +469,7 @@ def throughput(pool: Pool, args: argparse.Namespace) -> dict[str, Any]:
     """
     out: dict[str, Any] = {"front_ends": args.front_ends}
     ratios = []
+    ceilings: list[dict[str, float]] = []
     for _ in range(max(1, args.throughput_rounds)):
         # Each round measures one node, then three, so that a host whose
         # speed drifts reaches both figures of a round alike.
@@ -466,11 +487,28 @@ def throughput(pool: Pool, args: argparse.Namespace) -> dict[str, Any]:
             print("    " + cpumeter.describe(rate["cpu"]))
         ratios.append(out["nodes_3"]["per_second"] / out["nodes_1"]["per_second"])
         print(f"  3 nodes / 1 node = {ratios[-1]:.2f}x (target >= 2.7x with the cores)")
+        ceilings.append(_ceiling(out["nodes_1"]["cpu"], out["nodes_3"]["cpu"]))
+        busy = min(ceilings[-1]["main_busy_1"], ceilings[-1]["main_busy_3"])
+        print(
+            f"  nodes' main processes busy {busy:.0%} or more"
+            + ("" if busy >= 0.9 else " (not the bottleneck: the ceiling below does not hold)")
+        )
+        print(
+            f"  a node's main process spent {ceilings[-1]['growth']:+.0%} CPU per job with three "
+            f"(the host's probe {ceilings[-1]['probe_growth']:+.0%}): three such nodes flat out "
+            f"give {ceilings[-1]['ceiling']:.2f}x; measured / that = "
+            f"{ratios[-1] / ceilings[-1]['ceiling']:.2f}"
+        )
     out["ratio"] = ratios[-1]
     out["ratios"] = ratios
     out["ratio_median"] = statistics.median(ratios)
+    out["ceilings"] = ceilings
+    out["ceiling_median"] = statistics.median(c["ceiling"] for c in ceilings)
     if len(ratios) > 1:
-        print(f"  median of {len(ratios)} rounds: {out['ratio_median']:.2f}x")
+        print(
+            f"  median of {len(ratios)} rounds: {out['ratio_median']:.2f}x "
+            f"(CPU-bound ceiling {out['ceiling_median']:.2f}x)"
+        )
     for front_ends in args.compare_front_ends:
         pool.restart_gateway(front_ends)
         out[f"nodes_3_front_ends_{front_ends}"] = rate = _rate(pool, args)

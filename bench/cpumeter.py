@@ -61,34 +61,50 @@ def own_seconds(pid: int) -> float:
     return t.user + t.system
 
 
-#: One unit of the speed probe's fixed work: about a millisecond of pure
-#: Python on a current core.
+#: One unit of the speed probe's core work: about a millisecond of pure
+#: Python that stays in the core's own caches.
 PROBE_LOOP = 40_000
+#: The memory work: reads at random places of a list of this many integers
+#: (some 70 MB with their objects, beyond a core's caches), as a server's
+#: heap is read, so that what other cores do to the shared cache and memory
+#: shows.
+PROBE_HEAP = 2_000_000
+PROBE_READS = 4_000
 
 
 def _probe(stop: Any, out: Any, period: float) -> None:
-    """The speed probe's process: time the fixed work every C{period} s until C{stop} is set."""
-    samples = []
+    """The speed probe's process: time both works every C{period} s until C{stop} is set."""
+    import random
+
+    heap = [i * 7 + 1000 for i in range(PROBE_HEAP)]
+    rng = random.Random(37)
+    places = [rng.randrange(PROBE_HEAP) for _ in range(PROBE_READS)]
+    core, memory = [], []
     while not stop.wait(period):
         started = time.thread_time_ns()
         total = 0
         for i in range(PROBE_LOOP):
             total += i
-        samples.append(time.thread_time_ns() - started)
-    out.send((samples, time.process_time()))
+        middle = time.thread_time_ns()
+        for j in places:
+            total += heap[j]
+        core.append(middle - started)
+        memory.append(time.thread_time_ns() - middle)
+    out.send((core, memory, time.process_time()))
 
 
 class SpeedProbe:
     """
-    How fast the host runs a fixed piece of pure Python now: the CPU time
-    (not wall time: waiting for a core does not count) that one unit of
-    L{PROBE_LOOP} takes, sampled every C{period} seconds in a process of
-    its own (a 5% duty on one core).  When every process of a pool spends
+    How fast the host runs two fixed pieces of pure Python now: the CPU
+    time (not wall time: waiting for a core does not count) of one unit of
+    core work (L{PROBE_LOOP}) and of memory work (L{PROBE_READS} reads
+    about a L{PROBE_HEAP} list), sampled every C{period} seconds in a
+    process of its own (a few percent of one core).  When every process of a pool spends
     more CPU per job under a heavier host load, this shows whether the host
     itself got slower (shared cores, clock) or the pool's own work grew.
     """
 
-    def __init__(self, period: float = 0.02) -> None:
+    def __init__(self, period: float = 0.05) -> None:
         self.period = period
         self._process: Any = None
 
@@ -106,11 +122,16 @@ class SpeedProbe:
         sample count and the CPU seconds it spent in all.
         """
         self._stop.set()
-        samples, spent = self._out.recv()
+        core, memory, spent = self._out.recv()
         self._process.join()
+
+        def median_us(samples: list[int]) -> float:
+            return statistics.median(samples) / 1000.0 if samples else float("nan")
+
         return {
-            "probe_us": statistics.median(samples) / 1000.0 if samples else float("nan"),
-            "probe_samples": len(samples),
+            "probe_us": median_us(core),
+            "probe_memory_us": median_us(memory),
+            "probe_samples": len(core),
             "probe_seconds": spent,
         }
 
@@ -187,6 +208,7 @@ def describe(report: Mapping[str, Any]) -> str:
     mains = ", ".join(f"{name} {100 * v:.0f}%" for name, v in report["main_busy"].items())
     return (
         f"host {100 * report['host_busy']:.0f}% of {report['cores']} cores busy "
-        f"(probe {report['probe_us']:.0f} us CPU per unit); main process busy: {mains}; "
+        f"(probe: core {report['probe_us']:.0f} us, memory {report['probe_memory_us']:.0f} us "
+        f"CPU per unit); main process busy: {mains}; "
         f"CPU ms/job: " + ", ".join(parts)
     )

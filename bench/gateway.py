@@ -130,6 +130,11 @@ class Pool(GatewayPool):
         ).start()
         self.wait_nodes(len(self.nodes))
 
+    def stop_node(self, node_id: str) -> None:
+        """Stop the node gracefully; its id (and so its credentials) may serve again."""
+        super().stop_node(node_id)
+        self.free_ids.append(node_id)
+
     def add_node(self) -> str:
         node_id = self.free_ids.pop(0)
         taken = {self.slots.get(n) for n in self.nodes}
@@ -457,6 +462,7 @@ def _ceiling(one: dict[str, Any], three: dict[str, Any]) -> dict[str, float]:
         "main_busy_3": three["main_busy"]["nodes"],
         "growth": c3 / c1 - 1.0,
         "probe_growth": three["probe_us"] / one["probe_us"] - 1.0,
+        "probe_memory_growth": three["probe_memory_us"] / one["probe_memory_us"] - 1.0,
         "ceiling": 3.0 * c1 / c3,
     }
 
@@ -495,7 +501,8 @@ def throughput(pool: Pool, args: argparse.Namespace) -> dict[str, Any]:
         )
         print(
             f"  a node's main process spent {ceilings[-1]['growth']:+.0%} CPU per job with three "
-            f"(the host's probe {ceilings[-1]['probe_growth']:+.0%}): three such nodes flat out "
+            f"(the host's probe: core work {ceilings[-1]['probe_growth']:+.0%}, memory work "
+            f"{ceilings[-1]['probe_memory_growth']:+.0%}): three such nodes flat out "
             f"give {ceilings[-1]['ceiling']:.2f}x; measured / that = "
             f"{ratios[-1] / ceilings[-1]['ceiling']:.2f}"
         )
@@ -587,7 +594,14 @@ def main(argv: list[str] | None = None) -> int:
         # Nodes get their own cores, as on machines of their own; the rest
         # (and every process started from here but a node) share the others.
         os.sched_setaffinity(0, rest)
-    pool = Pool(args, tmp).start()
+    try:
+        pool = Pool(args, tmp).start()
+    except BaseException:
+        log = tmp / "gateway.log"
+        if log.exists():
+            print("gateway log (tail):\n" + "\n".join(log.read_text().splitlines()[-30:]))
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     results: dict[str, Any] = {"cpus": os.cpu_count(), "args": vars(args)}
     try:
         pool.add_node()

@@ -136,6 +136,53 @@ class SpeedProbe:
         }
 
 
+def _ballast(stop: Any) -> None:
+    """One ballast process: the probe's two kinds of work, back to back, until C{stop}."""
+    import random
+
+    heap = [i * 7 + 1000 for i in range(PROBE_HEAP)]
+    rng = random.Random(os.getpid())
+    places = [rng.randrange(PROBE_HEAP) for _ in range(PROBE_READS)]
+    total = 0
+    while not stop.is_set():
+        for i in range(PROBE_LOOP):
+            total += i
+        for j in places:
+            total += heap[j]
+
+
+class Ballast:
+    """
+    C{processes} processes that keep a core busy each, with the probe's
+    core and memory work: a host as busy as a bigger pool makes it, with no
+    more of the pool running.  With it a small pool can be timed on a host
+    under the load a larger one puts on it, so that the two figures differ
+    only in the pool's size.
+    """
+
+    def __init__(self, processes: int) -> None:
+        self.processes = processes
+        self._running: list[Any] = []
+
+    def __enter__(self) -> Ballast:
+        ctx = multiprocessing.get_context("fork")
+        self._stop = ctx.Event()
+        self._running = [ctx.Process(target=_ballast, args=(self._stop,)) for _ in range(self.processes)]
+        for process in self._running:
+            process.start()
+        time.sleep(0.5)  # past the heaps' building
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for process in self._running:
+            process.join(5)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        self._running = []
+
+
 class CpuMeter:
     """
     One span's CPU: C{start()}, then C{stop(jobs)} for the report.
@@ -197,6 +244,8 @@ class CpuMeter:
             per_job[name + "_main"] = 1000.0 * main / max(1, jobs)
         client = end["_self"] - self._start["_self"] - roles_total - report["probe_seconds"]
         per_job["client"] = 1000.0 * client / max(1, jobs)
+        # (Ballast processes started after C{start} are this process's
+        # children too: their CPU lands in C{client} once reaped.)
         report["ms_per_job"] = per_job
         return report
 

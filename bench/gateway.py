@@ -476,6 +476,7 @@ def throughput(pool: Pool, args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"front_ends": args.front_ends}
     ratios = []
     ceilings: list[dict[str, float]] = []
+    equal_load: list[float] = []
     for _ in range(max(1, args.throughput_rounds)):
         # Each round measures one node, then three, so that a host whose
         # speed drifts reaches both figures of a round alike.
@@ -493,6 +494,20 @@ def throughput(pool: Pool, args: argparse.Namespace) -> dict[str, Any]:
             print("    " + cpumeter.describe(rate["cpu"]))
         ratios.append(out["nodes_3"]["per_second"] / out["nodes_1"]["per_second"])
         print(f"  3 nodes / 1 node = {ratios[-1]:.2f}x (target >= 2.7x with the cores)")
+        if args.ballast:
+            # One node again, now on a host as busy as three nodes made it.
+            while len(pool.nodes) > 1:
+                pool.stop_node(sorted(pool.nodes)[-1])
+            pool.wait_nodes(1)
+            with cpumeter.Ballast(args.ballast):
+                out["nodes_1_ballast"] = rate = _rate(pool, args)
+            equal_load.append(out["nodes_3"]["per_second"] / rate["per_second"])
+            print(
+                f"  1 node beside {args.ballast} busy ballast processes: "
+                f"{rate['per_second']:.1f} req/s"
+            )
+            print("    " + cpumeter.describe(rate["cpu"]))
+            print(f"  3 nodes / 1 node on a host as busy = {equal_load[-1]:.2f}x")
         ceilings.append(_ceiling(out["nodes_1"]["cpu"], out["nodes_3"]["cpu"]))
         busy = min(ceilings[-1]["main_busy_1"], ceilings[-1]["main_busy_3"])
         print(
@@ -510,6 +525,13 @@ def throughput(pool: Pool, args: argparse.Namespace) -> dict[str, Any]:
     out["ratios"] = ratios
     out["ratio_median"] = statistics.median(ratios)
     out["ceilings"] = ceilings
+    if equal_load:
+        out["ratios_equal_load"] = equal_load
+        out["ratio_equal_load_median"] = statistics.median(equal_load)
+        print(
+            f"  median of {len(equal_load)} rounds on a host as busy: "
+            f"{out['ratio_equal_load_median']:.2f}x"
+        )
     out["ceiling_median"] = statistics.median(c["ceiling"] for c in ceilings)
     if len(ratios) > 1:
         print(
@@ -570,6 +592,15 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=1,
         help="throughput: client processes sharing --concurrency and --requests",
+    )
+    parser.add_argument(
+        "--ballast",
+        type=int,
+        default=0,
+        metavar="N",
+        help="throughput: after each round, one node again beside N busy processes "
+        "(bench/cpumeter.py Ballast), as busy a host as three nodes make it, for the "
+        "ratio at equal host load [default: 0, not measured]",
     )
     parser.add_argument(
         "--pin-nodes",

@@ -22,13 +22,18 @@ from typing import Any
 import psutil
 
 
-def host_jiffies() -> tuple[int, int]:
-    """(busy, total) clock ticks of all CPUs since boot, from C{/proc/stat}."""
+def host_jiffies() -> tuple[int, int, int]:
+    """
+    (busy, total, steal) clock ticks of all CPUs since boot, from
+    C{/proc/stat}; steal is time a virtual machine's CPUs were ready but the
+    hypervisor ran something else (counted in busy as well).
+    """
     with open("/proc/stat") as stat:
         fields = [int(v) for v in stat.readline().split()[1:]]
     idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
     total = sum(fields[:8])
-    return total - idle, total
+    steal = fields[7] if len(fields) > 7 else 0
+    return total - idle, total, steal
 
 
 def tree_seconds(pid: int) -> float:
@@ -196,7 +201,7 @@ class CpuMeter:
     def __init__(self, roles: Mapping[str, Callable[[], Sequence[int]]]) -> None:
         self.roles = roles
         self._start: dict[str, float] = {}
-        self._host: tuple[int, int] = (0, 0)
+        self._host: tuple[int, int, int] = (0, 0, 0)
         self._began = 0.0
         self._probe = SpeedProbe()
 
@@ -219,12 +224,13 @@ class CpuMeter:
         seconds = time.monotonic() - self._began
         probe = self._probe.stop()
         end = self._sample()
-        busy, total = host_jiffies()
-        busy0, total0 = self._host
+        busy, total, steal = host_jiffies()
+        busy0, total0, steal0 = self._host
         report: dict[str, Any] = {
             "cores": os.cpu_count(),
             "seconds": seconds,
             "host_busy": (busy - busy0) / max(1, total - total0),
+            "host_steal": (steal - steal0) / max(1, total - total0),
             **probe,
         }
         # How busy each role's busiest kind of process was: a role's main
@@ -257,7 +263,8 @@ def describe(report: Mapping[str, Any]) -> str:
     mains = ", ".join(f"{name} {100 * v:.0f}%" for name, v in report["main_busy"].items())
     return (
         f"host {100 * report['host_busy']:.0f}% of {report['cores']} cores busy "
-        f"(probe: core {report['probe_us']:.0f} us, memory {report['probe_memory_us']:.0f} us "
-        f"CPU per unit); main process busy: {mains}; "
+        f"({100 * report['host_steal']:.1f}% stolen); "
+        f"probe: core {report['probe_us']:.0f} us, memory {report['probe_memory_us']:.0f} us "
+        f"CPU per unit; main process busy: {mains}; "
         f"CPU ms/job: " + ", ".join(parts)
     )

@@ -84,8 +84,11 @@ def _probe(stop: Any, out: Any, period: float) -> None:
     heap = [i * 7 + 1000 for i in range(PROBE_HEAP)]
     rng = random.Random(37)
     places = [rng.randrange(PROBE_HEAP) for _ in range(PROBE_READS)]
-    core, memory = [], []
-    while not stop.wait(period):
+    core: list[int] = []
+    memory: list[int] = []
+    out.send("ready")
+    ready = time.process_time()
+    while not stop.wait(period) or not core:
         started = time.thread_time_ns()
         total = 0
         for i in range(PROBE_LOOP):
@@ -95,7 +98,7 @@ def _probe(stop: Any, out: Any, period: float) -> None:
             total += heap[j]
         core.append(middle - started)
         memory.append(time.thread_time_ns() - middle)
-    out.send((core, memory, time.process_time()))
+    out.send((core, memory, time.process_time() - ready))
 
 
 class SpeedProbe:
@@ -120,11 +123,13 @@ class SpeedProbe:
         self._process = ctx.Process(target=_probe, args=(self._stop, child, self.period))
         self._process.start()
         child.close()
+        # Its heap built before the span starts, so the span has none of that.
+        self._out.recv()
 
     def stop(self) -> dict[str, float]:
         """
-        The probe's median (microseconds of CPU per unit of work), its
-        sample count and the CPU seconds it spent in all.
+        The probe's medians (microseconds of CPU per unit of work), its
+        sample count and the CPU seconds it spent since it was ready.
         """
         self._stop.set()
         core, memory, spent = self._out.recv()
@@ -172,7 +177,9 @@ class Ballast:
     def __enter__(self) -> Ballast:
         ctx = multiprocessing.get_context("fork")
         self._stop = ctx.Event()
-        self._running = [ctx.Process(target=_ballast, args=(self._stop,)) for _ in range(self.processes)]
+        self._running = [
+            ctx.Process(target=_ballast, args=(self._stop,)) for _ in range(self.processes)
+        ]
         for process in self._running:
             process.start()
         time.sleep(0.5)  # past the heaps' building

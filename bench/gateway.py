@@ -23,14 +23,20 @@ Phases (C{--phases}, comma-separated; all by default):
     through the gateway with one node, then with three (target: at least
     2.7x on a machine with the cores, e.g. 16); with
     C{--compare-front-ends 2,4}, three nodes again behind a gateway of 2 and
-    of 4 processes (C{--front-ends}).
+    of 4 processes (C{--front-ends}).  Each figure says where the CPU went
+    (L{cpumeter}: the host's busy share, each role's CPU per job and how
+    busy its main process was, a speed probe), and each round its
+    CPU-bound ceiling (three times one node, less what a node's CPU per
+    job grew by with three on the host); C{--ballast N} adds one node
+    beside N busy processes, for the ratio at equal host load.
 
 Prints each figure and writes C{bench/results/gateway.json} (C{--output}).
 
 Example (the GPU machine's 16 cores, CPU nodes)::
 
-    python3 bench/gateway.py --node-workers 4 --concurrency 24 \
-        --nats-server .wt-extra/nats-server --compare-front-ends 2,4
+    python3 bench/gateway.py --phases throughput --node-workers 2 \
+        --front-ends 4 --concurrency 32 --requests 3000 \
+        --client-processes 4 --throughput-rounds 10 --ballast 6
 """
 
 from __future__ import annotations
@@ -477,6 +483,8 @@ def throughput(pool: Pool, args: argparse.Namespace) -> dict[str, Any]:
     ratios = []
     ceilings: list[dict[str, float]] = []
     equal_load: list[float] = []
+    #: Every round's figures with their CPU (C{nodes_1} and the like keep the last).
+    rounds: list[dict[str, Any]] = []
     for _ in range(max(1, args.throughput_rounds)):
         # Each round measures one node, then three, so that a host whose
         # speed drifts reaches both figures of a round alike.
@@ -493,6 +501,7 @@ def throughput(pool: Pool, args: argparse.Namespace) -> dict[str, Any]:
             )
             print("    " + cpumeter.describe(rate["cpu"]))
         ratios.append(out["nodes_3"]["per_second"] / out["nodes_1"]["per_second"])
+        rounds.append({"nodes_1": out["nodes_1"], "nodes_3": out["nodes_3"]})
         print(f"  3 nodes / 1 node = {ratios[-1]:.2f}x (target >= 2.7x with the cores)")
         if args.ballast:
             # One node again, now on a host as busy as three nodes made it.
@@ -500,7 +509,7 @@ def throughput(pool: Pool, args: argparse.Namespace) -> dict[str, Any]:
                 pool.stop_node(sorted(pool.nodes)[-1])
             pool.wait_nodes(1)
             with cpumeter.Ballast(args.ballast):
-                out["nodes_1_ballast"] = rate = _rate(pool, args)
+                out["nodes_1_ballast"] = rounds[-1]["nodes_1_ballast"] = rate = _rate(pool, args)
             equal_load.append(out["nodes_3"]["per_second"] / rate["per_second"])
             print(
                 f"  1 node beside {args.ballast} busy ballast processes: "
@@ -525,6 +534,7 @@ def throughput(pool: Pool, args: argparse.Namespace) -> dict[str, Any]:
     out["ratios"] = ratios
     out["ratio_median"] = statistics.median(ratios)
     out["ceilings"] = ceilings
+    out["rounds"] = rounds
     if equal_load:
         out["ratios_equal_load"] = equal_load
         out["ratio_equal_load_median"] = statistics.median(equal_load)

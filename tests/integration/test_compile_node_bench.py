@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from .benchscripts import run_bench
 
 pytestmark = [
     pytest.mark.integration,
@@ -24,22 +24,15 @@ pytestmark = [
     pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed"),
 ]
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def test_compile_node(tmp_path: Path) -> None:
     output = tmp_path / "compile_node.json"
-    completed = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "compile_node.py")]
-        + ["--requests", "1", "--rounds", "1", "--cores", "1", "--modes", "bubblewrap"]
-        + ["--output", str(output)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
+    run_bench(
+        "compile_node.py",
+        *("--requests", "1", "--rounds", "1", "--cores", "1", "--modes", "bubblewrap"),
+        *("--output", str(output)),
         timeout=600,
     )
-    print(completed.stdout)
-    assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
     result = json.loads(output.read_text())
     results = result["results"]
     assert results["nvcc"]["cold"]["n"] == 1

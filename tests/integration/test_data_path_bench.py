@@ -16,34 +16,20 @@ the result (it held two or three copies before results were streamed).
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from kcoral.ipc import shared
 
+from .benchscripts import run_bench
+
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.skipif(not shared.available(), reason="no sealed memfds here"),
 ]
 
-ROOT = Path(__file__).resolve().parents[2]
-BENCH = ROOT / "bench"
 SPAWN = "--device cpu --num-workers 1 --log-dir '' --sandbox none --max-requests-per-worker 0"
-
-
-def run_bench(script: str, *args: str) -> None:
-    completed = subprocess.run(
-        [sys.executable, str(BENCH / script), *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    print(completed.stdout)
-    assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
 
 
 def test_tensor_roundtrip(tmp_path: Path) -> None:

@@ -11,13 +11,13 @@ the speed probe's samples, the ceiling and the equal-load ratio.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from kcoral.testing.nats import nats_server_binary
+
+from .benchscripts import run_bench
 
 pytestmark = [
     pytest.mark.integration,
@@ -26,37 +26,15 @@ pytestmark = [
     ),
 ]
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def test_throughput_round_accounts_cpu(tmp_path: Path) -> None:
     output = tmp_path / "gateway.json"
-    completed = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "bench" / "gateway.py"),
-            "--phases",
-            "throughput",
-            "--node-workers",
-            "1",
-            "--concurrency",
-            "4",
-            "--requests",
-            "120",
-            "--warmup",
-            "2",
-            "--ballast",
-            "1",
-            "--output",
-            str(output),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
+    run_bench(
+        "gateway.py",
+        *("--phases", "throughput", "--node-workers", "1", "--concurrency", "4"),
+        *("--requests", "120", "--warmup", "2", "--ballast", "1", "--output", str(output)),
         timeout=600,
     )
-    print(completed.stdout)
-    assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
     throughput = json.loads(output.read_text())["throughput"]
     (round_,) = throughput["rounds"]
     assert set(round_) == {"nodes_1", "nodes_3", "nodes_1_ballast"}

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import hwcounters
 import psutil
 
 
@@ -202,11 +203,20 @@ class CpuMeter:
     C{roles} maps a role's name to a callable giving its root pids now (a
     pool's nodes change between spans, not within one).  The report's
     C{client} is this process's tree less every role, so that the load
-    generator's share shows as well.
+    generator's share shows as well.  The main processes of the roles
+    named in C{counted} also get the CPU's cycle and instruction counters
+    (L{hwcounters}), where the host has them.
     """
 
-    def __init__(self, roles: Mapping[str, Callable[[], Sequence[int]]]) -> None:
+    def __init__(
+        self,
+        roles: Mapping[str, Callable[[], Sequence[int]]],
+        counted: Sequence[str] = (),
+    ) -> None:
         self.roles = roles
+        self.counted = counted
+        self._counters: dict[str, hwcounters.Counters | str] = {}
+        self._counts: dict[str, tuple[int, int]] = {}
         self._start: dict[str, float] = {}
         self._host: tuple[int, int, int] = (0, 0, 0)
         self._began = 0.0
@@ -224,6 +234,14 @@ class CpuMeter:
     def start(self) -> None:
         self._probe.start()
         self._host = host_jiffies()
+        self._counters = {
+            name: hwcounters.open_counters(self.roles[name]()) for name in self.counted
+        }
+        self._counts = {
+            name: counters.read()
+            for name, counters in self._counters.items()
+            if isinstance(counters, hwcounters.Counters)
+        }
         self._start = self._sample()
         self._began = time.monotonic()
 
@@ -231,6 +249,7 @@ class CpuMeter:
         seconds = time.monotonic() - self._began
         probe = self._probe.stop()
         end = self._sample()
+        counted = self._read_counters(end, jobs)
         busy, total, steal = host_jiffies()
         busy0, total0, steal0 = self._host
         report: dict[str, Any] = {
@@ -260,7 +279,36 @@ class CpuMeter:
         # (Ballast processes started after C{start} are this process's
         # children too: their CPU lands in C{client} once reaped.)
         report["ms_per_job"] = per_job
+        if counted:
+            report["counters"] = counted
         return report
+
+    def _read_counters(self, end: Mapping[str, float], jobs: int) -> dict[str, Any]:
+        """
+        Per counted role's main processes: cycles and instructions per job,
+        instructions per cycle, and the clock they ran at (cycles over their
+        CPU seconds); or why there are none.
+        """
+        out: dict[str, Any] = {}
+        for name, counters in self._counters.items():
+            if not isinstance(counters, hwcounters.Counters):
+                out[name] = {"unavailable": counters}
+                continue
+            cycles0, instructions0 = self._counts[name]
+            cycles, instructions = counters.read()
+            counters.close()
+            cycles -= cycles0
+            instructions -= instructions0
+            seconds = end[name + "_main"] - self._start[name + "_main"]
+            out[name] = {
+                "kernel_counted": counters.kernel,
+                "mcycles_per_job": cycles / 1e6 / max(1, jobs),
+                "minstructions_per_job": instructions / 1e6 / max(1, jobs),
+                "ipc": instructions / max(1, cycles),
+                "ghz": cycles / 1e9 / max(1e-9, seconds),
+            }
+        self._counters = {}
+        return out
 
 
 def describe(report: Mapping[str, Any]) -> str:
@@ -273,5 +321,17 @@ def describe(report: Mapping[str, Any]) -> str:
         f"({100 * report['host_steal']:.1f}% stolen); "
         f"probe: core {report['probe_us']:.0f} us, memory {report['probe_memory_us']:.0f} us "
         f"CPU per unit; main process busy: {mains}; "
-        f"CPU ms/job: " + ", ".join(parts)
+        f"CPU ms/job: "
+        + ", ".join(parts)
+        + "".join(
+            f"; {name} main: "
+            + (
+                counted["unavailable"]
+                if "unavailable" in counted
+                else f"{counted['minstructions_per_job']:.2f} M instructions/job, "
+                f"{counted['mcycles_per_job']:.2f} M cycles/job, IPC {counted['ipc']:.2f}, "
+                f"{counted['ghz']:.2f} GHz" + ("" if counted["kernel_counted"] else " (user mode)")
+            )
+            for name, counted in report.get("counters", {}).items()
+        )
     )

@@ -390,7 +390,8 @@ def _meter(pool: Pool) -> cpumeter.CpuMeter:
             "gateway": lambda: pid(pool.gateway.process if pool.gateway else None),
             "nodes": lambda: [p for s in pool.nodes.values() for p in pid(s.process)],
             "nats": lambda: pid(pool.nats.process),
-        }
+        },
+        counted=("nodes",),
     )
 
 
@@ -470,6 +471,24 @@ def _ceiling(one: dict[str, Any], three: dict[str, Any]) -> dict[str, float]:
         "probe_growth": three["probe_us"] / one["probe_us"] - 1.0,
         "probe_memory_growth": three["probe_memory_us"] / one["probe_memory_us"] - 1.0,
         "ceiling": 3.0 * c1 / c3,
+        **_counter_growth(one, three),
+    }
+
+
+def _counter_growth(one: dict[str, Any], three: dict[str, Any]) -> dict[str, float]:
+    """
+    Where a node's main process's extra CPU per job went, from the CPU's
+    counters: more instructions per job (more work), fewer instructions per
+    cycle (the same work, slower), or a lower clock.  Empty without counters.
+    """
+    a = one.get("counters", {}).get("nodes", {})
+    b = three.get("counters", {}).get("nodes", {})
+    if "ipc" not in a or "ipc" not in b:
+        return {}
+    return {
+        "instructions_growth": b["minstructions_per_job"] / a["minstructions_per_job"] - 1.0,
+        "ipc_growth": b["ipc"] / a["ipc"] - 1.0,
+        "clock_growth": b["ghz"] / a["ghz"] - 1.0,
     }
 
 
@@ -530,6 +549,12 @@ def throughput(pool: Pool, args: argparse.Namespace) -> dict[str, Any]:
             f"give {ceilings[-1]['ceiling']:.2f}x; measured / that = "
             f"{ratios[-1] / ceilings[-1]['ceiling']:.2f}"
         )
+        if "ipc_growth" in ceilings[-1]:
+            print(
+                f"  the CPU's counters, three nodes against one: instructions per job "
+                f"{ceilings[-1]['instructions_growth']:+.0%}, instructions per cycle "
+                f"{ceilings[-1]['ipc_growth']:+.0%}, clock {ceilings[-1]['clock_growth']:+.0%}"
+            )
     out["ratio"] = ratios[-1]
     out["ratios"] = ratios
     out["ratio_median"] = statistics.median(ratios)

@@ -11,6 +11,9 @@ the speed probe's samples, the ceiling and the equal-load ratio.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -51,6 +54,13 @@ def test_throughput_round_accounts_cpu(tmp_path: Path) -> None:
             assert per_job[role] >= per_job[role + "_main"] - 0.05, (role, per_job)
         assert per_job["client"] > 0
         assert set(cpu["main_busy"]) == {"gateway", "nodes", "nats"}
+        # The CPU's counters on the nodes' mains, or why this host has none.
+        counted = cpu["counters"]["nodes"]
+        if "unavailable" in counted:
+            assert counted["unavailable"].startswith("no hardware counters here")
+        else:
+            assert counted["minstructions_per_job"] > 0 and counted["mcycles_per_job"] > 0
+            assert 0.0 < counted["ipc"] < 10.0 and 0.1 < counted["ghz"] < 10.0
     (ceiling,) = throughput["ceilings"]
     assert ceiling["ceiling"] == pytest.approx(3 * ceiling["main_ms_1"] / ceiling["main_ms_3"])
     (equal,) = throughput["ratios_equal_load"]
@@ -63,3 +73,34 @@ def test_throughput_round_accounts_cpu(tmp_path: Path) -> None:
         round_["nodes_1_ballast"]["cpu"]["ms_per_job"]["client"]
         > round_["nodes_1"]["cpu"]["ms_per_job"]["client"]
     )
+
+
+def test_counters_follow_a_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """
+    C{bench/hwcounters.py} counts a live process's threads through
+    perf_event_open.  Hosts without a PMU (most CI machines) still have the
+    kernel's software clocks, which take the same path: counted here in
+    place of cycles and instructions, both give the CPU nanoseconds a
+    busy child spent.
+    """
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import hwcounters
+
+    monkeypatch.setattr(hwcounters, "_HARDWARE", 1)  # PERF_TYPE_SOFTWARE
+    busy = subprocess.Popen(
+        [sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 3: pass"]
+    )
+    try:
+        time.sleep(0.2)
+        counters = hwcounters.open_counters([busy.pid])
+        assert isinstance(counters, hwcounters.Counters), counters
+        before = counters.read()
+        time.sleep(0.5)
+        after = counters.read()
+        counters.close()
+    finally:
+        busy.kill()
+        busy.wait()
+    for start, end in zip(before, after, strict=True):
+        # Half a second of a spinning process: its CPU clock moved by most of it.
+        assert 0.2e9 < end - start < 0.6e9, (before, after)

@@ -27,7 +27,9 @@ pulls again.  Each job it gets:
      lost, it ends there (C{claim_lost}) and nothing is sent back;
   6. the message is acknowledged once the claim is decided, after the job
      has gone on (it never waits for the acknowledgement); a claim whose
-     outcome is unknown gives the message back.
+     outcome is unknown gives the message back.  The next pull, too, waits
+     for the claim's answer, so that it and its reply do not take the
+     loop's turns in front of that answer.
 
 Steps 1 to 4 are first taken on the queue's own loop as each message
 arrives (L{JobPuller.screen}, the queue's C{screen}): a job that passes
@@ -220,13 +222,19 @@ class JobPuller:
                 node=self.node_id,
             )
         self._delay = self.backoff
+        claiming = False
         for delivery in deliveries:
             if delivery.claim is None and (self._stopped or self.free == 0):
                 # Not ours to run: straight back to the queue for another node.
                 self._give_back(delivery)
                 continue
+            claiming = claiming or delivery.claim is not None
             self._take(delivery)
-        self._pump()
+        if not claiming:
+            self._pump()
+        # Else the next pull waits for a claim's answer (L{_claimed}): sent
+        # now, it and its reply would take the loop turns that the answer
+        # needs, in front of the job it decides.
 
     def _fetch_failed(self, failure: Failure) -> None:
         self._fetching = False
@@ -360,9 +368,15 @@ class JobPuller:
                 error=repr(e),
             )
             decision.decide(False)
+            self._pump()
             await running
             await self._settle(delivery.nak(0.0), "nak")
             return
+        # The job goes on (to its worker, when a seat is free) before
+        # anything else here: the line below, the acknowledgement (it only
+        # takes the message off the queue; the claim decided who runs the
+        # job) and the next pull all come after it.
+        decision.decide(won)
         if won:
             self.counts["run"] += 1
             self.log.info(
@@ -380,11 +394,8 @@ class JobPuller:
                 job=job.job,
                 request_id=job.request_id,
             )
-        decision.decide(won)
-        # The claim decides who runs the job; the acknowledgement only takes
-        # the message off the queue, so it is sent once the job has gone on
-        # (to its worker, when a seat was free), not before.
         acked = Deferred.fromCoroutine(self._settle(delivery.ack(), "ack"))
+        self._pump()
         await running
         await acked
 

@@ -448,6 +448,38 @@ class PullerTests(SynchronousTestCase):
         runs.finish("j1")
         self.assertEqual(p.busy, 0)
 
+    def test_next_pull_waits_for_the_claims_answer(self) -> None:
+        """
+        On a node running nothing else, a job that arrives with its claim
+        in flight leaves seats free, but the next pull is sent only once
+        the claim is answered and the job has gone on: sent at once, it and
+        its reply would take the loop's turns in front of that answer.
+        With another job running, the node pulls again at once, to keep
+        its seats fed.
+        """
+        p, queue, runs, _ = puller(seats=3)
+        p.start()
+        won: Deferred[bool] = Deferred()
+        queue.fetches[0][1].callback([queue.arrive(job("j1"), claim=won)])
+        self.assertEqual(([count for count, _ in queue.fetches], p.free), ([3], 2))
+        won.callback(True)
+        self.assertEqual(runs.started, ["j1"])
+        self.assertEqual([count for count, _ in queue.fetches], [3, 2])
+        # j1 runs: the next job's claim in flight holds no pull back.
+        queue.fetches[1][1].callback([queue.arrive(job("j2"), claim=Deferred())])
+        self.assertEqual([count for count, _ in queue.fetches], [3, 2, 1])
+
+    def test_unanswered_claim_lets_the_next_pull_go(self) -> None:
+        """A claim that fails (its outcome unknown) lets the held-back pull go."""
+        p, queue, _, _ = puller(seats=2)
+        p.start()
+        unknown: Deferred[bool] = Deferred()
+        queue.fetches[0][1].callback([queue.arrive(job("j1"), claim=unknown)])
+        self.assertEqual(len(queue.fetches), 1)
+        unknown.errback(TimeoutError("no answer"))
+        self.assertEqual(queue.what(), ["nak"])
+        self.assertEqual(len(queue.fetches), 2)
+
     def test_stop_waits_for_claims_on_arrival(self) -> None:
         """
         A stop while the fetch in flight may be claiming waits for that

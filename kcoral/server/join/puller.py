@@ -27,9 +27,10 @@ pulls again.  Each job it gets:
      lost, it ends there (C{claim_lost}) and nothing is sent back;
   6. the message is acknowledged once the claim is decided, after the job
      has gone on (it never waits for the acknowledgement); a claim whose
-     outcome is unknown gives the message back.  The next pull, too, waits
-     for the claim's answer, so that it and its reply do not take the
-     loop's turns in front of that answer.
+     outcome is unknown gives the message back.  On a node that held
+     no other job, the next pull, too, waits for the claim's answer, so
+     that it and its reply do not take the loop's turns in front of that
+     answer.
 
 Steps 1 to 4 are first taken on the queue's own loop as each message
 arrives (L{JobPuller.screen}, the queue's C{screen}): a job that passes
@@ -222,6 +223,7 @@ class JobPuller:
                 node=self.node_id,
             )
         self._delay = self.backoff
+        held = len(self._held)
         claiming = False
         for delivery in deliveries:
             if delivery.claim is None and (self._stopped or self.free == 0):
@@ -230,11 +232,12 @@ class JobPuller:
                 continue
             claiming = claiming or delivery.claim is not None
             self._take(delivery)
-        if not claiming:
+        if not claiming or held:
             self._pump()
-        # Else the next pull waits for a claim's answer (L{_claimed}): sent
-        # now, it and its reply would take the loop turns that the answer
-        # needs, in front of the job it decides.
+        # Else, on a node that ran nothing else, the next pull waits for a
+        # claim's answer (L{_claimed}): sent now, it and its reply would
+        # take the loop turns that the answer needs, in front of the job it
+        # decides.  A busy node pulls at once, to keep its seats fed.
 
     def _fetch_failed(self, failure: Failure) -> None:
         self._fetching = False

@@ -63,7 +63,7 @@ from kcoral.server.http.pipeline import header as _header
 from kcoral.server.http.pipeline import iso_utc as _iso_utc
 from kcoral.server.http.pipeline import response_request_id as _response_request_id
 from kcoral.server.http.request import LimitedRequest
-from kcoral.server.http.site import KcoralSite
+from kcoral.server.http.site import KcoralSite, send_now
 from kcoral.server.http.streaming import BodyProducer, DirectSocket
 from kcoral.server.workers.pool import PoolBusy
 from kcoral.wire.errors import choose_request_id, error_body
@@ -222,6 +222,7 @@ class GatewaySite(KcoralSite):
         """
         path = getattr(request, "path", None) or b""
         if path.startswith(b"/_pool/") and request.code < 400:
+            send_now(getattr(getattr(request, "channel", None), "transport", None))
             return
         super().log(request)
 

@@ -24,10 +24,12 @@ from functools import partial
 from typing import Any
 from typing import Protocol as Structural
 
+from twisted.internet.abstract import FileDescriptor
 from twisted.internet.endpoints import serverFromString
 from twisted.internet.interfaces import IAddress, IListeningPort, IReactorTCP
 from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
+from twisted.protocols.tls import TLSMemoryBIOProtocol
 from twisted.web.resource import IResource
 from twisted.web.server import Site
 
@@ -62,6 +64,40 @@ FD_HEADROOM_DIVISOR = 4
 DEFAULT_MAX_BYTES_PER_CLIENT = 512 << 20
 
 _http_log = Logger(namespace="kcoral.server.http")
+
+
+def send_now(transport: object) -> None:
+    """
+    Write what a connection holds for its peer now, as the reactor would on
+    its next turn once the socket is writable (L{FileDescriptor.doWrite}).
+
+    Twisted only buffers a write; the bytes leave when the loop comes round.
+    A request that has written its whole response still has work of its
+    own to do in that turn (its access-log line, its cleanup, the callbacks
+    waiting on its end), and all of it would run before the client's bytes
+    are sent.  Under TLS the bytes are already encrypted into the TCP
+    connection below, which is written.  Nothing is done for a connection
+    that is closing, whose producer is paused (the write would resume it,
+    here, in the middle of the request's end), or that is no socket at all
+    (a test's transport); what does not fit, or an error, stays for the
+    reactor, which has the connection registered for writing still.
+    """
+    if isinstance(transport, TLSMemoryBIOProtocol):
+        transport = transport.transport
+    if not isinstance(transport, FileDescriptor):
+        return
+    if (
+        not transport.connected
+        or transport.disconnecting
+        or transport._writeDisconnecting
+        or not (transport._tempDataLen or len(transport.dataBuffer) > transport.offset)
+    ):
+        return
+    if transport.producer is not None and (
+        not transport.streamingProducer or transport.producerPaused
+    ):
+        return
+    transport.doWrite()
 
 
 class HeadGuard(Structural):
@@ -159,6 +195,14 @@ class KcoralSite(Site):
             if stream_bodies
             else None
         )
+
+    def log(self, request: Any) -> None:
+        """
+        Called as a request finishes: its response leaves first
+        (L{send_now}), then its access-log line is written.
+        """
+        send_now(getattr(getattr(request, "channel", None), "transport", None))
+        super().log(request)
 
     def drain(self) -> None:
         """

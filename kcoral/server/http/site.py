@@ -29,7 +29,7 @@ from twisted.internet.endpoints import serverFromString
 from twisted.internet.interfaces import IAddress, IListeningPort, IReactorTCP
 from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
-from twisted.protocols.tls import TLSMemoryBIOProtocol
+from twisted.protocols.policies import ProtocolWrapper
 from twisted.web.resource import IResource
 from twisted.web.server import Site
 
@@ -75,14 +75,15 @@ def send_now(transport: object) -> None:
     A request that has written its whole response still has work of its
     own to do in that turn (its access-log line, its cleanup, the callbacks
     waiting on its end), and all of it would run before the client's bytes
-    are sent.  Under TLS the bytes are already encrypted into the TCP
+    are sent.  Under TLS (a L{ProtocolWrapper}, as any wrapper that writes
+    straight through) the bytes are already encrypted into the TCP
     connection below, which is written.  Nothing is done for a connection
     that is closing, whose producer is paused (the write would resume it,
     here, in the middle of the request's end), or that is no socket at all
     (a test's transport); what does not fit, or an error, stays for the
     reactor, which has the connection registered for writing still.
     """
-    if isinstance(transport, TLSMemoryBIOProtocol):
+    while isinstance(transport, ProtocolWrapper):
         transport = transport.transport
     if not isinstance(transport, FileDescriptor):
         return

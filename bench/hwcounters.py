@@ -32,16 +32,18 @@ _EXCLUDE_HV = 1 << 6
 _INHERIT = 1 << 1
 
 
+_LIBC = ctypes.CDLL(None, use_errno=True)
+
+
 def _open(tid: int, config: int, flags: int) -> int:
     """One counter on one thread; the file descriptor, or minus the errno."""
     if _SYSCALL is None:
         return -38  # ENOSYS
-    libc = ctypes.CDLL(None, use_errno=True)
     attr = bytearray(_ATTR_SIZE)
     struct.pack_into("IIQ", attr, 0, _HARDWARE, _ATTR_SIZE, config)
     struct.pack_into("Q", attr, 40, flags)
     buf = ctypes.create_string_buffer(bytes(attr), _ATTR_SIZE)
-    fd = libc.syscall(_SYSCALL, buf, tid, -1, -1, 0)
+    fd = _LIBC.syscall(_SYSCALL, buf, tid, -1, -1, 0)
     return fd if fd >= 0 else -ctypes.get_errno()
 
 

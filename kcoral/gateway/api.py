@@ -63,7 +63,7 @@ from kcoral.server.http.pipeline import header as _header
 from kcoral.server.http.pipeline import iso_utc as _iso_utc
 from kcoral.server.http.pipeline import response_request_id as _response_request_id
 from kcoral.server.http.request import LimitedRequest
-from kcoral.server.http.site import KcoralSite, send_now
+from kcoral.server.http.site import KcoralSite
 from kcoral.server.http.streaming import BodyProducer, DirectSocket
 from kcoral.server.workers.pool import PoolBusy
 from kcoral.wire.errors import choose_request_id, error_body
@@ -212,7 +212,7 @@ class GatewaySite(KcoralSite):
         #: (L{GatewayAPI.relay_result}), or C{None} for one read whole.
         self.relay_result: Callable[[IRequest, bytes, int | None], ResultRelay | None] | None = None
 
-    def log(self, request: Any) -> None:
+    def access_log(self, request: Any) -> None:
         """
         The access log, less the node-facing requests that succeed: a
         result post (and a blob fetch) per job is the gateway's own
@@ -222,9 +222,8 @@ class GatewaySite(KcoralSite):
         """
         path = getattr(request, "path", None) or b""
         if path.startswith(b"/_pool/") and request.code < 400:
-            send_now(getattr(getattr(request, "channel", None), "transport", None))
             return
-        super().log(request)
+        super().access_log(request)
 
 
 @attrs.frozen(kw_only=True)

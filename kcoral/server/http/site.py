@@ -200,10 +200,15 @@ class KcoralSite(Site):
     def log(self, request: Any) -> None:
         """
         Called as a request finishes: its response leaves first
-        (L{send_now}), then its access-log line is written.
+        (L{send_now}), then its access-log line is written
+        (L{access_log}).
         """
         send_now(getattr(getattr(request, "channel", None), "transport", None))
-        super().log(request)
+        self.access_log(request)
+
+    def access_log(self, request: Any) -> None:
+        """Write C{request}'s access-log line (Twisted's)."""
+        Site.log(self, request)
 
     def drain(self) -> None:
         """

@@ -222,9 +222,13 @@ def latency(pool: Pool, args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for label, port in (("direct", node.port), ("gateway", pool.port), ("direct2", node.port)):
         common.run_concurrent("127.0.0.1", port, 1, args.warmup, null_one)
+        meter = _meter(pool)
+        meter.start()
         walls, _ = common.run_concurrent("127.0.0.1", port, 1, args.sequential, null_one)
         out[label] = common.describe(walls)
+        out[label]["cpu"] = meter.stop(len(walls))
         print(f"  {label:<8} {common.fmt(out[label])}")
+        print(f"           CPU ms per request: {cpumeter.describe(out[label]['cpu'])}")
     direct = min(out["direct"]["p50"], out["direct2"]["p50"])
     out["added_p50_ms"] = out["gateway"]["p50"] - direct
     print(f"  the gateway adds {out['added_p50_ms']:.2f} ms p50, three blocks (target <= 2 ms)")

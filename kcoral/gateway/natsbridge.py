@@ -25,8 +25,9 @@ from __future__ import annotations
 import asyncio
 import json
 import ssl
+import sys
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
@@ -56,6 +57,9 @@ NatsWork = Callable[["Client", "JetStreamContext"], Awaitable[_T]]
 
 #: Seconds between two log lines of the same connection error.
 ERROR_LOG_INTERVAL = 60.0
+
+#: Whether tasks can begin at once, in the call that makes them (Python 3.12).
+EAGER_TASKS = sys.version_info >= (3, 12)
 
 #: The JWT marker of a NATS C{.creds} file.
 CREDS_MARKER = "-----BEGIN NATS USER JWT-----"
@@ -404,13 +408,33 @@ def reactor_loop(reactor: Any) -> asyncio.AbstractEventLoop | None:
     return loop if isinstance(loop, asyncio.AbstractEventLoop) else None
 
 
+def start_task(
+    coroutine: Coroutine[Any, Any, _T], loop: asyncio.AbstractEventLoop | None = None
+) -> asyncio.Future[_T]:
+    """
+    C{coroutine} as a task of C{loop} (the running loop by default), begun
+    at once where Python can (3.12's eager tasks): a publish is then in
+    nats-py's buffer before this returns, and its flusher writes it on the
+    loop's next turn, not the one after.  Called on the loop's thread.
+    """
+    if EAGER_TASKS:
+        running = loop if loop is not None else asyncio.get_running_loop()
+        return asyncio.Task(coroutine, loop=running, eager_start=True)  # type: ignore[call-arg]
+    return asyncio.ensure_future(coroutine, loop=loop)
+
+
 def _inline(loop: asyncio.AbstractEventLoop, make: Callable[[], Awaitable[_T]]) -> Deferred[_T]:
     """
-    C{make()} as a task of the reactor's own loop, its Deferred fired
-    directly by the task's end (no thread hop); cancelling the Deferred
-    cancels the task.
+    C{make()} as a task of the reactor's own loop (begun at once where
+    Python can, L{start_task}), its Deferred fired directly by the task's
+    end (no thread hop); cancelling the Deferred cancels the task.
     """
-    task: asyncio.Future[_T] = asyncio.ensure_future(make(), loop=loop)
+    work = make()
+    task: asyncio.Future[_T] = (
+        start_task(work, loop)
+        if asyncio.iscoroutine(work)
+        else asyncio.ensure_future(work, loop=loop)
+    )
 
     def cancel(_: Deferred[_T]) -> None:
         task.cancel()

@@ -42,8 +42,17 @@ __all__ = ["CLAIM_TIMEOUT", "Delivery", "IJobQueue", "NatsJobQueue"]
 CLAIM_TIMEOUT = 15.0
 
 #: Turns of the loop a fetch gives the claims it began, so that their
-#: publishes are written to nats-server before the jobs go to the reactor.
+#: publishes are written to nats-server before the jobs go to the reactor
+#: (one fewer where tasks begin at once: L{claim_send_turns}).
 CLAIM_SEND_TURNS = 2
+
+
+def claim_send_turns() -> int:
+    """L{CLAIM_SEND_TURNS}, less the publish's own turn where a task begins at once."""
+    from kcoral.gateway.natsbridge import EAGER_TASKS
+
+    return CLAIM_SEND_TURNS - 1 if EAGER_TASKS else CLAIM_SEND_TURNS
+
 
 #: Seconds a node with several consumers (a GPU node: one per GPU count it
 #: can take) long-polls its last one in each fetch.  A pull is one
@@ -188,7 +197,7 @@ class NatsJobQueue:
     ) -> Deferred[list[Delivery]]:
         import nats.errors
 
-        from kcoral.gateway.natsbridge import bounded
+        from kcoral.gateway.natsbridge import bounded, start_task
 
         bridge = self.bridge
         subs = list(self._subs)
@@ -221,18 +230,17 @@ class NatsJobQueue:
                 # with its claim in flight, so the node's pipeline starts on
                 # it while nats-server answers (L{JobPuller} runs nothing
                 # before the claim is won).
-                claim = asyncio.ensure_future(
-                    bounded(self._claim_work(job.job)(client, js), CLAIM_TIMEOUT)
-                )
+                claim = start_task(bounded(self._claim_work(job.job)(client, js), CLAIM_TIMEOUT))
                 delivery = _delivery(bridge, message, data, bridge.settled(claim))
                 deliveries.append(attrs.evolve(delivery, job=job))
             if any(d.claim is not None for d in deliveries):
                 # Let the claims leave before the reactor takes the jobs (on
                 # Twisted's asyncio reactor it runs their pipelines in this
                 # same thread): nats-py writes from its flusher task, so one
-                # turn of the loop runs each claim's publish, the next the
-                # flusher's write to nats-server.
-                for _ in range(CLAIM_SEND_TURNS):
+                # turn of the loop runs each claim's publish (none where the
+                # claim began at once), the next the flusher's write to
+                # nats-server.
+                for _ in range(claim_send_turns()):
                     await asyncio.sleep(0)
             return deliveries
 

@@ -26,6 +26,7 @@ from kcoral.gateway.jobs import Claim
 from kcoral.testing.live_server import (
     ServerProcess,
     free_port,
+    free_port_run,
     request,
     spawn_kcoral,
     wait_until_up,
@@ -113,6 +114,11 @@ class GatewayProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 60.0, *, wait_for_nodes: int = 0) -> GatewayProcess:
+        node_ports: list[str] = []
+        if self.front_ends > 1 and "--node-port" not in self.args:
+            # Each front end also listens on a node port of its own (by
+            # default the client port + 1 + its index): pick a free run.
+            node_ports = ["--node-port", str(free_port_run(self.front_ends))]
         self.process = spawn_kcoral(
             [
                 "gateway",
@@ -123,6 +129,7 @@ class GatewayProcess:
                 "--port",
                 str(self.port),
                 *(["--nats-credentials", str(self.credentials)] if self.credentials else []),
+                *node_ports,
                 *self.args,
             ],
             log_path=self.log_path,

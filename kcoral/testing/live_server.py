@@ -15,6 +15,7 @@ import hashlib
 import http.client
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -34,6 +35,42 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for the local ports of outgoing connections."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = f.read().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_port_run(count: int) -> int:
+    """
+    The first of C{count} consecutive TCP ports on 127.0.0.1 that were all
+    free a moment ago, below the kernel's ephemeral range: a port there is
+    never some outgoing connection's local port, as the one after a
+    L{free_port} may be by the time a server binds it.
+    """
+    low, _ = _ephemeral_ports()
+    top = max(10_000 + count, low - count)
+    picker = random.Random()
+    for _ in range(500):
+        first = picker.randrange(10_000, top)
+        if all(_bindable(first + i) for i in range(count)):
+            return first
+    raise RuntimeError(f"no run of {count} free ports below {low}")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 def multipart_body(

@@ -18,6 +18,7 @@ C{POST /_pool/jobs/<job>/result} takes the node's response
 
 from __future__ import annotations
 
+import functools
 import hmac
 import io
 import os
@@ -452,7 +453,8 @@ class GatewayAPI(RequestPipeline):
             if outcome.node is not None:
                 request.setHeader(b"X-KCoral-Node", outcome.node.encode("ascii"))
             request.setHeader(b"Content-Length", str(outcome.body_length).encode())
-            self._finished(
+            finished = functools.partial(
+                self._finished,
                 request_id,
                 head.status,
                 "relayed",
@@ -462,14 +464,19 @@ class GatewayAPI(RequestPipeline):
                 elapsed_ms=elapsed_ms,
             )
             if isinstance(body, ResultRelay):
+                finished()
                 # Written as the node's post arrives (L{kcoral.gateway.relay}).
                 delivered.callback(await body.attach(request))
                 return b""
             spooled = _SpooledFile.of(body, outcome.body_length)
             if spooled is None or outcome.body_length <= INLINE_RELAY_BYTES:
                 data = body.read()
-                self._deliver_after(request, delivered)
+                # Its request_finished is logged once the response is
+                # written: the event's formatting and writing would
+                # otherwise come before the client's bytes.
+                self._deliver_after(request, delivered, finished)
                 return data
+            finished()
             # Sent with sendfile from the spooled body where the socket allows
             # (plain TCP), else in slices: as a node sends a result of its own.
             producer = BodyProducer(request, [spooled], direct=DirectSocket.of(request))
@@ -487,18 +494,22 @@ class GatewayAPI(RequestPipeline):
         finally:
             body.close()
 
-    def _deliver_after(self, request: IRequest, delivered: Deferred[bool]) -> None:
+    def _deliver_after(
+        self, request: IRequest, delivered: Deferred[bool], log_end: Callable[[], None]
+    ) -> None:
         """
-        Fire C{delivered} once the client's response is written, on the
-        reactor's next turn: the node's result post is answered then, so
-        the client's bytes are on their way before the gateway spends time
-        on the node's answer (firing it first put that answer, its access
-        log line and its write ahead of the client's response).
+        Once the client's response is written, log its end (C{log_end})
+        and fire C{delivered} on the reactor's next turn: the node's result
+        post is answered then, so the client's bytes are on their way
+        before the gateway spends time on the node's answer (firing it
+        first put that answer, its access log line and its write ahead of
+        the client's response).
         """
 
         def written(result: object) -> None:
             ok = not isinstance(result, Failure)
             self._reactor.callLater(0, _fire, delivered, ok)
+            log_end()
 
         finished: Deferred[None] = request.notifyFinish()  # type: ignore[attr-defined]
         finished.addBoth(written)

@@ -8,18 +8,21 @@ asyncio loop (L{kcoral.gateway.natsbridge}).
 from __future__ import annotations
 
 import asyncio
+import io
 from typing import Any
 
-from twisted.internet.defer import CancelledError
+from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.task import Clock
+from twisted.logger import globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.test.requesthelper import DummyRequest
 
 from kcoral.gateway.api import GatewayAPI, GatewaySettings
-from kcoral.gateway.dispatch import Dispatcher, PendingJob
+from kcoral.gateway.dispatch import Dispatcher, Outcome, PendingJob
 from kcoral.gateway.jobs import (
     NATS_RESULT_BYTES,
     JobMessage,
+    ResultHead,
     nats_result_headers,
     parse_result_reply,
     result_headers,
@@ -360,3 +363,40 @@ class InlineBridgeTests(SynchronousTestCase):
         stopped_task.cancel()
         self.loop.run_until_complete(asyncio.sleep(0.01))
         self.failureResultOf(stopped, CancelledError)
+
+
+class AnswerTests(SynchronousTestCase):
+    def test_request_finished_is_logged_once_the_response_is_written(self) -> None:
+        """
+        A small relayed result's C{request_finished} event comes after the
+        client's response is written, not in front of it; the node's post
+        is answered on the turn after.
+        """
+        api, dispatcher = _api()
+        pending = dispatcher.jobs["j1"]
+        events: list[dict[str, Any]] = []
+        globalLogPublisher.addObserver(events.append)
+        self.addCleanup(globalLogPublisher.removeObserver, events.append)
+        delivered: Deferred[bool] = Deferred()
+        outcome = Outcome(
+            head=ResultHead(status=200, content_type="application/json"),
+            body=io.BytesIO(b'{"ok": true}'),
+            body_length=12,
+            node="n1",
+            delivered=delivered,
+        )
+        request = _post({})
+        body = self.successResultOf(
+            Deferred.fromCoroutine(api._answer(request, "r", pending, outcome, 0.0))
+        )
+        self.assertEqual(body, b'{"ok": true}')
+        self.assertEqual([e for e in events if e.get("kcoral_event") == "request_finished"], [])
+        request.write(body)
+        request.finish()
+        finished = [e for e in events if e.get("kcoral_event") == "request_finished"]
+        self.assertEqual(
+            [(e["http_status"], e["finish_reason"]) for e in finished], [(200, "relayed")]
+        )
+        self.assertNoResult(delivered)
+        api._reactor.advance(0)  # type: ignore[attr-defined]
+        self.assertTrue(self.successResultOf(delivered))

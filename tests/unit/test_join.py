@@ -852,6 +852,47 @@ class _Link:
         return await d
 
 
+@attrs.define
+class _FinishLater:
+    """Answers at once, its C{request_finished} left to the caller; records how it was asked."""
+
+    link: _Link
+    finished: list[int] = attrs.field(factory=list)
+    asked: list[dict[str, Any]] = attrs.field(factory=list)
+
+    async def execute_program(
+        self, request_id: str, program: bytes, client: str | None, **kw: Any
+    ) -> Answer:
+        self.asked.append(kw)
+        return Answer(
+            200,
+            "application/json",
+            b"{}",
+            finish=lambda: self.finished.append(len(self.link.posts)),
+        )
+
+
+class RunnerFinishTests(SynchronousTestCase):
+    def test_request_finished_is_logged_after_the_result_leaves(self) -> None:
+        """
+        A job's C{request_finished} event is the runner's to log, on the
+        loop's next turn: after its result has been sent on its way, not in
+        front of it.
+        """
+        link = _Link()
+        pipeline = _FinishLater(link)
+        clock = Clock()
+        runner = JobRunner(cast(Any, pipeline), cast(Any, link), clock, 1 << 20)
+        d = Deferred.fromCoroutine(runner.run(JobMessage.decode(job("j1"))))
+        self.assertEqual(pipeline.asked[0]["finish_later"], True)
+        self.assertEqual(len(link.posts), 1)
+        self.assertEqual(pipeline.finished, [])
+        clock.advance(0)
+        self.assertEqual(pipeline.finished, [1])
+        link.posts[0].callback(200)
+        self.assertIsNone(self.successResultOf(d))
+
+
 class RunnerBytesTests(SynchronousTestCase):
     message = JobMessage.decode(
         job("j1", blobs=[BlobRef(sha256=hashlib.sha256(b"hello blob").hexdigest(), size=10)])

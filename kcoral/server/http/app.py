@@ -10,6 +10,7 @@ thread pool, programs run in worker processes.
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Hashable, Mapping
@@ -108,6 +109,10 @@ class Answer:
     content_type: str
     body: Body
     headers: Mapping[str, str] = attrs.field(factory=dict)
+    #: Logs the request's C{request_finished} event, when the caller asked
+    #: to log it itself (C{execute_program}'s C{finish_later}): once the
+    #: answer is on its way; C{None}: logged already.
+    finish: Callable[[], None] | None = attrs.field(default=None, eq=False)
 
     @property
     def length(self) -> int:
@@ -442,6 +447,7 @@ class KcoralAPI(RequestPipeline):
         admitted: Callable[[], None] | None = None,
         gate: Callable[[], Deferred[bool]] | None = None,
         via: str = "in_process",
+        finish_later: bool = False,
     ) -> Answer:
         """
         Run C{program} (a program's JSON) as C{/execute} runs a request
@@ -459,6 +465,9 @@ class KcoralAPI(RequestPipeline):
             pool job whose claim another node won, or the gateway's cancel:
             its checks ran while the claim was on its way).
         @param via: the C{request_received} event's C{via} field.
+        @param finish_later: the C{request_finished} event of an answered
+            program is left to the caller (L{Answer.finish}), to log once
+            the answer is on its way rather than in front of it.
         """
         self._enter()
         try:
@@ -496,8 +505,21 @@ class KcoralAPI(RequestPipeline):
                     error.body(request_id),
                     REQUEST_KIND_HEADERS.get(error.kind, {}),
                 )
-            self._finished(request_id, rendered.status, rendered.finish_reason, **rendered.fields)
-            return Answer(rendered.status, rendered.content_type, rendered.body)
+            finish = functools.partial(
+                self._finished,
+                request_id,
+                rendered.status,
+                rendered.finish_reason,
+                **rendered.fields,
+            )
+            if not finish_later:
+                finish()
+            return Answer(
+                rendered.status,
+                rendered.content_type,
+                rendered.body,
+                finish=finish if finish_later else None,
+            )
         finally:
             self._leave()
 

@@ -12,6 +12,8 @@ job:
     worker's buffers) to the gateway, with the job's token;
   - L{kcoral.server.join.queue}: the job queue and the claims bucket over
     NATS (L{kcoral.gateway.natsbridge});
+  - L{kcoral.server.join.pull}: the queue's JetStream pull requests, each
+    job handed on as it arrives;
   - L{kcoral.server.join.runner}: one job from claim to posted result,
     through the server's execute pipeline in process
     (L{kcoral.server.http.app.KcoralAPI.execute_program});

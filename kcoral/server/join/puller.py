@@ -95,7 +95,7 @@ class JobPuller:
     poll_timeout: float = 1.0
     backoff: float = 0.5
     max_backoff: float = 10.0
-    #: Prepares the queue again after a failure (consumers re-bound).
+    #: Prepares the queue again after a failure (consumers created again).
     reprepare: Callable[[], Deferred[None]] | None = None
 
     #: Seats taken by jobs being claimed or run, by job id (or a
@@ -264,8 +264,8 @@ class JobPuller:
         if self.reprepare is None:
             self._pump()
             return
-        # Re-bind the consumers first: a restarted nats-server or a
-        # recreated stream leaves the old pull subscriptions useless.
+        # Prepare the queue again first: a restarted nats-server or a
+        # recreated stream may have lost the consumers.
         self._preparing = True
         d = self.reprepare()
 

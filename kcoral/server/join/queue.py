@@ -1,4 +1,4 @@
-# -*- test-case-name: tests.integration.test_node_join -*-
+# -*- test-case-name: tests.integration.test_node_join,tests.integration.test_job_pull -*-
 """
 The pool's NATS side as one node sees it: its job consumers, the claims
 bucket and its presence key.
@@ -44,7 +44,7 @@ CLAIM_TIMEOUT = 15.0
 #: Turns of the loop a fetch gives the claims it began, so that their
 #: publishes are written to nats-server before the jobs go to the reactor
 #: (one fewer where tasks begin at once: L{claim_send_turns}).
-CLAIM_SEND_TURNS = 2
+CLAIM_SEND_TURNS = 1
 
 
 def claim_send_turns() -> int:
@@ -144,9 +144,11 @@ class NatsJobQueue:
     L{IJobQueue} over NATS: the durable pull consumers C{jobs-<compat>-<g>}
     for every C{g} up to the node's GPU count, and the two KV buckets.
 
-    L{prepare} creates (idempotently) and binds the consumers once the
-    bridge is connected; it is called again after a failed fetch, so a
-    stream recreated by the gateway is picked up.
+    L{prepare} creates the consumers (idempotently) and opens the buckets
+    once the bridge is connected; it is called again after a failed fetch,
+    so a stream recreated by the gateway is picked up.  L{fetch} makes its
+    pull requests itself (L{kcoral.server.join.pull}), so each job is
+    claimed and handed on as it arrives.
     """
 
     bridge: NatsBridge
@@ -156,37 +158,36 @@ class NatsJobQueue:
     #: Seconds a consumer waits for an acknowledgement before redelivering
     #: (a node that died between pulling and claiming).
     ack_wait: float = 30.0
-    _subs: list[Any] = attrs.field(factory=list)
+    #: The consumers this node pulls from, as L{prepare} made them.
+    _consumers: list[str] = attrs.field(factory=list)
     _nodes: Any = None
     _claims: Any = None
+    #: Done (on the bridge's loop) when L{close} ends the pull in flight.
+    _closing: asyncio.Future[None] | None = None
+    #: Subscriptions of ended pull requests, ended at the next fetch.
+    _spent: list[Any] = attrs.field(factory=list)
 
     def prepare(self) -> Deferred[None]:
-        """Create and bind the consumers and open the buckets (on the loop)."""
+        """Create the consumers (idempotently) and open the buckets (on the loop)."""
         from kcoral.gateway.natsbridge import ensure_consumer
 
         gpus = min(self.gpus, MAX_GPUS)
 
         async def work(client: Any, js: Any) -> None:
-            subs = []
+            consumers = []
             # Jobs needing the most GPUs first: fewer nodes can take them.
             for g in range(gpus, -1, -1):
-                name = await ensure_consumer(js, self.compat, g, ack_wait=self.ack_wait)
-                subs.append(await js.pull_subscribe_bind(name, STREAM))
+                consumers.append(await ensure_consumer(js, self.compat, g, ack_wait=self.ack_wait))
             nodes = await js.key_value(NODES_BUCKET)
             claims = await js.key_value(CLAIMS_BUCKET)
-            old, self._subs = self._subs, subs
+            self._consumers = consumers
             self._nodes, self._claims = nodes, claims
-            for sub in old:
-                try:
-                    await sub.unsubscribe()
-                except Exception:
-                    pass
 
         return self.bridge.call(work, timeout=30.0)
 
     @property
     def prepared(self) -> bool:
-        return bool(self._subs) and self._claims is not None
+        return bool(self._consumers) and self._claims is not None
 
     def consumers(self) -> list[str]:
         """The consumer names this node pulls from."""
@@ -195,44 +196,72 @@ class NatsJobQueue:
     def fetch(
         self, count: int, timeout: float, screen: Callable[[bytes], JobMessage | None] | None = None
     ) -> Deferred[list[Delivery]]:
-        import nats.errors
-
         from kcoral.gateway.natsbridge import bounded, start_task
+        from kcoral.server.join.pull import PullRefused, pull, unsubscribe
 
         bridge = self.bridge
-        subs = list(self._subs)
-
-        async def pull() -> list[Any]:
-            messages: list[Any] = []
-            for sub, wait in zip(subs, poll_waits(len(subs), timeout), strict=True):
-                wanted = count - len(messages)
-                if wanted <= 0:
-                    break
-                try:
-                    messages += await sub.fetch(wanted, timeout=wait)
-                except (nats.errors.TimeoutError, asyncio.TimeoutError):
-                    # Nothing there within the wait.
-                    continue
-            return messages
+        consumers = list(self._consumers)
 
         async def work(client: Any, js: Any) -> list[Delivery]:
-            # The pull is bounded beyond its long poll, so a silent
-            # connection cannot hold the seat loop forever.
-            messages = await bounded(pull(), timeout + 5.0)
-            deliveries = []
-            for message in messages:
+            if self._closing is None:
+                self._closing = asyncio.get_running_loop().create_future()
+            closing = self._closing
+            # The last fetch's ended requests, whose subscriptions were left
+            # until its jobs had gone on.
+            await unsubscribe(self._spent)
+            deliveries: list[Delivery] = []
+
+            def arrived(message: Any) -> None:
+                # In the pull's subscription callback, as nats-py has parsed
+                # the message: claimed here and now, the job goes to the
+                # reactor with its claim in flight, so the node's pipeline
+                # starts on it while nats-server answers the claim
+                # (L{JobPuller} runs nothing before the claim is won).
                 data = bytes(message.data)
-                job = None if screen is None else screen(data)
-                if job is None:
-                    deliveries.append(_delivery(bridge, message, data, None))
-                    continue
-                # Claimed here and now; the job goes to the reactor at once
-                # with its claim in flight, so the node's pipeline starts on
-                # it while nats-server answers (L{JobPuller} runs nothing
-                # before the claim is won).
-                claim = start_task(bounded(self._claim_work(job.job)(client, js), CLAIM_TIMEOUT))
-                delivery = _delivery(bridge, message, data, bridge.settled(claim))
-                deliveries.append(attrs.evolve(delivery, job=job))
+                try:
+                    job = None if screen is None else screen(data)
+                except Exception:
+                    job = None  # the puller looks at it again on the reactor
+                delivery = _delivery(bridge, message, data, None)
+                if job is not None:
+                    claim = start_task(
+                        bounded(self._claim_work(job.job)(client, js), CLAIM_TIMEOUT)
+                    )
+                    delivery = attrs.evolve(delivery, claim=bridge.settled(claim), job=job)
+                deliveries.append(delivery)
+
+            async def take(consumer: str, wanted: int, expires: float | None) -> None:
+                await pull(
+                    client,
+                    STREAM,
+                    consumer,
+                    wanted,
+                    expires,
+                    arrived,
+                    stopping=closing,
+                    spent=self._spent,
+                )
+
+            try:
+                for consumer, wait in zip(
+                    consumers, poll_waits(len(consumers), timeout), strict=True
+                ):
+                    wanted = count - len(deliveries)
+                    if wanted <= 0 or closing.done():
+                        break
+                    if deliveries or wanted > 1:
+                        # What the consumer holds now, as many as wanted.
+                        await take(consumer, wanted, None)
+                        if deliveries:
+                            continue
+                    # Nothing yet: wait for the next job (one, so that no
+                    # request is left open with jobs owed to it).
+                    await take(consumer, 1, wait)
+            except PullRefused:
+                if not deliveries:
+                    raise
+                # Jobs that came (claimed, some) go to the reactor; the next
+                # fetch meets the refusal again.
             if any(d.claim is not None for d in deliveries):
                 # Let the claims leave before the reactor takes the jobs (on
                 # Twisted's asyncio reactor it runs their pipelines in this
@@ -244,11 +273,19 @@ class NatsJobQueue:
                     await asyncio.sleep(0)
             return deliveries
 
-        if not subs:
+        if not consumers:
             return fail(RuntimeError("job consumers not prepared"))
         # No timeout over the whole: a claim begun must reach the reactor
-        # with its delivery (the pull and each claim have their own).
+        # with its delivery (each pull request has its own).
         return bridge.call(work)
+
+    def close(self) -> None:
+        """End the pull in flight now (the node is leaving); jobs that came still go to the reactor."""
+        closing = self._closing
+        if closing is not None and not closing.done():
+            loop = closing.get_loop()
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(_set_done, closing)
 
     def claim(self, job: str) -> Deferred[bool]:
         return self.bridge.call(self._claim_work(job), timeout=CLAIM_TIMEOUT)
@@ -298,6 +335,11 @@ class NatsJobQueue:
                 await nodes.delete(key)
 
         return self.bridge.call(work, timeout=2.0)
+
+
+def _set_done(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def _delivery(

@@ -82,6 +82,7 @@ class Pipeline(Protocol):
         admitted: Callable[[], None] | None = None,
         gate: Callable[[], Deferred[bool]] | None = None,
         via: str = "in_process",
+        finish_later: bool = False,
     ) -> Answer: ...
 
 
@@ -127,6 +128,11 @@ class JobRunner:
         budget = self.in_flight
         try:
             answer = await self.answer(job, admitted, held, claim_won)
+            if answer.finish is not None:
+                # The request's last event is logged on the loop's next
+                # turn: after this turn has sent the result on its way
+                # (its publish is written first), not in front of it.
+                self._clock.callLater(0, answer.finish)
             if claim_won is not None and not await claim_won():
                 return  # another node's (or cancelled): nothing to send
             answered = self._clock.seconds()
@@ -212,6 +218,7 @@ class JobRunner:
             admitted=admitted,
             gate=claim_won,
             via="join",
+            finish_later=True,
         )
 
     async def _fetch(

@@ -308,6 +308,9 @@ class JoinService(AsyncService):
                     running=running,
                 )
             await self.puller.stop()
+        if self.queue is not None:
+            # The pull in flight ends now, so the connection closes at once.
+            self.queue.close()
         if self.presence is not None and self.bridge is not None and self.bridge.connected:
             await self.presence.stop()
         if self.bridge is not None:

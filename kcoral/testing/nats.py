@@ -246,6 +246,33 @@ class NatsServer:
         assert self.directory is not None
         return self.directory / f"{user}.creds.json"
 
+    async def connect(self, user: str, errors: list[str] | None = None) -> Any:
+        """
+        A nats-py client of C{user} (a node id, or L{GATEWAY_USER}), a
+        node's on its own inbox prefix as a joined node has it; no
+        reconnects.  Connection errors go to C{errors} when given.
+        """
+        import nats
+
+        credentials = json.loads(self.credentials_file(user).read_text())
+
+        async def error_cb(e: Exception) -> None:
+            if errors is not None:
+                errors.append(str(e))
+
+        options: dict[str, Any] = {}
+        if user != GATEWAY_USER:
+            options["inbox_prefix"] = node_inbox(user)
+        return await nats.connect(
+            self.url,
+            user=credentials["user"],
+            password=credentials["password"],
+            allow_reconnect=False,
+            connect_timeout=5,
+            error_cb=error_cb,
+            **options,
+        )
+
     def write_credentials(self, path: Path, user: str, password: str) -> Path:
         """A credentials file for any user and password (wrong ones, in tests)."""
         path.write_text(json.dumps({"user": user, "password": password}))

@@ -34,7 +34,6 @@ from kcoral.testing.nats import (
     NODES_BUCKET,
     NatsServer,
     nats_server_binary,
-    node_inbox,
 )
 
 pytestmark = pytest.mark.skipif(nats_server_binary() is None, reason="nats-server not installed")
@@ -55,18 +54,7 @@ def run(coroutine: Callable[[], Awaitable[_T]]) -> _T:
 
 
 async def connect(server: NatsServer, user: str) -> Any:
-    credentials = json.loads(server.credentials_file(user).read_text())
-    options: dict[str, Any] = {}
-    if user != GATEWAY_USER:
-        options["inbox_prefix"] = node_inbox(user)
-    return await nats.connect(
-        server.url,
-        user=credentials["user"],
-        password=credentials["password"],
-        allow_reconnect=False,
-        connect_timeout=5,
-        **options,
-    )
+    return await server.connect(user)
 
 
 async def fresh_pool(gateway: Any) -> Any:

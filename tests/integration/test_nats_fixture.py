@@ -27,7 +27,6 @@ from kcoral.testing.nats import (
     JOBS_STREAM,
     NODES_BUCKET,
     NatsServer,
-    node_inbox,
 )
 
 _T = TypeVar("_T")
@@ -48,24 +47,7 @@ def run(coroutine: Callable[[], Awaitable[_T]]) -> _T:
 
 
 async def connect(server: NatsServer, user: str, errors: list[str] | None = None) -> Any:
-    credentials = json.loads(server.credentials_file(user).read_text())
-
-    async def error_cb(e: Exception) -> None:
-        if errors is not None:
-            errors.append(str(e))
-
-    options: dict[str, Any] = {}
-    if user != GATEWAY_USER:
-        options["inbox_prefix"] = node_inbox(user)
-    return await nats.connect(
-        server.url,
-        user=credentials["user"],
-        password=credentials["password"],
-        allow_reconnect=False,
-        connect_timeout=5,
-        error_cb=error_cb,
-        **options,
-    )
+    return await server.connect(user, errors)
 
 
 async def prepare(gateway: Any) -> Any:

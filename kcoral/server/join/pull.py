@@ -1,4 +1,4 @@
-# -*- test-case-name: tests.integration.test_job_pull -*-
+# -*- test-case-name: tests.unit.test_join_pull,tests.integration.test_job_pull -*-
 """
 JetStream pull requests whose messages reach the node as nats-py parses them.
 
@@ -24,7 +24,9 @@ still owed to it when its caller has gone on:
 A job is delivered to a request only while its subscription is there; the
 subscription ends only with the request (or when nats-server has not ended
 the request well past its expiry: a lost connection), so no job is sent
-to a subscription that is gone and left to wait for its redelivery.
+to a subscription that is gone and left to wait for its redelivery.  A
+request the node ends itself as it stops (C{stopping}) gives back, with a
+NAK, a job that its callback still sees.
 """
 
 from __future__ import annotations

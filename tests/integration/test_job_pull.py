@@ -17,7 +17,8 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 import nats
@@ -126,6 +127,24 @@ async def node_queue(server: NatsServer) -> tuple[Any, NatsJobQueue]:
     return client, queue
 
 
+@asynccontextmanager
+async def pool_and_node(server: NatsServer) -> AsyncIterator[tuple[Any, Any, NatsJobQueue]]:
+    """
+    The gateway's JetStream context on a fresh pool, and node-a's client
+    and prepared queue; both clients closed at the end, failed or not.
+    """
+    gateway = await connect(server, GATEWAY_USER)
+    try:
+        js = await fresh_pool(gateway)
+        client, queue = await node_queue(server)
+        try:
+            yield js, client, queue
+        finally:
+            await client.close()
+    finally:
+        await gateway.close()
+
+
 def screen_all(data: bytes) -> JobMessage | None:
     return JobMessage.decode(data)
 
@@ -140,30 +159,26 @@ def test_a_waiting_fetch_hands_on_a_job_as_it_arrives_with_its_claim_written(
     """
 
     async def scenario() -> None:
-        gateway = await connect(server, GATEWAY_USER)
-        js = await fresh_pool(gateway)
-        client, queue = await node_queue(server)
-        job = job_message()
+        async with pool_and_node(server) as (js, client, queue):
+            job = job_message()
 
-        async def later() -> None:
-            await asyncio.sleep(0.3)
-            await publish(js, job)
+            async def later() -> None:
+                await asyncio.sleep(0.3)
+                await publish(js, job)
 
-        publishing = asyncio.ensure_future(later())
-        started = time.monotonic()
-        deliveries = await queue.fetch(1, 10.0, screen_all)
-        elapsed = time.monotonic() - started
-        unsent = queue.bridge.unsent[-1]  # type: ignore[attr-defined]
-        assert CLAIMS_BUCKET.encode() not in unsent, "the claim was still in nats-py's buffer"
-        await publishing
-        assert 0.3 <= elapsed < 3.0
-        assert [d.job.job for d in deliveries if d.job is not None] == [job.job]
-        assert await deliveries[0].claim is True
-        claims = await js.key_value(CLAIMS_BUCKET)
-        assert json.loads((await claims.get(job.job)).value) == {"node": "node-a"}
-        await deliveries[0].ack()
-        await client.close()
-        await gateway.close()
+            publishing = asyncio.ensure_future(later())
+            started = time.monotonic()
+            deliveries = await queue.fetch(1, 10.0, screen_all)
+            elapsed = time.monotonic() - started
+            unsent = queue.bridge.unsent[-1]  # type: ignore[attr-defined]
+            assert CLAIMS_BUCKET.encode() not in unsent, "the claim was still in nats-py's buffer"
+            await publishing
+            assert 0.3 <= elapsed < 3.0
+            assert [d.job.job for d in deliveries if d.job is not None] == [job.job]
+            assert await deliveries[0].claim is True
+            claims = await js.key_value(CLAIMS_BUCKET)
+            assert json.loads((await claims.get(job.job)).value) == {"node": "node-a"}
+            await deliveries[0].ack()
 
     run(scenario)
 
@@ -177,37 +192,33 @@ def test_a_fetch_takes_what_waits_and_leaves_no_request_open(server: NatsServer)
     """
 
     async def scenario() -> None:
-        gateway = await connect(server, GATEWAY_USER)
-        js = await fresh_pool(gateway)
-        client, queue = await node_queue(server)
-        subscribed = len(client._subs)
-        first, second, third = job_message(), job_message(), job_message()
-        await publish(js, first)
-        await publish(js, second)
-        started = time.monotonic()
-        deliveries = await queue.fetch(3, 10.0, screen_all)
-        assert time.monotonic() - started < 3.0
-        assert sorted(d.job.job for d in deliveries if d.job is not None) == sorted(
-            [first.job, second.job]
-        )
-        assert [await d.claim for d in deliveries] == [True, True]
-        # One waiting fetch that returns with one job leaves nothing open either.
-        await publish(js, third)
-        waited = await queue.fetch(2, 10.0, screen_all)
-        assert [d.job.job for d in waited if d.job is not None] == [third.job]
-        late = job_message()
-        await publish(js, late)
-        started = time.monotonic()
-        after = await queue.fetch(1, 10.0, screen_all)
-        assert time.monotonic() - started < 3.0
-        assert [d.job.job for d in after if d.job is not None] == [late.job]
-        for delivery in [*deliveries, *waited, *after]:
-            await delivery.ack()
-        # Each fetch ends the last one's request subscriptions: one is left.
-        await queue.fetch(1, 0.2, screen_all)
-        assert len(client._subs) - subscribed == 1
-        await client.close()
-        await gateway.close()
+        async with pool_and_node(server) as (js, client, queue):
+            subscribed = len(client._subs)
+            first, second, third = job_message(), job_message(), job_message()
+            await publish(js, first)
+            await publish(js, second)
+            started = time.monotonic()
+            deliveries = await queue.fetch(3, 10.0, screen_all)
+            assert time.monotonic() - started < 3.0
+            assert sorted(d.job.job for d in deliveries if d.job is not None) == sorted(
+                [first.job, second.job]
+            )
+            assert [await d.claim for d in deliveries] == [True, True]
+            # One waiting fetch that returns with one job leaves nothing open either.
+            await publish(js, third)
+            waited = await queue.fetch(2, 10.0, screen_all)
+            assert [d.job.job for d in waited if d.job is not None] == [third.job]
+            late = job_message()
+            await publish(js, late)
+            started = time.monotonic()
+            after = await queue.fetch(1, 10.0, screen_all)
+            assert time.monotonic() - started < 3.0
+            assert [d.job.job for d in after if d.job is not None] == [late.job]
+            for delivery in [*deliveries, *waited, *after]:
+                await delivery.ack()
+            # Each fetch ends the last one's request subscriptions: one is left.
+            await queue.fetch(1, 0.2, screen_all)
+            assert len(client._subs) - subscribed == 1
 
     run(scenario)
 
@@ -216,26 +227,22 @@ def test_a_message_the_screen_passes_over_comes_unclaimed(server: NatsServer) ->
     """A job the screen declines (past its deadline) is handed on without a claim."""
 
     async def scenario() -> None:
-        gateway = await connect(server, GATEWAY_USER)
-        js = await fresh_pool(gateway)
-        client, queue = await node_queue(server)
-        late = job_message(deadline=time.time() - 1)
-        await publish(js, late)
+        async with pool_and_node(server) as (js, client, queue):
+            late = job_message(deadline=time.time() - 1)
+            await publish(js, late)
 
-        def screen(data: bytes) -> JobMessage | None:
-            job = JobMessage.decode(data)
-            return job if job.deadline > time.time() else None
+            def screen(data: bytes) -> JobMessage | None:
+                job = JobMessage.decode(data)
+                return job if job.deadline > time.time() else None
 
-        deliveries = await queue.fetch(1, 10.0, screen)
-        assert len(deliveries) == 1
-        assert deliveries[0].claim is None and deliveries[0].job is None
-        assert JobMessage.decode(deliveries[0].data).job == late.job
-        claims = await js.key_value(CLAIMS_BUCKET)
-        with pytest.raises(nats.js.errors.KeyNotFoundError):
-            await claims.get(late.job)
-        await deliveries[0].ack()
-        await client.close()
-        await gateway.close()
+            deliveries = await queue.fetch(1, 10.0, screen)
+            assert len(deliveries) == 1
+            assert deliveries[0].claim is None and deliveries[0].job is None
+            assert JobMessage.decode(deliveries[0].data).job == late.job
+            claims = await js.key_value(CLAIMS_BUCKET)
+            with pytest.raises(nats.js.errors.KeyNotFoundError):
+                await claims.get(late.job)
+            await deliveries[0].ack()
 
     run(scenario)
 
@@ -244,15 +251,11 @@ def test_an_empty_wait_ends_at_its_expiry(server: NatsServer) -> None:
     """With nothing queued a fetch returns empty once its wait is over (nats-server's 408)."""
 
     async def scenario() -> None:
-        gateway = await connect(server, GATEWAY_USER)
-        await fresh_pool(gateway)
-        client, queue = await node_queue(server)
-        started = time.monotonic()
-        assert await queue.fetch(2, 0.4, screen_all) == []
-        elapsed = time.monotonic() - started
-        assert 0.35 <= elapsed < 0.4 + 0.5 + 0.4
-        await client.close()
-        await gateway.close()
+        async with pool_and_node(server) as (_, client, queue):
+            started = time.monotonic()
+            assert await queue.fetch(2, 0.4, screen_all) == []
+            elapsed = time.monotonic() - started
+            assert 0.35 <= elapsed < 0.4 + 0.5 + 0.4
 
     run(scenario)
 
@@ -261,17 +264,13 @@ def test_closing_ends_a_waiting_fetch(server: NatsServer) -> None:
     """L{NatsJobQueue.close} ends a fetch that waits, long before its wait is over."""
 
     async def scenario() -> None:
-        gateway = await connect(server, GATEWAY_USER)
-        await fresh_pool(gateway)
-        client, queue = await node_queue(server)
-        fetching = queue.fetch(1, 30.0, screen_all)
-        await asyncio.sleep(0.3)
-        started = time.monotonic()
-        queue.close()
-        assert await fetching == []
-        assert time.monotonic() - started < 1.0
-        await client.close()
-        await gateway.close()
+        async with pool_and_node(server) as (_, client, queue):
+            fetching = queue.fetch(1, 30.0, screen_all)
+            await asyncio.sleep(0.3)
+            started = time.monotonic()
+            queue.close()
+            assert await fetching == []
+            assert time.monotonic() - started < 1.0
 
     run(scenario)
 
@@ -318,18 +317,14 @@ def test_the_node_pulls_its_own_consumer(server: NatsServer) -> None:
     """The pull request goes to the consumer the node prepared, on its own inbox prefix."""
 
     async def scenario() -> None:
-        gateway = await connect(server, GATEWAY_USER)
-        js = await fresh_pool(gateway)
-        client, queue = await node_queue(server)
-        assert queue.consumers() == [consumer_name(COMPAT, 0)]
-        job = job_message()
-        await publish(js, job)
-        seen: list[Any] = []
-        count = await pull(client, JOBS_STREAM, consumer_name(COMPAT, 0), 1, 5.0, seen.append)
-        assert count == 1
-        assert JobMessage.decode(seen[0].data).job == job.job
-        await seen[0].ack()
-        await client.close()
-        await gateway.close()
+        async with pool_and_node(server) as (js, client, queue):
+            assert queue.consumers() == [consumer_name(COMPAT, 0)]
+            job = job_message()
+            await publish(js, job)
+            seen: list[Any] = []
+            count = await pull(client, JOBS_STREAM, consumer_name(COMPAT, 0), 1, 5.0, seen.append)
+            assert count == 1
+            assert JobMessage.decode(seen[0].data).job == job.job
+            await seen[0].ack()
 
     run(scenario)

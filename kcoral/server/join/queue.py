@@ -41,9 +41,13 @@ __all__ = ["CLAIM_TIMEOUT", "Delivery", "IJobQueue", "NatsJobQueue"]
 #: the create's answer was lost).
 CLAIM_TIMEOUT = 15.0
 
-#: Turns of the loop a fetch gives the claims it began, so that their
-#: publishes are written to nats-server before the jobs go to the reactor
-#: (one fewer where tasks begin at once: L{claim_send_turns}).
+#: Turns of the loop a fetch gives the claims it began, after its pull has
+#: come back, so that their publishes are written to nats-server before the
+#: jobs go to the reactor (one fewer where tasks begin at once:
+#: L{claim_send_turns}).  The pull comes back a turn after the callback
+#: that began the claims; in that turn a claim's task makes its publish
+#: (or, begun at once, nats-py's flusher writes it, ahead of the pull),
+#: and in the next the flusher writes it.
 CLAIM_SEND_TURNS = 1
 
 
@@ -265,10 +269,8 @@ class NatsJobQueue:
             if any(d.claim is not None for d in deliveries):
                 # Let the claims leave before the reactor takes the jobs (on
                 # Twisted's asyncio reactor it runs their pipelines in this
-                # same thread): nats-py writes from its flusher task, so one
-                # turn of the loop runs each claim's publish (none where the
-                # claim began at once), the next the flusher's write to
-                # nats-server.
+                # same thread): nats-py writes from its flusher task, a turn
+                # after the publish (L{CLAIM_SEND_TURNS}).
                 for _ in range(claim_send_turns()):
                     await asyncio.sleep(0)
             return deliveries

@@ -498,17 +498,18 @@ class GatewayAPI(RequestPipeline):
         self, request: IRequest, delivered: Deferred[bool], log_end: Callable[[], None]
     ) -> None:
         """
-        Once the client's response is written, log its end (C{log_end})
-        and fire C{delivered} on the reactor's next turn: the node's result
-        post is answered then, so the client's bytes are on their way
-        before the gateway spends time on the node's answer (firing it
-        first put that answer, its access log line and its write ahead of
-        the client's response).
+        Once the client's response is written, fire C{delivered} (the node's
+        result post is answered), then log the request's end (C{log_end}).
+        The client's bytes have left by then (C{KcoralSite.log}), and a
+        NATS answer leaves at once too (C{natsbridge.write_now}).  Put off
+        to a later turn, the answer went out after the client's next
+        request had been read and published, and reached the node with that
+        next job, whose path then waited while the node logged the previous
+        job's end.
         """
 
         def written(result: object) -> None:
-            ok = not isinstance(result, Failure)
-            self._reactor.callLater(0, _fire, delivered, ok)
+            _fire(delivered, not isinstance(result, Failure))
             log_end()
 
         finished: Deferred[None] = request.notifyFinish()  # type: ignore[attr-defined]

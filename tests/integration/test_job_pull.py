@@ -26,6 +26,7 @@ import pytest
 from nats.js.api import AckPolicy, ConsumerConfig, KeyValueConfig, RetentionPolicy, StreamConfig
 
 from kcoral.gateway.jobs import JobMessage, consumer_name, job_subject
+from kcoral.gateway.natsbridge import EAGER_TASKS, start_task, write_now
 from kcoral.server.join.pull import PullRefused, pull
 from kcoral.server.join.queue import NatsJobQueue
 from kcoral.testing.nats import (
@@ -98,8 +99,8 @@ async def publish(js: Any, job: JobMessage) -> None:
 class LoopBridge:
     """
     The queue's bridge on the test's own loop: C{call} runs the work as a
-    task of it and C{settled} is the task itself, so what the queue hands
-    on is awaited here as the reactor would get it.
+    task of it and C{begin}'s outcome is the task itself, so what the
+    queue hands on is awaited here as the reactor would get it.
     """
 
     def __init__(self, client: Any) -> None:
@@ -116,8 +117,11 @@ class LoopBridge:
 
         return asyncio.ensure_future(run())
 
-    def settled(self, future: Any) -> Any:
-        return future
+    def begin(self, work: Any) -> Any:
+        return start_task(work)  # begun at once where Python can, as the bridge does
+
+    def deliver(self, f: Callable[..., object], *args: Any) -> None:
+        f(*args)
 
 
 async def node_queue(server: NatsServer) -> tuple[Any, NatsJobQueue]:
@@ -179,6 +183,84 @@ def test_a_waiting_fetch_hands_on_a_job_as_it_arrives_with_its_claim_written(
             claims = await js.key_value(CLAIMS_BUCKET)
             assert json.loads((await claims.get(job.job)).value) == {"node": "node-a"}
             await deliveries[0].ack()
+
+    run(scenario)
+
+
+def test_a_claimed_job_is_taken_as_it_arrives(server: NatsServer) -> None:
+    """
+    With a C{take}, a job claimed as it arrives is handed to it there and
+    then, its claim already written, and the fetch's own list leaves it
+    out (Python 3.12 on, where a claim's publish is made at once; before,
+    the job comes in the list, as without a C{take}).
+    """
+
+    async def scenario() -> None:
+        async with pool_and_node(server) as (js, client, queue):
+            job = job_message()
+            taken: list[tuple[Any, bytes, bool]] = []
+            fetching: asyncio.Future[list[Any]] | None = None
+
+            def take(delivery: Any) -> None:
+                assert fetching is not None
+                taken.append((delivery, b"".join(client._pending), fetching.done()))
+
+            async def later() -> None:
+                await asyncio.sleep(0.3)
+                await publish(js, job)
+
+            publishing = asyncio.ensure_future(later())
+            fetching = asyncio.ensure_future(queue.fetch(1, 10.0, screen_all, take))
+            deliveries = await fetching
+            await publishing
+            if EAGER_TASKS:
+                assert deliveries == []
+                [(delivery, unsent, fetched)] = taken
+                assert CLAIMS_BUCKET.encode() not in unsent, "the claim was not written yet"
+                assert not fetched, "taken only once the fetch was back"
+            else:
+                assert taken == []
+                [delivery] = deliveries
+            assert delivery.job.job == job.job
+            assert await delivery.claim is True
+            await delivery.ack()
+
+    run(scenario)
+
+
+def test_write_now_hands_a_publish_to_the_socket(server: NatsServer) -> None:
+    """
+    C{write_now} writes what nats-py holds at once: nothing is left in its
+    buffer, and the message arrives without the loop having turned for
+    nats-py's flusher first.
+    """
+
+    async def scenario() -> None:
+        sender = await connect(server, GATEWAY_USER)
+        receiver = await connect(server, GATEWAY_USER)
+        try:
+            got: asyncio.Queue[bytes] = asyncio.Queue()
+
+            async def seen(message: Any) -> None:
+                await got.put(message.data)
+
+            await receiver.subscribe("kcoral.test.now", cb=seen)
+            await receiver.flush()
+            await sender.publish("kcoral.test.now", b"one")
+            assert sender.pending_data_size > 0, "nats-py wrote before its flusher ran"
+            write_now(sender)
+            assert sender.pending_data_size == 0
+            assert sender._pending == []
+            assert await asyncio.wait_for(got.get(), 5.0) == b"one"
+            # The flusher, finding nothing, writes nothing twice; later
+            # publishes go out as ever.
+            await sender.publish("kcoral.test.now", b"two")
+            await sender.flush()
+            assert await asyncio.wait_for(got.get(), 5.0) == b"two"
+            assert got.empty()
+        finally:
+            await sender.close()
+            await receiver.close()
 
     run(scenario)
 

@@ -295,7 +295,10 @@ class InlineBridgeTests(SynchronousTestCase):
     def test_call_runs_on_the_reactor_loop(self) -> None:
         """A call's Deferred fires straight from its task, no thread in between."""
         bridge = self._bridge()
-        bridge._client, bridge._js = type("C", (), {"is_closed": False})(), object()  # type: ignore[assignment]
+        bridge._client, bridge._js = (  # type: ignore[assignment]
+            type("C", (), {"is_closed": False, "is_connected": False})(),
+            object(),
+        )
 
         async def work(client: Any, js: Any) -> int:
             await asyncio.sleep(0)
@@ -332,16 +335,19 @@ class InlineBridgeTests(SynchronousTestCase):
         bridge.deliver(seen.append, 1)
         self.assertEqual(seen, [1])
 
-    def test_settled_fires_with_a_tasks_outcome(self) -> None:
+    def test_begin_fires_with_a_tasks_outcome(self) -> None:
         """
-        A task begun on the loop: its result, its error or its cancellation
+        Work begun on the loop: its result, its error or its cancellation
         (as Twisted's C{CancelledError}) reaches the reactor as its
-        Deferred's outcome, once it is done.
+        Deferred's outcome, fired from the task as the work ends, before
+        what that step scheduled for the loop's next turn.
         """
         bridge = self._bridge()
+        order: list[str] = []
 
         async def answer() -> int:
             await asyncio.sleep(0)
+            self.loop.call_soon(order.append, "next turn")
             return 7
 
         async def broken() -> int:
@@ -351,18 +357,22 @@ class InlineBridgeTests(SynchronousTestCase):
             await asyncio.sleep(3600)
             return 0
 
-        answered = bridge.settled(self.loop.create_task(answer()))
-        failed = bridge.settled(self.loop.create_task(broken()))
-        stopped_task = self.loop.create_task(forever())
-        stopped = bridge.settled(stopped_task)
-        self.assertNoResult(answered)
+        async def begin_all() -> tuple[Deferred[int], ...]:
+            return bridge.begin(answer()), bridge.begin(broken()), bridge.begin(forever())
+
+        answered, failed, stopped = self.loop.run_until_complete(begin_all())
+        answered.addCallback(lambda result: order.append("fired") or result)
         self.loop.run_until_complete(asyncio.sleep(0.01))
         self.assertEqual(self.successResultOf(answered), 7)
+        self.assertEqual(order, ["fired", "next turn"])
         self.failureResultOf(failed, ValueError)
         self.assertNoResult(stopped)
-        stopped_task.cancel()
+        self.assertEqual(len(bridge._tasks), 1)
+        for task in list(bridge._tasks):
+            task.cancel()
         self.loop.run_until_complete(asyncio.sleep(0.01))
         self.failureResultOf(stopped, CancelledError)
+        self.assertEqual(bridge._tasks, set())
 
 
 class AnswerTests(SynchronousTestCase):
@@ -370,7 +380,7 @@ class AnswerTests(SynchronousTestCase):
         """
         A small relayed result's C{request_finished} event comes after the
         client's response is written, not in front of it; the node's post
-        is answered on the turn after.
+        is answered then too, before the event.
         """
         api, dispatcher = _api()
         pending = dispatcher.jobs["j1"]
@@ -385,6 +395,15 @@ class AnswerTests(SynchronousTestCase):
             node="n1",
             delivered=delivered,
         )
+        finished_before_answer: list[int] = []
+        delivered.addCallback(
+            lambda ok: (
+                finished_before_answer.append(
+                    sum(e.get("kcoral_event") == "request_finished" for e in events)
+                )
+                or ok
+            )
+        )
         request = _post({})
         body = self.successResultOf(
             Deferred.fromCoroutine(api._answer(request, "r", pending, outcome, 0.0))
@@ -397,6 +416,5 @@ class AnswerTests(SynchronousTestCase):
         self.assertEqual(
             [(e["http_status"], e["finish_reason"]) for e in finished], [(200, "relayed")]
         )
-        self.assertNoResult(delivered)
-        api._reactor.advance(0)  # type: ignore[attr-defined]
         self.assertTrue(self.successResultOf(delivered))
+        self.assertEqual(finished_before_answer, [0])

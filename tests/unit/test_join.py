@@ -77,13 +77,18 @@ class FakeQueue:
 
     #: Each fetch's screen, in order.
     screens: list[Any] = attrs.field(factory=list)
+    #: Each fetch's take (claimed jobs handed on as they arrive).
+    takes: list[Any] = attrs.field(factory=list)
     #: Claims asked for through L{claim} (not on arrival).
     claimed: list[str] = attrs.field(factory=list)
 
-    def fetch(self, count: int, timeout: float, screen: Any = None) -> Deferred[list[Delivery]]:
+    def fetch(
+        self, count: int, timeout: float, screen: Any = None, take: Any = None
+    ) -> Deferred[list[Delivery]]:
         d: Deferred[list[Delivery]] = Deferred()
         self.fetches.append((count, d))
         self.screens.append(screen)
+        self.takes.append(take)
         return d
 
     def claim(self, job: str) -> Deferred[bool]:
@@ -468,6 +473,42 @@ class PullerTests(SynchronousTestCase):
         # j1 runs: the next job's claim in flight holds no pull back.
         queue.fetches[1][1].callback([queue.arrive(job("j2"), claim=Deferred())])
         self.assertEqual([count for count, _ in queue.fetches], [3, 2, 1])
+
+    def test_claimed_job_taken_before_its_fetch_is_back(self) -> None:
+        """
+        A claimed job the queue hands over as it arrives (the fetch's
+        C{take}) starts at once, before its fetch has come back, and holds
+        its seat; once the fetch is back, empty, the next pull still waits
+        for the claim's answer, as for a job in the fetch's list.  With
+        another job running, a job taken so lets the node pull at once.
+        """
+        p, queue, runs, _ = puller(seats=3)
+        p.start()
+        won: Deferred[bool] = Deferred()
+        queue.takes[-1](queue.arrive(job("j1"), claim=won))
+        self.assertEqual((runs.begun, p.busy, p.free), (["j1"], 1, 2))
+        queue.fetches[0][1].callback([])
+        self.assertEqual([count for count, _ in queue.fetches], [3])
+        won.callback(True)
+        self.assertEqual(runs.started, ["j1"])
+        self.assertEqual(queue.what(), ["ack"])
+        self.assertEqual([count for count, _ in queue.fetches], [3, 2])
+        # j1 runs: j2, taken with its claim in flight, holds no pull back.
+        queue.takes[-1](queue.arrive(job("j2"), claim=Deferred()))
+        queue.fetches[1][1].callback([])
+        self.assertEqual([count for count, _ in queue.fetches], [3, 2, 1])
+
+    def test_stop_waits_for_jobs_taken_as_they_arrived(self) -> None:
+        """A stop waits for a job the fetch in flight handed over as it arrived."""
+        p, queue, runs, _ = puller(seats=2)
+        p.start()
+        queue.takes[-1](queue.arrive(job("j1")))
+        stopped = p.stop()
+        queue.fetches[0][1].callback([])
+        self.assertEqual(runs.started, ["j1"])
+        self.assertNoResult(stopped)
+        runs.finish("j1")
+        self.successResultOf(stopped)
 
     def test_unanswered_claim_lets_the_next_pull_go(self) -> None:
         """A claim that fails (its outcome unknown) lets the held-back pull go."""

@@ -113,6 +113,9 @@ class JobPuller:
     #: the fetch in flight may bring claimed jobs, which L{stop} waits for.
     #: Cleared here once that fetch has come back.
     _screened: bool = False
+    #: Keys in C{_held} of the jobs the fetch in flight handed on as they
+    #: came (L{_take_claimed}).
+    _early: set[object] = attrs.field(factory=set)
     #: Fired when the fetch in flight comes back (L{stop} waits on them).
     _fetch_waiters: list[Deferred[None]] = attrs.field(factory=list)
     #: Jobs run, claims lost, skipped (deadline, malformed), handed back.
@@ -202,7 +205,7 @@ class JobPuller:
         ):
             return
         self._fetching = True
-        d = self.queue.fetch(self.free, self.poll_timeout, self.screen)
+        d = self.queue.fetch(self.free, self.poll_timeout, self.screen, self._take_claimed)
         d.addCallbacks(self._fetched, self._fetch_failed)
         d.addErrback(self._bug)
         d.addBoth(self._fetch_back)
@@ -212,9 +215,14 @@ class JobPuller:
         for waiter in waiters:
             waiter.callback(None)
 
+    def _take_claimed(self, delivery: Delivery) -> None:
+        """A job claimed as it arrived, handed on before its fetch is back."""
+        self._early.add(self._take(delivery))
+
     def _fetched(self, deliveries: list[Delivery]) -> None:
         self._fetching = False
         self._screened = False
+        early, self._early = self._early, set()
         if self._failing:
             self._failing = False
             self.log.info(
@@ -223,8 +231,9 @@ class JobPuller:
                 node=self.node_id,
             )
         self._delay = self.backoff
-        held = len(self._held)
-        claiming = False
+        # Jobs held before this fetch's (those it handed on already aside).
+        held = len(self._held.keys() - early)
+        claiming = bool(early)
         for delivery in deliveries:
             if delivery.claim is None and (self._stopped or self.free == 0):
                 # Not ours to run: straight back to the queue for another node.
@@ -283,7 +292,8 @@ class JobPuller:
         d = delivery.nak(0.0)
         d.addErrback(self._ack_failed, "nak")
 
-    def _take(self, delivery: Delivery) -> None:
+    def _take(self, delivery: Delivery) -> object:
+        """Hold a seat for C{delivery} and handle it; the key it is held under."""
         key = object()
         done: Deferred[None] = Deferred()
         self._held[key] = done
@@ -300,6 +310,7 @@ class JobPuller:
             self._pump()
 
         d.addBoth(release)
+        return key
 
     def _seated(self, key: object) -> None:
         # The pool's own count has the job from here on (a taken seat, or

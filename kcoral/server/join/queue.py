@@ -112,7 +112,10 @@ class IJobQueue(Interface):
     """A node's view of the pool's queue, claims and presence."""
 
     def fetch(
-        count: int, timeout: float, screen: Callable[[bytes], JobMessage | None] | None = None
+        count: int,
+        timeout: float,
+        screen: Callable[[bytes], JobMessage | None] | None = None,
+        take: Callable[[Delivery], None] | None = None,
     ) -> Deferred[list[Delivery]]:
         """
         At most C{count} jobs, waiting up to about C{timeout} seconds for
@@ -121,10 +124,15 @@ class IJobQueue(Interface):
         @param screen: called with each message's body as it arrives, on
             the queue's own thread (it may read, never change, what the
             reactor holds): the decoded job to claim for this node at once,
-            or C{None}.  Such a delivery reaches the reactor at once with
-            its claim in flight (L{Delivery.claim}): the claim is made where
-            the message arrived, and the node prepares the job while
+            or C{None}.  Such a delivery reaches the reactor with its claim
+            in flight (L{Delivery.claim}): the claim is made where the
+            message arrived, and the node prepares the job while
             nats-server answers it.
+        @param take: called on the reactor's thread with each delivery so
+            claimed, as soon as its claim has been written, instead of
+            being in the list the fetch fires with.  The fetch may still
+            return it in its list (where a claim is written only a turn
+            later: Python before 3.12).
         """
 
     def claim(job: str) -> Deferred[bool]:
@@ -198,13 +206,19 @@ class NatsJobQueue:
         return [consumer_name(self.compat, g) for g in range(min(self.gpus, MAX_GPUS), -1, -1)]
 
     def fetch(
-        self, count: int, timeout: float, screen: Callable[[bytes], JobMessage | None] | None = None
+        self,
+        count: int,
+        timeout: float,
+        screen: Callable[[bytes], JobMessage | None] | None = None,
+        take: Callable[[Delivery], None] | None = None,
     ) -> Deferred[list[Delivery]]:
-        from kcoral.gateway.natsbridge import bounded, start_task
+        from kcoral.gateway.natsbridge import EAGER_TASKS, bounded, write_now
         from kcoral.server.join.pull import PullRefused, pull, unsubscribe
 
         bridge = self.bridge
         consumers = list(self._consumers)
+        # Where a claim's publish is written as the claim is made.
+        handing = take is not None and EAGER_TASKS
 
         async def work(client: Any, js: Any) -> list[Delivery]:
             if self._closing is None:
@@ -214,6 +228,8 @@ class NatsJobQueue:
             # until its jobs had gone on.
             await unsubscribe(self._spent)
             deliveries: list[Delivery] = []
+            # Claimed jobs handed to C{take} as they came.
+            handed = 0
 
             def arrived(message: Any) -> None:
                 # In the pull's subscription callback, as nats-py has parsed
@@ -228,13 +244,23 @@ class NatsJobQueue:
                     job = None  # the puller looks at it again on the reactor
                 delivery = _delivery(bridge, message, data, None)
                 if job is not None:
-                    claim = start_task(
+                    claim = bridge.begin(
                         bounded(self._claim_work(job.job)(client, js), CLAIM_TIMEOUT)
                     )
-                    delivery = attrs.evolve(delivery, claim=bridge.settled(claim), job=job)
+                    delivery = attrs.evolve(delivery, claim=claim, job=job)
+                    # Begun at once (3.12), its publish leaves before this
+                    # callback's other work (the next job, the request's end).
+                    write_now(client)
+                    if take is not None and handing:
+                        # On to the pipeline now, not once the pull has
+                        # ended and the fetch come back (two turns on).
+                        nonlocal handed
+                        handed += 1
+                        bridge.deliver(take, delivery)
+                        return
                 deliveries.append(delivery)
 
-            async def take(consumer: str, wanted: int, expires: float | None) -> None:
+            async def pull_from(consumer: str, wanted: int, expires: float | None) -> None:
                 await pull(
                     client,
                     STREAM,
@@ -250,19 +276,20 @@ class NatsJobQueue:
                 for consumer, wait in zip(
                     consumers, poll_waits(len(consumers), timeout), strict=True
                 ):
-                    wanted = count - len(deliveries)
+                    got = len(deliveries) + handed
+                    wanted = count - got
                     if wanted <= 0 or closing.done():
                         break
-                    if deliveries or wanted > 1:
+                    if got or wanted > 1:
                         # What the consumer holds now, as many as wanted.
-                        await take(consumer, wanted, None)
-                        if deliveries:
+                        await pull_from(consumer, wanted, None)
+                        if len(deliveries) + handed:
                             continue
                     # Nothing yet: wait for the next job (one, so that no
                     # request is left open with jobs owed to it).
-                    await take(consumer, 1, wait)
+                    await pull_from(consumer, 1, wait)
             except PullRefused:
-                if not deliveries:
+                if not (deliveries or handed):
                     raise
                 # Jobs that came (claimed, some) go to the reactor; the next
                 # fetch meets the refusal again.

@@ -500,12 +500,13 @@ class GatewayAPI(RequestPipeline):
         """
         Once the client's response is written, fire C{delivered} (the node's
         result post is answered), then log the request's end (C{log_end}).
-        The client's bytes have left by then (C{KcoralSite.log}), and a
-        NATS answer leaves at once too (C{natsbridge.write_now}).  Put off
-        to a later turn, the answer went out after the client's next
-        request had been read and published, and reached the node with that
-        next job, whose path then waited while the node logged the previous
-        job's end.
+        The client's bytes have left by then (C{KcoralSite.log}).  The
+        node's answer goes in this same turn: a NATS result's reply as soon
+        as the result's handler gets back (the response is written inside
+        it), and it leaves at once (C{natsbridge.write_now}).  Put off to a
+        later turn, the answer went out after the client's next request had
+        been read and published, and reached the node with that next job,
+        whose path then waited while the node logged the previous job's end.
         """
 
         def written(result: object) -> None:

@@ -498,6 +498,26 @@ class PullerTests(SynchronousTestCase):
         queue.fetches[1][1].callback([])
         self.assertEqual([count for count, _ in queue.fetches], [3, 2, 1])
 
+    def test_claim_decided_before_its_fetch_is_back_lets_the_next_pull_go(self) -> None:
+        """
+        A job handed over as it arrived whose claim is decided (lost, won
+        or unknown) while its fetch is still out could not pull again then:
+        the fetch's return does, so the node keeps pulling.
+        """
+        for outcome in ("lost", "won", "unknown"):
+            p, queue, runs, _ = puller(seats=2)
+            p.start()
+            claim: Deferred[bool] = Deferred()
+            queue.takes[-1](queue.arrive(job("j1"), claim=claim))
+            if outcome == "unknown":
+                claim.errback(TimeoutError("no answer"))
+            else:
+                claim.callback(outcome == "won")
+            self.assertEqual(len(queue.fetches), 1, outcome)
+            queue.fetches[0][1].callback([])
+            self.assertEqual(len(queue.fetches), 2, outcome)
+            self.assertEqual(runs.started, ["j1"] if outcome == "won" else [], outcome)
+
     def test_stop_waits_for_jobs_taken_as_they_arrived(self) -> None:
         """A stop waits for a job the fetch in flight handed over as it arrived."""
         p, queue, runs, _ = puller(seats=2)

@@ -113,9 +113,9 @@ class JobPuller:
     #: the fetch in flight may bring claimed jobs, which L{stop} waits for.
     #: Cleared here once that fetch has come back.
     _screened: bool = False
-    #: Keys in C{_held} of the jobs the fetch in flight handed on as they
-    #: came (L{_take_claimed}).
-    _early: set[object] = attrs.field(factory=set)
+    #: The jobs the fetch in flight handed on as they came
+    #: (L{_take_claimed}): their claims, by their keys in C{_held}.
+    _early: dict[object, Deferred[bool]] = attrs.field(factory=dict)
     #: Fired when the fetch in flight comes back (L{stop} waits on them).
     _fetch_waiters: list[Deferred[None]] = attrs.field(factory=list)
     #: Jobs run, claims lost, skipped (deadline, malformed), handed back.
@@ -217,12 +217,14 @@ class JobPuller:
 
     def _take_claimed(self, delivery: Delivery) -> None:
         """A job claimed as it arrived, handed on before its fetch is back."""
-        self._early.add(self._take(delivery))
+        if delivery.claim is None:
+            raise ValueError("only a claimed job is handed on as it arrives")
+        self._early[self._take(delivery)] = delivery.claim
 
     def _fetched(self, deliveries: list[Delivery]) -> None:
         self._fetching = False
         self._screened = False
-        early, self._early = self._early, set()
+        early, self._early = self._early, {}
         if self._failing:
             self._failing = False
             self.log.info(
@@ -232,8 +234,10 @@ class JobPuller:
             )
         self._delay = self.backoff
         # Jobs held before this fetch's (those it handed on already aside).
-        held = len(self._held.keys() - early)
-        claiming = bool(early)
+        held = len(self._held.keys() - early.keys())
+        # A claim decided while the fetch was out could not pull again then
+        # (L{_claimed}): only one still in flight does so later.
+        claiming = any(not claim.called for claim in early.values())
         for delivery in deliveries:
             if delivery.claim is None and (self._stopped or self.free == 0):
                 # Not ours to run: straight back to the queue for another node.

@@ -217,8 +217,9 @@ class NatsJobQueue:
 
         bridge = self.bridge
         consumers = list(self._consumers)
-        # Where a claim's publish is written as the claim is made.
-        handing = take is not None and EAGER_TASKS
+        # Claimed jobs go to C{take} as they come where a claim's publish is
+        # written as the claim is made; else in the fetch's list.
+        take_now = take if EAGER_TASKS else None
 
         async def work(client: Any, js: Any) -> list[Delivery]:
             if self._closing is None:
@@ -251,12 +252,12 @@ class NatsJobQueue:
                     # Begun at once (3.12), its publish leaves before this
                     # callback's other work (the next job, the request's end).
                     write_now(client)
-                    if take is not None and handing:
+                    if take_now is not None:
                         # On to the pipeline now, not once the pull has
                         # ended and the fetch come back (two turns on).
                         nonlocal handed
                         handed += 1
-                        bridge.deliver(take, delivery)
+                        bridge.deliver(take_now, delivery)
                         return
                 deliveries.append(delivery)
 

@@ -11,7 +11,6 @@ import asyncio
 from twisted.trial.unittest import SynchronousTestCase
 
 from kcoral.gateway.natsbridge import EAGER_TASKS, start_task
-from kcoral.server.join.queue import CLAIM_SEND_TURNS, claim_send_turns
 
 
 class StartTaskTests(SynchronousTestCase):
@@ -59,7 +58,3 @@ class StartTaskTests(SynchronousTestCase):
 
         task = self._complete(main())
         self.assertTrue(task.done())  # type: ignore[attr-defined]
-
-    def test_claim_turns(self) -> None:
-        """A fetch waits one turn fewer for its claims when they began at once."""
-        self.assertEqual(claim_send_turns(), CLAIM_SEND_TURNS - (1 if EAGER_TASKS else 0))

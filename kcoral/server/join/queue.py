@@ -41,23 +41,6 @@ __all__ = ["CLAIM_TIMEOUT", "Delivery", "IJobQueue", "NatsJobQueue"]
 #: the create's answer was lost).
 CLAIM_TIMEOUT = 15.0
 
-#: Turns of the loop a fetch gives the claims it began, after its pull has
-#: come back, so that their publishes are written to nats-server before the
-#: jobs go to the reactor (one fewer where tasks begin at once:
-#: L{claim_send_turns}).  The pull comes back a turn after the callback
-#: that began the claims; in that turn a claim's task makes its publish
-#: (or, begun at once, nats-py's flusher writes it, ahead of the pull),
-#: and in the next the flusher writes it.
-CLAIM_SEND_TURNS = 1
-
-
-def claim_send_turns() -> int:
-    """L{CLAIM_SEND_TURNS}, less the publish's own turn where a task begins at once."""
-    from kcoral.gateway.natsbridge import EAGER_TASKS
-
-    return CLAIM_SEND_TURNS - 1 if EAGER_TASKS else CLAIM_SEND_TURNS
-
-
 #: Seconds a node with several consumers (a GPU node: one per GPU count it
 #: can take) long-polls its last one in each fetch.  A pull is one
 #: consumer's, so while it waits a job of another class waits too; the
@@ -295,12 +278,13 @@ class NatsJobQueue:
                 # Jobs that came (claimed, some) go to the reactor; the next
                 # fetch meets the refusal again.
             if any(d.claim is not None for d in deliveries):
-                # Let the claims leave before the reactor takes the jobs (on
+                # The claims leave before the reactor takes the jobs (on
                 # Twisted's asyncio reactor it runs their pipelines in this
-                # same thread): nats-py writes from its flusher task, a turn
-                # after the publish (L{CLAIM_SEND_TURNS}).
-                for _ in range(claim_send_turns()):
-                    await asyncio.sleep(0)
+                # same thread).  Where a task does not begin at once, each
+                # claim's first step ran ahead of the pull's return (both were
+                # scheduled by the callback, the claim first): its publish is
+                # pending now.
+                write_now(client)
             return deliveries
 
         if not consumers:
